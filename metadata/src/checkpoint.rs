@@ -1,0 +1,194 @@
+//! The global metadata of one checkpoint: tensors, their saved boxes, where each box's bytes live,
+//! and non-tensor objects. Format readers (native, DCP, safetensors) all produce this.
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{MetadataError, TensorBox, TensorMeta, row_major_strides};
+
+/// Where a saved box's elements live.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ByteMeta {
+    /// Index into [`CheckpointMeta::files`].
+    pub file: u32,
+    /// Byte offset of the box's first element (its origin) in the file.
+    pub offset: u64,
+    /// Bytes of the stored box.
+    pub length: u64,
+    /// Element strides of the stored box; `None` means row-major over the box's lengths, which
+    /// is what tessera writes. DCP may store non-contiguous views (e.g. a transposed weight).
+    pub strides: Option<Vec<u64>>,
+}
+
+impl ByteMeta {
+    /// Element strides of a stored box with `lengths`, row-major unless said otherwise.
+    pub fn strides_for(&self, lengths: &[u64]) -> Vec<u64> {
+        match &self.strides {
+            Some(strides) => strides.clone(),
+            None => row_major_strides(lengths),
+        }
+    }
+}
+
+/// One saved box of one tensor: which part of the tensor, and where its bytes are.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct SavedChunk {
+    /// Index into [`CheckpointMeta::tensors`].
+    pub tensor: u32,
+    /// The part of the tensor this chunk holds.
+    pub region: TensorBox,
+    /// Where its bytes are.
+    pub bytes: ByteMeta,
+    /// crc32c of the chunk's bytes when the format records one.
+    pub crc32c: Option<u32>,
+}
+
+/// A non-tensor entry (step counters, configs, RNG states): an opaque byte range.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ObjectMeta {
+    /// Flattened key, e.g. `extra.config`.
+    pub key: String,
+    /// Index into [`CheckpointMeta::files`].
+    pub file: u32,
+    /// Byte offset in the file.
+    pub offset: u64,
+    /// Byte length.
+    pub length: u64,
+    /// crc32c of the bytes when the format records one.
+    pub crc32c: Option<u32>,
+}
+
+/// A data file of the checkpoint, path relative to the checkpoint directory.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct DataFile {
+    /// Path relative to the checkpoint root, `/`-separated.
+    pub path: String,
+    /// Size in bytes; `None` when not known without a listing.
+    pub size: Option<u64>,
+}
+
+/// The global metadata of one checkpoint. Chunks are kept grouped by tensor so that a tensor's
+/// chunks are one slice.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CheckpointMeta {
+    tensors: Vec<TensorMeta>,
+    chunks: Vec<SavedChunk>,
+    chunk_ranges: Vec<Range<usize>>,
+    objects: Vec<ObjectMeta>,
+    files: Vec<DataFile>,
+}
+
+impl CheckpointMeta {
+    /// Assembles metadata, checking that every index points somewhere. Chunks are sorted by
+    /// tensor (stable, so the order of a tensor's chunks is kept). Use [`crate::validate`] for the
+    /// geometric checks (bounds, overlaps, holes, byte lengths).
+    pub fn new(
+        tensors: Vec<TensorMeta>,
+        mut chunks: Vec<SavedChunk>,
+        objects: Vec<ObjectMeta>,
+        files: Vec<DataFile>,
+    ) -> Result<Self, MetadataError> {
+        for chunk in &chunks {
+            let Some(tensor) = tensors.get(chunk.tensor as usize) else {
+                return Err(MetadataError::Invalid {
+                    what: format!(
+                        "saved chunk {} refers to tensor #{} but there are {} tensors",
+                        chunk.region,
+                        chunk.tensor,
+                        tensors.len()
+                    ),
+                });
+            };
+            if chunk.region.ndim() != tensor.shape.len() {
+                return Err(MetadataError::RankMismatch {
+                    fqn: tensor.fqn.clone(),
+                    region: chunk.region.to_string(),
+                    ndim: tensor.shape.len(),
+                });
+            }
+            if chunk.bytes.file as usize >= files.len() {
+                return Err(MetadataError::Invalid {
+                    what: format!(
+                        "tensor {}: chunk {} refers to file #{} but there are {} files",
+                        tensor.fqn,
+                        chunk.region,
+                        chunk.bytes.file,
+                        files.len()
+                    ),
+                });
+            }
+        }
+        for object in &objects {
+            if object.file as usize >= files.len() {
+                return Err(MetadataError::Invalid {
+                    what: format!(
+                        "object {} refers to file #{} but there are {} files",
+                        object.key,
+                        object.file,
+                        files.len()
+                    ),
+                });
+            }
+        }
+        chunks.sort_by_key(|c| c.tensor);
+        let mut chunk_ranges = vec![0..0; tensors.len()];
+        let mut start = 0;
+        while start < chunks.len() {
+            let tensor = chunks[start].tensor;
+            let end = start + chunks[start..].partition_point(|c| c.tensor == tensor);
+            chunk_ranges[tensor as usize] = start..end;
+            start = end;
+        }
+        Ok(Self {
+            tensors,
+            chunks,
+            chunk_ranges,
+            objects,
+            files,
+        })
+    }
+
+    /// All tensors.
+    pub fn tensors(&self) -> &[TensorMeta] {
+        &self.tensors
+    }
+
+    /// All saved chunks, grouped by tensor.
+    pub fn chunks(&self) -> &[SavedChunk] {
+        &self.chunks
+    }
+
+    /// The saved chunks of tensor `tensor`.
+    pub fn chunks_of(&self, tensor: u32) -> &[SavedChunk] {
+        &self.chunks[self.chunk_ranges[tensor as usize].clone()]
+    }
+
+    /// Index of the first chunk of tensor `tensor` in [`Self::chunks`].
+    pub fn first_chunk_index(&self, tensor: u32) -> usize {
+        self.chunk_ranges[tensor as usize].start
+    }
+
+    /// Non-tensor objects.
+    pub fn objects(&self) -> &[ObjectMeta] {
+        &self.objects
+    }
+
+    /// Data files.
+    pub fn files(&self) -> &[DataFile] {
+        &self.files
+    }
+
+    /// Looks a tensor up by FQN (linear; build a map for repeated lookups).
+    pub fn tensor_index(&self, fqn: &str) -> Option<u32> {
+        self.tensors
+            .iter()
+            .position(|t| t.fqn == fqn)
+            .map(|i| i as u32)
+    }
+
+    /// Bytes of all tensors (each element counted once).
+    pub fn tensor_bytes(&self) -> u64 {
+        self.tensors.iter().map(TensorMeta::nbytes).sum()
+    }
+}

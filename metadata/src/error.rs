@@ -1,0 +1,163 @@
+//! The metadata crate's one error type. Every variant names the file, tensor or field at fault.
+
+use thiserror::Error;
+
+/// Errors of checkpoint metadata: parsing, validation and the native format's IO.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum MetadataError {
+    /// A dtype name nobody knows.
+    #[error("unknown dtype {name:?}")]
+    UnknownDtype {
+        /// The name as found.
+        name: String,
+    },
+    /// A saved box reaches outside the tensor's shape.
+    #[error(
+        "tensor {fqn}: saved box {region} lies outside the shape {shape} in dim {dim} ({start}..{end} > {size})"
+    )]
+    BoxOutsideShape {
+        /// Tensor.
+        fqn: String,
+        /// The offending box.
+        region: String,
+        /// The tensor's shape.
+        shape: String,
+        /// The dimension where it sticks out.
+        dim: usize,
+        /// Start in that dim.
+        start: u64,
+        /// End in that dim.
+        end: u64,
+        /// The tensor's size in that dim.
+        size: u64,
+    },
+    /// A saved box with a different number of dimensions than its tensor.
+    #[error("tensor {fqn}: saved box {region} does not have the tensor's {ndim} dimensions")]
+    RankMismatch {
+        /// Tensor.
+        fqn: String,
+        /// The offending box.
+        region: String,
+        /// The tensor's ndim.
+        ndim: usize,
+    },
+    /// Two saved boxes of one tensor share elements.
+    #[error("tensor {fqn}: saved boxes {first} and {second} overlap")]
+    OverlappingBoxes {
+        /// Tensor.
+        fqn: String,
+        /// One box.
+        first: String,
+        /// The other.
+        second: String,
+    },
+    /// The saved boxes of a tensor do not cover it.
+    #[error("tensor {fqn}: saved boxes cover {covered} of {numel} elements (a hole)")]
+    Hole {
+        /// Tensor.
+        fqn: String,
+        /// Elements covered.
+        covered: u64,
+        /// Elements of the tensor.
+        numel: u64,
+    },
+    /// A byte range that reaches past the end of its file.
+    #[error(
+        "tensor {fqn}: chunk {region} reads bytes {start}..{end} of {file}, past its end ({size} bytes)"
+    )]
+    ByteRangePastEnd {
+        /// Tensor (or object key).
+        fqn: String,
+        /// The chunk.
+        region: String,
+        /// File path.
+        file: String,
+        /// Start byte.
+        start: u64,
+        /// End byte.
+        end: u64,
+        /// File size.
+        size: u64,
+    },
+    /// A chunk whose byte length does not match its element count.
+    #[error(
+        "tensor {fqn}: chunk {region} has byte length {actual} but {numel} elements of {dtype} need {expected}"
+    )]
+    ByteLengthMismatch {
+        /// Tensor.
+        fqn: String,
+        /// The chunk.
+        region: String,
+        /// Elements of the box.
+        numel: u64,
+        /// Element type.
+        dtype: String,
+        /// Bytes needed.
+        expected: u64,
+        /// Bytes recorded.
+        actual: u64,
+    },
+    /// A checksum that does not match the bytes.
+    #[error(
+        "checksum mismatch in {path}{range}: expected crc32c {expected:08x}, found {actual:08x}"
+    )]
+    ChecksumMismatch {
+        /// File.
+        path: String,
+        /// `" bytes a..b"` or empty for a whole file.
+        range: String,
+        /// Recorded checksum.
+        expected: u32,
+        /// Checksum of what was read.
+        actual: u32,
+    },
+    /// A directory that holds no manifest: an incomplete (or no) checkpoint.
+    #[error(
+        "{path}: no manifest.json, so this is not a committed checkpoint (an incomplete save?)"
+    )]
+    MissingManifest {
+        /// The checkpoint directory.
+        path: String,
+    },
+    /// Anything else structurally wrong with metadata, with what and where.
+    #[error("invalid checkpoint metadata: {what}")]
+    Invalid {
+        /// What is wrong.
+        what: String,
+    },
+    /// A metadata, manifest or checksum file that cannot be decoded.
+    #[error("{path}: cannot decode {what}: {detail}")]
+    Decode {
+        /// File.
+        path: String,
+        /// What was being decoded.
+        what: &'static str,
+        /// The decoder's message.
+        detail: String,
+    },
+    /// Storage failed.
+    #[error("{action} {path}: {source}")]
+    Store {
+        /// Verb phrase: `reading`, `writing`, `listing`.
+        action: &'static str,
+        /// Object path.
+        path: String,
+        /// The store's error.
+        #[source]
+        source: object_store::Error,
+    },
+}
+
+impl MetadataError {
+    /// True when retrying may help (a transient storage failure); everything else is permanent.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            MetadataError::Store {
+                source: object_store::Error::Generic { .. },
+                ..
+            }
+        )
+    }
+}

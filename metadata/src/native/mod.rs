@@ -1,0 +1,1 @@
+//! Native format (placeholder while written).

@@ -1,0 +1,1 @@
+//! Synthetic checkpoints (placeholder while written).
