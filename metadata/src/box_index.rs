@@ -104,20 +104,23 @@ impl BoxIndex {
     }
 }
 
+/// A slab of boxes sharing one interval `[start, end)` along a dimension.
+type Slab = (u64, u64, Vec<u32>);
+
 fn build_node(boxes: &[TensorBox], ids: Vec<u32>) -> Node {
     if ids.len() <= LEAF_SIZE {
         return Node::Leaf(ids);
     }
     let ndim = boxes[ids[0] as usize].ndim();
     // (dim, slabs as (start, end, members)) of the dimension with the most disjoint slabs.
-    let mut best: Option<(usize, Vec<(u64, u64, Vec<u32>)>)> = None;
+    let mut best: Option<(usize, Vec<Slab>)> = None;
     for dim in 0..ndim {
         let mut sorted = ids.clone();
         sorted.sort_by_key(|&id| {
             let b = &boxes[id as usize];
             (b.offsets[dim], b.end(dim), id)
         });
-        let mut slabs: Vec<(u64, u64, Vec<u32>)> = Vec::new();
+        let mut slabs: Vec<Slab> = Vec::new();
         let mut disjoint = true;
         for id in sorted {
             let b = &boxes[id as usize];
@@ -155,6 +158,7 @@ fn build_node(boxes: &[TensorBox], ids: Vec<u32>) -> Node {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

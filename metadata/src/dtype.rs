@@ -185,6 +185,7 @@ impl From<DType> for String {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -158,6 +158,7 @@ pub fn shape_to_string(shape: &[u64]) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -1,0 +1,135 @@
+//! Errors of the synthetic-checkpoint module, and the report of a value that is not what the
+//! formula says.
+
+use std::fmt;
+
+use thiserror::Error;
+
+use crate::DType;
+
+/// Errors of [`crate::synth`]: bad requests (unknown model, a box or range outside the tensor, a
+/// buffer of the wrong size) and, from the checks, a value that differs from the formula.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum SynthError {
+    /// A model name nobody knows.
+    #[error("unknown synthetic model {name:?}; valid names: {valid}")]
+    UnknownModel {
+        /// The name as given.
+        name: String,
+        /// The valid names, comma separated.
+        valid: String,
+    },
+    /// A box with a different number of dimensions than its tensor.
+    #[error("tensor {fqn}: box {region} does not have the tensor's {ndim} dimensions")]
+    RegionRank {
+        /// Tensor.
+        fqn: String,
+        /// The box.
+        region: String,
+        /// The tensor's ndim.
+        ndim: usize,
+    },
+    /// A box that reaches outside the tensor.
+    #[error("tensor {fqn}: box {region} lies outside the shape {shape}")]
+    RegionOutsideShape {
+        /// Tensor.
+        fqn: String,
+        /// The box.
+        region: String,
+        /// The tensor's shape.
+        shape: String,
+    },
+    /// A flat range that is reversed or reaches past the last element.
+    #[error("tensor {fqn}: flat range {start}..{end} is not within 0..{numel}")]
+    FlatRange {
+        /// Tensor.
+        fqn: String,
+        /// Start element.
+        start: u64,
+        /// End element (exclusive).
+        end: u64,
+        /// Elements of the tensor.
+        numel: u64,
+    },
+    /// A buffer whose length is not the byte size of what it should hold.
+    #[error("tensor {fqn}: {what} needs a buffer of {expected} bytes, got {actual}")]
+    BufferLength {
+        /// Tensor.
+        fqn: String,
+        /// The box or flat range the buffer is for.
+        what: String,
+        /// Bytes needed.
+        expected: u64,
+        /// Bytes given.
+        actual: usize,
+    },
+    /// A value differs from the formula.
+    #[error(transparent)]
+    Mismatch(Box<ValueMismatch>),
+}
+
+impl SynthError {
+    /// The mismatch, when this error is one.
+    pub fn mismatch(&self) -> Option<&ValueMismatch> {
+        match self {
+            SynthError::Mismatch(m) => Some(m),
+            _ => None,
+        }
+    }
+}
+
+/// The first element of a checked buffer whose bytes are not the formula's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ValueMismatch {
+    /// Tensor.
+    pub fqn: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Global row-major flat index of the element in the tensor.
+    pub index: u64,
+    /// Global coordinates of the element (empty for a 0-dim tensor).
+    pub coords: Vec<u64>,
+    /// Byte offset of the element in the checked buffer.
+    pub byte_offset: usize,
+    /// The formula's bytes (little-endian).
+    pub expected: Vec<u8>,
+    /// The bytes found.
+    pub found: Vec<u8>,
+}
+
+impl fmt::Display for ValueMismatch {
+    /// `tensor model.x (bf16): element [3, 17] (flat index 209, buffer byte 418): expected bytes
+    /// [80 3e], found [80 3f]`
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "tensor {} ({}): element {} (flat index {}, buffer byte {}): expected bytes {}, found {}",
+            self.fqn,
+            self.dtype,
+            crate::shape_to_string(&self.coords),
+            self.index,
+            self.byte_offset,
+            HexBytes(&self.expected),
+            HexBytes(&self.found),
+        )
+    }
+}
+
+impl std::error::Error for ValueMismatch {}
+
+/// Bytes as `[00 80 3f]`, in buffer (little-endian) order.
+struct HexBytes<'a>(&'a [u8]);
+
+impl fmt::Display for HexBytes<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[")?;
+        for (k, b) in self.0.iter().enumerate() {
+            if k > 0 {
+                f.write_str(" ")?;
+            }
+            write!(f, "{b:02x}")?;
+        }
+        f.write_str("]")
+    }
+}

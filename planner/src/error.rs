@@ -1,0 +1,171 @@
+//! The planner's one error type: every variant names the rule, tensor, rank or field at fault.
+
+use thiserror::Error;
+
+/// Errors of layouts, requests and planning.
+#[derive(Debug, Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PlanError {
+    /// Layout or request JSON that does not parse.
+    #[error("invalid {what} JSON: {detail}")]
+    Json {
+        /// `layout` or `requests`.
+        what: &'static str,
+        /// serde's message with line and column.
+        detail: String,
+    },
+    /// A mesh dimension of size 0.
+    #[error("mesh dimension {name:?} has size 0; every mesh dimension needs at least one rank")]
+    MeshSizeZero {
+        /// Mesh dim name.
+        name: String,
+    },
+    /// Two mesh dimensions with one name.
+    #[error("mesh dimension {name:?} appears twice")]
+    DuplicateMeshDim {
+        /// Mesh dim name.
+        name: String,
+    },
+    /// A placement string that is not `shard(d)`, `replicate` or `stage(layer)`.
+    #[error(
+        "rule {rule} (match {pattern:?}): unknown placement {placement:?}; expected shard(<dim>), replicate or stage(layer)"
+    )]
+    UnknownPlacement {
+        /// Rule index.
+        rule: usize,
+        /// The rule's glob.
+        pattern: String,
+        /// The placement as written.
+        placement: String,
+    },
+    /// A rule with a different number of placements than the mesh has dims.
+    #[error(
+        "rule {rule} (match {pattern:?}) has {got} placements but the mesh has {expected} dimensions"
+    )]
+    PlacementCount {
+        /// Rule index.
+        rule: usize,
+        /// The rule's glob.
+        pattern: String,
+        /// Mesh dims.
+        expected: usize,
+        /// Placements given.
+        got: usize,
+    },
+    /// More than one `stage` placement in a rule.
+    #[error("rule {rule} (match {pattern:?}) has more than one stage(...) placement")]
+    MultipleStages {
+        /// Rule index.
+        rule: usize,
+        /// The rule's glob.
+        pattern: String,
+    },
+    /// `shard(d)` on a tensor with at most `d` dims.
+    #[error(
+        "tensor {fqn} ({ndim} dims) cannot take placement shard({dim}) from rule {rule} (match {pattern:?}): dim {dim} >= ndim {ndim}"
+    )]
+    ShardDimOutOfRange {
+        /// Tensor.
+        fqn: String,
+        /// Rule index.
+        rule: usize,
+        /// The rule's glob.
+        pattern: String,
+        /// The shard dim.
+        dim: usize,
+        /// The tensor's ndim.
+        ndim: usize,
+    },
+    /// A tensor that no rule matches: an error rather than a silent replicate.
+    #[error(
+        "tensor {fqn} matches no rule of the layout (add a rule, e.g. {{\"match\": \"*\", ...}})"
+    )]
+    NoMatchingRule {
+        /// Tensor.
+        fqn: String,
+    },
+    /// A `stage` placement on a tensor whose stage cannot be derived.
+    #[error(
+        "tensor {fqn}: cannot derive its pipeline stage: {reason} (see the layout's \"stages\": layer_pattern, first, last)"
+    )]
+    StageUnderivable {
+        /// Tensor.
+        fqn: String,
+        /// Why not.
+        reason: String,
+    },
+    /// A layer pattern that is not a valid regular expression with one capture group.
+    #[error("stages.layer_pattern {pattern:?} is invalid: {detail}")]
+    InvalidLayerPattern {
+        /// The pattern.
+        pattern: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A request for a tensor the checkpoint does not have.
+    #[error("rank {rank}: requested tensor {fqn} is not in the checkpoint")]
+    UnknownTensor {
+        /// Requesting rank.
+        rank: u32,
+        /// Tensor.
+        fqn: String,
+    },
+    /// A request with the wrong number of dims, or reaching outside the tensor.
+    #[error("rank {rank}: request {region} for tensor {fqn} does not fit its shape {shape}")]
+    RequestOutsideShape {
+        /// Requesting rank.
+        rank: u32,
+        /// Tensor.
+        fqn: String,
+        /// The requested box.
+        region: String,
+        /// The tensor's shape.
+        shape: String,
+    },
+    /// A flat range outside `[0, numel]` or reversed.
+    #[error("rank {rank}: flat range [{start}, {end}) of tensor {fqn} is outside [0, {numel}]")]
+    FlatOutOfRange {
+        /// Requesting rank.
+        rank: u32,
+        /// Tensor.
+        fqn: String,
+        /// Start.
+        start: u64,
+        /// End.
+        end: u64,
+        /// Elements of the tensor.
+        numel: u64,
+    },
+    /// A requested element that no saved chunk holds (metadata not validated).
+    #[error("rank {rank}: tensor {fqn} elements {region} are not in any saved chunk")]
+    Uncovered {
+        /// Requesting rank.
+        rank: u32,
+        /// Tensor.
+        fqn: String,
+        /// The requested box.
+        region: String,
+    },
+    /// A rank number at or past the world size.
+    #[error("rank {rank} is out of range for a world of {world} ranks")]
+    RankOutOfRange {
+        /// Rank asked for.
+        rank: u32,
+        /// World size.
+        world: u32,
+    },
+    /// Invalid preset arguments.
+    #[error("preset {preset}: {detail}")]
+    Preset {
+        /// Preset name.
+        preset: &'static str,
+        /// What is wrong.
+        detail: String,
+    },
+    /// Arrow encoding or decoding of a rank plan failed.
+    #[error("rank plan Arrow IPC: {detail}")]
+    Arrow {
+        /// The message.
+        detail: String,
+    },
+}

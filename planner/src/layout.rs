@@ -1,0 +1,361 @@
+//! Layout JSON (DESIGN.md "Layout contract"): a device mesh plus per-tensor placement rules, and
+//! its resolution into the box every rank needs of every tensor.
+
+use regex::Regex;
+use serde::{Deserialize, Serialize};
+use tessera_metadata::{TensorBox, TensorMeta};
+
+use crate::glob::glob_match;
+use crate::{PlanError, Request, RequestSet, Target};
+
+/// A named mesh dimension.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MeshDim {
+    /// Name, e.g. `pp`, `dp`, `tp`.
+    pub name: String,
+    /// Number of ranks along this dimension.
+    pub size: u32,
+}
+
+/// One placement rule: the first rule whose glob matches a tensor's FQN decides its placements.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rule {
+    /// Glob over the FQN (`*` and `?`).
+    #[serde(rename = "match")]
+    pub pattern: String,
+    /// One placement per mesh dim: `shard(d)`, `replicate` or `stage(layer)`.
+    pub placements: Vec<String>,
+}
+
+/// How pipeline stages are derived from FQNs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stages {
+    /// Regular expression whose first capture group is the layer number.
+    #[serde(default = "default_layer_pattern")]
+    pub layer_pattern: String,
+    /// Number of layers; derived from the tensors (max layer + 1) when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_layers: Option<u64>,
+    /// Globs of tensors outside the layers that live on the first stage.
+    #[serde(default)]
+    pub first: Vec<String>,
+    /// Globs of tensors outside the layers that live on the last stage.
+    #[serde(default)]
+    pub last: Vec<String>,
+}
+
+fn default_layer_pattern() -> String {
+    r"layers\.(\d+)\.".to_string()
+}
+
+/// A target (or source) parallel layout.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Layout {
+    /// Ordered mesh dims; ranks are numbered row-major (last dim fastest), like a torch DeviceMesh.
+    pub mesh: Vec<MeshDim>,
+    /// Rules, tried in order.
+    pub rules: Vec<Rule>,
+    /// Pipeline stage derivation, needed when any rule uses `stage(...)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stages: Option<Stages>,
+}
+
+/// A parsed placement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Split tensor dim `d` like `torch.chunk`.
+    Shard(usize),
+    /// Every rank along the mesh dim holds the same box.
+    Replicate,
+    /// Only the ranks whose coordinate is the tensor's pipeline stage hold it.
+    Stage,
+}
+
+impl Placement {
+    /// Parses `shard(d)`, `replicate`, `stage(layer)`.
+    pub fn parse(text: &str) -> Option<Placement> {
+        let t = text.trim();
+        if t == "replicate" {
+            return Some(Placement::Replicate);
+        }
+        if t == "stage(layer)" {
+            return Some(Placement::Stage);
+        }
+        let inner = t.strip_prefix("shard(")?.strip_suffix(')')?;
+        inner.trim().parse().ok().map(Placement::Shard)
+    }
+}
+
+impl Layout {
+    /// Parses layout JSON.
+    pub fn from_json(text: &str) -> Result<Layout, PlanError> {
+        serde_json::from_str(text).map_err(|e| PlanError::Json {
+            what: "layout",
+            detail: e.to_string(),
+        })
+    }
+
+    /// Pretty JSON.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+
+    /// Number of ranks: the product of the mesh sizes.
+    pub fn world_size(&self) -> u32 {
+        self.mesh.iter().map(|d| d.size).product()
+    }
+
+    /// Mesh coordinates of `rank` (row-major, last dim fastest).
+    pub fn coords(&self, rank: u32) -> Vec<u32> {
+        let mut coords = vec![0; self.mesh.len()];
+        let mut rest = rank;
+        for (i, dim) in self.mesh.iter().enumerate().rev() {
+            coords[i] = rest % dim.size;
+            rest /= dim.size;
+        }
+        coords
+    }
+
+    /// Checks the mesh and the rules' placements (not yet against tensors).
+    pub fn check(&self) -> Result<Vec<Vec<Placement>>, PlanError> {
+        for (i, dim) in self.mesh.iter().enumerate() {
+            if dim.size == 0 {
+                return Err(PlanError::MeshSizeZero {
+                    name: dim.name.clone(),
+                });
+            }
+            if self.mesh[..i].iter().any(|d| d.name == dim.name) {
+                return Err(PlanError::DuplicateMeshDim {
+                    name: dim.name.clone(),
+                });
+            }
+        }
+        let mut parsed = Vec::with_capacity(self.rules.len());
+        for (r, rule) in self.rules.iter().enumerate() {
+            if rule.placements.len() != self.mesh.len() {
+                return Err(PlanError::PlacementCount {
+                    rule: r,
+                    pattern: rule.pattern.clone(),
+                    expected: self.mesh.len(),
+                    got: rule.placements.len(),
+                });
+            }
+            let mut placements = Vec::with_capacity(rule.placements.len());
+            for text in &rule.placements {
+                let Some(p) = Placement::parse(text) else {
+                    return Err(PlanError::UnknownPlacement {
+                        rule: r,
+                        pattern: rule.pattern.clone(),
+                        placement: text.clone(),
+                    });
+                };
+                placements.push(p);
+            }
+            if placements
+                .iter()
+                .filter(|p| **p == Placement::Stage)
+                .count()
+                > 1
+            {
+                return Err(PlanError::MultipleStages {
+                    rule: r,
+                    pattern: rule.pattern.clone(),
+                });
+            }
+            parsed.push(placements);
+        }
+        Ok(parsed)
+    }
+
+    /// The box every rank needs of every tensor: rank `r`'s requests are `result.ranks[r]`.
+    /// A rank whose shard of a tensor is empty still gets an (empty) request, as DTensor does.
+    pub fn resolve(&self, tensors: &[TensorMeta]) -> Result<RequestSet, PlanError> {
+        let placements = self.check()?;
+        let world = self.world_size();
+        let stage_of = StageResolver::new(self, tensors)?;
+        let coords: Vec<Vec<u32>> = (0..world).map(|r| self.coords(r)).collect();
+        let mut ranks: Vec<Vec<Request>> = vec![Vec::new(); world as usize];
+        for (t, tensor) in tensors.iter().enumerate() {
+            let Some(rule) = self
+                .rules
+                .iter()
+                .position(|rule| glob_match(&rule.pattern, &tensor.fqn))
+            else {
+                return Err(PlanError::NoMatchingRule {
+                    fqn: tensor.fqn.clone(),
+                });
+            };
+            let ndim = tensor.shape.len();
+            let rule_placements = &placements[rule];
+            // 0-dim tensors are always replicated: there is nothing to split and no stage to own.
+            if ndim == 0 {
+                for requests in &mut ranks {
+                    requests.push(Request {
+                        tensor: t as u32,
+                        target: Target::Box(TensorBox::whole(&[])),
+                    });
+                }
+                continue;
+            }
+            for p in rule_placements {
+                if let Placement::Shard(dim) = *p
+                    && dim >= ndim
+                {
+                    return Err(PlanError::ShardDimOutOfRange {
+                        fqn: tensor.fqn.clone(),
+                        rule,
+                        pattern: self.rules[rule].pattern.clone(),
+                        dim,
+                        ndim,
+                    });
+                }
+            }
+            let stage = if rule_placements.contains(&Placement::Stage) {
+                Some(stage_of.stage(tensor, self.stage_dim_size(rule_placements))?)
+            } else {
+                None
+            };
+            for (rank, rank_coords) in coords.iter().enumerate() {
+                if let Some(region) = shard_box(
+                    &tensor.shape,
+                    rule_placements,
+                    &self.mesh,
+                    rank_coords,
+                    stage,
+                ) {
+                    ranks[rank].push(Request {
+                        tensor: t as u32,
+                        target: Target::Box(region),
+                    });
+                }
+            }
+        }
+        Ok(RequestSet { ranks })
+    }
+
+    fn stage_dim_size(&self, placements: &[Placement]) -> u32 {
+        placements
+            .iter()
+            .position(|p| *p == Placement::Stage)
+            .map_or(1, |i| self.mesh[i].size)
+    }
+}
+
+/// The box a rank at `coords` holds, or `None` when a stage placement excludes it. Shards over
+/// several mesh dims of one tensor dim nest in mesh order, each splitting the previous shard like
+/// `torch.chunk`: chunk = ceil(n / k), part i = [i·chunk, min((i+1)·chunk, n)), possibly empty.
+pub fn shard_box(
+    shape: &[u64],
+    placements: &[Placement],
+    mesh: &[MeshDim],
+    coords: &[u32],
+    stage: Option<u32>,
+) -> Option<TensorBox> {
+    let mut region = TensorBox::whole(shape);
+    for (i, p) in placements.iter().enumerate() {
+        match *p {
+            Placement::Replicate => {}
+            Placement::Stage => {
+                if Some(coords[i]) != stage {
+                    return None;
+                }
+            }
+            Placement::Shard(dim) => {
+                let n = region.lengths[dim];
+                let k = u64::from(mesh[i].size);
+                let chunk = n.div_ceil(k);
+                let c = u64::from(coords[i]);
+                let start = (c * chunk).min(n);
+                let end = ((c + 1) * chunk).min(n);
+                region.offsets[dim] += start;
+                region.lengths[dim] = end - start;
+            }
+        }
+    }
+    Some(region)
+}
+
+/// Derives pipeline stages: the layer number from the FQN balanced over `num_layers`, or the
+/// first/last stage for tensors outside the layers.
+struct StageResolver {
+    pattern: Option<Regex>,
+    num_layers: Option<u64>,
+    first: Vec<String>,
+    last: Vec<String>,
+}
+
+impl StageResolver {
+    fn new(layout: &Layout, tensors: &[TensorMeta]) -> Result<Self, PlanError> {
+        let Some(stages) = &layout.stages else {
+            return Ok(Self {
+                pattern: None,
+                num_layers: None,
+                first: Vec::new(),
+                last: Vec::new(),
+            });
+        };
+        let pattern =
+            Regex::new(&stages.layer_pattern).map_err(|e| PlanError::InvalidLayerPattern {
+                pattern: stages.layer_pattern.clone(),
+                detail: e.to_string(),
+            })?;
+        if pattern.captures_len() < 2 {
+            return Err(PlanError::InvalidLayerPattern {
+                pattern: stages.layer_pattern.clone(),
+                detail: "it needs a capture group for the layer number".to_string(),
+            });
+        }
+        let num_layers = match stages.num_layers {
+            Some(n) => Some(n),
+            None => tensors
+                .iter()
+                .filter_map(|t| layer_number(&pattern, &t.fqn))
+                .max()
+                .map(|max| max + 1),
+        };
+        Ok(Self {
+            pattern: Some(pattern),
+            num_layers,
+            first: stages.first.clone(),
+            last: stages.last.clone(),
+        })
+    }
+
+    /// The stage of `tensor` among `stages` pipeline stages.
+    fn stage(&self, tensor: &TensorMeta, stages: u32) -> Result<u32, PlanError> {
+        let fail = |reason: String| PlanError::StageUnderivable {
+            fqn: tensor.fqn.clone(),
+            reason,
+        };
+        let Some(pattern) = &self.pattern else {
+            return Err(fail(
+                "the layout has a stage(layer) placement but no \"stages\" section".to_string(),
+            ));
+        };
+        if let Some(layer) = layer_number(pattern, &tensor.fqn) {
+            let num_layers = self.num_layers.unwrap_or(layer + 1);
+            if layer >= num_layers {
+                return Err(fail(format!("layer {layer} >= num_layers {num_layers}")));
+            }
+            // Balanced split: stage s holds layers [floor(s·L/P), floor((s+1)·L/P)).
+            let p = u64::from(stages);
+            return Ok((((layer + 1) * p - 1) / num_layers) as u32);
+        }
+        if self.first.iter().any(|g| glob_match(g, &tensor.fqn)) {
+            return Ok(0);
+        }
+        if self.last.iter().any(|g| glob_match(g, &tensor.fqn)) {
+            return Ok(stages - 1);
+        }
+        Err(fail(format!(
+            "no layer number matches {:?} and it matches neither first {:?} nor last {:?}",
+            pattern.as_str(),
+            self.first,
+            self.last
+        )))
+    }
+}
+
+fn layer_number(pattern: &Regex, fqn: &str) -> Option<u64> {
+    pattern.captures(fqn)?.get(1)?.as_str().parse().ok()
+}

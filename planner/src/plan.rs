@@ -1,0 +1,482 @@
+//! Whole-cluster load planning: intersect every rank's requests with the saved chunks, cut the
+//! overlaps into pieces, read each piece once per group of ranks that need it (worst-fit by
+//! bytes), and schedule the ring exchange that hands it to the rest of the group.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tessera_metadata::{BoxIndex, CheckpointMeta, TensorBox, TensorMeta};
+
+use crate::request::{check_target, flat_range_to_boxes};
+use crate::summary::{PlanSummary, union_volume};
+use crate::{PlanError, RequestSet, Target};
+
+/// Options of [`plan`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Read a piece needed by several ranks once and exchange it (true), or have every rank read
+    /// everything it needs itself (false; no exchange, more storage traffic).
+    pub dedup: bool,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        Self { dedup: true }
+    }
+}
+
+/// What one rank asked for: a destination buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Destination {
+    /// Index into the checkpoint's tensors.
+    pub tensor: u32,
+    /// The wanted part; the buffer is its row-major layout.
+    pub target: Target,
+}
+
+/// The overlap of one saved chunk with what one or more ranks need: the unit that is read from
+/// storage (once) and exchanged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Index into the checkpoint's tensors.
+    pub tensor: u32,
+    /// Index into [`CheckpointMeta::chunks`] of the saved chunk holding it.
+    pub chunk: u32,
+    /// The piece in global tensor coordinates (never empty).
+    pub region: TensorBox,
+    /// The group of ranks that need it.
+    pub group: u32,
+    /// The member that reads it from storage.
+    pub reader: u32,
+}
+
+/// Ranks that need exactly the same pieces; ascending rank order. The ring runs over this order.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Group {
+    /// Member ranks, ascending.
+    pub members: Vec<u32>,
+}
+
+/// A piece landing in a destination of a rank (whole-plan form).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PieceDestination {
+    /// Index into [`Plan::pieces`].
+    pub piece: u32,
+    /// Index into the rank's destinations.
+    pub destination: u32,
+}
+
+/// A whole-cluster load plan. Per-rank views come from [`Plan::rank_plan`].
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub(crate) meta: Arc<CheckpointMeta>,
+    pub(crate) destinations: Vec<Vec<Destination>>,
+    pub(crate) pieces: Vec<Piece>,
+    pub(crate) groups: Vec<Group>,
+    pub(crate) placements: Vec<Vec<PieceDestination>>,
+    /// Per rank: the pieces it reads, in file and offset order.
+    pub(crate) reads: Vec<Vec<u32>>,
+    /// Per group: its pieces ordered by (reader, id), so a member's share is one slice.
+    pub(crate) group_pieces: Vec<Vec<u32>>,
+    /// Per rank: the groups of more than one member it belongs to.
+    pub(crate) rank_groups: Vec<Vec<u32>>,
+    pub(crate) summary: PlanSummary,
+}
+
+impl Plan {
+    /// Number of ranks.
+    pub fn world_size(&self) -> u32 {
+        self.destinations.len() as u32
+    }
+
+    /// The checkpoint metadata planned against.
+    pub fn checkpoint(&self) -> &Arc<CheckpointMeta> {
+        &self.meta
+    }
+
+    /// Every piece.
+    pub fn pieces(&self) -> &[Piece] {
+        &self.pieces
+    }
+
+    /// Every group.
+    pub fn groups(&self) -> &[Group] {
+        &self.groups
+    }
+
+    /// Rank `rank`'s destinations.
+    pub fn destinations(&self, rank: u32) -> &[Destination] {
+        &self.destinations[rank as usize]
+    }
+
+    /// Rank `rank`'s placements.
+    pub fn placements(&self, rank: u32) -> &[PieceDestination] {
+        &self.placements[rank as usize]
+    }
+
+    /// The pieces rank `rank` reads from storage.
+    pub fn reads(&self, rank: u32) -> &[u32] {
+        &self.reads[rank as usize]
+    }
+
+    /// Totals of the plan.
+    pub fn summary(&self) -> &PlanSummary {
+        &self.summary
+    }
+
+    /// Bytes of piece `piece`.
+    pub fn piece_bytes(&self, piece: u32) -> u64 {
+        let p = &self.pieces[piece as usize];
+        p.region.numel() * self.meta.tensors()[p.tensor as usize].dtype.size()
+    }
+}
+
+/// One distinct target of one tensor and every (rank, destination) that asked for it.
+struct DistinctTarget {
+    tensor: u32,
+    target: Target,
+    holders: Vec<(u32, u32)>,
+}
+
+/// Plans `requests` against the checkpoint `meta`.
+pub fn plan(
+    meta: &Arc<CheckpointMeta>,
+    requests: &RequestSet,
+    options: &PlanOptions,
+) -> Result<Plan, PlanError> {
+    let tensors = meta.tensors();
+    let world = requests.world_size();
+
+    // 1. Destinations, and identical targets folded together (DP replicas ask for the same box).
+    let mut destinations: Vec<Vec<Destination>> = Vec::with_capacity(world as usize);
+    let mut distinct: Vec<DistinctTarget> = Vec::new();
+    let mut distinct_ids: HashMap<(u32, u32, &Target), u32> = HashMap::new();
+    for (rank, rank_requests) in requests.ranks.iter().enumerate() {
+        let rank = rank as u32;
+        let mut rank_destinations = Vec::with_capacity(rank_requests.len());
+        for request in rank_requests {
+            let Some(tensor) = tensors.get(request.tensor as usize) else {
+                return Err(PlanError::UnknownTensor {
+                    rank,
+                    fqn: format!("#{}", request.tensor),
+                });
+            };
+            check_target(rank, tensor, &request.target)?;
+            let dest = rank_destinations.len() as u32;
+            rank_destinations.push(Destination {
+                tensor: request.tensor,
+                target: request.target.clone(),
+            });
+            // Without dedup every rank's target stays its own.
+            let owner = if options.dedup { u32::MAX } else { rank };
+            let id = *distinct_ids
+                .entry((owner, request.tensor, &request.target))
+                .or_insert_with(|| {
+                    distinct.push(DistinctTarget {
+                        tensor: request.tensor,
+                        target: request.target.clone(),
+                        holders: Vec::new(),
+                    });
+                    distinct.len() as u32 - 1
+                });
+            distinct[id as usize].holders.push((rank, dest));
+        }
+        destinations.push(rank_destinations);
+    }
+    drop(distinct_ids);
+
+    let mut by_tensor: Vec<Vec<u32>> = vec![Vec::new(); tensors.len()];
+    for (id, d) in distinct.iter().enumerate() {
+        by_tensor[d.tensor as usize].push(id as u32);
+    }
+
+    // 2. Intersections, tensor by tensor, through a partition index over the saved chunks.
+    let mut builder = PieceBuilder::new(world);
+    let mut unique_bytes_needed = 0u64;
+    let mut hits = Vec::new();
+    for (t, ids) in by_tensor.iter().enumerate() {
+        if ids.is_empty() {
+            continue;
+        }
+        let tensor = &tensors[t];
+        let chunks = meta.chunks_of(t as u32);
+        let first_chunk = meta.first_chunk_index(t as u32) as u32;
+        let index = BoxIndex::build(chunks.iter().map(|c| c.region.clone()).collect());
+
+        let subs: Vec<(u32, TensorBox)> = ids
+            .iter()
+            .flat_map(|&id| {
+                target_boxes(tensor, &distinct[id as usize].target)
+                    .into_iter()
+                    .map(move |b| (id, b))
+            })
+            .filter(|(_, b)| !b.is_empty())
+            .collect();
+        let mut unique: Vec<TensorBox> = subs.iter().map(|(_, b)| b.clone()).collect();
+        unique.sort();
+        unique.dedup();
+        let requests_overlap = BoxIndex::build(unique.clone()).find_overlap().is_some();
+        let unique_elems = if requests_overlap {
+            union_volume(&unique)
+        } else {
+            unique.iter().map(TensorBox::numel).sum()
+        };
+        unique_bytes_needed += unique_elems * tensor.dtype.size();
+        // Overlapping requests (explicit ones can overlap; layouts never do) are refined below so
+        // that shared elements become shared pieces; disjoint ones map straight to pieces.
+        let refine = (requests_overlap || unique.len() < subs.len()) && options.dedup;
+        let mut per_chunk: Vec<Vec<(TensorBox, u32)>> = if refine {
+            vec![Vec::new(); chunks.len()]
+        } else {
+            Vec::new()
+        };
+
+        for (id, sub) in &subs {
+            let target = &distinct[*id as usize];
+            hits.clear();
+            index.query(sub, &mut hits);
+            let mut covered = 0u64;
+            for &hit in &hits {
+                let Some(region) = chunks[hit as usize].region.intersect(sub) else {
+                    continue;
+                };
+                covered += region.numel();
+                if refine {
+                    per_chunk[hit as usize].push((region, *id));
+                    continue;
+                }
+                let piece = builder.new_piece(t as u32, first_chunk + hit, region, &target.holders);
+                builder.place(piece, &target.holders);
+            }
+            if covered != sub.numel() {
+                let rank = target.holders.first().map_or(0, |h| h.0);
+                return Err(PlanError::Uncovered {
+                    rank,
+                    fqn: tensor.fqn.clone(),
+                    region: sub.to_string(),
+                });
+            }
+        }
+        for (hit, items) in per_chunk.iter().enumerate() {
+            if !items.is_empty() {
+                refine_chunk(
+                    &mut builder,
+                    &distinct,
+                    t as u32,
+                    first_chunk + hit as u32,
+                    items,
+                );
+            }
+        }
+    }
+
+    builder.finish(meta, destinations, unique_bytes_needed)
+}
+
+/// Cuts the overlaps of several requests with one saved chunk into disjoint cells along every
+/// boundary, so each element is one piece read once and placed wherever it is wanted. Only
+/// overlapping explicit requests get here; the cell count grows with the number of overlaps.
+fn refine_chunk(
+    builder: &mut PieceBuilder,
+    distinct: &[DistinctTarget],
+    tensor: u32,
+    chunk: u32,
+    items: &[(TensorBox, u32)],
+) {
+    let ndim = items[0].0.ndim();
+    let cuts: Vec<Vec<u64>> = (0..ndim)
+        .map(|d| {
+            let mut c: Vec<u64> = items
+                .iter()
+                .flat_map(|(b, _)| [b.offsets[d], b.end(d)])
+                .collect();
+            c.sort_unstable();
+            c.dedup();
+            c
+        })
+        .collect();
+    let mut index = vec![0usize; ndim];
+    loop {
+        let cell = TensorBox::new(
+            (0..ndim).map(|d| cuts[d][index[d]]).collect(),
+            (0..ndim)
+                .map(|d| cuts[d][index[d] + 1] - cuts[d][index[d]])
+                .collect(),
+        );
+        let holders: Vec<(u32, u32)> = items
+            .iter()
+            .filter(|(b, _)| b.contains(&cell))
+            .flat_map(|(_, id)| distinct[*id as usize].holders.iter().copied())
+            .collect();
+        if !holders.is_empty() {
+            let piece = builder.new_piece(tensor, chunk, cell, &holders);
+            builder.place(piece, &holders);
+        }
+        // Odometer over the cells, last dim fastest; a 0-dim chunk has exactly one cell.
+        let mut d = ndim;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            index[d] += 1;
+            if index[d] + 1 < cuts[d].len() {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+}
+
+/// The boxes a target consists of: itself, or the boxes of a flat range.
+pub(crate) fn target_boxes(tensor: &TensorMeta, target: &Target) -> Vec<TensorBox> {
+    match target {
+        Target::Box(b) => vec![b.clone()],
+        Target::Flat { start, end } => flat_range_to_boxes(&tensor.shape, *start, *end),
+    }
+}
+
+struct PieceBuilder {
+    world: u32,
+    pieces: Vec<Piece>,
+    groups: Vec<Group>,
+    group_ids: HashMap<Vec<u32>, u32>,
+    placements: Vec<Vec<PieceDestination>>,
+}
+
+impl PieceBuilder {
+    fn new(world: u32) -> Self {
+        Self {
+            world,
+            pieces: Vec::new(),
+            groups: Vec::new(),
+            group_ids: HashMap::new(),
+            placements: vec![Vec::new(); world as usize],
+        }
+    }
+
+    fn group_of(&mut self, mut members: Vec<u32>) -> u32 {
+        members.sort_unstable();
+        members.dedup();
+        if let Some(&g) = self.group_ids.get(&members) {
+            return g;
+        }
+        let g = self.groups.len() as u32;
+        self.group_ids.insert(members.clone(), g);
+        self.groups.push(Group { members });
+        g
+    }
+
+    fn new_piece(
+        &mut self,
+        tensor: u32,
+        chunk: u32,
+        region: TensorBox,
+        holders: &[(u32, u32)],
+    ) -> u32 {
+        let group = self.group_of(holders.iter().map(|h| h.0).collect());
+        self.pieces.push(Piece {
+            tensor,
+            chunk,
+            region,
+            group,
+            reader: u32::MAX,
+        });
+        self.pieces.len() as u32 - 1
+    }
+
+    fn place(&mut self, piece: u32, holders: &[(u32, u32)]) {
+        for &(rank, destination) in holders {
+            self.placements[rank as usize].push(PieceDestination { piece, destination });
+        }
+    }
+
+    fn finish(
+        mut self,
+        meta: &Arc<CheckpointMeta>,
+        destinations: Vec<Vec<Destination>>,
+        unique_bytes_needed: u64,
+    ) -> Result<Plan, PlanError> {
+        let tensors = meta.tensors();
+        let piece_bytes: Vec<u64> = self
+            .pieces
+            .iter()
+            .map(|p| p.region.numel() * tensors[p.tensor as usize].dtype.size())
+            .collect();
+
+        // 3. Readers. Pieces only one rank needs are that rank's; the shared ones go, largest
+        // first, to the least-loaded member (worst-fit), which balances bytes read per rank.
+        let mut load = vec![0u64; self.world as usize];
+        let mut shared = Vec::new();
+        for (i, p) in self.pieces.iter_mut().enumerate() {
+            let members = &self.groups[p.group as usize].members;
+            if members.len() == 1 {
+                p.reader = members[0];
+                load[members[0] as usize] += piece_bytes[i];
+            } else {
+                shared.push(i as u32);
+            }
+        }
+        shared.sort_by_key(|&i| (std::cmp::Reverse(piece_bytes[i as usize]), i));
+        for i in shared {
+            let p = &mut self.pieces[i as usize];
+            let members = &self.groups[p.group as usize].members;
+            let mut reader = members[0];
+            for &m in &members[1..] {
+                if load[m as usize] < load[reader as usize] {
+                    reader = m;
+                }
+            }
+            p.reader = reader;
+            load[reader as usize] += piece_bytes[i as usize];
+        }
+
+        // 4. Indexes for per-rank extraction.
+        let mut reads: Vec<Vec<u32>> = vec![Vec::new(); self.world as usize];
+        let mut group_pieces: Vec<Vec<u32>> = vec![Vec::new(); self.groups.len()];
+        for (i, p) in self.pieces.iter().enumerate() {
+            reads[p.reader as usize].push(i as u32);
+            group_pieces[p.group as usize].push(i as u32);
+        }
+        let chunks = meta.chunks();
+        for rank_reads in &mut reads {
+            rank_reads.sort_by_key(|&i| {
+                let p = &self.pieces[i as usize];
+                let b = &chunks[p.chunk as usize].bytes;
+                (b.file, b.offset, i)
+            });
+        }
+        for pieces in &mut group_pieces {
+            pieces.sort_by_key(|&i| (self.pieces[i as usize].reader, i));
+        }
+        let mut rank_groups: Vec<Vec<u32>> = vec![Vec::new(); self.world as usize];
+        for (g, group) in self.groups.iter().enumerate() {
+            if group.members.len() > 1 {
+                for &m in &group.members {
+                    rank_groups[m as usize].push(g as u32);
+                }
+            }
+        }
+
+        let summary = PlanSummary::compute(
+            tensors,
+            &destinations,
+            &self.pieces,
+            &piece_bytes,
+            &self.groups,
+            &load,
+            unique_bytes_needed,
+        );
+        Ok(Plan {
+            meta: Arc::clone(meta),
+            destinations,
+            pieces: self.pieces,
+            groups: self.groups,
+            placements: self.placements,
+            reads,
+            group_pieces,
+            rank_groups,
+            summary,
+        })
+    }
+}

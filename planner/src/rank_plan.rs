@@ -1,0 +1,364 @@
+//! One rank's view of a plan: its destination buffers, the pieces it reads and where their bytes
+//! are, where every piece it needs lands, and its ring exchange rounds. This is what the server
+//! hands each rank and what the loader executes; it serializes to JSON and Arrow IPC.
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+use tessera_metadata::{TensorBox, TensorMeta, row_major_strides};
+
+use crate::request::{flat_index, global_strides};
+use crate::runs::{Side, StridedRuns};
+use crate::{Plan, PlanError, Target};
+
+/// A destination buffer of the rank.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankDestination {
+    /// Index into [`RankPlan::tensors`].
+    pub tensor: u32,
+    /// The wanted part.
+    pub target: Target,
+    /// Bytes of the buffer.
+    pub bytes: u64,
+}
+
+/// Where a piece this rank reads lives in storage.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceRead {
+    /// Index into [`RankPlan::files`].
+    pub file: u32,
+    /// Runs from the file into the piece's wire buffer (row-major over the piece).
+    pub runs: StridedRuns,
+}
+
+/// Where a piece lands in one of the rank's destinations.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PiecePlacement {
+    /// Index into [`RankPlan::destinations`].
+    pub destination: u32,
+    /// Runs from the piece's wire buffer into the destination buffer.
+    pub runs: StridedRuns,
+}
+
+/// A piece this rank needs: read by itself or received from its group's reader.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankPiece {
+    /// Plan-wide piece id (names the piece on the wire).
+    pub id: u32,
+    /// Index into [`RankPlan::tensors`].
+    pub tensor: u32,
+    /// The piece in global coordinates.
+    pub region: TensorBox,
+    /// Bytes of the piece.
+    pub bytes: u64,
+    /// Plan-wide group id.
+    pub group: u32,
+    /// The rank that reads it from storage.
+    pub reader: u32,
+    /// Present when this rank is the reader.
+    pub read: Option<SourceRead>,
+    /// Where it lands (one entry per destination that contains it).
+    pub places: Vec<PiecePlacement>,
+}
+
+/// One round of a ring: send my share to `send_to`, receive `recv_from`'s share.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Round {
+    /// Round number k (1-based): member i sends to member (i + k) mod m.
+    pub round: u32,
+    /// Peer rank I send to.
+    pub send_to: u32,
+    /// Peer rank I receive from.
+    pub recv_from: u32,
+    /// Piece ids I send.
+    pub send: Vec<u32>,
+    /// Piece ids I receive.
+    pub recv: Vec<u32>,
+    /// Bytes I send.
+    pub send_bytes: u64,
+    /// Bytes I receive.
+    pub recv_bytes: u64,
+}
+
+/// This rank's ring over one group.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Exchange {
+    /// Plan-wide group id (tags messages).
+    pub group: u32,
+    /// Members, ascending.
+    pub members: Vec<u32>,
+    /// This rank's position in `members`.
+    pub position: u32,
+    /// Rounds with something to send or receive.
+    pub rounds: Vec<Round>,
+}
+
+/// Totals for one rank.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankSummary {
+    /// Bytes of all destination buffers.
+    pub bytes_needed: u64,
+    /// Bytes read from storage.
+    pub bytes_read: u64,
+    /// Bytes sent to peers.
+    pub bytes_sent: u64,
+    /// Bytes received from peers.
+    pub bytes_received: u64,
+}
+
+/// One rank's plan.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankPlan {
+    /// This rank.
+    pub rank: u32,
+    /// World size.
+    pub world: u32,
+    /// Data files this rank reads, relative to the checkpoint root.
+    pub files: Vec<String>,
+    /// Tensors this rank touches.
+    pub tensors: Vec<TensorMeta>,
+    /// Destination buffers, in request order.
+    pub destinations: Vec<RankDestination>,
+    /// Pieces this rank needs, in piece-id order.
+    pub pieces: Vec<RankPiece>,
+    /// Ring exchanges, by group id.
+    pub exchanges: Vec<Exchange>,
+    /// Totals.
+    pub summary: RankSummary,
+}
+
+impl RankPlan {
+    /// Pretty JSON.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+
+    /// Parses JSON written by [`RankPlan::to_json`].
+    pub fn from_json(text: &str) -> Result<RankPlan, PlanError> {
+        serde_json::from_str(text).map_err(|e| PlanError::Json {
+            what: "rank plan",
+            detail: e.to_string(),
+        })
+    }
+}
+
+impl Plan {
+    /// Extracts rank `rank`'s plan.
+    pub fn rank_plan(&self, rank: u32) -> Result<RankPlan, PlanError> {
+        let world = self.world_size();
+        if rank >= world {
+            return Err(PlanError::RankOutOfRange { rank, world });
+        }
+        let meta = &*self.meta;
+        let all_tensors = meta.tensors();
+        let chunks = meta.chunks();
+        let r = rank as usize;
+
+        let mut tensor_ids: HashMap<u32, u32> = HashMap::new();
+        let mut tensors: Vec<TensorMeta> = Vec::new();
+        let mut local_tensor = |t: u32, tensors: &mut Vec<TensorMeta>| {
+            *tensor_ids.entry(t).or_insert_with(|| {
+                tensors.push(all_tensors[t as usize].clone());
+                tensors.len() as u32 - 1
+            })
+        };
+
+        let mut destinations = Vec::with_capacity(self.destinations[r].len());
+        for d in &self.destinations[r] {
+            let tensor = &all_tensors[d.tensor as usize];
+            destinations.push(RankDestination {
+                tensor: local_tensor(d.tensor, &mut tensors),
+                target: d.target.clone(),
+                bytes: d.target.numel() * tensor.dtype.size(),
+            });
+        }
+
+        let mut file_ids: HashMap<u32, u32> = HashMap::new();
+        let mut files: Vec<String> = Vec::new();
+        let mut pieces: Vec<RankPiece> = Vec::new();
+        let mut piece_index: HashMap<u32, usize> = HashMap::new();
+        let mut placements = self.placements[r].clone();
+        placements.sort_by_key(|p| (p.piece, p.destination));
+        let mut summary = RankSummary {
+            bytes_needed: destinations.iter().map(|d| d.bytes).sum(),
+            ..RankSummary::default()
+        };
+        for placement in &placements {
+            let p = &self.pieces[placement.piece as usize];
+            let tensor = &all_tensors[p.tensor as usize];
+            let esize = tensor.dtype.size();
+            let wire_strides = row_major_strides(&p.region.lengths);
+            let slot = match piece_index.get(&placement.piece) {
+                Some(&slot) => slot,
+                None => {
+                    let read = if p.reader == rank {
+                        let chunk = &chunks[p.chunk as usize];
+                        let src_strides = chunk.bytes.strides_for(&chunk.region.lengths);
+                        let rel = chunk.region.relative_offsets(&p.region);
+                        let origin = chunk.bytes.offset
+                            + esize
+                                * rel
+                                    .iter()
+                                    .zip(&src_strides)
+                                    .map(|(o, s)| o * s)
+                                    .sum::<u64>();
+                        let file = *file_ids.entry(chunk.bytes.file).or_insert_with(|| {
+                            files.push(meta.files()[chunk.bytes.file as usize].path.clone());
+                            files.len() as u32 - 1
+                        });
+                        let runs = StridedRuns::new(
+                            esize,
+                            &p.region.lengths,
+                            Side {
+                                origin,
+                                strides: &src_strides,
+                            },
+                            Side {
+                                origin: 0,
+                                strides: &wire_strides,
+                            },
+                        );
+                        summary.bytes_read += runs.total_bytes();
+                        Some(SourceRead { file, runs })
+                    } else {
+                        summary.bytes_received += p.region.numel() * esize;
+                        None
+                    };
+                    pieces.push(RankPiece {
+                        id: placement.piece,
+                        tensor: local_tensor(p.tensor, &mut tensors),
+                        region: p.region.clone(),
+                        bytes: p.region.numel() * esize,
+                        group: p.group,
+                        reader: p.reader,
+                        read,
+                        places: Vec::new(),
+                    });
+                    piece_index.insert(placement.piece, pieces.len() - 1);
+                    pieces.len() - 1
+                }
+            };
+            let dest = &self.destinations[r][placement.destination as usize];
+            let runs = place_runs(tensor, &p.region, &dest.target, &wire_strides);
+            pieces[slot].places.push(PiecePlacement {
+                destination: placement.destination,
+                runs,
+            });
+        }
+
+        let exchanges = exchanges_for(
+            rank,
+            |g| self.groups[g as usize].members.clone(),
+            |g| {
+                self.group_pieces[g as usize]
+                    .iter()
+                    .map(|&i| (i, self.pieces[i as usize].reader, self.piece_bytes(i)))
+                    .collect()
+            },
+            &self.rank_groups[r],
+        );
+        summary.bytes_sent = exchanges
+            .iter()
+            .flat_map(|e| &e.rounds)
+            .map(|round| round.send_bytes)
+            .sum();
+        Ok(RankPlan {
+            rank,
+            world,
+            files,
+            tensors,
+            destinations,
+            pieces,
+            exchanges,
+            summary,
+        })
+    }
+}
+
+/// Runs from a piece's wire buffer (row-major over `region`) into a destination buffer.
+pub(crate) fn place_runs(
+    tensor: &TensorMeta,
+    region: &TensorBox,
+    target: &Target,
+    wire_strides: &[u64],
+) -> StridedRuns {
+    let esize = tensor.dtype.size();
+    let (origin, strides) = match target {
+        Target::Box(dest) => {
+            let strides = row_major_strides(&dest.lengths);
+            let rel = dest.relative_offsets(region);
+            (flat_index(&rel, &strides), strides)
+        }
+        Target::Flat { start, .. } => {
+            let strides = global_strides(&tensor.shape);
+            (flat_index(&region.offsets, &strides) - start, strides)
+        }
+    };
+    StridedRuns::new(
+        esize,
+        &region.lengths,
+        Side {
+            origin: 0,
+            strides: wire_strides,
+        },
+        Side {
+            origin: origin * esize,
+            strides: &strides,
+        },
+    )
+}
+
+/// Builds the ring rounds of `rank` over each of its groups. In round k (1 ≤ k < m), member i
+/// sends every piece it read for the group to member (i + k) mod m and receives member
+/// (i − k) mod m's. `group_pieces(g)` lists the group's pieces as (id, reader, bytes) sorted by
+/// reader then id.
+pub(crate) fn exchanges_for(
+    rank: u32,
+    members_of: impl Fn(u32) -> Vec<u32>,
+    group_pieces: impl Fn(u32) -> Vec<(u32, u32, u64)>,
+    groups: &[u32],
+) -> Vec<Exchange> {
+    let mut exchanges = Vec::with_capacity(groups.len());
+    for &g in groups {
+        let members = members_of(g);
+        let m = members.len();
+        let Some(position) = members.iter().position(|&x| x == rank) else {
+            continue;
+        };
+        let list = group_pieces(g);
+        let share = |reader: u32| -> (Vec<u32>, u64) {
+            let lo = list.partition_point(|e| e.1 < reader);
+            let hi = list.partition_point(|e| e.1 <= reader);
+            (
+                list[lo..hi].iter().map(|e| e.0).collect(),
+                list[lo..hi].iter().map(|e| e.2).sum(),
+            )
+        };
+        let (send, send_bytes) = share(rank);
+        let mut rounds = Vec::new();
+        for k in 1..m {
+            let send_to = members[(position + k) % m];
+            let recv_from = members[(position + m - k) % m];
+            let (recv, recv_bytes) = share(recv_from);
+            if send.is_empty() && recv.is_empty() {
+                continue;
+            }
+            rounds.push(Round {
+                round: k as u32,
+                send_to,
+                recv_from,
+                send: send.clone(),
+                recv,
+                send_bytes,
+                recv_bytes,
+            });
+        }
+        exchanges.push(Exchange {
+            group: g,
+            members,
+            position: position as u32,
+            rounds,
+        });
+    }
+    exchanges
+}

@@ -1,0 +1,364 @@
+//! Shared test support: in-memory checkpoints with known element values, and an in-memory
+//! executor that carries out rank plans (reads, ring exchange, placement) on real bytes.
+#![allow(dead_code, clippy::unwrap_used, missing_docs)]
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tessera_metadata::{
+    ByteMeta, CheckpointMeta, DType, DataFile, SavedChunk, TensorBox, TensorMeta,
+    row_major_strides, validate,
+};
+use tessera_planner::{
+    Layout, Plan, PlanOptions, RankPlan, RequestSet, Target, assign_writers, plan,
+};
+
+/// A checkpoint held in memory: metadata plus the bytes of every data file.
+pub struct Saved {
+    pub meta: Arc<CheckpointMeta>,
+    pub files: Vec<Vec<u8>>,
+}
+
+/// Deterministic bytes of element `flat` of tensor `tensor` (a splitmix64 of both).
+pub fn element(tensor: u32, flat: u64, esize: u64) -> Vec<u8> {
+    let mut z = (u64::from(tensor) << 40) ^ flat ^ 0x9E37_79B9_7F4A_7C15;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    z.to_le_bytes()[..esize as usize].to_vec()
+}
+
+/// Coordinates of element `i` (row-major) of a box.
+fn coords_of(region: &TensorBox, i: u64) -> Vec<u64> {
+    let strides = row_major_strides(&region.lengths);
+    (0..region.ndim())
+        .map(|d| region.offsets[d] + (i / strides[d]) % region.lengths[d])
+        .collect()
+}
+
+fn flat_of(coords: &[u64], shape: &[u64]) -> u64 {
+    coords
+        .iter()
+        .zip(row_major_strides(shape))
+        .map(|(c, s)| c * s)
+        .sum()
+}
+
+/// One stored box: tensor, region, and optional non-row-major element strides.
+pub struct StoredBox {
+    pub tensor: u32,
+    pub region: TensorBox,
+    pub strides: Option<Vec<u64>>,
+}
+
+/// Builds a checkpoint whose file `f` holds `files[f]`'s boxes back to back (strided boxes laid out
+/// by their strides).
+pub fn save_boxes(tensors: Vec<TensorMeta>, files: Vec<Vec<StoredBox>>) -> Saved {
+    let mut chunks = Vec::new();
+    let mut datas = Vec::new();
+    let mut data_files = Vec::new();
+    for (f, boxes) in files.into_iter().enumerate() {
+        let mut data = Vec::new();
+        for b in boxes {
+            let tensor = &tensors[b.tensor as usize];
+            let esize = tensor.dtype.size();
+            let strides = b
+                .strides
+                .clone()
+                .unwrap_or_else(|| row_major_strides(&b.region.lengths));
+            let numel = b.region.numel();
+            let span = if numel == 0 {
+                0
+            } else {
+                b.region
+                    .lengths
+                    .iter()
+                    .zip(&strides)
+                    .map(|(l, s)| (l - 1) * s)
+                    .sum::<u64>()
+                    + 1
+            };
+            let offset = data.len() as u64;
+            data.resize((offset + span * esize) as usize, 0);
+            let local_rm = row_major_strides(&b.region.lengths);
+            for i in 0..numel {
+                let c = coords_of(&b.region, i);
+                let local: u64 = (0..c.len())
+                    .map(|d| (c[d] - b.region.offsets[d]) * strides[d])
+                    .sum();
+                let _ = &local_rm;
+                let bytes = element(b.tensor, flat_of(&c, &tensor.shape), esize);
+                let at = (offset + local * esize) as usize;
+                data[at..at + esize as usize].copy_from_slice(&bytes);
+            }
+            chunks.push(SavedChunk {
+                tensor: b.tensor,
+                region: b.region,
+                bytes: ByteMeta {
+                    file: f as u32,
+                    offset,
+                    length: span * esize,
+                    strides: b.strides,
+                },
+                crc32c: None,
+            });
+        }
+        data_files.push(DataFile {
+            path: format!("data/rank-{f:05}.bin"),
+            size: Some(data.len() as u64),
+        });
+        datas.push(data);
+    }
+    let meta = CheckpointMeta::new(tensors, chunks, Vec::new(), data_files).unwrap();
+    validate(&meta).unwrap();
+    Saved {
+        meta: Arc::new(meta),
+        files: datas,
+    }
+}
+
+/// Saves `tensors` as `layout` would: every distinct box once, one file per writing rank.
+pub fn save_layout(tensors: Vec<TensorMeta>, layout: &Layout) -> Saved {
+    let holdings = layout.resolve(&tensors).unwrap();
+    let writes = assign_writers(&tensors, &holdings).unwrap();
+    let files = writes
+        .into_iter()
+        .map(|items| {
+            items
+                .into_iter()
+                .map(|w| StoredBox {
+                    tensor: w.tensor,
+                    region: w.region,
+                    strides: None,
+                })
+                .collect()
+        })
+        .collect();
+    save_boxes(tensors, files)
+}
+
+/// The expected bytes of a destination buffer.
+pub fn expected(tensor_index: u32, tensor: &TensorMeta, target: &Target) -> Vec<u8> {
+    let esize = tensor.dtype.size();
+    let mut out = Vec::new();
+    match target {
+        Target::Box(region) => {
+            for i in 0..region.numel() {
+                out.extend(element(
+                    tensor_index,
+                    flat_of(&coords_of(region, i), &tensor.shape),
+                    esize,
+                ));
+            }
+        }
+        Target::Flat { start, end } => {
+            for flat in *start..*end {
+                out.extend(element(tensor_index, flat, esize));
+            }
+        }
+    }
+    out
+}
+
+/// Plans `requests` against `saved` and checks the result end to end (see [`execute`]).
+pub fn plan_and_check(saved: &Saved, requests: &RequestSet, options: &PlanOptions) -> Plan {
+    let plan = plan(&saved.meta, requests, options).unwrap();
+    let rank_plans: Vec<RankPlan> = (0..plan.world_size())
+        .map(|r| plan.rank_plan(r).unwrap())
+        .collect();
+    let buffers = execute(&rank_plans, saved);
+    for (r, rp) in rank_plans.iter().enumerate() {
+        for (d, dest) in rp.destinations.iter().enumerate() {
+            let tensor = &rp.tensors[dest.tensor as usize];
+            let global = saved.meta.tensor_index(&tensor.fqn).unwrap();
+            assert_eq!(
+                buffers[r][d],
+                expected(global, tensor, &dest.target),
+                "rank {r} destination {d} ({} {:?})",
+                tensor.fqn,
+                dest.target
+            );
+        }
+    }
+    plan
+}
+
+/// Carries out rank plans in memory: every reader reads its pieces through the read runs into
+/// wire buffers; the ring rounds deliver them (each received piece must come from the peer the
+/// round names, which must be its reader, and be sent by that peer in the same round); every
+/// piece is placed through its place runs. Each destination byte must be written exactly once.
+pub fn execute(rank_plans: &[RankPlan], saved: &Saved) -> Vec<Vec<Vec<u8>>> {
+    let file_index: HashMap<&str, usize> = saved
+        .meta
+        .files()
+        .iter()
+        .enumerate()
+        .map(|(i, f)| (f.path.as_str(), i))
+        .collect();
+    // Phase 1: reads.
+    let mut wire: HashMap<u32, Vec<u8>> = HashMap::new();
+    for rp in rank_plans {
+        for p in &rp.pieces {
+            let Some(read) = &p.read else { continue };
+            assert_eq!(p.reader, rp.rank);
+            let file = &saved.files[file_index[rp.files[read.file as usize].as_str()]];
+            let mut buf = vec![0u8; p.bytes as usize];
+            let n = read.runs.run_bytes as usize;
+            for (src, dst) in read.runs.iter() {
+                buf[dst as usize..dst as usize + n]
+                    .copy_from_slice(&file[src as usize..src as usize + n]);
+            }
+            assert_eq!(read.runs.total_bytes(), p.bytes);
+            assert!(
+                wire.insert(p.id, buf).is_none(),
+                "piece {} read twice",
+                p.id
+            );
+        }
+    }
+    // Phase 2: the ring. Sends are indexed by (group, round, from, to).
+    let mut sent: HashMap<(u32, u32, u32, u32), Vec<u32>> = HashMap::new();
+    for rp in rank_plans {
+        for e in &rp.exchanges {
+            for round in &e.rounds {
+                assert_eq!(
+                    e.members[(e.position as usize + round.round as usize) % e.members.len()],
+                    round.send_to
+                );
+                sent.insert(
+                    (e.group, round.round, rp.rank, round.send_to),
+                    round.send.clone(),
+                );
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for rp in rank_plans {
+        let mut received: HashMap<u32, u32> = HashMap::new();
+        for e in &rp.exchanges {
+            for round in &e.rounds {
+                let got = sent
+                    .get(&(e.group, round.round, round.recv_from, rp.rank))
+                    .cloned()
+                    .unwrap_or_default();
+                assert_eq!(
+                    got, round.recv,
+                    "rank {} group {} round {}",
+                    rp.rank, e.group, round.round
+                );
+                for id in got {
+                    received.insert(id, round.recv_from);
+                }
+            }
+        }
+        let mut buffers: Vec<Vec<u8>> = rp
+            .destinations
+            .iter()
+            .map(|d| vec![0u8; d.bytes as usize])
+            .collect();
+        let mut written: Vec<Vec<u8>> = rp
+            .destinations
+            .iter()
+            .map(|d| vec![0u8; d.bytes as usize])
+            .collect();
+        for p in &rp.pieces {
+            if p.read.is_none() {
+                assert_eq!(
+                    received.get(&p.id),
+                    Some(&p.reader),
+                    "rank {} never received piece {}",
+                    rp.rank,
+                    p.id
+                );
+            }
+            let data = &wire[&p.id];
+            for place in &p.places {
+                let n = place.runs.run_bytes as usize;
+                let buf = &mut buffers[place.destination as usize];
+                let mark = &mut written[place.destination as usize];
+                for (src, dst) in place.runs.iter() {
+                    let (src, dst) = (src as usize, dst as usize);
+                    buf[dst..dst + n].copy_from_slice(&data[src..src + n]);
+                    for m in &mut mark[dst..dst + n] {
+                        *m += 1;
+                    }
+                }
+            }
+        }
+        for (d, mark) in written.iter().enumerate() {
+            assert!(
+                mark.iter().all(|&m| m == 1),
+                "rank {} destination {d}: bytes not written exactly once",
+                rp.rank
+            );
+        }
+        out.push(buffers);
+    }
+    out
+}
+
+/// A small GPT-shaped model with the FQNs of the synthetic models (uneven sizes on purpose).
+pub fn small_gpt(layers: u64, optimizer: bool) -> Vec<TensorMeta> {
+    let (h, v, qkv, f) = (8u64, 50u64, 24u64, 14u64);
+    let mut params = vec![TensorMeta::new(
+        "model.embed_tokens.weight",
+        DType::Bf16,
+        vec![v, h],
+    )];
+    for i in 0..layers {
+        params.push(TensorMeta::new(
+            format!("model.layers.{i}.attn.qkv.weight"),
+            DType::Bf16,
+            vec![qkv, h],
+        ));
+        params.push(TensorMeta::new(
+            format!("model.layers.{i}.attn.proj.weight"),
+            DType::Bf16,
+            vec![h, h],
+        ));
+        params.push(TensorMeta::new(
+            format!("model.layers.{i}.mlp.fc1.weight"),
+            DType::Bf16,
+            vec![2 * f, h],
+        ));
+        params.push(TensorMeta::new(
+            format!("model.layers.{i}.mlp.fc2.weight"),
+            DType::Bf16,
+            vec![h, f],
+        ));
+        params.push(TensorMeta::new(
+            format!("model.layers.{i}.input_norm.weight"),
+            DType::Bf16,
+            vec![h],
+        ));
+        params.push(TensorMeta::new(
+            format!("model.layers.{i}.post_attn_norm.weight"),
+            DType::Bf16,
+            vec![h],
+        ));
+    }
+    params.push(TensorMeta::new(
+        "model.final_norm.weight",
+        DType::Bf16,
+        vec![h],
+    ));
+    params.push(TensorMeta::new(
+        "model.lm_head.weight",
+        DType::Bf16,
+        vec![v, h],
+    ));
+    let mut all = params.clone();
+    if optimizer {
+        for p in &params {
+            for state in ["master", "exp_avg", "exp_avg_sq"] {
+                all.push(TensorMeta::new(
+                    format!("optim.state.{}.{state}", p.fqn),
+                    DType::F32,
+                    p.shape.clone(),
+                ));
+            }
+        }
+    }
+    all.push(TensorMeta::new("train.step", DType::I64, vec![]));
+    all
+}
