@@ -1,1 +1,223 @@
-fn main() {}
+//! The `tessera` command: synthesize, inspect, plan and verify checkpoints.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand, ValueEnum};
+use tessera::commands::{self, layout::Preset, plan::Format};
+use tessera::synth::SynthOptions;
+use tessera_metadata::synth::Model;
+use tessera_planner::presets::MegatronGpt;
+
+#[derive(Parser)]
+#[command(name = "tessera", version, about = "Checkpoint resharding and loading")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create a small synthetic catalog in a local directory and reshard it for a few layouts.
+    Demo {
+        /// Catalog directory (created when absent).
+        #[arg(long, default_value = "tessera-demo")]
+        dir: String,
+    },
+    /// Print the layout JSON of a preset.
+    Layout {
+        #[command(subcommand)]
+        preset: PresetArgs,
+    },
+    /// Write a synthetic checkpoint saved with a layout.
+    Synth {
+        /// gpt-tiny, gpt-small, llama3-8b, llama3-70b or llama3-405b.
+        #[arg(long)]
+        model: String,
+        /// Save layout JSON file (`-` for stdin).
+        #[arg(long)]
+        layout: String,
+        /// Checkpoint directory to create.
+        #[arg(long)]
+        out: String,
+        /// Write metadata only (no data files): for models too large to materialize.
+        #[arg(long)]
+        metadata_only: bool,
+        /// Leave out optimizer states.
+        #[arg(long)]
+        no_optimizer: bool,
+        /// Training step recorded in the manifest.
+        #[arg(long)]
+        step: Option<u64>,
+    },
+    /// Plan loading a checkpoint into a layout (or explicit per-rank requests).
+    Plan {
+        /// Checkpoint directory or file:// URL.
+        checkpoint: String,
+        /// Target layout JSON file.
+        #[arg(long)]
+        layout: Option<String>,
+        /// Explicit requests JSON file: {"ranks": [[{"fqn", "offsets", "lengths"} | {"fqn", "flat": [s, e]}]]}.
+        #[arg(long)]
+        requests: Option<String>,
+        /// Print this rank's plan instead of the summary.
+        #[arg(long)]
+        rank: Option<u32>,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = FormatArg::Text)]
+        format: FormatArg,
+        /// Also print the whole-plan summary (to stderr when a rank plan goes to stdout).
+        #[arg(long)]
+        summary: bool,
+        /// Every rank reads all it needs itself (no read dedup, no exchange).
+        #[arg(long)]
+        no_dedup: bool,
+    },
+    /// Show what a checkpoint holds.
+    Inspect {
+        /// Checkpoint directory or file:// URL.
+        checkpoint: String,
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check every block checksum of a checkpoint's data files.
+    Verify {
+        /// Checkpoint directory or file:// URL.
+        checkpoint: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum PresetArgs {
+    /// Everything shard(0) over dp.
+    Fsdp {
+        /// Data-parallel ranks.
+        #[arg(long)]
+        dp: u32,
+    },
+    /// Megatron GPT: mesh (pp, dp, tp), column/row-parallel TP, stages by layer.
+    MegatronGpt {
+        /// Tensor-parallel size.
+        #[arg(long)]
+        tp: u32,
+        /// Pipeline-parallel size.
+        #[arg(long)]
+        pp: u32,
+        /// Data-parallel size.
+        #[arg(long)]
+        dp: u32,
+        /// Number of transformer layers.
+        #[arg(long)]
+        num_layers: u64,
+        /// Optimizer states also shard(0) over dp (distributed optimizer / ZeRO-1).
+        #[arg(long)]
+        zero1: bool,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum FormatArg {
+    Text,
+    Json,
+    Arrow,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let stdout = |bytes: &[u8]| -> Result<()> {
+        let mut out = std::io::stdout().lock();
+        out.write_all(bytes)?;
+        out.flush()?;
+        Ok(())
+    };
+    match cli.command {
+        Command::Demo { dir } => stdout(runtime.block_on(commands::demo::run(&dir))?.as_bytes()),
+        Command::Layout { preset } => {
+            let preset = match preset {
+                PresetArgs::Fsdp { dp } => Preset::Fsdp { dp },
+                PresetArgs::MegatronGpt {
+                    tp,
+                    pp,
+                    dp,
+                    num_layers,
+                    zero1,
+                } => Preset::MegatronGpt(MegatronGpt {
+                    tp,
+                    pp,
+                    dp,
+                    num_layers,
+                    zero1,
+                }),
+            };
+            stdout((commands::layout::run(&preset)? + "\n").as_bytes())
+        }
+        Command::Synth {
+            model,
+            layout,
+            out,
+            metadata_only,
+            no_optimizer,
+            step,
+        } => {
+            let model: Model = model.parse()?;
+            let options = SynthOptions {
+                model,
+                optimizer: !no_optimizer,
+                metadata_only,
+                step,
+                progress: true,
+            };
+            let report = runtime.block_on(commands::synth::run(&out, &layout, &options))?;
+            stdout((report + "\n").as_bytes())
+        }
+        Command::Plan {
+            checkpoint,
+            layout,
+            requests,
+            rank,
+            format,
+            summary,
+            no_dedup,
+        } => {
+            let args = commands::plan::PlanArgs {
+                checkpoint,
+                layout,
+                requests,
+                rank,
+                format: match format {
+                    FormatArg::Text => Format::Text,
+                    FormatArg::Json => Format::Json,
+                    FormatArg::Arrow => Format::Arrow,
+                },
+                summary,
+                no_dedup,
+            };
+            stdout(&runtime.block_on(commands::plan::run(&args))?)
+        }
+        Command::Inspect { checkpoint, json } => stdout(
+            runtime
+                .block_on(commands::inspect::run(&checkpoint, json))?
+                .as_bytes(),
+        ),
+        Command::Verify { checkpoint } => stdout(
+            runtime
+                .block_on(commands::verify::run(&checkpoint))?
+                .as_bytes(),
+        ),
+    }
+}

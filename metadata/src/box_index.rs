@@ -6,6 +6,8 @@
 //! boxes fall into the most pairwise-disjoint slabs, and recurses into each slab. Sets that cannot
 //! be split that way (only irregular or overlapping input) end in a leaf that is scanned.
 
+use std::borrow::Borrow;
+
 use crate::TensorBox;
 
 /// Leaves at most this large are scanned rather than split: a scan of a few boxes is cheaper than
@@ -13,9 +15,10 @@ use crate::TensorBox;
 const LEAF_SIZE: usize = 8;
 
 /// A partition tree over boxes of one tensor. Empty boxes are not indexed: they hold no element.
+/// `B` is the box or a reference to it, so callers can index boxes they keep elsewhere.
 #[derive(Clone, Debug)]
-pub struct BoxIndex {
-    boxes: Vec<TensorBox>,
+pub struct BoxIndex<B = TensorBox> {
+    boxes: Vec<B>,
     root: Node,
 }
 
@@ -30,18 +33,18 @@ enum Node {
     },
 }
 
-impl BoxIndex {
+impl<B: Borrow<TensorBox>> BoxIndex<B> {
     /// Builds the index; ids returned by queries are positions in `boxes`.
-    pub fn build(boxes: Vec<TensorBox>) -> Self {
+    pub fn build(boxes: Vec<B>) -> Self {
         let ids: Vec<u32> = (0..boxes.len() as u32)
-            .filter(|&i| !boxes[i as usize].is_empty())
+            .filter(|&i| !boxes[i as usize].borrow().is_empty())
             .collect();
         let root = build_node(&boxes, ids);
         Self { boxes, root }
     }
 
     /// The indexed boxes.
-    pub fn boxes(&self) -> &[TensorBox] {
+    pub fn boxes(&self) -> &[B] {
         &self.boxes
     }
 
@@ -60,7 +63,7 @@ impl BoxIndex {
                 out.extend(
                     ids.iter()
                         .copied()
-                        .filter(|&id| self.boxes[id as usize].overlaps(query)),
+                        .filter(|&id| self.boxes[id as usize].borrow().overlaps(query)),
                 );
             }
             Node::Split {
@@ -91,7 +94,10 @@ impl BoxIndex {
                 Node::Leaf(ids) => {
                     for (i, &a) in ids.iter().enumerate() {
                         for &b in &ids[i + 1..] {
-                            if self.boxes[a as usize].overlaps(&self.boxes[b as usize]) {
+                            if self.boxes[a as usize]
+                                .borrow()
+                                .overlaps(self.boxes[b as usize].borrow())
+                            {
                                 return Some((a.min(b), a.max(b)));
                             }
                         }
@@ -107,23 +113,23 @@ impl BoxIndex {
 /// A slab of boxes sharing one interval `[start, end)` along a dimension.
 type Slab = (u64, u64, Vec<u32>);
 
-fn build_node(boxes: &[TensorBox], ids: Vec<u32>) -> Node {
+fn build_node<B: Borrow<TensorBox>>(boxes: &[B], ids: Vec<u32>) -> Node {
     if ids.len() <= LEAF_SIZE {
         return Node::Leaf(ids);
     }
-    let ndim = boxes[ids[0] as usize].ndim();
+    let ndim = boxes[ids[0] as usize].borrow().ndim();
     // (dim, slabs as (start, end, members)) of the dimension with the most disjoint slabs.
     let mut best: Option<(usize, Vec<Slab>)> = None;
     for dim in 0..ndim {
         let mut sorted = ids.clone();
         sorted.sort_by_key(|&id| {
-            let b = &boxes[id as usize];
+            let b = boxes[id as usize].borrow();
             (b.offsets[dim], b.end(dim), id)
         });
         let mut slabs: Vec<Slab> = Vec::new();
         let mut disjoint = true;
         for id in sorted {
-            let b = &boxes[id as usize];
+            let b = boxes[id as usize].borrow();
             let (start, end) = (b.offsets[dim], b.end(dim));
             match slabs.last_mut() {
                 Some(last) if last.0 == start && last.1 == end => last.2.push(id),

@@ -71,7 +71,7 @@ pub fn validate(meta: &CheckpointMeta) -> Result<(), MetadataError> {
             }
             covered += numel;
         }
-        let index = BoxIndex::build(chunks.iter().map(|c| c.region.clone()).collect());
+        let index = BoxIndex::build(chunks.iter().map(|c| &c.region).collect::<Vec<_>>());
         if let Some((a, b)) = index.find_overlap() {
             return Err(MetadataError::OverlappingBoxes {
                 fqn: tensor.fqn.clone(),

@@ -251,15 +251,18 @@ pub fn shard_box(
     coords: &[u32],
     stage: Option<u32>,
 ) -> Option<TensorBox> {
+    // Stage exclusion first: most ranks of a pipeline hold most tensors not at all.
+    let excluded = placements
+        .iter()
+        .zip(coords)
+        .any(|(p, &c)| *p == Placement::Stage && Some(c) != stage);
+    if excluded {
+        return None;
+    }
     let mut region = TensorBox::whole(shape);
     for (i, p) in placements.iter().enumerate() {
         match *p {
-            Placement::Replicate => {}
-            Placement::Stage => {
-                if Some(coords[i]) != stage {
-                    return None;
-                }
-            }
+            Placement::Replicate | Placement::Stage => {}
             Placement::Shard(dim) => {
                 let n = region.lengths[dim];
                 let k = u64::from(mesh[i].size);

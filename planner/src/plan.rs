@@ -2,8 +2,11 @@
 //! overlaps into pieces, read each piece once per group of ranks that need it (worst-fit by
 //! bytes), and schedule the ring exchange that hands it to the rest of the group.
 
-use std::collections::HashMap;
+use std::borrow::Cow;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use rustc_hash::FxHashMap;
 
 use tessera_metadata::{BoxIndex, CheckpointMeta, TensorBox, TensorMeta};
 
@@ -73,7 +76,11 @@ pub struct Plan {
     pub(crate) destinations: Vec<Vec<Destination>>,
     pub(crate) pieces: Vec<Piece>,
     pub(crate) groups: Vec<Group>,
-    pub(crate) placements: Vec<Vec<PieceDestination>>,
+    /// Per rank, per destination: its distinct target.
+    pub(crate) dest_targets: Vec<Vec<u32>>,
+    /// CSR of each distinct target's pieces: ids `target_piece_ids[offsets[i]..offsets[i + 1]]`.
+    pub(crate) target_piece_offsets: Vec<u32>,
+    pub(crate) target_piece_ids: Vec<u32>,
     /// Per rank: the pieces it reads, in file and offset order.
     pub(crate) reads: Vec<Vec<u32>>,
     /// Per group: its pieces ordered by (reader, id), so a member's share is one slice.
@@ -109,9 +116,27 @@ impl Plan {
         &self.destinations[rank as usize]
     }
 
-    /// Rank `rank`'s placements.
-    pub fn placements(&self, rank: u32) -> &[PieceDestination] {
-        &self.placements[rank as usize]
+    /// Rank `rank`'s placements (every piece it needs, per destination), by piece then
+    /// destination. Derived from the destinations' targets rather than stored: with DP replicas
+    /// most placements repeat across ranks.
+    pub fn placements(&self, rank: u32) -> Vec<PieceDestination> {
+        let mut out = Vec::new();
+        for (d, &target) in self.dest_targets[rank as usize].iter().enumerate() {
+            let (lo, hi) = (
+                self.target_piece_offsets[target as usize] as usize,
+                self.target_piece_offsets[target as usize + 1] as usize,
+            );
+            out.extend(
+                self.target_piece_ids[lo..hi]
+                    .iter()
+                    .map(|&piece| PieceDestination {
+                        piece,
+                        destination: d as u32,
+                    }),
+            );
+        }
+        out.sort_unstable_by_key(|p| (p.piece, p.destination));
+        out
     }
 
     /// The pieces rank `rank` reads from storage.
@@ -138,6 +163,27 @@ struct DistinctTarget {
     holders: Vec<(u32, u32)>,
 }
 
+/// Where a tensor-local piece's holders come from.
+enum Holders {
+    /// Exactly the holders of one distinct target (the common case).
+    Target(u32),
+    /// A refined cell shared by several overlapping targets (their ids).
+    Cell(Vec<u32>),
+}
+
+/// A piece found by a worker, before it gets its plan-wide id.
+struct LocalPiece {
+    chunk: u32,
+    region: TensorBox,
+    holders: Holders,
+}
+
+/// What a worker found for one tensor.
+struct TensorPieces {
+    pieces: Vec<LocalPiece>,
+    unique_bytes: u64,
+}
+
 /// Plans `requests` against the checkpoint `meta`.
 pub fn plan(
     meta: &Arc<CheckpointMeta>,
@@ -149,11 +195,13 @@ pub fn plan(
 
     // 1. Destinations, and identical targets folded together (DP replicas ask for the same box).
     let mut destinations: Vec<Vec<Destination>> = Vec::with_capacity(world as usize);
+    let mut dest_targets: Vec<Vec<u32>> = Vec::with_capacity(world as usize);
     let mut distinct: Vec<DistinctTarget> = Vec::new();
-    let mut distinct_ids: HashMap<(u32, u32, &Target), u32> = HashMap::new();
+    let mut distinct_ids: FxHashMap<(u32, u32, &Target), u32> = FxHashMap::default();
     for (rank, rank_requests) in requests.ranks.iter().enumerate() {
         let rank = rank as u32;
         let mut rank_destinations = Vec::with_capacity(rank_requests.len());
+        let mut rank_targets = Vec::with_capacity(rank_requests.len());
         for request in rank_requests {
             let Some(tensor) = tensors.get(request.tensor as usize) else {
                 return Err(PlanError::UnknownTensor {
@@ -180,8 +228,10 @@ pub fn plan(
                     distinct.len() as u32 - 1
                 });
             distinct[id as usize].holders.push((rank, dest));
+            rank_targets.push(id);
         }
         destinations.push(rank_destinations);
+        dest_targets.push(rank_targets);
     }
     drop(distinct_ids);
 
@@ -190,99 +240,207 @@ pub fn plan(
         by_tensor[d.tensor as usize].push(id as u32);
     }
 
-    // 2. Intersections, tensor by tensor, through a partition index over the saved chunks.
-    let mut builder = PieceBuilder::new(world);
-    let mut unique_bytes_needed = 0u64;
-    let mut hits = Vec::new();
-    for (t, ids) in by_tensor.iter().enumerate() {
-        if ids.is_empty() {
-            continue;
-        }
-        let tensor = &tensors[t];
-        let chunks = meta.chunks_of(t as u32);
-        let first_chunk = meta.first_chunk_index(t as u32) as u32;
-        let index = BoxIndex::build(chunks.iter().map(|c| c.region.clone()).collect());
-
-        let subs: Vec<(u32, TensorBox)> = ids
-            .iter()
-            .flat_map(|&id| {
-                target_boxes(tensor, &distinct[id as usize].target)
-                    .into_iter()
-                    .map(move |b| (id, b))
+    // 2. Intersections, tensor by tensor (independent, so spread over the cores), through a
+    // partition index over each tensor's saved chunks.
+    let work: Vec<u32> = (0..tensors.len() as u32)
+        .filter(|&t| !by_tensor[t as usize].is_empty())
+        .collect();
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 8)
+        .min(work.len().max(1));
+    let next = AtomicUsize::new(0);
+    let mut found: Vec<(u32, Result<TensorPieces, PlanError>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut out = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&t) = work.get(i) else { break };
+                        out.push((
+                            t,
+                            tensor_pieces(meta, t, &by_tensor[t as usize], &distinct, options),
+                        ));
+                    }
+                    out
+                })
             })
-            .filter(|(_, b)| !b.is_empty())
             .collect();
-        let mut unique: Vec<TensorBox> = subs.iter().map(|(_, b)| b.clone()).collect();
-        unique.sort();
-        unique.dedup();
-        let requests_overlap = BoxIndex::build(unique.clone()).find_overlap().is_some();
-        let unique_elems = if requests_overlap {
-            union_volume(&unique)
-        } else {
-            unique.iter().map(TensorBox::numel).sum()
-        };
-        unique_bytes_needed += unique_elems * tensor.dtype.size();
-        // Overlapping requests (explicit ones can overlap; layouts never do) are refined below so
-        // that shared elements become shared pieces; disjoint ones map straight to pieces.
-        let refine = (requests_overlap || unique.len() < subs.len()) && options.dedup;
-        let mut per_chunk: Vec<Vec<(TensorBox, u32)>> = if refine {
-            vec![Vec::new(); chunks.len()]
-        } else {
-            Vec::new()
-        };
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_default())
+            .collect()
+    });
+    if found.len() != work.len() {
+        return Err(PlanError::Uncovered {
+            rank: 0,
+            fqn: "(a planning worker panicked)".to_string(),
+            region: String::new(),
+        });
+    }
+    found.sort_by_key(|(t, _)| *t);
 
-        for (id, sub) in &subs {
-            let target = &distinct[*id as usize];
-            hits.clear();
-            index.query(sub, &mut hits);
-            let mut covered = 0u64;
-            for &hit in &hits {
-                let Some(region) = chunks[hit as usize].region.intersect(sub) else {
-                    continue;
-                };
-                covered += region.numel();
-                if refine {
-                    per_chunk[hit as usize].push((region, *id));
-                    continue;
+    // 3. Plan-wide ids in tensor order (deterministic whatever the thread timing), groups, and
+    // which pieces make up each distinct target.
+    let mut builder = PieceBuilder::new(world);
+    let mut target_group: Vec<u32> = vec![u32::MAX; distinct.len()];
+    let mut memberships: Vec<(u32, u32)> = Vec::new();
+    let mut unique_bytes_needed = 0u64;
+    for (t, result) in found {
+        let tensor_result = result?;
+        unique_bytes_needed += tensor_result.unique_bytes;
+        for local in tensor_result.pieces {
+            let piece = builder.pieces.len() as u32;
+            let group = match &local.holders {
+                Holders::Target(id) => {
+                    memberships.push((*id, piece));
+                    let cached = &mut target_group[*id as usize];
+                    if *cached == u32::MAX {
+                        *cached =
+                            builder.group_of(distinct[*id as usize].holders.iter().map(|h| h.0));
+                    }
+                    *cached
                 }
-                let piece = builder.new_piece(t as u32, first_chunk + hit, region, &target.holders);
-                builder.place(piece, &target.holders);
-            }
-            if covered != sub.numel() {
-                let rank = target.holders.first().map_or(0, |h| h.0);
-                return Err(PlanError::Uncovered {
-                    rank,
-                    fqn: tensor.fqn.clone(),
-                    region: sub.to_string(),
+                Holders::Cell(ids) => {
+                    memberships.extend(ids.iter().map(|&id| (id, piece)));
+                    builder.group_of(
+                        ids.iter()
+                            .flat_map(|&id| distinct[id as usize].holders.iter().map(|h| h.0)),
+                    )
+                }
+            };
+            builder.pieces.push(Piece {
+                tensor: t,
+                chunk: local.chunk,
+                region: local.region,
+                group,
+                reader: u32::MAX,
+            });
+        }
+    }
+    // Counting sort of (target, piece) into a CSR; pieces stay ascending within a target.
+    let mut target_piece_offsets = vec![0u32; distinct.len() + 1];
+    for &(id, _) in &memberships {
+        target_piece_offsets[id as usize + 1] += 1;
+    }
+    for i in 0..distinct.len() {
+        target_piece_offsets[i + 1] += target_piece_offsets[i];
+    }
+    let mut fill = target_piece_offsets.clone();
+    let mut target_piece_ids = vec![0u32; memberships.len()];
+    for (id, piece) in memberships {
+        target_piece_ids[fill[id as usize] as usize] = piece;
+        fill[id as usize] += 1;
+    }
+
+    builder.finish(
+        meta,
+        destinations,
+        Targets {
+            dest_targets,
+            target_piece_offsets,
+            target_piece_ids,
+        },
+        unique_bytes_needed,
+    )
+}
+
+/// Which pieces each rank's destinations are made of (see [`Plan::placements`]).
+struct Targets {
+    dest_targets: Vec<Vec<u32>>,
+    target_piece_offsets: Vec<u32>,
+    target_piece_ids: Vec<u32>,
+}
+
+/// The pieces of tensor `t` for its distinct targets `ids`.
+fn tensor_pieces(
+    meta: &CheckpointMeta,
+    t: u32,
+    ids: &[u32],
+    distinct: &[DistinctTarget],
+    options: &PlanOptions,
+) -> Result<TensorPieces, PlanError> {
+    let tensor = &meta.tensors()[t as usize];
+    let chunks = meta.chunks_of(t);
+    let first_chunk = meta.first_chunk_index(t) as u32;
+    let index = BoxIndex::build(chunks.iter().map(|c| &c.region).collect::<Vec<_>>());
+
+    let mut subs: Vec<(u32, Cow<'_, TensorBox>)> = Vec::with_capacity(ids.len());
+    for &id in ids {
+        match &distinct[id as usize].target {
+            Target::Box(b) => subs.push((id, Cow::Borrowed(b))),
+            flat => subs.extend(
+                target_boxes(tensor, flat)
+                    .into_iter()
+                    .map(|b| (id, Cow::Owned(b))),
+            ),
+        }
+    }
+    subs.retain(|(_, b)| !b.is_empty());
+    let mut unique: Vec<&TensorBox> = subs.iter().map(|(_, b)| b.as_ref()).collect();
+    unique.sort_unstable();
+    unique.dedup();
+    let requests_overlap = BoxIndex::build(unique.clone()).find_overlap().is_some();
+    let unique_elems = if requests_overlap {
+        union_volume(&unique)
+    } else {
+        unique.iter().map(|b| b.numel()).sum()
+    };
+    // Overlapping (or repeated) requests, which explicit ones can be and layouts never are, are
+    // refined so that shared elements become shared pieces; disjoint ones map straight to pieces.
+    let refine = (requests_overlap || unique.len() < subs.len()) && options.dedup;
+    let mut per_chunk: Vec<Vec<(TensorBox, u32)>> = if refine {
+        vec![Vec::new(); chunks.len()]
+    } else {
+        Vec::new()
+    };
+
+    let mut pieces = Vec::new();
+    let mut hits = Vec::new();
+    for (id, sub) in &subs {
+        hits.clear();
+        index.query(sub, &mut hits);
+        let mut covered = 0u64;
+        for &hit in &hits {
+            let Some(region) = chunks[hit as usize].region.intersect(sub) else {
+                continue;
+            };
+            covered += region.numel();
+            if refine {
+                per_chunk[hit as usize].push((region, *id));
+            } else {
+                pieces.push(LocalPiece {
+                    chunk: first_chunk + hit,
+                    region,
+                    holders: Holders::Target(*id),
                 });
             }
         }
-        for (hit, items) in per_chunk.iter().enumerate() {
-            if !items.is_empty() {
-                refine_chunk(
-                    &mut builder,
-                    &distinct,
-                    t as u32,
-                    first_chunk + hit as u32,
-                    items,
-                );
-            }
+        if covered != sub.numel() {
+            let rank = distinct[*id as usize].holders.first().map_or(0, |h| h.0);
+            return Err(PlanError::Uncovered {
+                rank,
+                fqn: tensor.fqn.clone(),
+                region: sub.to_string(),
+            });
         }
     }
-
-    builder.finish(meta, destinations, unique_bytes_needed)
+    for (hit, items) in per_chunk.iter().enumerate() {
+        if !items.is_empty() {
+            refine_chunk(&mut pieces, first_chunk + hit as u32, items);
+        }
+    }
+    Ok(TensorPieces {
+        pieces,
+        unique_bytes: unique_elems * tensor.dtype.size(),
+    })
 }
 
 /// Cuts the overlaps of several requests with one saved chunk into disjoint cells along every
 /// boundary, so each element is one piece read once and placed wherever it is wanted. Only
 /// overlapping explicit requests get here; the cell count grows with the number of overlaps.
-fn refine_chunk(
-    builder: &mut PieceBuilder,
-    distinct: &[DistinctTarget],
-    tensor: u32,
-    chunk: u32,
-    items: &[(TensorBox, u32)],
-) {
+fn refine_chunk(pieces: &mut Vec<LocalPiece>, chunk: u32, items: &[(TensorBox, u32)]) {
     let ndim = items[0].0.ndim();
     let cuts: Vec<Vec<u64>> = (0..ndim)
         .map(|d| {
@@ -303,14 +461,19 @@ fn refine_chunk(
                 .map(|d| cuts[d][index[d] + 1] - cuts[d][index[d]])
                 .collect(),
         );
-        let holders: Vec<(u32, u32)> = items
+        let mut ids: Vec<u32> = items
             .iter()
             .filter(|(b, _)| b.contains(&cell))
-            .flat_map(|(_, id)| distinct[*id as usize].holders.iter().copied())
+            .map(|(_, id)| *id)
             .collect();
-        if !holders.is_empty() {
-            let piece = builder.new_piece(tensor, chunk, cell, &holders);
-            builder.place(piece, &holders);
+        ids.sort_unstable();
+        ids.dedup();
+        if !ids.is_empty() {
+            pieces.push(LocalPiece {
+                chunk,
+                region: cell,
+                holders: Holders::Cell(ids),
+            });
         }
         // Odometer over the cells, last dim fastest; a 0-dim chunk has exactly one cell.
         let mut d = ndim;
@@ -340,8 +503,8 @@ struct PieceBuilder {
     world: u32,
     pieces: Vec<Piece>,
     groups: Vec<Group>,
-    group_ids: HashMap<Vec<u32>, u32>,
-    placements: Vec<Vec<PieceDestination>>,
+    group_ids: FxHashMap<Vec<u32>, u32>,
+    scratch: Vec<u32>,
 }
 
 impl PieceBuilder {
@@ -350,51 +513,33 @@ impl PieceBuilder {
             world,
             pieces: Vec::new(),
             groups: Vec::new(),
-            group_ids: HashMap::new(),
-            placements: vec![Vec::new(); world as usize],
+            group_ids: FxHashMap::default(),
+            scratch: Vec::new(),
         }
     }
 
-    fn group_of(&mut self, mut members: Vec<u32>) -> u32 {
-        members.sort_unstable();
-        members.dedup();
-        if let Some(&g) = self.group_ids.get(&members) {
+    /// The group of exactly these member ranks (any order, repeats allowed).
+    fn group_of(&mut self, ranks: impl Iterator<Item = u32>) -> u32 {
+        self.scratch.clear();
+        self.scratch.extend(ranks);
+        self.scratch.sort_unstable();
+        self.scratch.dedup();
+        if let Some(&g) = self.group_ids.get(self.scratch.as_slice()) {
             return g;
         }
         let g = self.groups.len() as u32;
-        self.group_ids.insert(members.clone(), g);
-        self.groups.push(Group { members });
-        g
-    }
-
-    fn new_piece(
-        &mut self,
-        tensor: u32,
-        chunk: u32,
-        region: TensorBox,
-        holders: &[(u32, u32)],
-    ) -> u32 {
-        let group = self.group_of(holders.iter().map(|h| h.0).collect());
-        self.pieces.push(Piece {
-            tensor,
-            chunk,
-            region,
-            group,
-            reader: u32::MAX,
+        self.group_ids.insert(self.scratch.clone(), g);
+        self.groups.push(Group {
+            members: self.scratch.clone(),
         });
-        self.pieces.len() as u32 - 1
-    }
-
-    fn place(&mut self, piece: u32, holders: &[(u32, u32)]) {
-        for &(rank, destination) in holders {
-            self.placements[rank as usize].push(PieceDestination { piece, destination });
-        }
+        g
     }
 
     fn finish(
         mut self,
         meta: &Arc<CheckpointMeta>,
         destinations: Vec<Vec<Destination>>,
+        targets: Targets,
         unique_bytes_needed: u64,
     ) -> Result<Plan, PlanError> {
         let tensors = meta.tensors();
@@ -472,7 +617,9 @@ impl PieceBuilder {
             destinations,
             pieces: self.pieces,
             groups: self.groups,
-            placements: self.placements,
+            dest_targets: targets.dest_targets,
+            target_piece_offsets: targets.target_piece_offsets,
+            target_piece_ids: targets.target_piece_ids,
             reads,
             group_pieces,
             rank_groups,

@@ -177,8 +177,7 @@ impl Plan {
         let mut files: Vec<String> = Vec::new();
         let mut pieces: Vec<RankPiece> = Vec::new();
         let mut piece_index: HashMap<u32, usize> = HashMap::new();
-        let mut placements = self.placements[r].clone();
-        placements.sort_by_key(|p| (p.piece, p.destination));
+        let placements = self.placements(rank);
         let mut summary = RankSummary {
             bytes_needed: destinations.iter().map(|d| d.bytes).sum(),
             ..RankSummary::default()

@@ -87,8 +87,8 @@ impl PlanSummary {
 
 /// Elements covered by the union of `boxes` (all of one tensor): a sweep over dim 0 that
 /// recurses into the boxes active in each slab.
-pub(crate) fn union_volume(boxes: &[TensorBox]) -> u64 {
-    let live: Vec<&TensorBox> = boxes.iter().filter(|b| !b.is_empty()).collect();
+pub(crate) fn union_volume(boxes: &[&TensorBox]) -> u64 {
+    let live: Vec<&TensorBox> = boxes.iter().copied().filter(|b| !b.is_empty()).collect();
     union_rec(&live, 0)
 }
 
@@ -127,8 +127,8 @@ mod tests {
     fn union_volume_counts_overlaps_once() {
         let a = TensorBox::new(vec![0, 0], vec![4, 4]);
         let b = TensorBox::new(vec![2, 2], vec![4, 4]);
-        assert_eq!(union_volume(&[a.clone(), b]), 28);
-        assert_eq!(union_volume(&[a.clone(), a]), 16);
-        assert_eq!(union_volume(&[TensorBox::whole(&[])]), 1);
+        assert_eq!(union_volume(&[&a, &b]), 28);
+        assert_eq!(union_volume(&[&a, &a]), 16);
+        assert_eq!(union_volume(&[&TensorBox::whole(&[])]), 1);
     }
 }

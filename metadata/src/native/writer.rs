@@ -1,0 +1,742 @@
+//! Writing a native checkpoint: [`NativeWriter`] owns the tensor list and the commit,
+//! [`DataFileWriter`]s stream boxes into data files (several at once, from different tasks), and
+//! [`NativeWriter::commit`] validates everything, writes the metadata files and then the manifest.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, WriteMultipart};
+use serde::{Deserialize, Serialize};
+
+use super::checksums::{BlockCrcs, block_count};
+use super::latest::advance_latest;
+use super::manifest::{Created, DataPresence, Manifest, ManifestBlob, ManifestFile};
+use super::{
+    ALIGNMENT, CHECKSUMS_FILE, DATA_DIR, DEFAULT_BLOCK_SIZE, FORMAT_NAME, FORMAT_VERSION,
+    MANIFEST_FILE, METADATA_FILE, store_error,
+};
+use super::{BlockChecksums, FileBlocks, encode_block_checksums, encode_metadata, resolve};
+use crate::{
+    ByteMeta, CheckpointMeta, DataFile, MetadataError, ObjectMeta, SavedChunk, TensorBox,
+    TensorMeta, shape_to_string, validate,
+};
+
+/// Size of one multipart upload part. S3 wants at least 5 MiB per part and at most 10 000 parts
+/// (so 8 MiB parts allow files up to ~80 GB there), and some stores want every part but the last
+/// of equal size, which fixed-size parts give.
+const PART_SIZE: usize = 8 * 1024 * 1024;
+
+/// Parts of one file uploading at once. Memory per data file stays below
+/// `(PARTS_IN_FLIGHT + 1) * PART_SIZE` (32 MiB), whatever the file's size, while two or three
+/// requests in flight are enough to keep one file's upload busy.
+const PARTS_IN_FLIGHT: usize = 3;
+
+const ZEROS: [u8; ALIGNMENT as usize] = [0; ALIGNMENT as usize];
+
+/// Options of a checkpoint save.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WriteOptions {
+    /// Checksum block size in bytes ([`DEFAULT_BLOCK_SIZE`] by default).
+    pub block_size: u64,
+    /// Training step recorded in the manifest. When `None` and the prefix's last component is
+    /// `step-<digits>`, that step is recorded.
+    pub step: Option<u64>,
+    /// The layout the checkpoint was saved with (layout JSON), recorded in the manifest.
+    pub source_layout: Option<serde_json::Value>,
+    /// Record where every box would lie without uploading any data (manifest `"data": "absent"`).
+    pub metadata_only: bool,
+}
+
+impl Default for WriteOptions {
+    fn default() -> Self {
+        Self {
+            block_size: DEFAULT_BLOCK_SIZE,
+            step: None,
+            source_layout: None,
+            metadata_only: false,
+        }
+    }
+}
+
+/// What every data file writer of one checkpoint shares.
+#[derive(Debug)]
+struct Shared {
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+    tensors: Vec<TensorMeta>,
+    options: WriteOptions,
+    names: Mutex<HashSet<String>>,
+}
+
+/// Writes one checkpoint under a prefix: hands out [`DataFileWriter`]s, then commits.
+///
+/// One writer per prefix: two processes committing the same prefix at once are not supported
+/// (the manifest is created exclusively, but the metadata files before it are not).
+#[derive(Debug)]
+pub struct NativeWriter {
+    shared: Arc<Shared>,
+}
+
+impl NativeWriter {
+    /// Starts a checkpoint of `tensors` at `prefix`. Refuses a prefix that already holds a
+    /// committed checkpoint (a manifest), duplicate FQNs, and tensors whose byte size overflows.
+    pub async fn create(
+        store: Arc<dyn ObjectStore>,
+        prefix: Path,
+        tensors: Vec<TensorMeta>,
+        options: WriteOptions,
+    ) -> Result<Self, MetadataError> {
+        if options.block_size == 0 {
+            return Err(MetadataError::Invalid {
+                what: "block size 0".to_string(),
+            });
+        }
+        if u32::try_from(tensors.len()).is_err() {
+            return Err(MetadataError::Invalid {
+                what: format!("{} tensors, more than 2^32", tensors.len()),
+            });
+        }
+        let mut fqns = HashSet::with_capacity(tensors.len());
+        for tensor in &tensors {
+            if !fqns.insert(tensor.fqn.as_str()) {
+                return Err(MetadataError::Invalid {
+                    what: format!("tensor {} is listed twice", tensor.fqn),
+                });
+            }
+            let bytes = tensor
+                .shape
+                .iter()
+                .try_fold(tensor.dtype.size(), |acc, &d| acc.checked_mul(d));
+            if bytes.is_none() {
+                return Err(MetadataError::Invalid {
+                    what: format!(
+                        "tensor {}: {} elements of {} overflow 64-bit byte counts",
+                        tensor.fqn,
+                        shape_to_string(&tensor.shape),
+                        tensor.dtype
+                    ),
+                });
+            }
+        }
+        refuse_committed(store.as_ref(), &prefix).await?;
+        Ok(Self {
+            shared: Arc::new(Shared {
+                store,
+                prefix,
+                tensors,
+                options,
+                names: Mutex::new(HashSet::new()),
+            }),
+        })
+    }
+
+    /// The checkpoint's tensors; `write_box` refers to them by index.
+    pub fn tensors(&self) -> &[TensorMeta] {
+        &self.shared.tensors
+    }
+
+    /// The checkpoint prefix.
+    pub fn prefix(&self) -> &Path {
+        &self.shared.prefix
+    }
+
+    /// Opens the data file `data/<name>.bin`. `name` is ASCII letters, digits, `-`, `_` and `.`
+    /// (not first), and each name is used once per writer. The returned writer owns what it needs,
+    /// so several can be written concurrently from different tasks.
+    pub fn data_file(&self, name: &str) -> Result<DataFileWriter, MetadataError> {
+        let valid = !name.is_empty()
+            && name.len() <= 200
+            && !name.starts_with('.')
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        if !valid {
+            return Err(MetadataError::Invalid {
+                what: format!(
+                    "data file name {name:?}: use 1 to 200 ASCII letters, digits, '-', '_' or '.', not starting with '.'"
+                ),
+            });
+        }
+        {
+            let mut names = self
+                .shared
+                .names
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if !names.insert(name.to_string()) {
+                return Err(MetadataError::Invalid {
+                    what: format!("data file {name} is already open in this checkpoint"),
+                });
+            }
+        }
+        let relative = format!("{DATA_DIR}/{name}.bin");
+        let path = resolve(&self.shared.prefix, &relative)?;
+        Ok(DataFileWriter {
+            shared: self.shared.clone(),
+            relative,
+            path,
+            len: 0,
+            blocks: BlockCrcs::new(self.shared.options.block_size),
+            buf: Vec::new(),
+            upload: None,
+            chunks: Vec::new(),
+            objects: Vec::new(),
+            failed: false,
+        })
+    }
+
+    /// Commits the checkpoint made of `files` (from [`DataFileWriter::finish`], possibly of
+    /// writers on other hosts): assembles and validates the metadata, writes `metadata.arrow`,
+    /// `checksums.arrow`, then `manifest.json` last, then moves `<run>/latest` forward when the
+    /// prefix is a `step-<digits>` directory. When validation fails nothing is committed (the data
+    /// files stay behind as garbage of an incomplete save).
+    pub async fn commit(self, files: Vec<WrittenFile>) -> Result<Manifest, MetadataError> {
+        let shared = &self.shared;
+        let options = &shared.options;
+        let meta = assemble(&shared.tensors, options, &files)?;
+        validate(&meta)?;
+        let store = shared.store.as_ref();
+        let prefix = &shared.prefix;
+        refuse_committed(store, prefix).await?;
+
+        let metadata = encode_metadata(&meta)?;
+        let metadata_blob = put_blob(store, prefix, METADATA_FILE, metadata).await?;
+        let checksums_blob = if options.metadata_only {
+            None
+        } else {
+            let blocks = files
+                .iter()
+                .map(|f| FileBlocks {
+                    path: f.path.clone(),
+                    size: f.size,
+                    crcs: f.block_crcs.clone(),
+                })
+                .collect();
+            let checksums = BlockChecksums::new(options.block_size, blocks)?;
+            let bytes = encode_block_checksums(&checksums)?;
+            Some(put_blob(store, prefix, CHECKSUMS_FILE, bytes).await?)
+        };
+        let step = options.step.or_else(|| {
+            prefix
+                .filename()
+                .and_then(super::latest::step_from_dir_name)
+        });
+        let manifest = Manifest {
+            format: FORMAT_NAME.to_string(),
+            format_version: FORMAT_VERSION,
+            step,
+            created: Created::now(),
+            source_layout: options.source_layout.clone(),
+            data: if options.metadata_only {
+                DataPresence::Absent
+            } else {
+                DataPresence::Present
+            },
+            block_size: options.block_size,
+            files: files
+                .iter()
+                .map(|f| ManifestFile {
+                    path: f.path.clone(),
+                    size: f.size,
+                })
+                .collect(),
+            metadata: metadata_blob,
+            checksums: checksums_blob,
+            tensors: meta.tensors().len() as u64,
+            chunks: meta.chunks().len() as u64,
+            objects: meta.objects().len() as u64,
+            tensor_bytes: meta.tensor_bytes(),
+        };
+        let path = prefix.clone().join(MANIFEST_FILE);
+        // Created exclusively: of two commits racing for one prefix, only one manifest wins.
+        store
+            .put_opts(
+                &path,
+                PutPayload::from(manifest.to_json()?),
+                PutOptions::from(PutMode::Create),
+            )
+            .await
+            .map_err(store_error("committing", &path))?;
+        advance_latest(store, prefix).await?;
+        Ok(manifest)
+    }
+}
+
+/// Errors when `prefix` already holds a manifest.
+async fn refuse_committed(store: &dyn ObjectStore, prefix: &Path) -> Result<(), MetadataError> {
+    let path = prefix.clone().join(MANIFEST_FILE);
+    match store.head(&path).await {
+        Ok(_) => Err(MetadataError::Invalid {
+            what: format!("{path} already exists: {prefix} holds a committed checkpoint"),
+        }),
+        Err(object_store::Error::NotFound { .. }) => Ok(()),
+        Err(e) => Err(store_error("checking", &path)(e)),
+    }
+}
+
+async fn put_blob(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    name: &str,
+    bytes: Vec<u8>,
+) -> Result<ManifestBlob, MetadataError> {
+    let path = prefix.clone().join(name);
+    let blob = ManifestBlob {
+        path: name.to_string(),
+        size: bytes.len() as u64,
+        crc32c: crc32c::crc32c(&bytes),
+    };
+    store
+        .put(&path, PutPayload::from(bytes))
+        .await
+        .map_err(store_error("writing", &path))?;
+    Ok(blob)
+}
+
+/// Builds the checkpoint's metadata from the written files, checking that they belong together.
+fn assemble(
+    tensors: &[TensorMeta],
+    options: &WriteOptions,
+    files: &[WrittenFile],
+) -> Result<CheckpointMeta, MetadataError> {
+    let invalid = |what: String| MetadataError::Invalid { what };
+    if u32::try_from(files.len()).is_err() {
+        return Err(invalid(format!(
+            "{} data files, more than 2^32",
+            files.len()
+        )));
+    }
+    let mut paths = HashSet::with_capacity(files.len());
+    let mut keys = HashSet::new();
+    let mut data_files = Vec::with_capacity(files.len());
+    let mut chunks = Vec::with_capacity(files.iter().map(|f| f.chunks.len()).sum());
+    let mut objects = Vec::new();
+    for (i, file) in files.iter().enumerate() {
+        let path = &file.path;
+        if !paths.insert(path.as_str()) {
+            return Err(invalid(format!("data file {path} is committed twice")));
+        }
+        if file.block_size != options.block_size {
+            return Err(invalid(format!(
+                "data file {path} was written with block size {}, the checkpoint uses {}",
+                file.block_size, options.block_size
+            )));
+        }
+        if file.data_written == options.metadata_only {
+            return Err(invalid(format!(
+                "data file {path}: {} in a {} checkpoint",
+                if file.data_written {
+                    "written"
+                } else {
+                    "metadata only"
+                },
+                if options.metadata_only {
+                    "metadata-only"
+                } else {
+                    "data"
+                }
+            )));
+        }
+        if file.data_written
+            && file.block_crcs.len() as u64 != block_count(file.size, file.block_size)
+        {
+            return Err(invalid(format!(
+                "data file {path}: {} block checksums for {} bytes",
+                file.block_crcs.len(),
+                file.size
+            )));
+        }
+        let index = i as u32;
+        data_files.push(DataFile {
+            path: path.clone(),
+            size: Some(file.size),
+        });
+        chunks.extend(file.chunks.iter().map(|c| SavedChunk {
+            bytes: ByteMeta {
+                file: index,
+                ..c.bytes.clone()
+            },
+            ..c.clone()
+        }));
+        for object in &file.objects {
+            if !keys.insert(object.key.as_str()) {
+                return Err(invalid(format!("object {} is written twice", object.key)));
+            }
+            objects.push(ObjectMeta {
+                file: index,
+                ..object.clone()
+            });
+        }
+    }
+    let meta = CheckpointMeta::new(tensors.to_vec(), chunks, objects, data_files)?;
+    for (t, tensor) in tensors.iter().enumerate() {
+        if meta.chunks_of(t as u32).is_empty() {
+            return Err(invalid(format!(
+                "tensor {} has no saved box (write an empty box for a tensor nobody holds)",
+                tensor.fqn
+            )));
+        }
+    }
+    Ok(meta)
+}
+
+/// A data file of a checkpoint that has been written (or, for metadata-only checkpoints, laid
+/// out): what [`NativeWriter::commit`] needs from it. Serializable so that writers on other hosts
+/// can send it to the committing one.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WrittenFile {
+    path: String,
+    size: u64,
+    block_size: u64,
+    data_written: bool,
+    block_crcs: Vec<u32>,
+    chunks: Vec<SavedChunk>,
+    objects: Vec<ObjectMeta>,
+}
+
+impl WrittenFile {
+    /// Path relative to the checkpoint root (`data/<name>.bin`).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Whether bytes were uploaded (false for metadata-only checkpoints).
+    pub fn data_written(&self) -> bool {
+        self.data_written
+    }
+
+    /// crc32c of every checksum block (empty when no data was written).
+    pub fn block_crcs(&self) -> &[u32] {
+        &self.block_crcs
+    }
+
+    /// The boxes in this file. Their `bytes.file` is 0 until commit numbers the files.
+    pub fn chunks(&self) -> &[SavedChunk] {
+        &self.chunks
+    }
+
+    /// The objects in this file. Their `file` is 0 until commit numbers the files.
+    pub fn objects(&self) -> &[ObjectMeta] {
+        &self.objects
+    }
+}
+
+/// Streams boxes and objects into one data file, `data/<name>.bin`, 4 KiB aligned, computing box
+/// and block checksums on the way. Bytes go to the store in multipart parts as they accumulate, so
+/// memory stays bounded for files of any size; a file that stays below one part is put in one
+/// request. Drop without [`Self::finish`] (or call [`Self::abort`]) to abandon the file.
+#[derive(Debug)]
+pub struct DataFileWriter {
+    shared: Arc<Shared>,
+    relative: String,
+    path: Path,
+    len: u64,
+    blocks: BlockCrcs,
+    buf: Vec<u8>,
+    upload: Option<WriteMultipart>,
+    chunks: Vec<SavedChunk>,
+    objects: Vec<ObjectMeta>,
+    /// A store error happened mid-file; the file's content is unknown, so it cannot be finished.
+    failed: bool,
+}
+
+impl DataFileWriter {
+    /// Path of the file relative to the checkpoint root.
+    pub fn path(&self) -> &str {
+        &self.relative
+    }
+
+    /// Bytes written (or laid out) so far.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True when nothing has been written yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Appends the box `region` of tensor `tensor` (an index into [`NativeWriter::tensors`]).
+    /// `bytes` are the box's elements, row-major, little-endian, exactly `numel * dtype size` of
+    /// them. In a metadata-only checkpoint the bytes are checked and dropped.
+    pub async fn write_box(
+        &mut self,
+        tensor: u32,
+        region: TensorBox,
+        bytes: &[u8],
+    ) -> Result<(), MetadataError> {
+        self.usable()?;
+        let expected = self.box_bytes(tensor, &region)?;
+        if bytes.len() as u64 != expected {
+            let meta = &self.shared.tensors[tensor as usize];
+            return Err(MetadataError::ByteLengthMismatch {
+                fqn: meta.fqn.clone(),
+                region: region.to_string(),
+                numel: region.numel(),
+                dtype: meta.dtype.to_string(),
+                expected,
+                actual: bytes.len() as u64,
+            });
+        }
+        let (offset, crc32c) = if self.shared.options.metadata_only {
+            (self.lay_out(expected), None)
+        } else {
+            // An empty box takes no byte, so it needs no alignment (and adds no padding).
+            let offset = if expected == 0 {
+                self.len
+            } else {
+                self.align().await?
+            };
+            self.append(bytes).await?;
+            (offset, Some(crc32c::crc32c(bytes)))
+        };
+        self.chunks.push(SavedChunk {
+            tensor,
+            region,
+            bytes: ByteMeta {
+                file: 0,
+                offset,
+                length: expected,
+                strides: None,
+            },
+            crc32c,
+        });
+        Ok(())
+    }
+
+    /// Records the box `region` of tensor `tensor` at the place its bytes would have, without
+    /// bytes: for metadata-only checkpoints (see [`WriteOptions::metadata_only`]).
+    pub fn write_box_metadata_only(
+        &mut self,
+        tensor: u32,
+        region: TensorBox,
+    ) -> Result<(), MetadataError> {
+        self.usable()?;
+        if !self.shared.options.metadata_only {
+            return Err(MetadataError::Invalid {
+                what: format!(
+                    "{}: write_box_metadata_only in a checkpoint that stores data (set WriteOptions::metadata_only)",
+                    self.relative
+                ),
+            });
+        }
+        let length = self.box_bytes(tensor, &region)?;
+        let offset = self.lay_out(length);
+        self.chunks.push(SavedChunk {
+            tensor,
+            region,
+            bytes: ByteMeta {
+                file: 0,
+                offset,
+                length,
+                strides: None,
+            },
+            crc32c: None,
+        });
+        Ok(())
+    }
+
+    /// Appends a non-tensor object (config, RNG state, step counter) under `key`.
+    pub async fn write_object(&mut self, key: &str, bytes: &[u8]) -> Result<(), MetadataError> {
+        self.usable()?;
+        if key.is_empty() {
+            return Err(MetadataError::Invalid {
+                what: format!("{}: an object needs a non-empty key", self.relative),
+            });
+        }
+        let length = bytes.len() as u64;
+        let (offset, crc32c) = if self.shared.options.metadata_only {
+            (self.lay_out(length), None)
+        } else {
+            let offset = if length == 0 {
+                self.len
+            } else {
+                self.align().await?
+            };
+            self.append(bytes).await?;
+            (offset, Some(crc32c::crc32c(bytes)))
+        };
+        self.objects.push(ObjectMeta {
+            key: key.to_string(),
+            file: 0,
+            offset,
+            length,
+            crc32c,
+        });
+        Ok(())
+    }
+
+    /// Completes the upload and returns what the commit needs.
+    pub async fn finish(mut self) -> Result<WrittenFile, MetadataError> {
+        self.usable()?;
+        let data_written = !self.shared.options.metadata_only;
+        if data_written {
+            let buf = Bytes::from(std::mem::take(&mut self.buf));
+            match self.upload.take() {
+                None => {
+                    self.shared
+                        .store
+                        .put(&self.path, PutPayload::from(buf))
+                        .await
+                        .map_err(store_error("writing", &self.path))?;
+                }
+                Some(mut upload) => {
+                    upload.put(buf);
+                    upload
+                        .finish()
+                        .await
+                        .map_err(store_error("completing the upload of", &self.path))?;
+                }
+            }
+        }
+        let block_size = self.shared.options.block_size;
+        let block_crcs = if data_written {
+            self.blocks.finish()
+        } else {
+            Vec::new()
+        };
+        Ok(WrittenFile {
+            path: self.relative,
+            size: self.len,
+            block_size,
+            data_written,
+            block_crcs,
+            chunks: self.chunks,
+            objects: self.objects,
+        })
+    }
+
+    /// Abandons the file, cleaning up uploaded parts where the store supports it.
+    pub async fn abort(mut self) -> Result<(), MetadataError> {
+        if let Some(upload) = self.upload.take() {
+            upload
+                .abort()
+                .await
+                .map_err(store_error("aborting the upload of", &self.path))?;
+        }
+        Ok(())
+    }
+
+    fn usable(&self) -> Result<(), MetadataError> {
+        if self.failed {
+            return Err(MetadataError::Invalid {
+                what: format!(
+                    "{}: an earlier write failed, so the file cannot be continued",
+                    self.relative
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks `region` against tensor `tensor` and returns its byte length.
+    fn box_bytes(&self, tensor: u32, region: &TensorBox) -> Result<u64, MetadataError> {
+        let tensors = &self.shared.tensors;
+        let Some(meta) = tensors.get(tensor as usize) else {
+            return Err(MetadataError::Invalid {
+                what: format!(
+                    "{}: box {region} refers to tensor #{tensor} but there are {} tensors",
+                    self.relative,
+                    tensors.len()
+                ),
+            });
+        };
+        if region.offsets.len() != meta.shape.len() || region.lengths.len() != meta.shape.len() {
+            return Err(MetadataError::RankMismatch {
+                fqn: meta.fqn.clone(),
+                // Display needs as many offsets as lengths; say what was given otherwise.
+                region: if region.offsets.len() == region.lengths.len() {
+                    region.to_string()
+                } else {
+                    format!("offsets {:?} lengths {:?}", region.offsets, region.lengths)
+                },
+                ndim: meta.shape.len(),
+            });
+        }
+        for (dim, &size) in meta.shape.iter().enumerate() {
+            let start = region.offsets[dim];
+            let end = start.checked_add(region.lengths[dim]);
+            if end.is_none_or(|end| end > size) {
+                return Err(MetadataError::BoxOutsideShape {
+                    fqn: meta.fqn.clone(),
+                    region: region.to_string(),
+                    shape: shape_to_string(&meta.shape),
+                    dim,
+                    start,
+                    end: end.unwrap_or(u64::MAX),
+                    size,
+                });
+            }
+        }
+        // Inside the shape, whose byte size was checked at create: no overflow.
+        Ok(region.numel() * meta.dtype.size())
+    }
+
+    /// Offset for `length` bytes laid out without data (metadata-only): aligned like real data.
+    fn lay_out(&mut self, length: u64) -> u64 {
+        if length > 0 {
+            self.len = self.len.next_multiple_of(ALIGNMENT);
+        }
+        let offset = self.len;
+        self.len += length;
+        offset
+    }
+
+    /// Pads with zeros to the next 4 KiB boundary and returns it.
+    async fn align(&mut self) -> Result<u64, MetadataError> {
+        let pad = (self.len.next_multiple_of(ALIGNMENT) - self.len) as usize;
+        self.append(&ZEROS[..pad]).await?;
+        Ok(self.len)
+    }
+
+    async fn append(&mut self, data: &[u8]) -> Result<(), MetadataError> {
+        self.blocks.update(data);
+        self.len += data.len() as u64;
+        let mut rest = data;
+        while !rest.is_empty() {
+            let take = rest.len().min(PART_SIZE - self.buf.len());
+            let (head, tail) = rest.split_at(take);
+            self.buf.extend_from_slice(head);
+            rest = tail;
+            if self.buf.len() == PART_SIZE
+                && let Err(e) = self.flush_part().await
+            {
+                self.failed = true;
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands one full part to the multipart upload (starting it on the first part), after
+    /// waiting until fewer than [`PARTS_IN_FLIGHT`] parts are uploading.
+    async fn flush_part(&mut self) -> Result<(), MetadataError> {
+        let upload = match &mut self.upload {
+            Some(upload) => upload,
+            None => {
+                let upload = self
+                    .shared
+                    .store
+                    .put_multipart(&self.path)
+                    .await
+                    .map_err(store_error("starting the upload of", &self.path))?;
+                self.upload
+                    .insert(WriteMultipart::new_with_chunk_size(upload, PART_SIZE))
+            }
+        };
+        upload
+            .wait_for_capacity(PARTS_IN_FLIGHT)
+            .await
+            .map_err(store_error("uploading", &self.path))?;
+        let part = std::mem::replace(&mut self.buf, Vec::with_capacity(PART_SIZE));
+        upload.put(Bytes::from(part));
+        Ok(())
+    }
+}
