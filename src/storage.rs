@@ -19,9 +19,37 @@ pub struct Location {
     pub display: String,
 }
 
-/// Opens `location`: a local path (relative or absolute) or a `file://` URL. The local store is
-/// rooted at `/` so that a checkpoint's run directory (its `latest` pointer) is reachable too.
+/// Opens `location` for reading: a local path (relative or absolute) or a `file://` URL. The
+/// local store is rooted at the checkpoint's parent directory (its run directory, where the
+/// `latest` pointer lives), so object paths in messages are short and the run stays reachable.
 pub fn open(location: &str) -> Result<Location> {
+    let (root, name) = local_parts(location)?;
+    if !root.is_dir() {
+        bail!("{location}: directory {} does not exist", root.display());
+    }
+    located(location, &root, &name)
+}
+
+/// Opens `location` for writing a checkpoint, creating its parent directories.
+pub fn create(location: &str) -> Result<Location> {
+    let (root, name) = local_parts(location)?;
+    std::fs::create_dir_all(&root)
+        .with_context(|| format!("creating directory {}", root.display()))?;
+    located(location, &root, &name)
+}
+
+fn located(location: &str, root: &std::path::Path, name: &str) -> Result<Location> {
+    let store = LocalFileSystem::new_with_prefix(root)
+        .with_context(|| format!("opening {}", root.display()))?;
+    Ok(Location {
+        store: Arc::new(store),
+        prefix: Path::from(name),
+        display: location.to_string(),
+    })
+}
+
+/// Splits a local location into its absolute parent directory and last component.
+fn local_parts(location: &str) -> Result<(std::path::PathBuf, String)> {
     if let Some((scheme, _)) = location.split_once("://")
         && scheme != "file"
     {
@@ -33,50 +61,60 @@ pub fn open(location: &str) -> Result<Location> {
     if raw.is_empty() {
         bail!("empty checkpoint location");
     }
-    let absolute = if std::path::Path::new(raw).is_absolute() {
+    let joined = if std::path::Path::new(raw).is_absolute() {
         std::path::PathBuf::from(raw)
     } else {
         std::env::current_dir()
             .context("reading the current directory")?
             .join(raw)
     };
-    let mut parts = Vec::new();
-    for component in absolute.components() {
+    // Normalize `.` and `..` without touching the file system (the path may not exist yet).
+    let mut absolute = std::path::PathBuf::from("/");
+    for component in joined.components() {
         match component {
-            std::path::Component::Normal(part) => {
-                let Some(part) = part.to_str() else {
-                    bail!("{location}: path is not valid UTF-8");
-                };
-                parts.push(part.to_string());
-            }
+            std::path::Component::Normal(part) => absolute.push(part),
             std::path::Component::ParentDir => {
-                parts.pop();
+                absolute.pop();
             }
             _ => {}
         }
     }
-    let prefix = Path::from_iter(parts);
-    Ok(Location {
-        store: Arc::new(LocalFileSystem::new()),
-        prefix,
-        display: location.to_string(),
-    })
+    let Some(name) = absolute
+        .file_name()
+        .and_then(|n| n.to_str())
+        .map(str::to_string)
+    else {
+        bail!("{location}: needs a directory name (not the file system root), in UTF-8");
+    };
+    let root = absolute
+        .parent()
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or_else(|| "/".into());
+    Ok((root, name))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::open;
+    use super::{create, open};
 
     #[test]
     fn local_paths_and_file_urls_open() {
-        let a = open("/tmp/x/../ckpt/step-000001").expect("open");
-        assert_eq!(a.prefix.as_ref(), "tmp/ckpt/step-000001");
-        let b = open("file:///tmp/ckpt").expect("open");
-        assert_eq!(b.prefix.as_ref(), "tmp/ckpt");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let base = dir.path().display().to_string();
+        let a = create(&format!("{base}/x/../run/step-000001")).expect("create");
+        assert_eq!(a.prefix.as_ref(), "step-000001");
+        assert!(dir.path().join("run").is_dir());
+        let b = open(&format!("file://{base}/run/step-000001")).expect("open");
+        assert_eq!(b.prefix.as_ref(), "step-000001");
+        let missing = open(&format!("{base}/nope/step-1")).expect_err("missing parent");
+        assert_eq!(
+            missing.to_string(),
+            format!("{base}/nope/step-1: directory {base}/nope does not exist")
+        );
         let err = open("gs://bucket/x").expect_err("unsupported");
-        assert!(
-            err.to_string()
-                .contains("gs:// storage is not supported yet")
+        assert_eq!(
+            err.to_string(),
+            "gs://bucket/x: gs:// storage is not supported yet; use a local path or file:// URL"
         );
     }
 }

@@ -15,5 +15,5 @@ pub use box_index::BoxIndex;
 pub use checkpoint::{ByteMeta, CheckpointMeta, DataFile, ObjectMeta, SavedChunk};
 pub use dtype::DType;
 pub use error::MetadataError;
-pub use tensor::{TensorBox, TensorMeta, row_major_strides, shape_to_string};
+pub use tensor::{Dims, TensorBox, TensorMeta, row_major_strides, shape_to_string};
 pub use validate::validate;

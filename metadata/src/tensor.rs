@@ -3,6 +3,7 @@
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 use crate::DType;
 
@@ -43,19 +44,24 @@ impl TensorMeta {
     }
 }
 
+/// Per-dimension numbers of a box. Four dimensions are stored inline (no heap allocation), which
+/// covers every tensor of an LLM checkpoint; plans hold millions of boxes, so this matters.
+pub type Dims = SmallVec<[u64; 4]>;
+
 /// An N-d box of a tensor in global coordinates. A length may be 0 (an empty box, which holds no
 /// element but still says where it sits, as DCP and DTensor do for trailing ranks).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct TensorBox {
     /// Start of the box in every dimension.
-    pub offsets: Vec<u64>,
+    pub offsets: Dims,
     /// Extent of the box in every dimension.
-    pub lengths: Vec<u64>,
+    pub lengths: Dims,
 }
 
 impl TensorBox {
     /// Creates a box; `offsets` and `lengths` must have the same length.
-    pub fn new(offsets: Vec<u64>, lengths: Vec<u64>) -> Self {
+    pub fn new(offsets: impl Into<Dims>, lengths: impl Into<Dims>) -> Self {
+        let (offsets, lengths) = (offsets.into(), lengths.into());
         debug_assert_eq!(offsets.len(), lengths.len());
         Self { offsets, lengths }
     }
@@ -63,8 +69,8 @@ impl TensorBox {
     /// The box covering a whole tensor of `shape`.
     pub fn whole(shape: &[u64]) -> Self {
         Self {
-            offsets: vec![0; shape.len()],
-            lengths: shape.to_vec(),
+            offsets: smallvec::smallvec![0; shape.len()],
+            lengths: Dims::from_slice(shape),
         }
     }
 
@@ -91,8 +97,8 @@ impl TensorBox {
     /// The common part of two boxes of the same tensor, or `None` when they share no element.
     pub fn intersect(&self, other: &TensorBox) -> Option<TensorBox> {
         debug_assert_eq!(self.ndim(), other.ndim());
-        let mut offsets = Vec::with_capacity(self.ndim());
-        let mut lengths = Vec::with_capacity(self.ndim());
+        let mut offsets = Dims::new();
+        let mut lengths = Dims::new();
         for d in 0..self.ndim() {
             let start = self.offsets[d].max(other.offsets[d]);
             let end = self.end(d).min(other.end(d));
@@ -118,7 +124,7 @@ impl TensorBox {
     }
 
     /// `inner`'s offsets relative to this box's origin.
-    pub fn relative_offsets(&self, inner: &TensorBox) -> Vec<u64> {
+    pub fn relative_offsets(&self, inner: &TensorBox) -> Dims {
         inner
             .offsets
             .iter()

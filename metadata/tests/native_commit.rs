@@ -257,8 +257,8 @@ async fn the_writer_refuses_bad_boxes_naming_tensor_and_file() {
         .write_box(
             0,
             TensorBox {
-                offsets: vec![0],
-                lengths: vec![2, 6],
+                offsets: vec![0].into(),
+                lengths: vec![2, 6].into(),
             },
             &[0; 24],
         )

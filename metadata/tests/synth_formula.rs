@@ -523,7 +523,7 @@ fn tensor_and_box() -> impl Strategy<Value = (String, TensorBox)> {
             .map(|&n| (0..=n).prop_flat_map(move |start| (Just(start), 0..=n - start)))
             .collect();
         (Just(fqn), dims).prop_map(|(fqn, ranges)| {
-            let (offsets, lengths) = ranges.into_iter().unzip();
+            let (offsets, lengths): (Vec<u64>, Vec<u64>) = ranges.into_iter().unzip();
             (fqn, TensorBox::new(offsets, lengths))
         })
     })

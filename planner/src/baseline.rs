@@ -39,7 +39,7 @@ pub fn all_pairs_read_items(meta: &CheckpointMeta, requests: &RequestSet) -> Vec
                             items.push(ReadItem {
                                 request: r as u32,
                                 chunk: first + c as u32,
-                                chunk_offsets: chunk.region.relative_offsets(&region),
+                                chunk_offsets: chunk.region.relative_offsets(&region).to_vec(),
                                 bytes: region.numel() * tensor.dtype.size(),
                                 region,
                             });

@@ -230,7 +230,10 @@ impl Layout {
                 }
             }
         }
-        Ok(RequestSet { ranks })
+        Ok(RequestSet {
+            ranks,
+            disjoint: true,
+        })
     }
 
     fn stage_dim_size(&self, placements: &[Placement]) -> u32 {

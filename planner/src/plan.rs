@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rustc_hash::FxHashMap;
 
-use tessera_metadata::{BoxIndex, CheckpointMeta, TensorBox, TensorMeta};
+use tessera_metadata::{BoxIndex, CheckpointMeta, Dims, TensorBox, TensorMeta};
 
 use crate::request::{check_target, flat_range_to_boxes};
 use crate::summary::{PlanSummary, union_volume};
@@ -81,7 +81,7 @@ pub struct Plan {
     /// CSR of each distinct target's pieces: ids `target_piece_ids[offsets[i]..offsets[i + 1]]`.
     pub(crate) target_piece_offsets: Vec<u32>,
     pub(crate) target_piece_ids: Vec<u32>,
-    /// Per rank: the pieces it reads, in file and offset order.
+    /// Per rank: the pieces it reads, in id order.
     pub(crate) reads: Vec<Vec<u32>>,
     /// Per group: its pieces ordered by (reader, id), so a member's share is one slice.
     pub(crate) group_pieces: Vec<Vec<u32>>,
@@ -156,11 +156,27 @@ impl Plan {
     }
 }
 
-/// One distinct target of one tensor and every (rank, destination) that asked for it.
-struct DistinctTarget {
-    tensor: u32,
-    target: Target,
+/// The distinct targets of a plan (identical requests of several ranks folded into one) and
+/// every (rank, destination) that asked for each, as a CSR.
+struct DistinctTargets<'a> {
+    targets: Vec<(u32, &'a Target)>,
+    holder_offsets: Vec<u32>,
     holders: Vec<(u32, u32)>,
+}
+
+impl DistinctTargets<'_> {
+    fn len(&self) -> usize {
+        self.targets.len()
+    }
+
+    fn target(&self, id: u32) -> &Target {
+        self.targets[id as usize].1
+    }
+
+    fn holders(&self, id: u32) -> &[(u32, u32)] {
+        &self.holders[self.holder_offsets[id as usize] as usize
+            ..self.holder_offsets[id as usize + 1] as usize]
+    }
 }
 
 /// Where a tensor-local piece's holders come from.
@@ -196,12 +212,13 @@ pub fn plan(
     // 1. Destinations, and identical targets folded together (DP replicas ask for the same box).
     let mut destinations: Vec<Vec<Destination>> = Vec::with_capacity(world as usize);
     let mut dest_targets: Vec<Vec<u32>> = Vec::with_capacity(world as usize);
-    let mut distinct: Vec<DistinctTarget> = Vec::new();
+    let mut targets: Vec<(u32, &Target)> = Vec::new();
+    let mut request_targets: Vec<u32> =
+        Vec::with_capacity(requests.ranks.iter().map(Vec::len).sum());
     let mut distinct_ids: FxHashMap<(u32, u32, &Target), u32> = FxHashMap::default();
     for (rank, rank_requests) in requests.ranks.iter().enumerate() {
         let rank = rank as u32;
         let mut rank_destinations = Vec::with_capacity(rank_requests.len());
-        let mut rank_targets = Vec::with_capacity(rank_requests.len());
         for request in rank_requests {
             let Some(tensor) = tensors.get(request.tensor as usize) else {
                 return Err(PlanError::UnknownTensor {
@@ -210,7 +227,6 @@ pub fn plan(
                 });
             };
             check_target(rank, tensor, &request.target)?;
-            let dest = rank_destinations.len() as u32;
             rank_destinations.push(Destination {
                 tensor: request.tensor,
                 target: request.target.clone(),
@@ -220,24 +236,46 @@ pub fn plan(
             let id = *distinct_ids
                 .entry((owner, request.tensor, &request.target))
                 .or_insert_with(|| {
-                    distinct.push(DistinctTarget {
-                        tensor: request.tensor,
-                        target: request.target.clone(),
-                        holders: Vec::new(),
-                    });
-                    distinct.len() as u32 - 1
+                    targets.push((request.tensor, &request.target));
+                    targets.len() as u32 - 1
                 });
-            distinct[id as usize].holders.push((rank, dest));
-            rank_targets.push(id);
+            request_targets.push(id);
         }
         destinations.push(rank_destinations);
-        dest_targets.push(rank_targets);
     }
     drop(distinct_ids);
+    // Holders of each target as a CSR, filled in rank order (so ascending ranks per target).
+    let mut holder_offsets = vec![0u32; targets.len() + 1];
+    for &id in &request_targets {
+        holder_offsets[id as usize + 1] += 1;
+    }
+    for i in 0..targets.len() {
+        holder_offsets[i + 1] += holder_offsets[i];
+    }
+    let mut fill = holder_offsets.clone();
+    let mut holders = vec![(0u32, 0u32); request_targets.len()];
+    let mut next_request = request_targets.iter();
+    for (rank, rank_requests) in requests.ranks.iter().enumerate() {
+        let mut rank_targets = Vec::with_capacity(rank_requests.len());
+        for dest in 0..rank_requests.len() {
+            let Some(&id) = next_request.next() else {
+                break;
+            };
+            holders[fill[id as usize] as usize] = (rank as u32, dest as u32);
+            fill[id as usize] += 1;
+            rank_targets.push(id);
+        }
+        dest_targets.push(rank_targets);
+    }
+    let distinct = DistinctTargets {
+        targets,
+        holder_offsets,
+        holders,
+    };
 
     let mut by_tensor: Vec<Vec<u32>> = vec![Vec::new(); tensors.len()];
-    for (id, d) in distinct.iter().enumerate() {
-        by_tensor[d.tensor as usize].push(id as u32);
+    for (id, (tensor, _)) in distinct.targets.iter().enumerate() {
+        by_tensor[*tensor as usize].push(id as u32);
     }
 
     // 2. Intersections, tensor by tensor (independent, so spread over the cores), through a
@@ -260,7 +298,14 @@ pub fn plan(
                         let Some(&t) = work.get(i) else { break };
                         out.push((
                             t,
-                            tensor_pieces(meta, t, &by_tensor[t as usize], &distinct, options),
+                            tensor_pieces(
+                                meta,
+                                t,
+                                &by_tensor[t as usize],
+                                &distinct,
+                                options,
+                                requests.disjoint,
+                            ),
                         ));
                     }
                     out
@@ -297,8 +342,7 @@ pub fn plan(
                     memberships.push((*id, piece));
                     let cached = &mut target_group[*id as usize];
                     if *cached == u32::MAX {
-                        *cached =
-                            builder.group_of(distinct[*id as usize].holders.iter().map(|h| h.0));
+                        *cached = builder.group_of(distinct.holders(*id).iter().map(|h| h.0));
                     }
                     *cached
                 }
@@ -306,7 +350,7 @@ pub fn plan(
                     memberships.extend(ids.iter().map(|&id| (id, piece)));
                     builder.group_of(
                         ids.iter()
-                            .flat_map(|&id| distinct[id as usize].holders.iter().map(|h| h.0)),
+                            .flat_map(|&id| distinct.holders(id).iter().map(|h| h.0)),
                     )
                 }
             };
@@ -358,8 +402,9 @@ fn tensor_pieces(
     meta: &CheckpointMeta,
     t: u32,
     ids: &[u32],
-    distinct: &[DistinctTarget],
+    distinct: &DistinctTargets<'_>,
     options: &PlanOptions,
+    disjoint: bool,
 ) -> Result<TensorPieces, PlanError> {
     let tensor = &meta.tensors()[t as usize];
     let chunks = meta.chunks_of(t);
@@ -368,7 +413,7 @@ fn tensor_pieces(
 
     let mut subs: Vec<(u32, Cow<'_, TensorBox>)> = Vec::with_capacity(ids.len());
     for &id in ids {
-        match &distinct[id as usize].target {
+        match distinct.target(id) {
             Target::Box(b) => subs.push((id, Cow::Borrowed(b))),
             flat => subs.extend(
                 target_boxes(tensor, flat)
@@ -378,18 +423,26 @@ fn tensor_pieces(
         }
     }
     subs.retain(|(_, b)| !b.is_empty());
-    let mut unique: Vec<&TensorBox> = subs.iter().map(|(_, b)| b.as_ref()).collect();
-    unique.sort_unstable();
-    unique.dedup();
-    let requests_overlap = BoxIndex::build(unique.clone()).find_overlap().is_some();
-    let unique_elems = if requests_overlap {
-        union_volume(&unique)
+    let (unique_elems, refine) = if disjoint && options.dedup {
+        // Distinct targets of a layout are pairwise disjoint: nothing to refine or to union.
+        (subs.iter().map(|(_, b)| b.numel()).sum(), false)
     } else {
-        unique.iter().map(|b| b.numel()).sum()
+        let mut unique: Vec<&TensorBox> = subs.iter().map(|(_, b)| b.as_ref()).collect();
+        unique.sort_unstable();
+        unique.dedup();
+        let requests_overlap = BoxIndex::build(unique.clone()).find_overlap().is_some();
+        let elems = if requests_overlap {
+            union_volume(&unique)
+        } else {
+            unique.iter().map(|b| b.numel()).sum()
+        };
+        // Overlapping (or repeated) requests are refined so that shared elements become shared
+        // pieces; disjoint ones map straight to pieces.
+        (
+            elems,
+            (requests_overlap || unique.len() < subs.len()) && options.dedup,
+        )
     };
-    // Overlapping (or repeated) requests, which explicit ones can be and layouts never are, are
-    // refined so that shared elements become shared pieces; disjoint ones map straight to pieces.
-    let refine = (requests_overlap || unique.len() < subs.len()) && options.dedup;
     let mut per_chunk: Vec<Vec<(TensorBox, u32)>> = if refine {
         vec![Vec::new(); chunks.len()]
     } else {
@@ -418,7 +471,7 @@ fn tensor_pieces(
             }
         }
         if covered != sub.numel() {
-            let rank = distinct[*id as usize].holders.first().map_or(0, |h| h.0);
+            let rank = distinct.holders(*id).first().map_or(0, |h| h.0);
             return Err(PlanError::Uncovered {
                 rank,
                 fqn: tensor.fqn.clone(),
@@ -456,10 +509,10 @@ fn refine_chunk(pieces: &mut Vec<LocalPiece>, chunk: u32, items: &[(TensorBox, u
     let mut index = vec![0usize; ndim];
     loop {
         let cell = TensorBox::new(
-            (0..ndim).map(|d| cuts[d][index[d]]).collect(),
+            (0..ndim).map(|d| cuts[d][index[d]]).collect::<Dims>(),
             (0..ndim)
                 .map(|d| cuts[d][index[d] + 1] - cuts[d][index[d]])
-                .collect(),
+                .collect::<Dims>(),
         );
         let mut ids: Vec<u32> = items
             .iter()
@@ -562,8 +615,15 @@ impl PieceBuilder {
                 shared.push(i as u32);
             }
         }
-        shared.sort_by_key(|&i| (std::cmp::Reverse(piece_bytes[i as usize]), i));
+        // Largest first, ties by id. Pieces come in few distinct sizes (one per tensor shard
+        // shape), so bucketing by size is a linear-time sort.
+        let mut by_size: FxHashMap<u64, Vec<u32>> = FxHashMap::default();
         for i in shared {
+            by_size.entry(piece_bytes[i as usize]).or_default().push(i);
+        }
+        let mut sizes: Vec<u64> = by_size.keys().copied().collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        for i in sizes.iter().flat_map(|size| by_size[size].iter().copied()) {
             let p = &mut self.pieces[i as usize];
             let members = &self.groups[p.group as usize].members;
             let mut reader = members[0];
@@ -576,23 +636,20 @@ impl PieceBuilder {
             load[reader as usize] += piece_bytes[i as usize];
         }
 
-        // 4. Indexes for per-rank extraction.
+        // 4. Indexes for per-rank extraction, built in linear time: each rank's reads in id
+        // order, and each group's pieces by (reader, id) by walking the readers in rank order.
         let mut reads: Vec<Vec<u32>> = vec![Vec::new(); self.world as usize];
-        let mut group_pieces: Vec<Vec<u32>> = vec![Vec::new(); self.groups.len()];
         for (i, p) in self.pieces.iter().enumerate() {
             reads[p.reader as usize].push(i as u32);
-            group_pieces[p.group as usize].push(i as u32);
         }
-        let chunks = meta.chunks();
-        for rank_reads in &mut reads {
-            rank_reads.sort_by_key(|&i| {
-                let p = &self.pieces[i as usize];
-                let b = &chunks[p.chunk as usize].bytes;
-                (b.file, b.offset, i)
-            });
-        }
-        for pieces in &mut group_pieces {
-            pieces.sort_by_key(|&i| (self.pieces[i as usize].reader, i));
+        let mut group_pieces: Vec<Vec<u32>> = vec![Vec::new(); self.groups.len()];
+        for rank_reads in &reads {
+            for &i in rank_reads {
+                let g = self.pieces[i as usize].group as usize;
+                if self.groups[g].members.len() > 1 {
+                    group_pieces[g].push(i);
+                }
+            }
         }
         let mut rank_groups: Vec<Vec<u32>> = vec![Vec::new(); self.world as usize];
         for (g, group) in self.groups.iter().enumerate() {

@@ -35,7 +35,7 @@ impl Target {
     /// Shape of the destination buffer: the box lengths, or `[end - start]` for a flat range.
     pub fn buffer_shape(&self) -> Vec<u64> {
         match self {
-            Target::Box(b) => b.lengths.clone(),
+            Target::Box(b) => b.lengths.to_vec(),
             Target::Flat { start, end } => vec![end - start],
         }
     }
@@ -55,6 +55,10 @@ pub struct Request {
 pub struct RequestSet {
     /// Per-rank requests.
     pub ranks: Vec<Vec<Request>>,
+    /// Promise that, per tensor, any two requests are identical or disjoint (true for layouts,
+    /// whose shards partition each tensor). Lets the planner skip its overlap check; leave it
+    /// false for explicit requests.
+    pub disjoint: bool,
 }
 
 impl RequestSet {
@@ -137,7 +141,10 @@ impl ExplicitRequests {
             }
             ranks.push(resolved);
         }
-        Ok(RequestSet { ranks })
+        Ok(RequestSet {
+            ranks,
+            disjoint: false,
+        })
     }
 }
 

@@ -158,6 +158,7 @@ fn uncovered_request_and_rank_out_of_range() {
         &meta,
         &RequestSet {
             ranks: vec![Vec::new()],
+            disjoint: false,
         },
         &PlanOptions::default(),
     )

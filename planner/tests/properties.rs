@@ -125,6 +125,12 @@ proptest! {
         prop_assert_eq!(s.read_amplification, 1.0);
         prop_assert_eq!(s.bytes_needed, s.bytes_read + s.bytes_exchanged);
 
+        // The layout's promise that requests are identical or disjoint holds: planning without
+        // it (overlap check, refinement) gives the same plan.
+        let checked = RequestSet { disjoint: false, ..requests.clone() };
+        let unchecked_plan = make_plan(&saved.meta, &checked, &PlanOptions::default()).unwrap();
+        prop_assert_eq!(unchecked_plan.summary(), plan.summary());
+
         // The partition index finds exactly what scanning all pairs finds.
         let no_dedup = plan_and_check(&saved, &requests, &PlanOptions { dedup: false });
         let (pairs, pair_bytes) = all_pairs_overlaps(&saved.meta, &requests);

@@ -17,7 +17,7 @@ use crate::synth::{SynthOptions, synthesize};
 pub async fn run(dir: &str) -> Result<String> {
     let mut out = String::new();
     let ckpt = format!("{}/gpt-tiny/step-000100", dir.trim_end_matches('/'));
-    let location = storage::open(&ckpt)?;
+    let location = storage::create(&ckpt)?;
     let config = Model::GptTiny.config();
     let saved_layout = megatron_gpt(MegatronGpt {
         tp: 2,

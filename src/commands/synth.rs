@@ -10,7 +10,7 @@ use crate::synth::{SynthOptions, synthesize};
 /// Writes the checkpoint and returns the report printed at the end.
 pub async fn run(out: &str, layout_path: &str, options: &SynthOptions) -> Result<String> {
     let layout = super::read_layout(layout_path)?;
-    let location = storage::open(out)?;
+    let location = storage::create(out)?;
     let manifest = synthesize(&location, &layout, options).await?;
     let data = match manifest.data {
         DataPresence::Present => "with data",

@@ -22,8 +22,8 @@ use arrow_ipc::writer::StreamWriter;
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
 use crate::{
-    ByteMeta, CheckpointMeta, DType, DataFile, MetadataError, ObjectMeta, SavedChunk, TensorBox,
-    TensorMeta,
+    ByteMeta, CheckpointMeta, DType, DataFile, Dims, MetadataError, ObjectMeta, SavedChunk,
+    TensorBox, TensorMeta,
 };
 
 /// Rows per record batch. Large enough that per-batch overhead vanishes, small enough that the
@@ -826,8 +826,8 @@ impl<'p> Decoder<'p> {
         self.chunks.push(SavedChunk {
             tensor,
             region: TensorBox {
-                offsets: offsets.to_vec(),
-                lengths: lengths.to_vec(),
+                offsets: Dims::from_slice(offsets),
+                lengths: Dims::from_slice(lengths),
             },
             bytes: ByteMeta {
                 file,
