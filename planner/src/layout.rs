@@ -210,24 +210,38 @@ impl Layout {
                     });
                 }
             }
+            let stage_dim = rule_placements.iter().position(|p| *p == Placement::Stage);
             let stage = if rule_placements.contains(&Placement::Stage) {
                 Some(stage_of.stage(tensor, self.stage_dim_size(rule_placements))?)
             } else {
                 None
             };
-            for (rank, rank_coords) in coords.iter().enumerate() {
-                if let Some(region) = shard_box(
-                    &tensor.shape,
-                    rule_placements,
-                    &self.mesh,
-                    rank_coords,
-                    stage,
-                ) {
-                    ranks[rank].push(Request {
-                        tensor: t as u32,
-                        target: Target::Box(region),
-                    });
+            // Only the ranks on the tensor's stage hold it: with the stage on mesh dim i they are
+            // blocks of stride(i) consecutive ranks, one every stride(i)·size(i).
+            let (block, period, first) = match (stage_dim, stage) {
+                (Some(i), Some(s)) => {
+                    let stride: u32 = self.mesh[i + 1..].iter().map(|d| d.size).product();
+                    (stride, stride * self.mesh[i].size, s * stride)
                 }
+                _ => (world, world, 0),
+            };
+            let mut start = first;
+            while start < world {
+                for rank in start..start + block {
+                    if let Some(region) = shard_box(
+                        &tensor.shape,
+                        rule_placements,
+                        &self.mesh,
+                        &coords[rank as usize],
+                        stage,
+                    ) {
+                        ranks[rank as usize].push(Request {
+                            tensor: t as u32,
+                            target: Target::Box(region),
+                        });
+                    }
+                }
+                start += period;
             }
         }
         Ok(RequestSet {

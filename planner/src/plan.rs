@@ -164,7 +164,43 @@ struct DistinctTargets<'a> {
     holders: Vec<(u32, u32)>,
 }
 
-impl DistinctTargets<'_> {
+impl<'a> DistinctTargets<'a> {
+    /// Folds one tensor's requests, given as (rank, destination) in rank order, into distinct
+    /// targets. A small per-tensor map stays in cache, unlike one map over the whole cluster.
+    fn fold(requests: &'a RequestSet, tensor: u32, asked: &[(u32, u32)], dedup: bool) -> Self {
+        let mut ids: FxHashMap<(u32, &Target), u32> = FxHashMap::default();
+        let mut targets: Vec<(u32, &Target)> = Vec::new();
+        let mut of_request: Vec<u32> = Vec::with_capacity(asked.len());
+        for &(rank, dest) in asked {
+            let target = &requests.ranks[rank as usize][dest as usize].target;
+            // Without dedup every rank's target stays its own.
+            let owner = if dedup { u32::MAX } else { rank };
+            let id = *ids.entry((owner, target)).or_insert_with(|| {
+                targets.push((tensor, target));
+                targets.len() as u32 - 1
+            });
+            of_request.push(id);
+        }
+        let mut holder_offsets = vec![0u32; targets.len() + 1];
+        for &id in &of_request {
+            holder_offsets[id as usize + 1] += 1;
+        }
+        for i in 0..targets.len() {
+            holder_offsets[i + 1] += holder_offsets[i];
+        }
+        let mut fill = holder_offsets.clone();
+        let mut holders = vec![(0u32, 0u32); asked.len()];
+        for (&id, &holder) in of_request.iter().zip(asked) {
+            holders[fill[id as usize] as usize] = holder;
+            fill[id as usize] += 1;
+        }
+        Self {
+            targets,
+            holder_offsets,
+            holders,
+        }
+    }
+
     fn len(&self) -> usize {
         self.targets.len()
     }
@@ -195,7 +231,8 @@ struct LocalPiece {
 }
 
 /// What a worker found for one tensor.
-struct TensorPieces {
+struct TensorPieces<'a> {
+    targets: DistinctTargets<'a>,
     pieces: Vec<LocalPiece>,
     unique_bytes: u64,
 }
@@ -209,13 +246,9 @@ pub fn plan(
     let tensors = meta.tensors();
     let world = requests.world_size();
 
-    // 1. Destinations, and identical targets folded together (DP replicas ask for the same box).
+    // 1. Destinations, and every tensor's requests as (rank, destination) in rank order.
     let mut destinations: Vec<Vec<Destination>> = Vec::with_capacity(world as usize);
-    let mut dest_targets: Vec<Vec<u32>> = Vec::with_capacity(world as usize);
-    let mut targets: Vec<(u32, &Target)> = Vec::new();
-    let mut request_targets: Vec<u32> =
-        Vec::with_capacity(requests.ranks.iter().map(Vec::len).sum());
-    let mut distinct_ids: FxHashMap<(u32, u32, &Target), u32> = FxHashMap::default();
+    let mut asked: Vec<Vec<(u32, u32)>> = vec![Vec::new(); tensors.len()];
     for (rank, rank_requests) in requests.ranks.iter().enumerate() {
         let rank = rank as u32;
         let mut rank_destinations = Vec::with_capacity(rank_requests.len());
@@ -227,68 +260,27 @@ pub fn plan(
                 });
             };
             check_target(rank, tensor, &request.target)?;
+            asked[request.tensor as usize].push((rank, rank_destinations.len() as u32));
             rank_destinations.push(Destination {
                 tensor: request.tensor,
                 target: request.target.clone(),
             });
-            // Without dedup every rank's target stays its own.
-            let owner = if options.dedup { u32::MAX } else { rank };
-            let id = *distinct_ids
-                .entry((owner, request.tensor, &request.target))
-                .or_insert_with(|| {
-                    targets.push((request.tensor, &request.target));
-                    targets.len() as u32 - 1
-                });
-            request_targets.push(id);
         }
         destinations.push(rank_destinations);
     }
-    drop(distinct_ids);
-    // Holders of each target as a CSR, filled in rank order (so ascending ranks per target).
-    let mut holder_offsets = vec![0u32; targets.len() + 1];
-    for &id in &request_targets {
-        holder_offsets[id as usize + 1] += 1;
-    }
-    for i in 0..targets.len() {
-        holder_offsets[i + 1] += holder_offsets[i];
-    }
-    let mut fill = holder_offsets.clone();
-    let mut holders = vec![(0u32, 0u32); request_targets.len()];
-    let mut next_request = request_targets.iter();
-    for (rank, rank_requests) in requests.ranks.iter().enumerate() {
-        let mut rank_targets = Vec::with_capacity(rank_requests.len());
-        for dest in 0..rank_requests.len() {
-            let Some(&id) = next_request.next() else {
-                break;
-            };
-            holders[fill[id as usize] as usize] = (rank as u32, dest as u32);
-            fill[id as usize] += 1;
-            rank_targets.push(id);
-        }
-        dest_targets.push(rank_targets);
-    }
-    let distinct = DistinctTargets {
-        targets,
-        holder_offsets,
-        holders,
-    };
 
-    let mut by_tensor: Vec<Vec<u32>> = vec![Vec::new(); tensors.len()];
-    for (id, (tensor, _)) in distinct.targets.iter().enumerate() {
-        by_tensor[*tensor as usize].push(id as u32);
-    }
-
-    // 2. Intersections, tensor by tensor (independent, so spread over the cores), through a
-    // partition index over each tensor's saved chunks.
+    // 2. Per tensor (independent, so spread over the cores): fold identical requests (DP
+    // replicas) into distinct targets, and intersect those with the saved chunks through a
+    // partition index.
     let work: Vec<u32> = (0..tensors.len() as u32)
-        .filter(|&t| !by_tensor[t as usize].is_empty())
+        .filter(|&t| !asked[t as usize].is_empty())
         .collect();
     let workers = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .clamp(1, 8)
         .min(work.len().max(1));
     let next = AtomicUsize::new(0);
-    let mut found: Vec<(u32, Result<TensorPieces, PlanError>)> = std::thread::scope(|scope| {
+    let mut found: Vec<(u32, Result<TensorPieces<'_>, PlanError>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..workers)
             .map(|_| {
                 scope.spawn(|| {
@@ -296,16 +288,11 @@ pub fn plan(
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         let Some(&t) = work.get(i) else { break };
+                        let targets =
+                            DistinctTargets::fold(requests, t, &asked[t as usize], options.dedup);
                         out.push((
                             t,
-                            tensor_pieces(
-                                meta,
-                                t,
-                                &by_tensor[t as usize],
-                                &distinct,
-                                options,
-                                requests.disjoint,
-                            ),
+                            tensor_pieces(meta, t, targets, options, requests.disjoint),
                         ));
                     }
                     out
@@ -326,31 +313,45 @@ pub fn plan(
     }
     found.sort_by_key(|(t, _)| *t);
 
-    // 3. Plan-wide ids in tensor order (deterministic whatever the thread timing), groups, and
-    // which pieces make up each distinct target.
+    // 3. Plan-wide ids in tensor order (deterministic whatever the thread timing): targets,
+    // pieces, groups, and which pieces make up each target.
     let mut builder = PieceBuilder::new(world);
-    let mut target_group: Vec<u32> = vec![u32::MAX; distinct.len()];
+    let mut dest_targets: Vec<Vec<u32>> = destinations.iter().map(|d| vec![0; d.len()]).collect();
+    let mut target_count = 0u32;
     let mut memberships: Vec<(u32, u32)> = Vec::new();
     let mut unique_bytes_needed = 0u64;
     for (t, result) in found {
-        let tensor_result = result?;
-        unique_bytes_needed += tensor_result.unique_bytes;
-        for local in tensor_result.pieces {
+        let TensorPieces {
+            targets,
+            pieces,
+            unique_bytes,
+        } = result?;
+        unique_bytes_needed += unique_bytes;
+        let base = target_count;
+        let mut target_group: Vec<u32> = vec![u32::MAX; targets.len()];
+        for id in 0..targets.len() as u32 {
+            for &(rank, dest) in targets.holders(id) {
+                dest_targets[rank as usize][dest as usize] = base + id;
+            }
+        }
+        target_count += targets.len() as u32;
+        builder.pieces.reserve(pieces.len());
+        for local in pieces {
             let piece = builder.pieces.len() as u32;
             let group = match &local.holders {
                 Holders::Target(id) => {
-                    memberships.push((*id, piece));
+                    memberships.push((base + *id, piece));
                     let cached = &mut target_group[*id as usize];
                     if *cached == u32::MAX {
-                        *cached = builder.group_of(distinct.holders(*id).iter().map(|h| h.0));
+                        *cached = builder.group_of(targets.holders(*id).iter().map(|h| h.0));
                     }
                     *cached
                 }
                 Holders::Cell(ids) => {
-                    memberships.extend(ids.iter().map(|&id| (id, piece)));
+                    memberships.extend(ids.iter().map(|&id| (base + id, piece)));
                     builder.group_of(
                         ids.iter()
-                            .flat_map(|&id| distinct.holders(id).iter().map(|h| h.0)),
+                            .flat_map(|&id| targets.holders(id).iter().map(|h| h.0)),
                     )
                 }
             };
@@ -364,11 +365,11 @@ pub fn plan(
         }
     }
     // Counting sort of (target, piece) into a CSR; pieces stay ascending within a target.
-    let mut target_piece_offsets = vec![0u32; distinct.len() + 1];
+    let mut target_piece_offsets = vec![0u32; target_count as usize + 1];
     for &(id, _) in &memberships {
         target_piece_offsets[id as usize + 1] += 1;
     }
-    for i in 0..distinct.len() {
+    for i in 0..target_count as usize {
         target_piece_offsets[i + 1] += target_piece_offsets[i];
     }
     let mut fill = target_piece_offsets.clone();
@@ -398,21 +399,20 @@ struct Targets {
 }
 
 /// The pieces of tensor `t` for its distinct targets `ids`.
-fn tensor_pieces(
+fn tensor_pieces<'a>(
     meta: &CheckpointMeta,
     t: u32,
-    ids: &[u32],
-    distinct: &DistinctTargets<'_>,
+    distinct: DistinctTargets<'a>,
     options: &PlanOptions,
     disjoint: bool,
-) -> Result<TensorPieces, PlanError> {
+) -> Result<TensorPieces<'a>, PlanError> {
     let tensor = &meta.tensors()[t as usize];
     let chunks = meta.chunks_of(t);
     let first_chunk = meta.first_chunk_index(t) as u32;
     let index = BoxIndex::build(chunks.iter().map(|c| &c.region).collect::<Vec<_>>());
 
-    let mut subs: Vec<(u32, Cow<'_, TensorBox>)> = Vec::with_capacity(ids.len());
-    for &id in ids {
+    let mut subs: Vec<(u32, Cow<'_, TensorBox>)> = Vec::with_capacity(distinct.len());
+    for id in 0..distinct.len() as u32 {
         match distinct.target(id) {
             Target::Box(b) => subs.push((id, Cow::Borrowed(b))),
             flat => subs.extend(
@@ -485,6 +485,7 @@ fn tensor_pieces(
         }
     }
     Ok(TensorPieces {
+        targets: distinct,
         pieces,
         unique_bytes: unique_elems * tensor.dtype.size(),
     })

@@ -11,7 +11,7 @@ use tessera_metadata::{DType, TensorMeta};
 use tessera_planner::baseline::all_pairs_overlaps;
 use tessera_planner::{
     ExplicitRequest, ExplicitRequests, Layout, MeshDim, Plan, PlanOptions, RankPlan, RequestSet,
-    Rule, plan as make_plan,
+    Rule, Stages, plan as make_plan,
 };
 
 fn tensor_strategy() -> impl Strategy<Value = (Vec<u64>, DType)> {
@@ -26,7 +26,7 @@ fn mesh_strategy() -> impl Strategy<Value = Vec<u32>> {
 }
 
 /// A layout over `mesh` with one rule per tensor: each mesh dim either replicates or shards a
-/// random tensor dim (so nested shards of one dim happen too).
+/// random tensor dim (so nested shards of one dim happen too); the first may be a pipeline.
 fn layout_for(mesh: &[u32], tensors: &[TensorMeta], choices: &[u32]) -> Layout {
     let mut c = choices.iter().cycle();
     let rules = tensors
@@ -35,8 +35,13 @@ fn layout_for(mesh: &[u32], tensors: &[TensorMeta], choices: &[u32]) -> Layout {
             pattern: t.fqn.clone(),
             placements: mesh
                 .iter()
-                .map(|_| {
+                .enumerate()
+                .map(|(i, _)| {
                     let pick = *c.next().unwrap() as usize;
+                    // The first mesh dim sometimes acts as a pipeline over the tensors' layers.
+                    if i == 0 && pick % 5 == 4 {
+                        return "stage(layer)".to_string();
+                    }
                     if t.shape.is_empty() || pick.is_multiple_of(3) {
                         "replicate".to_string()
                     } else {
@@ -56,7 +61,12 @@ fn layout_for(mesh: &[u32], tensors: &[TensorMeta], choices: &[u32]) -> Layout {
             })
             .collect(),
         rules,
-        stages: None,
+        stages: Some(Stages {
+            layer_pattern: r"layers\.(\d+)\.".to_string(),
+            num_layers: Some(tensors.len() as u64),
+            first: Vec::new(),
+            last: Vec::new(),
+        }),
     }
 }
 
@@ -64,7 +74,7 @@ fn tensors_from(specs: Vec<(Vec<u64>, DType)>) -> Vec<TensorMeta> {
     specs
         .into_iter()
         .enumerate()
-        .map(|(i, (shape, dtype))| TensorMeta::new(format!("t{i}.weight"), dtype, shape))
+        .map(|(i, (shape, dtype))| TensorMeta::new(format!("layers.{i}.weight"), dtype, shape))
         .collect()
 }
 
