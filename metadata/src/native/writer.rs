@@ -485,30 +485,47 @@ impl DataFileWriter {
                 actual: bytes.len() as u64,
             });
         }
-        let (offset, crc32c) = if self.shared.options.metadata_only {
-            (self.lay_out(expected), None)
+        let (offset, crc32c) = self.place(bytes).await?;
+        self.record_box(tensor, region, offset, expected, crc32c);
+        Ok(())
+    }
+
+    /// Puts `bytes` at the next aligned offset (in a metadata-only checkpoint only reserves their
+    /// length); returns where they start and their crc32c (none without data).
+    async fn place(&mut self, bytes: &[u8]) -> Result<(u64, Option<u32>), MetadataError> {
+        let length = bytes.len() as u64;
+        if self.shared.options.metadata_only {
+            return Ok((self.lay_out(length), None));
+        }
+        // An empty entry takes no byte, so it needs no alignment (and adds no padding).
+        let offset = if length == 0 {
+            self.len
         } else {
-            // An empty box takes no byte, so it needs no alignment (and adds no padding).
-            let offset = if expected == 0 {
-                self.len
-            } else {
-                self.align().await?
-            };
-            self.append(bytes).await?;
-            (offset, Some(crc32c::crc32c(bytes)))
+            self.align().await?
         };
+        self.append(bytes).await?;
+        Ok((offset, Some(crc32c::crc32c(bytes))))
+    }
+
+    fn record_box(
+        &mut self,
+        tensor: u32,
+        region: TensorBox,
+        offset: u64,
+        length: u64,
+        crc32c: Option<u32>,
+    ) {
         self.chunks.push(SavedChunk {
             tensor,
             region,
             bytes: ByteMeta {
                 file: 0,
                 offset,
-                length: expected,
+                length,
                 strides: None,
             },
             crc32c,
         });
-        Ok(())
     }
 
     /// Records the box `region` of tensor `tensor` at the place its bytes would have, without
@@ -529,17 +546,7 @@ impl DataFileWriter {
         }
         let length = self.box_bytes(tensor, &region)?;
         let offset = self.lay_out(length);
-        self.chunks.push(SavedChunk {
-            tensor,
-            region,
-            bytes: ByteMeta {
-                file: 0,
-                offset,
-                length,
-                strides: None,
-            },
-            crc32c: None,
-        });
+        self.record_box(tensor, region, offset, length, None);
         Ok(())
     }
 
@@ -552,17 +559,7 @@ impl DataFileWriter {
             });
         }
         let length = bytes.len() as u64;
-        let (offset, crc32c) = if self.shared.options.metadata_only {
-            (self.lay_out(length), None)
-        } else {
-            let offset = if length == 0 {
-                self.len
-            } else {
-                self.align().await?
-            };
-            self.append(bytes).await?;
-            (offset, Some(crc32c::crc32c(bytes)))
-        };
+        let (offset, crc32c) = self.place(bytes).await?;
         self.objects.push(ObjectMeta {
             key: key.to_string(),
             file: 0,
