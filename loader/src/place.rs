@@ -1,1 +1,94 @@
-//! (being written)
+//! Placement: a piece's wire bytes (row-major over the piece) into the rank's destination buffers
+//! through the plan's place runs, and the reverse (gathering a piece back out of a destination to
+//! send it to peers, so a reader keeps no second copy of what it read).
+
+use tessera_planner::{RankPlan, StridedRuns};
+
+use crate::LoaderError;
+
+/// Host destination buffers of a rank, one per plan destination, zero-filled.
+pub fn allocate(plan: &RankPlan) -> Vec<Vec<u8>> {
+    plan.destinations.iter().map(|d| vec![0u8; d.bytes as usize]).collect()
+}
+
+fn check_runs(runs: &StridedRuns, src_len: usize, dst_len: usize, what: &str) -> Result<(), LoaderError> {
+    let (_, src_end) = runs.src_span();
+    let (_, dst_end) = runs.dst_span();
+    if src_end > src_len as u64 || dst_end > dst_len as u64 {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!(
+                "{what}: runs reach byte {src_end} of a {src_len}-byte source and byte {dst_end} of a {dst_len}-byte destination"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Copies along `runs` from `src` into `dst` (spans already checked).
+pub fn copy_runs(runs: &StridedRuns, src: &[u8], dst: &mut [u8]) {
+    let n = runs.run_bytes as usize;
+    if runs.num_runs() == 1 {
+        let (s, d) = (runs.src_offset as usize, runs.dst_offset as usize);
+        dst[d..d + n].copy_from_slice(&src[s..s + n]);
+        return;
+    }
+    for (s, d) in runs.iter() {
+        let (s, d) = (s as usize, d as usize);
+        dst[d..d + n].copy_from_slice(&src[s..s + n]);
+    }
+}
+
+/// Places piece `plan.pieces[piece]` (its wire bytes) into every destination it lands in.
+pub fn place_piece(plan: &RankPlan, piece: usize, wire: &[u8], buffers: &mut [Vec<u8>]) -> Result<(), LoaderError> {
+    let Some(p) = plan.pieces.get(piece) else {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!("rank {}: piece index {piece} out of range", plan.rank),
+        });
+    };
+    if wire.len() as u64 != p.bytes {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!(
+                "rank {}: piece {} has {} bytes but {} arrived",
+                plan.rank,
+                p.id,
+                p.bytes,
+                wire.len()
+            ),
+        });
+    }
+    for placement in &p.places {
+        let Some(buffer) = buffers.get_mut(placement.destination as usize) else {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!("rank {}: piece {} lands in missing destination {}", plan.rank, p.id, placement.destination),
+            });
+        };
+        check_runs(&placement.runs, wire.len(), buffer.len(), &format!("rank {} piece {}", plan.rank, p.id))?;
+        copy_runs(&placement.runs, wire, buffer);
+    }
+    Ok(())
+}
+
+/// The wire bytes of piece `plan.pieces[piece]`, gathered from its first destination (which holds
+/// it once it was placed).
+pub fn gather_piece(plan: &RankPlan, piece: usize, buffers: &[Vec<u8>]) -> Result<Vec<u8>, LoaderError> {
+    let Some(p) = plan.pieces.get(piece) else {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!("rank {}: piece index {piece} out of range", plan.rank),
+        });
+    };
+    let Some(first) = p.places.first() else {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!("rank {}: piece {} lands nowhere", plan.rank, p.id),
+        });
+    };
+    let Some(buffer) = buffers.get(first.destination as usize) else {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!("rank {}: piece {} lands in missing destination {}", plan.rank, p.id, first.destination),
+        });
+    };
+    let back = first.runs.reversed();
+    let mut wire = vec![0u8; p.bytes as usize];
+    check_runs(&back, buffer.len(), wire.len(), &format!("rank {} piece {}", plan.rank, p.id))?;
+    copy_runs(&back, buffer, &mut wire);
+    Ok(wire)
+}
