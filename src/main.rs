@@ -74,6 +74,71 @@ enum Command {
         #[arg(long)]
         no_dedup: bool,
     },
+    /// Load a checkpoint into a layout: every rank here, or one rank of a real job (--rank).
+    Load {
+        /// Checkpoint directory or URL (file://, s3://, gs://, az://, http(s)://).
+        checkpoint: String,
+        /// Target layout JSON file.
+        #[arg(long)]
+        layout: Option<String>,
+        /// Explicit requests JSON file.
+        #[arg(long)]
+        requests: Option<String>,
+        /// Write DIR/rank-<r>.safetensors with every tensor box each rank ends up with.
+        #[arg(long)]
+        dump: Option<String>,
+        /// How ranks exchange pieces: threads of this process, or separate processes over TCP.
+        #[arg(long, value_enum, default_value_t = TransportArg::Inproc)]
+        transport: TransportArg,
+        /// Run only this rank (a real job; rendezvous from --master-addr/--master-port or torchrun's
+        /// RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+        #[arg(long)]
+        rank: Option<u32>,
+        /// World size (with --rank; must match the layout).
+        #[arg(long)]
+        world: Option<u32>,
+        /// Rendezvous host (with --rank).
+        #[arg(long)]
+        master_addr: Option<String>,
+        /// Rendezvous port (with --rank).
+        #[arg(long)]
+        master_port: Option<u16>,
+        /// Skip block checksum verification of what is read.
+        #[arg(long)]
+        no_verify: bool,
+        /// Every rank reads all it needs itself (no exchange).
+        #[arg(long)]
+        no_dedup: bool,
+        /// Check every loaded byte against the synthetic value formula (synthetic checkpoints).
+        #[arg(long)]
+        check: bool,
+        /// Seconds a rank waits for a peer before failing.
+        #[arg(long, default_value_t = 60.0)]
+        peer_timeout: f64,
+        /// Write this rank's JSON report to a file.
+        #[arg(long)]
+        report_json: Option<String>,
+        /// No progress bar and no report on stdout.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Re-save a checkpoint in another layout, or export consolidated safetensors.
+    Convert {
+        /// Source checkpoint directory or URL.
+        checkpoint: String,
+        /// Target layout JSON file (native format output).
+        #[arg(long)]
+        layout: Option<String>,
+        /// Output format: native (needs --layout) or safetensors (consolidated shards + index).
+        #[arg(long, value_enum, default_value_t = ConvertFormat::Native)]
+        format: ConvertFormat,
+        /// Output checkpoint directory or URL.
+        #[arg(long)]
+        out: String,
+        /// Largest safetensors shard in bytes.
+        #[arg(long, default_value_t = 5 * 1024 * 1024 * 1024)]
+        max_shard_bytes: u64,
+    },
     /// Show what a checkpoint holds.
     Inspect {
         /// Checkpoint directory or file:// URL.
@@ -115,6 +180,18 @@ enum PresetArgs {
         #[arg(long)]
         zero1: bool,
     },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum TransportArg {
+    Inproc,
+    Tcp,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ConvertFormat {
+    Native,
+    Safetensors,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -208,6 +285,76 @@ fn run(cli: Cli) -> Result<()> {
                 no_dedup,
             };
             stdout(&runtime.block_on(commands::plan::run(&args))?)
+        }
+        Command::Load {
+            checkpoint,
+            layout,
+            requests,
+            dump,
+            transport,
+            rank,
+            world,
+            master_addr,
+            master_port,
+            no_verify,
+            no_dedup,
+            check,
+            peer_timeout,
+            report_json,
+            quiet,
+        } => {
+            if !(peer_timeout > 0.0 && peer_timeout.is_finite()) {
+                anyhow::bail!("--peer-timeout must be a positive number of seconds");
+            }
+            let args = commands::load::LoadArgs {
+                checkpoint,
+                layout,
+                requests,
+                dump,
+                transport: match transport {
+                    TransportArg::Inproc => commands::load::TransportKind::InProc,
+                    TransportArg::Tcp => commands::load::TransportKind::Tcp,
+                },
+                rank,
+                world,
+                master_addr,
+                master_port,
+                verify: !no_verify,
+                dedup: !no_dedup,
+                check,
+                report_json,
+                peer_timeout: std::time::Duration::from_secs_f64(peer_timeout),
+                quiet,
+            };
+            let report = runtime.block_on(commands::load::run(&args))?;
+            if args.quiet {
+                Ok(())
+            } else {
+                stdout(report.as_bytes())
+            }
+        }
+        Command::Convert {
+            checkpoint,
+            layout,
+            format,
+            out,
+            max_shard_bytes,
+        } => {
+            let report = match (format, layout) {
+                (ConvertFormat::Native, Some(layout)) => {
+                    runtime.block_on(commands::convert::to_layout(&checkpoint, &layout, &out))?
+                }
+                (ConvertFormat::Native, None) => {
+                    anyhow::bail!("convert to the native format needs --layout")
+                }
+                (ConvertFormat::Safetensors, None) => runtime.block_on(
+                    commands::convert::to_safetensors(&checkpoint, &out, max_shard_bytes),
+                )?,
+                (ConvertFormat::Safetensors, Some(_)) => {
+                    anyhow::bail!("--format safetensors writes consolidated tensors; drop --layout")
+                }
+            };
+            stdout(report.as_bytes())
         }
         Command::Inspect { checkpoint, json } => stdout(
             runtime

@@ -44,7 +44,9 @@ pub enum LoaderError {
         got: u64,
     },
     /// Bytes whose checksum does not match.
-    #[error("checksum mismatch in {path} bytes {start}..{end}: expected crc32c {expected:08x}, found {actual:08x}")]
+    #[error(
+        "checksum mismatch in {path} bytes {start}..{end}: expected crc32c {expected:08x}, found {actual:08x}"
+    )]
     Checksum {
         /// Object path.
         path: String,

@@ -1,1 +1,301 @@
-//! (being written)
+//! The ring all-to-all of a rank plan: every member of a group hands the pieces it read for the
+//! group to every other member, one peer per round (round k: send to member i + k, receive from
+//! member i − k). One message per round carries the sender's whole share, the concatenation of
+//! its pieces' wire bytes in the order the round lists them; the tag names the group and round.
+//!
+//! All of a rank's sends are started together with all of its receives, whatever the group:
+//! transports buffer what arrives before it is asked for, so no interleaving of groups and ranks
+//! can deadlock, and a rank waits at most one transport timeout for its slowest peer.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::future::Either;
+use futures::stream::FuturesUnordered;
+use tessera_planner::RankPlan;
+
+use crate::LoaderError;
+use crate::place::{gather_piece, place_piece};
+use crate::transport::{Transport, exchange_tag};
+
+/// What one rank's exchange moved.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExchangeStats {
+    /// Bytes this rank sent (equals the plan's `summary.bytes_sent`).
+    pub bytes_sent: u64,
+    /// Bytes this rank received (equals the plan's `summary.bytes_received`).
+    pub bytes_received: u64,
+    /// Messages this rank sent plus messages it received.
+    pub messages: u64,
+    /// Wall time of the exchange, gathering included.
+    pub elapsed: Duration,
+}
+
+/// A message this rank expects.
+struct Incoming {
+    group: u32,
+    round: u32,
+    from: u32,
+    tag: u64,
+    /// Indices into `plan.pieces`, in message order.
+    pieces: Vec<usize>,
+    bytes: u64,
+}
+
+/// A message this rank sends.
+struct Outgoing {
+    group: u32,
+    round: u32,
+    to: u32,
+    tag: u64,
+    data: Bytes,
+}
+
+fn invalid(plan: &RankPlan, detail: String) -> LoaderError {
+    LoaderError::InvalidPlan {
+        detail: format!("rank {}: {detail}", plan.rank),
+    }
+}
+
+/// Index into `plan.pieces` of the piece with plan-wide id `id` (pieces are in id order).
+fn piece_index(plan: &RankPlan, id: u32, group: u32) -> Result<usize, LoaderError> {
+    plan.pieces
+        .binary_search_by_key(&id, |p| p.id)
+        .map_err(|_| {
+            invalid(
+                plan,
+                format!("group {group} exchanges piece {id}, which this rank's plan does not list"),
+            )
+        })
+}
+
+/// Puts the group and round into a transport error, which only knows the tag.
+fn in_round(error: LoaderError, group: u32, round: u32, tag: u64) -> LoaderError {
+    match error {
+        LoaderError::Transport { rank, peer, detail } => LoaderError::Transport {
+            rank,
+            peer,
+            detail: format!("group {group} round {round}: {detail}"),
+        },
+        LoaderError::PeerTimeout {
+            rank,
+            peer,
+            what,
+            waited,
+        } => LoaderError::PeerTimeout {
+            rank,
+            peer,
+            what: format!("group {group} round {round} (tag {tag:#x}): {what}"),
+            waited,
+        },
+        other => other,
+    }
+}
+
+/// Runs every ring exchange of `plan` over `transport`, placing what arrives into `buffers` (one
+/// per plan destination, as from [`crate::place::allocate`]).
+///
+/// Precondition: every piece this rank reads (`read.is_some()`) is already placed in `buffers`;
+/// what this rank sends is gathered back out of them. Sizes are checked against the plan before
+/// anything is sent, and every message's length when it arrives.
+pub async fn run_exchanges<T: Transport>(
+    transport: &T,
+    plan: &RankPlan,
+    buffers: &mut [Vec<u8>],
+) -> Result<ExchangeStats, LoaderError> {
+    let start = Instant::now();
+    if transport.rank() != plan.rank || transport.world() != plan.world {
+        return Err(invalid(
+            plan,
+            format!(
+                "the plan is for rank {} of {} but the transport is rank {} of {}",
+                plan.rank,
+                plan.world,
+                transport.rank(),
+                transport.world()
+            ),
+        ));
+    }
+    if buffers.len() != plan.destinations.len() {
+        return Err(invalid(
+            plan,
+            format!(
+                "{} destination buffers given for {} destinations",
+                buffers.len(),
+                plan.destinations.len()
+            ),
+        ));
+    }
+
+    let mut outgoing: Vec<Outgoing> = Vec::new();
+    let mut incoming: Vec<Incoming> = Vec::new();
+    let (mut plan_sent, mut plan_received) = (0u64, 0u64);
+    for exchange in &plan.exchanges {
+        let group = exchange.group;
+        // A member sends the same share in every round: gather it once.
+        let mut share: Option<(Vec<u32>, Bytes)> = None;
+        for round in &exchange.rounds {
+            let tag = exchange_tag(group, round.round);
+            if !round.send.is_empty() {
+                let data = match &share {
+                    Some((ids, data)) if *ids == round.send => data.clone(),
+                    _ => {
+                        let mut message = Vec::with_capacity(round.send_bytes as usize);
+                        for &id in &round.send {
+                            let index = piece_index(plan, id, group)?;
+                            if plan.pieces[index].read.is_none() {
+                                return Err(invalid(
+                                    plan,
+                                    format!(
+                                        "group {group} round {} sends piece {id}, which this rank does not read",
+                                        round.round
+                                    ),
+                                ));
+                            }
+                            message.extend_from_slice(&gather_piece(plan, index, buffers)?);
+                        }
+                        let data = Bytes::from(message);
+                        share = Some((round.send.clone(), data.clone()));
+                        data
+                    }
+                };
+                if data.len() as u64 != round.send_bytes {
+                    return Err(invalid(
+                        plan,
+                        format!(
+                            "group {group} round {}: the pieces to send hold {} bytes but the round says {}",
+                            round.round,
+                            data.len(),
+                            round.send_bytes
+                        ),
+                    ));
+                }
+                plan_sent += round.send_bytes;
+                outgoing.push(Outgoing {
+                    group,
+                    round: round.round,
+                    to: round.send_to,
+                    tag,
+                    data,
+                });
+            }
+            if !round.recv.is_empty() {
+                let pieces = round
+                    .recv
+                    .iter()
+                    .map(|&id| piece_index(plan, id, group))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let bytes: u64 = pieces.iter().map(|&i| plan.pieces[i].bytes).sum();
+                if bytes != round.recv_bytes {
+                    return Err(invalid(
+                        plan,
+                        format!(
+                            "group {group} round {}: the pieces to receive hold {bytes} bytes but the round says {}",
+                            round.round, round.recv_bytes
+                        ),
+                    ));
+                }
+                plan_received += bytes;
+                incoming.push(Incoming {
+                    group,
+                    round: round.round,
+                    from: round.recv_from,
+                    tag,
+                    pieces,
+                    bytes,
+                });
+            }
+        }
+    }
+    if plan_sent != plan.summary.bytes_sent || plan_received != plan.summary.bytes_received {
+        return Err(invalid(
+            plan,
+            format!(
+                "the exchange rounds send {plan_sent} and receive {plan_received} bytes but the summary says {} and {}",
+                plan.summary.bytes_sent, plan.summary.bytes_received
+            ),
+        ));
+    }
+
+    let mut stats = ExchangeStats {
+        messages: (outgoing.len() + incoming.len()) as u64,
+        ..ExchangeStats::default()
+    };
+    // Every send runs to completion, even after a receive failed: peers buffer what arrives, so
+    // this costs at most one transport timeout per send (a dead peer fails at once), and live
+    // peers then get everything this rank owes them and fail, if at all, naming the rank that
+    // actually died rather than this one.
+    let sends = async {
+        let results = futures::future::join_all(outgoing.iter().map(|message| async move {
+            transport
+                .send(message.to, message.tag, message.data.clone())
+                .await
+                .map_err(|e| in_round(e, message.group, message.round, message.tag))?;
+            Ok::<u64, LoaderError>(message.data.len() as u64)
+        }))
+        .await;
+        results.into_iter().sum::<Result<u64, LoaderError>>()
+    };
+    let receives = async {
+        let mut pending: FuturesUnordered<_> = incoming
+            .iter()
+            .map(|expect| async move {
+                let data = transport
+                    .recv(expect.from, expect.tag)
+                    .await
+                    .map_err(|e| in_round(e, expect.group, expect.round, expect.tag))?;
+                Ok::<_, LoaderError>((expect, data))
+            })
+            .collect();
+        let mut received = 0u64;
+        while let Some(arrived) = pending.next().await {
+            let (expect, data) = arrived?;
+            if data.len() as u64 != expect.bytes {
+                return Err(LoaderError::Transport {
+                    rank: plan.rank,
+                    peer: expect.from,
+                    detail: format!(
+                        "group {} round {}: expected {} bytes (pieces {:?}) but got {}",
+                        expect.group,
+                        expect.round,
+                        expect.bytes,
+                        expect
+                            .pieces
+                            .iter()
+                            .map(|&i| plan.pieces[i].id)
+                            .collect::<Vec<_>>(),
+                        data.len()
+                    ),
+                });
+            }
+            let mut at = 0usize;
+            for &index in &expect.pieces {
+                let len = plan.pieces[index].bytes as usize;
+                place_piece(plan, index, &data[at..at + len], buffers)?;
+                at += len;
+            }
+            received += data.len() as u64;
+        }
+        Ok(received)
+    };
+    let (mut sends, mut receives) = (std::pin::pin!(sends), std::pin::pin!(receives));
+    let (sent, received) = match futures::future::select(sends.as_mut(), receives.as_mut()).await {
+        // Sends done first. A failed one means a peer misses this rank's share (the exchange is
+        // lost either way): report it without waiting for the receives.
+        Either::Left((sent, _)) => {
+            let sent = sent?;
+            (sent, receives.await?)
+        }
+        // A failed receive is reported once the sends are done.
+        Either::Right((received, _)) => {
+            let sent = sends.await;
+            let received = received?;
+            (sent?, received)
+        }
+    };
+    stats.bytes_sent = sent;
+    stats.bytes_received = received;
+    stats.elapsed = start.elapsed();
+    Ok(stats)
+}

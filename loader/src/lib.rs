@@ -6,11 +6,14 @@
 mod error;
 pub mod exchange;
 pub mod fault;
+pub mod load;
 pub mod place;
 pub mod read;
 pub mod rendezvous;
 pub mod scheduler;
 pub mod storage;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod transport;
 
 pub use error::LoaderError;

@@ -8,10 +8,18 @@ use crate::LoaderError;
 
 /// Host destination buffers of a rank, one per plan destination, zero-filled.
 pub fn allocate(plan: &RankPlan) -> Vec<Vec<u8>> {
-    plan.destinations.iter().map(|d| vec![0u8; d.bytes as usize]).collect()
+    plan.destinations
+        .iter()
+        .map(|d| vec![0u8; d.bytes as usize])
+        .collect()
 }
 
-fn check_runs(runs: &StridedRuns, src_len: usize, dst_len: usize, what: &str) -> Result<(), LoaderError> {
+fn check_runs(
+    runs: &StridedRuns,
+    src_len: usize,
+    dst_len: usize,
+    what: &str,
+) -> Result<(), LoaderError> {
     let (_, src_end) = runs.src_span();
     let (_, dst_end) = runs.dst_span();
     if src_end > src_len as u64 || dst_end > dst_len as u64 {
@@ -39,7 +47,12 @@ pub fn copy_runs(runs: &StridedRuns, src: &[u8], dst: &mut [u8]) {
 }
 
 /// Places piece `plan.pieces[piece]` (its wire bytes) into every destination it lands in.
-pub fn place_piece(plan: &RankPlan, piece: usize, wire: &[u8], buffers: &mut [Vec<u8>]) -> Result<(), LoaderError> {
+pub fn place_piece(
+    plan: &RankPlan,
+    piece: usize,
+    wire: &[u8],
+    buffers: &mut [Vec<u8>],
+) -> Result<(), LoaderError> {
     let Some(p) = plan.pieces.get(piece) else {
         return Err(LoaderError::InvalidPlan {
             detail: format!("rank {}: piece index {piece} out of range", plan.rank),
@@ -59,10 +72,18 @@ pub fn place_piece(plan: &RankPlan, piece: usize, wire: &[u8], buffers: &mut [Ve
     for placement in &p.places {
         let Some(buffer) = buffers.get_mut(placement.destination as usize) else {
             return Err(LoaderError::InvalidPlan {
-                detail: format!("rank {}: piece {} lands in missing destination {}", plan.rank, p.id, placement.destination),
+                detail: format!(
+                    "rank {}: piece {} lands in missing destination {}",
+                    plan.rank, p.id, placement.destination
+                ),
             });
         };
-        check_runs(&placement.runs, wire.len(), buffer.len(), &format!("rank {} piece {}", plan.rank, p.id))?;
+        check_runs(
+            &placement.runs,
+            wire.len(),
+            buffer.len(),
+            &format!("rank {} piece {}", plan.rank, p.id),
+        )?;
         copy_runs(&placement.runs, wire, buffer);
     }
     Ok(())
@@ -70,7 +91,11 @@ pub fn place_piece(plan: &RankPlan, piece: usize, wire: &[u8], buffers: &mut [Ve
 
 /// The wire bytes of piece `plan.pieces[piece]`, gathered from its first destination (which holds
 /// it once it was placed).
-pub fn gather_piece(plan: &RankPlan, piece: usize, buffers: &[Vec<u8>]) -> Result<Vec<u8>, LoaderError> {
+pub fn gather_piece(
+    plan: &RankPlan,
+    piece: usize,
+    buffers: &[Vec<u8>],
+) -> Result<Vec<u8>, LoaderError> {
     let Some(p) = plan.pieces.get(piece) else {
         return Err(LoaderError::InvalidPlan {
             detail: format!("rank {}: piece index {piece} out of range", plan.rank),
@@ -83,12 +108,20 @@ pub fn gather_piece(plan: &RankPlan, piece: usize, buffers: &[Vec<u8>]) -> Resul
     };
     let Some(buffer) = buffers.get(first.destination as usize) else {
         return Err(LoaderError::InvalidPlan {
-            detail: format!("rank {}: piece {} lands in missing destination {}", plan.rank, p.id, first.destination),
+            detail: format!(
+                "rank {}: piece {} lands in missing destination {}",
+                plan.rank, p.id, first.destination
+            ),
         });
     };
     let back = first.runs.reversed();
     let mut wire = vec![0u8; p.bytes as usize];
-    check_runs(&back, buffer.len(), wire.len(), &format!("rank {} piece {}", plan.rank, p.id))?;
+    check_runs(
+        &back,
+        buffer.len(),
+        wire.len(),
+        &format!("rank {} piece {}", plan.rank, p.id),
+    )?;
     copy_runs(&back, buffer, &mut wire);
     Ok(wire)
 }

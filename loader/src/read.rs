@@ -1,1 +1,643 @@
-//! (being written)
+//! The read path: the pieces a rank reads itself, fetched from storage through the
+//! [`RangeScheduler`] and assembled into their wire bytes (row-major over the piece).
+//!
+//! Every read piece's source runs become byte ranges of its file; the scheduler coalesces them
+//! (a column slice of a row-major box is one range per row, merged where rows touch; an
+//! element-wise transposed source is one run per element, merged into one range when the piece
+//! covers its whole span), verifies and fetches them in bounded parts. As each part arrives, the
+//! bytes of every run it overlaps are copied into that run's piece; a piece is handed to the caller
+//! the moment its last byte lands, and its buffer is dropped. Memory stays within the scheduler's
+//! byte budget plus the pieces that are partly assembled; since parts are requested in file order
+//! and pieces are contiguous stretches of their file, those are few.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use object_store::ObjectStore;
+use object_store::path::{Path, PathPart};
+use tessera_metadata::native::BlockChecksums;
+use tessera_planner::{RankPlan, StridedRuns};
+
+use crate::LoaderError;
+use crate::scheduler::{FileRange, RangeScheduler, SourceFile};
+
+pub use crate::scheduler::ReadOptions;
+
+/// What [`read_pieces`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReadStats {
+    /// Pieces read (and handed to `on_piece`).
+    pub pieces: usize,
+    /// Bytes of the pieces' source runs: what the plan needs from storage.
+    pub bytes_needed: u64,
+    /// Bytes requested from storage (verification's whole blocks included, retries not).
+    /// Equals `bytes_needed` when not verifying (and no two runs read the same byte).
+    pub bytes_fetched: u64,
+    /// Bytes fetched only to complete checksum blocks.
+    pub verify_extra_bytes: u64,
+    /// Bytes checked against block checksums (0 when not verifying).
+    pub bytes_verified: u64,
+    /// Storage requests (one per part; retries not included).
+    pub requests: u64,
+    /// Failed requests that were retried.
+    pub retries: u64,
+    /// Wall time.
+    pub elapsed: Duration,
+}
+
+/// Reads every piece of `plan` that this rank reads itself (`read` is `Some`) from the files
+/// under `prefix` in `store` and calls `on_piece(index into plan.pieces, wire bytes)` once per
+/// piece as soon as all its bytes are in (in no particular order). Bytes are verified against
+/// `checksums` when `options.verify` is set and checksums are given. `progress(n)` is called with
+/// the number of bytes just delivered to pieces; the calls add up to
+/// [`ReadStats::bytes_needed`] (the plan's `summary.bytes_read`).
+///
+/// Errors name the file and byte range: [`LoaderError::MissingFile`], [`LoaderError::ShortRead`],
+/// [`LoaderError::Checksum`], [`LoaderError::Store`] (after retries for transient errors); an
+/// error from `on_piece` stops the read and is returned. Must run inside a tokio runtime; dropping
+/// the future aborts the requests in flight.
+pub async fn read_pieces(
+    store: Arc<dyn ObjectStore>,
+    prefix: &Path,
+    plan: &RankPlan,
+    checksums: Option<&BlockChecksums>,
+    options: &ReadOptions,
+    mut on_piece: impl FnMut(usize, &[u8]) -> Result<(), LoaderError>,
+    progress: Option<&(dyn Fn(u64) + Sync)>,
+) -> Result<ReadStats, LoaderError> {
+    let started = Instant::now();
+    let mut files = Vec::with_capacity(plan.files.len());
+    for key in &plan.files {
+        files.push(SourceFile {
+            path: resolve(prefix, key)?,
+            key: key.clone(),
+        });
+    }
+
+    let mut sources: Vec<Source> = Vec::new();
+    let mut ranges: Vec<FileRange> = Vec::new();
+    let mut pieces = 0usize;
+    let mut bytes_needed = 0u64;
+    for (index, piece) in plan.pieces.iter().enumerate() {
+        let Some(read) = &piece.read else {
+            continue;
+        };
+        pieces += 1;
+        bytes_needed += piece.bytes;
+        if read.file as usize >= files.len() {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "rank {}: piece {} reads file #{} but the plan lists {} files",
+                    plan.rank,
+                    piece.id,
+                    read.file,
+                    files.len()
+                ),
+            });
+        }
+        let runs = Runs::new(&read.runs, piece.bytes).map_err(|why| LoaderError::InvalidPlan {
+            detail: format!("rank {}: piece {}: {why}", plan.rank, piece.id),
+        })?;
+        if piece.bytes == 0 {
+            on_piece(index, &[])?;
+            continue;
+        }
+        runs.src_ranges(read.file, &mut ranges);
+        sources.push(Source {
+            piece: index,
+            file: read.file,
+            runs,
+        });
+    }
+
+    let scheduler = RangeScheduler::new(store, files, checksums, options);
+    let schedule = scheduler.schedule(ranges)?;
+    let index = SourceIndex::new(&sources);
+    let mut states: Vec<State> = sources
+        .iter()
+        .map(|s| State {
+            remaining: s.runs.total,
+            wire: None,
+        })
+        .collect();
+
+    let fetched = scheduler
+        .fetch(&schedule.parts, |part, bytes| {
+            let mut delivered = 0u64;
+            for s in index.overlapping(part) {
+                let source = &sources[s];
+                let state = &mut states[s];
+                let wire = state
+                    .wire
+                    .get_or_insert_with(|| vec![0u8; source.runs.total as usize]);
+                let copied = source.runs.copy_from(part.start, bytes, wire);
+                delivered += copied;
+                state.remaining -= copied;
+                if state.remaining == 0
+                    && let Some(wire) = state.wire.take()
+                {
+                    on_piece(source.piece, &wire)?;
+                }
+            }
+            if let (Some(progress), true) = (progress, delivered > 0) {
+                progress(delivered);
+            }
+            Ok(())
+        })
+        .await?;
+
+    if let Some((source, state)) = sources.iter().zip(&states).find(|(_, st)| st.remaining > 0) {
+        let piece = &plan.pieces[source.piece];
+        return Err(LoaderError::InvalidPlan {
+            detail: format!(
+                "rank {}: piece {}: {} of its {} bytes were never fetched",
+                plan.rank, piece.id, state.remaining, piece.bytes
+            ),
+        });
+    }
+    Ok(ReadStats {
+        pieces,
+        bytes_needed,
+        bytes_fetched: schedule.bytes_fetched,
+        verify_extra_bytes: if scheduler.verifying() {
+            schedule.bytes_fetched - schedule.bytes_needed
+        } else {
+            0
+        },
+        bytes_verified: fetched.bytes_verified,
+        requests: fetched.requests,
+        retries: fetched.retries,
+        elapsed: started.elapsed(),
+    })
+}
+
+/// The object path of `relative` (a `/`-separated path from the plan) under `prefix`. Plans
+/// come over the network, so `.`, `..`, empty segments and other odd segments are refused rather
+/// than allowed to point outside the checkpoint.
+fn resolve(prefix: &Path, relative: &str) -> Result<Path, LoaderError> {
+    let bad = |why: String| LoaderError::InvalidPlan {
+        detail: format!(
+            "file path {relative:?} is not a relative path inside the checkpoint ({why})"
+        ),
+    };
+    let mut path = prefix.clone();
+    for segment in relative.split('/') {
+        if segment.is_empty() {
+            return Err(bad("an empty segment".to_string()));
+        }
+        let part =
+            PathPart::parse(segment).map_err(|e| bad(format!("segment {segment:?}: {e}")))?;
+        path = path.join(part);
+    }
+    Ok(path)
+}
+
+/// A piece being read.
+#[derive(Debug)]
+struct Source {
+    /// Index into the plan's pieces.
+    piece: usize,
+    /// Index into the plan's files.
+    file: u32,
+    runs: Runs,
+}
+
+/// Assembly state of a [`Source`].
+#[derive(Debug)]
+struct State {
+    /// Bytes not yet copied.
+    remaining: u64,
+    /// The wire buffer, allocated when the first byte arrives and handed on when complete.
+    wire: Option<Vec<u8>>,
+}
+
+/// A piece's read runs with the outer dims ordered by falling source stride, so that iteration
+/// walks the file forward for every real layout (row-major slices and permuted, e.g. transposed,
+/// sources alike).
+#[derive(Debug)]
+struct Runs {
+    run_bytes: u64,
+    counts: Vec<u64>,
+    src_strides: Vec<u64>,
+    dst_strides: Vec<u64>,
+    src_offset: u64,
+    dst_offset: u64,
+    /// One past the last source byte.
+    src_end: u64,
+    /// Bytes moved.
+    total: u64,
+    /// Runs are disjoint and strictly increasing in source order, so a part's first run can be
+    /// computed and the walk can stop at the part's end. Otherwise (overlapping source runs, which
+    /// no checkpoint layout produces but a plan could say) every part scans every run.
+    sorted: bool,
+}
+
+impl Runs {
+    /// Checks `runs` (from a plan, so untrusted: checked arithmetic) against a piece of
+    /// `piece_bytes` wire bytes and orders them.
+    fn new(runs: &StridedRuns, piece_bytes: u64) -> Result<Runs, String> {
+        let n = runs.counts.len();
+        if runs.src_strides.len() != n || runs.dst_strides.len() != n {
+            return Err(format!(
+                "read runs with {} counts, {} source strides and {} destination strides",
+                n,
+                runs.src_strides.len(),
+                runs.dst_strides.len()
+            ));
+        }
+        let overflow = || "read runs overflow 64-bit byte offsets".to_string();
+        let empty = runs.run_bytes == 0 || runs.counts.contains(&0);
+        let mut dims: Vec<(u64, u64, u64)> = (0..n)
+            .filter(|&d| runs.counts[d] != 1)
+            .map(|d| (runs.counts[d], runs.src_strides[d], runs.dst_strides[d]))
+            .collect();
+        if empty {
+            dims.clear();
+        }
+        dims.sort_by_key(|d| std::cmp::Reverse(d.1));
+        let total = if empty {
+            0
+        } else {
+            dims.iter()
+                .try_fold(runs.run_bytes, |acc, d| acc.checked_mul(d.0))
+                .ok_or_else(overflow)?
+        };
+        if total != piece_bytes {
+            return Err(format!(
+                "its read runs move {total} bytes but the piece has {piece_bytes}"
+            ));
+        }
+        let span = |stride: fn(&(u64, u64, u64)) -> u64, origin: u64| -> Option<u64> {
+            if empty {
+                return Some(origin);
+            }
+            dims.iter()
+                .try_fold(origin.checked_add(runs.run_bytes)?, |acc, d| {
+                    acc.checked_add((d.0 - 1).checked_mul(stride(d))?)
+                })
+        };
+        let src_end = span(|d| d.1, runs.src_offset).ok_or_else(overflow)?;
+        let dst_end = span(|d| d.2, runs.dst_offset).ok_or_else(overflow)?;
+        if dst_end > piece_bytes {
+            return Err(format!(
+                "its read runs write up to wire byte {dst_end} of a {piece_bytes}-byte piece"
+            ));
+        }
+        // Disjoint and increasing when every dim's stride clears everything inside it.
+        let mut inner = runs.run_bytes;
+        let mut sorted = true;
+        for d in dims.iter().rev() {
+            if d.1 < inner {
+                sorted = false;
+                break;
+            }
+            inner += (d.0 - 1) * d.1;
+        }
+        Ok(Runs {
+            run_bytes: runs.run_bytes,
+            counts: dims.iter().map(|d| d.0).collect(),
+            src_strides: dims.iter().map(|d| d.1).collect(),
+            dst_strides: dims.iter().map(|d| d.2).collect(),
+            src_offset: runs.src_offset,
+            dst_offset: runs.dst_offset,
+            src_end,
+            total,
+            sorted,
+        })
+    }
+
+    /// Appends the source byte ranges of the runs to `out`, merged where runs touch.
+    fn src_ranges(&self, file: u32, out: &mut Vec<FileRange>) {
+        if self.total == 0 {
+            return;
+        }
+        // A piece that fills its span (a whole stored box, in any element order) is one range.
+        if self.sorted && self.src_end - self.src_offset == self.total {
+            out.push(FileRange {
+                file,
+                start: self.src_offset,
+                end: self.src_end,
+            });
+            return;
+        }
+        let mut cursor = Cursor::start(self);
+        let mut current: Option<FileRange> = None;
+        while let Some((src, _)) = cursor.next(self) {
+            let end = src + self.run_bytes;
+            match &mut current {
+                Some(c) if self.sorted && c.end == src => c.end = end,
+                _ => {
+                    if let Some(done) = current.replace(FileRange {
+                        file,
+                        start: src,
+                        end,
+                    }) {
+                        out.push(done);
+                    }
+                }
+            }
+        }
+        out.extend(current);
+    }
+
+    /// Copies the bytes of the runs that `bytes` (file bytes from `start`) holds into `wire`;
+    /// returns how many.
+    fn copy_from(&self, start: u64, bytes: &[u8], wire: &mut [u8]) -> u64 {
+        let end = start + bytes.len() as u64;
+        let mut cursor = if self.sorted {
+            Cursor::seek(self, start)
+        } else {
+            Cursor::start(self)
+        };
+        let mut copied = 0;
+        while let Some((src, dst)) = cursor.next(self) {
+            if self.sorted && src >= end {
+                break;
+            }
+            let lo = src.max(start);
+            let hi = (src + self.run_bytes).min(end);
+            if lo >= hi {
+                continue;
+            }
+            let n = (hi - lo) as usize;
+            let from = (lo - start) as usize;
+            let to = (dst + (lo - src)) as usize;
+            wire[to..to + n].copy_from_slice(&bytes[from..from + n]);
+            copied += hi - lo;
+        }
+        copied
+    }
+}
+
+/// An odometer over a [`Runs`], last dim fastest.
+struct Cursor {
+    index: Vec<u64>,
+    done: bool,
+}
+
+impl Cursor {
+    fn start(runs: &Runs) -> Cursor {
+        Cursor {
+            index: vec![0; runs.counts.len()],
+            done: runs.total == 0,
+        }
+    }
+
+    /// For sorted runs: positioned at the first run that ends after file byte `at`. Greedy digit
+    /// extraction finds the last run starting at or before `at` (every stride clears the dims
+    /// inside it, so the mixed-radix digits are unique); if `at` lies past that run's end, the
+    /// next run is the first.
+    fn seek(runs: &Runs, at: u64) -> Cursor {
+        let mut cursor = Cursor::start(runs);
+        if cursor.done || at <= runs.src_offset {
+            return cursor;
+        }
+        let mut rest = at - runs.src_offset;
+        for (d, (&count, &stride)) in runs.counts.iter().zip(&runs.src_strides).enumerate() {
+            let digit = (rest / stride).min(count - 1);
+            cursor.index[d] = digit;
+            rest -= digit * stride;
+        }
+        if rest >= runs.run_bytes {
+            cursor.advance(runs);
+        }
+        cursor
+    }
+
+    fn advance(&mut self, runs: &Runs) {
+        for d in (0..self.index.len()).rev() {
+            self.index[d] += 1;
+            if self.index[d] < runs.counts[d] {
+                return;
+            }
+            self.index[d] = 0;
+        }
+        self.done = true;
+    }
+
+    /// The current run as (source offset, wire offset), then moves on.
+    fn next(&mut self, runs: &Runs) -> Option<(u64, u64)> {
+        if self.done {
+            return None;
+        }
+        let mut src = runs.src_offset;
+        let mut dst = runs.dst_offset;
+        for (d, &i) in self.index.iter().enumerate() {
+            src += i * runs.src_strides[d];
+            dst += i * runs.dst_strides[d];
+        }
+        self.advance(runs);
+        Some((src, dst))
+    }
+}
+
+/// Finds the sources a fetched part overlaps: per file, source spans sorted by start with a
+/// running maximum of their ends, so a lookup walks back from the last span starting before the
+/// part's end only while some earlier span still reaches into the part.
+struct SourceIndex {
+    /// Per file: (span start, span end, source), by start.
+    spans: Vec<Vec<(u64, u64, usize)>>,
+    /// Per file: running maximum of span ends.
+    reach: Vec<Vec<u64>>,
+}
+
+impl SourceIndex {
+    fn new(sources: &[Source]) -> SourceIndex {
+        let files = sources
+            .iter()
+            .map(|s| s.file as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let mut spans: Vec<Vec<(u64, u64, usize)>> = vec![Vec::new(); files];
+        for (i, s) in sources.iter().enumerate() {
+            spans[s.file as usize].push((s.runs.src_offset, s.runs.src_end, i));
+        }
+        let mut reach = Vec::with_capacity(files);
+        for list in &mut spans {
+            list.sort_unstable();
+            let mut max = 0;
+            reach.push(
+                list.iter()
+                    .map(|&(_, end, _)| {
+                        max = max.max(end);
+                        max
+                    })
+                    .collect(),
+            );
+        }
+        SourceIndex { spans, reach }
+    }
+
+    fn overlapping(&self, part: FileRange) -> impl Iterator<Item = usize> + '_ {
+        let file = part.file as usize;
+        let spans = self.spans.get(file).map_or(&[][..], Vec::as_slice);
+        let reach = self.reach.get(file).map_or(&[][..], Vec::as_slice);
+        let before_end = spans.partition_point(|&(start, _, _)| start < part.end);
+        (0..before_end)
+            .rev()
+            .take_while(move |&i| reach[i] > part.start)
+            .filter(move |&i| spans[i].1 > part.start)
+            .map(move |i| spans[i].2)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use tessera_planner::Side;
+
+    fn runs(esize: u64, lengths: &[u64], src_origin: u64, src_strides: &[u64]) -> StridedRuns {
+        let wire = tessera_metadata::row_major_strides(lengths);
+        StridedRuns::new(
+            esize,
+            lengths,
+            Side {
+                origin: src_origin,
+                strides: src_strides,
+            },
+            Side {
+                origin: 0,
+                strides: &wire,
+            },
+        )
+    }
+
+    /// Copies through `r` part by part (parts of `part` bytes) from `file` and returns the wire.
+    fn assemble(r: &Runs, file: &[u8], part: usize) -> Vec<u8> {
+        let mut wire = vec![0u8; r.total as usize];
+        let mut copied = 0;
+        for (i, chunk) in file.chunks(part).enumerate() {
+            copied += r.copy_from((i * part) as u64, chunk, &mut wire);
+        }
+        assert_eq!(copied, r.total);
+        wire
+    }
+
+    #[test]
+    fn transposed_source_is_one_range_and_reassembles_from_small_parts() {
+        // A [3, 4] u8 box stored transposed (column-major): element (i, j) at j*3 + i.
+        let file: Vec<u8> = (0..12).collect();
+        let strided = runs(1, &[3, 4], 0, &[1, 3]);
+        assert_eq!(strided.num_runs(), 12);
+        let r = Runs::new(&strided, 12).unwrap();
+        assert!(r.sorted);
+        let mut ranges = Vec::new();
+        r.src_ranges(0, &mut ranges);
+        assert_eq!(
+            ranges,
+            vec![FileRange {
+                file: 0,
+                start: 0,
+                end: 12
+            }]
+        );
+        let expected: Vec<u8> = (0..3u8)
+            .flat_map(|i| (0..4u8).map(move |j| j * 3 + i))
+            .collect();
+        for part in [1, 2, 5, 12] {
+            assert_eq!(assemble(&r, &file, part), expected, "part size {part}");
+        }
+    }
+
+    #[test]
+    fn column_slice_keeps_its_gaps() {
+        // Columns 2..4 of a [3, 6] u8 row-major box at file offset 10.
+        let strided = runs(1, &[3, 2], 12, &[6, 1]);
+        let r = Runs::new(&strided, 6).unwrap();
+        let mut ranges = Vec::new();
+        r.src_ranges(1, &mut ranges);
+        let starts: Vec<(u64, u64)> = ranges.iter().map(|r| (r.start, r.end)).collect();
+        assert_eq!(starts, vec![(12, 14), (18, 20), (24, 26)]);
+        let file: Vec<u8> = (0..40).collect();
+        assert_eq!(assemble(&r, &file, 7), vec![12, 13, 18, 19, 24, 25]);
+        // A seek into a gap lands on the next run.
+        let mut c = Cursor::seek(&r, 15);
+        assert_eq!(c.next(&r), Some((18, 2)));
+        // A seek past the end finds nothing.
+        let mut c = Cursor::seek(&r, 26);
+        assert_eq!(c.next(&r), None);
+    }
+
+    #[test]
+    fn overlapping_source_runs_still_copy_correctly() {
+        // Stride 0: every row reads the same two bytes.
+        let strided = StridedRuns {
+            run_bytes: 2,
+            counts: vec![3],
+            src_offset: 4,
+            src_strides: vec![0],
+            dst_offset: 0,
+            dst_strides: vec![2],
+        };
+        let r = Runs::new(&strided, 6).unwrap();
+        assert!(!r.sorted);
+        let file: Vec<u8> = (0..10).collect();
+        assert_eq!(assemble(&r, &file, 3), vec![4, 5, 4, 5, 4, 5]);
+    }
+
+    #[test]
+    fn runs_that_disagree_with_the_piece_are_refused() {
+        let strided = runs(4, &[2, 2], 0, &[2, 1]);
+        assert_eq!(
+            Runs::new(&strided, 12).unwrap_err(),
+            "its read runs move 16 bytes but the piece has 12"
+        );
+        let mut bad = strided.clone();
+        bad.dst_offset = 8;
+        assert_eq!(
+            Runs::new(&bad, 16).unwrap_err(),
+            "its read runs write up to wire byte 24 of a 16-byte piece"
+        );
+        let mut huge = strided;
+        huge.counts = vec![u64::MAX, 2];
+        huge.src_strides = vec![8, 4];
+        huge.dst_strides = vec![8, 4];
+        huge.run_bytes = 4;
+        assert_eq!(
+            Runs::new(&huge, 16).unwrap_err(),
+            "read runs overflow 64-bit byte offsets"
+        );
+    }
+
+    #[test]
+    fn the_read_future_is_send() {
+        // Loaders spawn one task per rank: the future must be `Send` when its callbacks are.
+        fn send<T: Send>(_: &T) {}
+        let store: Arc<dyn ObjectStore> = Arc::new(object_store::memory::InMemory::new());
+        let plan = RankPlan {
+            rank: 0,
+            world: 1,
+            files: Vec::new(),
+            tensors: Vec::new(),
+            destinations: Vec::new(),
+            pieces: Vec::new(),
+            exchanges: Vec::new(),
+            summary: Default::default(),
+        };
+        let progress = |_: u64| {};
+        let (prefix, options) = (Path::from("x"), ReadOptions::default());
+        let future = read_pieces(
+            store,
+            &prefix,
+            &plan,
+            None,
+            &options,
+            |_, _| Ok(()),
+            Some(&progress),
+        );
+        send(&future);
+    }
+
+    #[test]
+    fn plan_paths_stay_inside_the_checkpoint() {
+        let prefix = Path::from("runs/a/step-1");
+        assert_eq!(
+            resolve(&prefix, "data/r0.bin").unwrap(),
+            Path::from("runs/a/step-1/data/r0.bin")
+        );
+        for bad in ["../x", "data//x", "/abs", "data/.", ""] {
+            assert!(resolve(&prefix, bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -7,6 +7,7 @@ mod checkpoint;
 mod dtype;
 mod error;
 pub mod native;
+pub mod safetensors;
 pub mod synth;
 mod tensor;
 mod validate;

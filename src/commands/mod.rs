@@ -1,8 +1,10 @@
 //! The subcommands of the `tessera` binary, one module each.
 
+pub mod convert;
 pub mod demo;
 pub mod inspect;
 pub mod layout;
+pub mod load;
 pub mod plan;
 pub mod synth;
 pub mod verify;

@@ -3,6 +3,9 @@
 //! the metadata crate, and executing rank plans against the real data files the way a loader
 //! would (read runs into wire buffers, hand pieces over, place runs into destination buffers).
 
+// Each test binary uses a subset of these helpers.
+#![allow(dead_code)]
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};

@@ -1,1 +1,243 @@
-//! (being written)
+//! Point-to-point messaging between the ranks of a job: one trait, [`Transport`], implemented
+//! in-process ([`InProcTransport`], for tests and single-process runs) and over TCP
+//! ([`TcpTransport`]), with one conformance suite ([`conformance`]) that every implementation
+//! passes.
+//!
+//! Semantics every implementation keeps:
+//! - Messages are matched by `(from, tag)`; several messages with the same `(from, tag)` arrive in
+//!   the order they were sent.
+//! - `send` never waits for the receiver to call `recv`: incoming messages are buffered per
+//!   `(from, tag)`, so ranks may send and receive in any order without deadlocking.
+//! - `recv` fails with [`LoaderError::PeerTimeout`] when nothing arrives within
+//!   [`TransportOptions::timeout`], and with [`LoaderError::Transport`] as soon as the peer is known
+//!   to be gone (its connection closed or reset, its in-process handle dropped) and nothing it sent
+//!   earlier is left to deliver. A dead rank makes the others fail fast instead of hanging.
+//! - Sending to yourself, or to or from a rank outside the world, is an error.
+
+pub mod conformance;
+mod inproc;
+mod tcp;
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::Notify;
+
+pub use inproc::InProcTransport;
+pub use tcp::TcpTransport;
+
+use crate::LoaderError;
+
+/// Moves tagged byte messages between the ranks of one job.
+///
+/// Not object-safe (its methods return `impl Future`); code is generic over `T: Transport`.
+pub trait Transport: Send + Sync {
+    /// This rank.
+    fn rank(&self) -> u32;
+
+    /// Number of ranks.
+    fn world(&self) -> u32;
+
+    /// Sends `data` to rank `to` under `tag`. Completes once the message is handed to the peer
+    /// (buffered there or in flight on the wire), not when the peer receives it.
+    fn send(
+        &self,
+        to: u32,
+        tag: u64,
+        data: Bytes,
+    ) -> impl Future<Output = Result<(), LoaderError>> + Send;
+
+    /// Receives the next message rank `from` sent under `tag`.
+    fn recv(&self, from: u32, tag: u64) -> impl Future<Output = Result<Bytes, LoaderError>> + Send;
+}
+
+/// A shared transport (several tasks of one rank) is a transport.
+impl<T: Transport> Transport for std::sync::Arc<T> {
+    fn rank(&self) -> u32 {
+        (**self).rank()
+    }
+
+    fn world(&self) -> u32 {
+        (**self).world()
+    }
+
+    fn send(
+        &self,
+        to: u32,
+        tag: u64,
+        data: Bytes,
+    ) -> impl Future<Output = Result<(), LoaderError>> + Send {
+        (**self).send(to, tag, data)
+    }
+
+    fn recv(&self, from: u32, tag: u64) -> impl Future<Output = Result<Bytes, LoaderError>> + Send {
+        (**self).recv(from, tag)
+    }
+}
+
+/// Options shared by the transports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TransportOptions {
+    /// How long `recv` (and a TCP `send`) waits for a peer before failing with
+    /// [`LoaderError::PeerTimeout`]. A peer that is known to be dead fails a `recv` at once instead.
+    pub timeout: Duration,
+    /// How long [`TcpTransport::connect`] may take altogether: reaching the master (ranks start in
+    /// any order, so it retries), exchanging addresses, and connecting the mesh.
+    pub connect_timeout: Duration,
+}
+
+impl TransportOptions {
+    /// Options with both timeouts set to `timeout` (tests use a couple of seconds).
+    pub fn with_timeout(timeout: Duration) -> Self {
+        Self {
+            timeout,
+            connect_timeout: timeout,
+        }
+    }
+}
+
+impl Default for TransportOptions {
+    /// A minute for a message: a peer may still be reading a large share from storage before it
+    /// sends. Five minutes to rendezvous: in a large job the last rank may start much later than
+    /// the first.
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+/// The message tag of round `round` of group `group` in the ring exchange.
+pub fn exchange_tag(group: u32, round: u32) -> u64 {
+    (u64::from(group) << 32) | u64::from(round)
+}
+
+/// Checks that `peer` is another rank of the world.
+pub(crate) fn check_peer(rank: u32, world: u32, peer: u32, op: &str) -> Result<(), LoaderError> {
+    if peer == rank {
+        return Err(LoaderError::Transport {
+            rank,
+            peer,
+            detail: format!("cannot {op} itself"),
+        });
+    }
+    if peer >= world {
+        return Err(LoaderError::Transport {
+            rank,
+            peer,
+            detail: format!("cannot {op} a rank outside the world of {world}"),
+        });
+    }
+    Ok(())
+}
+
+/// Incoming messages of one rank, buffered per `(from, tag)`, and which peers are gone.
+/// Shared by the transports: the in-process one delivers into it directly, the TCP one from a
+/// reader task per connection.
+pub(crate) struct Mailbox {
+    rank: u32,
+    world: u32,
+    inbox: Mutex<Inbox>,
+    /// Woken on every delivery and every peer death; waiters re-check their own key.
+    changed: Notify,
+}
+
+#[derive(Default)]
+struct Inbox {
+    queues: HashMap<(u32, u64), VecDeque<Bytes>>,
+    /// Per peer: why it is gone, once it is.
+    gone: HashMap<u32, String>,
+}
+
+impl Mailbox {
+    pub(crate) fn new(rank: u32, world: u32) -> Self {
+        Self {
+            rank,
+            world,
+            inbox: Mutex::new(Inbox::default()),
+            changed: Notify::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inbox> {
+        // A panic while holding the lock leaves the maps consistent (single inserts/removes).
+        self.inbox.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Buffers a message from `from`.
+    pub(crate) fn deliver(&self, from: u32, tag: u64, data: Bytes) {
+        self.lock()
+            .queues
+            .entry((from, tag))
+            .or_default()
+            .push_back(data);
+        self.changed.notify_waiters();
+    }
+
+    /// Records that `peer` is gone (first reason wins). What it sent before stays deliverable.
+    pub(crate) fn peer_gone(&self, peer: u32, reason: String) {
+        self.lock().gone.entry(peer).or_insert(reason);
+        self.changed.notify_waiters();
+    }
+
+    /// Why `peer` is gone, if it is.
+    pub(crate) fn gone_reason(&self, peer: u32) -> Option<String> {
+        self.lock().gone.get(&peer).cloned()
+    }
+
+    /// Drops everything buffered (the owner is shutting down).
+    pub(crate) fn clear(&self) {
+        self.lock().queues.clear();
+    }
+
+    /// The next message from `from` under `tag`, waiting at most `timeout`.
+    pub(crate) async fn recv(
+        &self,
+        from: u32,
+        tag: u64,
+        timeout: Duration,
+    ) -> Result<Bytes, LoaderError> {
+        check_peer(self.rank, self.world, from, "receive from")?;
+        let wait = async {
+            loop {
+                // Register interest before looking, so a delivery between the look and the
+                // await is not missed.
+                let changed = self.changed.notified();
+                let mut changed = std::pin::pin!(changed);
+                changed.as_mut().enable();
+                {
+                    let mut inbox = self.lock();
+                    if let Some(queue) = inbox.queues.get_mut(&(from, tag))
+                        && let Some(data) = queue.pop_front()
+                    {
+                        if queue.is_empty() {
+                            inbox.queues.remove(&(from, tag));
+                        }
+                        return Ok(data);
+                    }
+                    if let Some(reason) = inbox.gone.get(&from) {
+                        return Err(LoaderError::Transport {
+                            rank: self.rank,
+                            peer: from,
+                            detail: format!("waiting for tag {tag:#x}: {reason}"),
+                        });
+                    }
+                }
+                changed.await;
+            }
+        };
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(result) => result,
+            Err(_) => Err(LoaderError::PeerTimeout {
+                rank: self.rank,
+                peer: from,
+                what: format!("tag {tag:#x}"),
+                waited: timeout,
+            }),
+        }
+    }
+}

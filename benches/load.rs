@@ -1,0 +1,274 @@
+//! Loading benchmark (a bench binary: `cargo bench --bench load`).
+//!
+//! A synthetic gpt-small checkpoint with optimizer states (about 2.3 GB) saved as FSDP over 4 ranks
+//! is loaded at Megatron tp2 dp2 (4 ranks, in-process transport), from page cache. In the same run:
+//! (a) reading the same data files sequentially end to end, and (b) the naive approach: every rank
+//! reads each saved chunk it overlaps whole and slices what it needs in memory (what DCP's reader
+//! does). `TESSERA_BENCH_MODEL=gpt-tiny` runs a small case.
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use std::time::Instant;
+
+use futures::StreamExt;
+use object_store::ObjectStoreExt;
+use tessera::synth::{SynthOptions, synthesize};
+use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
+use tessera_loader::place::{allocate, copy_runs};
+use tessera_loader::read::ReadOptions;
+use tessera_loader::transport::InProcTransport;
+use tessera_loader::transport::TransportOptions;
+use tessera_metadata::row_major_strides;
+use tessera_metadata::synth::Model;
+use tessera_planner::presets::{MegatronGpt, fsdp, megatron_gpt};
+use tessera_planner::{PlanOptions, RankPlan, Side, StridedRuns, Target};
+
+fn gb(bytes: u64, seconds: f64) -> f64 {
+    bytes as f64 / seconds / 1e9
+}
+
+/// The naive reader for one rank: every saved chunk the rank needs anything from is fetched whole
+/// (once per rank), then every piece is sliced out of it in memory. No exchange: each rank reads
+/// all it needs itself, as DCP's reader does.
+async fn naive_rank(checkpoint: &Checkpoint, plan: &RankPlan) -> u64 {
+    let meta = &checkpoint.meta;
+    let mut buffers = allocate(plan);
+    // Pieces by the saved chunk they come from.
+    let mut by_chunk: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+    for (i, p) in plan.pieces.iter().enumerate() {
+        let t = meta
+            .tensor_index(&plan.tensors[p.tensor as usize].fqn)
+            .unwrap();
+        let first = meta.first_chunk_index(t);
+        for (c, chunk) in meta.chunks_of(t).iter().enumerate() {
+            if chunk.region.overlaps(&p.region) {
+                by_chunk.entry(first + c).or_default().push(i);
+            }
+        }
+    }
+    let mut fetched = 0u64;
+    for (c, pieces) in by_chunk {
+        let chunk = &meta.chunks()[c];
+        let file = &meta.files()[chunk.bytes.file as usize].path;
+        let mut path = checkpoint.location.prefix.clone();
+        for part in file.split('/') {
+            path = path.join(part);
+        }
+        let bytes = checkpoint
+            .location
+            .store
+            .get_range(
+                &path,
+                chunk.bytes.offset..chunk.bytes.offset + chunk.bytes.length,
+            )
+            .await
+            .unwrap();
+        fetched += bytes.len() as u64;
+        let chunk_strides = row_major_strides(&chunk.region.lengths);
+        for i in pieces {
+            let p = &plan.pieces[i];
+            let esize = plan.tensors[p.tensor as usize].dtype.size();
+            let rel = chunk.region.relative_offsets(&p.region);
+            let origin: u64 = rel
+                .iter()
+                .zip(&chunk_strides)
+                .map(|(o, s)| o * s)
+                .sum::<u64>()
+                * esize;
+            for place in &p.places {
+                let Target::Box(b) = &plan.destinations[place.destination as usize].target else {
+                    unreachable!("layouts make boxes")
+                };
+                let dest_strides = row_major_strides(&b.lengths);
+                let rel = b.relative_offsets(&p.region);
+                let dest_origin = rel
+                    .iter()
+                    .zip(&dest_strides)
+                    .map(|(o, s)| o * s)
+                    .sum::<u64>()
+                    * esize;
+                let runs = StridedRuns::new(
+                    esize,
+                    &p.region.lengths,
+                    Side {
+                        origin,
+                        strides: &chunk_strides,
+                    },
+                    Side {
+                        origin: dest_origin,
+                        strides: &dest_strides,
+                    },
+                );
+                copy_runs(&runs, &bytes, &mut buffers[place.destination as usize]);
+            }
+        }
+    }
+    fetched
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let model: Model = std::env::var("TESSERA_BENCH_MODEL")
+        .unwrap_or_else(|_| "gpt-small".into())
+        .parse()
+        .unwrap();
+    let layers = model.config().num_layers;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("run/step-000001").display().to_string();
+    let location = tessera_loader::storage::create(&ckpt).unwrap();
+    let started = Instant::now();
+    let manifest = runtime
+        .block_on(synthesize(
+            &tessera::storage::Location {
+                store: location.store.clone(),
+                prefix: location.prefix.clone(),
+                display: ckpt.clone(),
+            },
+            &fsdp(4).unwrap(),
+            &SynthOptions {
+                model,
+                optimizer: true,
+                metadata_only: false,
+                step: Some(1),
+                progress: false,
+            },
+        ))
+        .unwrap();
+    let total: u64 = manifest.files.iter().map(|f| f.size).sum();
+    println!(
+        "model {model} with optimizer states saved fsdp dp4: {:.2} GB in {} files (synth {:.1} s)",
+        total as f64 / 1e9,
+        manifest.files.len(),
+        started.elapsed().as_secs_f64()
+    );
+    let checkpoint = runtime
+        .block_on(Checkpoint::open(
+            tessera_loader::storage::open(&ckpt).unwrap(),
+        ))
+        .unwrap();
+    let target = megatron_gpt(MegatronGpt {
+        tp: 2,
+        pp: 1,
+        dp: 2,
+        num_layers: layers,
+        zero1: false,
+    })
+    .unwrap();
+    let requests = target.resolve(checkpoint.meta.tensors()).unwrap();
+    let plan = checkpoint.plan(&requests, &PlanOptions::default()).unwrap();
+    let rank_plans: Vec<RankPlan> = (0..4).map(|r| plan.rank_plan(r).unwrap()).collect();
+
+    // (a) Sequential: every data file read end to end, 4 files at a time.
+    let sequential =
+        || {
+            runtime.block_on(async {
+                let started = Instant::now();
+                let bytes: u64 =
+                    futures::stream::iter(manifest.files.iter().map(|f| {
+                        let store = checkpoint.location.store.clone();
+                        let path = checkpoint
+                            .location
+                            .prefix
+                            .clone()
+                            .join("data")
+                            .join(f.path.trim_start_matches("data/"));
+                        async move {
+                            store.get(&path).await.unwrap().bytes().await.unwrap().len() as u64
+                        }
+                    }))
+                    .buffer_unordered(4)
+                    .fold(0u64, |a, b| async move { a + b })
+                    .await;
+                (bytes, started.elapsed().as_secs_f64())
+            })
+        };
+    let _ = sequential(); // warm the page cache
+    let load = |verify: bool| {
+        runtime.block_on(async {
+            let transports = InProcTransport::mesh(4, TransportOptions::default());
+            let started = Instant::now();
+            let mut tasks = Vec::new();
+            for (rank, transport) in transports.into_iter().enumerate() {
+                let checkpoint = checkpoint.clone();
+                let rank_plan = rank_plans[rank].clone();
+                tasks.push(tokio::spawn(async move {
+                    let options = LoadOptions {
+                        read: ReadOptions {
+                            verify,
+                            ..ReadOptions::default()
+                        },
+                        progress: None,
+                    };
+                    load_rank(&checkpoint, rank_plan, &transport, &options)
+                        .await
+                        .unwrap()
+                        .report
+                }));
+            }
+            let mut reports = Vec::new();
+            for t in tasks {
+                reports.push(t.await.unwrap());
+            }
+            (reports, started.elapsed().as_secs_f64())
+        })
+    };
+    let naive = || {
+        runtime.block_on(async {
+            let started = Instant::now();
+            let mut tasks = Vec::new();
+            for rank_plan in &rank_plans {
+                let checkpoint = checkpoint.clone();
+                let rank_plan = rank_plan.clone();
+                tasks.push(tokio::spawn(async move {
+                    naive_rank(&checkpoint, &rank_plan).await
+                }));
+            }
+            let mut fetched = 0;
+            for t in tasks {
+                fetched += t.await.unwrap();
+            }
+            (fetched, started.elapsed().as_secs_f64())
+        })
+    };
+    let needed = plan.summary().bytes_needed;
+    let unique = plan.summary().unique_bytes_needed;
+    println!(
+        "plan: {} needed over 4 ranks, {} unique, {} exchanged",
+        needed,
+        unique,
+        plan.summary().bytes_exchanged
+    );
+    println!(
+        "| run | approach | bytes from storage | seconds | GB/s of buffers filled | vs sequential |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for run in 1..=3 {
+        let (seq_bytes, seq_s) = sequential();
+        let seq_rate = gb(seq_bytes, seq_s);
+        println!(
+            "| {run} | sequential read of all files | {seq_bytes} | {seq_s:.3} | {seq_rate:.2} | 1.00 |"
+        );
+        for verify in [true, false] {
+            let (reports, s) = load(verify);
+            let read: u64 = reports.iter().map(|r| r.bytes_read).sum();
+            let fetched: u64 = reports.iter().map(|r| r.bytes_fetched).sum();
+            println!(
+                "| {run} | tessera load (verify {verify}) | {fetched} (read {read}, amplification {:.4}) | {s:.3} | {:.2} | {:.2} |",
+                read as f64 / unique as f64,
+                gb(needed, s),
+                gb(needed, s) / seq_rate
+            );
+        }
+        let (fetched, s) = naive();
+        println!(
+            "| {run} | naive whole-chunk reads | {fetched} | {s:.3} | {:.2} | {:.2} |",
+            gb(needed, s),
+            gb(needed, s) / seq_rate
+        );
+    }
+}

@@ -1,0 +1,171 @@
+//! One rank's load, end to end: allocate the destination buffers, read this rank's pieces from
+//! storage (verified) straight into them, then run the ring exchange for the pieces other ranks
+//! read. Also the embedded plan source: planning locally from the checkpoint, no service needed.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use tessera_metadata::CheckpointMeta;
+use tessera_metadata::native::{BlockChecksums, Manifest, open_checkpoint, read_block_checksums};
+use tessera_planner::{Plan, PlanOptions, RankPlan, RequestSet, plan};
+
+use crate::exchange::run_exchanges;
+use crate::read::{ReadOptions, read_pieces};
+use crate::storage::Location;
+use crate::transport::Transport;
+use crate::{LoaderError, place};
+
+/// A checkpoint opened for loading: its store, metadata and (when it has data) block checksums.
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    /// Where it lives.
+    pub location: Location,
+    /// Its manifest.
+    pub manifest: Manifest,
+    /// Its global metadata.
+    pub meta: Arc<CheckpointMeta>,
+    /// Block checksums of its data files (absent for metadata-only checkpoints).
+    pub checksums: Option<Arc<BlockChecksums>>,
+}
+
+impl Checkpoint {
+    /// Opens a committed native checkpoint: manifest, verified metadata, block checksums.
+    pub async fn open(location: Location) -> Result<Checkpoint, LoaderError> {
+        let opened = open_checkpoint(location.store.as_ref(), &location.prefix).await?;
+        let checksums = match opened.manifest.checksums {
+            Some(_) => Some(Arc::new(
+                read_block_checksums(location.store.as_ref(), &location.prefix, &opened.manifest)
+                    .await?,
+            )),
+            None => None,
+        };
+        Ok(Checkpoint {
+            location,
+            manifest: opened.manifest,
+            meta: Arc::new(opened.meta),
+            checksums,
+        })
+    }
+
+    /// Plans `requests` against this checkpoint (the embedded plan source).
+    pub fn plan(&self, requests: &RequestSet, options: &PlanOptions) -> Result<Plan, LoaderError> {
+        Ok(plan(&self.meta, requests, options)?)
+    }
+}
+
+/// Options of [`load_rank`].
+#[derive(Clone, Default)]
+pub struct LoadOptions {
+    /// Read scheduling and verification.
+    pub read: ReadOptions,
+    /// Called with the bytes of every completed read (for a progress bar).
+    pub progress: Option<Arc<dyn Fn(u64) + Send + Sync>>,
+}
+
+impl std::fmt::Debug for LoadOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadOptions")
+            .field("read", &self.read)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What one rank did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RankReport {
+    /// The rank.
+    pub rank: u32,
+    /// Bytes of its destination buffers.
+    pub bytes_needed: u64,
+    /// Bytes of pieces it read from storage.
+    pub bytes_read: u64,
+    /// Bytes requested from storage (read + checksum-block extension).
+    pub bytes_fetched: u64,
+    /// Of `bytes_fetched`, the bytes only verification needed.
+    pub verify_extra_bytes: u64,
+    /// Storage requests.
+    pub requests: u64,
+    /// Retried storage requests.
+    pub retries: u64,
+    /// Bytes sent to peers.
+    pub bytes_sent: u64,
+    /// Bytes received from peers.
+    pub bytes_received: u64,
+    /// Seconds reading and placing.
+    pub read_seconds: f64,
+    /// Seconds exchanging.
+    pub exchange_seconds: f64,
+    /// Seconds in all.
+    pub total_seconds: f64,
+}
+
+/// A rank's loaded buffers, with its plan (which says what each buffer is) and report.
+#[derive(Debug)]
+pub struct LoadedRank {
+    /// The plan executed.
+    pub plan: RankPlan,
+    /// One buffer per `plan.destinations`.
+    pub buffers: Vec<Vec<u8>>,
+    /// What it took.
+    pub report: RankReport,
+}
+
+/// Loads one rank: reads, places, exchanges. Fails (never returns partial buffers as success) if
+/// any read, checksum or peer fails.
+pub async fn load_rank<T: Transport>(
+    checkpoint: &Checkpoint,
+    plan: RankPlan,
+    transport: &T,
+    options: &LoadOptions,
+) -> Result<LoadedRank, LoaderError> {
+    if plan.rank != transport.rank() || plan.world != transport.world() {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!(
+                "plan is for rank {} of {} but the transport is rank {} of {}",
+                plan.rank,
+                plan.world,
+                transport.rank(),
+                transport.world()
+            ),
+        });
+    }
+    let started = Instant::now();
+    let mut buffers = place::allocate(&plan);
+    let progress = options.progress.clone();
+    let progress_fn = progress.as_ref().map(|p| {
+        let p = Arc::clone(p);
+        move |bytes: u64| p(bytes)
+    });
+    let stats = read_pieces(
+        Arc::clone(&checkpoint.location.store),
+        &checkpoint.location.prefix,
+        &plan,
+        checkpoint.checksums.as_deref(),
+        &options.read,
+        |piece, wire| place::place_piece(&plan, piece, wire, &mut buffers),
+        progress_fn.as_ref().map(|f| f as &(dyn Fn(u64) + Sync)),
+    )
+    .await?;
+    let read_seconds = started.elapsed().as_secs_f64();
+    let exchanged = run_exchanges(transport, &plan, &mut buffers).await?;
+    let report = RankReport {
+        rank: plan.rank,
+        bytes_needed: plan.summary.bytes_needed,
+        bytes_read: stats.bytes_needed,
+        bytes_fetched: stats.bytes_fetched,
+        verify_extra_bytes: stats.verify_extra_bytes,
+        requests: stats.requests,
+        retries: stats.retries,
+        bytes_sent: exchanged.bytes_sent,
+        bytes_received: exchanged.bytes_received,
+        read_seconds,
+        exchange_seconds: started.elapsed().as_secs_f64() - read_seconds,
+        total_seconds: started.elapsed().as_secs_f64(),
+    };
+    Ok(LoadedRank {
+        plan,
+        buffers,
+        report,
+    })
+}

@@ -1,0 +1,190 @@
+//! An S3-compatible server on 127.0.0.1 backed by a local directory (`s3s-fs`), for tests of
+//! the `s3://` path: request signing, range reads, listing, multipart uploads and conditional
+//! puts go over real HTTP, as they do against S3, MinIO or Ceph.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use object_store::ObjectStore;
+use object_store::aws::AmazonS3Builder;
+use s3s::auth::SimpleAuth;
+use s3s::service::S3ServiceBuilder;
+use tokio::sync::oneshot;
+
+use crate::storage::{StorageOptions, install_tls_provider};
+
+/// The access key id the server accepts.
+pub const ACCESS_KEY_ID: &str = "tessera-test";
+/// The secret access key the server accepts.
+pub const SECRET_ACCESS_KEY: &str = "tessera-test-secret";
+/// The region clients sign for (the server accepts any).
+pub const REGION: &str = "us-east-1";
+
+/// How long shutting down may wait for requests in flight before they are cut off.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// An in-process S3-compatible server: one bucket per directory under `root`, static credentials
+/// ([`ACCESS_KEY_ID`], [`SECRET_ACCESS_KEY`]), path-style requests over plain HTTP.
+///
+/// It runs on its own thread and Tokio runtime, so it serves synchronous tests, any test runtime,
+/// and child processes (pass [`env`](Self::env) to them) alike. Dropping it stops accepting,
+/// cuts connections after at most a few seconds, and joins the thread.
+#[derive(Debug)]
+pub struct S3TestServer {
+    addr: SocketAddr,
+    root: PathBuf,
+    shutdown: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl S3TestServer {
+    /// Starts a server storing its buckets under `root` (an existing directory).
+    ///
+    /// # Panics
+    /// When `root` is not a usable directory or no port on 127.0.0.1 can be bound: test setup
+    /// that cannot go on.
+    pub fn start(root: impl AsRef<Path>) -> Self {
+        let root = root.as_ref().to_path_buf();
+        let fs = s3s_fs::FileSystem::new(&root)
+            .unwrap_or_else(|e| panic!("S3 test server: cannot serve {}: {e:?}", root.display()));
+        let service = {
+            let mut builder = S3ServiceBuilder::new(fs);
+            builder.set_auth(SimpleAuth::from_single(ACCESS_KEY_ID, SECRET_ACCESS_KEY));
+            builder.build()
+        };
+        // Bound here, not on the server thread, so that the port is known and taken on return.
+        let listener = std::net::TcpListener::bind(("127.0.0.1", 0))
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .unwrap_or_else(|e| panic!("S3 test server: cannot bind 127.0.0.1: {e}"));
+        let addr = listener
+            .local_addr()
+            .unwrap_or_else(|e| panic!("S3 test server: no local address: {e}"));
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("s3-test-server")
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("S3 test server: cannot start a runtime: {e}"));
+        let (shutdown, mut stop) = oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("s3-test-server".to_string())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+                        return;
+                    };
+                    loop {
+                        let socket = tokio::select! {
+                            // A send or a dropped sender: either way, stop.
+                            _ = &mut stop => break,
+                            accepted = listener.accept() => match accepted {
+                                Ok((socket, _)) => socket,
+                                Err(_) => continue,
+                            },
+                        };
+                        let service = service.clone();
+                        tokio::spawn(async move {
+                            // A client that goes away mid-request is not the server's problem.
+                            let _ = hyper::server::conn::http1::Builder::new()
+                                .serve_connection(TokioIo::new(socket), service)
+                                .await;
+                        });
+                    }
+                });
+                // Cuts the connection tasks still running; bounded so that drop is too.
+                runtime.shutdown_timeout(SHUTDOWN_GRACE);
+            })
+            .unwrap_or_else(|e| panic!("S3 test server: cannot spawn its thread: {e}"));
+        Self {
+            addr,
+            root,
+            shutdown: Some(shutdown),
+            thread: Some(thread),
+        }
+    }
+
+    /// The endpoint URL, `http://127.0.0.1:<port>`.
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The directory the buckets live in.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Creates the bucket `name` (a directory under the root) if it does not exist.
+    ///
+    /// # Panics
+    /// When `name` is not a plain bucket name or the directory cannot be created.
+    pub fn create_bucket(&self, name: &str) {
+        let valid = !name.is_empty()
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'.'))
+            && !name.starts_with('.');
+        assert!(valid, "S3 test server: invalid bucket name {name:?}");
+        let dir = self.root.join(name);
+        std::fs::create_dir_all(&dir)
+            .unwrap_or_else(|e| panic!("S3 test server: creating {}: {e}", dir.display()));
+    }
+
+    /// The variables a client process needs to reach this server through
+    /// [`storage::open`](crate::storage::open): credentials, region, endpoint, plain HTTP.
+    pub fn env(&self) -> Vec<(String, String)> {
+        [
+            ("AWS_ACCESS_KEY_ID", ACCESS_KEY_ID.to_string()),
+            ("AWS_SECRET_ACCESS_KEY", SECRET_ACCESS_KEY.to_string()),
+            ("AWS_REGION", REGION.to_string()),
+            ("AWS_ENDPOINT_URL", self.endpoint()),
+            ("AWS_ALLOW_HTTP", "true".to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+
+    /// Options for [`storage::open_with`](crate::storage::open_with) that reach this server
+    /// whatever the process environment holds.
+    pub fn options(&self) -> StorageOptions {
+        StorageOptions {
+            env: self.env(),
+            ignore_process_env: true,
+        }
+    }
+
+    /// A store for `bucket` on this server, built directly (not through the environment).
+    ///
+    /// # Panics
+    /// When the store cannot be built (it can only be a bug here).
+    pub fn store(&self, bucket: &str) -> Arc<dyn ObjectStore> {
+        install_tls_provider();
+        let store = AmazonS3Builder::new()
+            .with_endpoint(self.endpoint())
+            .with_allow_http(true)
+            .with_region(REGION)
+            .with_access_key_id(ACCESS_KEY_ID)
+            .with_secret_access_key(SECRET_ACCESS_KEY)
+            .with_bucket_name(bucket)
+            .build()
+            .unwrap_or_else(|e| panic!("S3 test server: building a client: {e}"));
+        Arc::new(store)
+    }
+}
+
+impl Drop for S3TestServer {
+    fn drop(&mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            // The server may have stopped already; then there is no one to tell.
+            let _ = shutdown.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            // A panic on the server thread has been reported there already.
+            let _ = thread.join();
+        }
+    }
+}

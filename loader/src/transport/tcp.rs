@@ -1,0 +1,650 @@
+//! TCP transport: a full mesh of connections, one per pair of ranks.
+//!
+//! Rendezvous: rank 0 listens on `MASTER_ADDR:MASTER_PORT`; every other rank connects there
+//! (retrying, since ranks start in any order), binds its own listener on the local address it
+//! reached the master from (loopback when the master is on loopback), and reports that address.
+//! Rank 0 answers everyone with the table of all listeners and a session id. Then every rank
+//! connects to every higher rank, with a handshake naming both ranks and the session (a stray or
+//! stale connection is turned away).
+//!
+//! ```text
+//! hello  (rank -> master) "TSRH" version:u32 rank:u32 world:u32 addr_len:u16 addr
+//! table  (master -> rank) "TSRT" version:u32 session:u64 world:u32 (addr_len:u16 addr) x world
+//! shake  (low -> high)    "TSPH" version:u32 session:u64 from:u32 to:u32 world:u32
+//! ack    (high -> low)    "TSPA" to:u32
+//! frame  (both ways)      tag:u64 len:u64 bytes[len]            all integers little-endian
+//! ```
+//!
+//! A reader task per connection buffers incoming frames in the rank's mailbox, so a send never
+//! waits for the receiver to ask; end of stream or a reset marks the peer gone, which fails
+//! pending and later receives from it at once.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::{Mailbox, Transport, TransportOptions, check_peer};
+use crate::LoaderError;
+use crate::rendezvous::RendezvousConfig;
+
+const VERSION: u32 = 1;
+const HELLO: &[u8; 4] = b"TSRH";
+const TABLE: &[u8; 4] = b"TSRT";
+const SHAKE: &[u8; 4] = b"TSPH";
+const ACK: &[u8; 4] = b"TSPA";
+/// A socket address as text is at most ~50 bytes; anything longer is not one of ours.
+const MAX_ADDR_LEN: u16 = 256;
+/// Largest frame accepted from a peer (64 GiB): far above any piece share, and it keeps a corrupt
+/// length from asking for an absurd allocation.
+const MAX_FRAME: u64 = 1 << 36;
+/// Messages up to this size are written with their header in one buffer (one segment with
+/// nodelay); larger ones are written as header then payload, without copying the payload.
+const COALESCE_BELOW: usize = 64 * 1024;
+
+/// One rank's end of a TCP mesh. Dropping it closes its connections, which the other ranks see
+/// as this rank dying.
+pub struct TcpTransport {
+    rank: u32,
+    world: u32,
+    options: TransportOptions,
+    mailbox: Arc<Mailbox>,
+    /// Per peer rank (`None` for this rank).
+    writers: Vec<Option<tokio::sync::Mutex<PeerWriter>>>,
+    readers: Vec<JoinHandle<()>>,
+}
+
+struct PeerWriter {
+    half: OwnedWriteHalf,
+    /// Set while a frame is being written and left set when that write fails or is abandoned: the
+    /// stream is then mid-frame and must not carry another message.
+    broken: Option<String>,
+}
+
+fn rendezvous(detail: String) -> LoaderError {
+    LoaderError::Rendezvous { detail }
+}
+
+impl TcpTransport {
+    /// Joins the mesh described by `config`: rendezvous through rank 0, then connect to every
+    /// other rank. Must run inside a tokio runtime (it spawns one reader task per peer). Fails
+    /// with [`LoaderError::Rendezvous`] when the mesh is not up within
+    /// [`TransportOptions::connect_timeout`].
+    pub async fn connect(
+        config: &RendezvousConfig,
+        options: TransportOptions,
+    ) -> Result<TcpTransport, LoaderError> {
+        let (rank, world) = (config.rank, config.world);
+        if world == 0 || rank >= world {
+            return Err(rendezvous(format!(
+                "rank {rank} is outside the world of {world} ranks"
+            )));
+        }
+        let deadline = Instant::now() + options.connect_timeout;
+        let mailbox = Arc::new(Mailbox::new(rank, world));
+        let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        if world > 1 {
+            let (session, table, listener) = if rank == 0 {
+                master(config, &options, deadline).await?
+            } else {
+                worker(config, &options, deadline).await?
+            };
+            let mesh =
+                build_mesh(rank, world, session, &table, &listener, &options, deadline).await?;
+            for (peer, stream) in mesh {
+                streams[peer as usize] = Some(stream);
+            }
+        }
+        let mut writers = Vec::with_capacity(world as usize);
+        let mut readers = Vec::with_capacity(world.saturating_sub(1) as usize);
+        for (peer, stream) in streams.into_iter().enumerate() {
+            let Some(stream) = stream else {
+                writers.push(None);
+                continue;
+            };
+            let (read, write) = stream.into_split();
+            readers.push(tokio::spawn(read_loop(
+                read,
+                peer as u32,
+                Arc::clone(&mailbox),
+            )));
+            writers.push(Some(tokio::sync::Mutex::new(PeerWriter {
+                half: write,
+                broken: None,
+            })));
+        }
+        Ok(TcpTransport {
+            rank,
+            world,
+            options,
+            mailbox,
+            writers,
+            readers,
+        })
+    }
+
+    async fn send_frame(&self, to: u32, tag: u64, data: Bytes) -> Result<(), LoaderError> {
+        check_peer(self.rank, self.world, to, "send to")?;
+        let transport_error = |detail: String| LoaderError::Transport {
+            rank: self.rank,
+            peer: to,
+            detail,
+        };
+        if let Some(reason) = self.mailbox.gone_reason(to) {
+            return Err(transport_error(format!("sending tag {tag:#x}: {reason}")));
+        }
+        let Some(Some(writer)) = self.writers.get(to as usize) else {
+            return Err(transport_error("no connection to this rank".to_string()));
+        };
+        let write = async {
+            let mut writer = writer.lock().await;
+            if let Some(reason) = &writer.broken {
+                return Err(transport_error(format!(
+                    "sending tag {tag:#x}: the connection is unusable: {reason}"
+                )));
+            }
+            writer.broken = Some("a send was abandoned mid-message".to_string());
+            let mut header = [0u8; 16];
+            header[..8].copy_from_slice(&tag.to_le_bytes());
+            header[8..].copy_from_slice(&(data.len() as u64).to_le_bytes());
+            let written = if data.len() < COALESCE_BELOW {
+                let mut frame = Vec::with_capacity(16 + data.len());
+                frame.extend_from_slice(&header);
+                frame.extend_from_slice(&data);
+                writer.half.write_all(&frame).await
+            } else {
+                match writer.half.write_all(&header).await {
+                    Ok(()) => writer.half.write_all(&data).await,
+                    Err(e) => Err(e),
+                }
+            };
+            match written {
+                Ok(()) => {
+                    writer.broken = None;
+                    Ok(())
+                }
+                Err(e) => {
+                    let detail = format!("sending tag {tag:#x} ({} bytes): {e}", data.len());
+                    writer.broken = Some(detail.clone());
+                    Err(transport_error(detail))
+                }
+            }
+        };
+        match tokio::time::timeout(self.options.timeout, write).await {
+            Ok(result) => result,
+            Err(_) => Err(LoaderError::PeerTimeout {
+                rank: self.rank,
+                peer: to,
+                what: format!("sending tag {tag:#x} ({} bytes) to be taken", data.len()),
+                waited: self.options.timeout,
+            }),
+        }
+    }
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    fn world(&self) -> u32 {
+        self.world
+    }
+
+    async fn send(&self, to: u32, tag: u64, data: Bytes) -> Result<(), LoaderError> {
+        self.send_frame(to, tag, data).await
+    }
+
+    async fn recv(&self, from: u32, tag: u64) -> Result<Bytes, LoaderError> {
+        self.mailbox.recv(from, tag, self.options.timeout).await
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        // The write halves shut down as they drop; the read halves go with their tasks.
+        for reader in &self.readers {
+            reader.abort();
+        }
+        self.mailbox.clear();
+    }
+}
+
+impl std::fmt::Debug for TcpTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTransport")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Buffers every frame from `peer` into `mailbox` until the connection ends.
+async fn read_loop(mut read: OwnedReadHalf, peer: u32, mailbox: Arc<Mailbox>) {
+    loop {
+        let mut header = [0u8; 16];
+        if let Err(e) = read.read_exact(&mut header).await {
+            let reason = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                format!("rank {peer} closed its connection (it exited or died)")
+            } else {
+                format!("the connection to rank {peer} failed: {e}")
+            };
+            mailbox.peer_gone(peer, reason);
+            return;
+        }
+        let (tag, len) = (le_u64(&header[..8]), le_u64(&header[8..]));
+        if len > MAX_FRAME {
+            mailbox.peer_gone(
+                peer,
+                format!("rank {peer} sent a {len}-byte frame (tag {tag:#x}), over the {MAX_FRAME}-byte cap: corrupt stream"),
+            );
+            return;
+        }
+        let mut data = vec![0u8; len as usize];
+        if let Err(e) = read.read_exact(&mut data).await {
+            mailbox.peer_gone(
+                peer,
+                format!("the connection to rank {peer} broke in the middle of a {len}-byte message (tag {tag:#x}): {e}"),
+            );
+            return;
+        }
+        mailbox.deliver(peer, tag, Bytes::from(data));
+    }
+}
+
+fn le_u64(bytes: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&bytes[..8]);
+    u64::from_le_bytes(b)
+}
+
+/// A per-process value that tells this job's connections from stale ones (a previous job on the
+/// same ports).
+fn new_session(port: u16) -> u64 {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut z = nanos ^ (u64::from(std::process::id()) << 32) ^ u64::from(port);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+async fn read_magic<R: AsyncRead + Unpin>(r: &mut R, magic: &[u8; 4]) -> std::io::Result<bool> {
+    let mut got = [0u8; 4];
+    r.read_exact(&mut got).await?;
+    Ok(&got == magic)
+}
+
+async fn read_addr<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<Option<SocketAddr>> {
+    let len = r.read_u16_le().await?;
+    if len > MAX_ADDR_LEN {
+        return Ok(None);
+    }
+    let mut text = vec![0u8; usize::from(len)];
+    r.read_exact(&mut text).await?;
+    Ok(std::str::from_utf8(&text).ok().and_then(|t| t.parse().ok()))
+}
+
+fn put_addr(out: &mut Vec<u8>, addr: &SocketAddr) {
+    let text = addr.to_string();
+    out.extend_from_slice(&(text.len() as u16).to_le_bytes());
+    out.extend_from_slice(text.as_bytes());
+}
+
+/// What a rank said when checking in with the master.
+struct Hello {
+    rank: u32,
+    world: u32,
+    addr: SocketAddr,
+    stream: TcpStream,
+}
+
+/// Reads a hello; `None` for a connection that is not one of ours.
+async fn read_hello(mut stream: TcpStream) -> std::io::Result<Option<Hello>> {
+    if !read_magic(&mut stream, HELLO).await? || stream.read_u32_le().await? != VERSION {
+        return Ok(None);
+    }
+    let rank = stream.read_u32_le().await?;
+    let world = stream.read_u32_le().await?;
+    let Some(addr) = read_addr(&mut stream).await? else {
+        return Ok(None);
+    };
+    Ok(Some(Hello {
+        rank,
+        world,
+        addr,
+        stream,
+    }))
+}
+
+fn missing(have: &[bool], below: u32) -> Vec<u32> {
+    (0..below)
+        .filter(|&r| !have.get(r as usize).copied().unwrap_or(false))
+        .collect()
+}
+
+/// Rank 0: collects every rank's listener address and sends everyone the table.
+async fn master(
+    config: &RendezvousConfig,
+    options: &TransportOptions,
+    deadline: Instant,
+) -> Result<(u64, Vec<SocketAddr>, TcpListener), LoaderError> {
+    let world = config.world;
+    let master = TcpListener::bind((config.master_addr.as_str(), config.master_port))
+        .await
+        .map_err(|e| {
+            rendezvous(format!(
+                "rank 0 could not listen on {}:{} (MASTER_ADDR:MASTER_PORT): {e}",
+                config.master_addr, config.master_port
+            ))
+        })?;
+    let master_ip = master
+        .local_addr()
+        .map_err(|e| rendezvous(format!("rank 0: the master listener has no address: {e}")))?
+        .ip();
+    let own = TcpListener::bind((master_ip, 0))
+        .await
+        .map_err(|e| rendezvous(format!("rank 0 could not listen on {master_ip}: {e}")))?;
+    let own_addr = own
+        .local_addr()
+        .map_err(|e| rendezvous(format!("rank 0: its listener has no address: {e}")))?;
+
+    let mut checked_in: Vec<Option<Hello>> = (0..world).map(|_| None).collect();
+    let mut have = vec![false; world as usize];
+    have[0] = true;
+    let mut count = 1;
+    let mut pending = FuturesUnordered::new();
+    let sleep = tokio::time::sleep_until(deadline);
+    tokio::pin!(sleep);
+    while count < world {
+        tokio::select! {
+            accepted = master.accept() => {
+                // A failed accept (a connection reset before it was taken) only loses that one.
+                if let Ok((stream, _)) = accepted {
+                    let _ = stream.set_nodelay(true);
+                    pending.push(read_hello(stream));
+                }
+            }
+            Some(hello) = pending.next(), if !pending.is_empty() => {
+                // Connections that are not ours (or die before saying hello) are dropped.
+                let Ok(Some(hello)) = hello else { continue };
+                if hello.world != world {
+                    return Err(rendezvous(format!(
+                        "rank {} says the world has {} ranks but rank 0 has WORLD_SIZE={world}",
+                        hello.rank, hello.world
+                    )));
+                }
+                if hello.rank == 0 || hello.rank >= world {
+                    return Err(rendezvous(format!(
+                        "a rank checked in as rank {} but ranks 1..{world} were expected (two ranks 0?)",
+                        hello.rank
+                    )));
+                }
+                let slot = hello.rank as usize;
+                if have[slot] {
+                    return Err(rendezvous(format!("rank {} checked in twice (two processes with the same RANK?)", hello.rank)));
+                }
+                have[slot] = true;
+                count += 1;
+                checked_in[slot] = Some(hello);
+            }
+            () = &mut sleep => {
+                return Err(rendezvous(format!(
+                    "rank 0: only {count} of {world} ranks checked in within {:?}; missing ranks {:?}",
+                    options.connect_timeout,
+                    missing(&have, world)
+                )));
+            }
+        }
+    }
+    drop(pending);
+    drop(master);
+
+    let session = new_session(config.master_port);
+    let mut table = vec![own_addr; world as usize];
+    for hello in checked_in.iter().flatten() {
+        table[hello.rank as usize] = hello.addr;
+    }
+    let mut message = Vec::new();
+    message.extend_from_slice(TABLE);
+    message.extend_from_slice(&VERSION.to_le_bytes());
+    message.extend_from_slice(&session.to_le_bytes());
+    message.extend_from_slice(&world.to_le_bytes());
+    for addr in &table {
+        put_addr(&mut message, addr);
+    }
+    for hello in checked_in.iter_mut().flatten() {
+        let sent = tokio::time::timeout_at(deadline, hello.stream.write_all(&message)).await;
+        if !matches!(sent, Ok(Ok(()))) {
+            return Err(rendezvous(format!(
+                "rank 0 could not send the address table to rank {} (it left during rendezvous?)",
+                hello.rank
+            )));
+        }
+    }
+    Ok((session, table, own))
+}
+
+/// Ranks other than 0: reach the master, report this rank's listener, receive the table.
+async fn worker(
+    config: &RendezvousConfig,
+    options: &TransportOptions,
+    deadline: Instant,
+) -> Result<(u64, Vec<SocketAddr>, TcpListener), LoaderError> {
+    let (rank, world) = (config.rank, config.world);
+    let mut stream = connect_retrying(
+        (config.master_addr.as_str(), config.master_port),
+        deadline,
+        |last| {
+            rendezvous(format!(
+                "rank {rank} could not reach the master {}:{} (MASTER_ADDR:MASTER_PORT) within {:?}: {last}",
+                config.master_addr, config.master_port, options.connect_timeout
+            ))
+        },
+    )
+    .await?;
+    let local_ip = stream
+        .local_addr()
+        .map_err(|e| {
+            rendezvous(format!(
+                "rank {rank}: the master connection has no local address: {e}"
+            ))
+        })?
+        .ip();
+    let listener = TcpListener::bind((local_ip, 0))
+        .await
+        .map_err(|e| rendezvous(format!("rank {rank} could not listen on {local_ip}: {e}")))?;
+    let own = listener
+        .local_addr()
+        .map_err(|e| rendezvous(format!("rank {rank}: its listener has no address: {e}")))?;
+
+    let mut hello = Vec::new();
+    hello.extend_from_slice(HELLO);
+    hello.extend_from_slice(&VERSION.to_le_bytes());
+    hello.extend_from_slice(&rank.to_le_bytes());
+    hello.extend_from_slice(&world.to_le_bytes());
+    put_addr(&mut hello, &own);
+    let talk = async {
+        stream.write_all(&hello).await?;
+        if !read_magic(&mut stream, TABLE).await? || stream.read_u32_le().await? != VERSION {
+            return Ok(None);
+        }
+        let session = stream.read_u64_le().await?;
+        let table_world = stream.read_u32_le().await?;
+        if table_world != world {
+            return Ok(None);
+        }
+        let mut table = Vec::with_capacity(world as usize);
+        for _ in 0..world {
+            let Some(addr) = read_addr(&mut stream).await? else {
+                return Ok(None);
+            };
+            table.push(addr);
+        }
+        Ok::<_, std::io::Error>(Some((session, table)))
+    };
+    match tokio::time::timeout_at(deadline, talk).await {
+        Ok(Ok(Some((session, table)))) => Ok((session, table, listener)),
+        Ok(Ok(None)) => Err(rendezvous(format!(
+            "rank {rank}: the master at {}:{} answered with something that is not a tessera address table",
+            config.master_addr, config.master_port
+        ))),
+        Ok(Err(e)) => Err(rendezvous(format!(
+            "rank {rank}: the master closed the rendezvous before sending the address table ({e}); \
+             it may have rejected another rank's configuration"
+        ))),
+        Err(_) => Err(rendezvous(format!(
+            "rank {rank}: the master did not send the address table within {:?} (are all {world} ranks started?)",
+            options.connect_timeout
+        ))),
+    }
+}
+
+/// Connects to `addr`, retrying with backoff (the other side may not be listening yet) until
+/// `deadline`.
+async fn connect_retrying<A: tokio::net::ToSocketAddrs + Clone>(
+    addr: A,
+    deadline: Instant,
+    fail: impl Fn(&str) -> LoaderError,
+) -> Result<TcpStream, LoaderError> {
+    let mut delay = Duration::from_millis(10);
+    let mut last = "no attempt made".to_string();
+    loop {
+        match tokio::time::timeout_at(deadline, TcpStream::connect(addr.clone())).await {
+            Ok(Ok(stream)) => {
+                let _ = stream.set_nodelay(true);
+                return Ok(stream);
+            }
+            Ok(Err(e)) => last = e.to_string(),
+            Err(_) => return Err(fail(&format!("last attempt: {last}"))),
+        }
+        if Instant::now() + delay >= deadline {
+            return Err(fail(&last));
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(500));
+    }
+}
+
+/// A peer's handshake, read on this rank's listener.
+struct Shake {
+    session: u64,
+    from: u32,
+    to: u32,
+    world: u32,
+    stream: TcpStream,
+}
+
+async fn read_shake(mut stream: TcpStream) -> std::io::Result<Option<Shake>> {
+    if !read_magic(&mut stream, SHAKE).await? || stream.read_u32_le().await? != VERSION {
+        return Ok(None);
+    }
+    let session = stream.read_u64_le().await?;
+    let from = stream.read_u32_le().await?;
+    let to = stream.read_u32_le().await?;
+    let world = stream.read_u32_le().await?;
+    Ok(Some(Shake {
+        session,
+        from,
+        to,
+        world,
+        stream,
+    }))
+}
+
+/// Connects to every higher rank and accepts every lower one.
+async fn build_mesh(
+    rank: u32,
+    world: u32,
+    session: u64,
+    table: &[SocketAddr],
+    listener: &TcpListener,
+    options: &TransportOptions,
+    deadline: Instant,
+) -> Result<Vec<(u32, TcpStream)>, LoaderError> {
+    let connects = futures::future::try_join_all((rank + 1..world).map(|peer| async move {
+        let addr = table[peer as usize];
+        let fail = |last: &str| {
+            rendezvous(format!(
+                "rank {rank} could not connect to rank {peer} at {addr} within {:?}: {last}",
+                options.connect_timeout
+            ))
+        };
+        let mut stream = connect_retrying(addr, deadline, fail).await?;
+        let mut shake = Vec::with_capacity(28);
+        shake.extend_from_slice(SHAKE);
+        shake.extend_from_slice(&VERSION.to_le_bytes());
+        shake.extend_from_slice(&session.to_le_bytes());
+        shake.extend_from_slice(&rank.to_le_bytes());
+        shake.extend_from_slice(&peer.to_le_bytes());
+        shake.extend_from_slice(&world.to_le_bytes());
+        let talk = async {
+            stream.write_all(&shake).await?;
+            let ok = read_magic(&mut stream, ACK).await? && stream.read_u32_le().await? == peer;
+            Ok::<_, std::io::Error>(ok)
+        };
+        match tokio::time::timeout_at(deadline, talk).await {
+            Ok(Ok(true)) => Ok((peer, stream)),
+            Ok(Ok(false)) => Err(fail("it answered the handshake with something else")),
+            Ok(Err(e)) => Err(fail(&format!("handshake failed: {e}"))),
+            Err(_) => Err(fail("no handshake answer")),
+        }
+    }));
+
+    let accepts = async {
+        let mut accepted: Vec<(u32, TcpStream)> = Vec::with_capacity(rank as usize);
+        let mut have = vec![false; rank as usize];
+        let mut pending = FuturesUnordered::new();
+        let sleep = tokio::time::sleep_until(deadline);
+        tokio::pin!(sleep);
+        while accepted.len() < rank as usize {
+            tokio::select! {
+                incoming = listener.accept() => {
+                    if let Ok((stream, _)) = incoming {
+                        let _ = stream.set_nodelay(true);
+                        pending.push(read_shake(stream));
+                    }
+                }
+                Some(shake) = pending.next(), if !pending.is_empty() => {
+                    // Stale sessions and strangers are turned away by dropping the connection.
+                    let Ok(Some(mut shake)) = shake else { continue };
+                    if shake.session != session || shake.to != rank || shake.world != world || shake.from >= rank {
+                        continue;
+                    }
+                    if have[shake.from as usize] {
+                        return Err(rendezvous(format!("rank {rank}: rank {} connected twice", shake.from)));
+                    }
+                    let mut ack = Vec::with_capacity(8);
+                    ack.extend_from_slice(ACK);
+                    ack.extend_from_slice(&rank.to_le_bytes());
+                    if shake.stream.write_all(&ack).await.is_err() {
+                        continue;
+                    }
+                    have[shake.from as usize] = true;
+                    accepted.push((shake.from, shake.stream));
+                }
+                () = &mut sleep => {
+                    return Err(rendezvous(format!(
+                        "rank {rank}: ranks {:?} did not connect within {:?}",
+                        missing(&have, rank),
+                        options.connect_timeout
+                    )));
+                }
+            }
+        }
+        Ok(accepted)
+    };
+
+    let (mut up, down) = futures::future::try_join(connects, accepts).await?;
+    up.extend(down);
+    Ok(up)
+}

@@ -1,0 +1,447 @@
+//! `tessera load`: load a checkpoint into a layout, every rank on this machine (in-process or as
+//! separate processes over TCP on loopback) or one rank of a real job (`--rank`), with a report.
+
+use std::fmt::Write as _;
+use std::io::IsTerminal;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use tessera_loader::load::{Checkpoint, LoadOptions, LoadedRank, RankReport, load_rank};
+use tessera_loader::read::ReadOptions;
+use tessera_loader::rendezvous::RendezvousConfig;
+use tessera_loader::transport::InProcTransport;
+use tessera_loader::transport::TcpTransport;
+use tessera_loader::transport::TransportOptions;
+use tessera_metadata::safetensors::{self, TensorView};
+use tessera_metadata::synth;
+use tessera_planner::{ExplicitRequests, Plan, PlanOptions, RequestSet, Target};
+
+use crate::human;
+
+/// How ranks talk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportKind {
+    /// Threads of this process.
+    InProc,
+    /// Separate processes over TCP (loopback when run by `load` itself).
+    Tcp,
+}
+
+/// Arguments of `tessera load`.
+#[derive(Clone, Debug)]
+pub struct LoadArgs {
+    /// Checkpoint location.
+    pub checkpoint: String,
+    /// Target layout JSON file.
+    pub layout: Option<String>,
+    /// Explicit requests JSON file.
+    pub requests: Option<String>,
+    /// Write `DIR/rank-<r>.safetensors` per rank.
+    pub dump: Option<String>,
+    /// Transport between ranks.
+    pub transport: TransportKind,
+    /// Run only this rank (a real job's rank; rendezvous from flags or torchrun's environment).
+    pub rank: Option<u32>,
+    /// World size with `--rank`.
+    pub world: Option<u32>,
+    /// Rendezvous address with `--rank`.
+    pub master_addr: Option<String>,
+    /// Rendezvous port with `--rank`.
+    pub master_port: Option<u16>,
+    /// Verify block checksums of what is read.
+    pub verify: bool,
+    /// Read each shared piece once and exchange it.
+    pub dedup: bool,
+    /// Check every loaded byte against the synthetic value formula.
+    pub check: bool,
+    /// Write the JSON report here (used by the per-rank processes of `--transport tcp`).
+    pub report_json: Option<String>,
+    /// Seconds a rank waits for a peer before giving up.
+    pub peer_timeout: Duration,
+    /// Print the progress bar and report.
+    pub quiet: bool,
+}
+
+/// Runs the command; returns the report text.
+pub async fn run(args: &LoadArgs) -> Result<String> {
+    let location = tessera_loader::storage::open(&args.checkpoint)?;
+    let checkpoint = Checkpoint::open(location)
+        .await
+        .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
+    if checkpoint.checksums.is_none() {
+        bail!(
+            "{}: a metadata-only checkpoint has no data to load",
+            args.checkpoint
+        );
+    }
+    let requests = requests_for(args, &checkpoint)?;
+    let started = Instant::now();
+    let plan = checkpoint.plan(&requests, &PlanOptions { dedup: args.dedup })?;
+    let plan_seconds = started.elapsed().as_secs_f64();
+    let options = LoadOptions {
+        read: ReadOptions {
+            verify: args.verify,
+            ..ReadOptions::default()
+        },
+        progress: None,
+    };
+    let transport_options = TransportOptions {
+        timeout: args.peer_timeout,
+        ..TransportOptions::default()
+    };
+
+    if let Some(rank) = args.rank {
+        let world = plan.world_size();
+        if let Some(w) = args.world
+            && w != world
+        {
+            bail!("--world {w} but the layout has {world} ranks");
+        }
+        let config = rendezvous(args, rank, world)?;
+        let transport = TcpTransport::connect(&config, transport_options).await?;
+        let loaded = load_rank(&checkpoint, plan.rank_plan(rank)?, &transport, &options).await?;
+        finish_rank(args, &loaded)?;
+        if let Some(path) = &args.report_json {
+            std::fs::write(path, serde_json::to_vec(&loaded.report)?)
+                .with_context(|| format!("writing {path}"))?;
+        }
+        return Ok(report_text(
+            args,
+            &plan,
+            &[loaded.report],
+            plan_seconds,
+            "tcp, one rank",
+        ));
+    }
+
+    let reports = match args.transport {
+        TransportKind::InProc => {
+            load_all_inproc(args, &checkpoint, &plan, options, transport_options).await?
+        }
+        TransportKind::Tcp => load_all_tcp(args, plan.world_size()).await?,
+    };
+    let kind = match args.transport {
+        TransportKind::InProc => "in-process",
+        TransportKind::Tcp => "tcp processes on 127.0.0.1",
+    };
+    Ok(report_text(args, &plan, &reports, plan_seconds, kind))
+}
+
+fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> {
+    Ok(match (&args.layout, &args.requests) {
+        (Some(layout), None) => super::read_layout(layout)?
+            .resolve(checkpoint.meta.tensors())
+            .with_context(|| format!("resolving layout {layout} against {}", args.checkpoint))?,
+        (None, Some(path)) => ExplicitRequests::from_json(&super::read_text(path)?)
+            .and_then(|r| r.resolve(checkpoint.meta.tensors()))
+            .with_context(|| format!("reading requests {path}"))?,
+        _ => bail!("give exactly one of --layout or --requests"),
+    })
+}
+
+fn rendezvous(args: &LoadArgs, rank: u32, world: u32) -> Result<RendezvousConfig> {
+    match (&args.master_addr, args.master_port) {
+        (Some(addr), Some(port)) => Ok(RendezvousConfig {
+            rank,
+            world,
+            master_addr: addr.clone(),
+            master_port: port,
+        }),
+        (None, None) => {
+            let env = RendezvousConfig::from_env()?;
+            if env.rank != rank || env.world != world {
+                bail!(
+                    "--rank {rank} of {world} ranks disagrees with RANK={} WORLD_SIZE={} in the environment",
+                    env.rank,
+                    env.world
+                );
+            }
+            Ok(env)
+        }
+        _ => bail!(
+            "give both --master-addr and --master-port, or neither (then MASTER_ADDR and MASTER_PORT are used)"
+        ),
+    }
+}
+
+async fn load_all_inproc(
+    args: &LoadArgs,
+    checkpoint: &Checkpoint,
+    plan: &Plan,
+    mut options: LoadOptions,
+    transport_options: TransportOptions,
+) -> Result<Vec<RankReport>> {
+    let world = plan.world_size();
+    let total = plan.summary().bytes_read;
+    let done = Arc::new(AtomicU64::new(0));
+    let counter = Arc::clone(&done);
+    options.progress = Some(Arc::new(move |bytes| {
+        counter.fetch_add(bytes, Ordering::Relaxed);
+    }));
+    let ticker = (!args.quiet && std::io::stderr().is_terminal()).then(|| {
+        let done = Arc::clone(&done);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let d = done.load(Ordering::Relaxed);
+                eprint!(
+                    "\r  read {} of {} ({:.0}%)   ",
+                    human::bytes(d),
+                    human::bytes(total),
+                    100.0 * d as f64 / total.max(1) as f64
+                );
+            }
+        })
+    });
+    let transports = InProcTransport::mesh(world, transport_options);
+    let mut tasks = Vec::with_capacity(world as usize);
+    for (rank, transport) in transports.into_iter().enumerate() {
+        let rank_plan = plan.rank_plan(rank as u32)?;
+        let checkpoint = checkpoint.clone();
+        let options = options.clone();
+        tasks.push(tokio::spawn(async move {
+            load_rank(&checkpoint, rank_plan, &transport, &options).await
+        }));
+    }
+    let mut reports = Vec::with_capacity(tasks.len());
+    let mut failures = Vec::new();
+    for (rank, task) in tasks.into_iter().enumerate() {
+        match task.await {
+            Ok(Ok(loaded)) => {
+                finish_rank(args, &loaded)?;
+                reports.push(loaded.report);
+            }
+            Ok(Err(e)) => failures.push(format!("rank {rank}: {e}")),
+            Err(e) => failures.push(format!("rank {rank}: task failed: {e}")),
+        }
+    }
+    if let Some(ticker) = ticker {
+        ticker.abort();
+        eprintln!();
+    }
+    if !failures.is_empty() {
+        bail!("the load failed:\n  {}", failures.join("\n  "));
+    }
+    Ok(reports)
+}
+
+/// Runs every rank as its own `tessera load --rank` process, rendezvousing on a free loopback port.
+async fn load_all_tcp(args: &LoadArgs, world: u32) -> Result<Vec<RankReport>> {
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+        listener.local_addr()?.port()
+    };
+    let reports_dir = tempfile::tempdir().context("creating a report directory")?;
+    let exe = std::env::current_exe().context("locating the tessera binary")?;
+    let mut children = Vec::with_capacity(world as usize);
+    for rank in 0..world {
+        let report = reports_dir.path().join(format!("rank-{rank}.json"));
+        let mut cmd = tokio::process::Command::new(&exe);
+        cmd.arg("load").arg(&args.checkpoint);
+        if let Some(layout) = &args.layout {
+            cmd.arg("--layout").arg(layout);
+        }
+        if let Some(requests) = &args.requests {
+            cmd.arg("--requests").arg(requests);
+        }
+        if let Some(dump) = &args.dump {
+            cmd.arg("--dump").arg(dump);
+        }
+        cmd.args([
+            "--transport",
+            "tcp",
+            "--rank",
+            &rank.to_string(),
+            "--world",
+            &world.to_string(),
+        ])
+        .args([
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port.to_string(),
+        ])
+        .args([
+            "--peer-timeout",
+            &args.peer_timeout.as_secs_f64().to_string(),
+            "--quiet",
+        ])
+        .arg("--report-json")
+        .arg(&report);
+        if !args.verify {
+            cmd.arg("--no-verify");
+        }
+        if !args.dedup {
+            cmd.arg("--no-dedup");
+        }
+        if args.check {
+            cmd.arg("--check");
+        }
+        cmd.stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        children.push((
+            rank,
+            report,
+            cmd.spawn()
+                .with_context(|| format!("starting rank {rank}"))?,
+        ));
+    }
+    let mut failures = Vec::new();
+    let mut reports = Vec::new();
+    for (rank, report, child) in children {
+        let output = child
+            .wait_with_output()
+            .await
+            .with_context(|| format!("waiting for rank {rank}"))?;
+        if !output.status.success() {
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            failures.push(format!(
+                "rank {rank}: {}",
+                stderr.trim().trim_start_matches("error: ")
+            ));
+            continue;
+        }
+        let text =
+            std::fs::read(&report).with_context(|| format!("reading rank {rank}'s report"))?;
+        reports.push(
+            serde_json::from_slice(&text)
+                .with_context(|| format!("parsing rank {rank}'s report"))?,
+        );
+    }
+    if !failures.is_empty() {
+        bail!("the load failed:\n  {}", failures.join("\n  "));
+    }
+    Ok(reports)
+}
+
+/// Per-rank work after loading: value check and dump.
+fn finish_rank(args: &LoadArgs, loaded: &LoadedRank) -> Result<()> {
+    let plan = &loaded.plan;
+    if args.check {
+        for (dest, buffer) in plan.destinations.iter().zip(&loaded.buffers) {
+            let tensor = &plan.tensors[dest.tensor as usize];
+            let checked = match &dest.target {
+                Target::Box(region) => synth::check_box(tensor, region, buffer),
+                Target::Flat { start, end } => synth::check_flat(tensor, *start, *end, buffer),
+            };
+            checked.map_err(|e| anyhow!("rank {}: {e}", plan.rank))?;
+        }
+    }
+    if let Some(dir) = &args.dump {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {dir}"))?;
+        let mut names: Vec<String> = Vec::with_capacity(plan.destinations.len());
+        let shapes: Vec<Vec<u64>> = plan
+            .destinations
+            .iter()
+            .map(|d| d.target.buffer_shape())
+            .collect();
+        for dest in &plan.destinations {
+            let fqn = &plan.tensors[dest.tensor as usize].fqn;
+            let mut name = fqn.clone();
+            let mut k = 1;
+            while names.contains(&name) {
+                name = format!("{fqn}#{k}");
+                k += 1;
+            }
+            names.push(name);
+        }
+        let views: Vec<TensorView<'_>> = plan
+            .destinations
+            .iter()
+            .enumerate()
+            .map(|(i, dest)| TensorView {
+                name: &names[i],
+                dtype: plan.tensors[dest.tensor as usize].dtype,
+                shape: &shapes[i],
+                data: &loaded.buffers[i],
+            })
+            .collect();
+        let bytes = safetensors::serialize(&views, None)?;
+        let path = std::path::Path::new(dir).join(format!("rank-{}.safetensors", plan.rank));
+        let tmp = path.with_extension("safetensors.tmp");
+        std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &path).with_context(|| format!("renaming {}", tmp.display()))?;
+    }
+    Ok(())
+}
+
+fn report_text(
+    args: &LoadArgs,
+    plan: &Plan,
+    reports: &[RankReport],
+    plan_seconds: f64,
+    kind: &str,
+) -> String {
+    let sum = |f: fn(&RankReport) -> u64| reports.iter().map(f).sum::<u64>();
+    let max = |f: fn(&RankReport) -> f64| reports.iter().map(f).fold(0.0, f64::max);
+    let needed = sum(|r| r.bytes_needed);
+    let read = sum(|r| r.bytes_read);
+    let fetched = sum(|r| r.bytes_fetched);
+    let total = max(|r| r.total_seconds);
+    let unique = plan.summary().unique_bytes_needed;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "loaded {} into {} of {} ranks ({kind})",
+        args.checkpoint,
+        reports.len(),
+        plan.world_size()
+    );
+    let _ = writeln!(
+        out,
+        "bytes needed         {} (every rank's buffers)",
+        human::bytes(needed)
+    );
+    let _ = writeln!(
+        out,
+        "bytes read           {} (unique needed {}, read amplification {:.2})",
+        human::bytes(read),
+        human::bytes(unique),
+        if unique == 0 {
+            1.0
+        } else {
+            read as f64 / unique as f64
+        }
+    );
+    let _ = writeln!(
+        out,
+        "bytes fetched        {} ({} for checksum blocks, {} requests, {} retries)",
+        human::bytes(fetched),
+        human::bytes(sum(|r| r.verify_extra_bytes)),
+        sum(|r| r.requests),
+        sum(|r| r.retries)
+    );
+    let _ = writeln!(
+        out,
+        "bytes exchanged      {}",
+        human::bytes(sum(|r| r.bytes_sent))
+    );
+    let _ = writeln!(
+        out,
+        "time                 plan {plan_seconds:.3} s, read {:.3} s, exchange {:.3} s, total {total:.3} s (slowest rank)",
+        max(|r| r.read_seconds),
+        max(|r| r.exchange_seconds)
+    );
+    let _ = writeln!(
+        out,
+        "throughput           {:.2} GB/s of buffers filled",
+        if total > 0.0 {
+            needed as f64 / total / 1e9
+        } else {
+            0.0
+        }
+    );
+    if args.check {
+        let _ = writeln!(
+            out,
+            "check                every byte matches the synthetic formula"
+        );
+    }
+    if let Some(dir) = &args.dump {
+        let _ = writeln!(out, "dump                 {dir}/rank-<r>.safetensors");
+    }
+    out
+}
