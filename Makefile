@@ -20,6 +20,7 @@ bench-build:
 
 bench:
 	$(CARGO) bench --bench plan --locked
+	$(CARGO) bench --bench load --locked
 
 demo:
 	$(CARGO) run --release --locked -- demo

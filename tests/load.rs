@@ -384,3 +384,67 @@ fn a_convert_killed_midway_leaves_no_checkpoint() {
     );
     assert!(!dir.path().join("converted/latest").exists());
 }
+
+/// Runs the binary with extra environment variables and expects success.
+fn ok_with_env(env: &[(String, String)], args: &[&str]) -> String {
+    let output = std::process::Command::new(support::BIN)
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "tessera {} failed:\n{}",
+        args.join(" "),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap()
+}
+
+#[test]
+fn synth_verify_and_load_through_a_real_s3_server() {
+    let dir = tempdir();
+    std::fs::create_dir_all(dir.path().join("s3")).unwrap();
+    let server = tessera_loader::testing::S3TestServer::start(dir.path().join("s3"));
+    server.create_bucket("ckpts");
+    let env = server.env();
+    let saved = layout_file(dir.path(), "saved.json", &["fsdp", "--dp", "4"]);
+    let target = layout_file(dir.path(), "target.json", &megatron("2", "1", "2"));
+    let url = "s3://ckpts/run/step-000001";
+    ok_with_env(
+        &env,
+        &[
+            "synth",
+            "--model",
+            "gpt-tiny",
+            "--layout",
+            s(&saved),
+            "--out",
+            url,
+        ],
+    );
+    assert!(ok_with_env(&env, &["verify", url]).contains(": ok, 4 files"));
+    for transport in ["inproc", "tcp"] {
+        let dump = dir.path().join(format!("dump-{transport}"));
+        let report = ok_with_env(
+            &env,
+            &[
+                "load",
+                url,
+                "--layout",
+                s(&target),
+                "--transport",
+                transport,
+                "--check",
+                "--dump",
+                s(&dump),
+            ],
+        );
+        assert!(report.contains("read amplification 1.00"), "{report}");
+        check_dumps(&dump, &target);
+    }
+    // The latest pointer of the run lives in the bucket too.
+    let latest = std::fs::read_to_string(dir.path().join("s3/ckpts/run/latest")).unwrap();
+    assert_eq!(latest.trim(), "step-000001");
+}
