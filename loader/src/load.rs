@@ -11,7 +11,7 @@ use tessera_metadata::native::{BlockChecksums, Manifest, open_checkpoint, read_b
 use tessera_planner::{Plan, PlanOptions, RankPlan, RequestSet, plan};
 
 use crate::exchange::run_exchanges;
-use crate::read::{ReadOptions, read_pieces};
+use crate::read::{ReadOptions, read_into};
 use crate::storage::Location;
 use crate::transport::Transport;
 use crate::{LoaderError, place};
@@ -137,13 +137,13 @@ pub async fn load_rank<T: Transport>(
         let p = Arc::clone(p);
         move |bytes: u64| p(bytes)
     });
-    let stats = read_pieces(
+    let stats = read_into(
         Arc::clone(&checkpoint.location.store),
         &checkpoint.location.prefix,
         &plan,
         checkpoint.checksums.as_deref(),
         &options.read,
-        |piece, wire| place::place_piece(&plan, piece, wire, &mut buffers),
+        &mut buffers,
         progress_fn.as_ref().map(|f| f as &(dyn Fn(u64) + Sync)),
     )
     .await?;

@@ -2,7 +2,7 @@
 //! through the plan's place runs, and the reverse (gathering a piece back out of a destination to
 //! send it to peers, so a reader keeps no second copy of what it read).
 
-use tessera_planner::{RankPlan, StridedRuns};
+use tessera_planner::{RankPiece, RankPlan, StridedRuns};
 
 use crate::LoaderError;
 
@@ -124,4 +124,96 @@ pub fn gather_piece(
     )?;
     copy_runs(&back, buffer, &mut wire);
     Ok(wire)
+}
+
+/// Places any sub-range of a piece's wire bytes (as they arrive from storage) straight into the
+/// piece's destinations, so the reader never assembles a wire buffer. Relies on what place runs
+/// are: their source is the wire, row-major, so run k starts at wire byte k × run_bytes.
+#[derive(Debug)]
+pub struct WirePlacer<'a> {
+    piece: u32,
+    places: Vec<(usize, &'a StridedRuns)>,
+}
+
+impl<'a> WirePlacer<'a> {
+    /// Checks the piece's place runs against the plan (they come over the network).
+    pub fn new(plan: &'a RankPlan, piece: &'a RankPiece) -> Result<Self, LoaderError> {
+        let mut places = Vec::with_capacity(piece.places.len());
+        for placement in &piece.places {
+            let runs = &placement.runs;
+            let bad = |why: &str| LoaderError::InvalidPlan {
+                detail: format!("rank {} piece {}: place runs {why}", plan.rank, piece.id),
+            };
+            let Some(dest) = plan.destinations.get(placement.destination as usize) else {
+                return Err(bad("land in a missing destination"));
+            };
+            if runs.counts.len() != runs.src_strides.len()
+                || runs.counts.len() != runs.dst_strides.len()
+            {
+                return Err(bad("have mismatched dimensions"));
+            }
+            // Wire side contiguous and row-major from 0, covering exactly the piece.
+            let mut expected = runs.run_bytes;
+            for d in (0..runs.counts.len()).rev() {
+                if runs.src_strides[d] != expected {
+                    return Err(bad("do not read the wire row-major"));
+                }
+                expected = expected.saturating_mul(runs.counts[d]);
+            }
+            if runs.src_offset != 0 || expected != piece.bytes {
+                return Err(bad("do not cover the piece's wire bytes"));
+            }
+            if runs.dst_span().1 > dest.bytes {
+                return Err(bad("reach past their destination"));
+            }
+            places.push((placement.destination as usize, runs));
+        }
+        Ok(Self {
+            piece: piece.id,
+            places,
+        })
+    }
+
+    /// Copies `bytes`, the piece's wire bytes from `wire_offset` on, into every destination.
+    pub fn place(
+        &self,
+        wire_offset: u64,
+        bytes: &[u8],
+        buffers: &mut [Vec<u8>],
+    ) -> Result<(), LoaderError> {
+        for &(dest, runs) in &self.places {
+            let Some(buffer) = buffers.get_mut(dest) else {
+                return Err(LoaderError::InvalidPlan {
+                    detail: format!("piece {} lands in missing destination {dest}", self.piece),
+                });
+            };
+            let rb = runs.run_bytes;
+            let mut at = wire_offset;
+            let mut rest = bytes;
+            while !rest.is_empty() {
+                let (run, within) = (at / rb, at % rb);
+                let n = ((rb - within) as usize).min(rest.len());
+                // Destination of run `run`: its odometer index over the counts, last dim fastest.
+                let mut k = run;
+                let mut target = runs.dst_offset + within;
+                for d in (0..runs.counts.len()).rev() {
+                    target += (k % runs.counts[d]) * runs.dst_strides[d];
+                    k /= runs.counts[d];
+                }
+                let t = target as usize;
+                let Some(slot) = buffer.get_mut(t..t + n) else {
+                    return Err(LoaderError::InvalidPlan {
+                        detail: format!(
+                            "piece {}: wire byte {at} lands past destination {dest}",
+                            self.piece
+                        ),
+                    });
+                };
+                slot.copy_from_slice(&rest[..n]);
+                at += n as u64;
+                rest = &rest[n..];
+            }
+        }
+        Ok(())
+    }
 }

@@ -37,8 +37,10 @@ pub struct ReadStats {
     pub verify_extra_bytes: u64,
     /// Bytes checked against block checksums (0 when not verifying).
     pub bytes_verified: u64,
-    /// Storage requests (one per part; retries not included).
+    /// Storage requests (small parts of one file share one; retries not included).
     pub requests: u64,
+    /// Parts fetched (ranges of at most the part size).
+    pub parts: u64,
     /// Failed requests that were retried.
     pub retries: u64,
     /// Wall time.
@@ -63,6 +65,87 @@ pub async fn read_pieces(
     checksums: Option<&BlockChecksums>,
     options: &ReadOptions,
     mut on_piece: impl FnMut(usize, &[u8]) -> Result<(), LoaderError>,
+    progress: Option<&(dyn Fn(u64) + Sync)>,
+) -> Result<ReadStats, LoaderError> {
+    // Wire buffers, allocated when a piece's first byte arrives and handed on when complete.
+    let mut wires: Vec<Option<Vec<u8>>> = vec![None; plan.pieces.len()];
+    read_runs(
+        store,
+        prefix,
+        plan,
+        checksums,
+        options,
+        |piece, event| match event {
+            Delivery::Bytes(wire_offset, bytes) => {
+                let total = plan.pieces[piece].bytes as usize;
+                let wire = wires[piece].get_or_insert_with(|| vec![0u8; total]);
+                let at = wire_offset as usize;
+                wire[at..at + bytes.len()].copy_from_slice(bytes);
+                Ok(())
+            }
+            Delivery::Complete => match wires[piece].take() {
+                Some(wire) => on_piece(piece, &wire),
+                None => on_piece(piece, &[]),
+            },
+        },
+        progress,
+    )
+    .await
+}
+
+/// Reads this rank's pieces straight into its destination buffers (one per plan destination),
+/// through each piece's place runs: no wire buffer, one copy from the fetched bytes.
+pub async fn read_into(
+    store: Arc<dyn ObjectStore>,
+    prefix: &Path,
+    plan: &RankPlan,
+    checksums: Option<&BlockChecksums>,
+    options: &ReadOptions,
+    buffers: &mut [Vec<u8>],
+    progress: Option<&(dyn Fn(u64) + Sync)>,
+) -> Result<ReadStats, LoaderError> {
+    let placers = plan
+        .pieces
+        .iter()
+        .map(|p| match p.read {
+            Some(_) => crate::place::WirePlacer::new(plan, p).map(Some),
+            None => Ok(None),
+        })
+        .collect::<Result<Vec<_>, LoaderError>>()?;
+    read_runs(
+        store,
+        prefix,
+        plan,
+        checksums,
+        options,
+        |piece, event| match (event, &placers[piece]) {
+            (Delivery::Bytes(wire_offset, bytes), Some(placer)) => {
+                placer.place(wire_offset, bytes, buffers)
+            }
+            _ => Ok(()),
+        },
+        progress,
+    )
+    .await
+}
+
+/// What the read core hands on for a piece.
+enum Delivery<'a> {
+    /// Wire bytes from this offset on.
+    Bytes(u64, &'a [u8]),
+    /// The piece's last byte has been delivered (at once for an empty piece).
+    Complete,
+}
+
+/// The shared read core: schedules and fetches every run of every piece this rank reads and
+/// hands each fetched run, then the piece's completion, to `deliver(piece, event)`.
+async fn read_runs(
+    store: Arc<dyn ObjectStore>,
+    prefix: &Path,
+    plan: &RankPlan,
+    checksums: Option<&BlockChecksums>,
+    options: &ReadOptions,
+    mut deliver: impl FnMut(usize, Delivery<'_>) -> Result<(), LoaderError>,
     progress: Option<&(dyn Fn(u64) + Sync)>,
 ) -> Result<ReadStats, LoaderError> {
     let started = Instant::now();
@@ -99,7 +182,7 @@ pub async fn read_pieces(
             detail: format!("rank {}: piece {}: {why}", plan.rank, piece.id),
         })?;
         if piece.bytes == 0 {
-            on_piece(index, &[])?;
+            deliver(index, Delivery::Complete)?;
             continue;
         }
         runs.src_ranges(read.file, &mut ranges);
@@ -113,30 +196,22 @@ pub async fn read_pieces(
     let scheduler = RangeScheduler::new(store, files, checksums, options);
     let schedule = scheduler.schedule(ranges)?;
     let index = SourceIndex::new(&sources);
-    let mut states: Vec<State> = sources
-        .iter()
-        .map(|s| State {
-            remaining: s.runs.total,
-            wire: None,
-        })
-        .collect();
+    let mut remaining: Vec<u64> = sources.iter().map(|s| s.runs.total).collect();
 
     let fetched = scheduler
         .fetch(&schedule.parts, |part, bytes| {
             let mut delivered = 0u64;
             for s in index.overlapping(part) {
                 let source = &sources[s];
-                let state = &mut states[s];
-                let wire = state
-                    .wire
-                    .get_or_insert_with(|| vec![0u8; source.runs.total as usize]);
-                let copied = source.runs.copy_from(part.start, bytes, wire);
+                let copied = source
+                    .runs
+                    .copy_from(part.start, bytes, |wire_offset, run| {
+                        deliver(source.piece, Delivery::Bytes(wire_offset, run))
+                    })?;
                 delivered += copied;
-                state.remaining -= copied;
-                if state.remaining == 0
-                    && let Some(wire) = state.wire.take()
-                {
-                    on_piece(source.piece, &wire)?;
+                remaining[s] -= copied;
+                if copied > 0 && remaining[s] == 0 {
+                    deliver(source.piece, Delivery::Complete)?;
                 }
             }
             if let (Some(progress), true) = (progress, delivered > 0) {
@@ -146,12 +221,12 @@ pub async fn read_pieces(
         })
         .await?;
 
-    if let Some((source, state)) = sources.iter().zip(&states).find(|(_, st)| st.remaining > 0) {
+    if let Some((source, left)) = sources.iter().zip(&remaining).find(|(_, left)| **left > 0) {
         let piece = &plan.pieces[source.piece];
         return Err(LoaderError::InvalidPlan {
             detail: format!(
                 "rank {}: piece {}: {} of its {} bytes were never fetched",
-                plan.rank, piece.id, state.remaining, piece.bytes
+                plan.rank, piece.id, left, piece.bytes
             ),
         });
     }
@@ -166,6 +241,7 @@ pub async fn read_pieces(
         },
         bytes_verified: fetched.bytes_verified,
         requests: fetched.requests,
+        parts: fetched.parts,
         retries: fetched.retries,
         elapsed: started.elapsed(),
     })
@@ -200,15 +276,6 @@ struct Source {
     /// Index into the plan's files.
     file: u32,
     runs: Runs,
-}
-
-/// Assembly state of a [`Source`].
-#[derive(Debug)]
-struct State {
-    /// Bytes not yet copied.
-    remaining: u64,
-    /// The wire buffer, allocated when the first byte arrives and handed on when complete.
-    wire: Option<Vec<u8>>,
 }
 
 /// A piece's read runs with the outer dims ordered by falling source stride, so that iteration
@@ -340,9 +407,14 @@ impl Runs {
         out.extend(current);
     }
 
-    /// Copies the bytes of the runs that `bytes` (file bytes from `start`) holds into `wire`;
-    /// returns how many.
-    fn copy_from(&self, start: u64, bytes: &[u8], wire: &mut [u8]) -> u64 {
+    /// Hands the bytes of the runs that `bytes` (file bytes from `start`) holds to
+    /// `sink(wire offset, bytes)`; returns how many.
+    fn copy_from(
+        &self,
+        start: u64,
+        bytes: &[u8],
+        mut sink: impl FnMut(u64, &[u8]) -> Result<(), LoaderError>,
+    ) -> Result<u64, LoaderError> {
         let end = start + bytes.len() as u64;
         let mut cursor = if self.sorted {
             Cursor::seek(self, start)
@@ -361,11 +433,10 @@ impl Runs {
             }
             let n = (hi - lo) as usize;
             let from = (lo - start) as usize;
-            let to = (dst + (lo - src)) as usize;
-            wire[to..to + n].copy_from_slice(&bytes[from..from + n]);
+            sink(dst + (lo - src), &bytes[from..from + n])?;
             copied += hi - lo;
         }
-        copied
+        Ok(copied)
     }
 }
 
@@ -508,7 +579,12 @@ mod tests {
         let mut wire = vec![0u8; r.total as usize];
         let mut copied = 0;
         for (i, chunk) in file.chunks(part).enumerate() {
-            copied += r.copy_from((i * part) as u64, chunk, &mut wire);
+            copied += r
+                .copy_from((i * part) as u64, chunk, |at, bytes| {
+                    wire[at as usize..at as usize + bytes.len()].copy_from_slice(bytes);
+                    Ok(())
+                })
+                .unwrap();
         }
         assert_eq!(copied, r.total);
         wire

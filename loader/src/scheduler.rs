@@ -132,8 +132,11 @@ pub struct Schedule {
 /// What a [`RangeScheduler::fetch`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FetchStats {
-    /// Parts fetched (one successful request each; retries not included).
+    /// Storage requests that succeeded (several small parts may share one; retries not
+    /// included).
     pub requests: u64,
+    /// Parts fetched (ranges of at most the part size).
+    pub parts: u64,
     /// Failed attempts that were retried.
     pub retries: u64,
     /// Bytes fetched.
@@ -254,9 +257,9 @@ impl<'a> RangeScheduler<'a> {
             backoff: self.options.backoff,
         };
         let mut stats = FetchStats::default();
-        let mut tasks: JoinSet<Result<Fetched, LoaderError>> = JoinSet::new();
-        // Which part each task fetches.
-        let mut task_parts: HashMap<task::Id, usize> = HashMap::new();
+        let mut tasks: JoinSet<Result<Vec<Fetched>, LoaderError>> = JoinSet::new();
+        // Which parts each task fetches (several small parts of one file go in one request).
+        let mut task_parts: HashMap<task::Id, Vec<usize>> = HashMap::new();
         // One task (this one) launches requests and consumes their bytes, so a counter is all the
         // byte budget needs: bytes are reserved when a part is requested and released when
         // `on_part` has consumed it.
@@ -271,12 +274,36 @@ impl<'a> RangeScheduler<'a> {
                     break;
                 }
                 let file = self.file(part.file)?;
-                reserved += part.len();
+                // Small parts (the rows of a column slice when nothing fills the gaps between
+                // them) ride together in one `get_ranges` call: one request and one file open
+                // instead of thousands, still reading only the bytes needed.
+                // Only ranges that are small in their own right: parts cut from a large range
+                // are part-size long and go one per request.
+                let small = SMALL_PART.min(self.options.part_size / 4);
+                let mut group = vec![next];
+                let mut group_bytes = part.len();
+                next += 1;
+                while part.len() < small
+                    && next < parts.len()
+                    && group.len() < MAX_RANGES_PER_REQUEST
+                    && parts[next].file == part.file
+                    && parts[next].len() < small
+                    && group_bytes + parts[next].len() <= SMALL_PART
+                    && reserved.saturating_add(group_bytes + parts[next].len()) <= budget
+                {
+                    group_bytes += parts[next].len();
+                    group.push(next);
+                    next += 1;
+                }
+                reserved += group_bytes;
                 let store = Arc::clone(&self.store);
                 let path = file.path.clone();
-                let handle = tasks.spawn(fetch_part(store, path, part.start..part.end, retry));
-                task_parts.insert(handle.id(), next);
-                next += 1;
+                let ranges: Vec<Range<u64>> = group
+                    .iter()
+                    .map(|&i| parts[i].start..parts[i].end)
+                    .collect();
+                let handle = tasks.spawn(fetch_ranges(store, path, ranges, retry));
+                task_parts.insert(handle.id(), group);
             }
             let Some(joined) = tasks.join_next_with_id().await else {
                 break;
@@ -286,7 +313,10 @@ impl<'a> RangeScheduler<'a> {
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
                 // Only a runtime shutting down cancels a request task.
                 Err(e) => {
-                    let part = task_parts.remove(&e.id()).map(|i| parts[i]);
+                    let part = task_parts
+                        .remove(&e.id())
+                        .and_then(|g| g.first().copied())
+                        .map(|i| parts[i]);
                     let (path, action) = match part {
                         Some(p) => (
                             self.file(p.file)?.path.to_string(),
@@ -301,26 +331,30 @@ impl<'a> RangeScheduler<'a> {
                     });
                 }
             };
-            let Some(index) = index else {
+            let Some(group) = index else {
                 return Err(LoaderError::InvalidPlan {
                     detail: "a storage request finished that was never started".to_string(),
                 });
             };
-            let part = parts[index];
             let fetched = result?;
             stats.requests += 1;
-            stats.retries += u64::from(fetched.retries);
-            stats.bytes_fetched += part.len();
-            // Verified here rather than in the request task: crc32c runs at memory speed (CPU
-            // CRC instructions), far above what storage delivers, and the checksums stay borrowed.
-            if let Some(checksums) = self.checksums {
-                let file = self.file(part.file)?;
-                verify(checksums, file, part.start, &fetched.bytes)?;
-                stats.bytes_verified += part.len();
+            for (index, fetched) in group.into_iter().zip(fetched) {
+                let part = parts[index];
+                stats.parts += 1;
+                stats.retries += u64::from(fetched.retries);
+                stats.bytes_fetched += part.len();
+                // Verified here rather than in the request task: crc32c runs at memory speed (CPU
+                // CRC instructions), far above what storage delivers, and the checksums stay
+                // borrowed.
+                if let Some(checksums) = self.checksums {
+                    let file = self.file(part.file)?;
+                    verify(checksums, file, part.start, &fetched.bytes)?;
+                    stats.bytes_verified += part.len();
+                }
+                on_part(part, &fetched.bytes)?;
+                drop(fetched);
+                reserved -= part.len();
             }
-            on_part(part, &fetched.bytes)?;
-            drop(fetched);
-            reserved -= part.len();
         }
         Ok(stats)
     }
@@ -433,6 +467,41 @@ struct Fetched {
 /// credentials or an unsupported request stay what they are on every attempt.
 fn is_transient(error: &object_store::Error) -> bool {
     matches!(error, object_store::Error::Generic { .. })
+}
+
+/// Parts smaller than this (and than a quarter of the part size) may share one request with
+/// their neighbours, up to this many bytes together.
+const SMALL_PART: u64 = 1 << 20;
+/// At most this many ranges in one `get_ranges` request.
+const MAX_RANGES_PER_REQUEST: usize = 1024;
+
+/// Fetches `ranges` of `path` (one `get_range`, or one `get_ranges` for several), retrying
+/// transient errors; a failing multi-range request falls back to the ranges one by one, so errors
+/// name the exact range.
+async fn fetch_ranges(
+    store: Arc<dyn ObjectStore>,
+    path: Path,
+    ranges: Vec<Range<u64>>,
+    retry: Retry,
+) -> Result<Vec<Fetched>, LoaderError> {
+    if ranges.len() > 1
+        && let Ok(all) = store.get_ranges(&path, &ranges).await
+        && all.len() == ranges.len()
+        && all
+            .iter()
+            .zip(&ranges)
+            .all(|(b, r)| b.len() as u64 == r.end - r.start)
+    {
+        return Ok(all
+            .into_iter()
+            .map(|bytes| Fetched { bytes, retries: 0 })
+            .collect());
+    }
+    let mut out = Vec::with_capacity(ranges.len());
+    for range in ranges {
+        out.push(fetch_part(Arc::clone(&store), path.clone(), range, retry).await?);
+    }
+    Ok(out)
 }
 
 /// Fetches `range` of `path`, retrying transient errors.
