@@ -1,4 +1,4 @@
-//! The `tessera` command: synthesize, inspect, plan and verify checkpoints.
+//! The `tessera` command: synthesize, inspect, plan, load, verify and serve checkpoints.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -151,6 +151,35 @@ enum Command {
     Verify {
         /// Checkpoint directory or file:// URL.
         checkpoint: String,
+    },
+    /// Serve the catalog and plan API of a storage root over HTTP (until Ctrl-C or SIGTERM).
+    Serve {
+        /// Catalog root: a local directory or URL (file://, s3://, gs://, az://, http(s)://)
+        /// holding <run>/<step> checkpoint directories.
+        #[arg(long)]
+        root: String,
+        /// Address to listen on (port 0 picks a free port; the bound address is printed).
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        addr: String,
+        /// Bearer token every /v1 route requires (default: the TESSERA_TOKEN variable; none
+        /// leaves the API open).
+        #[arg(long)]
+        token: Option<String>,
+        /// Directory of the static web UI served at / (default: a built-in index page).
+        #[arg(long)]
+        web_ui: Option<std::path::PathBuf>,
+        /// Allow browsers on this origin to call the API (repeatable; `*` for any). Off by default.
+        #[arg(long = "cors-origin")]
+        cors_origins: Vec<String>,
+        /// Memory for checkpoint metadata, in MiB.
+        #[arg(long, default_value_t = 1024)]
+        metadata_cache_mib: u64,
+        /// Memory for computed plans, in MiB.
+        #[arg(long, default_value_t = 2048)]
+        plan_cache_mib: u64,
+        /// Largest request body, in KiB.
+        #[arg(long, default_value_t = 16 * 1024)]
+        body_limit_kib: usize,
     },
 }
 
@@ -361,6 +390,25 @@ fn run(cli: Cli) -> Result<()> {
                 .block_on(commands::inspect::run(&checkpoint, json))?
                 .as_bytes(),
         ),
+        Command::Serve {
+            root,
+            addr,
+            token,
+            web_ui,
+            cors_origins,
+            metadata_cache_mib,
+            plan_cache_mib,
+            body_limit_kib,
+        } => runtime.block_on(commands::serve::run(&commands::serve::ServeArgs {
+            root,
+            addr,
+            token,
+            web_ui,
+            cors_origins,
+            metadata_cache_mib,
+            plan_cache_mib,
+            body_limit_kib,
+        })),
         Command::Verify { checkpoint } => stdout(
             runtime
                 .block_on(commands::verify::run(&checkpoint))?

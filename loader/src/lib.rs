@@ -8,6 +8,7 @@ pub mod exchange;
 pub mod fault;
 pub mod load;
 pub mod place;
+pub mod plan_client;
 pub mod read;
 pub mod rendezvous;
 pub mod scheduler;

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use tessera_metadata::CheckpointMeta;
-use tessera_metadata::native::{BlockChecksums, Manifest, open_checkpoint, read_block_checksums};
+use tessera_metadata::dcp::IndexStats;
+use tessera_metadata::native::{BlockChecksums, Manifest};
+use tessera_metadata::{CheckpointMeta, Format, OpenOptions, open_any};
 use tessera_planner::{Plan, PlanOptions, RankPlan, RequestSet, plan};
 
 use crate::exchange::run_exchanges;
@@ -16,35 +17,53 @@ use crate::storage::Location;
 use crate::transport::Transport;
 use crate::{LoaderError, place};
 
-/// A checkpoint opened for loading: its store, metadata and (when it has data) block checksums.
+/// A checkpoint opened for loading, in any format tessera reads: its store, metadata and (native
+/// checkpoints with data) block checksums. DCP and safetensors checkpoints record no checksums a
+/// partial read could be checked against, so they load unverified (`checksums` is `None`).
 #[derive(Clone, Debug)]
 pub struct Checkpoint {
-    /// Where it lives.
+    /// Where it lives; `location.prefix` is the root its data file paths are relative to (for a
+    /// single safetensors file, the folder holding it).
     pub location: Location,
-    /// Its manifest.
-    pub manifest: Manifest,
+    /// Its format.
+    pub format: Format,
+    /// Its manifest (native checkpoints only).
+    pub manifest: Option<Manifest>,
+    /// Training step, when known.
+    pub step: Option<u64>,
+    /// Whether its data files are there (a native metadata-only checkpoint has none).
+    pub has_data: bool,
     /// Its global metadata.
     pub meta: Arc<CheckpointMeta>,
-    /// Block checksums of its data files (absent for metadata-only checkpoints).
+    /// Block checksums of its data files (native checkpoints with data only).
     pub checksums: Option<Arc<BlockChecksums>>,
+    /// DCP: how the per-blob zip index was obtained and what its header reads cost.
+    pub index: Option<IndexStats>,
 }
 
 impl Checkpoint {
-    /// Opens a committed native checkpoint: manifest, verified metadata, block checksums.
+    /// Opens a checkpoint in any format ([`open_any`]) with default options: native (manifest,
+    /// verified metadata, block checksums), DCP, or safetensors.
     pub async fn open(location: Location) -> Result<Checkpoint, LoaderError> {
-        let opened = open_checkpoint(location.store.as_ref(), &location.prefix).await?;
-        let checksums = match opened.manifest.checksums {
-            Some(_) => Some(Arc::new(
-                read_block_checksums(location.store.as_ref(), &location.prefix, &opened.manifest)
-                    .await?,
-            )),
-            None => None,
-        };
+        Checkpoint::open_with(location, &OpenOptions::default()).await
+    }
+
+    /// [`Checkpoint::open`] with options (e.g. a cache directory for DCP blob indexes).
+    pub async fn open_with(
+        mut location: Location,
+        options: &OpenOptions,
+    ) -> Result<Checkpoint, LoaderError> {
+        let opened = open_any(location.store.as_ref(), &location.prefix, options).await?;
+        location.prefix = opened.root.clone();
         Ok(Checkpoint {
             location,
-            manifest: opened.manifest,
+            format: opened.format,
+            manifest: opened.manifest().cloned(),
+            step: opened.step,
+            has_data: opened.has_data,
+            index: opened.dcp().map(|d| d.stats.clone()),
             meta: Arc::new(opened.meta),
-            checksums,
+            checksums: opened.block_checksums.map(Arc::new),
         })
     }
 

@@ -136,6 +136,29 @@ pub enum MetadataError {
         /// The decoder's message.
         detail: String,
     },
+    /// Something tessera cannot read in place (a compressed DCP blob, an unsupported dtype or
+    /// tensor kind), named with where it was found.
+    #[error("{path}: {detail}")]
+    Unsupported {
+        /// File (or checkpoint) where it was found.
+        path: String,
+        /// What it is, naming the tensor.
+        detail: String,
+    },
+    /// A DCP blob (a `torch.save` zip inside a `.distcp` file) that cannot be taken apart.
+    #[error("{path} bytes {start}..{end} ({entry}): {detail}")]
+    Blob {
+        /// The data file.
+        path: String,
+        /// First byte of the blob in the file.
+        start: u64,
+        /// One past its last byte.
+        end: u64,
+        /// What it holds: `tensor <fqn> chunk <box>` or `object <key>`.
+        entry: String,
+        /// What is wrong.
+        detail: String,
+    },
     /// Storage failed.
     #[error("{action} {path}: {source}")]
     Store {

@@ -1,5 +1,6 @@
-//! `tessera convert`: re-save a checkpoint in another layout (native format, manifest last,
-//! replicas balanced over writers), or export it as consolidated HF-style safetensors shards.
+//! `tessera convert`: re-save a checkpoint (native, PyTorch DCP or safetensors) in another layout
+//! (native format, manifest last, replicas balanced over writers), or export it as consolidated
+//! HF-style safetensors shards.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -54,7 +55,7 @@ pub async fn to_layout(source: &str, layout_path: &str, out: &str) -> Result<Str
         target.prefix.clone(),
         tensors.clone(),
         WriteOptions {
-            step: checkpoint.manifest.step,
+            step: checkpoint.step,
             source_layout: Some(serde_json::to_value(&layout)?),
             ..WriteOptions::default()
         },
@@ -210,12 +211,11 @@ pub async fn to_safetensors(source: &str, out: &str, max_shard_bytes: u64) -> Re
     ))
 }
 
+/// Opens the source in any format (native, PyTorch DCP, safetensors). Foreign formats are read
+/// without verification: they record no checksums a partial read could be checked against.
 async fn open(source: &str) -> Result<Checkpoint> {
-    let location = tessera_loader::storage::open(source)?;
-    let checkpoint = Checkpoint::open(location)
-        .await
-        .with_context(|| format!("opening checkpoint {source}"))?;
-    if checkpoint.checksums.is_none() {
+    let checkpoint = super::open_for_load(source).await?;
+    if !checkpoint.has_data {
         bail!("{source}: a metadata-only checkpoint has no data to convert");
     }
     Ok(checkpoint)

@@ -14,6 +14,8 @@ use tessera_loader::rendezvous::RendezvousConfig;
 use tessera_loader::transport::InProcTransport;
 use tessera_loader::transport::TcpTransport;
 use tessera_loader::transport::TransportOptions;
+use tessera_metadata::Format;
+use tessera_metadata::dcp::IndexSource;
 use tessera_metadata::safetensors::{self, TensorView};
 use tessera_metadata::synth;
 use tessera_planner::{ExplicitRequests, Plan, PlanOptions, RequestSet, Target};
@@ -66,11 +68,23 @@ pub struct LoadArgs {
 
 /// Runs the command; returns the report text.
 pub async fn run(args: &LoadArgs) -> Result<String> {
+    // Rank processes spawned here share the DCP blob index through a cache directory, so the
+    // zip headers are read once (by this process), not once per rank.
+    let shared_cache = match (args.rank, args.transport) {
+        (None, TransportKind::Tcp) if std::env::var_os(super::CACHE_DIR_ENV).is_none() => {
+            Some(tempfile::tempdir().context("creating a directory for the shared blob index")?)
+        }
+        _ => None,
+    };
+    let mut open_options = super::open_options();
+    if let Some(dir) = &shared_cache {
+        open_options.dcp.cache_dir = Some(dir.path().to_path_buf());
+    }
     let location = tessera_loader::storage::open(&args.checkpoint)?;
-    let checkpoint = Checkpoint::open(location)
+    let checkpoint = Checkpoint::open_with(location, &open_options)
         .await
         .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
-    if checkpoint.checksums.is_none() {
+    if !checkpoint.has_data {
         bail!(
             "{}: a metadata-only checkpoint has no data to load",
             args.checkpoint
@@ -109,6 +123,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         }
         return Ok(report_text(
             args,
+            &checkpoint,
             &plan,
             &[loaded.report],
             plan_seconds,
@@ -120,13 +135,27 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         TransportKind::InProc => {
             load_all_inproc(args, &checkpoint, &plan, options, transport_options).await?
         }
-        TransportKind::Tcp => load_all_tcp(args, plan.world_size()).await?,
+        TransportKind::Tcp => {
+            load_all_tcp(
+                args,
+                plan.world_size(),
+                shared_cache.as_ref().map(|d| d.path()),
+            )
+            .await?
+        }
     };
     let kind = match args.transport {
         TransportKind::InProc => "in-process",
         TransportKind::Tcp => "tcp processes on 127.0.0.1",
     };
-    Ok(report_text(args, &plan, &reports, plan_seconds, kind))
+    Ok(report_text(
+        args,
+        &checkpoint,
+        &plan,
+        &reports,
+        plan_seconds,
+        kind,
+    ))
 }
 
 fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> {
@@ -228,7 +257,11 @@ async fn load_all_inproc(
 }
 
 /// Runs every rank as its own `tessera load --rank` process, rendezvousing on a free loopback port.
-async fn load_all_tcp(args: &LoadArgs, world: u32) -> Result<Vec<RankReport>> {
+async fn load_all_tcp(
+    args: &LoadArgs,
+    world: u32,
+    shared_cache: Option<&std::path::Path>,
+) -> Result<Vec<RankReport>> {
     let port = {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
         listener.local_addr()?.port()
@@ -278,6 +311,9 @@ async fn load_all_tcp(args: &LoadArgs, world: u32) -> Result<Vec<RankReport>> {
         }
         if args.check {
             cmd.arg("--check");
+        }
+        if let Some(dir) = shared_cache {
+            cmd.env(super::CACHE_DIR_ENV, dir);
         }
         cmd.stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
@@ -370,6 +406,7 @@ fn finish_rank(args: &LoadArgs, loaded: &LoadedRank) -> Result<()> {
 
 fn report_text(
     args: &LoadArgs,
+    checkpoint: &Checkpoint,
     plan: &Plan,
     reports: &[RankReport],
     plan_seconds: f64,
@@ -414,6 +451,39 @@ fn report_text(
         sum(|r| r.requests),
         sum(|r| r.retries)
     );
+    match checkpoint.format {
+        Format::Native => {}
+        Format::Dcp => {
+            let _ = writeln!(
+                out,
+                "format               PyTorch DCP, read in place without verification (DCP records no checksums of chunk bytes)"
+            );
+        }
+        Format::Safetensors => {
+            let _ = writeln!(
+                out,
+                "format               safetensors, read in place without verification (safetensors records no checksums)"
+            );
+        }
+    }
+    if let Some(index) = &checkpoint.index {
+        let line = match index.source {
+            IndexSource::Built => format!(
+                "{} in {} requests at open, once for {} blobs ({:.1}% on top of the bytes read)",
+                human::bytes(index.bytes_read),
+                index.requests,
+                index.blobs,
+                if read == 0 {
+                    0.0
+                } else {
+                    100.0 * index.bytes_read as f64 / read as f64
+                }
+            ),
+            IndexSource::Memory => "none read: blob index from the in-memory cache".to_string(),
+            IndexSource::Disk => "none read: blob index from the cache directory".to_string(),
+        };
+        let _ = writeln!(out, "zip headers          {line}");
+    }
     let _ = writeln!(
         out,
         "bytes exchanged      {}",

@@ -6,19 +6,55 @@ pub mod inspect;
 pub mod layout;
 pub mod load;
 pub mod plan;
+pub mod serve;
 pub mod synth;
 pub mod verify;
 
+use std::sync::Arc;
+
 use anyhow::{Context, Result};
-use tessera_metadata::native::{NativeCheckpoint, open_checkpoint};
+use object_store::ObjectStore;
+use tessera_loader::load::Checkpoint;
+use tessera_metadata::{OpenOptions, OpenedCheckpoint, open_any};
 use tessera_planner::Layout;
 
 use crate::storage;
 
-/// Opens a committed native checkpoint at `location`.
-pub async fn open(location: &str) -> Result<NativeCheckpoint> {
+/// Environment variable naming a local directory where DCP blob indexes are cached between runs
+/// (every rank process of `load --transport tcp` shares it). Never the checkpoint's directory.
+pub const CACHE_DIR_ENV: &str = "TESSERA_CACHE_DIR";
+
+/// Open options of the commands: the DCP index cache directory from [`CACHE_DIR_ENV`].
+pub fn open_options() -> OpenOptions {
+    let mut options = OpenOptions::default();
+    options.dcp.cache_dir = std::env::var_os(CACHE_DIR_ENV)
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from);
+    options
+}
+
+/// Opens the checkpoint at `location` in whatever format it is (native, PyTorch DCP,
+/// safetensors), without reading native block checksums (describing and planning do not need
+/// them).
+pub async fn open(location: &str) -> Result<OpenedCheckpoint> {
+    Ok(open_at(location).await?.1)
+}
+
+/// [`open`], also returning the store the checkpoint is in.
+pub async fn open_at(location: &str) -> Result<(Arc<dyn ObjectStore>, OpenedCheckpoint)> {
     let loc = storage::open(location)?;
-    open_checkpoint(loc.store.as_ref(), &loc.prefix)
+    let mut options = open_options();
+    options.block_checksums = false;
+    let opened = open_any(loc.store.as_ref(), &loc.prefix, &options)
+        .await
+        .with_context(|| format!("opening checkpoint {location}"))?;
+    Ok((loc.store, opened))
+}
+
+/// Opens the checkpoint at `location` for loading (block checksums included for native ones).
+pub async fn open_for_load(location: &str) -> Result<Checkpoint> {
+    let loc = storage::open(location)?;
+    Checkpoint::open_with(loc, &open_options())
         .await
         .with_context(|| format!("opening checkpoint {location}"))
 }

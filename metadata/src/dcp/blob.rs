@@ -1,0 +1,334 @@
+//! One DCP tensor blob taken apart without reading its data: a `torch.save` zip (its `data.pkl`
+//! says which storage member holds the tensor, with what dtype, storage offset, size and strides)
+//! or, from torch 2.8 with `SerializationFormat.SAFETENSORS`, a safetensors file.
+
+use serde::{Deserialize, Serialize};
+
+use super::pickle::{self, Limits, Obj, Pickle, Value};
+use super::zip::{self, Segments, ZipError};
+use crate::DType;
+
+/// Where a chunk's tensor lies inside its blob, and how it is laid out.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorBlob {
+    /// Element type of the storage.
+    pub dtype: DType,
+    /// Shape of the saved tensor.
+    pub size: Vec<u64>,
+    /// Element strides of the saved tensor (not normalized: a transposed view keeps `(1, n)`).
+    pub stride: Vec<u64>,
+    /// Offset of the tensor's first element in its storage, in elements.
+    pub storage_offset: u64,
+    /// Offset of the storage's first byte, relative to the blob start.
+    pub data_offset: u64,
+    /// Bytes of the storage.
+    pub data_len: u64,
+    /// CRC-32 (IEEE) of the storage bytes as the zip records it (`None` for safetensors blobs).
+    pub data_crc32: Option<u32>,
+}
+
+impl TensorBlob {
+    /// Checks that every element the size and strides address lies inside the storage, in
+    /// checked arithmetic; returns the bytes from the first element to one past the last (0 for
+    /// an empty tensor).
+    pub fn span_bytes(&self) -> Result<u64, String> {
+        if self.size.len() != self.stride.len() {
+            return Err(format!(
+                "size has {} dims but stride has {}",
+                self.size.len(),
+                self.stride.len()
+            ));
+        }
+        let esize = self.dtype.size();
+        if self.size.contains(&0) {
+            return Ok(0);
+        }
+        let overflow = || "size and strides overflow".to_string();
+        let last = self
+            .size
+            .iter()
+            .zip(&self.stride)
+            .try_fold(0u64, |acc, (n, s)| {
+                acc.checked_add((n - 1).checked_mul(*s)?)
+            })
+            .ok_or_else(overflow)?;
+        let span = last
+            .checked_add(1)
+            .and_then(|n| n.checked_mul(esize))
+            .ok_or_else(overflow)?;
+        let end = self
+            .storage_offset
+            .checked_mul(esize)
+            .and_then(|o| o.checked_add(span))
+            .ok_or_else(overflow)?;
+        if end > self.data_len {
+            return Err(format!(
+                "size {:?} with strides {:?} from storage offset {} reaches byte {end} of a {}-byte storage",
+                self.size, self.stride, self.storage_offset, self.data_len
+            ));
+        }
+        Ok(span)
+    }
+}
+
+/// Takes a tensor blob apart from the `seg`ments fetched so far ([`ZipError::Need`] asks for
+/// more).
+pub fn parse_tensor_blob(seg: &Segments) -> Result<TensorBlob, ZipError> {
+    let magic = seg.get(0, 4.min(seg.len()), "the blob's first bytes")?;
+    if magic == b"PK\x03\x04" {
+        return parse_zip_blob(seg);
+    }
+    if seg.len() >= 9 && seg.get(8, 1, "the blob's first bytes")? == b"{" {
+        return parse_safetensors_blob(seg);
+    }
+    Err(ZipError::Bad(format!(
+        "starts with {magic:02x?}: neither a torch.save zip (PK\\x03\\x04) nor safetensors"
+    )))
+}
+
+fn bad<T>(detail: impl Into<String>) -> Result<T, ZipError> {
+    Err(ZipError::Bad(detail.into()))
+}
+
+fn parse_zip_blob(seg: &Segments) -> Result<TensorBlob, ZipError> {
+    let dir = zip::read_directory(seg)?;
+    let Some(pkl) = dir.entries.iter().find(|e| e.name.ends_with("data.pkl")) else {
+        return bad("no data.pkl member");
+    };
+    let prefix = &pkl.name[..pkl.name.len() - "data.pkl".len()];
+    if let Some(order) = dir.find(&format!("{prefix}byteorder")) {
+        let order = zip::read_member(seg, &dir, order)?;
+        if order != b"little" {
+            return bad(format!(
+                "byteorder is {:?}; only little-endian storages are read",
+                String::from_utf8_lossy(order)
+            ));
+        }
+    }
+    let pkl_bytes = zip::read_member(seg, &dir, pkl)?;
+    let pickle = pickle::unpickle(pkl_bytes, &Limits::BLOB)
+        .map_err(|e| ZipError::Bad(format!("{}: {e}", pkl.name)))?;
+    let rebuilt = rebuild(&pickle, pickle.root(), 0)
+        .map_err(|e| ZipError::Bad(format!("{}: {e}", pkl.name)))?;
+    let member = format!("{prefix}data/{}", rebuilt.key);
+    let Some(entry) = dir.find(&member) else {
+        return bad(format!(
+            "data.pkl refers to storage {member}, which is not in the archive"
+        ));
+    };
+    zip::check_stored(entry)?;
+    let range = zip::data_range(seg, &dir, entry)?;
+    let esize = rebuilt.dtype.size();
+    let expected = rebuilt
+        .storage_numel
+        .checked_mul(if rebuilt.untyped { 1 } else { esize });
+    if expected != Some(entry.size) {
+        return bad(format!(
+            "storage {member} holds {} bytes but data.pkl says {} {}",
+            entry.size,
+            rebuilt.storage_numel,
+            if rebuilt.untyped {
+                "bytes".to_string()
+            } else {
+                format!("elements of {}", rebuilt.dtype)
+            }
+        ));
+    }
+    let blob = TensorBlob {
+        dtype: rebuilt.dtype,
+        size: rebuilt.size,
+        stride: rebuilt.stride,
+        storage_offset: rebuilt.storage_offset,
+        data_offset: range.start,
+        data_len: entry.size,
+        data_crc32: Some(entry.crc32),
+    };
+    blob.span_bytes().map_err(ZipError::Bad)?;
+    Ok(blob)
+}
+
+fn parse_safetensors_blob(seg: &Segments) -> Result<TensorBlob, ZipError> {
+    let first8 = seg.get(0, 8, "the safetensors header length")?;
+    let n =
+        crate::safetensors::header_len(first8, "blob").map_err(|e| ZipError::Bad(e.to_string()))?;
+    let json = seg.get(8, n, "the safetensors header")?;
+    let header = crate::safetensors::parse_header(json, seg.len(), "blob")
+        .map_err(|e| ZipError::Bad(e.to_string()))?;
+    let [entry] = header.tensors.as_slice() else {
+        return bad(format!(
+            "a safetensors blob with {} tensors (one expected)",
+            header.tensors.len()
+        ));
+    };
+    let stride = crate::row_major_strides(&entry.shape);
+    Ok(TensorBlob {
+        dtype: entry.dtype,
+        size: entry.shape.clone(),
+        stride,
+        storage_offset: 0,
+        data_offset: header.data_start + entry.data_offsets.0,
+        data_len: entry.data_offsets.1 - entry.data_offsets.0,
+        data_crc32: None,
+    })
+}
+
+/// What `_rebuild_tensor_v2(...)` and friends would have built.
+struct Rebuilt {
+    key: String,
+    dtype: DType,
+    untyped: bool,
+    storage_numel: u64,
+    storage_offset: u64,
+    size: Vec<u64>,
+    stride: Vec<u64>,
+}
+
+fn rebuild(p: &Pickle, value: &Value, depth: usize) -> Result<Rebuilt, String> {
+    if depth > 8 {
+        return Err("tensor rebuild calls nested too deeply".to_string());
+    }
+    let Some(instance) = p.instance(value) else {
+        return Err(format!("holds a {}, not a tensor", p.describe(value)));
+    };
+    let Some((module, name)) = p.global(&instance.class) else {
+        return Err("rebuilds the tensor with a non-global callable".to_string());
+    };
+    call(p, module, name, &instance.args, depth)
+}
+
+fn call(
+    p: &Pickle,
+    module: &str,
+    name: &str,
+    args: &[Value],
+    depth: usize,
+) -> Result<Rebuilt, String> {
+    let arg = |i: usize| {
+        args.get(i)
+            .ok_or_else(|| format!("{name} has {} arguments, fewer than {}", args.len(), i + 1))
+    };
+    match name {
+        "_rebuild_tensor_v2" | "_rebuild_tensor_v3" | "_rebuild_tensor" => {
+            let storage = storage(p, arg(0)?)?;
+            let storage_offset = int(p, arg(1)?, "storage offset")?;
+            let size = ints(p, arg(2)?, "size")?;
+            let stride = ints(p, arg(3)?, "stride")?;
+            let dtype = if name == "_rebuild_tensor_v3" {
+                let dtype = arg(6)?;
+                match p.global(dtype) {
+                    Some(("torch", dtype)) => DType::parse(dtype).map_err(|e| e.to_string())?,
+                    _ => return Err(format!("dtype argument is a {}", p.describe(dtype))),
+                }
+            } else {
+                storage
+                    .dtype
+                    .ok_or("an untyped storage needs _rebuild_tensor_v3's dtype")?
+            };
+            if let Some(typed) = storage.dtype
+                && typed != dtype
+            {
+                return Err(format!("storage of {typed} rebuilt as {dtype}"));
+            }
+            Ok(Rebuilt {
+                key: storage.key,
+                dtype,
+                untyped: storage.dtype.is_none(),
+                storage_numel: storage.numel,
+                storage_offset,
+                size,
+                stride,
+            })
+        }
+        "_rebuild_parameter" | "_rebuild_parameter_with_state" => rebuild(p, arg(0)?, depth + 1),
+        "_rebuild_from_type_v2" => {
+            let func = arg(0)?;
+            let Some((m, n)) = p.global(func) else {
+                return Err(format!(
+                    "_rebuild_from_type_v2 calls a {}",
+                    p.describe(func)
+                ));
+            };
+            let inner = p
+                .sequence(arg(2)?)
+                .ok_or("_rebuild_from_type_v2's arguments are not a tuple")?;
+            call(p, m, n, inner, depth + 1)
+        }
+        _ => Err(format!(
+            "rebuilds the tensor with {module}.{name}, which tessera cannot read in place"
+        )),
+    }
+}
+
+struct Storage {
+    key: String,
+    dtype: Option<DType>,
+    numel: u64,
+}
+
+fn storage(p: &Pickle, value: &Value) -> Result<Storage, String> {
+    let Some(Obj::PersistentId(id)) = p.obj(value) else {
+        return Err(format!(
+            "storage argument is a {}, not a persistent id",
+            p.describe(value)
+        ));
+    };
+    let Some(fields) = p.sequence(id) else {
+        return Err(format!("persistent id is a {}", p.describe(id)));
+    };
+    let [Value::Str(kind), class, Value::Str(key), _location, numel] = fields else {
+        return Err(format!(
+            "persistent id has {} fields, not ('storage', type, key, location, numel)",
+            fields.len()
+        ));
+    };
+    if &**kind != "storage" {
+        return Err(format!("persistent id of kind {kind:?}"));
+    }
+    let Some((_, class)) = p.global(class) else {
+        return Err(format!("storage type is a {}", p.describe(class)));
+    };
+    let dtype = match class {
+        "UntypedStorage" => None,
+        "DoubleStorage" => Some(DType::F64),
+        "FloatStorage" => Some(DType::F32),
+        "HalfStorage" => Some(DType::F16),
+        "BFloat16Storage" => Some(DType::Bf16),
+        "LongStorage" => Some(DType::I64),
+        "IntStorage" => Some(DType::I32),
+        "ShortStorage" => Some(DType::I16),
+        "CharStorage" => Some(DType::I8),
+        "ByteStorage" => Some(DType::U8),
+        "BoolStorage" => Some(DType::Bool),
+        other => return Err(format!("storage type {other} is not supported")),
+    };
+    Ok(Storage {
+        key: key.to_string(),
+        dtype,
+        numel: int(p, numel, "storage size")?,
+    })
+}
+
+fn int(p: &Pickle, value: &Value, what: &str) -> Result<u64, String> {
+    match value {
+        Value::Int(i) if *i >= 0 => Ok(*i as u64),
+        _ => Err(format!(
+            "{what} is a {}, not a non-negative int",
+            p.describe(value)
+        )),
+    }
+}
+
+fn ints(p: &Pickle, value: &Value, what: &str) -> Result<Vec<u64>, String> {
+    let items = match p.sequence(value) {
+        Some(items) => items,
+        // `torch.Size((…))` in a REDUCE.
+        None => match p.instance(value) {
+            Some(instance) => match instance.args.first().and_then(|a| p.sequence(a)) {
+                Some(items) => items,
+                None => return Err(format!("{what} is a {}", p.describe(value))),
+            },
+            None => return Err(format!("{what} is a {}", p.describe(value))),
+        },
+    };
+    items.iter().map(|v| int(p, v, what)).collect()
+}

@@ -1,0 +1,388 @@
+//! The per-blob index of a DCP checkpoint: for every tensor chunk, where its storage lies inside
+//! its `torch.save` blob ([`TensorBlob`]). Building it reads only zip headers and `data.pkl`s, in
+//! batched, bounded-concurrency range reads; it is computed once per checkpoint and kept in an
+//! in-memory [`IndexCache`] and, when the caller names one, a cache directory (never the
+//! checkpoint's own directory).
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt};
+use serde::{Deserialize, Serialize};
+
+use super::blob::{TensorBlob, parse_tensor_blob};
+use super::zip::{Segments, ZipError};
+use crate::MetadataError;
+
+/// Bytes read from the start of every blob: the `data.pkl` local header and pickle (~250 bytes),
+/// and the local headers up to `data/0`'s (torch pads member data to 64 bytes, so it starts near
+/// byte 600).
+pub const HEAD_BYTES: u64 = 1024;
+/// Bytes read from the end of every blob: the end records (98 bytes with zip64) and a central
+/// directory of 7 members (~600 bytes).
+pub const TAIL_BYTES: u64 = 1024;
+/// Adjacent header reads (one blob's tail and the next blob's head touch) are merged into one
+/// request up to this size, so small blobs cost one request each without reading megabytes at once.
+const MAX_MERGED_READ: u64 = 8 << 20;
+/// Rounds of follow-up reads for a blob whose structures lie outside the head and tail.
+const MAX_ROUNDS: usize = 8;
+
+/// Where one blob lies.
+#[derive(Clone, Debug)]
+pub(crate) struct BlobRef {
+    /// Object path of its file.
+    pub path: Path,
+    /// What it holds, for messages: `tensor <fqn> chunk <box>`.
+    pub entry: String,
+    /// First byte in the file.
+    pub offset: u64,
+    /// Length in bytes.
+    pub length: u64,
+}
+
+/// Where an index came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IndexSource {
+    /// Built now from the blobs' headers.
+    #[default]
+    Built,
+    /// The in-memory cache.
+    Memory,
+    /// The cache directory.
+    Disk,
+}
+
+/// How the per-blob index was obtained and what building it cost.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct IndexStats {
+    /// Tensor blobs indexed.
+    pub blobs: u64,
+    /// Where the index came from.
+    pub source: IndexSource,
+    /// Range requests made for zip headers (0 when cached).
+    pub requests: u64,
+    /// Header bytes read (0 when cached).
+    pub bytes_read: u64,
+    /// Bytes of the `.metadata` file(s) read.
+    pub metadata_bytes: u64,
+    /// Seconds it took.
+    pub seconds: f64,
+}
+
+/// Per-checkpoint blob indexes kept in memory, keyed by a digest of the checkpoint's `.metadata`
+/// and data file sizes. Bounded: the oldest entry goes when `capacity` is reached.
+#[derive(Debug)]
+pub struct IndexCache {
+    entries: Mutex<VecDeque<(String, Arc<Vec<TensorBlob>>)>>,
+    capacity: usize,
+}
+
+impl IndexCache {
+    /// An empty cache holding up to `capacity` checkpoints' indexes.
+    pub fn new(capacity: usize) -> IndexCache {
+        IndexCache {
+            entries: Mutex::new(VecDeque::new()),
+            capacity: capacity.max(1),
+        }
+    }
+
+    /// The process-wide cache [`super::DcpOptions::default`] uses (64 checkpoints).
+    pub fn global() -> Arc<IndexCache> {
+        static GLOBAL: OnceLock<Arc<IndexCache>> = OnceLock::new();
+        Arc::clone(GLOBAL.get_or_init(|| Arc::new(IndexCache::new(64))))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<(String, Arc<Vec<TensorBlob>>)>> {
+        // A panic while holding the lock cannot leave the deque half-updated.
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The index cached under `key`.
+    pub fn get(&self, key: &str) -> Option<Arc<Vec<TensorBlob>>> {
+        self.lock()
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| Arc::clone(v))
+    }
+
+    /// Caches `index` under `key`.
+    pub fn insert(&self, key: &str, index: Arc<Vec<TensorBlob>>) {
+        let mut entries = self.lock();
+        entries.retain(|(k, _)| k != key);
+        while entries.len() >= self.capacity {
+            entries.pop_front();
+        }
+        entries.push_back((key.to_string(), index));
+    }
+
+    /// Number of cached indexes.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Forgets everything.
+    pub fn clear(&self) {
+        self.lock().clear();
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct DiskIndex {
+    format: String,
+    key: String,
+    blobs: Vec<TensorBlob>,
+}
+
+const DISK_FORMAT: &str = "tessera-dcp-index-v1";
+
+/// The cache file for `key` in `dir`.
+fn disk_path(dir: &std::path::Path, key: &str) -> PathBuf {
+    dir.join(format!("dcp-index-{key}.json"))
+}
+
+/// Reads a cached index; `None` when absent, unreadable, or not for `key` and `blobs` entries
+/// (then it is rebuilt and overwritten).
+pub(crate) fn read_disk(dir: &std::path::Path, key: &str, blobs: usize) -> Option<Vec<TensorBlob>> {
+    let bytes = std::fs::read(disk_path(dir, key)).ok()?;
+    let index: DiskIndex = serde_json::from_slice(&bytes).ok()?;
+    (index.format == DISK_FORMAT && index.key == key && index.blobs.len() == blobs)
+        .then_some(index.blobs)
+}
+
+/// Writes an index to the cache directory, atomically (temporary file, then rename). A cache that
+/// cannot be written is not an error: the index is simply rebuilt next time.
+pub(crate) fn write_disk(dir: &std::path::Path, key: &str, blobs: &[TensorBlob]) {
+    let index = DiskIndex {
+        format: DISK_FORMAT.to_string(),
+        key: key.to_string(),
+        blobs: blobs.to_vec(),
+    };
+    let Ok(bytes) = serde_json::to_vec(&index) else {
+        return;
+    };
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let path = disk_path(dir, key);
+    let tmp = path.with_extension(format!("json.tmp{}", std::process::id()));
+    if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, &path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+fn blob_error(blob: &BlobRef, detail: impl Into<String>) -> MetadataError {
+    MetadataError::Blob {
+        path: blob.path.to_string(),
+        start: blob.offset,
+        end: blob.offset + blob.length,
+        entry: blob.entry.clone(),
+        detail: detail.into(),
+    }
+}
+
+struct Read {
+    path: Path,
+    range: Range<u64>,
+}
+
+async fn fetch(store: &dyn ObjectStore, read: &Read) -> Result<Bytes, MetadataError> {
+    let bytes = store
+        .get_range(&read.path, read.range.clone())
+        .await
+        .map_err(|source| MetadataError::Store {
+            action: "reading",
+            path: format!(
+                "{} bytes {}..{}",
+                read.path, read.range.start, read.range.end
+            ),
+            source,
+        })?;
+    if bytes.len() as u64 != read.range.end - read.range.start {
+        return Err(MetadataError::Invalid {
+            what: format!(
+                "{}: asked for bytes {}..{} but got {} bytes (truncated file?)",
+                read.path,
+                read.range.start,
+                read.range.end,
+                bytes.len()
+            ),
+        });
+    }
+    Ok(bytes)
+}
+
+/// What [`index_blobs`] read.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Fetched {
+    pub requests: u64,
+    pub bytes: u64,
+}
+
+/// Takes every blob apart: reads its head and tail (merged with its neighbours' where they
+/// touch), parses, and follows up on the few blobs whose structures lie elsewhere. Results are in
+/// the order of `blobs`. Fails on the first damaged blob, naming it.
+pub(crate) async fn index_blobs(
+    store: &dyn ObjectStore,
+    blobs: &[BlobRef],
+    concurrency: usize,
+) -> Result<(Vec<TensorBlob>, Fetched), MetadataError> {
+    let concurrency = concurrency.max(1);
+    // Wanted ranges in file order.
+    let mut order: Vec<usize> = (0..blobs.len()).collect();
+    order.sort_by(|&a, &b| {
+        (blobs[a].path.as_ref(), blobs[a].offset).cmp(&(blobs[b].path.as_ref(), blobs[b].offset))
+    });
+    let mut wants: Vec<(usize, Range<u64>)> = Vec::with_capacity(2 * blobs.len());
+    for &b in &order {
+        let (start, len) = (blobs[b].offset, blobs[b].length);
+        if len == 0 {
+            return Err(blob_error(
+                &blobs[b],
+                "the blob is empty (0 bytes), not a torch.save zip",
+            ));
+        }
+        let end = start + len;
+        if len <= HEAD_BYTES + TAIL_BYTES {
+            wants.push((b, start..end));
+        } else {
+            wants.push((b, start..start + HEAD_BYTES));
+            wants.push((b, end - TAIL_BYTES..end));
+        }
+    }
+    wants.sort_by(|a, b| {
+        (blobs[a.0].path.as_ref(), a.1.start).cmp(&(blobs[b.0].path.as_ref(), b.1.start))
+    });
+    let mut reads: Vec<Read> = Vec::new();
+    let mut blob_reads: Vec<Vec<usize>> = vec![Vec::new(); blobs.len()];
+    for (b, range) in wants {
+        let merge = reads.last().is_some_and(|last| {
+            last.path == blobs[b].path
+                && range.start <= last.range.end
+                && range.end.max(last.range.end) - last.range.start <= MAX_MERGED_READ
+        });
+        match reads.last_mut() {
+            Some(last) if merge => last.range.end = last.range.end.max(range.end),
+            _ => reads.push(Read {
+                path: blobs[b].path.clone(),
+                range,
+            }),
+        }
+        let r = reads.len() - 1;
+        if blob_reads[b].last() != Some(&r) {
+            blob_reads[b].push(r);
+        }
+    }
+    let mut refs = vec![0usize; reads.len()];
+    let mut complete_at: Vec<Vec<usize>> = vec![Vec::new(); reads.len()];
+    for (b, rs) in blob_reads.iter().enumerate() {
+        for &r in rs {
+            refs[r] += 1;
+        }
+        if let Some(&last) = rs.iter().max() {
+            complete_at[last].push(b);
+        }
+    }
+    let mut fetched = Fetched {
+        requests: reads.len() as u64,
+        bytes: reads.iter().map(|r| r.range.end - r.range.start).sum(),
+    };
+
+    let mut results: Vec<Option<TensorBlob>> = vec![None; blobs.len()];
+    let mut follow_up: Vec<(usize, Segments, Range<u64>)> = Vec::new();
+    let mut held: HashMap<usize, Bytes> = HashMap::new();
+    // Ordered delivery: a blob is complete when its last read arrives, and a read's bytes are
+    // dropped when its last blob is parsed, so memory stays at the window of reads in flight.
+    let mut stream = futures::stream::iter(
+        reads
+            .iter()
+            .enumerate()
+            .map(|(i, read)| async move { fetch(store, read).await.map(|bytes| (i, bytes)) }),
+    )
+    .buffered(concurrency);
+    while let Some(next) = stream.next().await {
+        let (i, bytes) = next?;
+        held.insert(i, bytes);
+        for &b in &complete_at[i] {
+            let blob = &blobs[b];
+            let mut seg = Segments::new(blob.length);
+            for &r in &blob_reads[b] {
+                let Some(bytes) = held.get(&r) else {
+                    continue;
+                };
+                let read = &reads[r].range;
+                let lo = read.start.max(blob.offset);
+                let hi = read.end.min(blob.offset + blob.length);
+                if lo < hi {
+                    let slice = bytes.slice((lo - read.start) as usize..(hi - read.start) as usize);
+                    seg.add(lo - blob.offset, slice);
+                }
+                refs[r] -= 1;
+                if refs[r] == 0 {
+                    held.remove(&r);
+                }
+            }
+            match parse_tensor_blob(&seg) {
+                Ok(parsed) => results[b] = Some(parsed),
+                Err(ZipError::Need(range)) => follow_up.push((b, seg, range)),
+                Err(ZipError::Bad(detail)) => return Err(blob_error(blob, detail)),
+            }
+        }
+    }
+    drop(stream);
+
+    let finished: Vec<Result<(usize, TensorBlob, Fetched), MetadataError>> = futures::stream::iter(
+        follow_up
+            .into_iter()
+            .map(|(b, mut seg, mut need)| async move {
+                let blob = &blobs[b];
+                let mut cost = Fetched::default();
+                for _ in 0..MAX_ROUNDS {
+                    let read = Read {
+                        path: blob.path.clone(),
+                        range: blob.offset + need.start..blob.offset + need.end,
+                    };
+                    let bytes = fetch(store, &read).await?;
+                    cost.requests += 1;
+                    cost.bytes += bytes.len() as u64;
+                    seg.add(need.start, bytes);
+                    match parse_tensor_blob(&seg) {
+                        Ok(parsed) => return Ok((b, parsed, cost)),
+                        Err(ZipError::Need(range)) => need = range,
+                        Err(ZipError::Bad(detail)) => return Err(blob_error(blob, detail)),
+                    }
+                }
+                Err(blob_error(
+                    blob,
+                    format!("still incomplete after {MAX_ROUNDS} follow-up reads"),
+                ))
+            }),
+    )
+    .buffer_unordered(concurrency)
+    .collect()
+    .await;
+    for item in finished {
+        let (b, parsed, cost) = item?;
+        results[b] = Some(parsed);
+        fetched.requests += cost.requests;
+        fetched.bytes += cost.bytes;
+    }
+    let mut out = Vec::with_capacity(blobs.len());
+    for (b, result) in results.into_iter().enumerate() {
+        match result {
+            Some(parsed) => out.push(parsed),
+            None => return Err(blob_error(&blobs[b], "was never read")),
+        }
+    }
+    Ok((out, fetched))
+}

@@ -1,0 +1,516 @@
+//! PyTorch Distributed Checkpoint (DCP) directories read in place: the `.metadata` pickle (through
+//! a pickle VM of our own, [`pickle`]), and for every tensor chunk the `torch.save` zip blob it was
+//! written as, taken apart from its headers only ([`zip`], [`blob`]) so that a rank's partial read
+//! of a chunk stays partial.
+//!
+//! ```text
+//! <dir>/.metadata        pickle of torch.distributed.checkpoint.metadata.Metadata, written last
+//! <dir>/__0_0.distcp     blobs of rank 0, back to back, no header, no padding:
+//!
+//!   file byte  info.offset                                      info.offset + info.length
+//!   ─────┬─────┬────────────────────────────────────────────────────────────┬─────────
+//!   ...  │ ... │ torch.save zip: data.pkl … data/0 (raw storage) … directory │ next blob
+//!   ─────┴─────┴─────────────────────────▲──────────────────────────────────┴─────────
+//!                                        │
+//!         element idx of the chunk lies at info.offset + D + esize·(soff + Σ idx_k·stride_k)
+//!         D = data start of data/0 inside the blob, soff = storage offset (both from the blob)
+//! ```
+//!
+//! [`open_dcp`] turns that into a [`CheckpointMeta`]: every chunk's [`ByteMeta`] points at its
+//! storage bytes inside the `.distcp` file (with the stored strides when they are not row-major,
+//! e.g. a transposed weight), and every non-tensor entry is an [`ObjectMeta`] over its whole blob
+//! ([`decode_object`] turns simple Python values into JSON). DCP records no checksums of the
+//! chunk bytes tessera could check a partial read against, so loads read without verification;
+//! [`verify_dcp`] checks the zip CRC-32 of every member.
+
+pub mod blob;
+mod index;
+pub mod metadata;
+mod object;
+pub mod pickle;
+mod verify;
+pub mod zip;
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt};
+
+use crate::foreign::Listing;
+use crate::native::{resolve, store_error};
+use crate::{
+    ByteMeta, CheckpointMeta, DataFile, MetadataError, ObjectMeta, SavedChunk, TensorBox,
+    TensorMeta, row_major_strides, validate,
+};
+
+pub use blob::TensorBlob;
+pub use index::{HEAD_BYTES, IndexCache, IndexSource, IndexStats, TAIL_BYTES};
+pub use metadata::{DcpChunk, DcpMetadata, DcpObject, DcpTensor, StorageInfo, parse_metadata};
+pub use object::{decode_object, decode_pickle};
+pub use verify::{BadBlob, DcpVerifyReport, verify_dcp};
+
+/// Name of the global metadata file.
+pub const METADATA_FILE: &str = ".metadata";
+
+/// Options of [`open_dcp`].
+#[derive(Clone, Debug)]
+pub struct DcpOptions {
+    /// In-memory index cache (the process-wide [`IndexCache::global`] by default; `None` builds
+    /// the index every time).
+    pub cache: Option<Arc<IndexCache>>,
+    /// A local directory to keep built indexes in, so other processes (every rank of a job,
+    /// the next run) skip the header reads. Never the checkpoint's own directory.
+    pub cache_dir: Option<PathBuf>,
+    /// Header reads in flight. They are small and latency-bound; 32 keeps an object store's
+    /// connection pool busy without tripping request-rate limits.
+    pub concurrency: usize,
+    /// Caps of the `.metadata` pickle VM.
+    pub limits: pickle::Limits,
+}
+
+impl Default for DcpOptions {
+    fn default() -> Self {
+        DcpOptions {
+            cache: Some(IndexCache::global()),
+            cache_dir: None,
+            concurrency: 32,
+            limits: pickle::Limits::METADATA,
+        }
+    }
+}
+
+/// Where one tensor chunk's blob lies and what is inside.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkBlob {
+    /// `tensor <fqn> chunk <box>`, for messages.
+    pub entry: String,
+    /// Index into [`CheckpointMeta::files`].
+    pub file: u32,
+    /// First byte of the blob in the file.
+    pub offset: u64,
+    /// Bytes of the blob.
+    pub length: u64,
+    /// The blob taken apart.
+    pub blob: TensorBlob,
+}
+
+/// A DCP checkpoint, opened: the checkpoint model and what is DCP-specific about it.
+#[derive(Clone, Debug)]
+pub struct DcpCheckpoint {
+    /// The checkpoint model: tensors, chunks pointing into the `.distcp` files, objects.
+    pub meta: CheckpointMeta,
+    /// The rest.
+    pub details: DcpDetails,
+}
+
+/// What is DCP-specific about an opened checkpoint (kept apart from the [`CheckpointMeta`] so
+/// that one copy of the model serves both).
+#[derive(Clone, Debug)]
+pub struct DcpDetails {
+    /// What `.metadata` says.
+    pub metadata: DcpMetadata,
+    /// Every tensor chunk's blob, in [`CheckpointMeta::chunks`] order.
+    pub blobs: Vec<ChunkBlob>,
+    /// How the blob index was obtained.
+    pub stats: IndexStats,
+    /// The metadata file(s) read: `.metadata`, or the per-rank `__<r>.metadata` files.
+    pub metadata_files: Vec<String>,
+}
+
+/// True when `listing` looks like a DCP directory (a `.metadata`, or per-rank metadata files).
+pub fn is_dcp(listing: &Listing) -> bool {
+    !metadata_files(listing).is_empty()
+}
+
+fn metadata_files(listing: &Listing) -> Vec<String> {
+    if listing.files.contains_key(METADATA_FILE) {
+        return vec![METADATA_FILE.to_string()];
+    }
+    // torch ≥2.9 with `use_collectives=False`: every rank writes `__<rank>.metadata`.
+    let mut per_rank: Vec<(u64, String)> = listing
+        .files
+        .keys()
+        .filter_map(|name| {
+            let rank = name.strip_prefix("__")?.strip_suffix(".metadata")?;
+            (!rank.is_empty() && rank.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| Some((rank.parse().ok()?, name.clone())))
+                .flatten()
+        })
+        .collect();
+    per_rank.sort();
+    per_rank.into_iter().map(|(_, name)| name).collect()
+}
+
+/// Opens the DCP checkpoint at `prefix` whose directory `listing` is: parses `.metadata`,
+/// indexes every tensor blob (or takes the index from a cache), builds and validates the
+/// [`CheckpointMeta`]. Errors name the file: [`MetadataError::Decode`] for a damaged
+/// `.metadata`, [`MetadataError::Blob`] for a damaged blob, [`MetadataError::ByteRangePastEnd`]
+/// for a truncated `.distcp`, [`MetadataError::Unsupported`] for compressed blobs.
+pub async fn open_dcp(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    listing: &Listing,
+    options: &DcpOptions,
+) -> Result<DcpCheckpoint, MetadataError> {
+    let started = Instant::now();
+    let names = metadata_files(listing);
+    if names.is_empty() {
+        return Err(MetadataError::Invalid {
+            what: format!("{prefix}: no {METADATA_FILE}, so this is not a DCP checkpoint"),
+        });
+    }
+    let mut digest = crc32fast::Hasher::new();
+    let mut digest_c = 0u32;
+    let mut metadata_bytes = 0u64;
+    let mut parts = Vec::with_capacity(names.len());
+    for name in &names {
+        let path = resolve(prefix, name)?;
+        if let Some(&size) = listing.files.get(name)
+            && size > options.limits.max_input as u64
+        {
+            return Err(MetadataError::Decode {
+                path: path.to_string(),
+                what: "DCP metadata",
+                detail: format!(
+                    "{size} bytes exceed the {}-byte cap",
+                    options.limits.max_input
+                ),
+            });
+        }
+        let bytes = store
+            .get(&path)
+            .await
+            .map_err(store_error("reading", &path))?
+            .bytes()
+            .await
+            .map_err(store_error("reading", &path))?;
+        digest.update(&bytes);
+        digest_c = crc32c::crc32c_append(digest_c, &bytes);
+        metadata_bytes += bytes.len() as u64;
+        parts.push(parse_metadata(&bytes, path.as_ref(), &options.limits)?);
+    }
+    let metadata = merge(parts, prefix)?;
+
+    // Data files: sizes from the listing (or a HEAD for files in subdirectories).
+    let mut file_names: BTreeSet<&str> = BTreeSet::new();
+    for tensor in &metadata.tensors {
+        for chunk in &tensor.chunks {
+            file_names.insert(&chunk.storage.relative_path);
+        }
+    }
+    for object in &metadata.objects {
+        file_names.insert(&object.storage.relative_path);
+    }
+    let mut files = Vec::with_capacity(file_names.len());
+    let mut file_index: HashMap<&str, u32> = HashMap::with_capacity(file_names.len());
+    for name in file_names {
+        let size = match listing.files.get(name) {
+            Some(&size) => size,
+            None => {
+                let path = resolve(prefix, name)?;
+                match store.head(&path).await {
+                    Ok(meta) => meta.size,
+                    Err(object_store::Error::NotFound { .. }) => {
+                        return Err(MetadataError::Invalid {
+                            what: format!(
+                                "data file {path} (named in {}) does not exist",
+                                names.join(", ")
+                            ),
+                        });
+                    }
+                    Err(e) => return Err(store_error("reading", &path)(e)),
+                }
+            }
+        };
+        file_index.insert(name, files.len() as u32);
+        files.push(DataFile {
+            path: name.to_string(),
+            size: Some(size),
+        });
+    }
+    let mut size_digest = 0u32;
+    for file in &files {
+        size_digest = crc32c::crc32c_append(
+            size_digest,
+            format!("{}\t{}\n", file.path, file.size.unwrap_or(0)).as_bytes(),
+        );
+    }
+
+    // The blobs to index, checked against their files first.
+    let mut refs = Vec::new();
+    for tensor in &metadata.tensors {
+        for chunk in &tensor.chunks {
+            let region = TensorBox::new(chunk.offsets.clone(), chunk.sizes.clone());
+            let info = &chunk.storage;
+            let file = file_index[info.relative_path.as_str()];
+            let path = resolve(prefix, &info.relative_path)?;
+            if !info.transforms.is_empty() {
+                return Err(MetadataError::Unsupported {
+                    path: path.to_string(),
+                    detail: format!(
+                        "tensor {} chunk {region} is stored with transform {}: compressed DCP blobs cannot be read in place (save without compression, or load it with torch)",
+                        tensor.fqn,
+                        info.transforms.join(", ")
+                    ),
+                });
+            }
+            let size = files[file as usize].size.unwrap_or(0);
+            check_range(&tensor.fqn, &region.to_string(), &path, info, size)?;
+            refs.push((
+                file,
+                index::BlobRef {
+                    path,
+                    entry: format!("tensor {} chunk {region}", tensor.fqn),
+                    offset: info.offset,
+                    length: info.length,
+                },
+            ));
+        }
+    }
+    let mut objects = Vec::with_capacity(metadata.objects.len());
+    for object in &metadata.objects {
+        let info = &object.storage;
+        let file = file_index[info.relative_path.as_str()];
+        let path = resolve(prefix, &info.relative_path)?;
+        check_range(
+            &object.fqn,
+            "(object)",
+            &path,
+            info,
+            files[file as usize].size.unwrap_or(0),
+        )?;
+        objects.push(ObjectMeta {
+            key: object.fqn.clone(),
+            file,
+            offset: info.offset,
+            length: info.length,
+            crc32c: None,
+        });
+    }
+
+    // The index: memory, disk, or built.
+    let key = format!(
+        "{metadata_bytes:x}-{:08x}-{digest_c:08x}-{size_digest:08x}",
+        digest.finalize()
+    );
+    let mut stats = IndexStats {
+        blobs: refs.len() as u64,
+        metadata_bytes,
+        ..IndexStats::default()
+    };
+    let cached = options.cache.as_ref().and_then(|c| c.get(&key));
+    let index: Arc<Vec<TensorBlob>> = match cached {
+        Some(index) if index.len() == refs.len() => {
+            stats.source = IndexSource::Memory;
+            index
+        }
+        _ => {
+            let from_disk = options
+                .cache_dir
+                .as_deref()
+                .and_then(|dir| index::read_disk(dir, &key, refs.len()));
+            let index = match from_disk {
+                Some(blobs) => {
+                    stats.source = IndexSource::Disk;
+                    Arc::new(blobs)
+                }
+                None => {
+                    let just_refs: Vec<index::BlobRef> =
+                        refs.iter().map(|(_, r)| r.clone()).collect();
+                    let (blobs, fetched) =
+                        index::index_blobs(store, &just_refs, options.concurrency).await?;
+                    stats.requests = fetched.requests;
+                    stats.bytes_read = fetched.bytes;
+                    if let Some(dir) = &options.cache_dir {
+                        index::write_disk(dir, &key, &blobs);
+                    }
+                    Arc::new(blobs)
+                }
+            };
+            if let Some(cache) = &options.cache {
+                cache.insert(&key, Arc::clone(&index));
+            }
+            index
+        }
+    };
+
+    // The checkpoint model.
+    let mut tensors = Vec::with_capacity(metadata.tensors.len());
+    let mut chunks = Vec::with_capacity(refs.len());
+    let mut blobs = Vec::with_capacity(refs.len());
+    let mut k = 0usize;
+    for (t, tensor) in metadata.tensors.iter().enumerate() {
+        tensors.push(TensorMeta::new(
+            tensor.fqn.clone(),
+            tensor.dtype,
+            tensor.shape.clone(),
+        ));
+        for chunk in &tensor.chunks {
+            let (file, blob_ref) = &refs[k];
+            let Some(blob) = index.get(k) else {
+                return Err(MetadataError::Invalid {
+                    what: format!("{prefix}: the blob index is shorter than the chunk list"),
+                });
+            };
+            k += 1;
+            let bad = |detail: String| MetadataError::Blob {
+                path: blob_ref.path.to_string(),
+                start: blob_ref.offset,
+                end: blob_ref.offset + blob_ref.length,
+                entry: blob_ref.entry.clone(),
+                detail,
+            };
+            if blob.dtype != tensor.dtype {
+                return Err(bad(format!(
+                    "holds {} but .metadata says {}",
+                    blob.dtype, tensor.dtype
+                )));
+            }
+            if blob.size != chunk.sizes {
+                return Err(bad(format!(
+                    "holds a tensor of size {:?} but .metadata says the chunk has sizes {:?}",
+                    blob.size, chunk.sizes
+                )));
+            }
+            // Parsing guarantees this; an index from the cache directory is checked again.
+            if blob
+                .data_offset
+                .checked_add(blob.data_len)
+                .is_none_or(|end| end > blob_ref.length)
+            {
+                return Err(bad(format!(
+                    "its storage at bytes {}..+{} lies outside the {}-byte blob (a stale cache?)",
+                    blob.data_offset, blob.data_len, blob_ref.length
+                )));
+            }
+            let span = blob.span_bytes().map_err(&bad)?;
+            let esize = tensor.dtype.size();
+            let strides = stored_strides(blob, &chunk.sizes);
+            let offset = blob_ref
+                .offset
+                .checked_add(blob.data_offset)
+                .and_then(|o| o.checked_add(blob.storage_offset.checked_mul(esize)?))
+                .ok_or_else(|| bad("storage offset overflows".to_string()))?;
+            chunks.push(SavedChunk {
+                tensor: t as u32,
+                region: TensorBox::new(chunk.offsets.clone(), chunk.sizes.clone()),
+                bytes: ByteMeta {
+                    file: *file,
+                    offset,
+                    length: span,
+                    strides,
+                },
+                crc32c: None,
+            });
+            blobs.push(ChunkBlob {
+                entry: blob_ref.entry.clone(),
+                file: *file,
+                offset: blob_ref.offset,
+                length: blob_ref.length,
+                blob: blob.clone(),
+            });
+        }
+    }
+    let meta = CheckpointMeta::new(tensors, chunks, objects, files)?;
+    validate(&meta)?;
+    stats.seconds = started.elapsed().as_secs_f64();
+    Ok(DcpCheckpoint {
+        meta,
+        details: DcpDetails {
+            metadata,
+            blobs,
+            stats,
+            metadata_files: names,
+        },
+    })
+}
+
+/// The stored strides when they are not row-major over `sizes` (dims of extent 1 do not count:
+/// their stride never multiplies anything).
+fn stored_strides(blob: &TensorBlob, sizes: &[u64]) -> Option<Vec<u64>> {
+    if sizes.contains(&0) {
+        return None;
+    }
+    let row_major = row_major_strides(sizes);
+    let same = sizes
+        .iter()
+        .zip(&blob.stride)
+        .zip(&row_major)
+        .all(|((&n, s), r)| n <= 1 || s == r);
+    (!same).then(|| blob.stride.clone())
+}
+
+fn check_range(
+    fqn: &str,
+    region: &str,
+    path: &Path,
+    info: &StorageInfo,
+    size: u64,
+) -> Result<(), MetadataError> {
+    match info.offset.checked_add(info.length) {
+        Some(end) if end <= size => Ok(()),
+        end => Err(MetadataError::ByteRangePastEnd {
+            fqn: fqn.to_string(),
+            region: region.to_string(),
+            file: path.to_string(),
+            start: info.offset,
+            end: end.unwrap_or(u64::MAX),
+            size,
+        }),
+    }
+}
+
+/// Combines per-rank metadata files: chunks of a tensor are united (a chunk listed twice counts
+/// once), the first listing of an object wins.
+fn merge(mut parts: Vec<DcpMetadata>, prefix: &Path) -> Result<DcpMetadata, MetadataError> {
+    if parts.len() == 1 {
+        return Ok(parts.remove(0));
+    }
+    let mut out = DcpMetadata::default();
+    let mut tensors: HashMap<String, usize> = HashMap::new();
+    let mut objects: BTreeSet<String> = BTreeSet::new();
+    for part in parts {
+        out.version = out.version.or(part.version);
+        out.checkpoint_id = out.checkpoint_id.or(part.checkpoint_id);
+        out.save_id = out.save_id.or(part.save_id);
+        out.pickle_objects += part.pickle_objects;
+        out.planner_data.extend(part.planner_data);
+        for tensor in part.tensors {
+            match tensors.get(&tensor.fqn) {
+                Some(&t) => {
+                    let existing = &mut out.tensors[t];
+                    if existing.dtype != tensor.dtype || existing.shape != tensor.shape {
+                        return Err(MetadataError::Invalid {
+                            what: format!(
+                                "{prefix}: the per-rank metadata files disagree on tensor {}: {} {:?} and {} {:?}",
+                                tensor.fqn,
+                                existing.dtype,
+                                existing.shape,
+                                tensor.dtype,
+                                tensor.shape
+                            ),
+                        });
+                    }
+                    for chunk in tensor.chunks {
+                        if !existing.chunks.iter().any(|c| c.offsets == chunk.offsets) {
+                            existing.chunks.push(chunk);
+                        }
+                    }
+                }
+                None => {
+                    tensors.insert(tensor.fqn.clone(), out.tensors.len());
+                    out.tensors.push(tensor);
+                }
+            }
+        }
+        for object in part.objects {
+            if objects.insert(object.fqn.clone()) {
+                out.objects.push(object);
+            }
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,202 @@
+//! Integrity of a DCP checkpoint's data: the zip CRC-32 of every tensor's storage member, streamed
+//! from its byte range (bounded memory), and every member of every non-tensor blob.
+
+use futures::StreamExt;
+use object_store::path::Path;
+use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt};
+
+use super::zip::read_archive;
+use super::{ChunkBlob, DcpDetails};
+use crate::native::{resolve, store_error};
+use crate::{CheckpointMeta, DataFile, MetadataError, ObjectMeta};
+
+/// A blob whose bytes do not match what its zip directory records.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BadBlob {
+    /// Data file.
+    pub file: String,
+    /// `tensor <fqn> chunk <box>` or `object <key>`.
+    pub entry: String,
+    /// First byte checked.
+    pub start: u64,
+    /// One past the last byte checked.
+    pub end: u64,
+    /// What is wrong.
+    pub detail: String,
+}
+
+/// What [`verify_dcp`] found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DcpVerifyReport {
+    /// Tensor storages checked against their CRC-32.
+    pub tensors_checked: u64,
+    /// Non-tensor blobs checked (every member's CRC-32).
+    pub objects_checked: u64,
+    /// Bytes read and checked.
+    pub bytes_checked: u64,
+    /// Safetensors-format blobs, which record no checksum (their structure was checked when
+    /// opening).
+    pub unchecked: u64,
+    /// Everything that did not match.
+    pub bad: Vec<BadBlob>,
+}
+
+impl DcpVerifyReport {
+    /// True when nothing was wrong.
+    pub fn is_ok(&self) -> bool {
+        self.bad.is_empty()
+    }
+}
+
+enum Outcome {
+    Checked(u64),
+    Unchecked,
+    Bad(BadBlob, u64),
+}
+
+enum Task<'a> {
+    Tensor(&'a ChunkBlob),
+    Object(&'a ObjectMeta),
+}
+
+/// Reads every storage member and object blob of a DCP checkpoint (`meta` and `details` as
+/// [`super::open_dcp`] gave them, opened from `prefix` in `store`) and checks it against the
+/// CRC-32 its zip directory records, `concurrency` reads at a time. Mismatches are collected in
+/// the report; storage failures are errors.
+pub async fn verify_dcp(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    meta: &CheckpointMeta,
+    details: &DcpDetails,
+    concurrency: usize,
+) -> Result<DcpVerifyReport, MetadataError> {
+    let files = meta.files();
+    let tasks = details
+        .blobs
+        .iter()
+        .map(Task::Tensor)
+        .chain(meta.objects().iter().map(Task::Object));
+    let outcomes: Vec<Result<(bool, Outcome), MetadataError>> =
+        futures::stream::iter(tasks.map(|task| check(store, prefix, files, task)))
+            .buffer_unordered(concurrency.max(1))
+            .collect()
+            .await;
+    let mut report = DcpVerifyReport::default();
+    for outcome in outcomes {
+        let (tensor, outcome) = outcome?;
+        match outcome {
+            Outcome::Checked(bytes) => {
+                report.bytes_checked += bytes;
+                if tensor {
+                    report.tensors_checked += 1;
+                } else {
+                    report.objects_checked += 1;
+                }
+            }
+            Outcome::Unchecked => report.unchecked += 1,
+            Outcome::Bad(bad, bytes) => {
+                report.bytes_checked += bytes;
+                report.bad.push(bad);
+            }
+        }
+    }
+    report
+        .bad
+        .sort_by(|a, b| (&a.file, a.start).cmp(&(&b.file, b.start)));
+    Ok(report)
+}
+
+async fn check(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    files: &[DataFile],
+    task: Task<'_>,
+) -> Result<(bool, Outcome), MetadataError> {
+    match task {
+        Task::Tensor(chunk) => Ok((true, check_tensor(store, prefix, files, chunk).await?)),
+        Task::Object(object) => Ok((false, check_object(store, prefix, files, object).await?)),
+    }
+}
+
+async fn check_tensor(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    files: &[DataFile],
+    chunk: &ChunkBlob,
+) -> Result<Outcome, MetadataError> {
+    let file = &files[chunk.file as usize].path;
+    let Some(expected) = chunk.blob.data_crc32 else {
+        return Ok(Outcome::Unchecked);
+    };
+    let path = resolve(prefix, file)?;
+    let start = chunk.offset + chunk.blob.data_offset;
+    let end = start + chunk.blob.data_len;
+    let mut hasher = crc32fast::Hasher::new();
+    let mut read = 0u64;
+    if end > start {
+        // Streamed: a multi-GiB storage is checked in the store's own chunks.
+        let result = store
+            .get_opts(
+                &path,
+                GetOptions {
+                    range: Some(GetRange::Bounded(start..end)),
+                    ..GetOptions::default()
+                },
+            )
+            .await
+            .map_err(store_error("reading", &path))?;
+        let mut stream = result.into_stream();
+        while let Some(part) = stream.next().await {
+            let part = part.map_err(store_error("reading", &path))?;
+            read += part.len() as u64;
+            hasher.update(&part);
+        }
+    }
+    let actual = hasher.finalize();
+    if read == end - start && actual == expected {
+        return Ok(Outcome::Checked(read));
+    }
+    let detail = if read != end - start {
+        format!("read {read} of {} bytes", end - start)
+    } else {
+        format!("storage crc32 {actual:08x} but the zip records {expected:08x}")
+    };
+    Ok(Outcome::Bad(
+        BadBlob {
+            file: file.clone(),
+            entry: chunk.entry.clone(),
+            start,
+            end,
+            detail,
+        },
+        read,
+    ))
+}
+
+async fn check_object(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    files: &[DataFile],
+    object: &ObjectMeta,
+) -> Result<Outcome, MetadataError> {
+    let file = &files[object.file as usize].path;
+    let path = resolve(prefix, file)?;
+    let (start, end) = (object.offset, object.offset + object.length);
+    let bytes = store
+        .get_range(&path, start..end)
+        .await
+        .map_err(store_error("reading", &path))?;
+    Ok(match read_archive(&bytes) {
+        Ok(_) => Outcome::Checked(bytes.len() as u64),
+        Err(e) => Outcome::Bad(
+            BadBlob {
+                file: file.clone(),
+                entry: format!("object {}", object.key),
+                start,
+                end,
+                detail: e.to_string(),
+            },
+            bytes.len() as u64,
+        ),
+    })
+}

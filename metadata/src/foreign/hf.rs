@@ -1,0 +1,426 @@
+//! safetensors checkpoints read in place: a single file, a directory of files, an HF sharded
+//! directory (`model.safetensors.index.json`), and DCP's HF writer layout (per-rank files in
+//! `sharded/` whose `__metadata__.DCP_SHARDING_INFO` gives each tensor's `saved_offsets`). Only
+//! headers are read (with ranges, capped); data stays where it is.
+
+use std::collections::{BTreeMap, HashMap};
+
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt};
+use serde_json::Value;
+
+use super::{Listing, list_dir};
+use crate::native::{resolve, store_error};
+use crate::safetensors::{Header, header_len, parse_header};
+use crate::{
+    ByteMeta, CheckpointMeta, DataFile, MetadataError, SavedChunk, TensorBox, TensorMeta, validate,
+};
+
+/// Name of the HF index of a sharded checkpoint.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// Folder of the per-rank files DCP's HF writer writes with `save_distributed=True`.
+pub const SHARDED_DIR: &str = "sharded";
+/// `__metadata__` key of DCP's HF writer: JSON `{fqn: {"saved_offsets": [...]}}`.
+pub const SHARDING_INFO_KEY: &str = "DCP_SHARDING_INFO";
+/// Largest index file read.
+const MAX_INDEX_BYTES: u64 = 256 << 20;
+/// First read of a file: most headers fit, so one request gets the header length and the header.
+const FIRST_READ: u64 = 16 << 10;
+
+/// How the safetensors files were found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SafetensorsLayout {
+    /// The location is one `.safetensors` file.
+    SingleFile,
+    /// Every `.safetensors` file of a directory.
+    Directory,
+    /// The files `model.safetensors.index.json` names.
+    Index,
+    /// DCP's HF writer: the `sharded/` per-rank files.
+    DcpSharded,
+}
+
+/// One safetensors file with its parsed header.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SafetensorsFile {
+    /// Path relative to the checkpoint root.
+    pub path: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Its header.
+    pub header: Header,
+}
+
+/// A safetensors checkpoint, opened: the checkpoint model and what is specific to safetensors.
+#[derive(Clone, Debug)]
+pub struct SafetensorsCheckpoint {
+    /// The checkpoint model (whole tensors, or DCP-sharded chunks).
+    pub meta: CheckpointMeta,
+    /// The rest.
+    pub details: SafetensorsDetails,
+}
+
+/// What is specific to safetensors about an opened checkpoint.
+#[derive(Clone, Debug)]
+pub struct SafetensorsDetails {
+    /// How the files were found.
+    pub layout: SafetensorsLayout,
+    /// The files, with their headers.
+    pub files: Vec<SafetensorsFile>,
+    /// Header bytes read to open it.
+    pub header_bytes: u64,
+}
+
+/// True when `listing` holds safetensors files or an index, or a `sharded/` folder.
+pub fn is_safetensors(listing: &Listing) -> bool {
+    listing.files.contains_key(INDEX_FILE)
+        || listing.files.keys().any(|n| n.ends_with(".safetensors"))
+        || listing.dirs.contains(SHARDED_DIR)
+}
+
+/// Reads and checks the header of the safetensors file `path` of `size` bytes with at most two
+/// range reads; returns it with the bytes read.
+pub async fn read_header(
+    store: &dyn ObjectStore,
+    path: &Path,
+    size: u64,
+) -> Result<(Header, u64), MetadataError> {
+    let name = path.to_string();
+    if size < 8 {
+        return Err(MetadataError::Decode {
+            path: name,
+            what: "safetensors header",
+            detail: format!("file is {size} bytes, shorter than the 8-byte header length"),
+        });
+    }
+    let first = store
+        .get_range(path, 0..size.min(FIRST_READ))
+        .await
+        .map_err(store_error("reading", path))?;
+    let n = header_len(&first, &name)?;
+    let mut read = first.len() as u64;
+    let end = 8 + n;
+    if end > size {
+        return Err(MetadataError::Decode {
+            path: name,
+            what: "safetensors header",
+            detail: format!(
+                "header of {n} bytes but the file has {} bytes after the length",
+                size.saturating_sub(8)
+            ),
+        });
+    }
+    let header = if end <= first.len() as u64 {
+        parse_header(&first[8..end as usize], size, &name)?
+    } else {
+        let json = store
+            .get_range(path, 8..end)
+            .await
+            .map_err(store_error("reading", path))?;
+        read += json.len() as u64;
+        parse_header(&json, size, &name)?
+    };
+    Ok((header, read))
+}
+
+/// Opens the safetensors checkpoint in the directory `prefix` (whose listing is `listing`), or
+/// the single file `file` inside it when given.
+pub async fn open_safetensors(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    listing: &Listing,
+    file: Option<&str>,
+) -> Result<SafetensorsCheckpoint, MetadataError> {
+    // Which files, and what the index says each tensor is in.
+    let mut weight_map: Option<BTreeMap<String, String>> = None;
+    let (layout, names): (SafetensorsLayout, Vec<(String, Option<u64>)>) = if let Some(file) = file
+    {
+        (
+            SafetensorsLayout::SingleFile,
+            vec![(file.to_string(), listing.files.get(file).copied())],
+        )
+    } else if listing.files.contains_key(INDEX_FILE) {
+        let map = read_index(store, prefix, listing).await?;
+        let mut names: Vec<String> = map.values().cloned().collect();
+        names.sort();
+        names.dedup();
+        weight_map = Some(map);
+        (
+            SafetensorsLayout::Index,
+            names
+                .into_iter()
+                .map(|n| {
+                    let size = listing.files.get(&n).copied();
+                    (n, size)
+                })
+                .collect(),
+        )
+    } else if listing.files.keys().any(|n| n.ends_with(".safetensors")) {
+        (
+            SafetensorsLayout::Directory,
+            listing
+                .files
+                .iter()
+                .filter(|(n, _)| n.ends_with(".safetensors"))
+                .map(|(n, s)| (n.clone(), Some(*s)))
+                .collect(),
+        )
+    } else {
+        let sharded = list_dir(store, &prefix.clone().join(SHARDED_DIR)).await?;
+        let names: Vec<(String, Option<u64>)> = sharded
+            .files
+            .iter()
+            .filter(|(n, _)| n.ends_with(".safetensors"))
+            .map(|(n, s)| (format!("{SHARDED_DIR}/{n}"), Some(*s)))
+            .collect();
+        if names.is_empty() {
+            return Err(MetadataError::Unsupported {
+                path: prefix.to_string(),
+                detail: format!("{SHARDED_DIR}/ holds no .safetensors files"),
+            });
+        }
+        (SafetensorsLayout::DcpSharded, names)
+    };
+
+    let mut files = Vec::with_capacity(names.len());
+    let mut header_bytes = 0u64;
+    for (name, size) in names {
+        let path = resolve(prefix, &name)?;
+        let size = match size {
+            Some(size) => size,
+            None => match store.head(&path).await {
+                Ok(meta) => meta.size,
+                Err(object_store::Error::NotFound { .. }) => {
+                    return Err(MetadataError::Invalid {
+                        what: format!(
+                            "safetensors file {path} does not exist{}",
+                            if weight_map.is_some() {
+                                format!(" ({INDEX_FILE} names it)")
+                            } else {
+                                String::new()
+                            }
+                        ),
+                    });
+                }
+                Err(e) => return Err(store_error("reading", &path)(e)),
+            },
+        };
+        let (header, read) = read_header(store, &path, size).await?;
+        header_bytes += read;
+        files.push(SafetensorsFile {
+            path: name,
+            size,
+            header,
+        });
+    }
+    let meta = build_meta(prefix, &files, weight_map.as_ref())?;
+    Ok(SafetensorsCheckpoint {
+        meta,
+        details: SafetensorsDetails {
+            layout,
+            files,
+            header_bytes,
+        },
+    })
+}
+
+async fn read_index(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    listing: &Listing,
+) -> Result<BTreeMap<String, String>, MetadataError> {
+    let path = resolve(prefix, INDEX_FILE)?;
+    let bad = |detail: String| MetadataError::Decode {
+        path: path.to_string(),
+        what: "safetensors index",
+        detail,
+    };
+    if listing
+        .files
+        .get(INDEX_FILE)
+        .is_some_and(|&s| s > MAX_INDEX_BYTES)
+    {
+        return Err(bad(format!("larger than the {MAX_INDEX_BYTES}-byte cap")));
+    }
+    let bytes = store
+        .get(&path)
+        .await
+        .map_err(store_error("reading", &path))?
+        .bytes()
+        .await
+        .map_err(store_error("reading", &path))?;
+    let value: Value = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
+    let Some(map) = value.get("weight_map").and_then(Value::as_object) else {
+        return Err(bad("no weight_map object".to_string()));
+    };
+    let mut out = BTreeMap::new();
+    for (name, file) in map {
+        let Some(file) = file.as_str() else {
+            return Err(bad(format!("weight_map[{name:?}] is not a file name")));
+        };
+        out.insert(name.clone(), file.to_string());
+    }
+    Ok(out)
+}
+
+/// The chunk offsets DCP's HF writer recorded in a file's `__metadata__`.
+fn sharding_info(
+    file: &SafetensorsFile,
+    prefix: &Path,
+) -> Result<HashMap<String, Vec<u64>>, MetadataError> {
+    let Some(text) = file.header.metadata.get(SHARDING_INFO_KEY) else {
+        return Ok(HashMap::new());
+    };
+    let bad = |detail: String| MetadataError::Decode {
+        path: format!("{prefix}/{}", file.path),
+        what: "DCP_SHARDING_INFO",
+        detail,
+    };
+    let value: Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+    let Some(map) = value.as_object() else {
+        return Err(bad("not a JSON object".to_string()));
+    };
+    let mut out = HashMap::with_capacity(map.len());
+    for (fqn, info) in map {
+        let offsets = info
+            .get("saved_offsets")
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+            .ok_or_else(|| bad(format!("{fqn}: saved_offsets is not a list of integers")))?;
+        out.insert(fqn.clone(), offsets);
+    }
+    Ok(out)
+}
+
+fn build_meta(
+    prefix: &Path,
+    files: &[SafetensorsFile],
+    weight_map: Option<&BTreeMap<String, String>>,
+) -> Result<CheckpointMeta, MetadataError> {
+    struct Pending {
+        dtype: crate::DType,
+        sharded: bool,
+        shape: Vec<u64>,
+        chunks: Vec<(TensorBox, ByteMeta, String)>,
+    }
+    let mut order: Vec<String> = Vec::new();
+    let mut pending: HashMap<String, Pending> = HashMap::new();
+    for (f, file) in files.iter().enumerate() {
+        let info = sharding_info(file, prefix)?;
+        for entry in &file.header.tensors {
+            let offsets = match info.get(&entry.name) {
+                Some(offsets) => {
+                    if offsets.len() != entry.shape.len() {
+                        return Err(MetadataError::Invalid {
+                            what: format!(
+                                "{prefix}/{}: tensor {} has shape {:?} but DCP_SHARDING_INFO gives offsets {offsets:?}",
+                                file.path, entry.name, entry.shape
+                            ),
+                        });
+                    }
+                    offsets.clone()
+                }
+                None => vec![0; entry.shape.len()],
+            };
+            let sharded = info.contains_key(&entry.name);
+            let region = TensorBox::new(offsets, entry.shape.clone());
+            let bytes = ByteMeta {
+                file: f as u32,
+                offset: file.header.data_start + entry.data_offsets.0,
+                length: entry.data_offsets.1 - entry.data_offsets.0,
+                strides: None,
+            };
+            match pending.get_mut(&entry.name) {
+                Some(p) => {
+                    if !(p.sharded && sharded) {
+                        return Err(MetadataError::Invalid {
+                            what: format!(
+                                "{prefix}: tensor {} is in both {} and {} (and neither says how it is sharded)",
+                                entry.name, p.chunks[0].2, file.path
+                            ),
+                        });
+                    }
+                    if p.dtype != entry.dtype {
+                        return Err(MetadataError::Invalid {
+                            what: format!(
+                                "{prefix}: tensor {} is {} in {} but {} in {}",
+                                entry.name, p.dtype, p.chunks[0].2, entry.dtype, file.path
+                            ),
+                        });
+                    }
+                    p.chunks.push((region, bytes, file.path.clone()));
+                }
+                None => {
+                    order.push(entry.name.clone());
+                    pending.insert(
+                        entry.name.clone(),
+                        Pending {
+                            dtype: entry.dtype,
+                            sharded,
+                            shape: Vec::new(),
+                            chunks: vec![(region, bytes, file.path.clone())],
+                        },
+                    );
+                }
+            }
+        }
+    }
+    if let Some(map) = weight_map {
+        for (name, file) in map {
+            let found = pending
+                .get(name)
+                .is_some_and(|p| p.chunks.iter().any(|c| &c.2 == file));
+            if !found {
+                return Err(MetadataError::Invalid {
+                    what: format!(
+                        "{prefix}/{INDEX_FILE} maps tensor {name} to {file}, but {file} has no tensor {name}"
+                    ),
+                });
+            }
+        }
+    }
+    let mut tensors = Vec::with_capacity(order.len());
+    let mut chunks = Vec::new();
+    for (t, name) in order.into_iter().enumerate() {
+        let Some(mut p) = pending.remove(&name) else {
+            continue;
+        };
+        // The global shape of a sharded tensor: the far corner of its chunks (what torch's HF
+        // reader computes).
+        let ndim = p.chunks[0].0.ndim();
+        p.shape = vec![0; ndim];
+        for (region, _, file) in &p.chunks {
+            if region.ndim() != ndim {
+                return Err(MetadataError::Invalid {
+                    what: format!(
+                        "{prefix}: tensor {name} has {ndim} dimensions in {} but {} in {file}",
+                        p.chunks[0].2,
+                        region.ndim()
+                    ),
+                });
+            }
+            for d in 0..ndim {
+                p.shape[d] = p.shape[d].max(region.offsets[d].saturating_add(region.lengths[d]));
+            }
+        }
+        for (region, bytes, _) in p.chunks {
+            chunks.push(SavedChunk {
+                tensor: t as u32,
+                region,
+                bytes,
+                crc32c: None,
+            });
+        }
+        tensors.push(TensorMeta::new(name, p.dtype, p.shape));
+    }
+    let data_files = files
+        .iter()
+        .map(|f| DataFile {
+            path: f.path.clone(),
+            size: Some(f.size),
+        })
+        .collect();
+    let meta = CheckpointMeta::new(tensors, chunks, Vec::new(), data_files)?;
+    validate(&meta)?;
+    Ok(meta)
+}

@@ -1,0 +1,305 @@
+//! Opening a checkpoint in whatever format it is: tessera's native format, a PyTorch DCP
+//! directory, or safetensors (a file, a directory, an HF index, DCP's HF writer). One listing of
+//! the location tells them apart ([`open_any`]); every format ends as the same [`CheckpointMeta`].
+
+pub mod hf;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt};
+use serde::{Deserialize, Serialize};
+
+use crate::dcp::{self, DcpDetails, DcpOptions};
+use crate::native::{self, BlockChecksums, DataPresence, Manifest, store_error};
+use crate::{CheckpointMeta, MetadataError};
+
+pub use hf::{SafetensorsCheckpoint, SafetensorsDetails, SafetensorsFile, SafetensorsLayout};
+
+/// The formats tessera reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    /// tessera's own (manifest, Arrow metadata, block checksums).
+    Native,
+    /// PyTorch Distributed Checkpoint (`.metadata` + `.distcp`).
+    Dcp,
+    /// safetensors files.
+    Safetensors,
+}
+
+impl Format {
+    /// Lower-case name: `native`, `dcp`, `safetensors`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Native => "native",
+            Format::Dcp => "dcp",
+            Format::Safetensors => "safetensors",
+        }
+    }
+}
+
+impl fmt::Display for Format {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The objects and folders directly under a prefix.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Listing {
+    /// File name → size.
+    pub files: BTreeMap<String, u64>,
+    /// Folder names.
+    pub dirs: BTreeSet<String>,
+}
+
+/// Lists what is directly under `prefix` (an absent prefix lists as empty).
+pub async fn list_dir(store: &dyn ObjectStore, prefix: &Path) -> Result<Listing, MetadataError> {
+    let result = match store.list_with_delimiter(Some(prefix)).await {
+        Ok(result) => result,
+        Err(object_store::Error::NotFound { .. }) => return Ok(Listing::default()),
+        Err(e) => return Err(store_error("listing", prefix)(e)),
+    };
+    let mut listing = Listing::default();
+    for object in result.objects {
+        if let Some(name) = object.location.filename() {
+            listing.files.insert(name.to_string(), object.size);
+        }
+    }
+    for dir in result.common_prefixes {
+        if let Some(name) = dir.filename() {
+            listing.dirs.insert(name.to_string());
+        }
+    }
+    Ok(listing)
+}
+
+/// Options of [`open_any`].
+#[derive(Clone, Debug)]
+pub struct OpenOptions {
+    /// Read a native checkpoint's block checksums (needed to verify loads; `inspect` and `plan`
+    /// do without).
+    pub block_checksums: bool,
+    /// DCP index caching and limits.
+    pub dcp: DcpOptions,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            block_checksums: true,
+            dcp: DcpOptions::default(),
+        }
+    }
+}
+
+/// What is format-specific about an opened checkpoint.
+#[derive(Clone, Debug)]
+pub enum FormatDetails {
+    /// tessera's native format.
+    Native {
+        /// Its manifest.
+        manifest: Box<Manifest>,
+    },
+    /// PyTorch DCP.
+    Dcp(Box<DcpDetails>),
+    /// safetensors.
+    Safetensors(Box<SafetensorsDetails>),
+}
+
+/// A checkpoint opened in whatever format it is in.
+#[derive(Clone, Debug)]
+pub struct OpenedCheckpoint {
+    /// Its format.
+    pub format: Format,
+    /// The prefix its data file paths are relative to: the location itself, or for a single
+    /// safetensors file, the folder holding it.
+    pub root: Path,
+    /// The checkpoint model.
+    pub meta: CheckpointMeta,
+    /// Training step, when known (native manifest; a `step-N`, `iter_N`, `global_stepN` or
+    /// `checkpoint-N` directory name otherwise).
+    pub step: Option<u64>,
+    /// Whether the checkpoint is complete as far as the format can tell: a native manifest, a
+    /// DCP `.metadata` (written last, by rename), safetensors headers that parse and index entries
+    /// that resolve.
+    pub committed: bool,
+    /// Whether the data files are there (a native metadata-only checkpoint has none).
+    pub has_data: bool,
+    /// Block checksums of the data (native only; the other formats record none a partial read
+    /// can be checked against, so their loads read unverified).
+    pub block_checksums: Option<BlockChecksums>,
+    /// Format-specific details.
+    pub details: FormatDetails,
+}
+
+impl OpenedCheckpoint {
+    /// The native manifest, for native checkpoints.
+    pub fn manifest(&self) -> Option<&Manifest> {
+        match &self.details {
+            FormatDetails::Native { manifest } => Some(manifest),
+            _ => None,
+        }
+    }
+
+    /// The DCP details, for DCP checkpoints.
+    pub fn dcp(&self) -> Option<&DcpDetails> {
+        match &self.details {
+            FormatDetails::Dcp(dcp) => Some(dcp),
+            _ => None,
+        }
+    }
+
+    /// The safetensors details, for safetensors checkpoints.
+    pub fn safetensors(&self) -> Option<&SafetensorsDetails> {
+        match &self.details {
+            FormatDetails::Safetensors(st) => Some(st),
+            _ => None,
+        }
+    }
+}
+
+/// The step in a checkpoint directory name: `step-100`, `step_100`, `iter_0000100` (Megatron),
+/// `global_step100` (DeepSpeed), `checkpoint-100` (HF Trainer).
+pub fn step_from_name(name: &str) -> Option<u64> {
+    [
+        "step-",
+        "step_",
+        "iter_",
+        "global_step",
+        "checkpoint-",
+        "step",
+    ]
+    .iter()
+    .find_map(|p| {
+        let digits = name.strip_prefix(p)?;
+        (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| digits.parse().ok())
+            .flatten()
+    })
+}
+
+/// Opens the checkpoint at `prefix`, whatever its format: lists the location once, then
+///
+/// - `manifest.json` (or a native-looking directory without one: `metadata.arrow`, `data/`): the
+///   native reader, with its errors ([`MetadataError::MissingManifest`] for an incomplete save);
+/// - `.metadata` (or per-rank `__<r>.metadata`): [`dcp::open_dcp`];
+/// - `model.safetensors.index.json`, `*.safetensors`, or a `sharded/` folder: [`hf::open_safetensors`];
+/// - a location that is itself a `.safetensors` file: that file.
+///
+/// Anything else is [`MetadataError::Unsupported`], naming the location.
+pub async fn open_any(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    options: &OpenOptions,
+) -> Result<OpenedCheckpoint, MetadataError> {
+    let listing = match list_dir(store, prefix).await {
+        Ok(listing) => listing,
+        // A store that allows reads but not listings can still serve a native checkpoint.
+        Err(list_error) => {
+            return match open_native(store, prefix, options).await {
+                Err(MetadataError::MissingManifest { .. }) => Err(list_error),
+                other => other,
+            };
+        }
+    };
+    let step = prefix.filename().and_then(step_from_name);
+    if listing.files.contains_key(native::MANIFEST_FILE)
+        || listing.files.contains_key(native::METADATA_FILE)
+        || listing.dirs.contains(native::DATA_DIR)
+    {
+        return open_native(store, prefix, options).await;
+    }
+    if dcp::is_dcp(&listing) {
+        let opened = dcp::open_dcp(store, prefix, &listing, &options.dcp).await?;
+        return Ok(OpenedCheckpoint {
+            format: Format::Dcp,
+            root: prefix.clone(),
+            meta: opened.meta,
+            step,
+            committed: true,
+            has_data: true,
+            block_checksums: None,
+            details: FormatDetails::Dcp(Box::new(opened.details)),
+        });
+    }
+    if hf::is_safetensors(&listing) {
+        let opened = hf::open_safetensors(store, prefix, &listing, None).await?;
+        return Ok(safetensors_opened(prefix.clone(), step, opened));
+    }
+    // The location may be a single file.
+    if listing.files.is_empty()
+        && listing.dirs.is_empty()
+        && let Some(name) = prefix.filename()
+        && name.ends_with(".safetensors")
+        && let Ok(head) = store.head(prefix).await
+    {
+        let root = prefix.parent().unwrap_or_default();
+        let mut single = Listing::default();
+        single.files.insert(name.to_string(), head.size);
+        let opened = hf::open_safetensors(store, &root, &single, Some(name)).await?;
+        let step = root.filename().and_then(step_from_name);
+        return Ok(safetensors_opened(root, step, opened));
+    }
+    if listing.files.keys().any(|n| n.ends_with(".distcp")) {
+        return Err(MetadataError::Unsupported {
+            path: prefix.to_string(),
+            detail: format!(
+                ".distcp files but no {}: an incomplete PyTorch DCP save (torch writes it last)",
+                dcp::METADATA_FILE
+            ),
+        });
+    }
+    Err(MetadataError::Unsupported {
+        path: prefix.to_string(),
+        detail: "not a checkpoint tessera can read: no manifest.json (tessera), .metadata \
+                 (PyTorch DCP), model.safetensors.index.json or *.safetensors files"
+            .to_string(),
+    })
+}
+
+fn safetensors_opened(
+    root: Path,
+    step: Option<u64>,
+    opened: SafetensorsCheckpoint,
+) -> OpenedCheckpoint {
+    OpenedCheckpoint {
+        format: Format::Safetensors,
+        root,
+        meta: opened.meta.clone(),
+        step,
+        committed: true,
+        has_data: true,
+        block_checksums: None,
+        details: FormatDetails::Safetensors(Box::new(opened.details)),
+    }
+}
+
+async fn open_native(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    options: &OpenOptions,
+) -> Result<OpenedCheckpoint, MetadataError> {
+    let opened = native::open_checkpoint(store, prefix).await?;
+    let has_data = opened.manifest.data == DataPresence::Present;
+    let block_checksums = match (&opened.manifest.checksums, options.block_checksums) {
+        (Some(_), true) => {
+            Some(native::read_block_checksums(store, prefix, &opened.manifest).await?)
+        }
+        _ => None,
+    };
+    Ok(OpenedCheckpoint {
+        format: Format::Native,
+        root: prefix.clone(),
+        meta: opened.meta,
+        step: opened.manifest.step,
+        committed: true,
+        has_data,
+        block_checksums,
+        details: FormatDetails::Native {
+            manifest: Box::new(opened.manifest),
+        },
+    })
+}

@@ -1,0 +1,43 @@
+//! tessera's HTTP service: the catalog of a storage root (runs, committed and incomplete
+//! checkpoints, `latest` pointers), checkpoint metadata served from a byte-bounded cache, and the
+//! plan API: a job POSTs its layout once and every rank GETs its own rank plan (JSON or Arrow
+//! IPC), all answered from one plan computation. Also readiness, Prometheus metrics and an
+//! OpenAPI document generated from the route definitions.
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! use tessera_server::{AppState, ServerConfig, app};
+//! let state = AppState::new(ServerConfig::new("/data/checkpoints"))?;
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! tessera_server::serve(listener, state, tessera_server::shutdown_signal()).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Checkpoint ids are `<run>/<step>`: the run directory under the root and the checkpoint
+//! directory in it (`gpt/step-000100`). In URLs they are two path segments
+//! (`/v1/checkpoints/gpt/step-000100`); `latest` as the step names the run's `latest` pointer.
+//! Segments are checked before they touch storage: see [`CheckpointId`].
+
+mod catalog;
+mod config;
+mod error;
+mod id;
+mod metrics;
+mod middleware;
+mod plans;
+mod routes;
+mod serve;
+mod state;
+
+pub use catalog::{
+    CatalogResponse, CheckpointEntry, CheckpointStatus, CheckpointSummary, RunEntry, SavedBox,
+    TensorDetail, TensorEntry, TensorPage,
+};
+pub use config::ServerConfig;
+pub use error::{ApiError, ErrorBody, ServerError};
+pub use id::CheckpointId;
+pub use metrics::MetricsSnapshot;
+pub use plans::{PlanCreated, PlanRequest, PlanRequestOptions, PlanSummaryView};
+pub use routes::{ARROW_STREAM, app, openapi};
+pub use serve::{init_logging, serve, shutdown_signal};
+pub use state::AppState;

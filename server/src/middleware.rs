@@ -1,0 +1,98 @@
+//! Middleware of every route: the bearer token of `/v1`, request metrics labelled by route
+//! template, and the JSON answers of requests no handler takes (unknown route, wrong method,
+//! panics).
+
+use std::any::Any;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::header;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use sha2::{Digest, Sha256};
+
+use crate::{ApiError, AppState};
+
+/// Requires `Authorization: Bearer <token>` on `/v1` when the server has a token.
+pub(crate) async fn require_token(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Some(expected) = &state.inner.token_digest else {
+        return next.run(request).await;
+    };
+    let path = request.uri().path();
+    if !(path == "/v1" || path.starts_with("/v1/")) {
+        return next.run(request).await;
+    }
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, token) = v.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+        });
+    match presented {
+        Some(token) if constant_time_eq(&Sha256::digest(token.as_bytes()).into(), expected) => {
+            next.run(request).await
+        }
+        _ => ApiError::Unauthorized.into_response(),
+    }
+}
+
+/// Compares two digests without an early exit, so the time taken says nothing about where they
+/// differ.
+fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
+/// Counts the request and its latency under its route template.
+pub(crate) async fn record_metrics(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let started = Instant::now();
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |m| m.as_str().to_string());
+    let method = request.method().as_str().to_string();
+    let response = next.run(request).await;
+    state.inner.metrics.request(
+        &route,
+        &method,
+        response.status().as_u16(),
+        started.elapsed(),
+    );
+    response
+}
+
+/// The answer for paths no route matches.
+pub(crate) async fn not_found(request: Request<Body>) -> ApiError {
+    ApiError::NotFound {
+        path: crate::id::truncate(request.uri().path()),
+    }
+}
+
+/// The answer for a method a route does not take.
+pub(crate) async fn method_not_allowed() -> ApiError {
+    ApiError::MethodNotAllowed
+}
+
+/// A handler panicked: log it, answer 500 without the panic text.
+pub(crate) fn panic_response(panic: Box<dyn Any + Send + 'static>) -> Response {
+    let message = panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("(no message)");
+    ApiError::Internal {
+        detail: format!("handler panicked: {message}"),
+    }
+    .into_response()
+}

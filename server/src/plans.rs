@@ -1,0 +1,568 @@
+//! Plans: a job's request (checkpoint + layout or explicit requests + options) is planned once
+//! and kept in a cache bounded by bytes, under an id that is a stable hash of what the plan
+//! depends on. Concurrent requests for a plan that is not there yet wait on one computation
+//! (moka coalesces the inits of one key), which is what thousands of ranks asking at job start
+//! need. The request itself is kept in a second, smaller cache, so that an evicted plan is
+//! recomputed when a rank asks for it rather than lost.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use moka::future::Cache;
+use moka::policy::EvictionPolicy;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tessera_metadata::CheckpointMeta;
+use tessera_metadata::native::{Created, Manifest};
+use tessera_planner::{ExplicitRequests, Layout, Plan, PlanError, PlanOptions, PlanSummary, plan};
+use utoipa::ToSchema;
+
+use crate::catalog::{Catalog, OpenedCheckpoint};
+use crate::error::unshare;
+use crate::metrics::{CacheKind, Metrics};
+use crate::{ApiError, CheckpointId, ServerConfig};
+
+/// Most ranks a layout may have: a million ranks is beyond any job today, and a bound keeps a
+/// typo (`"size": 100000000`) from making the planner allocate per-rank tables for hours.
+pub(crate) const MAX_WORLD: u64 = 1 << 20;
+
+/// Hex digits of a plan id (128 bits of SHA-256).
+const PLAN_ID_LEN: usize = 32;
+
+/// `POST /v1/plans`: what to plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PlanRequest {
+    /// Checkpoint id, `<run>/<step>` or `<run>/latest`.
+    pub checkpoint: String,
+    /// Target layout (DESIGN.md "Layout contract"): `{"mesh", "rules", "stages"}`. Give exactly
+    /// one of `layout` and `requests`.
+    #[schema(value_type = Option<Object>)]
+    pub layout: Option<serde_json::Value>,
+    /// Explicit per-rank requests: `{"ranks": [[{"fqn", "offsets", "lengths"} | {"fqn", "flat":
+    /// [start, end]}, ...], ...]}`.
+    #[schema(value_type = Option<Object>)]
+    pub requests: Option<serde_json::Value>,
+    /// Planning options.
+    #[serde(default)]
+    pub options: PlanRequestOptions,
+}
+
+/// Options of a plan request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PlanRequestOptions {
+    /// Read each piece several ranks need once and hand it on in ring rounds (default), or have
+    /// every rank read everything it needs itself.
+    #[serde(default = "default_dedup")]
+    pub dedup: bool,
+}
+
+fn default_dedup() -> bool {
+    true
+}
+
+impl Default for PlanRequestOptions {
+    fn default() -> Self {
+        Self { dedup: true }
+    }
+}
+
+/// Totals of a plan: the planner's `PlanSummary`, field for field.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct PlanSummaryView {
+    /// Ranks.
+    pub ranks: u32,
+    /// Destination buffers over all ranks.
+    pub destinations: u64,
+    /// Pieces (reads from storage).
+    pub pieces: u64,
+    /// Groups of more than one rank (exchange rings).
+    pub exchange_groups: u64,
+    /// Sum over ranks of the bytes each rank ends up with.
+    pub bytes_needed: u64,
+    /// Distinct bytes needed by the cluster.
+    pub unique_bytes_needed: u64,
+    /// Bytes read from storage.
+    pub bytes_read: u64,
+    /// `bytes_read / unique_bytes_needed`.
+    pub read_amplification: f64,
+    /// Bytes sent between ranks.
+    pub bytes_exchanged: u64,
+    /// Most bytes one rank reads.
+    pub max_read_per_rank: u64,
+    /// Mean bytes read per rank.
+    pub mean_read_per_rank: f64,
+    /// Most ring rounds of any group.
+    pub max_rounds: u64,
+}
+
+impl From<&PlanSummary> for PlanSummaryView {
+    fn from(s: &PlanSummary) -> Self {
+        Self {
+            ranks: s.ranks,
+            destinations: s.destinations,
+            pieces: s.pieces,
+            exchange_groups: s.exchange_groups,
+            bytes_needed: s.bytes_needed,
+            unique_bytes_needed: s.unique_bytes_needed,
+            bytes_read: s.bytes_read,
+            read_amplification: s.read_amplification,
+            bytes_exchanged: s.bytes_exchanged,
+            max_read_per_rank: s.max_read_per_rank,
+            mean_read_per_rank: s.mean_read_per_rank,
+            max_rounds: s.max_rounds,
+        }
+    }
+}
+
+/// `POST /v1/plans` answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct PlanCreated {
+    /// Plan id: 32 hex digits, the same for the same checkpoint, target and options.
+    pub plan: String,
+    /// The checkpoint planned against (`latest` resolved).
+    pub checkpoint: String,
+    /// Number of ranks.
+    pub world: u32,
+    /// Totals.
+    pub summary: PlanSummaryView,
+    /// Where each rank's plan is: this path with `{rank}` replaced.
+    pub rank_url: String,
+}
+
+/// What a plan is computed for.
+#[derive(Clone, Debug)]
+pub(crate) enum PlanTarget {
+    Layout(Layout),
+    Requests(ExplicitRequests),
+}
+
+impl PlanTarget {
+    fn is_layout(&self) -> bool {
+        matches!(self, PlanTarget::Layout(_))
+    }
+
+    /// Compact JSON of the parsed target: key order and whitespace of the request do not matter,
+    /// defaults are spelled out.
+    fn canonical(&self) -> String {
+        let text = match self {
+            PlanTarget::Layout(layout) => serde_json::to_string(layout),
+            PlanTarget::Requests(requests) => serde_json::to_string(requests),
+        };
+        // Serializing plain structs of strings and numbers cannot fail.
+        text.unwrap_or_default()
+    }
+}
+
+/// A parsed plan request, before the checkpoint is opened.
+#[derive(Clone, Debug)]
+pub(crate) struct ParsedRequest {
+    pub checkpoint: CheckpointId,
+    pub target: PlanTarget,
+    pub options: PlanOptions,
+}
+
+/// Parses and checks a `POST /v1/plans` body (everything that needs no storage).
+pub(crate) fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
+    let not_a_request = |at: String, error: &dyn std::fmt::Display| ApiError::BadRequest {
+        detail: format!(
+            "the body is not a plan request ({{\"checkpoint\", \"layout\" | \"requests\", \"options\"}}){at}: {error}"
+        ),
+    };
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    let request: PlanRequest =
+        serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+            let at = match e.path().to_string() {
+                path if path == "." => String::new(),
+                path => format!(" at {path}"),
+            };
+            not_a_request(at, e.inner())
+        })?;
+    deserializer
+        .end()
+        .map_err(|e| not_a_request(String::new(), &e))?;
+    let checkpoint = CheckpointId::parse(&request.checkpoint)?;
+    let target = match (request.layout, request.requests) {
+        (Some(layout), None) => {
+            let layout: Layout = serde_json::from_value(layout).map_err(|e| {
+                ApiError::from_plan(
+                    &PlanError::Json {
+                        what: "layout",
+                        detail: e.to_string(),
+                    },
+                    true,
+                )
+            })?;
+            check_world(&layout)?;
+            layout.check().map_err(|e| ApiError::from_plan(&e, true))?;
+            PlanTarget::Layout(layout)
+        }
+        (None, Some(requests)) => {
+            let requests: ExplicitRequests = serde_json::from_value(requests).map_err(|e| {
+                ApiError::from_plan(
+                    &PlanError::Json {
+                        what: "requests",
+                        detail: e.to_string(),
+                    },
+                    false,
+                )
+            })?;
+            if requests.ranks.is_empty() {
+                return Err(ApiError::InvalidRequests {
+                    reason: "no ranks: \"ranks\" needs one list of requests per rank".to_string(),
+                });
+            }
+            PlanTarget::Requests(requests)
+        }
+        _ => {
+            return Err(ApiError::BadRequest {
+                detail: "give exactly one of \"layout\" and \"requests\"".to_string(),
+            });
+        }
+    };
+    Ok(ParsedRequest {
+        checkpoint,
+        target,
+        options: PlanOptions {
+            dedup: request.options.dedup,
+        },
+    })
+}
+
+fn check_world(layout: &Layout) -> Result<(), ApiError> {
+    let world = layout
+        .mesh
+        .iter()
+        .try_fold(1u64, |acc, d| acc.checked_mul(u64::from(d.size)));
+    match world {
+        Some(w) if w <= MAX_WORLD => Ok(()),
+        _ => Err(ApiError::InvalidLayout {
+            reason: format!(
+                "the mesh has more than {MAX_WORLD} ranks ({}); this server plans at most that many",
+                layout
+                    .mesh
+                    .iter()
+                    .map(|d| format!("{}={}", d.name, d.size))
+                    .collect::<Vec<_>>()
+                    .join(" x ")
+            ),
+        }),
+    }
+}
+
+/// A plan request bound to a checkpoint version: everything the plan depends on.
+#[derive(Debug)]
+pub(crate) struct PlanSpec {
+    pub id: String,
+    pub checkpoint: CheckpointId,
+    pub target: PlanTarget,
+    pub options: PlanOptions,
+    canonical: String,
+}
+
+impl PlanSpec {
+    pub(crate) fn new(request: ParsedRequest, opened: &OpenedCheckpoint) -> Self {
+        let canonical = request.target.canonical();
+        let id = plan_id(
+            &opened.id,
+            &opened.manifest,
+            request.target.is_layout(),
+            &canonical,
+            &request.options,
+        );
+        Self {
+            id,
+            checkpoint: opened.id.clone(),
+            target: request.target,
+            options: request.options,
+            canonical,
+        }
+    }
+
+    fn weight(&self) -> u32 {
+        u32::try_from(256 + 4 * self.canonical.len()).unwrap_or(u32::MAX)
+    }
+}
+
+/// The stable id of a plan: SHA-256 over the checkpoint id, its version (the metadata file's
+/// crc32c and size, and the commit time, from the manifest), the kind and canonical JSON of the
+/// target, and the options; the first 128 bits in hex.
+fn plan_id(
+    checkpoint: &CheckpointId,
+    manifest: &Manifest,
+    layout: bool,
+    canonical: &str,
+    options: &PlanOptions,
+) -> String {
+    let created = match &manifest.created {
+        Created::Rfc3339(text) => text.clone(),
+        Created::UnixSeconds(secs) => secs.to_string(),
+    };
+    let mut hasher = Sha256::new();
+    for part in [
+        "tessera-plan/1",
+        &checkpoint.to_string(),
+        &format!("{:08x}", manifest.metadata.crc32c),
+        &manifest.metadata.size.to_string(),
+        &created,
+        if layout { "layout" } else { "requests" },
+        canonical,
+        if options.dedup { "dedup" } else { "no-dedup" },
+    ] {
+        // Length-prefixed, so no two different part lists hash the same bytes.
+        hasher.update((part.len() as u64).to_le_bytes());
+        hasher.update(part.as_bytes());
+    }
+    let digest = hasher.finalize();
+    digest[..PLAN_ID_LEN / 2]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Checks the form of a plan id from a URL.
+pub(crate) fn check_plan_id(id: &str) -> Result<(), ApiError> {
+    let ok = id.len() == PLAN_ID_LEN
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::bad_id(format!(
+            "plan id {:?} is not 32 lowercase hex digits",
+            crate::id::truncate(id)
+        )))
+    }
+}
+
+/// A computed plan.
+#[derive(Debug)]
+pub(crate) struct PlanEntry {
+    pub id: String,
+    pub checkpoint: CheckpointId,
+    pub plan: Plan,
+    weight: u32,
+}
+
+impl PlanEntry {
+    pub(crate) fn created(&self) -> PlanCreated {
+        PlanCreated {
+            plan: self.id.clone(),
+            checkpoint: self.checkpoint.to_string(),
+            world: self.plan.world_size(),
+            summary: self.plan.summary().into(),
+            rank_url: format!("/v1/plans/{}/ranks/{{rank}}", self.id),
+        }
+    }
+}
+
+/// Estimated bytes of a plan, from its counts: a piece holds a box (two inline 4-d vectors)
+/// plus ids and its entries in the per-target and per-group tables; a destination a target box
+/// and its per-rank index. Only a weight for the cache's bound.
+fn plan_weight(plan: &Plan) -> u32 {
+    let s = plan.summary();
+    let bytes = 4096
+        + 160 * s.pieces
+        + 120 * s.destinations
+        + 64 * s.exchange_groups
+        + 96 * u64::from(s.ranks);
+    u32::try_from(bytes).unwrap_or(u32::MAX)
+}
+
+/// The plan caches.
+pub(crate) struct Plans {
+    capacity: u64,
+    plans: Cache<String, Arc<PlanEntry>>,
+    specs: Cache<String, Arc<PlanSpec>>,
+    metrics: Arc<Metrics>,
+}
+
+impl Plans {
+    pub(crate) fn new(config: &ServerConfig, metrics: Arc<Metrics>) -> Self {
+        Self {
+            capacity: config.plan_cache_bytes,
+            // LRU rather than moka's default TinyLFU admission: a plan just computed is the one
+            // a job's ranks are about to ask for, and TinyLFU could refuse it in favour of older,
+            // often-read plans, making every rank's request compute it again.
+            plans: Cache::builder()
+                .max_capacity(config.plan_cache_bytes)
+                .weigher(|_, v: &Arc<PlanEntry>| v.weight)
+                .eviction_policy(EvictionPolicy::lru())
+                .build(),
+            specs: Cache::builder()
+                .max_capacity((config.plan_cache_bytes / 8).max(1024 * 1024))
+                .weigher(|_, v: &Arc<PlanSpec>| v.weight())
+                .eviction_policy(EvictionPolicy::lru())
+                .build(),
+            metrics,
+        }
+    }
+
+    /// Entries and estimated bytes of the plan cache (after pending evictions).
+    pub(crate) async fn usage(&self) -> (u64, u64) {
+        self.plans.run_pending_tasks().await;
+        (self.plans.entry_count(), self.plans.weighted_size())
+    }
+
+    pub(crate) fn invalidate_all(&self) {
+        self.plans.invalidate_all();
+        self.specs.invalidate_all();
+    }
+
+    pub(crate) fn evict_computed(&self) {
+        self.plans.invalidate_all();
+    }
+
+    /// `POST /v1/plans`: the plan of `request`, computed once.
+    pub(crate) async fn create(
+        &self,
+        catalog: &Catalog,
+        request: ParsedRequest,
+    ) -> Result<Arc<PlanEntry>, ApiError> {
+        let opened = catalog.open(&request.checkpoint).await?;
+        let spec = Arc::new(PlanSpec::new(request, &opened));
+        let spec = self
+            .specs
+            .entry(spec.id.clone())
+            .or_insert_with(async { spec })
+            .await
+            .into_value();
+        self.get_or_compute(spec, opened).await
+    }
+
+    /// A plan by id: from the cache, or recomputed from its request if it was evicted.
+    pub(crate) async fn get(
+        &self,
+        catalog: &Catalog,
+        id: &str,
+    ) -> Result<Arc<PlanEntry>, ApiError> {
+        if let Some(entry) = self.plans.get(id).await {
+            self.metrics.cache(CacheKind::Plan, true);
+            return Ok(entry);
+        }
+        let Some(spec) = self.specs.get(id).await else {
+            return Err(ApiError::UnknownPlan {
+                plan: id.to_string(),
+                why:
+                    "this server did not make it (or has forgotten it since); POST /v1/plans again"
+                        .to_string(),
+            });
+        };
+        let opened = catalog.open(&spec.checkpoint).await?;
+        let current = plan_id(
+            &opened.id,
+            &opened.manifest,
+            spec.target.is_layout(),
+            &spec.canonical,
+            &spec.options,
+        );
+        if current != spec.id {
+            return Err(ApiError::UnknownPlan {
+                plan: id.to_string(),
+                why: format!(
+                    "checkpoint {} was saved again since; POST /v1/plans again",
+                    spec.checkpoint
+                ),
+            });
+        }
+        self.get_or_compute(spec, opened).await
+    }
+
+    async fn get_or_compute(
+        &self,
+        spec: Arc<PlanSpec>,
+        opened: Arc<OpenedCheckpoint>,
+    ) -> Result<Arc<PlanEntry>, ApiError> {
+        let metrics = &self.metrics;
+        let capacity = self.capacity;
+        let entry = self
+            .plans
+            .entry(spec.id.clone())
+            .or_try_insert_with(async {
+                let started = Instant::now();
+                let meta = Arc::clone(&opened.meta);
+                let task_spec = Arc::clone(&spec);
+                // Planning is CPU-bound (seconds for a 405B layout): off the async workers.
+                let computed = tokio::task::spawn_blocking(move || compute(&meta, &task_spec))
+                    .await
+                    .map_err(|e| ApiError::Internal {
+                        detail: format!("the planning task failed: {e}"),
+                    })
+                    .and_then(|r| r);
+                metrics.plan_computed(started.elapsed(), computed.is_ok());
+                let plan = computed?;
+                let weight = plan_weight(&plan);
+                if u64::from(weight) > capacity {
+                    tracing::warn!(
+                        plan = %spec.id,
+                        bytes = weight,
+                        capacity,
+                        "plan larger than the whole plan cache: it is computed again for every request (raise the plan cache size)"
+                    );
+                }
+                tracing::info!(
+                    plan = %spec.id,
+                    checkpoint = %spec.checkpoint,
+                    ranks = plan.world_size(),
+                    pieces = plan.summary().pieces,
+                    seconds = started.elapsed().as_secs_f64(),
+                    "plan computed"
+                );
+                Ok::<_, ApiError>(Arc::new(PlanEntry {
+                    id: spec.id.clone(),
+                    checkpoint: spec.checkpoint.clone(),
+                    weight,
+                    plan,
+                }))
+            })
+            .await
+            .map_err(unshare)?;
+        metrics.cache(CacheKind::Plan, !entry.is_fresh());
+        Ok(entry.into_value())
+    }
+}
+
+fn compute(meta: &Arc<CheckpointMeta>, spec: &PlanSpec) -> Result<Plan, ApiError> {
+    let layout = spec.target.is_layout();
+    let requests = match &spec.target {
+        PlanTarget::Layout(l) => l.resolve(meta.tensors()),
+        PlanTarget::Requests(r) => r.resolve(meta.tensors()),
+    }
+    .map_err(|e| ApiError::from_plan(&e, layout))?;
+    plan(meta, &requests, &spec.options).map_err(|e| ApiError::from_plan(&e, layout))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_ids_ignore_formatting_and_key_order() {
+        let a = br#"{"checkpoint": "r/s", "layout": {"mesh": [{"name": "dp", "size": 2}], "rules": [{"match": "*", "placements": ["shard(0)"]}]}}"#;
+        let b = br#"{"layout":{"rules":[{"placements":["shard(0)"],"match":"*"}],"mesh":[{"size":2,"name":"dp"}]},"checkpoint":"r/s","options":{"dedup":true}}"#;
+        let (a, b) = match (parse_request(a), parse_request(b)) {
+            (Ok(a), Ok(b)) => (a, b),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(a.target.canonical(), b.target.canonical());
+    }
+
+    #[test]
+    fn huge_meshes_are_refused() {
+        let body = br#"{"checkpoint": "r/s", "layout": {"mesh": [{"name": "a", "size": 65536}, {"name": "b", "size": 65536}], "rules": [{"match": "*", "placements": ["replicate", "replicate"]}]}}"#;
+        assert!(matches!(
+            parse_request(body),
+            Err(ApiError::InvalidLayout { .. })
+        ));
+    }
+
+    #[test]
+    fn plan_ids_are_checked() {
+        assert!(check_plan_id("0123456789abcdef0123456789abcdef").is_ok());
+        for bad in ["", "0123456789ABCDEF0123456789abcdef", "../etc", "0123"] {
+            assert!(check_plan_id(bad).is_err(), "{bad}");
+        }
+    }
+}

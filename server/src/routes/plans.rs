@@ -1,0 +1,178 @@
+//! The plan routes: create a plan (once per checkpoint + target + options), read it back, and
+//! hand each rank its own plan as JSON or Arrow IPC.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, PathRejection};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use utoipa::ToSchema;
+
+use super::ARROW_STREAM;
+use super::checkpoints::path_error;
+use crate::plans::{check_plan_id, parse_request};
+use crate::{ApiError, AppState, ErrorBody, PlanCreated, PlanRequest};
+
+/// One rank's plan as JSON (the planner's `RankPlan`): destinations, pieces with their file
+/// runs and placements, ring exchanges, totals.
+#[derive(ToSchema)]
+#[allow(dead_code)] // Only describes the JSON for the OpenAPI document.
+pub(crate) struct RankPlanJson {
+    /// This rank.
+    rank: u32,
+    /// World size.
+    world: u32,
+    /// Data files this rank reads, relative to the checkpoint.
+    files: Vec<String>,
+    /// Tensors this rank touches (`fqn`, `dtype`, `shape`).
+    #[schema(value_type = Vec<Object>)]
+    tensors: Vec<()>,
+    /// Destination buffers, in request order.
+    #[schema(value_type = Vec<Object>)]
+    destinations: Vec<()>,
+    /// Pieces this rank needs, in piece-id order.
+    #[schema(value_type = Vec<Object>)]
+    pieces: Vec<()>,
+    /// Ring exchanges, by group id.
+    #[schema(value_type = Vec<Object>)]
+    exchanges: Vec<()>,
+    /// Totals (`bytes_needed`, `bytes_read`, `bytes_sent`, `bytes_received`).
+    #[schema(value_type = Object)]
+    summary: (),
+}
+
+/// An Arrow IPC stream (the planner's rank plan encoding).
+#[derive(ToSchema)]
+#[schema(value_type = String, format = Binary)]
+pub(crate) struct ArrowStream(#[allow(dead_code)] Vec<u8>);
+
+fn body_error(rejection: BytesRejection, limit: usize) -> ApiError {
+    if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::BodyTooLarge { limit }
+    } else {
+        ApiError::BadRequest {
+            detail: format!("cannot read the body: {}", rejection.body_text()),
+        }
+    }
+}
+
+/// Plans a checkpoint for a layout or explicit requests. The same request gets the same plan
+/// id, and is computed once however many ranks send it at once.
+#[utoipa::path(post, path = "/v1/plans", tag = "plans",
+    request_body = PlanRequest,
+    responses(
+        (status = 200, description = "The plan id and totals", body = PlanCreated),
+        (status = 400, description = "Malformed body or checkpoint id", body = ErrorBody),
+        (status = 401, description = "Missing or wrong token", body = ErrorBody),
+        (status = 404, description = "No such checkpoint", body = ErrorBody),
+        (status = 409, description = "The checkpoint is incomplete", body = ErrorBody),
+        (status = 413, description = "Body over the limit", body = ErrorBody),
+        (status = 422, description = "The planner refuses the layout or requests (its reason in detail)", body = ErrorBody),
+        (status = 503, description = "Storage is unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
+pub(crate) async fn create(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<PlanCreated>, ApiError> {
+    let body = body.map_err(|e| body_error(e, state.config().body_limit))?;
+    let request = parse_request(&body)?;
+    let inner = &state.inner;
+    let entry = inner.plans.create(&inner.catalog, request).await?;
+    Ok(Json(entry.created()))
+}
+
+/// A plan's id and totals.
+#[utoipa::path(get, path = "/v1/plans/{plan}", tag = "plans",
+    params(("plan" = String, Path, description = "Plan id (32 hex digits)")),
+    responses(
+        (status = 200, description = "The plan id and totals", body = PlanCreated),
+        (status = 400, description = "Malformed plan id", body = ErrorBody),
+        (status = 401, description = "Missing or wrong token", body = ErrorBody),
+        (status = 404, description = "Unknown plan", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
+pub(crate) async fn get_plan(
+    State(state): State<AppState>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Json<PlanCreated>, ApiError> {
+    let Path(plan) = path.map_err(path_error)?;
+    check_plan_id(&plan)?;
+    let inner = &state.inner;
+    let entry = inner.plans.get(&inner.catalog, &plan).await?;
+    Ok(Json(entry.created()))
+}
+
+/// One rank's plan: JSON, or Arrow IPC with `Accept: application/vnd.apache.arrow.stream`.
+#[utoipa::path(get, path = "/v1/plans/{plan}/ranks/{rank}", tag = "plans",
+    params(
+        ("plan" = String, Path, description = "Plan id (32 hex digits)"),
+        ("rank" = u32, Path, description = "Rank, 0 to world - 1"),
+    ),
+    responses(
+        (status = 200, description = "The rank's plan", content(
+            (RankPlanJson = "application/json"),
+            (ArrowStream = "application/vnd.apache.arrow.stream"),
+        )),
+        (status = 400, description = "Malformed plan id or rank", body = ErrorBody),
+        (status = 401, description = "Missing or wrong token", body = ErrorBody),
+        (status = 404, description = "Unknown plan or rank", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
+pub(crate) async fn rank(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let Path((plan, rank)) = path.map_err(path_error)?;
+    check_plan_id(&plan)?;
+    let rank: u32 = rank.parse().map_err(|_| {
+        ApiError::bad_id(format!(
+            "rank {:?} is not a number",
+            crate::id::truncate(&rank)
+        ))
+    })?;
+    let arrow = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|v| {
+            v.split(';')
+                .next()
+                .is_some_and(|t| t.trim() == ARROW_STREAM)
+        });
+    let inner = &state.inner;
+    let entry = inner.plans.get(&inner.catalog, &plan).await?;
+    let world = entry.plan.world_size();
+    if rank >= world {
+        return Err(ApiError::UnknownRank { plan, rank, world });
+    }
+    // Extracting and encoding a rank's plan walks its pieces: off the async workers.
+    let encoded = tokio::task::spawn_blocking(move || {
+        let rank_plan = entry
+            .plan
+            .rank_plan(rank)
+            .map_err(|e| ApiError::from_plan(&e, true))?;
+        if arrow {
+            rank_plan
+                .to_arrow_ipc()
+                .map_err(|e| ApiError::from_plan(&e, true))
+        } else {
+            serde_json::to_vec(&rank_plan).map_err(|e| ApiError::Internal {
+                detail: format!("encoding rank {rank}'s plan as JSON: {e}"),
+            })
+        }
+    })
+    .await
+    .map_err(|e| ApiError::Internal {
+        detail: format!("the rank plan task failed: {e}"),
+    })??;
+    let content_type = if arrow {
+        ARROW_STREAM
+    } else {
+        "application/json"
+    };
+    Ok(([(header::CONTENT_TYPE, content_type)], encoded).into_response())
+}

@@ -1,0 +1,453 @@
+//! PyTorch DCP and safetensors checkpoints loaded in place through the real binary, against what
+//! torch itself gave: for every fixture (written by PyTorch 2.15) and every `reference_<layout>`
+//! torch's resharding load produced, `tessera load --layout layout_<layout>.json --dump` gives every
+//! rank the same bytes (sha256 per rank per tensor), and `tessera convert --format safetensors`
+//! gives every full tensor the sha256 of `expected.json`. Also through S3, over TCP ranks, and
+//! with damaged checkpoints (errors naming the file).
+#![allow(clippy::unwrap_used, missing_docs)]
+
+mod support;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use support::{fails, ok, s};
+use tessera_metadata::safetensors;
+
+/// The fixtures (`shared/fixtures/dcp` next to the workspace, or `$TESSERA_DCP_FIXTURES`).
+fn fixtures() -> PathBuf {
+    let dir = std::env::var_os("TESSERA_DCP_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/dcp"));
+    assert!(
+        dir.join("a_w1_plain/.metadata").exists(),
+        "DCP fixtures not found at {} (set TESSERA_DCP_FIXTURES)",
+        dir.display()
+    );
+    dir
+}
+
+fn json(path: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+fn sha256(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Tensors by name: (shape, bytes).
+type Tensors = HashMap<String, (Vec<u64>, Vec<u8>)>;
+
+/// Every tensor of a safetensors file.
+fn tensors_of(path: &Path) -> Tensors {
+    let file = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let header = safetensors::parse(&file, s(path)).unwrap();
+    header
+        .tensors
+        .iter()
+        .map(|t| {
+            let (a, b) = t.data_offsets;
+            let bytes =
+                file[(header.data_start + a) as usize..(header.data_start + b) as usize].to_vec();
+            (t.name.clone(), (t.shape.clone(), bytes))
+        })
+        .collect()
+}
+
+/// Checks every rank's dump against torch's `reference_<layout>.json`: each rank holds exactly the
+/// reference's tensors, with its local shape and sha256.
+fn check_reference(dump: &Path, reference: &Value) {
+    let world = reference["world_size"].as_u64().unwrap();
+    let tensors = reference["tensors"].as_object().unwrap();
+    for rank in 0..world {
+        let got = tensors_of(&dump.join(format!("rank-{rank}.safetensors")));
+        assert_eq!(got.len(), tensors.len(), "rank {rank}: tensor count");
+        for (fqn, tensor) in tensors {
+            let local = tensor["ranks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|r| r["rank"] == rank)
+                .unwrap();
+            let (shape, bytes) = got
+                .get(fqn)
+                .unwrap_or_else(|| panic!("rank {rank} has no {fqn}"));
+            let want: Vec<u64> = serde_json::from_value(local["local_shape"].clone()).unwrap();
+            assert_eq!(shape, &want, "rank {rank} {fqn}: shape");
+            assert_eq!(
+                sha256(bytes),
+                local["sha256"].as_str().unwrap(),
+                "rank {rank} {fqn}: bytes differ from torch's"
+            );
+        }
+    }
+}
+
+/// The full-tensor sha256s of a fixture's `expected.json`.
+fn expected_shas(fixture: &str) -> HashMap<String, String> {
+    let expected = json(&fixtures().join(fixture).join("expected.json"));
+    let entries = match expected.get("entries") {
+        Some(entries) => entries.clone(),
+        None => expected["entries_by_dir"]["."].clone(),
+    };
+    entries
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(_, e)| e["kind"] == "tensor")
+        .map(|(k, e)| (k.clone(), e["sha256"].as_str().unwrap().to_string()))
+        .collect()
+}
+
+/// Loads `fixture` into every reference layout and checks every rank; then consolidates it and
+/// checks every full tensor.
+fn loads_like_torch(fixture: &str) {
+    let dir = fixtures().join(fixture);
+    let tmp = tempfile::tempdir().unwrap();
+    for layout in ["w3_shard0", "w2_shard1"] {
+        let dump = tmp.path().join(layout);
+        let report = ok([
+            "load",
+            s(&dir),
+            "--layout",
+            s(&dir.join(format!("layout_{layout}.json"))),
+            "--dump",
+            s(&dump),
+        ])
+        .text();
+        assert!(report.contains("read amplification 1.00"), "{report}");
+        assert!(
+            report.contains("read in place without verification"),
+            "{report}"
+        );
+        check_reference(&dump, &json(&dir.join(format!("reference_{layout}.json"))));
+    }
+    let out = tmp.path().join("consolidated");
+    ok([
+        "convert",
+        s(&dir),
+        "--format",
+        "safetensors",
+        "--out",
+        s(&out),
+    ]);
+    let index = json(&out.join("model.safetensors.index.json"));
+    let expected = expected_shas(fixture);
+    let weight_map = index["weight_map"].as_object().unwrap();
+    assert_eq!(weight_map.len(), expected.len());
+    let mut files: HashMap<String, Tensors> = HashMap::new();
+    for (fqn, sha) in &expected {
+        let file = weight_map[fqn].as_str().unwrap();
+        let tensors = files
+            .entry(file.to_string())
+            .or_insert_with(|| tensors_of(&out.join(file)));
+        assert_eq!(
+            &sha256(&tensors[fqn].1),
+            sha,
+            "{fixture} {fqn}: full tensor"
+        );
+    }
+}
+
+#[test]
+fn dcp_plain_with_a_transposed_weight_loads_like_torch() {
+    loads_like_torch("a_w1_plain");
+}
+
+#[test]
+fn dcp_fsdp_shard0_with_an_empty_chunk_loads_like_torch() {
+    loads_like_torch("b_w4_fsdp_shard0");
+}
+
+#[test]
+fn dcp_dp2_tp2_with_deduplicated_replicas_loads_like_torch() {
+    loads_like_torch("c_w4_dp2_tp2");
+}
+
+#[test]
+fn dcp_fsdp2_adamw_after_real_training_loads_like_torch() {
+    loads_like_torch("e_w2_fsdp2_adamw");
+    // The values are not from a formula: compare with the gathered full tensors too.
+    let dir = fixtures().join("e_w2_fsdp2_adamw");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("full");
+    ok([
+        "convert",
+        s(&dir),
+        "--format",
+        "safetensors",
+        "--out",
+        s(&out),
+    ]);
+    let full = tensors_of(&dir.join("expected_full.safetensors"));
+    let index = json(&out.join("model.safetensors.index.json"));
+    for (name, (shape, bytes)) in &full {
+        let file = index["weight_map"][name].as_str().unwrap();
+        let got = tensors_of(&out.join(file));
+        assert_eq!(&got[name].0, shape, "{name}");
+        assert!(&got[name].1 == bytes, "{name}: bytes differ");
+    }
+}
+
+#[test]
+fn hf_index_safetensors_loads_like_torch() {
+    loads_like_torch("f_hf_w1_full");
+}
+
+#[test]
+fn tcp_ranks_share_one_blob_index() {
+    let dir = fixtures().join("e_w2_fsdp2_adamw");
+    let tmp = tempfile::tempdir().unwrap();
+    let dump = tmp.path().join("dump");
+    let report = ok([
+        "load",
+        s(&dir),
+        "--layout",
+        s(&dir.join("layout_w3_shard0.json")),
+        "--transport",
+        "tcp",
+        "--dump",
+        s(&dump),
+    ])
+    .text();
+    assert!(report.contains("zip headers "), "{report}");
+    check_reference(&dump, &json(&dir.join("reference_w3_shard0.json")));
+}
+
+#[test]
+fn a_cache_directory_makes_the_second_open_read_no_headers() {
+    let dir = fixtures().join("b_w4_fsdp_shard0");
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let run = |what: &str| {
+        let output = std::process::Command::new(support::BIN)
+            .args(["inspect", s(&dir)])
+            .env("TESSERA_CACHE_DIR", &cache)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{what}");
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let first = run("first");
+    assert!(
+        first.contains("blob index: 183 torch.save blobs, ")
+            && first.contains("of zip headers read in"),
+        "{first}"
+    );
+    let second = run("second");
+    assert!(
+        second.contains(
+            "blob index: 183 torch.save blobs, from the cache directory (no header reads)"
+        ),
+        "{second}"
+    );
+    // The checkpoint directory itself is never written.
+    let names: Vec<_> = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names.len(), 1);
+}
+
+#[test]
+fn inspect_json_decodes_dcp_objects() {
+    let dir = fixtures().join("a_w1_plain");
+    let doc: Value = serde_json::from_slice(&ok(["inspect", s(&dir), "--json"]).stdout).unwrap();
+    assert_eq!(doc["format"], "dcp");
+    assert_eq!(doc["dcp"]["version"], "1.0.0");
+    let objects = doc["objects"].as_array().unwrap();
+    let value = |key: &str| objects.iter().find(|o| o["key"] == key).unwrap()["value"].clone();
+    assert_eq!(value("extra.config.name"), "tiny-gpt");
+    assert_eq!(
+        value("optim.param_groups.0.betas"),
+        serde_json::json!([0.9, 0.95])
+    );
+    let lm_head = doc["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["fqn"] == "model.lm_head.weight")
+        .unwrap();
+    assert_eq!(lm_head["boxes"][0]["strides"], serde_json::json!([1, 96]));
+}
+
+#[test]
+fn verify_checks_dcp_crcs_and_safetensors_structure() {
+    let text = ok(["verify", s(&fixtures().join("c_w4_dp2_tp2"))]).text();
+    assert!(
+        text.contains(": ok, PyTorch DCP: metadata, 87 blob headers and byte ranges are consistent; 76 tensor storages and 11 objects match their zip CRC-32"),
+        "{text}"
+    );
+    let text = ok(["verify", s(&fixtures().join("f_hf_w1_full"))]).text();
+    assert_eq!(
+        text,
+        format!(
+            "{}: ok, safetensors: 2 files, 32 tensors; headers parse and every tensor's byte range lies inside its file with no overlap or hole (safetensors records no checksums: data bytes not verified)\n",
+            s(&fixtures().join("f_hf_w1_full"))
+        )
+    );
+}
+
+/// Copies a fixture into `into` (writable) and returns the copy.
+fn copy_fixture(fixture: &str, into: &Path) -> PathBuf {
+    let to = into.join(fixture);
+    std::fs::create_dir_all(&to).unwrap();
+    for entry in std::fs::read_dir(fixtures().join(fixture)).unwrap() {
+        let entry = entry.unwrap();
+        let bytes = std::fs::read(entry.path()).unwrap();
+        std::fs::write(to.join(entry.file_name()), bytes).unwrap();
+    }
+    to
+}
+
+#[test]
+fn damaged_checkpoints_fail_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture("a_w1_plain", tmp.path());
+    let layout = dir.join("layout_w2_shard1.json");
+    // Flip a byte of the lm_head storage: loads cannot tell (no checksums), verify can.
+    let distcp = dir.join("__0_0.distcp");
+    let mut bytes = std::fs::read(&distcp).unwrap();
+    bytes[309355 + 1000] ^= 0x10;
+    std::fs::write(&distcp, &bytes).unwrap();
+    let err = fails(["verify", s(&dir)]);
+    assert!(
+        err.starts_with("error: bad blob in __0_0.distcp bytes 310059..334635 (tensor model.lm_head.weight chunk [0..96, 0..64]): storage crc32 "),
+        "{err}"
+    );
+    assert!(
+        err.ends_with(&format!("{}: verification failed\n", s(&dir))),
+        "{err}"
+    );
+    // Truncate it: every command names the chunk and file.
+    bytes.truncate(700_000);
+    std::fs::write(&distcp, &bytes).unwrap();
+    let err = fails(["load", s(&dir), "--layout", s(&layout)]);
+    assert_eq!(
+        err,
+        format!(
+            "error: opening checkpoint {}: tensor optim.state.layers.1.attn.proj.weight.exp_avg: chunk [0..64, 0..64] reads bytes 689147..707108 of a_w1_plain/__0_0.distcp, past its end (700000 bytes)\n",
+            s(&dir)
+        )
+    );
+}
+
+#[test]
+fn a_safetensors_header_over_the_cap_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("st");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut file = (200u64 * 1024 * 1024).to_le_bytes().to_vec();
+    file.extend_from_slice(b"{}");
+    std::fs::write(dir.join("model.safetensors"), &file).unwrap();
+    assert_eq!(
+        fails(["inspect", s(&dir)]),
+        format!(
+            "error: opening checkpoint {}: st/model.safetensors: cannot decode safetensors header: header of 209715200 bytes exceeds the 104857600-byte cap\n",
+            s(&dir)
+        )
+    );
+}
+
+#[test]
+fn dcp_and_safetensors_load_through_s3() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("s3");
+    std::fs::create_dir_all(&root).unwrap();
+    let server = tessera_loader::testing::S3TestServer::start(&root);
+    server.create_bucket("ckpts");
+    let env = server.env();
+    for fixture in ["c_w4_dp2_tp2", "f_hf_w1_full"] {
+        copy_fixture(fixture, &root.join("ckpts"));
+        let url = format!("s3://ckpts/{fixture}");
+        let dir = fixtures().join(fixture);
+        let dump = tmp.path().join(format!("dump-{fixture}"));
+        let output = std::process::Command::new(support::BIN)
+            .args([
+                "load",
+                &url,
+                "--layout",
+                s(&dir.join("layout_w2_shard1.json")),
+                "--dump",
+                s(&dump),
+            ])
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{fixture}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        check_reference(&dump, &json(&dir.join("reference_w2_shard1.json")));
+    }
+}
+
+#[test]
+fn dcp_converts_to_native_and_loads_back_like_torch() {
+    let dir = fixtures().join("c_w4_dp2_tp2");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("native/step-000003");
+    let text = ok([
+        "convert",
+        s(&dir),
+        "--layout",
+        s(&dir.join("layout_w2_shard1.json")),
+        "--out",
+        s(&out),
+    ])
+    .text();
+    assert!(text.contains("51 tensors"), "{text}");
+    assert!(ok(["verify", s(&out)]).text().contains(": ok, 2 files"));
+    // Non-tensor entries ride along as their torch.save blobs.
+    let doc: Value = serde_json::from_slice(&ok(["inspect", s(&out), "--json"]).stdout).unwrap();
+    assert_eq!(doc["manifest"]["objects"], 11);
+    let dump = tmp.path().join("dump");
+    ok([
+        "load",
+        s(&out),
+        "--layout",
+        s(&dir.join("layout_w3_shard0.json")),
+        "--dump",
+        s(&dump),
+    ]);
+    check_reference(&dump, &json(&dir.join("reference_w3_shard0.json")));
+}
+
+#[test]
+fn plan_reads_each_dcp_byte_once() {
+    let dir = fixtures().join("b_w4_fsdp_shard0");
+    let text = ok([
+        "plan",
+        s(&dir),
+        "--layout",
+        s(&dir.join("layout_w3_shard0.json")),
+    ])
+    .text();
+    assert!(text.contains("ranks                3\n"), "{text}");
+    assert!(text.contains("read amplification   1.00\n"), "{text}");
+    let rank: Value = serde_json::from_slice(
+        &ok([
+            "plan",
+            s(&dir),
+            "--layout",
+            s(&dir.join("layout_w3_shard0.json")),
+            "--rank",
+            "2",
+        ])
+        .stdout,
+    )
+    .unwrap();
+    let files: Vec<&str> = rank["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f.as_str().unwrap())
+        .collect();
+    assert!(files.iter().all(|f| f.ends_with(".distcp")), "{files:?}");
+}

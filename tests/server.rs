@@ -1,0 +1,482 @@
+//! The server end to end over real sockets on 127.0.0.1: ranks fetch their plans through the
+//! loader's plan client and load every byte; plan client errors; a burst of plan requests over
+//! HTTP; `tessera serve` as a process until SIGTERM; a catalog root on S3.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use futures::StreamExt;
+use object_store::ObjectStoreExt;
+use tessera::storage;
+use tessera::synth::{SynthOptions, synthesize};
+use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
+use tessera_loader::plan_client::{
+    PlanClient, PlanClientError, PlanClientOptions, PlanTarget, fetch_rank_plan,
+};
+use tessera_loader::storage::StorageOptions;
+use tessera_loader::testing::S3TestServer;
+use tessera_loader::transport::{InProcTransport, TransportOptions};
+use tessera_metadata::synth::{self, Model};
+use tessera_planner::presets::{MegatronGpt, megatron_gpt};
+use tessera_planner::{ExplicitRequests, Layout, RankPlan, Target};
+use tessera_server::{AppState, ServerConfig};
+use tokio::sync::oneshot;
+
+const BIN: &str = env!("CARGO_BIN_EXE_tessera");
+
+fn megatron(tp: u32, pp: u32, dp: u32, zero1: bool) -> Layout {
+    megatron_gpt(MegatronGpt {
+        tp,
+        pp,
+        dp,
+        num_layers: 4,
+        zero1,
+    })
+    .unwrap()
+}
+
+/// Writes gpt-tiny (with optimizer states) saved Megatron tp2 pp2 dp2 zero1 at `location`.
+async fn write_tiny(location: &str, options: &StorageOptions) {
+    let out = storage::create_with(location, options).unwrap();
+    synthesize(
+        &out,
+        &megatron(2, 2, 2, true),
+        &SynthOptions {
+            model: Model::GptTiny,
+            optimizer: true,
+            metadata_only: false,
+            step: None,
+            progress: false,
+        },
+    )
+    .await
+    .unwrap();
+}
+
+/// A server on an ephemeral port of 127.0.0.1, stopped (gracefully) when dropped.
+struct RunningServer {
+    addr: SocketAddr,
+    state: AppState,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl RunningServer {
+    async fn start(config: ServerConfig) -> Self {
+        let state = AppState::new(config).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(tessera_server::serve(listener, state.clone(), async move {
+            let _ = stopped.await;
+        }));
+        Self {
+            addr,
+            state,
+            stop: Some(stop),
+            task: Some(tokio::spawn(async move {
+                task.await.unwrap().unwrap();
+            })),
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            tokio::time::timeout(Duration::from_secs(10), task)
+                .await
+                .expect("the server stops within its grace period")
+                .unwrap();
+        }
+    }
+}
+
+/// A plain HTTP/1.1 GET over a blocking socket: status and body.
+fn http_get(addr: SocketAddr, path: &str, token: Option<&str>) -> (u16, String) {
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, b)| b.to_string());
+    (status, body)
+}
+
+/// Loads every rank of `plans` in this process and checks every byte against the formula.
+async fn load_and_check(checkpoint: &Checkpoint, plans: Vec<RankPlan>) -> u64 {
+    let world = plans.len() as u32;
+    let transports = InProcTransport::mesh(world, TransportOptions::default());
+    let mut tasks = Vec::new();
+    for (plan, transport) in plans.into_iter().zip(transports) {
+        let checkpoint = checkpoint.clone();
+        tasks.push(tokio::spawn(async move {
+            load_rank(&checkpoint, plan, &transport, &LoadOptions::default()).await
+        }));
+    }
+    let mut bytes_read = 0;
+    for task in tasks {
+        let loaded = task.await.unwrap().unwrap();
+        let plan = &loaded.plan;
+        for (dest, buffer) in plan.destinations.iter().zip(&loaded.buffers) {
+            let tensor = &plan.tensors[dest.tensor as usize];
+            match &dest.target {
+                Target::Box(region) => synth::check_box(tensor, region, buffer).unwrap(),
+                Target::Flat { start, end } => {
+                    synth::check_flat(tensor, *start, *end, buffer).unwrap()
+                }
+            }
+        }
+        bytes_read += loaded.report.bytes_read;
+    }
+    bytes_read
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_fetch_their_plans_from_the_server_and_load_every_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("catalog");
+    let ckpt = root.join("gpt/step-000100");
+    write_tiny(ckpt.to_str().unwrap(), &StorageOptions::default()).await;
+    let server = RunningServer::start(ServerConfig::new(root.to_str().unwrap())).await;
+    let client = PlanClient::new(&server.url(), PlanClientOptions::default()).unwrap();
+    let checkpoint = Checkpoint::open(storage::open(ckpt.to_str().unwrap()).unwrap())
+        .await
+        .unwrap();
+
+    // A layout: Megatron tp4 pp1 dp2 with a distributed optimizer (8 ranks).
+    let target = PlanTarget::Layout(megatron(4, 1, 2, true));
+    let created = client.create_plan("gpt/latest", &target).await.unwrap();
+    assert_eq!(created.checkpoint, "gpt/step-000100");
+    assert_eq!(created.world, 8);
+    let mut plans = Vec::new();
+    for rank in 0..created.world {
+        plans.push(client.rank_plan(&created.plan, rank).await.unwrap());
+    }
+    let one = fetch_rank_plan(&server.url(), "gpt/step-000100", &target, 3, None)
+        .await
+        .unwrap();
+    assert_eq!(one, plans[3]);
+    let read = load_and_check(&checkpoint, plans).await;
+    assert_eq!(read, created.summary.bytes_read, "every piece read once");
+
+    // Explicit requests (flat ranges, as ZeRO buffers ask).
+    let requests: ExplicitRequests = serde_json::from_value(serde_json::json!({"ranks": [
+        [{"fqn": "optim.state.model.final_norm.weight.exp_avg", "flat": [3, 50]}],
+        [{"fqn": "model.lm_head.weight", "offsets": [10, 0], "lengths": [500, 64]},
+         {"fqn": "optim.state.model.final_norm.weight.exp_avg", "flat": [0, 64]}],
+    ]}))
+    .unwrap();
+    let target = PlanTarget::Requests(requests);
+    let created = client
+        .create_plan("gpt/step-000100", &target)
+        .await
+        .unwrap();
+    let mut plans = Vec::new();
+    for rank in 0..created.world {
+        plans.push(client.rank_plan(&created.plan, rank).await.unwrap());
+    }
+    load_and_check(&checkpoint, plans).await;
+    assert_eq!(server.state.metrics().plan_computations, 2);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plan_client_errors_say_what_went_wrong() {
+    // Nothing listens: unreachable, after the configured retries.
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let quick = PlanClientOptions {
+        retries: 2,
+        backoff: Duration::from_millis(10),
+        ..PlanClientOptions::default()
+    };
+    let client = PlanClient::new(&format!("http://127.0.0.1:{port}"), quick.clone()).unwrap();
+    let target = PlanTarget::Layout(megatron(1, 1, 2, false));
+    let err = client
+        .create_plan("gpt/step-000100", &target)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, PlanClientError::Unreachable { attempts: 3, .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains(&format!(
+            "cannot reach the plan server at http://127.0.0.1:{port}"
+        )),
+        "{err}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("catalog");
+    write_tiny(
+        root.join("gpt/step-000100").to_str().unwrap(),
+        &StorageOptions::default(),
+    )
+    .await;
+    let mut config = ServerConfig::new(root.to_str().unwrap());
+    config.token = Some("t0ken".to_string());
+    let server = RunningServer::start(config).await;
+
+    // No token, or a wrong one: 401 with the server's detail, not retried.
+    for token in [None, Some("wrong")] {
+        let client = PlanClient::new(
+            &server.url(),
+            PlanClientOptions {
+                token: token.map(str::to_string),
+                ..quick.clone()
+            },
+        )
+        .unwrap();
+        let err = client
+            .create_plan("gpt/step-000100", &target)
+            .await
+            .unwrap_err();
+        assert_eq!(err.status(), Some(401), "{err}");
+        assert!(err.is_permanent());
+        assert!(err.to_string().contains("Authorization: Bearer"), "{err}");
+    }
+    let authed = PlanClientOptions {
+        token: Some("t0ken".to_string()),
+        ..quick
+    };
+    let client = PlanClient::new(&server.url(), authed).unwrap();
+    // The planner's reason comes through.
+    let bad = Layout::from_json(
+        r#"{"mesh": [{"name": "dp", "size": 2}], "rules": [{"match": "model.*", "placements": ["shard(0)"]}]}"#,
+    )
+    .unwrap();
+    let err = client
+        .create_plan("gpt/step-000100", &PlanTarget::Layout(bad))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, PlanClientError::Server { status: 422, kind, .. } if kind == "invalid_layout"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("matches no rule"), "{err}");
+    let err = client
+        .create_plan("gpt/step-000999", &target)
+        .await
+        .unwrap_err();
+    assert_eq!(err.status(), Some(404));
+    assert!(
+        err.to_string().contains("no checkpoint gpt/step-000999"),
+        "{err}"
+    );
+    let err = client.create_plan("../etc", &target).await.unwrap_err();
+    assert_eq!(err.status(), Some(400));
+    let created = client
+        .create_plan("gpt/step-000100", &target)
+        .await
+        .unwrap();
+    let err = client.rank_plan(&created.plan, 2).await.unwrap_err();
+    assert_eq!(err.status(), Some(404));
+    assert!(err.to_string().contains("no rank 2"), "{err}");
+    let err = fetch_rank_plan(&server.url(), "gpt/step-000100", &target, 5, Some("t0ken"))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("rank 5 is out of range"), "{err}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_plan_requests_over_http_computes_the_plan_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("catalog");
+    write_tiny(
+        root.join("gpt/step-000100").to_str().unwrap(),
+        &StorageOptions::default(),
+    )
+    .await;
+    let server = RunningServer::start(ServerConfig::new(root.to_str().unwrap())).await;
+    let client = PlanClient::new(&server.url(), PlanClientOptions::default()).unwrap();
+    let target = PlanTarget::Layout(megatron(2, 2, 8, true));
+    // 2048 requests, 256 connections at a time (a job's ranks, bounded for a 2-core machine).
+    let ids: Vec<String> = futures::stream::iter(0..2048)
+        .map(|_| {
+            let (client, target) = (client.clone(), target.clone());
+            async move {
+                client
+                    .create_plan("gpt/step-000100", &target)
+                    .await
+                    .unwrap()
+                    .plan
+            }
+        })
+        .buffer_unordered(256)
+        .collect()
+        .await;
+    assert!(ids.iter().all(|id| *id == ids[0]));
+    let addr = server.addr;
+    let (status, metrics) = tokio::task::spawn_blocking(move || http_get(addr, "/metrics", None))
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("\ntessera_plan_computations_total 1\n"),
+        "{metrics}"
+    );
+    assert!(metrics.contains(
+        "tessera_http_requests_total{route=\"/v1/plans\",method=\"POST\",status=\"200\"} 2048"
+    ));
+    server.stop().await;
+}
+
+#[cfg(unix)]
+#[test]
+fn tessera_serve_runs_until_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("catalog");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(write_tiny(
+        root.join("gpt/step-000100").to_str().unwrap(),
+        &StorageOptions::default(),
+    ));
+    let mut child = std::process::Command::new(BIN)
+        .args([
+            "serve",
+            "--root",
+            root.to_str().unwrap(),
+            "--addr",
+            "127.0.0.1:0",
+        ])
+        .env("TESSERA_TOKEN", "from-env")
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr: SocketAddr = line
+        .strip_prefix("listening on http://")
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .parse()
+        .unwrap();
+    assert_eq!(http_get(addr, "/healthz", None).0, 200);
+    assert_eq!(http_get(addr, "/v1/checkpoints", None).0, 401);
+    let (status, body) = http_get(addr, "/v1/checkpoints", Some("from-env"));
+    assert_eq!(status, 200);
+    let catalog: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(catalog["checkpoints"][0]["id"], "gpt/step-000100");
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("tessera serve did not stop within 15 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    assert!(status.success(), "exit {status}: {stderr}");
+}
+
+#[test]
+fn tessera_serve_refuses_a_bad_root() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = std::process::Command::new(BIN)
+        .args([
+            "serve",
+            "--root",
+            dir.path().join("missing/catalog").to_str().unwrap(),
+            "--addr",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("does not exist"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catalog_root_on_s3() {
+    let buckets = tempfile::tempdir().unwrap();
+    let s3 = S3TestServer::start(buckets.path());
+    s3.create_bucket("ckpts");
+    let options = s3.options();
+    write_tiny("s3://ckpts/catalog/gpt/step-000100", &options).await;
+    // An interrupted save next to it.
+    let partial = storage::create_with("s3://ckpts/catalog/gpt/step-000200", &options).unwrap();
+    partial
+        .store
+        .put(
+            &partial.prefix.clone().join("data").join("rank-00000.bin"),
+            vec![0u8; 10].into(),
+        )
+        .await
+        .unwrap();
+    let mut config = ServerConfig::new("s3://ckpts/catalog");
+    config.storage = options.clone();
+    let server = RunningServer::start(config).await;
+    let addr = server.addr;
+    let (status, body) =
+        tokio::task::spawn_blocking(move || http_get(addr, "/v1/checkpoints", None))
+            .await
+            .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let catalog: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(catalog["runs"][0]["latest"], "gpt/step-000100");
+    assert_eq!(catalog["checkpoints"][0]["status"], "committed");
+    assert_eq!(catalog["checkpoints"][1]["id"], "gpt/step-000200");
+    assert_eq!(catalog["checkpoints"][1]["status"], "incomplete");
+
+    let client = PlanClient::new(&server.url(), PlanClientOptions::default()).unwrap();
+    let created = client
+        .create_plan("gpt/latest", &PlanTarget::Layout(megatron(1, 2, 2, false)))
+        .await
+        .unwrap();
+    let mut plans = Vec::new();
+    for rank in 0..created.world {
+        plans.push(client.rank_plan(&created.plan, rank).await.unwrap());
+    }
+    let checkpoint = Checkpoint::open(
+        storage::open_with("s3://ckpts/catalog/gpt/step-000100", &options).unwrap(),
+    )
+    .await
+    .unwrap();
+    load_and_check(&checkpoint, plans).await;
+    server.stop().await;
+}
