@@ -121,6 +121,16 @@ enum Command {
         /// No progress bar and no report on stdout.
         #[arg(long)]
         quiet: bool,
+        /// Fetch the plan from this tessera server (http://host:port) instead of planning here.
+        #[arg(long)]
+        server: Option<String>,
+        /// The checkpoint's id on the server, <run>/<step> (default: the location's last two
+        /// components).
+        #[arg(long)]
+        checkpoint_id: Option<String>,
+        /// Bearer token of the server (default: TESSERA_TOKEN).
+        #[arg(long)]
+        token: Option<String>,
     },
     /// Re-save a checkpoint in another layout, or export consolidated safetensors.
     Convert {
@@ -331,6 +341,9 @@ fn run(cli: Cli) -> Result<()> {
             peer_timeout,
             report_json,
             quiet,
+            server,
+            checkpoint_id,
+            token,
         } => {
             if !(peer_timeout > 0.0 && peer_timeout.is_finite()) {
                 anyhow::bail!("--peer-timeout must be a positive number of seconds");
@@ -354,6 +367,9 @@ fn run(cli: Cli) -> Result<()> {
                 report_json,
                 peer_timeout: std::time::Duration::from_secs_f64(peer_timeout),
                 quiet,
+                server,
+                checkpoint_id,
+                token,
             };
             let report = runtime.block_on(commands::load::run(&args))?;
             if args.quiet {

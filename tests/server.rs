@@ -480,3 +480,88 @@ async fn a_catalog_root_on_s3() {
     load_and_check(&checkpoint, plans).await;
     server.stop().await;
 }
+
+#[test]
+fn tessera_load_fetches_its_plan_from_tessera_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("catalog");
+    let ckpt = root.join("gpt/step-000100");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(write_tiny(
+        ckpt.to_str().unwrap(),
+        &StorageOptions::default(),
+    ));
+    let mut child = std::process::Command::new(BIN)
+        .args([
+            "serve",
+            "--root",
+            root.to_str().unwrap(),
+            "--addr",
+            "127.0.0.1:0",
+        ])
+        .env("TESSERA_TOKEN", "secret")
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr: SocketAddr = line
+        .strip_prefix("listening on http://")
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .parse()
+        .unwrap();
+    let layout = dir.path().join("layout.json");
+    std::fs::write(&layout, megatron(2, 1, 2, false).to_json()).unwrap();
+    let server = format!("http://{addr}");
+    let load = |transport: &str, token: &str| {
+        std::process::Command::new(BIN)
+            .args([
+                "load",
+                ckpt.to_str().unwrap(),
+                "--layout",
+                layout.to_str().unwrap(),
+            ])
+            .args(["--server", &server, "--transport", transport, "--check"])
+            .env("TESSERA_TOKEN", token)
+            .output()
+            .unwrap()
+    };
+    for transport in ["inproc", "tcp"] {
+        let out = load(transport, "secret");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{transport}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains("every byte matches the synthetic formula"),
+            "{stdout}"
+        );
+        assert!(stdout.contains("read amplification 1.00"), "{stdout}");
+    }
+    // One plan computation served every rank of both loads.
+    let (_, metrics) = http_get(addr, "/metrics", None);
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "tessera_plan_computations_total 1"),
+        "{metrics}"
+    );
+    // A wrong token is the server's 401, named.
+    let out = load("inproc", "wrong");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("planning gpt/step-000100 on http://"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("401"), "{stderr}");
+    let _ = child.kill();
+    let _ = child.wait();
+}

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use tessera_loader::load::{Checkpoint, LoadOptions, LoadedRank, RankReport, load_rank};
+use tessera_loader::plan_client::{CreatedPlan, PlanClient, PlanClientOptions, PlanTarget};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::rendezvous::RendezvousConfig;
 use tessera_loader::transport::InProcTransport;
@@ -18,7 +19,9 @@ use tessera_metadata::Format;
 use tessera_metadata::dcp::IndexSource;
 use tessera_metadata::safetensors::{self, TensorView};
 use tessera_metadata::synth;
-use tessera_planner::{ExplicitRequests, Plan, PlanOptions, RequestSet, Target};
+use tessera_planner::{
+    ExplicitRequests, Plan, PlanOptions, PlanSummary, RankPlan, RequestSet, Target,
+};
 
 use crate::human;
 
@@ -64,6 +67,93 @@ pub struct LoadArgs {
     pub peer_timeout: Duration,
     /// Print the progress bar and report.
     pub quiet: bool,
+    /// Fetch rank plans from this tessera server instead of planning here.
+    pub server: Option<String>,
+    /// The checkpoint's id on the server (`<run>/<step>`); by default the last two components
+    /// of the checkpoint location.
+    pub checkpoint_id: Option<String>,
+    /// Bearer token of the server (default: `TESSERA_TOKEN`).
+    pub token: Option<String>,
+}
+
+/// Where rank plans come from: planned here from the checkpoint (the default, no service
+/// needed), or a tessera server that plans once for the whole job.
+enum Planned {
+    Local(Plan),
+    Server {
+        client: PlanClient,
+        created: CreatedPlan,
+    },
+}
+
+impl Planned {
+    fn world(&self) -> u32 {
+        match self {
+            Planned::Local(plan) => plan.world_size(),
+            Planned::Server { created, .. } => created.world,
+        }
+    }
+
+    fn summary(&self) -> &PlanSummary {
+        match self {
+            Planned::Local(plan) => plan.summary(),
+            Planned::Server { created, .. } => &created.summary,
+        }
+    }
+
+    async fn rank_plan(&self, rank: u32) -> Result<RankPlan> {
+        Ok(match self {
+            Planned::Local(plan) => plan.rank_plan(rank)?,
+            Planned::Server { client, created } => client
+                .rank_plan(&created.plan, rank)
+                .await
+                .with_context(|| format!("fetching rank {rank}'s plan from the server"))?,
+        })
+    }
+}
+
+/// The server-side id of a checkpoint location: its last two path components.
+fn default_checkpoint_id(location: &str) -> Result<String> {
+    let parts: Vec<&str> = location.trim_end_matches('/').rsplit('/').take(2).collect();
+    match parts.as_slice() {
+        [step, run] if !step.is_empty() && !run.is_empty() && !run.contains(':') => {
+            Ok(format!("{run}/{step}"))
+        }
+        _ => {
+            bail!("cannot tell the server-side id of {location}; give --checkpoint-id <run>/<step>")
+        }
+    }
+}
+
+async fn plan_on_server(args: &LoadArgs, server: &str) -> Result<Planned> {
+    let id = match &args.checkpoint_id {
+        Some(id) => id.clone(),
+        None => default_checkpoint_id(&args.checkpoint)?,
+    };
+    let target = match (&args.layout, &args.requests) {
+        (Some(layout), None) => PlanTarget::Layout(super::read_layout(layout)?),
+        (None, Some(path)) => PlanTarget::Requests(
+            ExplicitRequests::from_json(&super::read_text(path)?)
+                .with_context(|| format!("reading requests {path}"))?,
+        ),
+        _ => bail!("give exactly one of --layout or --requests"),
+    };
+    let client = PlanClient::new(
+        server,
+        PlanClientOptions {
+            token: args
+                .token
+                .clone()
+                .or_else(|| std::env::var("TESSERA_TOKEN").ok()),
+            dedup: args.dedup,
+            ..PlanClientOptions::default()
+        },
+    )?;
+    let created = client
+        .create_plan(&id, &target)
+        .await
+        .with_context(|| format!("planning {id} on {server}"))?;
+    Ok(Planned::Server { client, created })
 }
 
 /// Runs the command; returns the report text.
@@ -90,9 +180,14 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
             args.checkpoint
         );
     }
-    let requests = requests_for(args, &checkpoint)?;
     let started = Instant::now();
-    let plan = checkpoint.plan(&requests, &PlanOptions { dedup: args.dedup })?;
+    let plan = match &args.server {
+        Some(server) => plan_on_server(args, server).await?,
+        None => {
+            let requests = requests_for(args, &checkpoint)?;
+            Planned::Local(checkpoint.plan(&requests, &PlanOptions { dedup: args.dedup })?)
+        }
+    };
     let plan_seconds = started.elapsed().as_secs_f64();
     let options = LoadOptions {
         read: ReadOptions {
@@ -107,7 +202,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     };
 
     if let Some(rank) = args.rank {
-        let world = plan.world_size();
+        let world = plan.world();
         if let Some(w) = args.world
             && w != world
         {
@@ -115,7 +210,13 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         }
         let config = rendezvous(args, rank, world)?;
         let transport = TcpTransport::connect(&config, transport_options).await?;
-        let loaded = load_rank(&checkpoint, plan.rank_plan(rank)?, &transport, &options).await?;
+        let loaded = load_rank(
+            &checkpoint,
+            plan.rank_plan(rank).await?,
+            &transport,
+            &options,
+        )
+        .await?;
         finish_rank(args, &loaded)?;
         if let Some(path) = &args.report_json {
             std::fs::write(path, serde_json::to_vec(&loaded.report)?)
@@ -136,12 +237,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
             load_all_inproc(args, &checkpoint, &plan, options, transport_options).await?
         }
         TransportKind::Tcp => {
-            load_all_tcp(
-                args,
-                plan.world_size(),
-                shared_cache.as_ref().map(|d| d.path()),
-            )
-            .await?
+            load_all_tcp(args, plan.world(), shared_cache.as_ref().map(|d| d.path())).await?
         }
     };
     let kind = match args.transport {
@@ -198,11 +294,11 @@ fn rendezvous(args: &LoadArgs, rank: u32, world: u32) -> Result<RendezvousConfig
 async fn load_all_inproc(
     args: &LoadArgs,
     checkpoint: &Checkpoint,
-    plan: &Plan,
+    plan: &Planned,
     mut options: LoadOptions,
     transport_options: TransportOptions,
 ) -> Result<Vec<RankReport>> {
-    let world = plan.world_size();
+    let world = plan.world();
     let total = plan.summary().bytes_read;
     let done = Arc::new(AtomicU64::new(0));
     let counter = Arc::clone(&done);
@@ -227,7 +323,7 @@ async fn load_all_inproc(
     let transports = InProcTransport::mesh(world, transport_options);
     let mut tasks = Vec::with_capacity(world as usize);
     for (rank, transport) in transports.into_iter().enumerate() {
-        let rank_plan = plan.rank_plan(rank as u32)?;
+        let rank_plan = plan.rank_plan(rank as u32).await?;
         let checkpoint = checkpoint.clone();
         let options = options.clone();
         tasks.push(tokio::spawn(async move {
@@ -281,6 +377,16 @@ async fn load_all_tcp(
         }
         if let Some(dump) = &args.dump {
             cmd.arg("--dump").arg(dump);
+        }
+        if let Some(server) = &args.server {
+            // Every rank asks the server; it plans once (the same request gives the same plan).
+            cmd.arg("--server").arg(server);
+            if let Some(id) = &args.checkpoint_id {
+                cmd.arg("--checkpoint-id").arg(id);
+            }
+            if let Some(token) = &args.token {
+                cmd.env("TESSERA_TOKEN", token);
+            }
         }
         cmd.args([
             "--transport",
@@ -407,7 +513,7 @@ fn finish_rank(args: &LoadArgs, loaded: &LoadedRank) -> Result<()> {
 fn report_text(
     args: &LoadArgs,
     checkpoint: &Checkpoint,
-    plan: &Plan,
+    plan: &Planned,
     reports: &[RankReport],
     plan_seconds: f64,
     kind: &str,
@@ -425,7 +531,7 @@ fn report_text(
         "loaded {} into {} of {} ranks ({kind})",
         args.checkpoint,
         reports.len(),
-        plan.world_size()
+        plan.world()
     );
     let _ = writeln!(
         out,
