@@ -115,14 +115,27 @@ pub fn gather_piece(
         });
     };
     let back = first.runs.reversed();
-    let mut wire = vec![0u8; p.bytes as usize];
     check_runs(
         &back,
         buffer.len(),
-        wire.len(),
+        p.bytes as usize,
         &format!("rank {} piece {}", plan.rank, p.id),
     )?;
-    copy_runs(&back, buffer, &mut wire);
+    // The wire is row-major over the piece, so the runs fill it front to back: append instead
+    // of zero-filling a buffer first (this copy is on the exchange's hot path).
+    let n = back.run_bytes as usize;
+    let mut wire = Vec::with_capacity(p.bytes as usize);
+    for (src, dst) in back.iter() {
+        if dst as usize != wire.len() {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "rank {} piece {}: place runs do not fill the wire in order",
+                    plan.rank, p.id
+                ),
+            });
+        }
+        wire.extend_from_slice(&buffer[src as usize..src as usize + n]);
+    }
     Ok(wire)
 }
 
