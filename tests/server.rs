@@ -357,30 +357,7 @@ fn tessera_serve_runs_until_sigterm() {
         root.join("gpt/step-000100").to_str().unwrap(),
         &StorageOptions::default(),
     ));
-    let mut child = std::process::Command::new(BIN)
-        .args([
-            "serve",
-            "--root",
-            root.to_str().unwrap(),
-            "--addr",
-            "127.0.0.1:0",
-        ])
-        .env("TESSERA_TOKEN", "from-env")
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr: SocketAddr = line
-        .strip_prefix("listening on http://")
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .parse()
-        .unwrap();
+    let (mut child, addr) = start_tessera_serve(&root, "from-env", std::process::Stdio::piped());
     assert_eq!(http_get(addr, "/healthz", None).0, 200);
     assert_eq!(http_get(addr, "/v1/checkpoints", None).0, 401);
     let (status, body) = http_get(addr, "/v1/checkpoints", Some("from-env"));
@@ -491,30 +468,7 @@ fn tessera_load_fetches_its_plan_from_tessera_serve() {
         ckpt.to_str().unwrap(),
         &StorageOptions::default(),
     ));
-    let mut child = std::process::Command::new(BIN)
-        .args([
-            "serve",
-            "--root",
-            root.to_str().unwrap(),
-            "--addr",
-            "127.0.0.1:0",
-        ])
-        .env("TESSERA_TOKEN", "secret")
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr: SocketAddr = line
-        .strip_prefix("listening on http://")
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .parse()
-        .unwrap();
+    let (mut child, addr) = start_tessera_serve(&root, "secret", std::process::Stdio::null());
     let layout = dir.path().join("layout.json");
     std::fs::write(&layout, megatron(2, 1, 2, false).to_json()).unwrap();
     let server = format!("http://{addr}");
@@ -564,4 +518,38 @@ fn tessera_load_fetches_its_plan_from_tessera_serve() {
     assert!(stderr.contains("401"), "{stderr}");
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// Starts `tessera serve` on an ephemeral loopback port with `token` in its environment and
+/// returns the process and the address it printed.
+fn start_tessera_serve(
+    root: &std::path::Path,
+    token: &str,
+    stderr: std::process::Stdio,
+) -> (std::process::Child, SocketAddr) {
+    let mut child = std::process::Command::new(BIN)
+        .args([
+            "serve",
+            "--root",
+            root.to_str().unwrap(),
+            "--addr",
+            "127.0.0.1:0",
+        ])
+        .env("TESSERA_TOKEN", token)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr: SocketAddr = line
+        .strip_prefix("listening on http://")
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .parse()
+        .unwrap();
+    (child, addr)
 }
