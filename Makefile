@@ -1,11 +1,17 @@
 # The whole test suite: `make test` (what CI runs through .ci/run).
-# Only cargo is needed for now; later suites (S3 server, Chromium) install what they need here.
+# cargo, plus node/npm for the web UI suite, which installs Chromium (apt) and playwright-core
+# (npm) when they are missing and fails loudly when it cannot.
 
 CARGO ?= cargo
+CHROMIUM ?= /usr/bin/chromium
+# A python3 with PyYAML: the one on PATH when it has it, else Debian's (python3-yaml).
+PYTHON ?= $(shell python3 -c 'import yaml' 2>/dev/null && echo python3 || echo /usr/bin/python3)
+# apt-get needs root; CI runs as root, a workstation through sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: test lint unit bench-build bench demo
+.PHONY: test lint unit bench-build bench demo webui webui-deps helm-test
 
-test: lint unit bench-build
+test: lint unit webui helm-test
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -14,7 +20,8 @@ lint:
 unit:
 	$(CARGO) test --workspace --locked
 
-# Benchmarks are compiled by the suite (so they cannot rot) but run by hand: `make bench`.
+# Benchmarks are type-checked by clippy --all-targets (so they cannot rot) and run by hand:
+# `make bench` (release builds; numbers go to BENCHMARKS.md).
 bench-build:
 	$(CARGO) bench --workspace --locked --no-run
 
@@ -24,3 +31,20 @@ bench:
 
 demo:
 	$(CARGO) run --release --locked -- demo
+
+# The web UI in headless Chromium against `tessera serve` (tests/webui). Screenshots land in
+# target/webui-screenshots/.
+webui: webui-deps
+	$(CARGO) build --locked --bin tessera
+	cd tests/webui && CHROMIUM=$(CHROMIUM) timeout 600 npm test
+
+webui-deps:
+	@[ -x $(CHROMIUM) ] || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }
+	@[ -x $(CHROMIUM) ] || { echo "error: no Chromium at $(CHROMIUM) and apt-get could not install it" >&2; exit 1; }
+	@[ -d tests/webui/node_modules/playwright-core ] || (cd tests/webui && npm ci --no-audit --no-fund)
+
+# The Helm chart rendered with default and non-default values, checked for the Kubernetes fields
+# that matter (helm/test_chart.py; no helm binary needed).
+helm-test:
+	@$(PYTHON) -c 'import yaml' 2>/dev/null || { $(SUDO) apt-get update && $(SUDO) apt-get install -y python3-yaml; }
+	$(PYTHON) helm/test_chart.py

@@ -19,11 +19,18 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Create a small synthetic catalog in a local directory and reshard it for a few layouts.
+    /// Create a small synthetic catalog in a local directory, reshard it for a few layouts, then
+    /// serve it with the web UI (until Ctrl-C).
     Demo {
-        /// Catalog directory (created when absent).
+        /// Catalog directory (created when absent; existing checkpoints are reused).
         #[arg(long, default_value = "tessera-demo")]
         dir: String,
+        /// Address to serve the catalog and web UI on (port 0 picks a free one).
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        addr: String,
+        /// Print the report and exit without serving.
+        #[arg(long)]
+        no_serve: bool,
     },
     /// Print the layout JSON of a preset.
     Layout {
@@ -175,7 +182,7 @@ enum Command {
         /// leaves the API open).
         #[arg(long)]
         token: Option<String>,
-        /// Directory of the static web UI served at / (default: a built-in index page).
+        /// Directory of a static web UI served at / (default: the built-in catalog browser).
         #[arg(long)]
         web_ui: Option<std::path::PathBuf>,
         /// Allow browsers on this origin to call the API (repeatable; `*` for any). Off by default.
@@ -262,7 +269,27 @@ fn run(cli: Cli) -> Result<()> {
         Ok(())
     };
     match cli.command {
-        Command::Demo { dir } => stdout(runtime.block_on(commands::demo::run(&dir))?.as_bytes()),
+        Command::Demo {
+            dir,
+            addr,
+            no_serve,
+        } => {
+            stdout(runtime.block_on(commands::demo::run(&dir))?.as_bytes())?;
+            if no_serve {
+                return Ok(());
+            }
+            stdout(b"\nserving the catalog and its web UI (Ctrl-C stops):\n")?;
+            runtime.block_on(commands::serve::run(&commands::serve::ServeArgs {
+                root: dir,
+                addr,
+                token: None,
+                web_ui: None,
+                cors_origins: Vec::new(),
+                metadata_cache_mib: 1024,
+                plan_cache_mib: 2048,
+                body_limit_kib: 16 * 1024,
+            }))
+        }
         Command::Layout { preset } => {
             let preset = match preset {
                 PresetArgs::Fsdp { dp } => Preset::Fsdp { dp },

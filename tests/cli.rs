@@ -1010,13 +1010,17 @@ fn verify_reports_appended_bytes_as_a_size_mismatch_only() {
 #[test]
 fn demo_creates_a_catalog_reshards_it_and_reuses_it() {
     let dir = tempdir();
-    let run = run_in(Some(dir.path()), ["demo", "--dir", "catalog"]);
+    let run = run_in(Some(dir.path()), ["demo", "--dir", "catalog", "--no-serve"]);
     assert_eq!(run.code, Some(0), "stderr: {}", run.stderr);
     let text = run.text();
     let ckpt = "catalog/gpt-tiny/step-000100";
     assert!(
         text.starts_with(&format!(
-            "created {ckpt} (gpt-tiny with optimizer states, saved megatron tp2 pp2)\n"
+            "created {ckpt} (gpt-tiny with optimizer states, saved megatron tp2 pp2)\n\
+             created catalog/gpt-tiny/step-000200 (gpt-tiny with optimizer states, saved megatron tp2 pp2)\n\
+             created catalog/gpt-tiny-fsdp/step-000100 (gpt-tiny with optimizer states, saved fsdp dp2)\n\
+             created catalog/gpt-tiny-fsdp/step-000200 (gpt-tiny with optimizer states, saved fsdp dp2)\n\
+             created catalog/gpt-small/step-001000 (gpt-small without optimizer states, saved fsdp dp4)\n"
         )),
         "{text}"
     );
@@ -1043,18 +1047,52 @@ fn demo_creates_a_catalog_reshards_it_and_reuses_it() {
 
     let abs = dir.path().join(ckpt);
     assert!(abs.join("manifest.json").is_file());
-    assert_eq!(
-        std::fs::read_to_string(dir.path().join("catalog/gpt-tiny/latest")).unwrap(),
-        "step-000100"
+    // The latest pointers follow the last step written.
+    for (run, latest) in [
+        ("gpt-tiny", "step-000200"),
+        ("gpt-tiny-fsdp", "step-000200"),
+        ("gpt-small", "step-001000"),
+    ] {
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("catalog").join(run).join("latest")).unwrap(),
+            latest
+        );
+    }
+    for other in [
+        "gpt-tiny/step-000200",
+        "gpt-tiny-fsdp/step-000100",
+        "gpt-small/step-001000",
+    ] {
+        ok(["verify", s(&dir.path().join("catalog").join(other))]);
+    }
+    let small = open(&dir.path().join("catalog/gpt-small/step-001000"));
+    assert_eq!(small.manifest.step, Some(1000));
+    assert!(
+        small
+            .meta
+            .tensors()
+            .iter()
+            .all(|t| !t.fqn.starts_with("optim.")),
+        "gpt-small is saved without optimizer states"
+    );
+    let small_bytes: u64 = small.meta.tensors().iter().map(|t| t.nbytes()).sum();
+    assert!(
+        (250 << 20..400 << 20).contains(&small_bytes),
+        "{small_bytes}"
     );
     let checkpoint = open(&abs);
     assert_eq!(checkpoint.manifest.step, Some(100));
     assert_eq!(checkpoint.meta.tensors(), tiny_tensors().as_slice());
     ok(["verify", s(&abs)]);
 
-    let again = run_in(Some(dir.path()), ["demo", "--dir", "catalog/"]);
+    let again = run_in(
+        Some(dir.path()),
+        ["demo", "--dir", "catalog/", "--no-serve"],
+    );
     assert_eq!(again.code, Some(0), "stderr: {}", again.stderr);
     let again = again.text();
     assert!(again.starts_with(&format!("using {ckpt}\n")), "{again}");
+    assert_eq!(again.matches("\nusing ").count(), 4, "{again}");
+    assert!(!again.contains("created "), "{again}");
     assert_eq!(again.matches("read amplification   1.00\n").count(), 3);
 }

@@ -3,52 +3,115 @@
 use std::fmt::Write;
 use std::sync::Arc;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use tessera_metadata::native::read_manifest;
 use tessera_metadata::synth::Model;
 use tessera_planner::presets::{MegatronGpt, fsdp, megatron_gpt};
-use tessera_planner::{PlanOptions, plan};
+use tessera_planner::{Layout, PlanOptions, plan};
 
 use crate::storage;
 use crate::synth::{SynthOptions, synthesize};
 
-/// Creates `<dir>/gpt-tiny/step-000100` (saved Megatron tp2 pp2) if absent, then plans it for
-/// other layouts and reports what each would read and exchange.
+/// One checkpoint of the demo catalog.
+struct DemoCheckpoint {
+    run: &'static str,
+    step: u64,
+    model: Model,
+    optimizer: bool,
+    layout: Layout,
+    /// How the report names the saved layout.
+    layout_name: &'static str,
+}
+
+/// The demo catalog: gpt-tiny saved as Megatron tp2 pp2 and as FSDP dp2, two steps each (the
+/// `latest` pointers follow the writes), and gpt-small without optimizer states (~310 MiB)
+/// saved FSDP dp4, a size where reads and exchanges are worth looking at.
+fn catalog() -> Result<Vec<DemoCheckpoint>> {
+    let tiny = Model::GptTiny.config();
+    let megatron = |tp, pp| {
+        megatron_gpt(MegatronGpt {
+            tp,
+            pp,
+            dp: 1,
+            num_layers: tiny.num_layers,
+            zero1: false,
+        })
+    };
+    let mut out = Vec::new();
+    for step in [100, 200] {
+        out.push(DemoCheckpoint {
+            run: "gpt-tiny",
+            step,
+            model: Model::GptTiny,
+            optimizer: true,
+            layout: megatron(2, 2)?,
+            layout_name: "megatron tp2 pp2",
+        });
+    }
+    for step in [100, 200] {
+        out.push(DemoCheckpoint {
+            run: "gpt-tiny-fsdp",
+            step,
+            model: Model::GptTiny,
+            optimizer: true,
+            layout: fsdp(2)?,
+            layout_name: "fsdp dp2",
+        });
+    }
+    out.push(DemoCheckpoint {
+        run: "gpt-small",
+        step: 1000,
+        model: Model::GptSmall,
+        optimizer: false,
+        layout: fsdp(4)?,
+        layout_name: "fsdp dp4",
+    });
+    Ok(out)
+}
+
+/// Creates the demo catalog in `dir` (each checkpoint only when absent, so a second run is
+/// quick), then plans `<dir>/gpt-tiny/step-000100` for other layouts and reports what each
+/// would read and exchange.
 pub async fn run(dir: &str) -> Result<String> {
     let mut out = String::new();
-    let ckpt = format!("{}/gpt-tiny/step-000100", dir.trim_end_matches('/'));
-    let location = storage::create(&ckpt)?;
-    let config = Model::GptTiny.config();
-    let saved_layout = megatron_gpt(MegatronGpt {
-        tp: 2,
-        pp: 2,
-        dp: 1,
-        num_layers: config.num_layers,
-        zero1: false,
-    })?;
-    if read_manifest(location.store.as_ref(), &location.prefix)
-        .await
-        .is_err()
-    {
+    let root = dir.trim_end_matches('/');
+    for c in catalog()? {
+        let path = format!("{root}/{}/step-{:06}", c.run, c.step);
+        let location = storage::create(&path)?;
+        if read_manifest(location.store.as_ref(), &location.prefix)
+            .await
+            .is_ok()
+        {
+            writeln!(out, "using {path}")?;
+            continue;
+        }
         synthesize(
             &location,
-            &saved_layout,
+            &c.layout,
             &SynthOptions {
-                model: Model::GptTiny,
-                optimizer: true,
+                model: c.model,
+                optimizer: c.optimizer,
                 metadata_only: false,
-                step: Some(100),
+                step: Some(c.step),
                 progress: false,
             },
         )
-        .await?;
+        .await
+        .with_context(|| format!("creating {path}"))?;
         writeln!(
             out,
-            "created {ckpt} (gpt-tiny with optimizer states, saved megatron tp2 pp2)"
+            "created {path} ({} {}, saved {})",
+            c.model.name(),
+            if c.optimizer {
+                "with optimizer states"
+            } else {
+                "without optimizer states"
+            },
+            c.layout_name
         )?;
-    } else {
-        writeln!(out, "using {ckpt}")?;
     }
+    let ckpt = format!("{root}/gpt-tiny/step-000100");
+    let config = Model::GptTiny.config();
     let checkpoint = super::open(&ckpt).await?;
     let meta = Arc::new(checkpoint.meta);
     let targets = [

@@ -105,7 +105,11 @@ pub fn app(state: AppState) -> Router {
                     not_found,
                 )),
         ),
-        None => router.route("/", get(ui::index)).fallback(not_found),
+        None => router
+            .route("/", get(ui::index))
+            .route("/app.js", get(ui::app_js))
+            .route("/style.css", get(ui::style_css))
+            .fallback(not_found),
     };
     let trace = TraceLayer::new_for_http()
         .make_span_with(|request: &Request<Body>| {

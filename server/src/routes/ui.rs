@@ -1,22 +1,31 @@
-//! `/` without a web UI directory: a small page pointing at the API.
+//! `/` without a web UI directory: the catalog browser built into the binary (the repository's
+//! `web-ui/`, plain files without a build step), so `tessera serve` and `tessera demo` show it
+//! with no flags. `--web-ui DIR` serves a directory instead.
 
-use axum::response::Html;
+use axum::http::header;
+use axum::response::{Html, IntoResponse};
 
-const INDEX: &str = r#"<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>tessera</title></head>
-<body style="font-family: sans-serif; max-width: 40em; margin: 2em auto">
-<h1>tessera</h1>
-<p>Checkpoint catalog and load planning service.</p>
-<ul>
-<li><a href="/v1/checkpoints">/v1/checkpoints</a>: the catalog</li>
-<li><a href="/openapi.json">/openapi.json</a>: the API</li>
-<li><a href="/metrics">/metrics</a>, <a href="/readyz">/readyz</a>, <a href="/healthz">/healthz</a></li>
-</ul>
-<p>Start the server with <code>--web-ui DIR</code> to serve the catalog browser here.</p>
-</body></html>
-"#;
+const INDEX: &str = include_str!("../../../web-ui/index.html");
+const APP_JS: &str = include_str!("../../../web-ui/app.js");
+const STYLE_CSS: &str = include_str!("../../../web-ui/style.css");
 
 /// The built-in index page.
 pub(crate) async fn index() -> Html<&'static str> {
     Html(INDEX)
+}
+
+/// The built-in web UI's script.
+pub(crate) async fn app_js() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+        APP_JS,
+    )
+}
+
+/// The built-in web UI's style sheet.
+pub(crate) async fn style_css() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        STYLE_CSS,
+    )
 }
