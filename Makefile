@@ -28,6 +28,8 @@ bench-build:
 bench:
 	$(CARGO) bench --bench plan --locked
 	$(CARGO) bench --bench load --locked
+	$(CARGO) bench --bench server --locked
+	$(CARGO) bench --bench dcp --locked
 
 demo:
 	$(CARGO) run --release --locked -- demo
