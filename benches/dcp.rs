@@ -9,6 +9,9 @@
 //! needs. `TESSERA_BENCH_MODEL=gpt-tiny` runs a small case.
 #![allow(missing_docs, clippy::unwrap_used)]
 
+#[path = "support/slice.rs"]
+mod slice;
+
 #[path = "support/dcp_writer.rs"]
 mod dcp_writer;
 
@@ -18,14 +21,13 @@ use std::time::Instant;
 
 use object_store::ObjectStoreExt;
 use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
-use tessera_loader::place::{allocate, copy_runs};
+use tessera_loader::place::allocate;
 use tessera_loader::transport::{InProcTransport, TransportOptions};
 use tessera_metadata::dcp::blob::parse_tensor_blob;
 use tessera_metadata::dcp::zip::Segments;
-use tessera_metadata::row_major_strides;
 use tessera_metadata::synth::{self, Model};
 use tessera_planner::presets::{MegatronGpt, fsdp, megatron_gpt};
-use tessera_planner::{PlanOptions, RankPlan, Side, StridedRuns, Target, assign_writers};
+use tessera_planner::{PlanOptions, RankPlan, Target, assign_writers};
 
 use dcp_writer::BlobExtent;
 
@@ -89,32 +91,7 @@ async fn whole_blob_rank(
                     .map(|(o, s)| o * s)
                     .sum::<u64>())
                 * esize;
-            for place in &p.places {
-                let Target::Box(b) = &plan.destinations[place.destination as usize].target else {
-                    unreachable!("layouts make boxes")
-                };
-                let dest_strides = row_major_strides(&b.lengths);
-                let rel = b.relative_offsets(&p.region);
-                let dest_origin = rel
-                    .iter()
-                    .zip(&dest_strides)
-                    .map(|(o, s)| o * s)
-                    .sum::<u64>()
-                    * esize;
-                let runs = StridedRuns::new(
-                    esize,
-                    &p.region.lengths,
-                    Side {
-                        origin,
-                        strides: &chunk_strides,
-                    },
-                    Side {
-                        origin: dest_origin,
-                        strides: &dest_strides,
-                    },
-                );
-                copy_runs(&runs, storage, &mut buffers[place.destination as usize]);
-            }
+            slice::place_from_chunk(plan, p, storage, origin, &chunk_strides, &mut buffers);
         }
     }
     (fetched, buffers)

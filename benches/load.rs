@@ -7,20 +7,23 @@
 //! does). `TESSERA_BENCH_MODEL=gpt-tiny` runs a small case.
 #![allow(missing_docs, clippy::unwrap_used)]
 
+#[path = "support/slice.rs"]
+mod slice;
+
 use std::time::Instant;
 
 use futures::StreamExt;
 use object_store::ObjectStoreExt;
 use tessera::synth::{SynthOptions, synthesize};
 use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
-use tessera_loader::place::{allocate, copy_runs};
+use tessera_loader::place::allocate;
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::InProcTransport;
 use tessera_loader::transport::TransportOptions;
 use tessera_metadata::row_major_strides;
 use tessera_metadata::synth::Model;
 use tessera_planner::presets::{MegatronGpt, fsdp, megatron_gpt};
-use tessera_planner::{PlanOptions, RankPlan, Side, StridedRuns, Target};
+use tessera_planner::{PlanOptions, RankPlan};
 
 fn gb(bytes: u64, seconds: f64) -> f64 {
     bytes as f64 / seconds / 1e9
@@ -74,32 +77,7 @@ async fn naive_rank(checkpoint: &Checkpoint, plan: &RankPlan) -> u64 {
                 .map(|(o, s)| o * s)
                 .sum::<u64>()
                 * esize;
-            for place in &p.places {
-                let Target::Box(b) = &plan.destinations[place.destination as usize].target else {
-                    unreachable!("layouts make boxes")
-                };
-                let dest_strides = row_major_strides(&b.lengths);
-                let rel = b.relative_offsets(&p.region);
-                let dest_origin = rel
-                    .iter()
-                    .zip(&dest_strides)
-                    .map(|(o, s)| o * s)
-                    .sum::<u64>()
-                    * esize;
-                let runs = StridedRuns::new(
-                    esize,
-                    &p.region.lengths,
-                    Side {
-                        origin,
-                        strides: &chunk_strides,
-                    },
-                    Side {
-                        origin: dest_origin,
-                        strides: &dest_strides,
-                    },
-                );
-                copy_runs(&runs, &bytes, &mut buffers[place.destination as usize]);
-            }
+            slice::place_from_chunk(plan, p, &bytes, origin, &chunk_strides, &mut buffers);
         }
     }
     fetched
