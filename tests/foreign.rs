@@ -451,3 +451,115 @@ fn plan_reads_each_dcp_byte_once() {
         .collect();
     assert!(files.iter().all(|f| f.ends_with(".distcp")), "{files:?}");
 }
+
+/// Serves a catalog root from this process on an ephemeral loopback port; stops on drop.
+struct Served {
+    addr: std::net::SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Served {
+    fn start(root: &Path) -> Served {
+        let state =
+            tessera_server::AppState::new(tessera_server::ServerConfig::new(s(root))).unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Runtime::new().unwrap();
+            runtime.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                tessera_server::serve(listener, state, async move {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+            });
+        });
+        Served {
+            addr,
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+
+    fn get(&self, path: &str) -> Value {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(self.addr).unwrap();
+        write!(
+            stream,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        let (head, body) = response.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 200"), "{path}: {head}");
+        // Bodies may be chunked: take the JSON between the first '{' and the last '}'.
+        let json = &body[body.find('{').unwrap()..=body.rfind('}').unwrap()];
+        serde_json::from_str(json).unwrap()
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[test]
+fn dcp_and_safetensors_checkpoints_are_served_planned_and_loaded_like_torch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("catalog");
+    let dcp = copy_fixture("c_w4_dp2_tp2", &root.join("fixtures"));
+    let hf = copy_fixture("f_hf_w1_full", &root.join("fixtures"));
+    let served = Served::start(&root);
+    let catalog = served.get("/v1/checkpoints");
+    let entries = catalog["checkpoints"].as_array().unwrap();
+    let entry = |id: &str| {
+        entries
+            .iter()
+            .find(|e| e["id"] == id)
+            .unwrap_or_else(|| panic!("{id} not listed: {catalog}"))
+    };
+    assert_eq!(entry("fixtures/c_w4_dp2_tp2")["format"], "dcp");
+    assert_eq!(entry("fixtures/c_w4_dp2_tp2")["committed"], true);
+    assert_eq!(entry("fixtures/f_hf_w1_full")["format"], "safetensors");
+    let summary = served.get("/v1/checkpoints/fixtures/c_w4_dp2_tp2");
+    assert_eq!(
+        summary["tensors"].as_u64(),
+        Some(expected_shas("c_w4_dp2_tp2").len() as u64)
+    );
+    let tensors = served.get("/v1/checkpoints/fixtures/c_w4_dp2_tp2/tensors?limit=1000");
+    assert_eq!(
+        tensors["total"].as_u64(),
+        Some(expected_shas("c_w4_dp2_tp2").len() as u64)
+    );
+    let server = format!("http://{}", served.addr);
+    for (dir, layout) in [(&dcp, "w3_shard0"), (&hf, "w2_shard1")] {
+        let dump = tmp.path().join(format!(
+            "dump-{}-{layout}",
+            dir.file_name().unwrap().to_str().unwrap()
+        ));
+        let report = ok([
+            "load",
+            s(dir),
+            "--layout",
+            s(&dir.join(format!("layout_{layout}.json"))),
+            "--server",
+            &server,
+            "--dump",
+            s(&dump),
+        ])
+        .text();
+        assert!(report.contains("read amplification 1.00"), "{report}");
+        check_reference(&dump, &json(&dir.join(format!("reference_{layout}.json"))));
+    }
+}

@@ -16,10 +16,13 @@ use object_store::ObjectStore;
 use object_store::path::Path;
 use serde::{Deserialize, Serialize};
 use tessera_metadata::native::{
-    Created, DataPresence, LATEST_FILE, Manifest, open_checkpoint, read_latest, read_manifest,
-    step_from_dir_name,
+    Created, DataPresence, LATEST_FILE, Manifest, ManifestBlob, ManifestFile, read_latest,
+    read_manifest, step_from_dir_name,
 };
-use tessera_metadata::{CheckpointMeta, MetadataError, TensorMeta};
+use tessera_metadata::{
+    CheckpointMeta, Format, MetadataError, OpenOptions, OpenedCheckpoint as Opened, TensorMeta,
+    open_any,
+};
 use utoipa::ToSchema;
 
 use crate::error::unshare;
@@ -303,12 +306,33 @@ impl Catalog {
             .entry(id.clone())
             .or_try_insert_with(async {
                 self.metrics.metadata_load();
-                let opened = open_checkpoint(self.store.as_ref(), &prefix).await?;
+                // Native, PyTorch DCP or safetensors: whatever the directory holds.
+                let options = OpenOptions {
+                    block_checksums: false,
+                    ..OpenOptions::default()
+                };
+                // The foreign-format opener's future is not provably `Send` (rustc's
+                // higher-ranked lifetime limits with borrowed streams), so it runs to completion
+                // on a blocking thread driving this runtime.
+                let store = Arc::clone(&self.store);
+                let owned_prefix = prefix.clone();
+                let handle = tokio::runtime::Handle::current();
+                let opened = tokio::task::spawn_blocking(move || {
+                    handle.block_on(open_any(store.as_ref(), &owned_prefix, &options))
+                })
+                .await
+                .map_err(|e| MetadataError::Invalid {
+                    what: format!("opening {prefix}: {e}"),
+                })??;
+                let manifest = match opened.manifest() {
+                    Some(manifest) => manifest.clone(),
+                    None => foreign_manifest(&opened),
+                };
                 let meta = Arc::new(opened.meta);
                 Ok::<_, MetadataError>(Arc::new(OpenedCheckpoint {
                     id: id.clone(),
-                    weight: weight(&meta, &opened.manifest),
-                    manifest: opened.manifest,
+                    weight: weight(&meta, &manifest),
+                    manifest,
                     meta,
                 }))
             })
@@ -318,12 +342,11 @@ impl Catalog {
                 self.metrics.cache(CacheKind::Metadata, !entry.is_fresh());
                 Ok(entry.into_value())
             }
-            Err(error) => match &*error {
-                MetadataError::MissingManifest { .. } if !self.exists(&prefix).await? => {
-                    Err(ApiError::UnknownCheckpoint { id: id.to_string() })
-                }
-                other => Err(ApiError::from_metadata(&id.to_string(), other)),
-            },
+            // Nothing stored there is an unknown checkpoint whatever the opener made of it.
+            Err(_) if !self.exists(&prefix).await? => {
+                Err(ApiError::UnknownCheckpoint { id: id.to_string() })
+            }
+            Err(error) => Err(ApiError::from_metadata(&id.to_string(), &error)),
         }
     }
 
@@ -426,6 +449,108 @@ fn committed_entry(id: &CheckpointId, manifest: &Manifest, latest: bool) -> Chec
     }
 }
 
+/// A manifest-shaped description of a checkpoint in a foreign format (DCP, safetensors), so
+/// the catalog and plan ids treat every format alike. Its `metadata.crc32c` is a version stamp:
+/// crc32c over the data files' paths and sizes and the chunk count, which changes when the
+/// checkpoint is rewritten.
+fn foreign_manifest(opened: &Opened) -> Manifest {
+    let meta = &opened.meta;
+    let mut stamp =
+        crc32c::crc32c(format!("{:?}:{}", opened.format, meta.chunks().len()).as_bytes());
+    let files: Vec<ManifestFile> = meta
+        .files()
+        .iter()
+        .map(|f| {
+            let size = f.size.unwrap_or(0);
+            stamp = crc32c::crc32c_append(stamp, format!("{}:{size};", f.path).as_bytes());
+            ManifestFile {
+                path: f.path.clone(),
+                size,
+            }
+        })
+        .collect();
+    Manifest {
+        format: format_name(opened.format).to_string(),
+        format_version: 0,
+        step: opened.step,
+        created: Created::UnixSeconds(0),
+        source_layout: None,
+        data: DataPresence::Present,
+        block_size: 0,
+        files,
+        metadata: ManifestBlob {
+            path: String::new(),
+            size: 0,
+            crc32c: stamp,
+        },
+        checksums: None,
+        tensors: meta.tensors().len() as u64,
+        chunks: meta.chunks().len() as u64,
+        objects: meta.objects().len() as u64,
+        tensor_bytes: meta.tensor_bytes(),
+    }
+}
+
+fn format_name(format: Format) -> &'static str {
+    match format {
+        Format::Native => "tessera",
+        Format::Dcp => "dcp",
+        Format::Safetensors => "safetensors",
+    }
+}
+
+/// The catalog row of a directory without manifest.json that holds a foreign-format checkpoint:
+/// a DCP save (its `.metadata` or per-rank `__<r>.metadata`, written last) or safetensors files.
+/// Only a listing is read; tensor counts come with the first open.
+async fn foreign_entry(
+    store: &dyn ObjectStore,
+    dir: &Path,
+    id: &CheckpointId,
+    latest: bool,
+) -> Result<Option<CheckpointEntry>, ApiError> {
+    let listing = store
+        .list_with_delimiter(Some(dir))
+        .await
+        .map_err(|e| ApiError::storage(format!("listing {dir}"), &e))?;
+    let names: Vec<&str> = listing
+        .objects
+        .iter()
+        .filter_map(|o| o.location.filename())
+        .collect();
+    let format = if names
+        .iter()
+        .any(|n| *n == ".metadata" || (n.starts_with("__") && n.ends_with(".metadata")))
+    {
+        "dcp"
+    } else if names
+        .iter()
+        .any(|n| n.ends_with(".safetensors") || *n == "model.safetensors.index.json")
+        || listing
+            .common_prefixes
+            .iter()
+            .any(|p| p.filename() == Some("sharded"))
+    {
+        "safetensors"
+    } else {
+        return Ok(None);
+    };
+    let created = listing
+        .objects
+        .iter()
+        .map(|o| o.last_modified)
+        .max()
+        .map(|t| t.to_rfc3339());
+    Ok(Some(CheckpointEntry {
+        status: CheckpointStatus::Committed,
+        committed: true,
+        format: Some(format.to_string()),
+        created,
+        data: Some("present".to_string()),
+        bytes: Some(listing.objects.iter().map(|o| o.size).sum()),
+        ..incomplete_entry(id, latest)
+    }))
+}
+
 fn incomplete_entry(id: &CheckpointId, latest: bool) -> CheckpointEntry {
     CheckpointEntry {
         id: id.to_string(),
@@ -524,9 +649,14 @@ async fn scan_run(
             let is_latest = latest_ref.as_deref() == Some(name.as_str());
             match read_manifest(store, &dir).await {
                 Ok(manifest) => Ok(Some(committed_entry(&id, &manifest, is_latest))),
-                Err(MetadataError::MissingManifest { .. }) => Ok(step_from_dir_name(&name)
-                    .is_some()
-                    .then(|| incomplete_entry(&id, is_latest))),
+                Err(MetadataError::MissingManifest { .. }) => {
+                    match foreign_entry(store, &dir, &id, is_latest).await? {
+                        Some(entry) => Ok(Some(entry)),
+                        None => Ok(step_from_dir_name(&name)
+                            .is_some()
+                            .then(|| incomplete_entry(&id, is_latest))),
+                    }
+                }
                 Err(MetadataError::Store {
                     action,
                     path,
