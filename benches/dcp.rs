@@ -15,7 +15,7 @@ mod slice;
 #[path = "support/dcp_writer.rs"]
 mod dcp_writer;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -47,18 +47,7 @@ async fn whole_blob_rank(
 ) -> (u64, Vec<Vec<u8>>) {
     let meta = &checkpoint.meta;
     let mut buffers = allocate(plan);
-    let mut by_chunk: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-    for (i, p) in plan.pieces.iter().enumerate() {
-        let t = meta
-            .tensor_index(&plan.tensors[p.tensor as usize].fqn)
-            .unwrap();
-        let first = meta.first_chunk_index(t);
-        for (c, chunk) in meta.chunks_of(t).iter().enumerate() {
-            if chunk.region.overlaps(&p.region) {
-                by_chunk.entry(first + c).or_default().push(i);
-            }
-        }
-    }
+    let by_chunk = slice::pieces_by_chunk(meta, plan);
     let mut fetched = 0u64;
     for (c, pieces) in by_chunk {
         let chunk = &meta.chunks()[c];

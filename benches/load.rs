@@ -35,19 +35,7 @@ fn gb(bytes: u64, seconds: f64) -> f64 {
 async fn naive_rank(checkpoint: &Checkpoint, plan: &RankPlan) -> u64 {
     let meta = &checkpoint.meta;
     let mut buffers = allocate(plan);
-    // Pieces by the saved chunk they come from.
-    let mut by_chunk: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
-    for (i, p) in plan.pieces.iter().enumerate() {
-        let t = meta
-            .tensor_index(&plan.tensors[p.tensor as usize].fqn)
-            .unwrap();
-        let first = meta.first_chunk_index(t);
-        for (c, chunk) in meta.chunks_of(t).iter().enumerate() {
-            if chunk.region.overlaps(&p.region) {
-                by_chunk.entry(first + c).or_default().push(i);
-            }
-        }
-    }
+    let by_chunk = slice::pieces_by_chunk(meta, plan);
     let mut fetched = 0u64;
     for (c, pieces) in by_chunk {
         let chunk = &meta.chunks()[c];

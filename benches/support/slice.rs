@@ -1,8 +1,11 @@
 //! The baselines' last step: a piece sliced out of a whole saved chunk held in memory, straight
-//! into each of the rank's destinations it lands in (shared by the naive and whole-blob readers).
+//! into each of the rank's destinations it lands in, and the grouping of a rank's pieces by
+//! chunk (shared by the naive and whole-blob readers).
+
+use std::collections::BTreeMap;
 
 use tessera_loader::place::copy_runs;
-use tessera_metadata::row_major_strides;
+use tessera_metadata::{CheckpointMeta, row_major_strides};
 use tessera_planner::{RankPiece, RankPlan, Side, StridedRuns, Target};
 
 /// Copies `piece` from `chunk` (the piece's first element at byte `origin`, element strides
@@ -42,4 +45,22 @@ pub fn place_from_chunk(
         );
         copy_runs(&runs, chunk, &mut buffers[place.destination as usize]);
     }
+}
+
+/// The rank's pieces (indexes into `plan.pieces`) grouped by the saved chunk (index into
+/// `meta.chunks()`) they come from, in chunk order: what a whole-chunk reader fetches, once each.
+pub fn pieces_by_chunk(meta: &CheckpointMeta, plan: &RankPlan) -> BTreeMap<usize, Vec<usize>> {
+    let mut by_chunk: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (i, p) in plan.pieces.iter().enumerate() {
+        let Some(t) = meta.tensor_index(&plan.tensors[p.tensor as usize].fqn) else {
+            unreachable!("rank plans name tensors of the checkpoint")
+        };
+        let first = meta.first_chunk_index(t);
+        for (c, chunk) in meta.chunks_of(t).iter().enumerate() {
+            if chunk.region.overlaps(&p.region) {
+                by_chunk.entry(first + c).or_default().push(i);
+            }
+        }
+    }
+    by_chunk
 }
