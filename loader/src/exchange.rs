@@ -99,10 +99,10 @@ fn in_round(error: LoaderError, group: u32, round: u32, tag: u64) -> LoaderError
 /// Precondition: every piece this rank reads (`read.is_some()`) is already placed in `buffers`;
 /// what this rank sends is gathered back out of them. Sizes are checked against the plan before
 /// anything is sent, and every message's length when it arrives.
-pub async fn run_exchanges<T: Transport>(
+pub async fn run_exchanges<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
     transport: &T,
     plan: &RankPlan,
-    buffers: &mut [Vec<u8>],
+    buffers: &mut [B],
 ) -> Result<ExchangeStats, LoaderError> {
     let start = Instant::now();
     if transport.rank() != plan.rank || transport.world() != plan.world {

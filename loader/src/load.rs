@@ -138,6 +138,26 @@ pub async fn load_rank<T: Transport>(
     transport: &T,
     options: &LoadOptions,
 ) -> Result<LoadedRank, LoaderError> {
+    let mut buffers = place::allocate(&plan);
+    let report = load_rank_into(checkpoint, &plan, transport, options, &mut buffers).await?;
+    Ok(LoadedRank {
+        plan,
+        buffers,
+        report,
+    })
+}
+
+/// [`load_rank`] into buffers the caller owns, one per `plan.destinations` and exactly as long
+/// (a Python/NumPy integration passes the arrays' memory, so nothing is copied twice). The
+/// buffers need not be zeroed: the plan writes every byte of every destination. On error their
+/// contents are unspecified.
+pub async fn load_rank_into<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
+    checkpoint: &Checkpoint,
+    plan: &RankPlan,
+    transport: &T,
+    options: &LoadOptions,
+    buffers: &mut [B],
+) -> Result<RankReport, LoaderError> {
     if plan.rank != transport.rank() || plan.world != transport.world() {
         return Err(LoaderError::InvalidPlan {
             detail: format!(
@@ -149,8 +169,32 @@ pub async fn load_rank<T: Transport>(
             ),
         });
     }
+    if buffers.len() != plan.destinations.len() {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!(
+                "rank {}: {} destination buffers given for {} destinations",
+                plan.rank,
+                buffers.len(),
+                plan.destinations.len()
+            ),
+        });
+    }
+    for (index, (buffer, destination)) in buffers.iter().zip(&plan.destinations).enumerate() {
+        let len = buffer.as_ref().len() as u64;
+        if len != destination.bytes {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "rank {}: destination {index} ({}) needs {} bytes but its buffer has {len}",
+                    plan.rank,
+                    plan.tensors
+                        .get(destination.tensor as usize)
+                        .map_or("?", |t| t.fqn.as_str()),
+                    destination.bytes
+                ),
+            });
+        }
+    }
     let started = Instant::now();
-    let mut buffers = place::allocate(&plan);
     let progress = options.progress.clone();
     let progress_fn = progress.as_ref().map(|p| {
         let p = Arc::clone(p);
@@ -159,16 +203,16 @@ pub async fn load_rank<T: Transport>(
     let stats = read_into(
         Arc::clone(&checkpoint.location.store),
         &checkpoint.location.prefix,
-        &plan,
+        plan,
         checkpoint.checksums.as_deref(),
         &options.read,
-        &mut buffers,
+        buffers,
         progress_fn.as_ref().map(|f| f as &(dyn Fn(u64) + Sync)),
     )
     .await?;
     let read_seconds = started.elapsed().as_secs_f64();
-    let exchanged = run_exchanges(transport, &plan, &mut buffers).await?;
-    let report = RankReport {
+    let exchanged = run_exchanges(transport, plan, buffers).await?;
+    Ok(RankReport {
         rank: plan.rank,
         bytes_needed: plan.summary.bytes_needed,
         bytes_read: stats.bytes_needed,
@@ -181,10 +225,5 @@ pub async fn load_rank<T: Transport>(
         read_seconds,
         exchange_seconds: started.elapsed().as_secs_f64() - read_seconds,
         total_seconds: started.elapsed().as_secs_f64(),
-    };
-    Ok(LoadedRank {
-        plan,
-        buffers,
-        report,
     })
 }

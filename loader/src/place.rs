@@ -47,11 +47,11 @@ pub fn copy_runs(runs: &StridedRuns, src: &[u8], dst: &mut [u8]) {
 }
 
 /// Places piece `plan.pieces[piece]` (its wire bytes) into every destination it lands in.
-pub fn place_piece(
+pub fn place_piece<B: AsMut<[u8]>>(
     plan: &RankPlan,
     piece: usize,
     wire: &[u8],
-    buffers: &mut [Vec<u8>],
+    buffers: &mut [B],
 ) -> Result<(), LoaderError> {
     let Some(p) = plan.pieces.get(piece) else {
         return Err(LoaderError::InvalidPlan {
@@ -78,6 +78,7 @@ pub fn place_piece(
                 ),
             });
         };
+        let buffer = buffer.as_mut();
         check_runs(
             &placement.runs,
             wire.len(),
@@ -91,10 +92,10 @@ pub fn place_piece(
 
 /// The wire bytes of piece `plan.pieces[piece]`, gathered from its first destination (which holds
 /// it once it was placed).
-pub fn gather_piece(
+pub fn gather_piece<B: AsRef<[u8]>>(
     plan: &RankPlan,
     piece: usize,
-    buffers: &[Vec<u8>],
+    buffers: &[B],
 ) -> Result<Vec<u8>, LoaderError> {
     let Some(p) = plan.pieces.get(piece) else {
         return Err(LoaderError::InvalidPlan {
@@ -114,6 +115,7 @@ pub fn gather_piece(
             ),
         });
     };
+    let buffer = buffer.as_ref();
     let back = first.runs.reversed();
     check_runs(
         &back,
@@ -188,11 +190,11 @@ impl<'a> WirePlacer<'a> {
     }
 
     /// Copies `bytes`, the piece's wire bytes from `wire_offset` on, into every destination.
-    pub fn place(
+    pub fn place<B: AsMut<[u8]>>(
         &self,
         wire_offset: u64,
         bytes: &[u8],
-        buffers: &mut [Vec<u8>],
+        buffers: &mut [B],
     ) -> Result<(), LoaderError> {
         for &(dest, runs) in &self.places {
             let Some(buffer) = buffers.get_mut(dest) else {
@@ -200,6 +202,7 @@ impl<'a> WirePlacer<'a> {
                     detail: format!("piece {} lands in missing destination {dest}", self.piece),
                 });
             };
+            let buffer = buffer.as_mut();
             let rb = runs.run_bytes;
             let mut at = wire_offset;
             let mut rest = bytes;

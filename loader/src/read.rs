@@ -95,13 +95,13 @@ pub async fn read_pieces(
 
 /// Reads this rank's pieces straight into its destination buffers (one per plan destination),
 /// through each piece's place runs: no wire buffer, one copy from the fetched bytes.
-pub async fn read_into(
+pub async fn read_into<B: AsMut<[u8]>>(
     store: Arc<dyn ObjectStore>,
     prefix: &Path,
     plan: &RankPlan,
     checksums: Option<&BlockChecksums>,
     options: &ReadOptions,
-    buffers: &mut [Vec<u8>],
+    buffers: &mut [B],
     progress: Option<&(dyn Fn(u64) + Sync)>,
 ) -> Result<ReadStats, LoaderError> {
     let placers = plan
