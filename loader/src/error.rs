@@ -101,6 +101,23 @@ pub enum LoaderError {
         /// What is wrong.
         detail: String,
     },
+    /// CUDA or NCCL is unavailable (no driver or library, a build without the `cuda` feature, a
+    /// device that does not exist) or one of their calls failed. Never a panic: the libraries are
+    /// probed before first use.
+    #[error("CUDA: {detail}")]
+    Cuda {
+        /// What is missing or what failed, and what to do about it.
+        detail: String,
+    },
+    /// Device memory or a device's data plane was misused or failed (a copy past the end of a
+    /// buffer, a destination of the wrong size, the data plane thread gone).
+    #[error("{device}: {detail}")]
+    Device {
+        /// The device (`cuda:0`, `emulated`).
+        device: String,
+        /// What is wrong.
+        detail: String,
+    },
     /// Local file system IO.
     #[error("{action} {path}: {source}")]
     Io {

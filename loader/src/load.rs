@@ -115,6 +115,12 @@ pub struct RankReport {
     pub read_seconds: f64,
     /// Seconds exchanging.
     pub exchange_seconds: f64,
+    /// Bytes copied host to device (device loads only; 0 for host buffers).
+    #[serde(default)]
+    pub h2d_bytes: u64,
+    /// Seconds of the host-to-device upload, pinned staging included.
+    #[serde(default)]
+    pub h2d_seconds: f64,
     /// Seconds in all.
     pub total_seconds: f64,
 }
@@ -224,6 +230,8 @@ pub async fn load_rank_into<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
         bytes_received: exchanged.bytes_received,
         read_seconds,
         exchange_seconds: started.elapsed().as_secs_f64() - read_seconds,
+        h2d_bytes: 0,
+        h2d_seconds: 0.0,
         total_seconds: started.elapsed().as_secs_f64(),
     })
 }

@@ -1,7 +1,8 @@
-//! The ring exchange on real plans, over the in-process and TCP transports: every rank places
-//! the pieces it reads (the synthetic formula's bytes), runs its exchanges concurrently with the
-//! others, and must end with every destination byte-exact. A rank that dies mid-exchange makes
-//! the others fail quickly, naming it.
+//! The ring exchange on real plans, over the in-process and TCP transports and the sequenced
+//! transport (NCCL's protocol over an emulated data plane): every rank places the pieces it reads
+//! (the synthetic formula's bytes), runs its exchanges concurrently with the others, and must end
+//! with every destination byte-exact. The grouped device-to-device ring runs on emulated planes
+//! too. A rank that dies mid-exchange makes the others fail quickly, naming it.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::future::Future;
@@ -13,8 +14,13 @@ use bytes::Bytes;
 use tessera_loader::LoaderError;
 use tessera_loader::exchange::{ExchangeStats, run_exchanges};
 use tessera_loader::place::{allocate, place_piece};
+use tessera_loader::plane::PlaneThread;
+use tessera_loader::plane::ring::ring_exchange;
 use tessera_loader::rendezvous::RendezvousConfig;
-use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
+use tessera_loader::testing::{EmulatedPlane, HostMemory};
+use tessera_loader::transport::{
+    InProcTransport, SequencedTransport, TcpTransport, Transport, TransportOptions,
+};
 use tessera_metadata::synth::{self, Model};
 use tessera_metadata::{ByteMeta, CheckpointMeta, DataFile, SavedChunk, TensorMeta};
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
@@ -269,6 +275,63 @@ async fn tcp_mesh(world: u32) -> Vec<TcpTransport> {
     mesh
 }
 
+/// Sequenced transports (NCCL's protocol) over an in-process control mesh and emulated planes.
+fn sequenced_mesh(world: u32) -> Vec<SequencedTransport<InProcTransport, EmulatedPlane>> {
+    InProcTransport::mesh(world, options())
+        .into_iter()
+        .zip(EmulatedPlane::mesh(world, TIMEOUT))
+        .map(|(control, plane)| {
+            let name = format!("plane-{}", plane.rank());
+            let plane = PlaneThread::spawn(&name, move || Ok(plane)).unwrap();
+            SequencedTransport::new(control, plane, options())
+        })
+        .collect()
+}
+
+/// Every rank's grouped ring on its own emulated plane (each on its plane thread, as with
+/// NCCL), from destinations holding the rank's own reads; checks the outcome like
+/// [`exchange_and_check`].
+async fn grouped_and_check(plans: &[RankPlan]) -> u64 {
+    let planes = EmulatedPlane::mesh(plans.len() as u32, TIMEOUT);
+    let threads: Vec<PlaneThread<EmulatedPlane>> = planes
+        .into_iter()
+        .map(|plane| {
+            let name = format!("plane-{}", plane.rank());
+            PlaneThread::spawn(&name, move || Ok(plane)).unwrap()
+        })
+        .collect();
+    let runs = threads.iter().zip(plans).map(|(thread, plan)| {
+        let plan = plan.clone();
+        let destinations: Vec<HostMemory> = prepared(&plan)
+            .into_iter()
+            .map(HostMemory::from_vec)
+            .collect();
+        thread.run(move |plane| {
+            let stats = ring_exchange(plane, &plan, &destinations);
+            (plan, stats, destinations)
+        })
+    });
+    let mut groups = 0;
+    for outcome in futures::future::join_all(runs).await {
+        let (plan, stats, destinations) = outcome.unwrap();
+        let stats = stats.unwrap_or_else(|e| panic!("rank {}: {e}", plan.rank));
+        assert_eq!(
+            stats.bytes_sent, plan.summary.bytes_sent,
+            "rank {}",
+            plan.rank
+        );
+        assert_eq!(
+            stats.bytes_received, plan.summary.bytes_received,
+            "rank {}",
+            plan.rank
+        );
+        let buffers: Vec<Vec<u8>> = destinations.iter().map(HostMemory::to_vec).collect();
+        check_destinations(&plan, &buffers);
+        groups += stats.messages;
+    }
+    groups
+}
+
 macro_rules! scenarios {
     ($($name:ident),* $(,)?) => {
         mod inproc {
@@ -290,6 +353,30 @@ macro_rules! scenarios {
                     let plans = super::$name();
                     let mesh = tcp_mesh(plans.len() as u32).await;
                     exchange_and_check(mesh, &plans).await;
+                }
+            )*
+        }
+        /// The plan's messages through the sequenced transport: arbitrary concurrent sends and
+        /// receives on a plane where a send blocks until its receive is posted.
+        mod sequenced {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let plans = super::$name();
+                    exchange_and_check(sequenced_mesh(plans.len() as u32), &plans).await;
+                }
+            )*
+        }
+        /// The grouped fast path: one group of operations per ring round, device to device.
+        mod grouped {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let plans = super::$name();
+                    let messages = grouped_and_check(&plans).await;
+                    assert!(messages > 0 && messages % 2 == 0, "{messages} messages");
                 }
             )*
         }
@@ -401,6 +488,62 @@ async fn inproc_rank_dies_mid_exchange() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_rank_dies_mid_exchange() {
     death_mid_exchange(tcp_mesh(4).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequenced_rank_dies_mid_exchange() {
+    death_mid_exchange(sequenced_mesh(4)).await;
+}
+
+/// A rank whose plane dies in the grouped ring makes the peers waiting on it fail fast, naming
+/// it and the group and round, not hang until the timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grouped_rank_dies_mid_ring() {
+    let plans = tp2_to_replicated_4();
+    let mut planes = EmulatedPlane::mesh(4, TIMEOUT);
+    let victim = planes.remove(2);
+    let threads: Vec<_> = planes
+        .into_iter()
+        .map(|plane| {
+            let name = format!("plane-{}", plane.rank());
+            PlaneThread::spawn(&name, move || Ok(plane)).unwrap()
+        })
+        .collect();
+    let survivors: Vec<RankPlan> = plans.iter().filter(|p| p.rank != 2).cloned().collect();
+    let start = Instant::now();
+    let runs = threads.iter().zip(&survivors).map(|(thread, plan)| {
+        let plan = plan.clone();
+        let destinations: Vec<HostMemory> = prepared(&plan)
+            .into_iter()
+            .map(HostMemory::from_vec)
+            .collect();
+        thread.run(move |plane| (plan.rank, ring_exchange(plane, &plan, &destinations)))
+    });
+    let killer = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(victim);
+    };
+    let (outcomes, ()) = tokio::join!(futures::future::join_all(runs), killer);
+    for outcome in outcomes {
+        let (rank, result) = outcome.unwrap();
+        match result {
+            Err(LoaderError::Transport {
+                peer: 2, detail, ..
+            }) => {
+                assert!(
+                    detail.contains("group") && detail.contains("round"),
+                    "rank {rank}: {detail}"
+                );
+            }
+            Err(e) => panic!("rank {rank}: the error does not name rank 2: {e}"),
+            Ok(_) => panic!("rank {rank} finished without rank 2"),
+        }
+    }
+    assert!(
+        start.elapsed() < TIMEOUT,
+        "took {:?}: the death was not noticed",
+        start.elapsed()
+    );
 }
 
 /// A peer whose message has the wrong length is reported with the group, round and sizes.

@@ -116,3 +116,12 @@ macro_rules! suite {
 
 suite!(inproc, inproc_mesh());
 suite!(tcp, tcp_mesh().await);
+
+/// A world of one rank, in-process and over TCP (no rendezvous needed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lone_rank() {
+    conformance::lone_rank(&InProcTransport::mesh(1, options())[0]).await;
+    let config = RendezvousConfig::new(0, 1, "127.0.0.1", free_port()).unwrap();
+    let tcp = TcpTransport::connect(&config, options()).await.unwrap();
+    conformance::lone_rank(&tcp).await;
+}

@@ -5,3 +5,6 @@
 mod s3_server;
 
 pub use s3_server::{ACCESS_KEY_ID, REGION, S3TestServer, SECRET_ACCESS_KEY};
+
+pub mod emulated;
+pub use emulated::{EmulatedPlane, HostCopyEngine, HostEngineStats, HostMemory};

@@ -312,6 +312,31 @@ pub async fn send_to_self_is_an_error<T: Transport>(mesh: &[T]) {
     }
 }
 
+/// A world of one rank (the only NCCL configuration a single GPU allows): it is rank 0 of 1,
+/// and sending to or receiving from itself or anyone else fails at once, naming the peer.
+pub async fn lone_rank<T: Transport>(t: &T) {
+    const CHECK: &str = "lone_rank";
+    assert_eq!(
+        (t.rank(), t.world()),
+        (0, 1),
+        "{CHECK}: expected rank 0 of a world of 1"
+    );
+    let quick = Duration::from_secs(1);
+    for peer in [0, 1, u32::MAX] {
+        match bounded(CHECK, t.send(peer, 1, Bytes::from_static(b"me"))).await {
+            Err(LoaderError::Transport { peer: p, .. }) if p == peer => {}
+            other => panic!("{CHECK}: send to {peer}: expected a transport error, got {other:?}"),
+        }
+        match tokio::time::timeout(quick, t.recv(peer, 1)).await {
+            Ok(Err(LoaderError::Transport { peer: p, .. })) if p == peer => {}
+            Ok(other) => {
+                panic!("{CHECK}: recv from {peer}: expected a transport error, got {other:?}")
+            }
+            Err(_) => panic!("{CHECK}: recv from {peer} did not fail within {quick:?}"),
+        }
+    }
+}
+
 /// A receive nobody answers fails with [`LoaderError::PeerTimeout`] after about `timeout` (the
 /// mesh's [`super::TransportOptions::timeout`]).
 pub async fn recv_times_out<T: Transport>(mesh: &[T], timeout: Duration) {

@@ -1,7 +1,8 @@
 //! Point-to-point messaging between the ranks of a job: one trait, [`Transport`], implemented
-//! in-process ([`InProcTransport`], for tests and single-process runs) and over TCP
-//! ([`TcpTransport`]), with one conformance suite ([`conformance`]) that every implementation
-//! passes.
+//! in-process ([`InProcTransport`], for tests and single-process runs), over TCP
+//! ([`TcpTransport`]), and over a data plane with NCCL's rendezvous semantics
+//! ([`SequencedTransport`]: NCCL on GPUs, an emulated plane in CPU tests), with one conformance
+//! suite ([`conformance`]) that every implementation passes.
 //!
 //! Semantics every implementation keeps:
 //! - Messages are matched by `(from, tag)`; several messages with the same `(from, tag)` arrive in
@@ -16,6 +17,7 @@
 
 pub mod conformance;
 mod inproc;
+mod sequenced;
 mod tcp;
 
 use std::collections::{HashMap, VecDeque};
@@ -27,6 +29,7 @@ use bytes::Bytes;
 use tokio::sync::Notify;
 
 pub use inproc::InProcTransport;
+pub use sequenced::SequencedTransport;
 pub use tcp::TcpTransport;
 
 use crate::LoaderError;

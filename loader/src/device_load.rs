@@ -1,0 +1,267 @@
+//! One rank's load into device memory: the host pipeline of [`crate::load`] (verified reads
+//! placed into host buffers), then the upload through a pinned staging pool, with the plan's
+//! exchange either on host buffers before the upload (any [`Transport`]) or device to device
+//! after it (the grouped ring on a data plane, [`SequencedTransport`]).
+//!
+//! Generic over the device: [`CopyEngine`] and [`DataPlane`] are implemented for CUDA and NCCL
+//! (feature `cuda`) and by host emulations (feature `testing`), which is how this pipeline is
+//! tested on machines without a GPU.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tessera_planner::RankPlan;
+
+use crate::device::DeviceMemory;
+use crate::exchange::{ExchangeStats, run_exchanges};
+use crate::load::{Checkpoint, LoadOptions, RankReport};
+use crate::plane::DataPlane;
+use crate::plane::ring::ring_exchange;
+use crate::read::read_into;
+use crate::staging::{CopyEngine, StagingPool, Upload, UploadStats};
+use crate::transport::{SequencedTransport, Transport};
+use crate::{LoaderError, place};
+
+/// How a device load exchanges pieces between ranks.
+pub trait DeviceExchange<B: DeviceMemory>: Sync {
+    /// This rank.
+    fn rank(&self) -> u32;
+
+    /// Number of ranks.
+    fn world(&self) -> u32;
+
+    /// Runs the exchange on the host buffers, before the upload, if this is where it happens.
+    fn on_host(
+        &self,
+        plan: &RankPlan,
+        buffers: &mut [Vec<u8>],
+    ) -> impl Future<Output = Result<Option<ExchangeStats>, LoaderError>> + Send;
+
+    /// Runs the exchange on the device buffers, after the upload, if this is where it happens;
+    /// hands the buffers back.
+    fn on_device(
+        &self,
+        plan: Arc<RankPlan>,
+        buffers: Vec<B>,
+    ) -> impl Future<Output = Result<(Vec<B>, Option<ExchangeStats>), LoaderError>> + Send;
+}
+
+/// The exchange over any [`Transport`] (an `Arc` of one to share it), on host buffers before the
+/// upload (what the in-process and TCP transports do for device loads).
+#[derive(Debug)]
+pub struct OnHost<T>(pub T);
+
+impl<B: DeviceMemory, T: Transport> DeviceExchange<B> for OnHost<T> {
+    fn rank(&self) -> u32 {
+        self.0.rank()
+    }
+
+    fn world(&self) -> u32 {
+        self.0.world()
+    }
+
+    async fn on_host(
+        &self,
+        plan: &RankPlan,
+        buffers: &mut [Vec<u8>],
+    ) -> Result<Option<ExchangeStats>, LoaderError> {
+        run_exchanges(&self.0, plan, buffers).await.map(Some)
+    }
+
+    async fn on_device(
+        &self,
+        _plan: Arc<RankPlan>,
+        buffers: Vec<B>,
+    ) -> Result<(Vec<B>, Option<ExchangeStats>), LoaderError> {
+        Ok((buffers, None))
+    }
+}
+
+/// The grouped ring on the data plane, device to device, after the upload.
+impl<C, P> DeviceExchange<P::Buffer> for SequencedTransport<C, P>
+where
+    C: Transport + 'static,
+    P: DataPlane,
+{
+    fn rank(&self) -> u32 {
+        Transport::rank(self)
+    }
+
+    fn world(&self) -> u32 {
+        Transport::world(self)
+    }
+
+    async fn on_host(
+        &self,
+        _plan: &RankPlan,
+        _buffers: &mut [Vec<u8>],
+    ) -> Result<Option<ExchangeStats>, LoaderError> {
+        Ok(None)
+    }
+
+    async fn on_device(
+        &self,
+        plan: Arc<RankPlan>,
+        buffers: Vec<P::Buffer>,
+    ) -> Result<(Vec<P::Buffer>, Option<ExchangeStats>), LoaderError> {
+        let (buffers, stats) = self
+            .plane()
+            .run(move |plane| {
+                let stats = ring_exchange(plane, &plan, &buffers);
+                (buffers, stats)
+            })
+            .await?;
+        Ok((buffers, Some(stats?)))
+    }
+}
+
+/// A rank loaded into device memory: its plan (which says what each buffer is), one device
+/// buffer per plan destination, and the report.
+#[derive(Debug)]
+pub struct DeviceLoadedRank<B> {
+    /// The plan executed.
+    pub plan: RankPlan,
+    /// One device buffer per `plan.destinations`.
+    pub buffers: Vec<B>,
+    /// What it took (`h2d_bytes` and `h2d_seconds` filled in).
+    pub report: RankReport,
+}
+
+/// Checks that `destinations` fit `plan`: one per plan destination, of its size.
+pub fn check_destinations<B: DeviceMemory>(
+    device: &str,
+    plan: &RankPlan,
+    destinations: &[B],
+) -> Result<(), LoaderError> {
+    let wrong = |detail: String| LoaderError::Device {
+        device: device.to_string(),
+        detail: format!("rank {}: {detail}", plan.rank),
+    };
+    if destinations.len() != plan.destinations.len() {
+        return Err(wrong(format!(
+            "{} destination buffers given for the plan's {} destinations",
+            destinations.len(),
+            plan.destinations.len()
+        )));
+    }
+    for (i, (buffer, dest)) in destinations.iter().zip(&plan.destinations).enumerate() {
+        if buffer.len() as u64 != dest.bytes {
+            let fqn = plan
+                .tensors
+                .get(dest.tensor as usize)
+                .map_or("?", |t| t.fqn.as_str());
+            return Err(wrong(format!(
+                "destination {i} ({fqn}) is {} bytes but the plan needs {}",
+                buffer.len(),
+                dest.bytes
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Runs `f`, which blocks, where a tokio worker may block (a multi-thread runtime moves its
+/// other tasks elsewhere meanwhile).
+fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
+/// Loads one rank into `destinations` (device buffers, one per plan destination, of the plan's
+/// sizes: allocated by the loader or the caller's own, e.g. torch tensors): reads and places
+/// into host buffers, exchanges on the host or on the device as `exchange` does it, and uploads
+/// through `staging`. Fails, never returning partly loaded buffers as success, if any read,
+/// checksum, peer or copy fails.
+pub async fn load_rank_to_device<E, X>(
+    checkpoint: &Checkpoint,
+    plan: RankPlan,
+    exchange: &X,
+    staging: &mut StagingPool<E>,
+    destinations: Vec<E::Target>,
+    options: &LoadOptions,
+) -> Result<DeviceLoadedRank<E::Target>, LoaderError>
+where
+    E: CopyEngine,
+    X: DeviceExchange<E::Target>,
+{
+    if plan.rank != exchange.rank() || plan.world != exchange.world() {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!(
+                "plan is for rank {} of {} but the transport is rank {} of {}",
+                plan.rank,
+                plan.world,
+                exchange.rank(),
+                exchange.world()
+            ),
+        });
+    }
+    check_destinations(&staging.engine().device(), &plan, &destinations)?;
+    let started = Instant::now();
+    let mut host = place::allocate(&plan);
+    let progress = options.progress.clone();
+    let progress_fn = progress.as_ref().map(|p| {
+        let p = Arc::clone(p);
+        move |bytes: u64| p(bytes)
+    });
+    let read = read_into(
+        Arc::clone(&checkpoint.location.store),
+        &checkpoint.location.prefix,
+        &plan,
+        checkpoint.checksums.as_deref(),
+        &options.read,
+        &mut host,
+        progress_fn.as_ref().map(|f| f as &(dyn Fn(u64) + Sync)),
+    )
+    .await?;
+    let read_seconds = started.elapsed().as_secs_f64();
+
+    let exchange_started = Instant::now();
+    let host_exchange = exchange.on_host(&plan, &mut host).await?;
+    let mut exchange_seconds = exchange_started.elapsed().as_secs_f64();
+
+    let uploads: Vec<Upload<'_, E::Target>> = host
+        .iter()
+        .zip(&destinations)
+        .map(|(source, target)| Upload {
+            source,
+            target,
+            offset: 0,
+        })
+        .collect();
+    let uploaded: UploadStats = blocking(|| staging.upload(&uploads))?;
+    drop(uploads);
+    drop(host);
+
+    let exchange_started = Instant::now();
+    let plan = Arc::new(plan);
+    let (buffers, device_exchange) = exchange.on_device(Arc::clone(&plan), destinations).await?;
+    exchange_seconds += exchange_started.elapsed().as_secs_f64();
+    let exchanged = device_exchange.or(host_exchange).unwrap_or_default();
+    let plan = Arc::try_unwrap(plan).unwrap_or_else(|shared| (*shared).clone());
+    let report = RankReport {
+        rank: plan.rank,
+        bytes_needed: plan.summary.bytes_needed,
+        bytes_read: read.bytes_needed,
+        bytes_fetched: read.bytes_fetched,
+        verify_extra_bytes: read.verify_extra_bytes,
+        requests: read.requests,
+        retries: read.retries,
+        bytes_sent: exchanged.bytes_sent,
+        bytes_received: exchanged.bytes_received,
+        read_seconds,
+        exchange_seconds,
+        h2d_bytes: uploaded.bytes,
+        h2d_seconds: uploaded.seconds,
+        total_seconds: started.elapsed().as_secs_f64(),
+    };
+    Ok(DeviceLoadedRank {
+        plan,
+        buffers,
+        report,
+    })
+}

@@ -1,0 +1,211 @@
+//! The device load pipeline on CPU: a real checkpoint on disk (synthetic formula bytes, verified
+//! reads) loaded into emulated device memory through the pinned staging pool, with the exchange
+//! on host buffers (in-process transport) or device to device on emulated NCCL planes (the
+//! sequenced transport's grouped ring). Every destination is copied back and compared with the
+//! formula, byte for byte.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+mod support_read;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use support_read::{COLUMNS_TP3, DP2_TP2, WHOLE, expected_destination, prefix, rank_plans};
+use tessera_loader::LoaderError;
+use tessera_loader::device_load::{DeviceExchange, OnHost, load_rank_to_device};
+use tessera_loader::load::{Checkpoint, LoadOptions};
+use tessera_loader::plane::PlaneThread;
+use tessera_loader::read::ReadOptions;
+use tessera_loader::staging::{StagingOptions, StagingPool};
+use tessera_loader::storage::Location;
+use tessera_loader::testing::{EmulatedPlane, HostCopyEngine, HostMemory};
+use tessera_loader::transport::{InProcTransport, SequencedTransport, TransportOptions};
+use tessera_planner::RankPlan;
+
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+fn transport_options() -> TransportOptions {
+    TransportOptions::with_timeout(TIMEOUT)
+}
+
+/// The fixture checkpoint on a local disk, opened as a loader would open it.
+async fn checkpoint() -> (tempfile::TempDir, Checkpoint) {
+    let (dir, store) = support_read::local_store();
+    support_read::write_checkpoint(&store).await;
+    let location = Location {
+        store,
+        prefix: prefix(),
+        display: dir.path().display().to_string(),
+    };
+    (dir, Checkpoint::open(location).await.unwrap())
+}
+
+/// Small chunks and two lanes, so even this small checkpoint takes many staged copies.
+fn staging() -> StagingPool<HostCopyEngine> {
+    StagingPool::new(
+        HostCopyEngine::new(Duration::ZERO),
+        StagingOptions {
+            chunk_bytes: 4096,
+            buffers: 2,
+            lanes: 2,
+        },
+    )
+    .unwrap()
+}
+
+fn options() -> LoadOptions {
+    LoadOptions {
+        read: ReadOptions {
+            verify: true,
+            ..ReadOptions::default()
+        },
+        progress: None,
+    }
+}
+
+fn destinations(plan: &RankPlan) -> Vec<HostMemory> {
+    plan.destinations
+        .iter()
+        .map(|d| HostMemory::zeroed(d.bytes as usize))
+        .collect()
+}
+
+/// Loads every rank of `plans` concurrently, rank `r` exchanging through `exchanges[r]`, and
+/// checks every rank's device buffers against the formula and its report against its plan.
+async fn load_all<X>(checkpoint: &Checkpoint, plans: &[RankPlan], exchanges: Vec<X>)
+where
+    X: DeviceExchange<HostMemory> + Send + 'static,
+{
+    let tasks: Vec<_> = plans
+        .iter()
+        .cloned()
+        .zip(exchanges)
+        .map(|(plan, exchange)| {
+            let checkpoint = checkpoint.clone();
+            tokio::spawn(async move {
+                let mut pool = staging();
+                let dests = destinations(&plan);
+                let loaded =
+                    load_rank_to_device(&checkpoint, plan, &exchange, &mut pool, dests, &options())
+                        .await;
+                (loaded, exchange)
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for task in tasks {
+        outcomes.push(task.await.unwrap());
+    }
+    for ((loaded, _), plan) in outcomes.into_iter().zip(plans) {
+        let loaded = loaded.unwrap_or_else(|e| panic!("rank {}: {e}", plan.rank));
+        assert_eq!(&loaded.plan, plan);
+        for (d, buffer) in loaded.buffers.iter().enumerate() {
+            assert!(
+                buffer.to_vec() == expected_destination(plan, d),
+                "rank {} destination {d}: wrong bytes on the device",
+                plan.rank
+            );
+        }
+        let report = &loaded.report;
+        assert_eq!(report.rank, plan.rank);
+        assert_eq!(report.bytes_needed, plan.summary.bytes_needed);
+        assert_eq!(report.h2d_bytes, plan.summary.bytes_needed);
+        assert_eq!(report.bytes_read, plan.summary.bytes_read);
+        assert_eq!(report.bytes_sent, plan.summary.bytes_sent);
+        assert_eq!(report.bytes_received, plan.summary.bytes_received);
+        assert!(report.h2d_seconds > 0.0 && report.h2d_seconds <= report.total_seconds);
+    }
+}
+
+async fn on_host(layout: &str) {
+    let (_dir, checkpoint) = checkpoint().await;
+    let plans = rank_plans(&checkpoint.meta, layout, true);
+    let mesh = InProcTransport::mesh(plans.len() as u32, transport_options());
+    load_all(&checkpoint, &plans, mesh.into_iter().map(OnHost).collect()).await;
+}
+
+async fn on_device(layout: &str) {
+    let (_dir, checkpoint) = checkpoint().await;
+    let plans = rank_plans(&checkpoint.meta, layout, true);
+    let world = plans.len() as u32;
+    let mesh: Vec<_> = InProcTransport::mesh(world, transport_options())
+        .into_iter()
+        .zip(EmulatedPlane::mesh(world, TIMEOUT))
+        .map(|(control, plane)| {
+            let name = format!("plane-{}", plane.rank());
+            let plane = PlaneThread::spawn(&name, move || Ok(plane)).unwrap();
+            SequencedTransport::new(control, plane, transport_options())
+        })
+        .collect();
+    load_all(&checkpoint, &plans, mesh).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_checkpoint_one_rank() {
+    on_host(WHOLE).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dp2_tp2_exchange_on_host() {
+    on_host(DP2_TP2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dp2_tp2_exchange_on_device() {
+    on_device(DP2_TP2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn columns_tp3_exchange_on_device() {
+    on_device(COLUMNS_TP3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_checkpoint_on_a_device_world_of_one() {
+    on_device(WHOLE).await;
+}
+
+/// Caller-provided destinations must match the plan: a wrong count or size is refused before
+/// anything is read, naming the destination and tensor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn destinations_must_fit_the_plan() {
+    let (_dir, checkpoint) = checkpoint().await;
+    let plan = rank_plans(&checkpoint.meta, WHOLE, true).remove(0);
+    let transport = Arc::new(InProcTransport::mesh(1, transport_options()).remove(0));
+    let mut pool = staging();
+    let mut dests = destinations(&plan);
+    dests[1] = HostMemory::zeroed(dests[1].to_vec().len() + 1);
+    let fqn = plan.tensors[plan.destinations[1].tensor as usize]
+        .fqn
+        .clone();
+    let err = load_rank_to_device(
+        &checkpoint,
+        plan.clone(),
+        &OnHost(Arc::clone(&transport)),
+        &mut pool,
+        dests,
+        &options(),
+    )
+    .await
+    .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, LoaderError::Device { .. })
+            && text.contains("destination 1")
+            && text.contains(&fqn),
+        "{text}"
+    );
+    let mut dests = destinations(&plan);
+    dests.pop();
+    let err = load_rank_to_device(
+        &checkpoint,
+        plan,
+        &OnHost(Arc::clone(&transport)),
+        &mut pool,
+        dests,
+        &options(),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, LoaderError::Device { .. }), "{err}");
+}
