@@ -7,6 +7,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand, ValueEnum};
 use tessera::commands::{self, layout::Preset, plan::Format};
 use tessera::synth::SynthOptions;
+use tessera_loader::device::DeviceSpec;
 use tessera_metadata::synth::Model;
 use tessera_planner::presets::MegatronGpt;
 
@@ -94,9 +95,15 @@ enum Command {
         /// Write DIR/rank-<r>.safetensors with every tensor box each rank ends up with.
         #[arg(long)]
         dump: Option<String>,
-        /// How ranks exchange pieces: threads of this process, or separate processes over TCP.
+        /// How ranks exchange pieces: threads of this process, separate processes over TCP, or
+        /// separate processes over NCCL, GPU to GPU (needs --device cuda and one GPU per rank).
         #[arg(long, value_enum, default_value_t = TransportArg::Inproc)]
         transport: TransportArg,
+        /// Where the loaded tensors go: host memory (cpu), or GPU memory (cuda: each rank on
+        /// GPU LOCAL_RANK, or its rank modulo the GPU count; cuda:N: GPU N). GPU loading needs a
+        /// build with `--features cuda`.
+        #[arg(long, default_value = "cpu", value_parser = parse_device)]
+        device: DeviceSpec,
         /// Run only this rank (a real job; rendezvous from --master-addr/--master-port or torchrun's
         /// RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
         #[arg(long)]
@@ -232,6 +239,12 @@ enum PresetArgs {
 enum TransportArg {
     Inproc,
     Tcp,
+    Nccl,
+}
+
+fn parse_device(text: &str) -> std::result::Result<DeviceSpec, String> {
+    text.parse()
+        .map_err(|e: tessera_loader::LoaderError| e.to_string())
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -358,6 +371,7 @@ fn run(cli: Cli) -> Result<()> {
             requests,
             dump,
             transport,
+            device,
             rank,
             world,
             master_addr,
@@ -383,7 +397,9 @@ fn run(cli: Cli) -> Result<()> {
                 transport: match transport {
                     TransportArg::Inproc => commands::load::TransportKind::InProc,
                     TransportArg::Tcp => commands::load::TransportKind::Tcp,
+                    TransportArg::Nccl => commands::load::TransportKind::Nccl,
                 },
+                device,
                 rank,
                 world,
                 master_addr,

@@ -1,5 +1,9 @@
 //! `tessera load`: load a checkpoint into a layout, every rank on this machine (in-process or as
-//! separate processes over TCP on loopback) or one rank of a real job (`--rank`), with a report.
+//! separate processes over TCP or NCCL on loopback) or one rank of a real job (`--rank`), into
+//! host memory or GPU memory (`--device cuda[:N]`, feature `cuda`), with a report.
+
+#[cfg(feature = "cuda")]
+mod gpu;
 
 use std::fmt::Write as _;
 use std::io::IsTerminal;
@@ -8,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
+use tessera_loader::device::{CUDA_BUILT, DeviceSpec, cuda_not_built};
 use tessera_loader::load::{Checkpoint, LoadOptions, LoadedRank, RankReport, load_rank};
 use tessera_loader::plan_client::{CreatedPlan, PlanClient, PlanClientOptions, PlanTarget};
 use tessera_loader::read::ReadOptions;
@@ -32,6 +37,18 @@ pub enum TransportKind {
     InProc,
     /// Separate processes over TCP (loopback when run by `load` itself).
     Tcp,
+    /// Separate processes, TCP for control and NCCL for data, GPU to GPU (feature `cuda`).
+    Nccl,
+}
+
+impl TransportKind {
+    fn name(self) -> &'static str {
+        match self {
+            TransportKind::InProc => "inproc",
+            TransportKind::Tcp => "tcp",
+            TransportKind::Nccl => "nccl",
+        }
+    }
 }
 
 /// Arguments of `tessera load`.
@@ -47,6 +64,8 @@ pub struct LoadArgs {
     pub dump: Option<String>,
     /// Transport between ranks.
     pub transport: TransportKind,
+    /// Where the destination buffers live.
+    pub device: DeviceSpec,
     /// Run only this rank (a real job's rank; rendezvous from flags or torchrun's environment).
     pub rank: Option<u32>,
     /// World size with `--rank`.
@@ -156,8 +175,30 @@ async fn plan_on_server(args: &LoadArgs, server: &str) -> Result<Planned> {
     Ok(Planned::Server { client, created })
 }
 
+/// Refuses what this build or the arguments cannot do, before any work.
+fn check_device(args: &LoadArgs) -> Result<()> {
+    if args.device.is_cuda() && !CUDA_BUILT {
+        return Err(cuda_not_built(&format!("--device {}", args.device)).into());
+    }
+    // No driver: say so now, not after opening and planning the checkpoint.
+    #[cfg(feature = "cuda")]
+    if args.device.is_cuda() {
+        tessera_loader::cuda::probe::driver()?;
+    }
+    if args.transport == TransportKind::Nccl {
+        if !CUDA_BUILT {
+            return Err(cuda_not_built("--transport nccl").into());
+        }
+        if !args.device.is_cuda() {
+            bail!("--transport nccl moves data between GPUs: give --device cuda (or cuda:N)");
+        }
+    }
+    Ok(())
+}
+
 /// Runs the command; returns the report text.
 pub async fn run(args: &LoadArgs) -> Result<String> {
+    check_device(args)?;
     // Rank processes spawned here share the DCP blob index through a cache directory, so the
     // zip headers are read once (by this process), not once per rank.
     let shared_cache = match (args.rank, args.transport) {
@@ -201,6 +242,20 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         ..TransportOptions::default()
     };
 
+    #[cfg(feature = "cuda")]
+    if args.device.is_cuda() {
+        return gpu::run(
+            args,
+            &checkpoint,
+            &plan,
+            plan_seconds,
+            options,
+            transport_options,
+            shared_cache.as_ref().map(|d| d.path()),
+        )
+        .await;
+    }
+
     if let Some(rank) = args.rank {
         let world = plan.world();
         if let Some(w) = args.world
@@ -236,13 +291,15 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         TransportKind::InProc => {
             load_all_inproc(args, &checkpoint, &plan, options, transport_options).await?
         }
-        TransportKind::Tcp => {
+        TransportKind::Tcp | TransportKind::Nccl => {
             load_all_tcp(args, plan.world(), shared_cache.as_ref().map(|d| d.path())).await?
         }
     };
     let kind = match args.transport {
-        TransportKind::InProc => "in-process",
-        TransportKind::Tcp => "tcp processes on 127.0.0.1",
+        TransportKind::InProc => "in-process".to_string(),
+        TransportKind::Tcp | TransportKind::Nccl => {
+            format!("{} processes on 127.0.0.1", args.transport.name())
+        }
     };
     Ok(report_text(
         args,
@@ -250,7 +307,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         &plan,
         &reports,
         plan_seconds,
-        kind,
+        &kind,
     ))
 }
 
@@ -390,7 +447,12 @@ async fn load_all_tcp(
         }
         cmd.args([
             "--transport",
-            "tcp",
+            match args.transport {
+                TransportKind::Nccl => "nccl",
+                _ => "tcp",
+            },
+            "--device",
+            &args.device.to_string(),
             "--rank",
             &rank.to_string(),
             "--world",
@@ -610,6 +672,20 @@ fn report_text(
             0.0
         }
     );
+    let h2d_bytes = sum(|r| r.h2d_bytes);
+    if args.device.is_cuda() {
+        let h2d_seconds = max(|r| r.h2d_seconds);
+        let _ = writeln!(
+            out,
+            "h2d                  {} in {h2d_seconds:.3} s (slowest rank), {:.2} GB/s through pinned staging",
+            human::bytes(h2d_bytes),
+            if h2d_seconds > 0.0 {
+                h2d_bytes as f64 / h2d_seconds / 1e9
+            } else {
+                0.0
+            }
+        );
+    }
     if args.check {
         let _ = writeln!(
             out,

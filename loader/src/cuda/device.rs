@@ -176,6 +176,44 @@ impl CudaDevice {
             .map_err(|e| driver_error("copying host memory to the device", e))
     }
 
+    /// The baseline the staging pool is measured against (benchmarks): `source` copied into a
+    /// pinned buffer of its size (not timed), then one plain host-to-device copy of it into
+    /// `target` (timed). Returns the seconds of that copy.
+    pub fn plain_pinned_upload(
+        &self,
+        source: &[u8],
+        target: &DeviceBuffer,
+    ) -> Result<f64, LoaderError> {
+        check_span(
+            &self.label(),
+            "pinned upload",
+            0,
+            source.len() as u64,
+            target.len,
+        )?;
+        if source.is_empty() {
+            return Ok(0.0);
+        }
+        let what = format!("allocating {} bytes of pinned host memory", source.len());
+        // SAFETY: the memory starts uninitialised and is fully overwritten before it is read.
+        let mut pinned = unsafe { self.ctx.alloc_pinned_with_flags::<u8>(source.len(), 0) }
+            .map_err(|e| driver_error(&what, e))?;
+        pinned
+            .as_mut_slice()
+            .map_err(|e| driver_error(&what, e))?
+            .copy_from_slice(source);
+        let bytes = pinned.as_slice().map_err(|e| driver_error(&what, e))?;
+        self.bind()?;
+        let started = std::time::Instant::now();
+        // SAFETY: the span was checked; `pinned` lives until after the synchronize below.
+        unsafe { result::memcpy_htod_async(target.ptr, bytes, self.copy.cu_stream()) }
+            .map_err(|e| driver_error("a plain pinned upload", e))?;
+        self.copy
+            .synchronize()
+            .map_err(|e| driver_error("a plain pinned upload", e))?;
+        Ok(started.elapsed().as_secs_f64())
+    }
+
     /// A copy engine on a stream of its own.
     pub fn copy_engine(&self) -> Result<CudaCopyEngine, LoaderError> {
         CudaCopyEngine::new(self)
