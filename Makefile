@@ -61,6 +61,7 @@ python-env:
 	$(PYENV)/bin/pip install -q --disable-pip-version-check 'maturin>=1.9,<2' 'numpy>=1.24' 'pytest>=8' 'ml_dtypes>=0.4'
 
 python-test: python-env
+	$(CARGO) build --locked -p tessera-loader --example s3_test_server
 	cd python && VIRTUAL_ENV=$(PYENV_ABS) $(PYENV_ABS)/bin/maturin develop --locked
 	timeout 900 $(PYENV)/bin/pytest -q -rs python/tests
 

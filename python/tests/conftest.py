@@ -68,3 +68,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+S3_SERVER = Path(
+    os.environ.get("TESSERA_S3_TEST_SERVER", TARGET / "debug" / "examples" / "s3_test_server")
+)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server on 127.0.0.1 (the loader's s3s-fs test server as a process,
+    built by `make python-test`): yields (root directory, client environment)."""
+    import subprocess
+
+    if not S3_SERVER.exists():
+        pytest.fail(
+            f"{S3_SERVER} is missing: build it with `cargo build -p tessera-loader --example s3_test_server`"
+        )
+    root = tmp_path_factory.mktemp("s3")
+    proc = subprocess.Popen(
+        [str(S3_SERVER), str(root), "ckpts"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail(f"{S3_SERVER} exited with {proc.wait()} before serving")
+        yield root, json.loads(line)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
