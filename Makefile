@@ -9,9 +9,9 @@ PYTHON ?= $(shell python3 -c 'import yaml' 2>/dev/null && echo python3 || echo /
 # apt-get needs root; CI runs as root, a workstation through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: test lint unit bench-build bench demo webui webui-deps helm-test
+.PHONY: test lint unit bench-build bench demo webui webui-deps helm-test python-env python-test python-bench
 
-test: lint unit webui helm-test
+test: lint unit python-test webui helm-test
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -50,3 +50,23 @@ webui-deps:
 helm-test:
 	@$(PYTHON) -c 'import yaml' 2>/dev/null || { $(SUDO) apt-get update && $(SUDO) apt-get install -y python3-yaml; }
 	$(PYTHON) helm/test_chart.py
+
+# The Python package (python/): built into a virtual environment with maturin and tested with
+# pytest + NumPy against the torch-written fixtures. torch-only tests skip, printing why.
+PYENV ?= target/pyenv
+PYENV_ABS = $(abspath $(PYENV))
+
+python-env:
+	@[ -x $(PYENV)/bin/python ] || python3 -m venv $(PYENV) || { $(SUDO) apt-get update && $(SUDO) apt-get install -y python3-venv && python3 -m venv $(PYENV); }
+	$(PYENV)/bin/pip install -q --disable-pip-version-check 'maturin>=1.9,<2' 'numpy>=1.24' 'pytest>=8' 'ml_dtypes>=0.4'
+
+python-test: python-env
+	$(CARGO) build --locked -p tessera-loader --example s3_test_server
+	cd python && VIRTUAL_ENV=$(PYENV_ABS) $(PYENV_ABS)/bin/maturin develop --locked
+	timeout 900 $(PYENV)/bin/pytest -q -rs python/tests
+
+# Python-side overhead: `tessera.load` into NumPy arrays vs the CLI, same checkpoint, same run.
+python-bench: python-env
+	$(CARGO) build --release --locked --bin tessera
+	cd python && VIRTUAL_ENV=$(PYENV_ABS) $(PYENV_ABS)/bin/maturin develop --release --locked
+	$(PYENV)/bin/python benches/python_load.py

@@ -11,79 +11,19 @@ use tessera_metadata::native::DataPresence;
 use tessera_metadata::{FormatDetails, OpenedCheckpoint};
 
 use crate::human;
+use crate::storage::StorageOptions;
 
 /// Runs the command; returns what goes to stdout. Native, PyTorch DCP and safetensors
 /// checkpoints are described alike (tensors, boxes, byte ranges); the header says what the
 /// format records (native: manifest; DCP: metadata version and the blob index; safetensors: how
 /// its files were found).
 pub async fn run(location: &str, as_json: bool) -> Result<String> {
-    let (store, checkpoint) = super::open_at(location).await?;
-    let meta = &checkpoint.meta;
     if as_json {
-        let tensors: Vec<_> = meta
-            .tensors()
-            .iter()
-            .enumerate()
-            .map(|(t, tensor)| {
-                let boxes: Vec<_> = meta
-                    .chunks_of(t as u32)
-                    .iter()
-                    .map(|c| {
-                        let mut b = json!({
-                            "offsets": c.region.offsets,
-                            "lengths": c.region.lengths,
-                            "file": meta.files()[c.bytes.file as usize].path,
-                            "byte_offset": c.bytes.offset,
-                            "byte_length": c.bytes.length,
-                            "crc32c": c.crc32c,
-                        });
-                        if let Some(strides) = &c.bytes.strides {
-                            b["strides"] = json!(strides);
-                        }
-                        b
-                    })
-                    .collect();
-                json!({
-                    "fqn": tensor.fqn,
-                    "dtype": tensor.dtype,
-                    "shape": tensor.shape,
-                    "bytes": tensor.nbytes(),
-                    "boxes": boxes,
-                })
-            })
-            .collect();
-        let mut doc = json!({
-            "location": location,
-            "format": checkpoint.format,
-            "step": checkpoint.step,
-            "committed": checkpoint.committed,
-            "tensors": tensors,
-        });
-        match &checkpoint.details {
-            FormatDetails::Native { manifest } => doc["manifest"] = json!(manifest),
-            FormatDetails::Dcp(dcp) => {
-                doc["dcp"] = json!({
-                    "metadata_files": dcp.metadata_files,
-                    "version": dcp.metadata.version,
-                    "checkpoint_id": dcp.metadata.checkpoint_id,
-                    "save_id": dcp.metadata.save_id,
-                    "index": dcp.stats,
-                });
-                doc["objects"] = objects_json(store.as_ref(), &checkpoint).await?;
-            }
-            FormatDetails::Safetensors(st) => {
-                doc["safetensors"] = json!({
-                    "layout": layout_name(st.layout),
-                    "files": st.files.iter().map(|f| json!({
-                        "path": f.path,
-                        "size": f.size,
-                        "metadata": f.header.metadata,
-                    })).collect::<Vec<_>>(),
-                });
-            }
-        }
+        let doc = describe(location, &StorageOptions::default()).await?;
         return Ok(serde_json::to_string_pretty(&doc)? + "\n");
     }
+    let (_store, checkpoint) = super::open_at(location).await?;
+    let meta = &checkpoint.meta;
     let mut out = String::new();
     let step = checkpoint.step.map_or("-".to_string(), |s| s.to_string());
     match &checkpoint.details {
@@ -180,6 +120,77 @@ pub async fn run(location: &str, as_json: bool) -> Result<String> {
         )?;
     }
     Ok(out)
+}
+
+/// What `inspect --json` prints, as a JSON value: format, step, every tensor with its saved boxes
+/// (file and byte range), and the format's own details. Also what the Python package's
+/// `tessera.inspect` returns.
+pub async fn describe(location: &str, storage_options: &StorageOptions) -> Result<Value> {
+    let (store, checkpoint) = super::open_at_with(location, storage_options).await?;
+    let meta = &checkpoint.meta;
+    let tensors: Vec<_> = meta
+        .tensors()
+        .iter()
+        .enumerate()
+        .map(|(t, tensor)| {
+            let boxes: Vec<_> = meta
+                .chunks_of(t as u32)
+                .iter()
+                .map(|c| {
+                    let mut b = json!({
+                        "offsets": c.region.offsets,
+                        "lengths": c.region.lengths,
+                        "file": meta.files()[c.bytes.file as usize].path,
+                        "byte_offset": c.bytes.offset,
+                        "byte_length": c.bytes.length,
+                        "crc32c": c.crc32c,
+                    });
+                    if let Some(strides) = &c.bytes.strides {
+                        b["strides"] = json!(strides);
+                    }
+                    b
+                })
+                .collect();
+            json!({
+                "fqn": tensor.fqn,
+                "dtype": tensor.dtype,
+                "shape": tensor.shape,
+                "bytes": tensor.nbytes(),
+                "boxes": boxes,
+            })
+        })
+        .collect();
+    let mut doc = json!({
+        "location": location,
+        "format": checkpoint.format,
+        "step": checkpoint.step,
+        "committed": checkpoint.committed,
+        "tensors": tensors,
+    });
+    match &checkpoint.details {
+        FormatDetails::Native { manifest } => doc["manifest"] = json!(manifest),
+        FormatDetails::Dcp(dcp) => {
+            doc["dcp"] = json!({
+                "metadata_files": dcp.metadata_files,
+                "version": dcp.metadata.version,
+                "checkpoint_id": dcp.metadata.checkpoint_id,
+                "save_id": dcp.metadata.save_id,
+                "index": dcp.stats,
+            });
+            doc["objects"] = objects_json(store.as_ref(), &checkpoint).await?;
+        }
+        FormatDetails::Safetensors(st) => {
+            doc["safetensors"] = json!({
+                "layout": layout_name(st.layout),
+                "files": st.files.iter().map(|f| json!({
+                    "path": f.path,
+                    "size": f.size,
+                    "metadata": f.header.metadata,
+                })).collect::<Vec<_>>(),
+            });
+        }
+    }
+    Ok(doc)
 }
 
 /// The line that says what indexing a DCP checkpoint's blobs cost.

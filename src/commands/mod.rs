@@ -42,7 +42,15 @@ pub async fn open(location: &str) -> Result<OpenedCheckpoint> {
 
 /// [`open`], also returning the store the checkpoint is in.
 pub async fn open_at(location: &str) -> Result<(Arc<dyn ObjectStore>, OpenedCheckpoint)> {
-    let loc = storage::open(location)?;
+    open_at_with(location, &storage::StorageOptions::default()).await
+}
+
+/// [`open_at`] with storage options (credentials and endpoints on top of the environment).
+pub async fn open_at_with(
+    location: &str,
+    storage_options: &storage::StorageOptions,
+) -> Result<(Arc<dyn ObjectStore>, OpenedCheckpoint)> {
+    let loc = storage::open_with(location, storage_options)?;
     let mut options = open_options();
     options.block_checksums = false;
     let opened = open_any(loc.store.as_ref(), &loc.prefix, &options)

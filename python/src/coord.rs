@@ -1,0 +1,59 @@
+//! Ranks of one job agreeing on things before they load or save: joining the TCP mesh (the same
+//! rendezvous as `tessera load --rank`), and an all-gather of small messages over it.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::try_join_all;
+use tessera_loader::LoaderError;
+use tessera_loader::rendezvous::RendezvousConfig;
+use tessera_loader::transport::{TcpTransport, Transport, TransportOptions};
+
+/// Tags of the coordination messages: above every ring exchange tag (group << 32 | round, with
+/// far fewer than 2^31 groups).
+pub const TAG_REQUESTS: u64 = 0xFFFF_FFFF_0000_0001;
+/// Tag of the save's box lists.
+pub const TAG_SAVE_BOXES: u64 = 0xFFFF_FFFF_0000_0002;
+/// Tag of the save's written files (to rank 0).
+pub const TAG_SAVE_FILES: u64 = 0xFFFF_FFFF_0000_0003;
+/// Tag of the save's outcome (from rank 0).
+pub const TAG_SAVE_DONE: u64 = 0xFFFF_FFFF_0000_0004;
+
+/// Joins the mesh of `world` ranks through rank 0 at `addr:port`.
+pub async fn connect(
+    rank: u32,
+    world: u32,
+    addr: &str,
+    port: u16,
+    timeout: Duration,
+) -> Result<TcpTransport, LoaderError> {
+    let config = RendezvousConfig::new(rank, world, addr, port)?;
+    TcpTransport::connect(&config, TransportOptions::with_timeout(timeout)).await
+}
+
+/// Every rank's `mine`, indexed by rank.
+pub async fn all_gather<T: Transport>(
+    transport: &T,
+    tag: u64,
+    mine: Bytes,
+) -> Result<Vec<Bytes>, LoaderError> {
+    let (rank, world) = (transport.rank(), transport.world());
+    let peers: Vec<u32> = (0..world).filter(|&r| r != rank).collect();
+    try_join_all(
+        peers
+            .iter()
+            .map(|&peer| transport.send(peer, tag, mine.clone())),
+    )
+    .await?;
+    let received = try_join_all(peers.iter().map(|&peer| transport.recv(peer, tag))).await?;
+    let mut all = Vec::with_capacity(world as usize);
+    let mut received = received.into_iter();
+    for r in 0..world {
+        if r == rank {
+            all.push(mine.clone());
+        } else if let Some(bytes) = received.next() {
+            all.push(bytes);
+        }
+    }
+    Ok(all)
+}

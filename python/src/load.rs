@@ -1,0 +1,489 @@
+//! `tessera.load` and `tessera.plan`: a rank's wanted boxes (from its state dict) checked against
+//! the checkpoint, planned (here, or by a tessera server), read and exchanged straight into the
+//! caller's memory.
+//!
+//! Ranks either load independently (each plans and reads only what it needs: no coordination,
+//! replicated tensors read once per rank) or, given a rendezvous, as one job: they all-gather
+//! their requests, plan the whole job (every rank computes the same plan, or the server computes
+//! it once), read each shared byte once and pass it on in the ring exchange.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use bytes::Bytes;
+use pyo3::prelude::*;
+use tessera_loader::load::{Checkpoint, LoadOptions, RankReport, load_rank_into};
+use tessera_loader::plan_client::{PlanClient, PlanClientOptions, PlanTarget};
+use tessera_loader::read::ReadOptions;
+use tessera_loader::storage;
+use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
+use tessera_metadata::{DType, TensorMeta};
+use tessera_planner::{ExplicitRequest, ExplicitRequests, Layout, PlanOptions, RankPlan};
+
+use crate::memory::{HostMemory, first_overlap};
+use crate::{coord, py_error, runtime, storage_options};
+
+/// One entry of a state dict as the Python layer describes it:
+/// `(fqn, dtype, shape, offsets, flat_start, address, nbytes)`. `offsets` is the box's start for
+/// a part of the tensor (`None`: the whole tensor); `flat_start` makes it the flat range
+/// `[flat_start, flat_start + numel)` instead.
+type TargetTuple = (
+    String,
+    String,
+    Vec<u64>,
+    Option<Vec<u64>>,
+    Option<u64>,
+    usize,
+    usize,
+);
+
+/// A state-dict entry, checked against the checkpoint.
+#[derive(Debug)]
+struct Wanted {
+    request: ExplicitRequest,
+    address: usize,
+    nbytes: usize,
+}
+
+fn shape_text(shape: &[u64]) -> String {
+    format!("{shape:?}")
+}
+
+/// Checks one entry against the checkpoint's tensor of the same name and turns it into a request.
+fn resolve_target(
+    tensors: &HashMap<&str, &TensorMeta>,
+    location: &str,
+    target: TargetTuple,
+) -> Result<Wanted> {
+    let (fqn, dtype, shape, offsets, flat_start, address, nbytes) = target;
+    let Some(meta) = tensors.get(fqn.as_str()) else {
+        bail!(
+            "tensor {fqn:?} is not in checkpoint {location} ({} tensors; `tessera.inspect` lists them)",
+            tensors.len()
+        );
+    };
+    let dtype = DType::parse(&dtype)
+        .map_err(|_| anyhow!("tensor {fqn}: tessera has no dtype matching the array's {dtype}"))?;
+    if dtype != meta.dtype {
+        bail!(
+            "tensor {fqn}: the checkpoint stores {} but the array is {} (tessera does not cast)",
+            meta.dtype,
+            dtype
+        );
+    }
+    let numel = shape
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| anyhow!("tensor {fqn}: the array's shape {shape:?} overflows"))?;
+    if numel.checked_mul(dtype.size()) != Some(nbytes as u64) {
+        bail!(
+            "tensor {fqn}: the array's shape {} of {dtype} needs {} bytes but its memory has {nbytes}",
+            shape_text(&shape),
+            numel.saturating_mul(dtype.size())
+        );
+    }
+    let request = match (offsets, flat_start) {
+        (Some(_), Some(_)) => bail!("tensor {fqn}: give a box's offsets or a flat start, not both"),
+        (None, Some(start)) => {
+            let total = meta.numel();
+            let end = start.checked_add(numel).filter(|&end| end <= total);
+            let Some(end) = end else {
+                bail!(
+                    "tensor {fqn}: flat range [{start}, {}) reaches past the checkpoint's {total} elements (shape {})",
+                    start.saturating_add(numel),
+                    shape_text(&meta.shape)
+                );
+            };
+            ExplicitRequest::Flat {
+                fqn,
+                flat: [start, end],
+            }
+        }
+        (None, None) => {
+            if shape != meta.shape {
+                bail!(
+                    "tensor {fqn}: the checkpoint's shape is {} but the array's is {} (pass (array, offsets) for a part of it)",
+                    shape_text(&meta.shape),
+                    shape_text(&shape)
+                );
+            }
+            ExplicitRequest::Box {
+                fqn,
+                offsets: vec![0; shape.len()],
+                lengths: shape,
+            }
+        }
+        (Some(offsets), None) => {
+            if offsets.len() != meta.shape.len() || shape.len() != meta.shape.len() {
+                bail!(
+                    "tensor {fqn}: the checkpoint's tensor has {} dims but the box has offsets {} and shape {}",
+                    meta.shape.len(),
+                    shape_text(&offsets),
+                    shape_text(&shape)
+                );
+            }
+            let fits = offsets
+                .iter()
+                .zip(&shape)
+                .zip(&meta.shape)
+                .all(|((&o, &l), &d)| o.checked_add(l).is_some_and(|end| end <= d));
+            if !fits {
+                bail!(
+                    "tensor {fqn}: box at offsets {} of shape {} reaches past the checkpoint's shape {}",
+                    shape_text(&offsets),
+                    shape_text(&shape),
+                    shape_text(&meta.shape)
+                );
+            }
+            ExplicitRequest::Box {
+                fqn,
+                offsets,
+                lengths: shape,
+            }
+        }
+    };
+    Ok(Wanted {
+        request,
+        address,
+        nbytes,
+    })
+}
+
+/// Where a job's ranks meet: rank 0's address and port.
+type Rendezvous = Option<(String, u16)>;
+
+/// The plan server, if any: URL, checkpoint id on it, token.
+struct Server {
+    url: String,
+    checkpoint_id: String,
+    token: Option<String>,
+}
+
+/// The server-side id of a checkpoint location: its last two path components (`<run>/<step>`).
+fn default_checkpoint_id(location: &str) -> Result<String> {
+    let parts: Vec<&str> = location.trim_end_matches('/').rsplit('/').take(2).collect();
+    match parts.as_slice() {
+        [step, run] if !step.is_empty() && !run.is_empty() && !run.contains(':') => {
+            Ok(format!("{run}/{step}"))
+        }
+        _ => bail!(
+            "cannot tell the server's id of checkpoint {location:?}: pass checkpoint_id=\"<run>/<step>\""
+        ),
+    }
+}
+
+/// Plans `requests` (every rank's) and returns rank `rank`'s plan: on the server when given,
+/// else here.
+async fn rank_plan_for(
+    checkpoint: &Checkpoint,
+    requests: ExplicitRequests,
+    rank: u32,
+    dedup: bool,
+    server: Option<&Server>,
+) -> Result<RankPlan> {
+    match server {
+        Some(server) => {
+            let client = PlanClient::new(
+                &server.url,
+                PlanClientOptions {
+                    token: server.token.clone(),
+                    dedup,
+                    ..PlanClientOptions::default()
+                },
+            )?;
+            let created = client
+                .create_plan(&server.checkpoint_id, &PlanTarget::Requests(requests))
+                .await
+                .with_context(|| format!("planning {} on {}", server.checkpoint_id, server.url))?;
+            Ok(client
+                .rank_plan(&created.plan, rank)
+                .await
+                .with_context(|| format!("fetching rank {rank}'s plan from {}", server.url))?)
+        }
+        None => {
+            let set = requests.resolve(checkpoint.meta.tensors())?;
+            let plan = checkpoint.plan(&set, &PlanOptions { dedup })?;
+            Ok(plan.rank_plan(rank)?)
+        }
+    }
+}
+
+/// Throttles progress calls into Python (each takes the GIL) to a few per second.
+struct Progress {
+    callback: Py<PyAny>,
+    total: u64,
+    state: Mutex<(u64, Instant)>,
+}
+
+impl Progress {
+    fn advance(&self, bytes: u64) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.0 += bytes;
+        let done = state.0;
+        if done < self.total && state.1.elapsed() < Duration::from_millis(200) {
+            return;
+        }
+        state.1 = Instant::now();
+        drop(state);
+        // A failing progress callback must not fail the load: its error is printed by Python.
+        Python::attach(|py| {
+            if let Err(error) = self.callback.call1(py, (done, self.total)) {
+                error.print(py);
+            }
+        });
+    }
+}
+
+/// Everything one `load_into` call needs, owned (it moves into the runtime).
+struct LoadJob {
+    checkpoint: String,
+    targets: Vec<TargetTuple>,
+    rank: u32,
+    world: u32,
+    rendezvous: Rendezvous,
+    server: Option<Server>,
+    storage: storage::StorageOptions,
+    verify: bool,
+    dedup: bool,
+    timeout: Duration,
+    progress: Option<Py<PyAny>>,
+}
+
+async fn run_load(job: LoadJob) -> Result<RankReport> {
+    let location = storage::open_with(&job.checkpoint, &job.storage)?;
+    let checkpoint = Checkpoint::open_with(location, &tessera::commands::open_options())
+        .await
+        .with_context(|| format!("opening checkpoint {}", job.checkpoint))?;
+    let by_name: HashMap<&str, &TensorMeta> = checkpoint
+        .meta
+        .tensors()
+        .iter()
+        .map(|t| (t.fqn.as_str(), t))
+        .collect();
+    let wanted = job
+        .targets
+        .into_iter()
+        .map(|t| resolve_target(&by_name, &job.checkpoint, t))
+        .collect::<Result<Vec<_>>>()?;
+    let spans: Vec<(usize, usize)> = wanted.iter().map(|w| (w.address, w.nbytes)).collect();
+    if let Some((a, b)) = first_overlap(&spans) {
+        bail!(
+            "entries {} and {} share memory; every entry needs its own array",
+            fqn_of(&wanted[a].request),
+            fqn_of(&wanted[b].request)
+        );
+    }
+    let mine: Vec<ExplicitRequest> = wanted.iter().map(|w| w.request.clone()).collect();
+    let mut buffers = Vec::with_capacity(wanted.len());
+    for w in &wanted {
+        // SAFETY: the Python layer passes the data address and byte length of a C-contiguous,
+        // writable array it keeps referenced until this call returns; overlaps were refused above.
+        #[allow(unsafe_code)]
+        let memory = unsafe { HostMemory::new(w.address, w.nbytes) }
+            .ok_or_else(|| anyhow!("tensor {}: null data address", fqn_of(&w.request)))?;
+        buffers.push(memory);
+    }
+    let total: u64 = wanted.iter().map(|w| w.nbytes as u64).sum();
+    let mut options = LoadOptions {
+        read: ReadOptions {
+            verify: job.verify,
+            ..ReadOptions::default()
+        },
+        progress: None,
+    };
+    if let Some(callback) = job.progress {
+        let progress = Arc::new(Progress {
+            callback,
+            total,
+            state: Mutex::new((0, Instant::now())),
+        });
+        options.progress = Some(Arc::new(move |bytes| progress.advance(bytes)));
+    }
+
+    match (&job.rendezvous, job.world) {
+        (Some((addr, port)), world) if world > 1 => {
+            let transport = coord::connect(job.rank, world, addr, *port, job.timeout)
+                .await
+                .with_context(|| format!("rank {} joining the job at {addr}:{port}", job.rank))?;
+            let text = serde_json::to_vec(&mine)?;
+            let all = coord::all_gather(&transport, coord::TAG_REQUESTS, Bytes::from(text))
+                .await
+                .with_context(|| format!("rank {} gathering every rank's requests", job.rank))?;
+            let ranks = all
+                .iter()
+                .enumerate()
+                .map(|(r, bytes)| {
+                    serde_json::from_slice::<Vec<ExplicitRequest>>(bytes)
+                        .with_context(|| format!("rank {r}'s requests"))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let plan = rank_plan_for(
+                &checkpoint,
+                ExplicitRequests { ranks },
+                job.rank,
+                job.dedup,
+                job.server.as_ref(),
+            )
+            .await?;
+            load(&checkpoint, &plan, &transport, &options, &mut buffers).await
+        }
+        _ => {
+            let plan = rank_plan_for(
+                &checkpoint,
+                ExplicitRequests { ranks: vec![mine] },
+                0,
+                job.dedup,
+                job.server.as_ref(),
+            )
+            .await?;
+            let mut mesh = InProcTransport::mesh(1, TransportOptions::with_timeout(job.timeout));
+            let transport = mesh
+                .pop()
+                .ok_or_else(|| anyhow!("no in-process transport"))?;
+            let mut report = load(&checkpoint, &plan, &transport, &options, &mut buffers).await?;
+            report.rank = job.rank;
+            Ok(report)
+        }
+    }
+}
+
+async fn load<T: Transport>(
+    checkpoint: &Checkpoint,
+    plan: &RankPlan,
+    transport: &T,
+    options: &LoadOptions,
+    buffers: &mut [HostMemory],
+) -> Result<RankReport> {
+    load_rank_into(checkpoint, plan, transport, options, buffers)
+        .await
+        .with_context(|| format!("rank {} loading", transport.rank()))
+}
+
+fn fqn_of(request: &ExplicitRequest) -> &str {
+    match request {
+        ExplicitRequest::Box { fqn, .. } | ExplicitRequest::Flat { fqn, .. } => fqn,
+    }
+}
+
+/// Loads into caller-owned memory; returns the rank's report as JSON text.
+#[pyfunction]
+#[pyo3(signature = (checkpoint, targets, rank, world, rendezvous, server, checkpoint_id, token, storage_env, verify, dedup, timeout_s, progress))]
+#[allow(clippy::too_many_arguments)]
+pub fn load_into(
+    py: Python<'_>,
+    checkpoint: String,
+    targets: Vec<TargetTuple>,
+    rank: u32,
+    world: u32,
+    rendezvous: Rendezvous,
+    server: Option<String>,
+    checkpoint_id: Option<String>,
+    token: Option<String>,
+    storage_env: Vec<(String, String)>,
+    verify: bool,
+    dedup: bool,
+    timeout_s: f64,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<String> {
+    let rt = runtime()?;
+    let server = match server {
+        Some(url) => Some(Server {
+            checkpoint_id: match checkpoint_id {
+                Some(id) => id,
+                None => default_checkpoint_id(&checkpoint).map_err(py_error)?,
+            },
+            url,
+            token,
+        }),
+        None => None,
+    };
+    let job = LoadJob {
+        checkpoint,
+        targets,
+        rank,
+        world,
+        rendezvous,
+        server,
+        storage: storage_options(storage_env),
+        verify,
+        dedup,
+        timeout: Duration::from_secs_f64(timeout_s.max(0.001)),
+        progress,
+    };
+    py.detach(|| {
+        rt.block_on(run_load(job))
+            .and_then(|report| Ok(serde_json::to_string(&report)?))
+    })
+    .map_err(py_error)
+}
+
+/// A plan as JSON text: `{"world", "summary", "rank_plan"?}`. `layout_json` or `requests_json`
+/// (every rank's requests) says what to plan for.
+#[pyfunction]
+#[pyo3(signature = (checkpoint, layout_json, requests_json, rank, dedup, storage_env))]
+pub fn plan(
+    py: Python<'_>,
+    checkpoint: String,
+    layout_json: Option<String>,
+    requests_json: Option<String>,
+    rank: Option<u32>,
+    dedup: bool,
+    storage_env: Vec<(String, String)>,
+) -> PyResult<String> {
+    let rt = runtime()?;
+    let options = storage_options(storage_env);
+    py.detach(move || {
+        rt.block_on(plan_json(
+            checkpoint,
+            layout_json,
+            requests_json,
+            rank,
+            dedup,
+            options,
+        ))
+    })
+    .map_err(py_error)
+}
+
+async fn plan_json(
+    checkpoint: String,
+    layout_json: Option<String>,
+    requests_json: Option<String>,
+    rank: Option<u32>,
+    dedup: bool,
+    options: storage::StorageOptions,
+) -> Result<String> {
+    let location = storage::open_with(&checkpoint, &options)?;
+    let mut open = tessera::commands::open_options();
+    open.block_checksums = false;
+    let opened = Checkpoint::open_with(location, &open)
+        .await
+        .with_context(|| format!("opening checkpoint {checkpoint}"))?;
+    let set = match (layout_json, requests_json) {
+        (Some(layout), None) => Layout::from_json(&layout)
+            .context("reading the layout")?
+            .resolve(opened.meta.tensors())?,
+        (None, Some(requests)) => ExplicitRequests::from_json(&requests)
+            .context("reading the requests")?
+            .resolve(opened.meta.tensors())?,
+        _ => bail!("give exactly one of layout or requests"),
+    };
+    let plan = opened.plan(&set, &PlanOptions { dedup })?;
+    let mut doc = serde_json::json!({
+        "world": plan.world_size(),
+        "summary": plan.summary(),
+    });
+    if let Some(rank) = rank {
+        if rank >= plan.world_size() {
+            bail!(
+                "rank {rank} is outside the plan's {} ranks",
+                plan.world_size()
+            );
+        }
+        let rank_plan: serde_json::Value = serde_json::from_str(&plan.rank_plan(rank)?.to_json())?;
+        doc["rank_plan"] = rank_plan;
+    }
+    Ok(doc.to_string())
+}

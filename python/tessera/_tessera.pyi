@@ -1,0 +1,44 @@
+"""Type hints of the native module (python/src). Use the `tessera` package's API instead."""
+
+from typing import Callable, Optional, Sequence, Tuple
+
+class TesseraError(Exception): ...
+
+def version() -> str: ...
+def inspect(checkpoint: str, storage_env: Sequence[Tuple[str, str]]) -> str: ...
+def plan(
+    checkpoint: str,
+    layout_json: Optional[str],
+    requests_json: Optional[str],
+    rank: Optional[int],
+    dedup: bool,
+    storage_env: Sequence[Tuple[str, str]],
+) -> str: ...
+def load_into(
+    checkpoint: str,
+    targets: Sequence[
+        Tuple[str, str, Sequence[int], Optional[Sequence[int]], Optional[int], int, int]
+    ],
+    rank: int,
+    world: int,
+    rendezvous: Optional[Tuple[str, int]],
+    server: Optional[str],
+    checkpoint_id: Optional[str],
+    token: Optional[str],
+    storage_env: Sequence[Tuple[str, str]],
+    verify: bool,
+    dedup: bool,
+    timeout_s: float,
+    progress: Optional[Callable[[int, int], None]],
+) -> str: ...
+def save(
+    path: str,
+    boxes: Sequence[Tuple[str, str, Sequence[int], Sequence[int], Sequence[int], int, int]],
+    objects: Sequence[Tuple[str, bytes]],
+    rank: int,
+    world: int,
+    rendezvous: Optional[Tuple[str, int]],
+    step: Optional[int],
+    storage_env: Sequence[Tuple[str, str]],
+    timeout_s: float,
+) -> str: ...

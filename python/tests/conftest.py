@@ -1,0 +1,100 @@
+"""Shared helpers of the tessera Python tests: the torch-written fixtures and NumPy arrays."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = Path(os.environ.get("TESSERA_DCP_FIXTURES", REPO / ".." / "shared" / "fixtures" / "dcp"))
+
+DCP_FIXTURES = ["a_w1_plain", "b_w4_fsdp_shard0", "c_w4_dp2_tp2", "e_w2_fsdp2_adamw"]
+LAYOUTS = ["w2_shard1", "w3_shard0"]
+
+DTYPES = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+    "int64": np.int64,
+    "float64": np.float64,
+    "int32": np.int32,
+    "uint8": np.uint8,
+    "bool": np.bool_,
+}
+
+
+def fixture(name: str) -> Path:
+    path = FIXTURES / name
+    if not path.is_dir():
+        pytest.fail(f"fixture {path} is missing (set TESSERA_DCP_FIXTURES)")
+    return path
+
+
+def sha256(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+def empty(dtype: str, shape) -> np.ndarray:
+    # Filled with a pattern, not zeros, so a byte tessera failed to write cannot pass by luck.
+    array = np.empty(tuple(shape), dtype=DTYPES[dtype])
+    array.reshape(-1).view(np.uint8)[:] = 0xA5
+    return array
+
+
+def expected_tensors(name: str) -> dict:
+    """fqn -> {dtype, shape, sha256} of a fixture's expected.json (every layout of it)."""
+    doc = json.loads((fixture(name) / "expected.json").read_text())
+    if "entries_by_dir" in doc:
+        entries = {}
+        for per_dir in doc["entries_by_dir"].values():
+            entries.update(per_dir)
+    else:
+        entries = doc["entries"]
+    return {k: v for k, v in entries.items() if v.get("kind", "tensor") == "tensor"}
+
+
+def reference(name: str, layout: str) -> dict:
+    return json.loads((fixture(name) / f"reference_{layout}.json").read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+S3_SERVER = Path(
+    os.environ.get("TESSERA_S3_TEST_SERVER", TARGET / "debug" / "examples" / "s3_test_server")
+)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server on 127.0.0.1 (the loader's s3s-fs test server as a process,
+    built by `make python-test`): yields (root directory, client environment)."""
+    import subprocess
+
+    if not S3_SERVER.exists():
+        pytest.fail(
+            f"{S3_SERVER} is missing: build it with `cargo build -p tessera-loader --example s3_test_server`"
+        )
+    root = tmp_path_factory.mktemp("s3")
+    proc = subprocess.Popen(
+        [str(S3_SERVER), str(root), "ckpts"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail(f"{S3_SERVER} exited with {proc.wait()} before serving")
+        yield root, json.loads(line)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)

@@ -1,0 +1,76 @@
+"""torch tensors and DTensors (runs where torch is installed; skipped with the reason elsewhere)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import expected_tensors, fixture, free_port, reference
+
+torch = pytest.importorskip("torch", reason="torch is not installed (CI has NumPy only)")
+
+import tessera  # noqa: E402
+
+C = "c_w4_dp2_tp2"
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
+
+
+def sha(t) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def test_cpu_tensors_with_bf16():
+    tensors = expected_tensors(C)
+    state = {f: torch.empty(t["shape"], dtype=TORCH_DTYPES[t["dtype"]]) for f, t in tensors.items()}
+    tessera.load(str(fixture(C)), state, progress=False)
+    for f, t in tensors.items():
+        assert sha(state[f].reshape(-1)) == t["sha256"], f
+
+
+def _dtensor_rank(rank, world, port, layout, out):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, Replicate, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    ref = reference(C, layout)
+    state = {}
+    for fqn, t in ref["tensors"].items():
+        full = torch.zeros(t["global_shape"], dtype=TORCH_DTYPES[t["dtype"]])
+        placement = t["placements"][0]
+        if placement.startswith("Shard"):
+            dim = int(placement.split("=")[1].rstrip(")"))
+            state[fqn] = distribute_tensor(full, mesh, [Shard(dim)])
+        else:
+            state[fqn] = distribute_tensor(full, mesh, [Replicate()])
+    tessera.load(str(fixture(C)), state, exchange=True, progress=False, timeout=60)
+    shas = {f: sha(v.to_local().reshape(-1)) for f, v in state.items()}
+    dist.destroy_process_group()
+    out[rank] = shas
+
+
+def test_dtensors_on_a_gloo_group():
+    import torch.multiprocessing as mp
+
+    layout = "w3_shard0"
+    ref = reference(C, layout)
+    world = ref["world_size"]
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(_dtensor_rank, args=(world, free_port(), layout, out), nprocs=world, join=True)
+    for rank in range(world):
+        for f, t in ref["tensors"].items():
+            assert out[rank][f] == t["ranks"][rank]["sha256"], (f, rank)
+
+
+def test_cuda_tensors_need_the_cuda_build():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    t = expected_tensors(C)["model.final_ln.weight"]
+    with pytest.raises(ValueError, match=r"model\.final_ln\.weight: tensor is on cuda"):
+        tessera.load(str(fixture(C)), {"model.final_ln.weight": torch.empty(t["shape"], device="cuda")}, progress=False)
