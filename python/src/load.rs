@@ -26,9 +26,10 @@ use crate::memory::{HostMemory, first_overlap};
 use crate::{coord, py_error, runtime, storage_options};
 
 /// One entry of a state dict as the Python layer describes it:
-/// `(fqn, dtype, shape, offsets, flat_start, address, nbytes)`. `offsets` is the box's start for
-/// a part of the tensor (`None`: the whole tensor); `flat_start` makes it the flat range
-/// `[flat_start, flat_start + numel)` instead.
+/// `(fqn, dtype, shape, offsets, flat_start, address, nbytes, cuda_device)`. `offsets` is the
+/// box's start for a part of the tensor (`None`: the whole tensor); `flat_start` makes it the flat
+/// range `[flat_start, flat_start + numel)` instead; `cuda_device` is the ordinal of the CUDA
+/// device the memory is on (`None`: host memory).
 type TargetTuple = (
     String,
     String,
@@ -37,6 +38,7 @@ type TargetTuple = (
     Option<u64>,
     usize,
     usize,
+    Option<u32>,
 );
 
 /// A state-dict entry, checked against the checkpoint.
@@ -57,7 +59,7 @@ fn resolve_target(
     location: &str,
     target: TargetTuple,
 ) -> Result<Wanted> {
-    let (fqn, dtype, shape, offsets, flat_start, address, nbytes) = target;
+    let (fqn, dtype, shape, offsets, flat_start, address, nbytes, _device) = target;
     let Some(meta) = tensors.get(fqn.as_str()) else {
         bail!(
             "tensor {fqn:?} is not in checkpoint {location} ({} tensors; `tessera.inspect` lists them)",
@@ -262,6 +264,12 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
         .iter()
         .map(|t| (t.fqn.as_str(), t))
         .collect();
+    let device = single_device(&job.targets)?;
+    if device.is_some() && !cfg!(feature = "cuda") {
+        bail!(
+            "this build of tessera has no CUDA support: rebuild the package with the `cuda` feature (`maturin develop --release --features cuda`) to load into CUDA tensors"
+        );
+    }
     let wanted = job
         .targets
         .into_iter()
@@ -276,15 +284,22 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
         );
     }
     let mine: Vec<ExplicitRequest> = wanted.iter().map(|w| w.request.clone()).collect();
-    let mut buffers = Vec::with_capacity(wanted.len());
-    for w in &wanted {
-        // SAFETY: the Python layer passes the data address and byte length of a C-contiguous,
-        // writable array it keeps referenced until this call returns; overlaps were refused above.
-        #[allow(unsafe_code)]
-        let memory = unsafe { HostMemory::new(w.address, w.nbytes) }
-            .ok_or_else(|| anyhow!("tensor {}: null data address", fqn_of(&w.request)))?;
-        buffers.push(memory);
-    }
+    let memory = match device {
+        None => {
+            let mut buffers = Vec::with_capacity(wanted.len());
+            for w in &wanted {
+                // SAFETY: the Python layer passes the data address and byte length of a
+                // C-contiguous, writable host array it keeps referenced until this call returns;
+                // overlaps were refused above.
+                #[allow(unsafe_code)]
+                let memory = unsafe { HostMemory::new(w.address, w.nbytes) }
+                    .ok_or_else(|| anyhow!("tensor {}: null data address", fqn_of(&w.request)))?;
+                buffers.push(memory);
+            }
+            Memory::Host(buffers)
+        }
+        Some(ordinal) => Memory::Cuda { ordinal, spans },
+    };
     let total: u64 = wanted.iter().map(|w| w.nbytes as u64).sum();
     let mut options = LoadOptions {
         read: ReadOptions {
@@ -327,7 +342,7 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
                 job.server.as_ref(),
             )
             .await?;
-            load(&checkpoint, &plan, &transport, &options, &mut buffers).await
+            execute(&checkpoint, plan, Arc::new(transport), &options, memory).await
         }
         _ => {
             let plan = rank_plan_for(
@@ -342,23 +357,117 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
             let transport = mesh
                 .pop()
                 .ok_or_else(|| anyhow!("no in-process transport"))?;
-            let mut report = load(&checkpoint, &plan, &transport, &options, &mut buffers).await?;
+            let mut report =
+                execute(&checkpoint, plan, Arc::new(transport), &options, memory).await?;
             report.rank = job.rank;
             Ok(report)
         }
     }
 }
 
-async fn load<T: Transport>(
+/// Where a load's destinations are.
+enum Memory {
+    /// Host arrays.
+    Host(Vec<HostMemory>),
+    /// CUDA tensors on one device: (address, bytes) per destination.
+    Cuda {
+        ordinal: u32,
+        spans: Vec<(usize, usize)>,
+    },
+}
+
+/// The one device every target is on (`None`: host memory); a mix is refused.
+fn single_device(targets: &[TargetTuple]) -> Result<Option<u32>> {
+    let mut devices = targets.iter().map(|t| (t.7, t.0.as_str()));
+    let Some((first, first_fqn)) = devices.next() else {
+        return Ok(None);
+    };
+    for (device, fqn) in devices {
+        if device != first {
+            let name = |d: Option<u32>| d.map_or("host memory".to_string(), |n| format!("cuda:{n}"));
+            bail!(
+                "{first_fqn} is in {} but {fqn} in {}: load each device's tensors with a call of their own",
+                name(first),
+                name(device)
+            );
+        }
+    }
+    Ok(first)
+}
+
+async fn execute<T: Transport + 'static>(
     checkpoint: &Checkpoint,
-    plan: &RankPlan,
-    transport: &T,
+    plan: RankPlan,
+    transport: Arc<T>,
     options: &LoadOptions,
-    buffers: &mut [HostMemory],
+    memory: Memory,
 ) -> Result<RankReport> {
-    load_rank_into(checkpoint, plan, transport, options, buffers)
-        .await
-        .with_context(|| format!("rank {} loading", transport.rank()))
+    let rank = transport.rank();
+    match memory {
+        Memory::Host(mut buffers) => {
+            load_rank_into(checkpoint, &plan, &transport, options, &mut buffers)
+                .await
+                .with_context(|| format!("rank {rank} loading"))
+        }
+        Memory::Cuda { ordinal, spans } => {
+            load_cuda(checkpoint, plan, transport, options, ordinal, &spans)
+                .await
+                .with_context(|| format!("rank {rank} loading into cuda:{ordinal}"))
+        }
+    }
+}
+
+/// Loads into caller-owned CUDA memory (torch tensors' `data_ptr()`): the loader's host pipeline,
+/// then the pinned staging upload; the exchange runs on the host transport before the upload.
+#[cfg(feature = "cuda")]
+async fn load_cuda<T: Transport + 'static>(
+    checkpoint: &Checkpoint,
+    plan: RankPlan,
+    transport: Arc<T>,
+    options: &LoadOptions,
+    ordinal: u32,
+    spans: &[(usize, usize)],
+) -> Result<RankReport> {
+    use tessera_loader::cuda::CudaDevice;
+    use tessera_loader::device_load::{OnHost, load_rank_to_device};
+    use tessera_loader::staging::StagingOptions;
+
+    let device = CudaDevice::open(ordinal)?;
+    let destinations = spans
+        .iter()
+        .map(|&(address, len)| {
+            // SAFETY: the Python layer passes the data pointer and byte length of contiguous CUDA
+            // tensors on this device (torch allocates in the primary context) that it keeps
+            // referenced until this call returns; overlaps were refused.
+            #[allow(unsafe_code)]
+            unsafe {
+                device.wrap(address as u64, len)
+            }
+        })
+        .collect();
+    let mut staging = device.staging(StagingOptions::default())?;
+    let loaded = load_rank_to_device(
+        checkpoint,
+        plan,
+        &OnHost(transport),
+        &mut staging,
+        destinations,
+        options,
+    )
+    .await?;
+    Ok(loaded.report)
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn load_cuda<T: Transport + 'static>(
+    _checkpoint: &Checkpoint,
+    _plan: RankPlan,
+    _transport: Arc<T>,
+    _options: &LoadOptions,
+    ordinal: u32,
+    _spans: &[(usize, usize)],
+) -> Result<RankReport> {
+    bail!("cuda:{ordinal}: this build of tessera has no CUDA support (the `cuda` feature)")
 }
 
 fn fqn_of(request: &ExplicitRequest) -> &str {

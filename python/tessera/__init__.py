@@ -96,14 +96,15 @@ def _dtype_name(array: Any) -> str:
     return str(getattr(array, "dtype", type(array).__name__))
 
 
-def _memory(key: str, array: Any, *, writable: bool) -> Tuple[str, list, int, int]:
-    """(dtype name, shape, data address, byte length) of a C-contiguous host array or tensor."""
+def _memory(key: str, array: Any, *, writable: bool) -> Tuple[str, list, int, int, Optional[int]]:
+    """(dtype name, shape, data address, byte length, CUDA device or None) of a C-contiguous array
+    or tensor in host memory or (torch) on a CUDA device."""
     if _is_torch_tensor(array):
-        if array.device.type != "cpu":
-            raise ValueError(
-                f"{key}: tensor is on {array.device}; this build of tessera loads into host memory "
-                "(CUDA tensors need the `cuda` build)"
-            )
+        device: Optional[int] = None
+        if array.device.type == "cuda":
+            device = array.device.index if array.device.index is not None else array.get_device()
+        elif array.device.type != "cpu":
+            raise ValueError(f"{key}: tensor is on {array.device}; tessera loads into host or CUDA memory")
         if not array.is_contiguous():
             raise ValueError(f"{key}: tensor is not contiguous; pass a contiguous tensor")
         return (
@@ -111,6 +112,7 @@ def _memory(key: str, array: Any, *, writable: bool) -> Tuple[str, list, int, in
             [int(d) for d in array.shape],
             int(array.data_ptr()),
             int(array.numel() * array.element_size()),
+            device,
         )
     interface = getattr(array, "__array_interface__", None)
     if interface is None:
@@ -124,7 +126,7 @@ def _memory(key: str, array: Any, *, writable: bool) -> Tuple[str, list, int, in
     address, read_only = interface["data"]
     if writable and read_only:
         raise ValueError(f"{key}: array is read-only")
-    return (_dtype_name(array), [int(d) for d in array.shape], int(address), int(array.nbytes))
+    return (_dtype_name(array), [int(d) for d in array.shape], int(address), int(array.nbytes), None)
 
 
 def _dtensor_box(key: str, dtensor: Any) -> Tuple[Any, list, list]:
@@ -168,10 +170,10 @@ def _load_target(fqn: str, value: Any) -> Tuple[tuple, Any]:
         array, offsets = value[0], [int(o) for o in value[1]]
     elif _is_dtensor(value):
         array, offsets, _shape = _dtensor_box(fqn, value)
-    dtype, shape, address, nbytes = _memory(fqn, array, writable=True)
+    dtype, shape, address, nbytes, device = _memory(fqn, array, writable=True)
     if flat_start is not None:
         shape = [int(nbytes // max(1, _itemsize(array)))]
-    return (fqn, dtype, shape, offsets, flat_start, address, nbytes), array
+    return (fqn, dtype, shape, offsets, flat_start, address, nbytes, device), array
 
 
 def _itemsize(array: Any) -> int:
@@ -264,7 +266,8 @@ def load(
             URL of a native, PyTorch DCP or safetensors checkpoint.
         state_dict: FQN -> what this rank needs (see the module docs); nested dicts are
             flattened with ``.`` like DCP does. Every array must be C-contiguous, writable and in
-            host memory, with the checkpoint's dtype and the box's shape.
+            host memory (or, with the package's ``cuda`` build, CUDA tensors of one device), with
+            the checkpoint's dtype and the box's shape.
         server: URL of a ``tessera serve`` that plans instead of this process.
         checkpoint_id: the checkpoint's id on the server (default: the last two path components).
         token: the server's bearer token (default: ``TESSERA_TOKEN``).
@@ -422,7 +425,9 @@ def save(
             )
         else:
             array, offsets, shape = value, None, None
-        dtype, lengths, address, nbytes = _memory(fqn, array, writable=False)
+        if _is_torch_tensor(array) and array.device.type != "cpu":
+            array = array.detach().cpu()  # saving reads host memory: one copy per device tensor
+        dtype, lengths, address, nbytes, _device = _memory(fqn, array, writable=False)
         if offsets is None:
             offsets, shape = [0] * len(lengths), list(lengths)
         boxes.append((fqn, dtype, shape, offsets, lengths, address, nbytes))

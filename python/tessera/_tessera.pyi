@@ -17,7 +17,9 @@ def plan(
 def load_into(
     checkpoint: str,
     targets: Sequence[
-        Tuple[str, str, Sequence[int], Optional[Sequence[int]], Optional[int], int, int]
+        Tuple[
+            str, str, Sequence[int], Optional[Sequence[int]], Optional[int], int, int, Optional[int]
+        ]
     ],
     rank: int,
     world: int,

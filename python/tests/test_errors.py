@@ -114,3 +114,34 @@ def test_torchrun_environment_is_the_default(monkeypatch):
         str(fixture(C)), {"model.final_ln.weight": empty(t["dtype"], t["shape"])}, progress=False
     )
     assert report["rank"] == 1
+
+
+def _target(fqn, array, device):
+    return (fqn, str(array.dtype), list(array.shape), None, None, array.ctypes.data, array.nbytes, device)
+
+
+def test_cuda_destinations_need_the_cuda_build_or_a_driver():
+    from tessera import _tessera
+
+    a = np.empty(64, np.float32)
+    # The native module's own check (torch, which makes CUDA tensors, is not needed to reach it).
+    with pytest.raises(tessera.TesseraError, match=r"no CUDA support|CUDA driver"):
+        _tessera.load_into(
+            str(fixture(C)), [_target("model.final_ln.weight", a, 0)],
+            0, 1, None, None, None, None, [], True, True, 10.0, None,
+        )
+
+
+def test_host_and_cuda_destinations_in_one_call_are_refused():
+    from tessera import _tessera
+
+    a, b = np.empty(64, np.float32), np.empty(64, np.float32)
+    with pytest.raises(
+        tessera.TesseraError,
+        match=r"model\.final_ln\.weight is in host memory but model\.final_ln\.bias in cuda:1",
+    ):
+        _tessera.load_into(
+            str(fixture(C)),
+            [_target("model.final_ln.weight", a, None), _target("model.final_ln.bias", b, 1)],
+            0, 1, None, None, None, None, [], True, True, 10.0, None,
+        )

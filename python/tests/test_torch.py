@@ -68,9 +68,28 @@ def test_dtensors_on_a_gloo_group():
             assert out[rank][f] == t["ranks"][rank]["sha256"], (f, rank)
 
 
-def test_cuda_tensors_need_the_cuda_build():
+def test_cuda_tensors_byte_for_byte():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    t = expected_tensors(C)["model.final_ln.weight"]
-    with pytest.raises(ValueError, match=r"model\.final_ln\.weight: tensor is on cuda"):
-        tessera.load(str(fixture(C)), {"model.final_ln.weight": torch.empty(t["shape"], device="cuda")}, progress=False)
+    tensors = expected_tensors(C)
+    state = {f: torch.empty(t["shape"], dtype=TORCH_DTYPES[t["dtype"]], device="cuda") for f, t in tensors.items()}
+    try:
+        report = tessera.load(str(fixture(C)), state, progress=False)
+    except tessera.TesseraError as e:
+        if "no CUDA support" in str(e):
+            pytest.skip("this build of the package has no `cuda` feature (maturin develop --features cuda)")
+        raise
+    assert report["h2d_bytes"] == sum(t.numel() * t.element_size() for t in state.values())
+    for f, t in tensors.items():
+        assert sha(state[f].cpu().reshape(-1)) == t["sha256"], f
+
+
+def test_cuda_and_host_tensors_in_one_call_are_refused():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    state = {
+        "model.final_ln.weight": torch.empty(64, device="cuda"),
+        "model.final_ln.bias": torch.empty(64),
+    }
+    with pytest.raises(tessera.TesseraError, match=r"model\.final_ln\.weight is in cuda:0 but model\.final_ln\.bias in host memory"):
+        tessera.load(str(fixture(C)), state, progress=False)
