@@ -9,16 +9,27 @@ PYTHON ?= $(shell python3 -c 'import yaml' 2>/dev/null && echo python3 || echo /
 # apt-get needs root; CI runs as root, a workstation through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: test lint unit bench-build bench demo webui webui-deps helm-test python-env python-test python-bench
+.PHONY: test lint unit gpu-test bench-build bench bench-gpu demo webui webui-deps helm-test python-env python-test python-bench
 
 test: lint unit python-test webui helm-test
 
+# The `cuda` feature is linted too (it builds without CUDA), so the GPU path cannot rot.
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --locked --features cuda -- -D warnings
 
+# Every CPU test, plus the `cuda` feature's tests that need no GPU: the errors of a machine
+# without libcuda (library and CLI). The NCCL protocol's CPU tests (emulated plane) run in the
+# first command: they need no feature.
 unit:
 	$(CARGO) test --workspace --locked
+	$(CARGO) test --locked -p tessera-loader -p tessera --features tessera/cuda --lib --test cuda_absent --test gpu
+
+# Every GPU test in one command (on a machine with an NVIDIA GPU and driver; NCCL for the NCCL
+# tests). Each test says `skipped: <reason>` where it cannot run.
+gpu-test:
+	$(CARGO) test --locked -p tessera-loader -p tessera --features tessera/cuda --lib --test cuda_absent --test gpu -- --nocapture
 
 # Benchmarks are type-checked by clippy --all-targets (so they cannot rot) and run by hand:
 # `make bench` (release builds; numbers go to BENCHMARKS.md).
@@ -30,6 +41,14 @@ bench:
 	$(CARGO) bench --bench load --locked
 	$(CARGO) bench --bench server --locked
 	$(CARGO) bench --bench dcp --locked
+
+# GPU loading (BENCHMARKS.md "GPU loading"): H2D and end to end in Rust, then PyTorch's dcp.load
+# of the same checkpoint (TORCH_PYTHON: a python3 with torch built for CUDA).
+TORCH_PYTHON ?= python3
+bench-gpu:
+	$(CARGO) bench --bench gpu --locked --features cuda
+	$(CARGO) build --release --locked --features cuda --bin tessera
+	$(TORCH_PYTHON) benches/torch_dcp_load.py --tessera target/release/tessera
 
 demo:
 	$(CARGO) run --release --locked -- demo

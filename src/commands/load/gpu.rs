@@ -15,12 +15,14 @@ use tessera_planner::RankPlan;
 
 use super::{LoadArgs, Planned, TransportKind};
 
-/// The GPU of `rank`: `cuda:N` as given, else `LOCAL_RANK` (torchrun) or the rank, modulo the
-/// GPUs visible here.
-fn ordinal(args: &LoadArgs, rank: u32) -> Result<u32> {
+/// The GPU of `rank`: `cuda:N` as given, else the rank's local rank modulo the GPUs visible here.
+/// A rank of a real job (`from_env`) takes its local rank from torchrun's `LOCAL_RANK` when set;
+/// ranks this process plays itself are numbered by rank.
+fn ordinal(args: &LoadArgs, rank: u32, from_env: bool) -> Result<u32> {
     let count = CudaDevice::count()?;
-    let local = std::env::var("LOCAL_RANK")
-        .ok()
+    let local = from_env
+        .then(|| std::env::var("LOCAL_RANK").ok())
+        .flatten()
         .and_then(|v| v.trim().parse::<u32>().ok())
         .unwrap_or(rank);
     Ok(args.device.cuda_ordinal(local, count).unwrap_or(0))
@@ -110,7 +112,7 @@ pub(super) async fn run(
             bail!("--world {w} but the layout has {world} ranks");
         }
         let config = super::rendezvous(args, rank, world)?;
-        let device = CudaDevice::open(ordinal(args, rank)?)?;
+        let device = CudaDevice::open(ordinal(args, rank, true)?)?;
         let rank_plan = plan.rank_plan(rank).await?;
         let report = match args.transport {
             TransportKind::Nccl => {
@@ -144,7 +146,7 @@ pub(super) async fn run(
             let mut devices = Vec::with_capacity(world as usize);
             for (rank, transport) in transports.into_iter().enumerate() {
                 let rank = rank as u32;
-                let device = CudaDevice::open(ordinal(args, rank)?)?;
+                let device = CudaDevice::open(ordinal(args, rank, false)?)?;
                 devices.push(device.label());
                 let rank_plan = plan.rank_plan(rank).await?;
                 let (args, checkpoint, options) =
