@@ -125,6 +125,14 @@ impl NcclPlane {
         }
     }
 
+    /// Makes the device's context current on this thread (the plane thread binds it once, but a
+    /// buffer of another device dropped here would have switched it).
+    fn bind(&self) -> Result<(), LoaderError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_error("binding the device to the NCCL thread", e))
+    }
+
     fn sync(&self, what: &str) -> Result<(), LoaderError> {
         self.stream.synchronize().map_err(|e| driver_error(what, e))
     }
@@ -167,7 +175,10 @@ impl NcclPlane {
         );
         // The innermost dimension as one 2-D copy when the pitches allow it; the outer ones as a
         // loop (an odometer over the remaining counts).
-        let two_d = src_pitch >= runs.run_bytes
+        // The driver may refuse device-to-device 2-D copies whose pitches did not come from
+        // cuMemAllocPitch (a parameter error, returned before anything is queued): the rows are
+        // then copied one by one.
+        let mut two_d = src_pitch >= runs.run_bytes
             && dst_pitch >= runs.run_bytes
             && src_pitch <= self.max_pitch
             && dst_pitch <= self.max_pitch;
@@ -180,6 +191,7 @@ impl NcclPlane {
                 s += i * runs.src_strides[k];
                 d += i * runs.dst_strides[k];
             }
+            let mut rows = !two_d;
             if two_d {
                 let copy = sys::CUDA_MEMCPY2D {
                     srcXInBytes: 0,
@@ -201,10 +213,16 @@ impl NcclPlane {
                 };
                 // SAFETY: a device-to-device 2-D copy inside spans the caller checked; `copy` is
                 // read by the driver during the call only.
-                unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream) }
-                    .result()
-                    .map_err(|e| driver_error(what, e))?;
-            } else {
+                match unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream) } {
+                    sys::CUresult::CUDA_SUCCESS => {}
+                    sys::CUresult::CUDA_ERROR_INVALID_VALUE => {
+                        two_d = false;
+                        rows = true;
+                    }
+                    other => return Err(driver_error(what, cudarc::driver::DriverError(other))),
+                }
+            }
+            if rows {
                 for h in 0..height {
                     // SAFETY: each run lies inside the spans the caller checked.
                     unsafe {
@@ -274,6 +292,7 @@ impl DataPlane for NcclPlane {
         if src.is_empty() {
             return Ok(());
         }
+        self.bind()?;
         // SAFETY: span checked; `src` outlives the copy (the stream is synchronized below).
         unsafe { result::memcpy_htod_async(dst.ptr + offset, src, self.stream.cu_stream()) }
             .map_err(|e| driver_error("copying a message to the device", e))?;
@@ -291,6 +310,7 @@ impl DataPlane for NcclPlane {
         if dst.is_empty() {
             return Ok(());
         }
+        self.bind()?;
         // SAFETY: span checked; `dst` is not touched until the stream is synchronized below.
         unsafe { result::memcpy_dtoh_async(dst, src.ptr + offset, self.stream.cu_stream()) }
             .map_err(|e| driver_error("copying a message to the host", e))?;
@@ -306,8 +326,14 @@ impl DataPlane for NcclPlane {
         self.check_buffer(src)?;
         self.check_buffer(dst)?;
         check_runs(&self.label, "device copy", runs, src.len(), dst.len())?;
+        self.bind()?;
         // Stream-ordered before the group operations that follow on the same stream.
         self.enqueue_runs(runs, src.ptr, dst.ptr)
+    }
+
+    fn synchronize(&mut self) -> Result<(), LoaderError> {
+        self.bind()?;
+        self.sync("waiting for device copies")
     }
 
     fn group(&mut self, ops: &[PlaneOp<'_, DeviceBuffer>]) -> Result<(), LoaderError> {
@@ -333,9 +359,7 @@ impl DataPlane for NcclPlane {
                 });
             }
         }
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| driver_error("binding the device to the NCCL thread", e))?;
+        self.bind()?;
         let stream = self.stream.cu_stream() as nccl_sys::cudaStream_t;
         nccl::group_start().map_err(|e| nccl_error("ncclGroupStart", e))?;
         let mut posted = Ok(());

@@ -68,7 +68,9 @@ pub trait DataPlane: 'static {
     ) -> Result<(), LoaderError>;
 
     /// Copies along `runs` (byte offsets relative to each buffer's start) from `src` to `dst`,
-    /// on the device. `src` and `dst` are different buffers.
+    /// on the device. `src` and `dst` are different buffers. May return before the copy is done:
+    /// it is ordered before the plane's later operations, and [`DataPlane::synchronize`] waits
+    /// for it.
     fn copy_runs(
         &mut self,
         runs: &StridedRuns,
@@ -82,6 +84,10 @@ pub trait DataPlane: 'static {
     /// plane's timeout, and with [`LoaderError::Transport`] when a peer is known to be gone;
     /// after such a failure the plane may refuse further work.
     fn group(&mut self, ops: &[PlaneOp<'_, Self::Buffer>]) -> Result<(), LoaderError>;
+
+    /// Waits until every operation issued so far is done (device memory written by this plane
+    /// may then be read elsewhere, e.g. copied back on another stream).
+    fn synchronize(&mut self) -> Result<(), LoaderError>;
 }
 
 type Job<P> = Box<dyn FnOnce(&mut P) + Send>;

@@ -312,6 +312,9 @@ pub fn ring_exchange<P: DataPlane>(
             stats.bytes_received += bytes;
         }
     }
+    // The last scatter's copies may still be running; whoever reads the destinations next may
+    // do so on another stream.
+    plane.synchronize()?;
     stats.elapsed = start.elapsed();
     Ok(stats)
 }
