@@ -54,7 +54,9 @@ fn nccl_without_a_driver_is_a_clear_error() {
 fn missing_nccl_messages_say_what_to_do() {
     let plain = probe::nccl_missing(false);
     assert!(
-        plain.contains("libnccl.so") && plain.contains("LD_LIBRARY_PATH") && plain.contains("--transport tcp"),
+        plain.contains("libnccl.so")
+            && plain.contains("LD_LIBRARY_PATH")
+            && plain.contains("--transport tcp"),
         "{plain}"
     );
     let versioned = probe::nccl_missing(true);
