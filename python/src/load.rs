@@ -384,7 +384,8 @@ fn single_device(targets: &[TargetTuple]) -> Result<Option<u32>> {
     };
     for (device, fqn) in devices {
         if device != first {
-            let name = |d: Option<u32>| d.map_or("host memory".to_string(), |n| format!("cuda:{n}"));
+            let name =
+                |d: Option<u32>| d.map_or("host memory".to_string(), |n| format!("cuda:{n}"));
             bail!(
                 "{first_fqn} is in {} but {fqn} in {}: load each device's tensors with a call of their own",
                 name(first),
