@@ -9,7 +9,7 @@ PYTHON ?= $(shell python3 -c 'import yaml' 2>/dev/null && echo python3 || echo /
 # apt-get needs root; CI runs as root, a workstation through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: test lint unit gpu-test bench-build bench bench-gpu demo webui webui-deps helm-test python-env python-test python-bench
+.PHONY: test lint unit gpu-test python-gpu-test bench-build bench bench-gpu demo webui webui-deps helm-test python-env python-test python-bench
 
 test: lint unit python-test webui helm-test
 
@@ -28,7 +28,7 @@ unit:
 
 # Every GPU test in one command (on a machine with an NVIDIA GPU and driver; NCCL for the NCCL
 # tests). Each test says `skipped: <reason>` where it cannot run.
-gpu-test:
+gpu-test: python-gpu-test
 	$(CARGO) test --locked -p tessera-loader -p tessera --features tessera/cuda --lib --test cuda_absent --test gpu -- --nocapture
 
 # Benchmarks are type-checked by clippy --all-targets (so they cannot rot) and run by hand:
@@ -89,3 +89,14 @@ python-bench: python-env
 	$(CARGO) build --release --locked --bin tessera
 	cd python && VIRTUAL_ENV=$(PYENV_ABS) $(PYENV_ABS)/bin/maturin develop --release --locked
 	$(PYENV)/bin/python benches/python_load.py
+
+# The Python package's torch tests with the `cuda` build: CPU tensors, DTensors on a gloo group and
+# CUDA tensors byte for byte. The virtual environment sees the machine's own torch
+# (--system-site-packages); where torch is absent they skip, printing why.
+PYENV_GPU ?= target/pyenv-gpu
+python-gpu-test:
+	@[ -x $(PYENV_GPU)/bin/python ] || python3 -m venv --system-site-packages $(PYENV_GPU)
+	$(PYENV_GPU)/bin/pip install -q --disable-pip-version-check 'maturin>=1.9,<2' 'numpy>=1.24' 'pytest>=8' 'ml_dtypes>=0.4'
+	$(CARGO) build --locked -p tessera-loader --example s3_test_server
+	cd python && VIRTUAL_ENV=$(abspath $(PYENV_GPU)) $(abspath $(PYENV_GPU))/bin/maturin develop --release --locked --features cuda
+	$(PYENV_GPU)/bin/pytest -q -rs python/tests

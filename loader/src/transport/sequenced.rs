@@ -301,6 +301,21 @@ impl<P: DataPlane> Local<P> {
     }
 
     /// Fails the outbox entry `id` (a refused or unsendable request).
+    /// Marks `rank` gone once every transfer ordered before this notice has run on the plane:
+    /// what `rank` sent before it left is delivered first (the plane thread runs jobs in order,
+    /// and the sequencer's notices reach a rank in sequence order).
+    fn peer_gone_after_pending(&self, rank: u32, reason: String) {
+        let mailbox = Arc::clone(&self.mailbox);
+        let marked = reason.clone();
+        if self
+            .plane
+            .submit(move |_plane: &mut P| mailbox.peer_gone(rank, marked))
+            .is_err()
+        {
+            self.mailbox.peer_gone(rank, reason);
+        }
+    }
+
     fn fail(&self, id: u64, reason: String) {
         if let Some(pending) = lock(&self.outbox).remove(&id) {
             let _ = pending.done.send(Err(LoaderError::Transport {
@@ -539,7 +554,7 @@ async fn sequence<C: Transport, P: DataPlane>(
             if !std::mem::replace(flag, false) {
                 continue;
             }
-            local.mailbox.peer_gone(rank, reason.clone());
+            local.peer_gone_after_pending(rank, reason.clone());
             for peer in (0..world).filter(|&p| p != local.rank && p != rank) {
                 if !alive[peer as usize] {
                     continue;
@@ -590,7 +605,7 @@ async fn follow<C: Transport, P: DataPlane>(control: Arc<C>, local: Arc<Local<P>
         match control.recv(SEQUENCER, TAG_SEQUENCE).await {
             Ok(bytes) => match decode_notice(&bytes) {
                 Some(Notice::Order(order)) => local.apply(order),
-                Some(Notice::Gone { rank, reason }) => local.mailbox.peer_gone(rank, reason),
+                Some(Notice::Gone { rank, reason }) => local.peer_gone_after_pending(rank, reason),
                 Some(Notice::Reject { id, reason }) => local.fail(id, reason),
                 None => {
                     local.all_gone("rank 0, which orders every transfer, sent a malformed notice");
