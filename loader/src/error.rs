@@ -130,3 +130,35 @@ pub enum LoaderError {
         source: std::io::Error,
     },
 }
+
+impl LoaderError {
+    /// Says where a peer or device error happened, which the transport or data plane that raised
+    /// it cannot know (a ring round, a tagged transfer): `context` goes in front of a transport or
+    /// device error's detail, `timeout_context` in front of what a timed-out wait was for. Other
+    /// errors pass unchanged.
+    pub fn in_context(self, context: &str, timeout_context: &str) -> LoaderError {
+        match self {
+            LoaderError::Transport { rank, peer, detail } => LoaderError::Transport {
+                rank,
+                peer,
+                detail: format!("{context}: {detail}"),
+            },
+            LoaderError::PeerTimeout {
+                rank,
+                peer,
+                what,
+                waited,
+            } => LoaderError::PeerTimeout {
+                rank,
+                peer,
+                what: format!("{timeout_context}: {what}"),
+                waited,
+            },
+            LoaderError::Device { device, detail } => LoaderError::Device {
+                device,
+                detail: format!("{context}: {detail}"),
+            },
+            other => other,
+        }
+    }
+}

@@ -19,6 +19,14 @@ use crate::LoaderError;
 use crate::place::{gather_piece, place_piece};
 use crate::transport::{Transport, exchange_tag};
 
+/// Puts the group and round into a transport error, which only knows the tag.
+fn in_round(error: LoaderError, group: u32, round: u32, tag: u64) -> LoaderError {
+    error.in_context(
+        &format!("group {group} round {round}"),
+        &format!("group {group} round {round} (tag {tag:#x})"),
+    )
+}
+
 /// What one rank's exchange moved.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ExchangeStats {
@@ -52,14 +60,15 @@ struct Outgoing {
     data: Bytes,
 }
 
-fn invalid(plan: &RankPlan, detail: String) -> LoaderError {
+/// A plan error naming the rank (shared with the device ring).
+pub(crate) fn invalid(plan: &RankPlan, detail: String) -> LoaderError {
     LoaderError::InvalidPlan {
         detail: format!("rank {}: {detail}", plan.rank),
     }
 }
 
 /// Index into `plan.pieces` of the piece with plan-wide id `id` (pieces are in id order).
-fn piece_index(plan: &RankPlan, id: u32, group: u32) -> Result<usize, LoaderError> {
+pub(crate) fn piece_index(plan: &RankPlan, id: u32, group: u32) -> Result<usize, LoaderError> {
     plan.pieces
         .binary_search_by_key(&id, |p| p.id)
         .map_err(|_| {
@@ -68,29 +77,6 @@ fn piece_index(plan: &RankPlan, id: u32, group: u32) -> Result<usize, LoaderErro
                 format!("group {group} exchanges piece {id}, which this rank's plan does not list"),
             )
         })
-}
-
-/// Puts the group and round into a transport error, which only knows the tag.
-fn in_round(error: LoaderError, group: u32, round: u32, tag: u64) -> LoaderError {
-    match error {
-        LoaderError::Transport { rank, peer, detail } => LoaderError::Transport {
-            rank,
-            peer,
-            detail: format!("group {group} round {round}: {detail}"),
-        },
-        LoaderError::PeerTimeout {
-            rank,
-            peer,
-            what,
-            waited,
-        } => LoaderError::PeerTimeout {
-            rank,
-            peer,
-            what: format!("group {group} round {round} (tag {tag:#x}): {what}"),
-            waited,
-        },
-        other => other,
-    }
 }
 
 /// Runs every ring exchange of `plan` over `transport`, placing what arrives into `buffers` (one

@@ -19,50 +19,12 @@ use tessera_planner::{RankPlan, StridedRuns};
 use super::{DataPlane, PlaneOp, check_runs};
 use crate::LoaderError;
 use crate::device::DeviceMemory;
-use crate::exchange::ExchangeStats;
-
-fn invalid(plan: &RankPlan, detail: String) -> LoaderError {
-    LoaderError::InvalidPlan {
-        detail: format!("rank {}: {detail}", plan.rank),
-    }
-}
+use crate::exchange::{ExchangeStats, invalid, piece_index};
 
 /// Puts the group and round into a data plane error.
 fn in_round(error: LoaderError, group: u32, round: u32) -> LoaderError {
-    match error {
-        LoaderError::Transport { rank, peer, detail } => LoaderError::Transport {
-            rank,
-            peer,
-            detail: format!("group {group} round {round}: {detail}"),
-        },
-        LoaderError::PeerTimeout {
-            rank,
-            peer,
-            what,
-            waited,
-        } => LoaderError::PeerTimeout {
-            rank,
-            peer,
-            what: format!("group {group} round {round}: {what}"),
-            waited,
-        },
-        LoaderError::Device { device, detail } => LoaderError::Device {
-            device,
-            detail: format!("group {group} round {round}: {detail}"),
-        },
-        other => other,
-    }
-}
-
-fn piece_index(plan: &RankPlan, id: u32, group: u32) -> Result<usize, LoaderError> {
-    plan.pieces
-        .binary_search_by_key(&id, |p| p.id)
-        .map_err(|_| {
-            invalid(
-                plan,
-                format!("group {group} exchanges piece {id}, which this rank's plan does not list"),
-            )
-        })
+    let context = format!("group {group} round {round}");
+    error.in_context(&context, &context)
 }
 
 /// Gathers the wire bytes of `pieces` (back to back) from their first destinations into `share`.

@@ -339,25 +339,7 @@ impl<P: DataPlane> Local<P> {
 }
 
 fn in_transfer(error: LoaderError, tag: u64) -> LoaderError {
-    match error {
-        LoaderError::Transport { rank, peer, detail } => LoaderError::Transport {
-            rank,
-            peer,
-            detail: format!("sending tag {tag:#x}: {detail}"),
-        },
-        LoaderError::PeerTimeout {
-            rank,
-            peer,
-            what,
-            waited,
-        } => LoaderError::PeerTimeout {
-            rank,
-            peer,
-            what: format!("tag {tag:#x}: {what}"),
-            waited,
-        },
-        other => other,
-    }
+    error.in_context(&format!("sending tag {tag:#x}"), &format!("tag {tag:#x}"))
 }
 
 /// One rank's end of a sequenced transport (see the module docs): a control transport `C` plus
