@@ -98,3 +98,32 @@ def s3_server(tmp_path_factory):
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
+
+
+TESSERA_BIN = Path(os.environ.get("TESSERA_BIN", TARGET / "debug" / "tessera"))
+
+
+@pytest.fixture
+def plan_server(tmp_path):
+    """`tessera serve` on a free loopback port over a catalog root (built by `make python-test`):
+    yields (catalog root, URL)."""
+    import re
+    import subprocess
+
+    if not TESSERA_BIN.exists():
+        pytest.fail(f"{TESSERA_BIN} is missing: build it with `cargo build --bin tessera`")
+    root = tmp_path / "catalog"
+    root.mkdir()
+    proc = subprocess.Popen(
+        [str(TESSERA_BIN), "serve", "--root", str(root), "--addr", "127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        found = re.search(r"listening on (http://\S+)", line)
+        if not found:
+            pytest.fail(f"tessera serve did not start: {line!r}, exit {proc.poll()}")
+        yield root, found.group(1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
