@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use tessera_loader::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, TransportOptions, conformance};
+use tessera_loader::transport_conformance_tests;
 
 const WORLD: u32 = 4;
 const TIMEOUT: Duration = Duration::from_secs(2);
@@ -42,80 +43,8 @@ async fn tcp_mesh() -> Vec<TcpTransport> {
     mesh
 }
 
-macro_rules! suite {
-    ($module:ident, $make:expr) => {
-        mod $module {
-            use super::*;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn point_to_point() {
-                conformance::point_to_point(&$make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn many_tags_out_of_order() {
-                conformance::many_tags_out_of_order(&$make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn sends_do_not_wait_for_recv() {
-                conformance::sends_do_not_wait_for_recv(&$make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn all_pairs_ring() {
-                conformance::all_pairs_ring(&$make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn large_message() {
-                conformance::large_message(&$make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn empty_message() {
-                conformance::empty_message(&$make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn send_to_self_is_an_error() {
-                conformance::send_to_self_is_an_error(&$make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn recv_times_out() {
-                conformance::recv_times_out(&$make, TIMEOUT).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn messages_sent_before_exit_are_delivered() {
-                conformance::messages_sent_before_exit_are_delivered($make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn peer_death_fails_fast() {
-                // Well under the transport timeout: death is noticed, not timed out.
-                conformance::peer_death_fails_fast($make, Duration::from_secs(1)).await;
-            }
-
-            /// The checks that leave the mesh clean also pass one after another on one mesh.
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn whole_suite_on_one_mesh() {
-                let mesh = $make;
-                conformance::point_to_point(&mesh).await;
-                conformance::many_tags_out_of_order(&mesh).await;
-                conformance::sends_do_not_wait_for_recv(&mesh).await;
-                conformance::all_pairs_ring(&mesh).await;
-                conformance::empty_message(&mesh).await;
-                conformance::send_to_self_is_an_error(&mesh).await;
-                conformance::messages_sent_before_exit_are_delivered(mesh).await;
-            }
-        }
-    };
-}
-
-suite!(inproc, inproc_mesh());
-suite!(tcp, tcp_mesh().await);
+transport_conformance_tests!(inproc, inproc_mesh(), TIMEOUT);
+transport_conformance_tests!(tcp, tcp_mesh().await, TIMEOUT);
 
 /// A world of one rank, in-process and over TCP (no rendezvous needed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

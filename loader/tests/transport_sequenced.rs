@@ -6,15 +6,15 @@
 
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use tessera_loader::LoaderError;
 use tessera_loader::device::DeviceMemory;
 use tessera_loader::plane::{DataPlane, PlaneOp, PlaneThread};
 use tessera_loader::rendezvous::RendezvousConfig;
 use tessera_loader::testing::{EmulatedPlane, HostMemory};
 use tessera_loader::transport::{
-    InProcTransport, SequencedTransport, TcpTransport, Transport, TransportOptions, conformance,
+    InProcTransport, SequencedTransport, TcpTransport, TransportOptions, conformance,
 };
+use tessera_loader::transport_conformance_tests;
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -67,120 +67,10 @@ async fn tcp_mesh(world: u32) -> Vec<SequencedTransport<TcpTransport, EmulatedPl
         .collect()
 }
 
-macro_rules! suite {
-    ($module:ident, $make:expr) => {
-        mod $module {
-            use super::*;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn point_to_point() {
-                conformance::point_to_point(&$make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn many_tags_out_of_order() {
-                conformance::many_tags_out_of_order(&$make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn sends_do_not_wait_for_recv() {
-                conformance::sends_do_not_wait_for_recv(&$make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn all_pairs_ring() {
-                conformance::all_pairs_ring(&$make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn large_message() {
-                conformance::large_message(&$make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn empty_message() {
-                conformance::empty_message(&$make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn send_to_self_is_an_error() {
-                conformance::send_to_self_is_an_error(&$make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn recv_times_out() {
-                conformance::recv_times_out(&$make, TIMEOUT).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn messages_sent_before_exit_are_delivered() {
-                conformance::messages_sent_before_exit_are_delivered($make).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn peer_death_fails_fast() {
-                conformance::peer_death_fails_fast($make, Duration::from_secs(1)).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn crossing_sends_do_not_deadlock() {
-                crossing_sends(&$make).await;
-            }
-
-            /// The checks that leave the mesh clean also pass one after another on one mesh.
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn whole_suite_on_one_mesh() {
-                let mesh = $make;
-                conformance::point_to_point(&mesh).await;
-                conformance::many_tags_out_of_order(&mesh).await;
-                conformance::sends_do_not_wait_for_recv(&mesh).await;
-                conformance::all_pairs_ring(&mesh).await;
-                conformance::empty_message(&mesh).await;
-                conformance::send_to_self_is_an_error(&mesh).await;
-                crossing_sends(&mesh).await;
-                conformance::messages_sent_before_exit_are_delivered(mesh).await;
-            }
-        }
-    };
-}
-
-suite!(inproc_world2, inproc_mesh(2));
-suite!(inproc_world3, inproc_mesh(3));
-suite!(inproc_world4, inproc_mesh(4));
-suite!(tcp_world3, tcp_mesh(3).await);
-
-/// What would deadlock NCCL issued naively: every rank sends to every other rank at the same
-/// time, several messages each, nobody receiving until all sends are done.
-async fn crossing_sends<T: Transport>(mesh: &[T]) {
-    let world = mesh.len() as u32;
-    let message = |from: u32, to: u32, k: u32| {
-        Bytes::from(vec![
-            (from * 16 + to * 4 + k) as u8;
-            1000 + (from * 7 + to + k) as usize
-        ])
-    };
-    let sends = mesh.iter().map(|t| async move {
-        let from = t.rank();
-        let all = (0..world)
-            .filter(|&to| to != from)
-            .flat_map(|to| (0..3).map(move |k| (to, k)))
-            .map(|(to, k)| t.send(to, 77 + u64::from(k), message(from, to, k)));
-        for sent in futures::future::join_all(all).await {
-            sent.unwrap();
-        }
-    });
-    tokio::time::timeout(Duration::from_secs(30), futures::future::join_all(sends))
-        .await
-        .expect("crossing sends deadlocked");
-    for t in mesh {
-        for from in (0..world).filter(|&f| f != t.rank()) {
-            for k in 0..3 {
-                let got = t.recv(from, 77 + u64::from(k)).await.unwrap();
-                assert_eq!(got, message(from, t.rank(), k), "{from} -> {}", t.rank());
-            }
-        }
-    }
-}
+transport_conformance_tests!(inproc_world2, inproc_mesh(2), TIMEOUT);
+transport_conformance_tests!(inproc_world3, inproc_mesh(3), TIMEOUT);
+transport_conformance_tests!(inproc_world4, inproc_mesh(4), TIMEOUT);
+transport_conformance_tests!(tcp_world3, tcp_mesh(3).await, TIMEOUT);
 
 /// A lone rank (NCCL's only configuration on one GPU): no peer to talk to, and it says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

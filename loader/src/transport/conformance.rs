@@ -312,6 +312,46 @@ pub async fn send_to_self_is_an_error<T: Transport>(mesh: &[T]) {
     }
 }
 
+/// Every rank sends to every other rank at once, several messages each, and nobody receives until
+/// all sends are done: buffered transports take this in stride; a transport over a rendezvous data
+/// plane (NCCL, where a send waits for its receive) deadlocks unless it orders transfers.
+pub async fn crossing_sends<T: Transport>(mesh: &[T]) {
+    const CHECK: &str = "crossing_sends";
+    let world = world_of(CHECK, mesh);
+    let message = |from: u32, to: u32, k: u64| {
+        payload(
+            from,
+            to,
+            77 + k,
+            1000 + (from * 7 + to) as usize + k as usize,
+        )
+    };
+    let sends = mesh.iter().map(|t| async move {
+        let from = t.rank();
+        let all = (0..world)
+            .filter(|&to| to != from)
+            .flat_map(|to| (0..3u64).map(move |k| (to, k)))
+            .map(|(to, k)| async move { (to, k, t.send(to, 77 + k, message(from, to, k)).await) });
+        for (to, k, sent) in join_all(all).await {
+            expect_ok(CHECK, &format!("rank {from} send {k} to {to}"), sent);
+        }
+    });
+    bounded(CHECK, join_all(sends)).await;
+    for t in mesh {
+        let to = t.rank();
+        for from in (0..world).filter(|&f| f != to) {
+            for k in 0..3u64 {
+                let got = expect_ok(
+                    CHECK,
+                    &format!("rank {to} recv {k} from {from}"),
+                    bounded(CHECK, t.recv(from, 77 + k)).await,
+                );
+                expect_payload(CHECK, from, to, 77 + k, &got, &message(from, to, k));
+            }
+        }
+    }
+}
+
 /// A world of one rank (the only NCCL configuration a single GPU allows): it is rank 0 of 1,
 /// and sending to or receiving from itself or anyone else fails at once, naming the peer.
 pub async fn lone_rank<T: Transport>(t: &T) {
@@ -453,4 +493,89 @@ pub async fn peer_death_fails_fast<T: Transport>(mut mesh: Vec<T>, within: Durat
             );
         }
     }
+}
+
+/// Declares `mod $module` with one tokio test per check of this suite, each on a fresh mesh from
+/// `$make` (an expression, `.await` allowed, evaluated in each test), plus the checks that leave
+/// the mesh clean run one after another on one mesh. `$timeout` is the mesh's
+/// [`super::TransportOptions::timeout`]. Used by every transport's test file, so that each runs
+/// the same suite.
+#[macro_export]
+macro_rules! transport_conformance_tests {
+    ($module:ident, $make:expr, $timeout:expr) => {
+        mod $module {
+            use super::*;
+            use $crate::transport::conformance;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn point_to_point() {
+                conformance::point_to_point(&$make).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn many_tags_out_of_order() {
+                conformance::many_tags_out_of_order(&$make).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sends_do_not_wait_for_recv() {
+                conformance::sends_do_not_wait_for_recv(&$make).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn crossing_sends() {
+                conformance::crossing_sends(&$make).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn all_pairs_ring() {
+                conformance::all_pairs_ring(&$make).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn large_message() {
+                conformance::large_message(&$make).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn empty_message() {
+                conformance::empty_message(&$make).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn send_to_self_is_an_error() {
+                conformance::send_to_self_is_an_error(&$make).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn recv_times_out() {
+                conformance::recv_times_out(&$make, $timeout).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn messages_sent_before_exit_are_delivered() {
+                conformance::messages_sent_before_exit_are_delivered($make).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn peer_death_fails_fast() {
+                // Well under the transport timeout: death is noticed, not timed out.
+                conformance::peer_death_fails_fast($make, std::time::Duration::from_secs(1)).await;
+            }
+
+            /// The checks that leave the mesh clean also pass one after another on one mesh.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn whole_suite_on_one_mesh() {
+                let mesh = $make;
+                conformance::point_to_point(&mesh).await;
+                conformance::many_tags_out_of_order(&mesh).await;
+                conformance::sends_do_not_wait_for_recv(&mesh).await;
+                conformance::crossing_sends(&mesh).await;
+                conformance::all_pairs_ring(&mesh).await;
+                conformance::empty_message(&mesh).await;
+                conformance::send_to_self_is_an_error(&mesh).await;
+                conformance::messages_sent_before_exit_are_delivered(mesh).await;
+            }
+        }
+    };
 }
