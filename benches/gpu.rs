@@ -14,18 +14,22 @@
 //! tensors for the comparison in BENCHMARKS.md.
 #![allow(missing_docs, clippy::unwrap_used)]
 
+#[path = "support/synth_fsdp.rs"]
+mod synth_fsdp;
+
 use std::time::Instant;
 
-use tessera::synth::{SynthOptions, synthesize};
 use tessera_loader::cuda::CudaDevice;
 use tessera_loader::device_load::{OnHost, load_rank_to_device};
-use tessera_loader::load::{Checkpoint, LoadOptions};
+use tessera_loader::load::LoadOptions;
 use tessera_loader::read::ReadOptions;
 use tessera_loader::staging::{StagingOptions, Upload};
 use tessera_loader::transport::{InProcTransport, TransportOptions};
-use tessera_metadata::synth::{self, Model};
+use tessera_metadata::synth;
 use tessera_planner::presets::fsdp;
 use tessera_planner::{PlanOptions, Target};
+
+use synth_fsdp::{bench_model, synth_fsdp4};
 
 fn gb(bytes: u64, seconds: f64) -> f64 {
     bytes as f64 / seconds / 1e9
@@ -117,40 +121,14 @@ fn h2d(device: &CudaDevice) {
 
 /// A synthetic checkpoint from page cache into GPU memory, whole tensors on one rank.
 fn end_to_end(device: &CudaDevice) {
-    let model: Model = std::env::var("TESSERA_BENCH_MODEL")
-        .unwrap_or_else(|_| "gpt-small".into())
-        .parse()
-        .unwrap();
+    let model = bench_model();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("run/step-000001").display().to_string();
-    let location = tessera_loader::storage::create(&ckpt).unwrap();
-    let manifest = runtime
-        .block_on(synthesize(
-            &tessera::storage::Location {
-                store: location.store.clone(),
-                prefix: location.prefix.clone(),
-                display: ckpt.clone(),
-            },
-            &fsdp(4).unwrap(),
-            &SynthOptions {
-                model,
-                optimizer: true,
-                metadata_only: false,
-                step: Some(1),
-                progress: false,
-            },
-        ))
-        .unwrap();
-    let total: u64 = manifest.files.iter().map(|f| f.size).sum();
-    let checkpoint = runtime
-        .block_on(Checkpoint::open(
-            tessera_loader::storage::open(&ckpt).unwrap(),
-        ))
-        .unwrap();
+    let bench = synth_fsdp4(&runtime, model);
+    let total = bench.bytes;
+    let checkpoint = &bench.checkpoint;
     let requests = fsdp(1).unwrap().resolve(checkpoint.meta.tensors()).unwrap();
     let plan = checkpoint
         .plan(&requests, &PlanOptions::default())
@@ -162,7 +140,7 @@ fn end_to_end(device: &CudaDevice) {
     println!(
         "end to end: {model} with optimizer states, {:.2} GB in {} files (fsdp dp4), into {} as whole tensors",
         total as f64 / 1e9,
-        manifest.files.len(),
+        bench.manifest.files.len(),
         device.label()
     );
     println!("| run | verify | seconds | read s | h2d s | h2d GB/s | end-to-end GB/s |");
@@ -183,7 +161,7 @@ fn end_to_end(device: &CudaDevice) {
             let started = Instant::now();
             let loaded = runtime
                 .block_on(load_rank_to_device(
-                    &checkpoint,
+                    checkpoint,
                     plan.clone(),
                     &transport,
                     &mut pool,

@@ -10,20 +10,23 @@
 #[path = "support/slice.rs"]
 mod slice;
 
+#[path = "support/synth_fsdp.rs"]
+mod synth_fsdp;
+
 use std::time::Instant;
 
 use futures::StreamExt;
 use object_store::ObjectStoreExt;
-use tessera::synth::{SynthOptions, synthesize};
 use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
 use tessera_loader::place::allocate;
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::InProcTransport;
 use tessera_loader::transport::TransportOptions;
 use tessera_metadata::row_major_strides;
-use tessera_metadata::synth::Model;
-use tessera_planner::presets::{MegatronGpt, fsdp, megatron_gpt};
+use tessera_planner::presets::{MegatronGpt, megatron_gpt};
 use tessera_planner::{PlanOptions, RankPlan};
+
+use synth_fsdp::{bench_model, synth_fsdp4};
 
 fn gb(bytes: u64, seconds: f64) -> f64 {
     bytes as f64 / seconds / 1e9
@@ -75,48 +78,21 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let model: Model = std::env::var("TESSERA_BENCH_MODEL")
-        .unwrap_or_else(|_| "gpt-small".into())
-        .parse()
-        .unwrap();
+    let model = bench_model();
     let layers = model.config().num_layers;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("run/step-000001").display().to_string();
-    let location = tessera_loader::storage::create(&ckpt).unwrap();
-    let started = Instant::now();
-    let manifest = runtime
-        .block_on(synthesize(
-            &tessera::storage::Location {
-                store: location.store.clone(),
-                prefix: location.prefix.clone(),
-                display: ckpt.clone(),
-            },
-            &fsdp(4).unwrap(),
-            &SynthOptions {
-                model,
-                optimizer: true,
-                metadata_only: false,
-                step: Some(1),
-                progress: false,
-            },
-        ))
-        .unwrap();
-    let total: u64 = manifest.files.iter().map(|f| f.size).sum();
+    let bench = synth_fsdp4(&runtime, model);
+    let total = bench.bytes;
     println!(
         "model {model} with optimizer states saved fsdp dp4: {:.2} GB in {} files (synth {:.1} s)",
         total as f64 / 1e9,
-        manifest.files.len(),
-        started.elapsed().as_secs_f64()
+        bench.manifest.files.len(),
+        bench.synth_seconds
     );
-    let checkpoint = runtime
-        .block_on(Checkpoint::open(
-            tessera_loader::storage::open(&ckpt).unwrap(),
-        ))
-        .unwrap();
+    let checkpoint = &bench.checkpoint;
     let target = megatron_gpt(MegatronGpt {
         tp: 2,
         pp: 1,
@@ -135,7 +111,7 @@ fn main() {
             runtime.block_on(async {
                 let started = Instant::now();
                 let bytes: u64 =
-                    futures::stream::iter(manifest.files.iter().map(|f| {
+                    futures::stream::iter(bench.manifest.files.iter().map(|f| {
                         let store = checkpoint.location.store.clone();
                         let path = checkpoint
                             .location
