@@ -13,7 +13,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use futures::future::Either;
 use futures::stream::FuturesUnordered;
-use tessera_planner::RankPlan;
+use tessera_planner::{RankPlan, Round};
 
 use crate::LoaderError;
 use crate::place::{gather_piece, place_piece};
@@ -79,6 +79,56 @@ pub(crate) fn piece_index(plan: &RankPlan, id: u32, group: u32) -> Result<usize,
         })
 }
 
+/// Which half of a round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Direction {
+    /// The pieces this rank sends.
+    Send,
+    /// The pieces this rank receives.
+    Recv,
+}
+
+/// A round's pieces in one direction as indices into `plan.pieces`, with their total bytes,
+/// checked against the plan: every piece is listed, a piece sent is one this rank reads, and the
+/// bytes are what the round declares. (Shared with the device ring.)
+pub(crate) fn round_pieces(
+    plan: &RankPlan,
+    group: u32,
+    round: &Round,
+    direction: Direction,
+) -> Result<(Vec<usize>, u64), LoaderError> {
+    let r = round.round;
+    let (ids, declared, verb) = match direction {
+        Direction::Send => (&round.send, round.send_bytes, "send"),
+        Direction::Recv => (&round.recv, round.recv_bytes, "receive"),
+    };
+    let pieces = ids
+        .iter()
+        .map(|&id| {
+            let index = piece_index(plan, id, group)?;
+            if direction == Direction::Send && plan.pieces[index].read.is_none() {
+                return Err(invalid(
+                    plan,
+                    format!(
+                        "group {group} round {r} sends piece {id}, which this rank does not read"
+                    ),
+                ));
+            }
+            Ok(index)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let bytes: u64 = pieces.iter().map(|&i| plan.pieces[i].bytes).sum();
+    if bytes != declared {
+        return Err(invalid(
+            plan,
+            format!(
+                "group {group} round {r}: the pieces to {verb} hold {bytes} bytes but the round says {declared}"
+            ),
+        ));
+    }
+    Ok((pieces, bytes))
+}
+
 /// Runs every ring exchange of `plan` over `transport`, placing what arrives into `buffers` (one
 /// per plan destination, as from [`crate::place::allocate`]).
 ///
@@ -127,18 +177,9 @@ pub async fn run_exchanges<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
                 let data = match &share {
                     Some((ids, data)) if *ids == round.send => data.clone(),
                     _ => {
-                        let mut message = Vec::with_capacity(round.send_bytes as usize);
-                        for &id in &round.send {
-                            let index = piece_index(plan, id, group)?;
-                            if plan.pieces[index].read.is_none() {
-                                return Err(invalid(
-                                    plan,
-                                    format!(
-                                        "group {group} round {} sends piece {id}, which this rank does not read",
-                                        round.round
-                                    ),
-                                ));
-                            }
+                        let (pieces, bytes) = round_pieces(plan, group, round, Direction::Send)?;
+                        let mut message = Vec::with_capacity(bytes as usize);
+                        for index in pieces {
                             message.extend_from_slice(&gather_piece(plan, index, buffers)?);
                         }
                         let data = Bytes::from(message);
@@ -167,21 +208,7 @@ pub async fn run_exchanges<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
                 });
             }
             if !round.recv.is_empty() {
-                let pieces = round
-                    .recv
-                    .iter()
-                    .map(|&id| piece_index(plan, id, group))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let bytes: u64 = pieces.iter().map(|&i| plan.pieces[i].bytes).sum();
-                if bytes != round.recv_bytes {
-                    return Err(invalid(
-                        plan,
-                        format!(
-                            "group {group} round {}: the pieces to receive hold {bytes} bytes but the round says {}",
-                            round.round, round.recv_bytes
-                        ),
-                    ));
-                }
+                let (pieces, bytes) = round_pieces(plan, group, round, Direction::Recv)?;
                 plan_received += bytes;
                 incoming.push(Incoming {
                     group,

@@ -19,7 +19,7 @@ use tessera_planner::{RankPlan, StridedRuns};
 use super::{DataPlane, PlaneOp, check_runs};
 use crate::LoaderError;
 use crate::device::DeviceMemory;
-use crate::exchange::{ExchangeStats, invalid, piece_index};
+use crate::exchange::{Direction, ExchangeStats, invalid, round_pieces};
 
 /// Puts the group and round into a data plane error.
 fn in_round(error: LoaderError, group: u32, round: u32) -> LoaderError {
@@ -153,53 +153,14 @@ pub fn ring_exchange<P: DataPlane>(
             let send = if round.send.is_empty() {
                 None
             } else {
-                let pieces = round
-                    .send
-                    .iter()
-                    .map(|&id| {
-                        let index = piece_index(plan, id, group)?;
-                        if plan.pieces[index].read.is_none() {
-                            return Err(invalid(
-                                plan,
-                                format!(
-                                    "group {group} round {r} sends piece {id}, which this rank does not read"
-                                ),
-                            ));
-                        }
-                        Ok(index)
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                let bytes: u64 = pieces.iter().map(|&i| plan.pieces[i].bytes).sum();
-                if bytes != round.send_bytes {
-                    return Err(invalid(
-                        plan,
-                        format!(
-                            "group {group} round {r}: the pieces to send hold {bytes} bytes but the round says {}",
-                            round.send_bytes
-                        ),
-                    ));
-                }
+                let (pieces, bytes) = round_pieces(plan, group, round, Direction::Send)?;
                 plan_sent += bytes;
                 Some((round.send_to, pieces, bytes))
             };
             let recv = if round.recv.is_empty() {
                 None
             } else {
-                let pieces = round
-                    .recv
-                    .iter()
-                    .map(|&id| piece_index(plan, id, group))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let bytes: u64 = pieces.iter().map(|&i| plan.pieces[i].bytes).sum();
-                if bytes != round.recv_bytes {
-                    return Err(invalid(
-                        plan,
-                        format!(
-                            "group {group} round {r}: the pieces to receive hold {bytes} bytes but the round says {}",
-                            round.recv_bytes
-                        ),
-                    ));
-                }
+                let (pieces, bytes) = round_pieces(plan, group, round, Direction::Recv)?;
                 plan_received += bytes;
                 Some((round.recv_from, pieces, bytes))
             };
