@@ -14,11 +14,10 @@ use std::time::Instant;
 use tessera_planner::RankPlan;
 
 use crate::device::DeviceMemory;
-use crate::exchange::{ExchangeStats, run_exchanges};
+use crate::exchange::{ExchangeStats, check_buffer_sizes, check_rank, run_exchanges};
 use crate::load::{Checkpoint, LoadOptions, RankReport};
 use crate::plane::DataPlane;
 use crate::plane::ring::ring_exchange;
-use crate::read::read_into;
 use crate::staging::{CopyEngine, StagingPool, Upload, UploadStats};
 use crate::transport::{SequencedTransport, Transport};
 use crate::{LoaderError, place};
@@ -134,31 +133,12 @@ pub fn check_destinations<B: DeviceMemory>(
     plan: &RankPlan,
     destinations: &[B],
 ) -> Result<(), LoaderError> {
-    let wrong = |detail: String| LoaderError::Device {
-        device: device.to_string(),
-        detail: format!("rank {}: {detail}", plan.rank),
-    };
-    if destinations.len() != plan.destinations.len() {
-        return Err(wrong(format!(
-            "{} destination buffers given for the plan's {} destinations",
-            destinations.len(),
-            plan.destinations.len()
-        )));
-    }
-    for (i, (buffer, dest)) in destinations.iter().zip(&plan.destinations).enumerate() {
-        if buffer.len() as u64 != dest.bytes {
-            let fqn = plan
-                .tensors
-                .get(dest.tensor as usize)
-                .map_or("?", |t| t.fqn.as_str());
-            return Err(wrong(format!(
-                "destination {i} ({fqn}) is {} bytes but the plan needs {}",
-                buffer.len(),
-                dest.bytes
-            )));
+    check_buffer_sizes(plan, destinations.iter().map(|b| b.len() as u64)).map_err(|detail| {
+        LoaderError::Device {
+            device: device.to_string(),
+            detail: format!("rank {}: {detail}", plan.rank),
         }
-    }
-    Ok(())
+    })
 }
 
 /// Runs `f`, which blocks, where a tokio worker may block (a multi-thread runtime moves its
@@ -189,35 +169,11 @@ where
     E: CopyEngine,
     X: DeviceExchange<E::Target>,
 {
-    if plan.rank != exchange.rank() || plan.world != exchange.world() {
-        return Err(LoaderError::InvalidPlan {
-            detail: format!(
-                "plan is for rank {} of {} but the transport is rank {} of {}",
-                plan.rank,
-                plan.world,
-                exchange.rank(),
-                exchange.world()
-            ),
-        });
-    }
+    check_rank(&plan, exchange.rank(), exchange.world())?;
     check_destinations(&staging.engine().device(), &plan, &destinations)?;
     let started = Instant::now();
     let mut host = place::allocate(&plan);
-    let progress = options.progress.clone();
-    let progress_fn = progress.as_ref().map(|p| {
-        let p = Arc::clone(p);
-        move |bytes: u64| p(bytes)
-    });
-    let read = read_into(
-        Arc::clone(&checkpoint.location.store),
-        &checkpoint.location.prefix,
-        &plan,
-        checkpoint.checksums.as_deref(),
-        &options.read,
-        &mut host,
-        progress_fn.as_ref().map(|f| f as &(dyn Fn(u64) + Sync)),
-    )
-    .await?;
+    let read = checkpoint.read_into(&plan, options, &mut host).await?;
     let read_seconds = started.elapsed().as_secs_f64();
 
     let exchange_started = Instant::now();

@@ -67,6 +67,49 @@ pub(crate) fn invalid(plan: &RankPlan, detail: String) -> LoaderError {
     }
 }
 
+/// Checks that a rank's transport (or data plane) is the one `plan` is for.
+pub(crate) fn check_rank(plan: &RankPlan, rank: u32, world: u32) -> Result<(), LoaderError> {
+    if rank != plan.rank || world != plan.world {
+        return Err(invalid(
+            plan,
+            format!(
+                "the plan is for rank {} of {} but the transport is rank {rank} of {world}",
+                plan.rank, plan.world
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a rank's destination buffers, given by their sizes, against `plan`: one per plan
+/// destination, each of its destination's bytes. The detail names the first mismatch (callers
+/// wrap it in their error: host or device memory).
+pub(crate) fn check_buffer_sizes(
+    plan: &RankPlan,
+    sizes: impl ExactSizeIterator<Item = u64>,
+) -> Result<(), String> {
+    if sizes.len() != plan.destinations.len() {
+        return Err(format!(
+            "{} destination buffers given for the plan's {} destinations",
+            sizes.len(),
+            plan.destinations.len()
+        ));
+    }
+    for (i, (len, dest)) in sizes.zip(&plan.destinations).enumerate() {
+        if len != dest.bytes {
+            let fqn = plan
+                .tensors
+                .get(dest.tensor as usize)
+                .map_or("?", |t| t.fqn.as_str());
+            return Err(format!(
+                "destination {i} ({fqn}) is {len} bytes but the plan needs {}",
+                dest.bytes
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Index into `plan.pieces` of the piece with plan-wide id `id` (pieces are in id order).
 pub(crate) fn piece_index(plan: &RankPlan, id: u32, group: u32) -> Result<usize, LoaderError> {
     plan.pieces
@@ -141,28 +184,9 @@ pub async fn run_exchanges<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
     buffers: &mut [B],
 ) -> Result<ExchangeStats, LoaderError> {
     let start = Instant::now();
-    if transport.rank() != plan.rank || transport.world() != plan.world {
-        return Err(invalid(
-            plan,
-            format!(
-                "the plan is for rank {} of {} but the transport is rank {} of {}",
-                plan.rank,
-                plan.world,
-                transport.rank(),
-                transport.world()
-            ),
-        ));
-    }
-    if buffers.len() != plan.destinations.len() {
-        return Err(invalid(
-            plan,
-            format!(
-                "{} destination buffers given for {} destinations",
-                buffers.len(),
-                plan.destinations.len()
-            ),
-        ));
-    }
+    check_rank(plan, transport.rank(), transport.world())?;
+    check_buffer_sizes(plan, buffers.iter().map(|b| b.as_ref().len() as u64))
+        .map_err(|detail| invalid(plan, detail))?;
 
     let mut outgoing: Vec<Outgoing> = Vec::new();
     let mut incoming: Vec<Incoming> = Vec::new();

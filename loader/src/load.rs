@@ -11,8 +11,8 @@ use tessera_metadata::native::{BlockChecksums, Manifest};
 use tessera_metadata::{CheckpointMeta, Format, OpenOptions, open_any};
 use tessera_planner::{Plan, PlanOptions, RankPlan, RequestSet, plan};
 
-use crate::exchange::run_exchanges;
-use crate::read::{ReadOptions, read_into};
+use crate::exchange::{check_buffer_sizes, check_rank, invalid, run_exchanges};
+use crate::read::{ReadOptions, ReadStats, read_into};
 use crate::storage::Location;
 use crate::transport::Transport;
 use crate::{LoaderError, place};
@@ -65,6 +65,30 @@ impl Checkpoint {
             meta: Arc::new(opened.meta),
             checksums: opened.block_checksums.map(Arc::new),
         })
+    }
+
+    /// Reads the pieces `plan` has this rank read, verified when the checkpoint has block
+    /// checksums, straight into `buffers` (one per plan destination), reporting progress as
+    /// `options` says.
+    pub async fn read_into<B: AsMut<[u8]>>(
+        &self,
+        plan: &RankPlan,
+        options: &LoadOptions,
+        buffers: &mut [B],
+    ) -> Result<ReadStats, LoaderError> {
+        read_into(
+            Arc::clone(&self.location.store),
+            &self.location.prefix,
+            plan,
+            self.checksums.as_deref(),
+            &options.read,
+            buffers,
+            options
+                .progress
+                .as_deref()
+                .map(|p| p as &(dyn Fn(u64) + Sync)),
+        )
+        .await
     }
 
     /// Plans `requests` against this checkpoint (the embedded plan source).
@@ -164,58 +188,11 @@ pub async fn load_rank_into<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
     options: &LoadOptions,
     buffers: &mut [B],
 ) -> Result<RankReport, LoaderError> {
-    if plan.rank != transport.rank() || plan.world != transport.world() {
-        return Err(LoaderError::InvalidPlan {
-            detail: format!(
-                "plan is for rank {} of {} but the transport is rank {} of {}",
-                plan.rank,
-                plan.world,
-                transport.rank(),
-                transport.world()
-            ),
-        });
-    }
-    if buffers.len() != plan.destinations.len() {
-        return Err(LoaderError::InvalidPlan {
-            detail: format!(
-                "rank {}: {} destination buffers given for {} destinations",
-                plan.rank,
-                buffers.len(),
-                plan.destinations.len()
-            ),
-        });
-    }
-    for (index, (buffer, destination)) in buffers.iter().zip(&plan.destinations).enumerate() {
-        let len = buffer.as_ref().len() as u64;
-        if len != destination.bytes {
-            return Err(LoaderError::InvalidPlan {
-                detail: format!(
-                    "rank {}: destination {index} ({}) needs {} bytes but its buffer has {len}",
-                    plan.rank,
-                    plan.tensors
-                        .get(destination.tensor as usize)
-                        .map_or("?", |t| t.fqn.as_str()),
-                    destination.bytes
-                ),
-            });
-        }
-    }
+    check_rank(plan, transport.rank(), transport.world())?;
+    check_buffer_sizes(plan, buffers.iter().map(|b| b.as_ref().len() as u64))
+        .map_err(|detail| invalid(plan, detail))?;
     let started = Instant::now();
-    let progress = options.progress.clone();
-    let progress_fn = progress.as_ref().map(|p| {
-        let p = Arc::clone(p);
-        move |bytes: u64| p(bytes)
-    });
-    let stats = read_into(
-        Arc::clone(&checkpoint.location.store),
-        &checkpoint.location.prefix,
-        plan,
-        checkpoint.checksums.as_deref(),
-        &options.read,
-        buffers,
-        progress_fn.as_ref().map(|f| f as &(dyn Fn(u64) + Sync)),
-    )
-    .await?;
+    let stats = checkpoint.read_into(plan, options, buffers).await?;
     let read_seconds = started.elapsed().as_secs_f64();
     let exchanged = run_exchanges(transport, plan, buffers).await?;
     Ok(RankReport {

@@ -19,7 +19,7 @@ use tessera_planner::{RankPlan, StridedRuns};
 use super::{DataPlane, PlaneOp, check_runs};
 use crate::LoaderError;
 use crate::device::DeviceMemory;
-use crate::exchange::{Direction, ExchangeStats, invalid, round_pieces};
+use crate::exchange::{Direction, ExchangeStats, check_buffer_sizes, invalid, round_pieces};
 
 /// Puts the group and round into a data plane error.
 fn in_round(error: LoaderError, group: u32, round: u32) -> LoaderError {
@@ -116,28 +116,8 @@ pub fn ring_exchange<P: DataPlane>(
     destinations: &[P::Buffer],
 ) -> Result<ExchangeStats, LoaderError> {
     let start = Instant::now();
-    if destinations.len() != plan.destinations.len() {
-        return Err(invalid(
-            plan,
-            format!(
-                "{} destination buffers given for {} destinations",
-                destinations.len(),
-                plan.destinations.len()
-            ),
-        ));
-    }
-    for (i, (buffer, dest)) in destinations.iter().zip(&plan.destinations).enumerate() {
-        if buffer.len() as u64 != dest.bytes {
-            return Err(invalid(
-                plan,
-                format!(
-                    "destination {i} has {} bytes but the plan says {}",
-                    buffer.len(),
-                    dest.bytes
-                ),
-            ));
-        }
-    }
+    check_buffer_sizes(plan, destinations.iter().map(|b| b.len() as u64))
+        .map_err(|detail| invalid(plan, detail))?;
     // Every rank must walk the pairs in the same order: ascending group, then round. All of it
     // is checked before anything moves, so a bad plan fails here instead of stranding peers.
     let mut exchanges: Vec<_> = plan.exchanges.iter().collect();
