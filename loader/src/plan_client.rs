@@ -334,6 +334,19 @@ fn error_chain(error: &dyn std::error::Error) -> String {
     text
 }
 
+/// The id a tessera server gives the checkpoint at `location`: its last two path components,
+/// `<run>/<step>` (the server lists `<run>/<step>` directories of its root). `None` when the
+/// location has fewer than two, or when the next-to-last is a URL scheme.
+pub fn server_checkpoint_id(location: &str) -> Option<String> {
+    let parts: Vec<&str> = location.trim_end_matches('/').rsplit('/').take(2).collect();
+    match parts.as_slice() {
+        [step, run] if !step.is_empty() && !run.is_empty() && !run.contains(':') => {
+            Some(format!("{run}/{step}"))
+        }
+        _ => None,
+    }
+}
+
 /// Plans `target` against `checkpoint_id` on the server at `server_url` and fetches rank
 /// `rank`'s plan: what one rank of a job does at start.
 pub async fn fetch_rank_plan(

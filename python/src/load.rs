@@ -15,7 +15,9 @@ use anyhow::{Context, Result, anyhow, bail};
 use bytes::Bytes;
 use pyo3::prelude::*;
 use tessera_loader::load::{Checkpoint, LoadOptions, RankReport, load_rank_into};
-use tessera_loader::plan_client::{PlanClient, PlanClientOptions, PlanTarget};
+use tessera_loader::plan_client::{
+    PlanClient, PlanClientOptions, PlanTarget, server_checkpoint_id,
+};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::storage;
 use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
@@ -161,19 +163,6 @@ struct Server {
     url: String,
     checkpoint_id: String,
     token: Option<String>,
-}
-
-/// The server-side id of a checkpoint location: its last two path components (`<run>/<step>`).
-fn default_checkpoint_id(location: &str) -> Result<String> {
-    let parts: Vec<&str> = location.trim_end_matches('/').rsplit('/').take(2).collect();
-    match parts.as_slice() {
-        [step, run] if !step.is_empty() && !run.is_empty() && !run.contains(':') => {
-            Ok(format!("{run}/{step}"))
-        }
-        _ => bail!(
-            "cannot tell the server's id of checkpoint {location:?}: pass checkpoint_id=\"<run>/<step>\""
-        ),
-    }
 }
 
 /// Plans `requests` (every rank's) and returns rank `rank`'s plan: on the server when given,
@@ -502,7 +491,13 @@ pub fn load_into(
         Some(url) => Some(Server {
             checkpoint_id: match checkpoint_id {
                 Some(id) => id,
-                None => default_checkpoint_id(&checkpoint).map_err(py_error)?,
+                None => server_checkpoint_id(&checkpoint)
+                    .ok_or_else(|| {
+                        anyhow!(
+                            "cannot tell the server's id of checkpoint {checkpoint:?}: pass checkpoint_id=\"<run>/<step>\""
+                        )
+                    })
+                    .map_err(py_error)?,
             },
             url,
             token,

@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use tessera_loader::device::{CUDA_BUILT, DeviceSpec, cuda_not_built};
 use tessera_loader::load::{Checkpoint, LoadOptions, LoadedRank, RankReport, load_rank};
-use tessera_loader::plan_client::{CreatedPlan, PlanClient, PlanClientOptions, PlanTarget};
+use tessera_loader::plan_client::{
+    CreatedPlan, PlanClient, PlanClientOptions, PlanTarget, server_checkpoint_id,
+};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::rendezvous::RendezvousConfig;
 use tessera_loader::transport::InProcTransport;
@@ -131,23 +133,15 @@ impl Planned {
     }
 }
 
-/// The server-side id of a checkpoint location: its last two path components.
-fn default_checkpoint_id(location: &str) -> Result<String> {
-    let parts: Vec<&str> = location.trim_end_matches('/').rsplit('/').take(2).collect();
-    match parts.as_slice() {
-        [step, run] if !step.is_empty() && !run.is_empty() && !run.contains(':') => {
-            Ok(format!("{run}/{step}"))
-        }
-        _ => {
-            bail!("cannot tell the server-side id of {location}; give --checkpoint-id <run>/<step>")
-        }
-    }
-}
-
 async fn plan_on_server(args: &LoadArgs, server: &str) -> Result<Planned> {
     let id = match &args.checkpoint_id {
         Some(id) => id.clone(),
-        None => default_checkpoint_id(&args.checkpoint)?,
+        None => server_checkpoint_id(&args.checkpoint).with_context(|| {
+            format!(
+                "cannot tell the server-side id of {}; give --checkpoint-id <run>/<step>",
+                args.checkpoint
+            )
+        })?,
     };
     let target = match (&args.layout, &args.requests) {
         (Some(layout), None) => PlanTarget::Layout(super::read_layout(layout)?),
