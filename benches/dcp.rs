@@ -15,6 +15,9 @@ mod slice;
 #[path = "support/dcp_writer.rs"]
 mod dcp_writer;
 
+#[path = "support/model.rs"]
+mod model;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,11 +28,13 @@ use tessera_loader::place::allocate;
 use tessera_loader::transport::{InProcTransport, TransportOptions};
 use tessera_metadata::dcp::blob::parse_tensor_blob;
 use tessera_metadata::dcp::zip::Segments;
-use tessera_metadata::synth::{self, Model};
+use tessera_metadata::synth;
 use tessera_planner::presets::{MegatronGpt, fsdp, megatron_gpt};
 use tessera_planner::{PlanOptions, RankPlan, Target, assign_writers};
 
 use dcp_writer::BlobExtent;
+
+use model::bench_model;
 
 fn gb(bytes: u64, seconds: f64) -> f64 {
     bytes as f64 / seconds / 1e9
@@ -101,10 +106,7 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let model: Model = std::env::var("TESSERA_BENCH_MODEL")
-        .unwrap_or_else(|_| "gpt-small".into())
-        .parse()
-        .unwrap();
+    let model = bench_model("gpt-small");
     let layers = model.config().num_layers;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

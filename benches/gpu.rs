@@ -17,6 +17,9 @@
 #[path = "support/synth_fsdp.rs"]
 mod synth_fsdp;
 
+#[path = "support/model.rs"]
+mod model;
+
 use std::time::Instant;
 
 use tessera_loader::cuda::CudaDevice;
@@ -29,7 +32,8 @@ use tessera_metadata::synth;
 use tessera_planner::presets::fsdp;
 use tessera_planner::{PlanOptions, Target};
 
-use synth_fsdp::{bench_model, synth_fsdp4};
+use model::bench_model;
+use synth_fsdp::synth_fsdp4;
 
 fn gb(bytes: u64, seconds: f64) -> f64 {
     bytes as f64 / seconds / 1e9
@@ -121,7 +125,7 @@ fn h2d(device: &CudaDevice) {
 
 /// A synthetic checkpoint from page cache into GPU memory, whole tensors on one rank.
 fn end_to_end(device: &CudaDevice) {
-    let model = bench_model();
+    let model = bench_model("gpt-small");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -13,6 +13,9 @@ mod slice;
 #[path = "support/synth_fsdp.rs"]
 mod synth_fsdp;
 
+#[path = "support/model.rs"]
+mod model;
+
 use std::time::Instant;
 
 use futures::StreamExt;
@@ -26,7 +29,8 @@ use tessera_metadata::row_major_strides;
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
 use tessera_planner::{PlanOptions, RankPlan};
 
-use synth_fsdp::{bench_model, synth_fsdp4};
+use model::bench_model;
+use synth_fsdp::synth_fsdp4;
 
 fn gb(bytes: u64, seconds: f64) -> f64 {
     bytes as f64 / seconds / 1e9
@@ -78,7 +82,7 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let model = bench_model();
+    let model = bench_model("gpt-small");
     let layers = model.config().num_layers;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

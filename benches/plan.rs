@@ -8,6 +8,9 @@
 #![allow(missing_docs, clippy::unwrap_used)]
 #![allow(unsafe_code)]
 
+#[path = "support/model.rs"]
+mod model;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,10 +21,11 @@ use object_store::path::Path;
 use tessera::storage::Location;
 use tessera::synth::{SynthOptions, synthesize};
 use tessera_metadata::native::open_checkpoint;
-use tessera_metadata::synth::Model;
 use tessera_planner::baseline::all_pairs_read_items;
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
 use tessera_planner::{PlanOptions, plan};
+
+use model::bench_model;
 
 /// Counts live heap bytes and their peak, so memory is measured exactly per phase (RSS would
 /// include memory freed by earlier phases and kept by the allocator).
@@ -69,10 +73,7 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let model: Model = std::env::var("TESSERA_BENCH_MODEL")
-        .unwrap_or_else(|_| "llama3-405b".to_string())
-        .parse()
-        .unwrap();
+    let model = bench_model("llama3-405b");
     let layers = model.config().num_layers;
     let saved = MegatronGpt {
         tp: 8,

@@ -8,14 +8,18 @@
 //! is bounded. `TESSERA_BENCH_MODEL=llama3-8b` runs a smaller case.
 #![allow(missing_docs, clippy::unwrap_used)]
 
+#[path = "support/model.rs"]
+mod model;
+
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use tessera::synth::{SynthOptions, synthesize};
 use tessera_loader::plan_client::{PlanClient, PlanClientOptions, PlanTarget};
-use tessera_metadata::synth::Model;
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
 use tessera_server::{AppState, ServerConfig, serve};
+
+use model::bench_model;
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
@@ -25,10 +29,7 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let model: Model = std::env::var("TESSERA_BENCH_MODEL")
-        .unwrap_or_else(|_| "llama3-405b".into())
-        .parse()
-        .unwrap();
+    let model = bench_model("llama3-405b");
     let layers = model.config().num_layers;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -27,14 +27,6 @@ pub struct BenchCheckpoint {
     pub checkpoint: Checkpoint,
 }
 
-/// The model of `TESSERA_BENCH_MODEL` (default gpt-small).
-pub fn bench_model() -> Model {
-    std::env::var("TESSERA_BENCH_MODEL")
-        .unwrap_or_else(|_| "gpt-small".into())
-        .parse()
-        .unwrap()
-}
-
 /// Writes `model` with optimizer states saved `fsdp --dp 4` and opens it.
 pub fn synth_fsdp4(runtime: &tokio::runtime::Runtime, model: Model) -> BenchCheckpoint {
     let dir = tempfile::tempdir().unwrap();
