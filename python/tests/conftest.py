@@ -64,6 +64,15 @@ def reference(name: str, layout: str) -> dict:
     return json.loads((fixture(name) / f"reference_{layout}.json").read_text())
 
 
+def rank_state(ref: dict, rank: int) -> dict:
+    """Rank `rank`'s state dict for a reference layout: an `(array, global offsets)` pair per
+    tensor, of torch's local shape."""
+    return {
+        fqn: (empty(t["dtype"], t["ranks"][rank]["local_shape"]), t["ranks"][rank]["global_offset"])
+        for fqn, t in ref["tensors"].items()
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

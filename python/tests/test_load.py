@@ -17,6 +17,7 @@ from conftest import (
     expected_tensors,
     fixture,
     free_port,
+    rank_state,
     reference,
     sha256,
 )
@@ -30,14 +31,6 @@ def test_whole_tensors_match_expected(name):
     assert report["bytes_needed"] == sum(a.nbytes for a in state.values())
     for fqn, t in tensors.items():
         assert sha256(state[fqn]) == t["sha256"], fqn
-
-
-def rank_state(ref: dict, rank: int) -> dict:
-    state = {}
-    for fqn, t in ref["tensors"].items():
-        part = t["ranks"][rank]
-        state[fqn] = (empty(t["dtype"], part["local_shape"]), part["global_offset"])
-    return state
 
 
 @pytest.mark.parametrize("name", DCP_FIXTURES + ["f_hf_w1_full"])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tessera
-from conftest import empty, expected_tensors, fixture, reference, sha256
+from conftest import empty, expected_tensors, fixture, rank_state, reference, sha256
 
 
 def test_dcp_fixture_through_s3(s3_server):
@@ -16,10 +16,7 @@ def test_dcp_fixture_through_s3(s3_server):
     shutil.copytree(fixture("c_w4_dp2_tp2"), root / "ckpts" / "c")
     ref = reference("c_w4_dp2_tp2", "w3_shard0")
     for rank in range(ref["world_size"]):
-        state = {
-            fqn: (empty(t["dtype"], t["ranks"][rank]["local_shape"]), t["ranks"][rank]["global_offset"])
-            for fqn, t in ref["tensors"].items()
-        }
+        state = rank_state(ref, rank)
         report = tessera.load(
             "s3://ckpts/c", state, rank=rank, world_size=3, storage_options=env, progress=False
         )

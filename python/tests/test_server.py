@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 import tessera
-from conftest import empty, fixture, free_port, reference, sha256
+from conftest import empty, fixture, free_port, rank_state, reference, sha256
 
 C = "c_w4_dp2_tp2"
 
@@ -22,19 +22,12 @@ def plan_computations(url: str) -> int:
     return int(re.search(r"^tessera_plan_computations_total (\d+)$", text, re.M).group(1))
 
 
-def _state(ref, rank):
-    return {
-        fqn: (empty(t["dtype"], t["ranks"][rank]["local_shape"]), t["ranks"][rank]["global_offset"])
-        for fqn, t in ref["tensors"].items()
-    }
-
-
 def test_independent_ranks_plan_on_the_server(plan_server):
     root, url = plan_server
     shutil.copytree(fixture(C), root / "fixtures" / "c")
     ref = reference(C, "w2_shard1")
     for rank in range(2):
-        state = _state(ref, rank)
+        state = rank_state(ref, rank)
         tessera.load(str(root / "fixtures" / "c"), state, rank=rank, world_size=2, server=url, progress=False)
         for fqn, t in ref["tensors"].items():
             assert sha256(state[fqn][0]) == t["ranks"][rank]["sha256"], (fqn, rank)
@@ -45,7 +38,7 @@ def test_independent_ranks_plan_on_the_server(plan_server):
 def _exchange_rank(args):
     path, url, rank, world, port = args
     ref = reference(C, "w3_shard0")
-    state = _state(ref, rank)
+    state = rank_state(ref, rank)
     report = tessera.load(
         path, state, rank=rank, world_size=world, exchange=True, master_addr="127.0.0.1",
         master_port=port, server=url, checkpoint_id="fixtures/c", progress=False, timeout=60,
