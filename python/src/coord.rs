@@ -3,8 +3,11 @@
 
 use std::time::Duration;
 
+use anyhow::{Context, Result};
 use bytes::Bytes;
 use futures::future::try_join_all;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use tessera_loader::LoaderError;
 use tessera_loader::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{TcpTransport, Transport, TransportOptions};
@@ -26,13 +29,37 @@ pub async fn connect(
     addr: &str,
     port: u16,
     timeout: Duration,
-) -> Result<TcpTransport, LoaderError> {
-    let config = RendezvousConfig::new(rank, world, addr, port)?;
-    TcpTransport::connect(&config, TransportOptions::with_timeout(timeout)).await
+) -> Result<TcpTransport> {
+    let joined = async {
+        let config = RendezvousConfig::new(rank, world, addr, port)?;
+        TcpTransport::connect(&config, TransportOptions::with_timeout(timeout)).await
+    };
+    joined
+        .await
+        .with_context(|| format!("rank {rank} joining the job at {addr}:{port}"))
+}
+
+/// Every rank's `mine` (as JSON), indexed by rank; `what` names it in errors ("requests").
+pub async fn all_gather_json<T: Transport, V: Serialize + DeserializeOwned>(
+    transport: &T,
+    tag: u64,
+    mine: &V,
+    what: &str,
+) -> Result<Vec<V>> {
+    let text = Bytes::from(serde_json::to_vec(mine)?);
+    let all = all_gather(transport, tag, text)
+        .await
+        .with_context(|| format!("rank {} gathering every rank's {what}", transport.rank()))?;
+    all.iter()
+        .enumerate()
+        .map(|(r, bytes)| {
+            serde_json::from_slice(bytes).with_context(|| format!("rank {r}'s {what}"))
+        })
+        .collect()
 }
 
 /// Every rank's `mine`, indexed by rank.
-pub async fn all_gather<T: Transport>(
+async fn all_gather<T: Transport>(
     transport: &T,
     tag: u64,
     mine: Bytes,

@@ -12,7 +12,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use bytes::Bytes;
 use pyo3::prelude::*;
 use tessera_loader::load::{Checkpoint, LoadOptions, RankReport, load_rank_into};
 use tessera_loader::plan_client::{
@@ -308,21 +307,9 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
 
     match (&job.rendezvous, job.world) {
         (Some((addr, port)), world) if world > 1 => {
-            let transport = coord::connect(job.rank, world, addr, *port, job.timeout)
-                .await
-                .with_context(|| format!("rank {} joining the job at {addr}:{port}", job.rank))?;
-            let text = serde_json::to_vec(&mine)?;
-            let all = coord::all_gather(&transport, coord::TAG_REQUESTS, Bytes::from(text))
-                .await
-                .with_context(|| format!("rank {} gathering every rank's requests", job.rank))?;
-            let ranks = all
-                .iter()
-                .enumerate()
-                .map(|(r, bytes)| {
-                    serde_json::from_slice::<Vec<ExplicitRequest>>(bytes)
-                        .with_context(|| format!("rank {r}'s requests"))
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let transport = coord::connect(job.rank, world, addr, *port, job.timeout).await?;
+            let ranks =
+                coord::all_gather_json(&transport, coord::TAG_REQUESTS, &mine, "requests").await?;
             let plan = rank_plan_for(
                 &checkpoint,
                 ExplicitRequests { ranks },

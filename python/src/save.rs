@@ -124,19 +124,9 @@ async fn run_save(job: SaveJob) -> Result<String> {
 
     match &job.rendezvous {
         Some((addr, port)) if job.world > 1 => {
-            let transport = coord::connect(job.rank, job.world, addr, *port, job.timeout)
-                .await
-                .with_context(|| format!("rank {} joining the job at {addr}:{port}", job.rank))?;
-            let text = serde_json::to_vec(&held)?;
-            let all = coord::all_gather(&transport, coord::TAG_SAVE_BOXES, Bytes::from(text))
-                .await
-                .with_context(|| format!("rank {} gathering what every rank holds", job.rank))?
-                .iter()
-                .enumerate()
-                .map(|(r, b)| {
-                    serde_json::from_slice::<Held>(b).with_context(|| format!("rank {r}'s boxes"))
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let transport = coord::connect(job.rank, job.world, addr, *port, job.timeout).await?;
+            let all =
+                coord::all_gather_json(&transport, coord::TAG_SAVE_BOXES, &held, "boxes").await?;
             save_as_rank(
                 &job.path,
                 &job.storage,
