@@ -80,7 +80,7 @@ python-env:
 	$(PYENV)/bin/pip install -q --disable-pip-version-check 'maturin>=1.9,<2' 'numpy>=1.24' 'pytest>=8' 'ml_dtypes>=0.4'
 
 python-test: python-env
-	$(CARGO) build --locked -p tessera-loader --example s3_test_server
+	$(CARGO) build --locked -p tessera-storage --features testing --example s3_test_server
 	$(CARGO) build --locked --bin tessera
 	cd python && VIRTUAL_ENV=$(PYENV_ABS) $(PYENV_ABS)/bin/maturin develop --locked
 	timeout 900 $(PYENV)/bin/pytest -q -rs python/tests
@@ -98,7 +98,7 @@ PYENV_GPU ?= target/pyenv-gpu
 python-gpu-test:
 	@[ -x $(PYENV_GPU)/bin/python ] || python3 -m venv --system-site-packages $(PYENV_GPU)
 	$(PYENV_GPU)/bin/pip install -q --disable-pip-version-check 'maturin>=1.9,<2' 'numpy>=1.24' 'pytest>=8' 'ml_dtypes>=0.4'
-	$(CARGO) build --locked -p tessera-loader --example s3_test_server
+	$(CARGO) build --locked -p tessera-storage --features testing --example s3_test_server
 	$(CARGO) build --locked --bin tessera
 	cd python && VIRTUAL_ENV=$(abspath $(PYENV_GPU)) $(abspath $(PYENV_GPU))/bin/maturin develop --release --locked --features cuda
 	$(PYENV_GPU)/bin/pytest -q -rs python/tests

@@ -132,7 +132,7 @@ fn main() {
     );
     let blobs: Blobs = Arc::new(written.blobs);
 
-    let location = tessera_loader::storage::open(&ckpt_dir.display().to_string()).unwrap();
+    let location = tessera_storage::open(&ckpt_dir.display().to_string()).unwrap();
     let started = Instant::now();
     let checkpoint = runtime.block_on(Checkpoint::open(location)).unwrap();
     let open_s = started.elapsed().as_secs_f64();

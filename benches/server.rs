@@ -38,7 +38,7 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("catalog");
     let ckpt = root.join("llama/step-000001").display().to_string();
-    let location = tessera_loader::storage::create(&ckpt).unwrap();
+    let location = tessera_storage::create(&ckpt).unwrap();
     let saved = megatron_gpt(MegatronGpt {
         tp: 8,
         pp: 16,

@@ -11,7 +11,7 @@ use tessera_metadata::synth::{self, Model};
 use tessera_planner::{Layout, WriteItem, assign_writers};
 
 use crate::human;
-use crate::storage::Location;
+use tessera_storage::Location;
 
 /// Options of [`synthesize`].
 #[derive(Clone, Debug)]

@@ -359,7 +359,7 @@ fn dcp_and_safetensors_load_through_s3() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("s3");
     std::fs::create_dir_all(&root).unwrap();
-    let server = tessera_loader::testing::S3TestServer::start(&root);
+    let server = tessera_storage::testing::S3TestServer::start(&root);
     server.create_bucket("ckpts");
     let env = server.env();
     for fixture in ["c_w4_dp2_tp2", "f_hf_w1_full"] {

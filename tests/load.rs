@@ -406,7 +406,7 @@ fn ok_with_env(env: &[(String, String)], args: &[&str]) -> String {
 fn synth_verify_and_load_through_a_real_s3_server() {
     let dir = tempdir();
     std::fs::create_dir_all(dir.path().join("s3")).unwrap();
-    let server = tessera_loader::testing::S3TestServer::start(dir.path().join("s3"));
+    let server = tessera_storage::testing::S3TestServer::start(dir.path().join("s3"));
     server.create_bucket("ckpts");
     let env = server.env();
     let saved = layout_file(dir.path(), "saved.json", &["fsdp", "--dp", "4"]);

@@ -15,13 +15,13 @@ use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
 use tessera_loader::plan_client::{
     PlanClient, PlanClientError, PlanClientOptions, PlanTarget, fetch_rank_plan,
 };
-use tessera_loader::storage::StorageOptions;
-use tessera_loader::testing::S3TestServer;
 use tessera_loader::transport::{InProcTransport, TransportOptions};
 use tessera_metadata::synth::{self, Model};
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
 use tessera_planner::{ExplicitRequests, Layout, RankPlan, Target};
 use tessera_server::{AppState, ServerConfig};
+use tessera_storage::StorageOptions;
+use tessera_storage::testing::S3TestServer;
 use tokio::sync::oneshot;
 
 const BIN: &str = env!("CARGO_BIN_EXE_tessera");

@@ -31,7 +31,7 @@ pub struct BenchCheckpoint {
 pub fn synth_fsdp4(runtime: &tokio::runtime::Runtime, model: Model) -> BenchCheckpoint {
     let dir = tempfile::tempdir().unwrap();
     let location = dir.path().join("run/step-000001").display().to_string();
-    let store = tessera_loader::storage::create(&location).unwrap();
+    let store = tessera_storage::create(&location).unwrap();
     let started = Instant::now();
     let manifest = runtime
         .block_on(synthesize(
@@ -52,9 +52,7 @@ pub fn synth_fsdp4(runtime: &tokio::runtime::Runtime, model: Model) -> BenchChec
         .unwrap();
     let synth_seconds = started.elapsed().as_secs_f64();
     let checkpoint = runtime
-        .block_on(Checkpoint::open(
-            tessera_loader::storage::open(&location).unwrap(),
-        ))
+        .block_on(Checkpoint::open(tessera_storage::open(&location).unwrap()))
         .unwrap();
     BenchCheckpoint {
         dir,

@@ -60,13 +60,8 @@ pub enum LoaderError {
         actual: u32,
     },
     /// A checkpoint location that cannot be opened.
-    #[error("{location}: {detail}")]
-    Location {
-        /// What the user gave.
-        location: String,
-        /// What is wrong.
-        detail: String,
-    },
+    #[error(transparent)]
+    Storage(#[from] tessera_storage::StorageError),
     /// A peer connection failed or sent something unexpected.
     #[error("rank {rank}: transport to rank {peer} failed: {detail}")]
     Transport {

@@ -15,7 +15,6 @@ pub mod device;
 pub mod device_load;
 mod error;
 pub mod exchange;
-pub mod fault;
 pub mod load;
 pub mod place;
 pub mod plan_client;
@@ -24,7 +23,6 @@ pub mod read;
 pub mod rendezvous;
 pub mod scheduler;
 pub mod staging;
-pub mod storage;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod transport;

@@ -13,9 +13,9 @@ use tessera_planner::{Plan, PlanOptions, RankPlan, RequestSet, plan};
 
 use crate::exchange::{check_buffer_sizes, check_rank, invalid, run_exchanges};
 use crate::read::{ReadOptions, ReadStats, read_into};
-use crate::storage::Location;
 use crate::transport::Transport;
 use crate::{LoaderError, place};
+use tessera_storage::Location;
 
 /// A checkpoint opened for loading, in any format tessera reads: its store, metadata and (native
 /// checkpoints with data) block checksums. DCP and safetensors checkpoints record no checksums a

@@ -13,7 +13,7 @@ use serde::Deserialize;
 use tessera_planner::{ExplicitRequests, Layout, PlanSummary, RankPlan};
 use thiserror::Error;
 
-use crate::storage::install_tls_provider;
+use tessera_storage::install_tls_provider;
 
 /// The media type of Arrow IPC rank plans.
 pub const ARROW_STREAM: &str = "application/vnd.apache.arrow.stream";

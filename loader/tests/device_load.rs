@@ -17,10 +17,10 @@ use tessera_loader::load::{Checkpoint, LoadOptions};
 use tessera_loader::plane::PlaneThread;
 use tessera_loader::read::ReadOptions;
 use tessera_loader::staging::{StagingOptions, StagingPool};
-use tessera_loader::storage::Location;
 use tessera_loader::testing::{EmulatedPlane, HostCopyEngine, HostMemory};
 use tessera_loader::transport::{InProcTransport, SequencedTransport, TransportOptions};
 use tessera_planner::RankPlan;
+use tessera_storage::Location;
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 

@@ -21,9 +21,9 @@ use tessera_loader::place::copy_runs;
 use tessera_loader::plane::{DataPlane, PlaneOp};
 use tessera_loader::rendezvous::RendezvousConfig;
 use tessera_loader::staging::{StagingOptions, Upload};
-use tessera_loader::storage::Location;
 use tessera_loader::transport::{InProcTransport, TransportOptions, conformance};
 use tessera_planner::{RankPlan, StridedRuns};
+use tessera_storage::Location;
 
 /// Why GPU tests cannot run here, if they cannot.
 fn no_gpu() -> Option<String> {

@@ -12,8 +12,8 @@ use std::time::Duration;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use support_read::*;
 use tessera_loader::LoaderError;
-use tessera_loader::fault::{FaultConfig, FaultyStore};
 use tessera_loader::read::ReadOptions;
+use tessera_storage::testing::{FaultConfig, FaultyStore};
 
 const RANK0: &str = "runs/demo/step-000010/data/rank0.bin";
 const RANK1: &str = "runs/demo/step-000010/data/rank1.bin";

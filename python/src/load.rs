@@ -18,10 +18,10 @@ use tessera_loader::plan_client::{
     PlanClient, PlanClientOptions, PlanTarget, server_checkpoint_id,
 };
 use tessera_loader::read::ReadOptions;
-use tessera_loader::storage;
 use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
 use tessera_metadata::{DType, TensorMeta};
 use tessera_planner::{ExplicitRequest, ExplicitRequests, Layout, PlanOptions, RankPlan};
+use tessera_storage as storage;
 
 use crate::memory::{HostMemory, first_overlap};
 use crate::{coord, py_error, runtime, storage_options};

@@ -13,10 +13,10 @@ use anyhow::{Context, Result, anyhow, bail};
 use bytes::Bytes;
 use pyo3::prelude::*;
 use serde::{Deserialize, Serialize};
-use tessera_loader::storage;
 use tessera_loader::transport::{Transport, TransportOptions};
 use tessera_metadata::native::{NativeWriter, WriteOptions, WrittenFile};
 use tessera_metadata::{DType, TensorBox, TensorMeta};
+use tessera_storage as storage;
 
 use crate::memory::HostMemory;
 use crate::{coord, py_error, runtime, storage_options};

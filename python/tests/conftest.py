@@ -93,7 +93,7 @@ def s3_server(tmp_path_factory):
 
     if not S3_SERVER.exists():
         pytest.fail(
-            f"{S3_SERVER} is missing: build it with `cargo build -p tessera-loader --example s3_test_server`"
+            f"{S3_SERVER} is missing: build it with `cargo build -p tessera-storage --features testing --example s3_test_server`"
         )
     root = tmp_path_factory.mktemp("s3")
     proc = subprocess.Popen(

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tessera_loader::storage::StorageOptions;
+use tessera_storage::StorageOptions;
 
 /// Configuration of [`AppState::new`](crate::AppState::new).
 #[derive(Clone, Debug)]

@@ -276,7 +276,7 @@ impl IntoResponse for ApiError {
 pub enum ServerError {
     /// The catalog root cannot be opened.
     #[error("catalog root: {0}")]
-    Root(#[from] tessera_loader::LoaderError),
+    Root(#[from] tessera_storage::StorageError),
     /// A configuration value that cannot work.
     #[error("invalid server configuration: {detail}")]
     Config {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use object_store::ObjectStore;
 use object_store::path::Path;
 use sha2::{Digest, Sha256};
-use tessera_loader::storage;
+use tessera_storage as storage;
 
 use crate::catalog::Catalog;
 use crate::metrics::Metrics;

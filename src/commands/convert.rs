@@ -49,7 +49,7 @@ pub async fn to_layout(source: &str, layout_path: &str, out: &str) -> Result<Str
     let tensors = checkpoint.meta.tensors().to_vec();
     let holdings = layout.resolve(&tensors)?;
     let writes = assign_writers(&tensors, &holdings)?;
-    let target = tessera_loader::storage::create(out)?;
+    let target = tessera_storage::create(out)?;
     let writer = NativeWriter::create(
         Arc::clone(&target.store),
         target.prefix.clone(),
@@ -159,7 +159,7 @@ pub async fn to_safetensors(source: &str, out: &str, max_shard_bytes: u64) -> Re
             shard.push(d);
         }
     }
-    let target = tessera_loader::storage::create(out)?;
+    let target = tessera_storage::create(out)?;
     let n = shards.len();
     let mut weight_map = BTreeMap::new();
     let mut total = 0u64;

@@ -11,7 +11,7 @@ use tessera_metadata::native::DataPresence;
 use tessera_metadata::{FormatDetails, OpenedCheckpoint};
 
 use crate::human;
-use crate::storage::StorageOptions;
+use tessera_storage::StorageOptions;
 
 /// Runs the command; returns what goes to stdout. Native, PyTorch DCP and safetensors
 /// checkpoints are described alike (tensors, boxes, byte ranges); the header says what the

@@ -205,7 +205,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     if let Some(dir) = &shared_cache {
         open_options.dcp.cache_dir = Some(dir.path().to_path_buf());
     }
-    let location = tessera_loader::storage::open(&args.checkpoint)?;
+    let location = tessera_storage::open(&args.checkpoint)?;
     let checkpoint = Checkpoint::open_with(location, &open_options)
         .await
         .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;

@@ -1,10 +1,7 @@
 //! Test support for this crate's and other crates' tests (cargo feature `testing`, off by
-//! default): services that real deployments reach over the network, run in-process on
-//! 127.0.0.1 so that tests need nothing outside the machine.
-
-mod s3_server;
-
-pub use s3_server::{ACCESS_KEY_ID, REGION, S3TestServer, SECRET_ACCESS_KEY};
+//! default): host emulations of the device traits, so the whole device pipeline and the NCCL
+//! protocol run in CPU tests. Storage test support (fault-injecting stores, the S3 test server)
+//! is the storage crate's `testing` feature.
 
 pub mod emulated;
 pub use emulated::{EmulatedPlane, HostCopyEngine, HostEngineStats, HostMemory};

@@ -1,19 +1,12 @@
 //! Shared fixtures of the native format tests: a small checkpoint with several dtypes, a 0-dim
-//! tensor, empty and uneven boxes and objects in two data files, and a store wrapper that records
-//! the order in which objects are written.
+//! tensor, empty and uneven boxes and objects in two data files; the store wrapper that records
+//! the order in which objects are written is the storage crate's `RecordingStore`.
 #![allow(clippy::unwrap_used, dead_code)]
 
-use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use futures::stream::BoxStream;
+use object_store::ObjectStore;
 use object_store::path::Path;
-use object_store::{
-    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
-    PutMultipartOptions, PutOptions, PutPayload, PutResult,
-};
 use tessera_metadata::native::{Manifest, NativeWriter, WriteOptions, WrittenFile};
 use tessera_metadata::{DType, MetadataError, TensorBox, TensorMeta};
 
@@ -193,120 +186,5 @@ pub fn memory_store() -> Arc<dyn ObjectStore> {
     Arc::new(object_store::memory::InMemory::new())
 }
 
-/// Wraps a store and records every completed `put` (and every started multipart upload, as
-/// `multipart:<path>`), in order.
-#[derive(Debug)]
-pub struct RecordingStore {
-    inner: Arc<dyn ObjectStore>,
-    writes: Mutex<Vec<String>>,
-}
-
-impl RecordingStore {
-    pub fn new(inner: Arc<dyn ObjectStore>) -> Self {
-        Self {
-            inner,
-            writes: Mutex::new(Vec::new()),
-        }
-    }
-
-    pub fn writes(&self) -> Vec<String> {
-        self.writes.lock().unwrap().clone()
-    }
-}
-
-impl fmt::Display for RecordingStore {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Recording({})", self.inner)
-    }
-}
-
-type BoxFut<'a, T> = Pin<Box<dyn Future<Output = object_store::Result<T>> + Send + 'a>>;
-
-// `ObjectStore` is an `#[async_trait]` trait; these are its methods written out by hand, since the
-// tests do not depend on `async-trait`.
-impl ObjectStore for RecordingStore {
-    fn put_opts<'a, 'b, 'c>(
-        &'a self,
-        location: &'b Path,
-        payload: PutPayload,
-        opts: PutOptions,
-    ) -> BoxFut<'c, PutResult>
-    where
-        'a: 'c,
-        'b: 'c,
-        Self: 'c,
-    {
-        Box::pin(async move {
-            let result = self.inner.put_opts(location, payload, opts).await?;
-            self.writes.lock().unwrap().push(location.to_string());
-            Ok(result)
-        })
-    }
-
-    fn put_multipart_opts<'a, 'b, 'c>(
-        &'a self,
-        location: &'b Path,
-        opts: PutMultipartOptions,
-    ) -> BoxFut<'c, Box<dyn MultipartUpload>>
-    where
-        'a: 'c,
-        'b: 'c,
-        Self: 'c,
-    {
-        Box::pin(async move {
-            self.writes
-                .lock()
-                .unwrap()
-                .push(format!("multipart:{location}"));
-            self.inner.put_multipart_opts(location, opts).await
-        })
-    }
-
-    fn get_opts<'a, 'b, 'c>(
-        &'a self,
-        location: &'b Path,
-        options: GetOptions,
-    ) -> BoxFut<'c, GetResult>
-    where
-        'a: 'c,
-        'b: 'c,
-        Self: 'c,
-    {
-        Box::pin(async move { self.inner.get_opts(location, options).await })
-    }
-
-    fn delete_stream(
-        &self,
-        locations: BoxStream<'static, object_store::Result<Path>>,
-    ) -> BoxStream<'static, object_store::Result<Path>> {
-        self.inner.delete_stream(locations)
-    }
-
-    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        self.inner.list(prefix)
-    }
-
-    fn list_with_delimiter<'a, 'b, 'c>(&'a self, prefix: Option<&'b Path>) -> BoxFut<'c, ListResult>
-    where
-        'a: 'c,
-        'b: 'c,
-        Self: 'c,
-    {
-        Box::pin(async move { self.inner.list_with_delimiter(prefix).await })
-    }
-
-    fn copy_opts<'a, 'b, 'c, 'd>(
-        &'a self,
-        from: &'b Path,
-        to: &'c Path,
-        options: CopyOptions,
-    ) -> BoxFut<'d, ()>
-    where
-        'a: 'd,
-        'b: 'd,
-        'c: 'd,
-        Self: 'd,
-    {
-        Box::pin(async move { self.inner.copy_opts(from, to, options).await })
-    }
-}
+#[allow(unused_imports)]
+pub use tessera_storage::testing::RecordingStore;

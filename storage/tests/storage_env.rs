@@ -7,7 +7,7 @@ use std::process::Command;
 
 use object_store::path::Path;
 use object_store::{ObjectStoreExt, PutPayload};
-use tessera_loader::testing::S3TestServer;
+use tessera_storage::testing::S3TestServer;
 
 /// Set for the child run; without it the child test has nothing to do.
 const CHILD: &str = "TESSERA_STORAGE_ENV_CHILD";
@@ -66,7 +66,7 @@ async fn child_opens_s3_from_env() {
     if std::env::var_os(CHILD).is_none() {
         return;
     }
-    let loc = tessera_loader::storage::open("s3://envbucket/run/step-000007").expect("open");
+    let loc = tessera_storage::open("s3://envbucket/run/step-000007").expect("open");
     assert_eq!(loc.prefix.as_ref(), "run/step-000007");
     let bytes = loc
         .store

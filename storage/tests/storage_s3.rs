@@ -1,15 +1,15 @@
-//! A native checkpoint saved to and loaded from `s3://` through [`storage::create_with`] and
-//! [`storage::open_with`], against the in-process S3 server: the whole write path (multipart
+//! A native checkpoint saved to and loaded from `s3://` through [`tessera_storage::create_with`] and
+//! [`tessera_storage::open_with`], against the in-process S3 server: the whole write path (multipart
 //! data files, conditional manifest put, `latest`) and read path over real HTTP.
 
 use object_store::ObjectStoreExt;
 use object_store::path::Path;
-use tessera_loader::storage::{self, StorageOptions};
-use tessera_loader::testing::S3TestServer;
 use tessera_metadata::native::{
     NativeWriter, WriteOptions, open_checkpoint, read_latest, verify_checkpoint,
 };
 use tessera_metadata::{DType, TensorBox, TensorMeta};
+use tessera_storage::testing::S3TestServer;
+use tessera_storage::{self, StorageOptions};
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -23,7 +23,7 @@ type Saved = (u32, TensorBox, Vec<u8>);
 /// Saves a checkpoint at `location`: a 12 MiB tensor in two row blocks on two data files (so
 /// each file goes up as a multipart upload), a small tensor, and an object.
 async fn save(location: &str, options: &StorageOptions) -> Vec<Saved> {
-    let loc = storage::create_with(location, options).expect("create");
+    let loc = tessera_storage::create_with(location, options).expect("create");
     let rows = 3 * 1024;
     let cols = 1024;
     let tensors = vec![
@@ -91,7 +91,7 @@ async fn native_checkpoint_round_trips_through_s3() {
 
     let saved = save("s3://ckpt/run/step-000001", &options).await;
 
-    let loc = storage::open_with("s3://ckpt/run/step-000001", &options).expect("open");
+    let loc = tessera_storage::open_with("s3://ckpt/run/step-000001", &options).expect("open");
     assert_eq!(loc.prefix.as_ref(), "run/step-000001");
     assert_eq!(loc.display, "s3://ckpt/run/step-000001");
     let store = loc.store.as_ref();
@@ -165,7 +165,7 @@ async fn committing_an_s3_prefix_twice_is_refused() {
     server.create_bucket("ckpt");
     let options = server.options();
     save("s3://ckpt/run/step-000003", &options).await;
-    let loc = storage::create_with("s3://ckpt/run/step-000003", &options).expect("create");
+    let loc = tessera_storage::create_with("s3://ckpt/run/step-000003", &options).expect("create");
     let err = NativeWriter::create(
         loc.store.clone(),
         loc.prefix.clone(),
@@ -186,7 +186,7 @@ async fn wrong_credentials_are_refused_by_the_server() {
     options
         .env
         .push(("AWS_SECRET_ACCESS_KEY".to_string(), "wrong".to_string()));
-    let loc = storage::open_with("s3://ckpt/run/step-000001", &options).expect("open");
+    let loc = tessera_storage::open_with("s3://ckpt/run/step-000001", &options).expect("open");
     let err = loc
         .store
         .get(&Path::from("run/latest"))

@@ -1,11 +1,11 @@
-//! The loader's in-process S3 test server as a process, for tests in other languages (the Python
+//! The storage crate's in-process S3 test server as a process, for tests in other languages (the Python
 //! package's pytest suite): `s3_test_server ROOT [BUCKET...]` serves ROOT on 127.0.0.1, creates
 //! the buckets, prints the client environment as one JSON object on stdout, and serves until its
 //! standard input closes (so it never outlives the test that started it).
 
 use std::io::{Read, Write};
 
-use tessera_loader::testing::S3TestServer;
+use tessera_storage::testing::S3TestServer;
 
 fn main() {
     let mut args = std::env::args().skip(1);

@@ -15,7 +15,7 @@ use s3s::auth::SimpleAuth;
 use s3s::service::S3ServiceBuilder;
 use tokio::sync::oneshot;
 
-use crate::storage::{StorageOptions, install_tls_provider};
+use crate::{StorageOptions, install_tls_provider};
 
 /// The access key id the server accepts.
 pub const ACCESS_KEY_ID: &str = "tessera-test";
@@ -134,7 +134,7 @@ impl S3TestServer {
     }
 
     /// The variables a client process needs to reach this server through
-    /// [`storage::open`](crate::storage::open): credentials, region, endpoint, plain HTTP.
+    /// [`storage::open`](crate::open): credentials, region, endpoint, plain HTTP.
     pub fn env(&self) -> Vec<(String, String)> {
         [
             ("AWS_ACCESS_KEY_ID", ACCESS_KEY_ID.to_string()),
@@ -148,7 +148,7 @@ impl S3TestServer {
         .collect()
     }
 
-    /// Options for [`storage::open_with`](crate::storage::open_with) that reach this server
+    /// Options for [`storage::open_with`](crate::open_with) that reach this server
     /// whatever the process environment holds.
     pub fn options(&self) -> StorageOptions {
         StorageOptions {

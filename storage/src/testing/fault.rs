@@ -9,9 +9,7 @@
 //! `n` fails depends on `n` (and the seed) only.
 
 use std::fmt;
-use std::future::Future;
 use std::ops::Range;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -198,69 +196,41 @@ impl fmt::Display for FaultyStore {
     }
 }
 
-type BoxFut<'a, T> = Pin<Box<dyn Future<Output = object_store::Result<T>> + Send + 'a>>;
-
-// `ObjectStore` is an `#[async_trait]` trait; its methods are written out by hand here so that
-// the loader does not depend on `async-trait` for one wrapper.
+#[async_trait::async_trait]
 impl ObjectStore for FaultyStore {
-    fn put_opts<'a, 'b, 'c>(
-        &'a self,
-        location: &'b Path,
+    async fn put_opts(
+        &self,
+        location: &Path,
         payload: PutPayload,
         opts: PutOptions,
-    ) -> BoxFut<'c, PutResult>
-    where
-        'a: 'c,
-        'b: 'c,
-        Self: 'c,
-    {
-        self.inner.put_opts(location, payload, opts)
+    ) -> object_store::Result<PutResult> {
+        self.inner.put_opts(location, payload, opts).await
     }
 
-    fn put_multipart_opts<'a, 'b, 'c>(
-        &'a self,
-        location: &'b Path,
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
         opts: PutMultipartOptions,
-    ) -> BoxFut<'c, Box<dyn MultipartUpload>>
-    where
-        'a: 'c,
-        'b: 'c,
-        Self: 'c,
-    {
-        self.inner.put_multipart_opts(location, opts)
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        self.inner.put_multipart_opts(location, opts).await
     }
 
-    fn get_opts<'a, 'b, 'c>(
-        &'a self,
-        location: &'b Path,
+    async fn get_opts(
+        &self,
+        location: &Path,
         options: GetOptions,
-    ) -> BoxFut<'c, GetResult>
-    where
-        'a: 'c,
-        'b: 'c,
-        Self: 'c,
-    {
-        Box::pin(async move {
-            let _in_flight = self.admit().await?;
-            self.inner.get_opts(location, options).await
-        })
+    ) -> object_store::Result<GetResult> {
+        let _in_flight = self.admit().await?;
+        self.inner.get_opts(location, options).await
     }
 
-    fn get_ranges<'a, 'b, 'c, 'd>(
-        &'a self,
-        location: &'b Path,
-        ranges: &'c [Range<u64>],
-    ) -> BoxFut<'d, Vec<Bytes>>
-    where
-        'a: 'd,
-        'b: 'd,
-        'c: 'd,
-        Self: 'd,
-    {
-        Box::pin(async move {
-            let _in_flight = self.admit().await?;
-            self.inner.get_ranges(location, ranges).await
-        })
+    async fn get_ranges(
+        &self,
+        location: &Path,
+        ranges: &[Range<u64>],
+    ) -> object_store::Result<Vec<Bytes>> {
+        let _in_flight = self.admit().await?;
+        self.inner.get_ranges(location, ranges).await
     }
 
     fn delete_stream(
@@ -282,43 +252,26 @@ impl ObjectStore for FaultyStore {
         self.inner.list_with_offset(prefix, offset)
     }
 
-    fn list_with_delimiter<'a, 'b, 'c>(&'a self, prefix: Option<&'b Path>) -> BoxFut<'c, ListResult>
-    where
-        'a: 'c,
-        'b: 'c,
-        Self: 'c,
-    {
-        self.inner.list_with_delimiter(prefix)
+    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
     }
 
-    fn copy_opts<'a, 'b, 'c, 'd>(
-        &'a self,
-        from: &'b Path,
-        to: &'c Path,
+    async fn copy_opts(
+        &self,
+        from: &Path,
+        to: &Path,
         options: CopyOptions,
-    ) -> BoxFut<'d, ()>
-    where
-        'a: 'd,
-        'b: 'd,
-        'c: 'd,
-        Self: 'd,
-    {
-        self.inner.copy_opts(from, to, options)
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
     }
 
-    fn rename_opts<'a, 'b, 'c, 'd>(
-        &'a self,
-        from: &'b Path,
-        to: &'c Path,
+    async fn rename_opts(
+        &self,
+        from: &Path,
+        to: &Path,
         options: RenameOptions,
-    ) -> BoxFut<'d, ()>
-    where
-        'a: 'd,
-        'b: 'd,
-        'c: 'd,
-        Self: 'd,
-    {
-        self.inner.rename_opts(from, to, options)
+    ) -> object_store::Result<()> {
+        self.inner.rename_opts(from, to, options).await
     }
 }
 

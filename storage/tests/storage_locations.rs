@@ -3,7 +3,7 @@
 
 use std::io::Write;
 
-use tessera_loader::storage::{StorageOptions, create, create_with, open, open_with};
+use tessera_storage::{StorageOptions, create, create_with, open, open_with};
 
 /// Options that see nothing of the process environment, plus `vars`.
 fn isolated(vars: &[(&str, &str)]) -> StorageOptions {

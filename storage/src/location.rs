@@ -20,21 +20,23 @@
 //! variables without touching the process environment (tests, or callers that resolved
 //! credentials themselves).
 //!
+//! Every cloud store gets [`RetryPolicy`]'s client settings: a connect and a request timeout, and
+//! object_store's own retry switched off (see [`RetryPolicy`] for why and for the bound).
+//!
 //! Opening does no network IO: a bucket that does not exist, or credentials the service refuses,
 //! show up at the first read or write.
 
 use std::sync::{Arc, Once};
 
-use object_store::ClientOptions;
-use object_store::ObjectStore;
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
 use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
 use object_store::http::HttpBuilder;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
+use object_store::{ClientConfigKey, ObjectStore};
 
-use crate::LoaderError;
+use crate::{RetryPolicy, StorageError};
 
 /// The location forms [`open`] understands, for messages.
 const SUPPORTED: &str = "use a local path, file://, s3://, gs://, az://, http:// or https://";
@@ -64,18 +66,18 @@ pub struct StorageOptions {
 
 /// Opens `location` for reading, configured from the process environment. See the module
 /// documentation for the location forms.
-pub fn open(location: &str) -> Result<Location, LoaderError> {
+pub fn open(location: &str) -> Result<Location, StorageError> {
     open_with(location, &StorageOptions::default())
 }
 
 /// Opens `location` for writing a checkpoint, configured from the process environment. A local
 /// location gets its parent directories created; buckets and containers must exist already.
-pub fn create(location: &str) -> Result<Location, LoaderError> {
+pub fn create(location: &str) -> Result<Location, StorageError> {
     create_with(location, &StorageOptions::default())
 }
 
 /// [`open`] with explicit configuration.
-pub fn open_with(location: &str, options: &StorageOptions) -> Result<Location, LoaderError> {
+pub fn open_with(location: &str, options: &StorageOptions) -> Result<Location, StorageError> {
     match parse(location)? {
         Parsed::Local(raw) => {
             let (root, name) = local_parts(location, raw)?;
@@ -107,7 +109,7 @@ pub fn open_with(location: &str, options: &StorageOptions) -> Result<Location, L
 }
 
 /// [`create`] with explicit configuration.
-pub fn create_with(location: &str, options: &StorageOptions) -> Result<Location, LoaderError> {
+pub fn create_with(location: &str, options: &StorageOptions) -> Result<Location, StorageError> {
     match parse(location)? {
         Parsed::Local(raw) => {
             let (root, name) = local_parts(location, raw)?;
@@ -163,14 +165,14 @@ enum Parsed<'a> {
     },
 }
 
-fn invalid(location: &str, detail: String) -> LoaderError {
-    LoaderError::Location {
+fn invalid(location: &str, detail: String) -> StorageError {
+    StorageError::Location {
         location: location.to_string(),
         detail,
     }
 }
 
-fn parse(location: &str) -> Result<Parsed<'_>, LoaderError> {
+fn parse(location: &str) -> Result<Parsed<'_>, StorageError> {
     if location.is_empty() {
         return Err(invalid("\"\"", "empty checkpoint location".to_string()));
     }
@@ -206,8 +208,8 @@ fn parse(location: &str) -> Result<Parsed<'_>, LoaderError> {
     Ok(Parsed::Cloud { kind, bucket, key })
 }
 
-fn local(location: &str, root: &std::path::Path, name: &str) -> Result<Location, LoaderError> {
-    let store = LocalFileSystem::new_with_prefix(root).map_err(|source| LoaderError::Store {
+fn local(location: &str, root: &std::path::Path, name: &str) -> Result<Location, StorageError> {
+    let store = LocalFileSystem::new_with_prefix(root).map_err(|source| StorageError::Store {
         action: "opening".to_string(),
         path: root.display().to_string(),
         source,
@@ -220,7 +222,7 @@ fn local(location: &str, root: &std::path::Path, name: &str) -> Result<Location,
 }
 
 /// Splits a local location into its absolute parent directory and last component.
-fn local_parts(location: &str, raw: &str) -> Result<(std::path::PathBuf, String), LoaderError> {
+fn local_parts(location: &str, raw: &str) -> Result<(std::path::PathBuf, String), StorageError> {
     if raw.is_empty() {
         return Err(invalid(location, "empty checkpoint location".to_string()));
     }
@@ -259,85 +261,115 @@ fn local_parts(location: &str, raw: &str) -> Result<(std::path::PathBuf, String)
     Ok((root, name))
 }
 
+/// A cloud builder with [`RetryPolicy`]'s timeouts and retry. The timeouts are set as the
+/// builder's client configuration keys, so what the environment set for the client
+/// (`AWS_ALLOW_HTTP` and the like) is kept.
+macro_rules! with_policy {
+    ($builder:expr, $key:path) => {{
+        let policy = RetryPolicy::default();
+        $builder
+            .with_config(
+                $key(ClientConfigKey::ConnectTimeout),
+                format!("{}ms", policy.connect_timeout.as_millis()),
+            )
+            .with_config(
+                $key(ClientConfigKey::ReadTimeout),
+                format!("{}ms", policy.read_timeout.as_millis()),
+            )
+            .with_config(
+                $key(ClientConfigKey::Timeout),
+                format!("{}ms", policy.request_timeout.as_millis()),
+            )
+            .with_retry(policy.object_store_retry())
+    }};
+}
+
 fn cloud(
     location: &str,
     kind: Cloud,
     bucket: &str,
     key: &str,
     options: &StorageOptions,
-) -> Result<Location, LoaderError> {
+) -> Result<Location, StorageError> {
     let key = key.trim_matches('/');
     let prefix = Path::parse(key)
         .map_err(|e| invalid(location, format!("invalid object path {key:?}: {e}")))?;
     install_tls_provider();
-    let store: Arc<dyn ObjectStore> =
-        match kind {
-            Cloud::S3 => Arc::new(
-                s3_builder(location, bucket, options)?
+    let store: Arc<dyn ObjectStore> = match kind {
+        Cloud::S3 => Arc::new(
+            with_policy!(
+                s3_builder(location, bucket, options)?,
+                AmazonS3ConfigKey::Client
+            )
+            .build()
+            .map_err(|e| invalid(location, format!("configuring S3: {e}")))?,
+        ),
+        Cloud::Gcs => {
+            let builder = overrides(
+                if options.ignore_process_env {
+                    GoogleCloudStorageBuilder::new()
+                } else {
+                    GoogleCloudStorageBuilder::from_env()
+                },
+                options,
+                "GOOGLE_",
+                |b, k: GoogleConfigKey, v| b.with_config(k, v),
+            );
+            Arc::new(
+                with_policy!(builder.with_bucket_name(bucket), GoogleConfigKey::Client)
                     .build()
-                    .map_err(|e| invalid(location, format!("configuring S3: {e}")))?,
-            ),
-            Cloud::Gcs => {
-                let builder = overrides(
-                    if options.ignore_process_env {
-                        GoogleCloudStorageBuilder::new()
-                    } else {
-                        GoogleCloudStorageBuilder::from_env()
-                    },
-                    options,
-                    "GOOGLE_",
-                    |b, k: GoogleConfigKey, v| b.with_config(k, v),
-                );
-                Arc::new(builder.with_bucket_name(bucket).build().map_err(|e| {
-                    invalid(location, format!("configuring Google Cloud Storage: {e}"))
-                })?)
-            }
-            Cloud::Azure => {
-                let builder = overrides(
-                    if options.ignore_process_env {
-                        MicrosoftAzureBuilder::new()
-                    } else {
-                        MicrosoftAzureBuilder::from_env()
-                    },
-                    options,
-                    "AZURE_",
-                    |b, k: AzureConfigKey, v| b.with_config(k, v),
-                );
-                let emulator = builder
-                    .get_config_value(&AzureConfigKey::UseEmulator)
-                    .is_some_and(|v| truthy(&v));
-                if builder
-                    .get_config_value(&AzureConfigKey::AccountName)
-                    .is_none()
-                    && !emulator
-                {
-                    return Err(invalid(
+                    .map_err(|e| {
+                        invalid(location, format!("configuring Google Cloud Storage: {e}"))
+                    })?,
+            )
+        }
+        Cloud::Azure => {
+            let builder = overrides(
+                if options.ignore_process_env {
+                    MicrosoftAzureBuilder::new()
+                } else {
+                    MicrosoftAzureBuilder::from_env()
+                },
+                options,
+                "AZURE_",
+                |b, k: AzureConfigKey, v| b.with_config(k, v),
+            );
+            let emulator = builder
+                .get_config_value(&AzureConfigKey::UseEmulator)
+                .is_some_and(|v| truthy(&v));
+            if builder
+                .get_config_value(&AzureConfigKey::AccountName)
+                .is_none()
+                && !emulator
+            {
+                return Err(invalid(
                     location,
                     "no Azure storage account: set AZURE_STORAGE_ACCOUNT_NAME (and credentials: \
                      AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_KEY, AZURE_STORAGE_TOKEN, a \
                      client secret or a managed identity)"
                         .to_string(),
                 ));
-                }
-                Arc::new(
-                    builder
-                        .with_container_name(bucket)
-                        .build()
-                        .map_err(|e| invalid(location, format!("configuring Azure: {e}")))?,
-                )
             }
-            Cloud::Http { https } => {
-                let scheme = if https { "https" } else { "http" };
-                let client = ClientOptions::new().with_allow_http(!https);
-                Arc::new(
-                    HttpBuilder::new()
-                        .with_url(format!("{scheme}://{bucket}"))
-                        .with_client_options(client)
-                        .build()
-                        .map_err(|e| invalid(location, format!("configuring HTTP: {e}")))?,
-                )
-            }
-        };
+            Arc::new(
+                with_policy!(builder.with_container_name(bucket), AzureConfigKey::Client)
+                    .build()
+                    .map_err(|e| invalid(location, format!("configuring Azure: {e}")))?,
+            )
+        }
+        Cloud::Http { https } => {
+            let scheme = if https { "https" } else { "http" };
+            let policy = RetryPolicy::default();
+            let client = policy.client_options().with_allow_http(!https);
+            Arc::new(
+                HttpBuilder::new()
+                    .with_url(format!("{scheme}://{bucket}"))
+                    .with_client_options(client)
+                    .with_retry(policy.object_store_retry())
+                    .build()
+                    .map_err(|e| invalid(location, format!("configuring HTTP: {e}")))?,
+            )
+        }
+    };
     Ok(Location {
         store,
         prefix,
@@ -351,7 +383,7 @@ fn s3_builder(
     location: &str,
     bucket: &str,
     options: &StorageOptions,
-) -> Result<AmazonS3Builder, LoaderError> {
+) -> Result<AmazonS3Builder, StorageError> {
     let mut builder = overrides(
         if options.ignore_process_env {
             AmazonS3Builder::new()

@@ -12,7 +12,7 @@ use object_store::memory::InMemory;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use tempfile::TempDir;
-use tessera_loader::testing::S3TestServer;
+use tessera_storage::testing::S3TestServer;
 
 /// `len` bytes that differ at every offset a test looks at (no period that divides a range).
 fn pattern(len: usize, seed: u8) -> Bytes {

@@ -1,0 +1,20 @@
+//! Where checkpoints live. A location string (`run/step-000100`, `file://`, `s3://`, `gs://`,
+//! `az://`, `http(s)://`) opens as a configured `Arc<dyn ObjectStore>` plus the checkpoint's
+//! prefix inside it ([`open`], [`create`]); every front end and the loader open storage here and
+//! nowhere else, so every store gets the same client settings (timeouts, no hidden retries) and
+//! the same [`RetryPolicy`].
+//!
+//! Test support (feature `testing`): [`testing::FaultyStore`] and [`testing::RecordingStore`]
+//! wrap any store, [`testing::S3TestServer`] serves an S3-compatible API on 127.0.0.1.
+
+mod error;
+mod location;
+mod retry;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use error::StorageError;
+pub use location::{
+    Location, StorageOptions, create, create_with, install_tls_provider, open, open_with,
+};
+pub use retry::{RetryPolicy, is_transient};
