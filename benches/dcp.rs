@@ -26,11 +26,11 @@ use object_store::ObjectStoreExt;
 use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
 use tessera_loader::place::allocate;
 use tessera_loader::transport::{InProcTransport, TransportOptions};
-use tessera_metadata::dcp::blob::parse_tensor_blob;
-use tessera_metadata::dcp::zip::Segments;
-use tessera_metadata::synth;
+use tessera_metadata::formats::dcp::blob::parse_tensor_blob;
+use tessera_metadata::formats::dcp::zip::Segments;
 use tessera_planner::presets::{MegatronGpt, fsdp, megatron_gpt};
 use tessera_planner::{PlanOptions, RankPlan, Target, assign_writers};
+use tessera_synth as synth;
 
 use dcp_writer::BlobExtent;
 

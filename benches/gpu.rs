@@ -28,9 +28,9 @@ use tessera_loader::load::LoadOptions;
 use tessera_loader::read::ReadOptions;
 use tessera_loader::staging::{StagingOptions, Upload};
 use tessera_loader::transport::{InProcTransport, TransportOptions};
-use tessera_metadata::synth;
 use tessera_planner::presets::fsdp;
 use tessera_planner::{PlanOptions, Target};
+use tessera_synth as synth;
 
 use model::bench_model;
 use synth_fsdp::synth_fsdp4;

@@ -18,12 +18,12 @@ use std::time::Instant;
 
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
-use tessera::storage::Location;
-use tessera::synth::{SynthOptions, synthesize};
-use tessera_metadata::native::open_checkpoint;
+use tessera_metadata::formats::native::open_checkpoint;
 use tessera_planner::baseline::all_pairs_read_items;
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
 use tessera_planner::{PlanOptions, plan};
+use tessera_storage::Location;
+use tessera_synth::{SynthOptions, synthesize};
 
 use model::bench_model;
 
@@ -113,14 +113,15 @@ fn main() {
     let started = Instant::now();
     let manifest = runtime
         .block_on(synthesize(
-            &location,
+            location.store.clone(),
+            &location.prefix,
             &megatron_gpt(saved).unwrap(),
             &SynthOptions {
                 model,
                 optimizer: true,
                 metadata_only: true,
                 step: Some(1),
-                progress: false,
+                progress: None,
             },
         ))
         .unwrap();

@@ -14,10 +14,10 @@ mod model;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use tessera::synth::{SynthOptions, synthesize};
 use tessera_loader::plan_client::{PlanClient, PlanClientOptions, PlanTarget};
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
 use tessera_server::{AppState, ServerConfig, serve};
+use tessera_synth::{SynthOptions, synthesize};
 
 use model::bench_model;
 
@@ -49,14 +49,15 @@ fn main() {
     .unwrap();
     runtime
         .block_on(synthesize(
-            &location,
+            location.store.clone(),
+            &location.prefix,
             &saved,
             &SynthOptions {
                 model,
                 optimizer: true,
                 metadata_only: true,
                 step: Some(1),
-                progress: false,
+                progress: None,
             },
         ))
         .unwrap();

@@ -4,5 +4,3 @@
 
 pub mod commands;
 pub mod human;
-pub mod storage;
-pub mod synth;

@@ -6,10 +6,10 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::{Parser, Subcommand, ValueEnum};
 use tessera::commands::{self, layout::Preset, plan::Format};
-use tessera::synth::SynthOptions;
 use tessera_loader::device::DeviceSpec;
-use tessera_metadata::synth::Model;
 use tessera_planner::presets::MegatronGpt;
+use tessera_synth::Model;
+use tessera_synth::SynthOptions;
 
 #[derive(Parser)]
 #[command(name = "tessera", version, about = "Checkpoint resharding and loading")]
@@ -336,7 +336,17 @@ fn run(cli: Cli) -> Result<()> {
                 optimizer: !no_optimizer,
                 metadata_only,
                 step,
-                progress: true,
+                progress: Some(std::sync::Arc::new(|w: &tessera_synth::FileWritten| {
+                    eprintln!(
+                        "  rank {:>5}: {} in {} ({}/{} files, {:.1}s)",
+                        w.rank,
+                        w.path,
+                        tessera::human::bytes(w.bytes),
+                        w.done,
+                        w.total,
+                        w.elapsed.as_secs_f64()
+                    );
+                })),
             };
             let report = runtime.block_on(commands::synth::run(&out, &layout, &options))?;
             stdout((report + "\n").as_bytes())

@@ -15,9 +15,9 @@ use support::{
     MEGATRON_TP2_PP2_DP2, assert_same_bytes, crc32c, execute_and_check, fails, layout_file, ok,
     open, run_in, s, synth_tiny,
 };
-use tessera_metadata::synth::{self, Model};
 use tessera_metadata::{TensorBox, TensorMeta};
 use tessera_planner::{Layout, MeshDim, PlanSummary, RankPlan, Rule, Target, assign_writers};
+use tessera_synth::{self as synth, Model};
 
 fn tempdir() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use support::{fails, ok, s};
-use tessera_metadata::safetensors;
+use tessera_metadata::formats::safetensors;
 
 /// The fixtures (`shared/fixtures/dcp` next to the workspace, or `$TESSERA_DCP_FIXTURES`).
 fn fixtures() -> PathBuf {

@@ -7,9 +7,9 @@ mod support;
 use std::path::{Path, PathBuf};
 
 use support::{fails, layout_file, ok, s};
-use tessera_metadata::safetensors;
-use tessera_metadata::synth::{self, Model};
+use tessera_metadata::formats::safetensors;
 use tessera_planner::{Layout, Target};
+use tessera_synth::{self as synth, Model};
 
 fn tempdir() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()

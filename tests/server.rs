@@ -9,19 +9,19 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use object_store::ObjectStoreExt;
-use tessera::storage;
-use tessera::synth::{SynthOptions, synthesize};
 use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
 use tessera_loader::plan_client::{
     PlanClient, PlanClientError, PlanClientOptions, PlanTarget, fetch_rank_plan,
 };
 use tessera_loader::transport::{InProcTransport, TransportOptions};
-use tessera_metadata::synth::{self, Model};
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
 use tessera_planner::{ExplicitRequests, Layout, RankPlan, Target};
 use tessera_server::{AppState, ServerConfig};
+use tessera_storage as storage;
 use tessera_storage::StorageOptions;
 use tessera_storage::testing::S3TestServer;
+use tessera_synth::{self as synth, Model};
+use tessera_synth::{SynthOptions, synthesize};
 use tokio::sync::oneshot;
 
 const BIN: &str = env!("CARGO_BIN_EXE_tessera");
@@ -41,14 +41,15 @@ fn megatron(tp: u32, pp: u32, dp: u32, zero1: bool) -> Layout {
 async fn write_tiny(location: &str, options: &StorageOptions) {
     let out = storage::create_with(location, options).unwrap();
     synthesize(
-        &out,
+        out.store.clone(),
+        &out.prefix,
         &megatron(2, 2, 2, true),
         &SynthOptions {
             model: Model::GptTiny,
             optimizer: true,
             metadata_only: false,
             step: None,
-            progress: false,
+            progress: None,
         },
     )
     .await

@@ -4,7 +4,7 @@
 //! `MetadataIndex` objects) and `__<rank>_0.distcp` files holding one stored `torch.save` zip per
 //! saved chunk (`archive/data.pkl` in protocol 2, member data 64-byte aligned relative to the blob
 //! start, data descriptors, zip64 end records). Values come from
-//! `tessera_metadata::synth::box_bytes`; files are streamed, so only one chunk is in memory at a
+//! `tessera_synth::box_bytes`; files are streamed, so only one chunk is in memory at a
 //! time per writing rank. Only for benchmarks and tests: it is not part of the library.
 
 use std::collections::HashMap;
@@ -12,9 +12,9 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-use tessera_metadata::synth;
 use tessera_metadata::{DType, TensorBox, TensorMeta};
 use tessera_planner::WriteItem;
+use tessera_synth as synth;
 
 /// Where one chunk's blob was written.
 #[derive(Clone, Debug)]

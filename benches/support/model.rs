@@ -1,6 +1,6 @@
 //! Which model a benchmark runs: `TESSERA_BENCH_MODEL`, or the benchmark's default.
 
-use tessera_metadata::synth::Model;
+use tessera_synth::Model;
 
 /// The model named by `TESSERA_BENCH_MODEL`, else `default`.
 pub fn bench_model(default: &str) -> Model {

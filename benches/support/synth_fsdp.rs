@@ -3,11 +3,11 @@
 
 use std::time::Instant;
 
-use tessera::synth::{SynthOptions, synthesize};
 use tessera_loader::load::Checkpoint;
-use tessera_metadata::native::Manifest;
-use tessera_metadata::synth::Model;
+use tessera_metadata::formats::native::Manifest;
 use tessera_planner::presets::fsdp;
+use tessera_synth::Model;
+use tessera_synth::{SynthOptions, synthesize};
 
 /// A written and opened benchmark checkpoint; the directory goes when it drops.
 // Each bench binary compiles this module and reads only what it needs of it.
@@ -35,18 +35,15 @@ pub fn synth_fsdp4(runtime: &tokio::runtime::Runtime, model: Model) -> BenchChec
     let started = Instant::now();
     let manifest = runtime
         .block_on(synthesize(
-            &tessera::storage::Location {
-                store: store.store.clone(),
-                prefix: store.prefix.clone(),
-                display: location.clone(),
-            },
+            store.store.clone(),
+            &store.prefix,
             &fsdp(4).unwrap(),
             &SynthOptions {
                 model,
                 optimizer: true,
                 metadata_only: false,
                 step: Some(1),
-                progress: false,
+                progress: None,
             },
         ))
         .unwrap();

@@ -3,8 +3,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tessera_metadata::dcp::pickle::{Limits, unpickle};
-use tessera_metadata::dcp::{decode_pickle, parse_metadata};
+use tessera_metadata::formats::dcp::pickle::{Limits, unpickle};
+use tessera_metadata::formats::dcp::{decode_pickle, parse_metadata};
 
 fuzz_target!(|data: &[u8]| {
     let _ = unpickle(data, &Limits::BLOB);

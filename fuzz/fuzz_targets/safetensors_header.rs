@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tessera_metadata::safetensors::parse;
+use tessera_metadata::formats::safetensors::parse;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(header) = parse(data, "fuzz") {

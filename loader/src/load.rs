@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use tessera_metadata::dcp::IndexStats;
-use tessera_metadata::native::{BlockChecksums, Manifest};
+use tessera_metadata::formats::dcp::IndexStats;
+use tessera_metadata::formats::native::{BlockChecksums, Manifest};
 use tessera_metadata::{CheckpointMeta, Format, OpenOptions, open_any};
 use tessera_planner::{Plan, PlanOptions, RankPlan, RequestSet, plan};
 

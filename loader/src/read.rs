@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use object_store::ObjectStore;
 use object_store::path::{Path, PathPart};
-use tessera_metadata::native::BlockChecksums;
+use tessera_metadata::formats::native::BlockChecksums;
 use tessera_planner::{RankPlan, StridedRuns};
 
 use crate::LoaderError;

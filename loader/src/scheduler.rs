@@ -31,7 +31,7 @@ use bytes::Bytes;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 use tessera_metadata::MetadataError;
-use tessera_metadata::native::BlockChecksums;
+use tessera_metadata::formats::native::BlockChecksums;
 use tokio::task::{self, JoinSet};
 
 use crate::LoaderError;
@@ -589,7 +589,7 @@ async fn truncated_or_missing(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use tessera_metadata::native::FileBlocks;
+    use tessera_metadata::formats::native::FileBlocks;
 
     fn r(file: u32, start: u64, end: u64) -> FileRange {
         FileRange { file, start, end }

@@ -21,13 +21,13 @@ use tessera_loader::testing::{EmulatedPlane, HostMemory};
 use tessera_loader::transport::{
     InProcTransport, SequencedTransport, TcpTransport, Transport, TransportOptions,
 };
-use tessera_metadata::synth::{self, Model};
 use tessera_metadata::{ByteMeta, CheckpointMeta, DataFile, SavedChunk, TensorMeta};
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
 use tessera_planner::{
     ExplicitRequests, Layout, MeshDim, PlanOptions, RankPlan, RequestSet, Rule, Target,
     assign_writers, plan,
 };
+use tessera_synth::{self as synth, Model};
 use tokio::sync::Notify;
 
 const TIMEOUT: Duration = Duration::from_secs(5);

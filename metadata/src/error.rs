@@ -173,9 +173,11 @@ pub enum MetadataError {
 }
 
 impl MetadataError {
-    /// True when retrying may help (a transient storage failure); everything else is permanent.
-    pub fn is_transient(&self) -> bool {
-        matches!(
+    /// Whether retrying cannot help: everything but a transient storage failure (a network error,
+    /// a timeout, a 5xx answer: object_store's `Generic`), the classification every tessera error
+    /// shares (`tessera_storage::is_transient`).
+    pub fn is_permanent(&self) -> bool {
+        !matches!(
             self,
             MetadataError::Store {
                 source: object_store::Error::Generic { .. },

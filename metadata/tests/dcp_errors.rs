@@ -9,7 +9,7 @@ mod dcp_support;
 use std::path::Path;
 
 use dcp_support::{copy_fixture, open, runtime, store_for};
-use tessera_metadata::dcp::verify_dcp;
+use tessera_metadata::formats::dcp::verify_dcp;
 
 /// fixture a's blob of `model.lm_head.weight` and `model.final_ln.bias` in `__0_0.distcp`.
 const LM_HEAD: (usize, usize) = (309355, 26153);

@@ -13,8 +13,9 @@ use dcp_support::{
     DCP_FIXTURES, expected, fixtures, open, open_with, read_box, read_tensor, sha256,
 };
 use serde_json::json;
-use tessera_metadata::dcp::{IndexCache, IndexSource, decode_object};
-use tessera_metadata::{DType, Format, OpenOptions, TensorBox, safetensors};
+use tessera_metadata::formats::dcp::{IndexCache, IndexSource, decode_object};
+use tessera_metadata::formats::safetensors;
+use tessera_metadata::{DType, Format, OpenOptions, TensorBox};
 
 #[test]
 fn every_chunk_and_tensor_has_the_bytes_torch_saved() {

@@ -13,10 +13,10 @@ use bytes::Bytes;
 use dcp_support::fixtures;
 use proptest::prelude::*;
 use proptest::sample::Index;
-use tessera_metadata::dcp::blob::parse_tensor_blob;
-use tessera_metadata::dcp::pickle::{Limits, unpickle};
-use tessera_metadata::dcp::zip::{Segments, ZipError, read_archive};
-use tessera_metadata::dcp::{decode_object, decode_pickle, parse_metadata};
+use tessera_metadata::formats::dcp::blob::parse_tensor_blob;
+use tessera_metadata::formats::dcp::pickle::{Limits, unpickle};
+use tessera_metadata::formats::dcp::zip::{Segments, ZipError, read_archive};
+use tessera_metadata::formats::dcp::{decode_object, decode_pickle, parse_metadata};
 
 struct Samples {
     metadata: Vec<Vec<u8>>,

@@ -8,8 +8,8 @@ mod dcp_support;
 use std::time::Instant;
 
 use dcp_support::{ChunkSpec, MetadataStyle, TensorSpec, dcp_metadata};
-use tessera_metadata::dcp::parse_metadata;
-use tessera_metadata::dcp::pickle::Limits;
+use tessera_metadata::formats::dcp::parse_metadata;
+use tessera_metadata::formats::dcp::pickle::Limits;
 
 #[test]
 #[ignore = "timing; run in release"]

@@ -168,7 +168,7 @@ fn compressed_blobs_are_refused_naming_the_tensor() {
 #[test]
 fn rebuild_tensor_v3_float8_and_safetensors_blobs() {
     use dcp_support::{PickleWriter, torch_zip};
-    use tessera_metadata::safetensors::{TensorView, serialize};
+    use tessera_metadata::formats::safetensors::{TensorView, serialize};
 
     // float8 [4, 8] starting 8 elements into a 40-byte storage.
     let storage: Vec<u8> = (0..40u8).collect();

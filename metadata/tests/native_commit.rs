@@ -10,7 +10,7 @@ use std::sync::Arc;
 use native_support::{fixture, local_store, memory_store};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
-use tessera_metadata::native::{
+use tessera_metadata::formats::native::{
     NativeWriter, WriteOptions, open_checkpoint, read_latest, read_manifest, step_from_dir_name,
     verify_checkpoint,
 };

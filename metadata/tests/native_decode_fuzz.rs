@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 use proptest::prelude::*;
-use tessera_metadata::native::{
+use tessera_metadata::formats::native::{
     Manifest, decode_block_checksums, decode_metadata, encode_metadata,
 };
 use tessera_metadata::{
@@ -165,16 +165,16 @@ proptest! {
     fn checksum_files_survive_flips(
         flips in proptest::collection::vec((any::<prop::sample::Index>(), 1..=255u8), 1..4)
     ) {
-        let checksums = tessera_metadata::native::BlockChecksums::new(
+        let checksums = tessera_metadata::formats::native::BlockChecksums::new(
             16,
-            vec![tessera_metadata::native::FileBlocks {
+            vec![tessera_metadata::formats::native::FileBlocks {
                 path: "data/a.bin".to_string(),
                 size: 40,
                 crcs: vec![1, 2, 3],
             }],
         )
         .unwrap();
-        let mut bytes = tessera_metadata::native::encode_block_checksums(&checksums).unwrap();
+        let mut bytes = tessera_metadata::formats::native::encode_block_checksums(&checksums).unwrap();
         for (at, mask) in flips {
             let i = at.index(bytes.len());
             bytes[i] ^= mask;
@@ -213,16 +213,16 @@ fn every_byte_of_valid_files_flipped_is_handled() {
             exercise(&bytes);
         }
     }
-    let checksums = tessera_metadata::native::BlockChecksums::new(
+    let checksums = tessera_metadata::formats::native::BlockChecksums::new(
         16,
-        vec![tessera_metadata::native::FileBlocks {
+        vec![tessera_metadata::formats::native::FileBlocks {
             path: "data/a.bin".to_string(),
             size: 40,
             crcs: vec![1, 2, 3],
         }],
     )
     .unwrap();
-    let valid = tessera_metadata::native::encode_block_checksums(&checksums).unwrap();
+    let valid = tessera_metadata::formats::native::encode_block_checksums(&checksums).unwrap();
     for at in 0..valid.len() {
         for mask in [0x01, 0x80, 0xff] {
             let mut bytes = valid.clone();

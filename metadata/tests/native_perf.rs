@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use tessera_metadata::native::{decode_metadata, encode_metadata};
+use tessera_metadata::formats::native::{decode_metadata, encode_metadata};
 use tessera_metadata::{
     ByteMeta, CheckpointMeta, DType, DataFile, SavedChunk, TensorBox, TensorMeta, validate,
 };

@@ -10,7 +10,7 @@ use futures::TryStreamExt;
 use native_support::{Fixture, RecordingStore, fixture, local_store, memory_store, pattern};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
-use tessera_metadata::native::{
+use tessera_metadata::formats::native::{
     self, DataPresence, NativeWriter, WriteOptions, decode_metadata, encode_metadata,
     open_checkpoint, read_block_checksums, read_latest, verify_checkpoint,
 };

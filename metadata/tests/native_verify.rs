@@ -11,7 +11,7 @@ use native_support::{fixture, local_store};
 use object_store::ObjectStore;
 use object_store::path::Path;
 use tessera_metadata::MetadataError;
-use tessera_metadata::native::{
+use tessera_metadata::formats::native::{
     BadBlock, BlockChecksums, FileBlocks, SizeMismatch, WriteOptions, open_checkpoint,
     read_block_checksums, read_manifest, verify_checkpoint,
 };

@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use dcp_support::{expected, fixtures, open, read_tensor, sha256};
-use tessera_metadata::foreign::SafetensorsLayout;
-use tessera_metadata::safetensors::{TensorView, serialize};
+use tessera_metadata::formats::SafetensorsLayout;
+use tessera_metadata::formats::safetensors::{TensorView, serialize};
 use tessera_metadata::{DType, Format, TensorBox};
 
 fn error(dir: &Path) -> String {
@@ -111,7 +111,8 @@ struct Shard {
 fn dcp_sharded(tmp: &Path) -> std::path::PathBuf {
     let source =
         std::fs::read(fixtures().join("h_reference_full_safetensors/model.safetensors")).unwrap();
-    let header = tessera_metadata::safetensors::parse(&source, "model.safetensors").unwrap();
+    let header =
+        tessera_metadata::formats::safetensors::parse(&source, "model.safetensors").unwrap();
     let dir = tmp.join("hf");
     std::fs::create_dir_all(dir.join("sharded")).unwrap();
     for rank in 0..2u64 {

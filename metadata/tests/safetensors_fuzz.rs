@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use dcp_support::fixtures;
 use proptest::prelude::*;
 use proptest::sample::Index;
-use tessera_metadata::safetensors::{Header, parse, parse_header};
+use tessera_metadata::formats::safetensors::{Header, parse, parse_header};
 
 /// The first 4 KiB of fixture f's first file (header and some data) and a small whole file.
 fn samples() -> &'static Vec<Vec<u8>> {
@@ -19,15 +19,15 @@ fn samples() -> &'static Vec<Vec<u8>> {
     SAMPLES.get_or_init(|| {
         let f = std::fs::read(fixtures().join("f_hf_w1_full/model-00001-of-00002.safetensors"))
             .unwrap();
-        let small = tessera_metadata::safetensors::serialize(
+        let small = tessera_metadata::formats::safetensors::serialize(
             &[
-                tessera_metadata::safetensors::TensorView {
+                tessera_metadata::formats::safetensors::TensorView {
                     name: "a",
                     dtype: tessera_metadata::DType::Bf16,
                     shape: &[2, 3],
                     data: &[1; 12],
                 },
-                tessera_metadata::safetensors::TensorView {
+                tessera_metadata::formats::safetensors::TensorView {
                     name: "b",
                     dtype: tessera_metadata::DType::I64,
                     shape: &[0, 4],

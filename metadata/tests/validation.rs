@@ -12,7 +12,9 @@ use arrow_array::types::{Int8Type, Int32Type};
 use arrow_array::{ArrayRef, RecordBatch};
 use arrow_ipc::writer::StreamWriter;
 use arrow_schema::{DataType, Field, Schema};
-use tessera_metadata::native::{BlockChecksums, FileBlocks, decode_metadata, encode_metadata};
+use tessera_metadata::formats::native::{
+    BlockChecksums, FileBlocks, decode_metadata, encode_metadata,
+};
 use tessera_metadata::{
     ByteMeta, CheckpointMeta, DType, DataFile, MetadataError, ObjectMeta, SavedChunk, TensorBox,
     TensorMeta, validate,

@@ -18,7 +18,7 @@ use std::sync::OnceLock;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use tessera::storage::StorageOptions;
+use tessera_storage::StorageOptions;
 
 create_exception!(
     _tessera,

@@ -14,7 +14,7 @@ use bytes::Bytes;
 use pyo3::prelude::*;
 use serde::{Deserialize, Serialize};
 use tessera_loader::transport::{Transport, TransportOptions};
-use tessera_metadata::native::{NativeWriter, WriteOptions, WrittenFile};
+use tessera_metadata::formats::native::{NativeWriter, WriteOptions, WrittenFile};
 use tessera_metadata::{DType, TensorBox, TensorMeta};
 use tessera_storage as storage;
 

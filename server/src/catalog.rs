@@ -15,7 +15,7 @@ use moka::policy::EvictionPolicy;
 use object_store::ObjectStore;
 use object_store::path::Path;
 use serde::{Deserialize, Serialize};
-use tessera_metadata::native::{
+use tessera_metadata::formats::native::{
     Created, DataPresence, LATEST_FILE, Manifest, ManifestBlob, ManifestFile, read_latest,
     read_manifest, step_from_dir_name,
 };

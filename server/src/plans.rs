@@ -13,7 +13,7 @@ use moka::policy::EvictionPolicy;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tessera_metadata::CheckpointMeta;
-use tessera_metadata::native::{Created, Manifest};
+use tessera_metadata::formats::native::{Created, Manifest};
 use tessera_planner::{ExplicitRequests, Layout, Plan, PlanError, PlanOptions, PlanSummary, plan};
 use utoipa::ToSchema;
 

@@ -15,11 +15,11 @@ use object_store::local::LocalFileSystem;
 use object_store::path::Path;
 use serde_json::{Value, json};
 use tempfile::TempDir;
-use tessera_metadata::native::open_checkpoint;
-use tessera_metadata::synth;
+use tessera_metadata::formats::native::open_checkpoint;
 use tessera_planner::{ExplicitRequests, PlanOptions, PlanSummary, RankPlan, plan};
 use tessera_server::{ARROW_STREAM, AppState, ServerConfig, app};
 use tessera_storage::testing::{FaultConfig, FaultyStore};
+use tessera_synth as synth;
 
 use support::*;
 

@@ -13,11 +13,11 @@ use axum::http::{Request, StatusCode, header};
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
 use tempfile::TempDir;
-use tessera_metadata::native::open_checkpoint;
-use tessera_metadata::synth::Model;
+use tessera_metadata::formats::native::open_checkpoint;
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
 use tessera_planner::{PlanOptions, RankPlan, plan};
 use tessera_server::{ARROW_STREAM, AppState, ServerConfig, app};
+use tessera_synth::Model;
 use tokio::sync::Barrier;
 
 use support::*;

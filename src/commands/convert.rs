@@ -11,8 +11,8 @@ use serde_json::json;
 use tessera_loader::load::{Checkpoint, LoadOptions, LoadedRank, load_rank};
 use tessera_loader::transport::InProcTransport;
 use tessera_loader::transport::TransportOptions;
-use tessera_metadata::native::{NativeWriter, WriteOptions};
-use tessera_metadata::safetensors::{self, TensorView};
+use tessera_metadata::formats::native::{NativeWriter, WriteOptions};
+use tessera_metadata::formats::safetensors::{self, TensorView};
 use tessera_planner::{Layout, PlanOptions, Target, assign_writers};
 
 use crate::human;

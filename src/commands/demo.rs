@@ -4,13 +4,13 @@ use std::fmt::Write;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use tessera_metadata::native::read_manifest;
-use tessera_metadata::synth::Model;
+use tessera_metadata::formats::native::read_manifest;
 use tessera_planner::presets::{MegatronGpt, fsdp, megatron_gpt};
 use tessera_planner::{Layout, PlanOptions, plan};
+use tessera_synth::Model;
 
-use crate::storage;
-use crate::synth::{SynthOptions, synthesize};
+use tessera_storage as storage;
+use tessera_synth::{SynthOptions, synthesize};
 
 /// One checkpoint of the demo catalog.
 struct DemoCheckpoint {
@@ -86,14 +86,15 @@ pub async fn run(dir: &str) -> Result<String> {
             continue;
         }
         synthesize(
-            &location,
+            location.store.clone(),
+            &location.prefix,
             &c.layout,
             &SynthOptions {
                 model: c.model,
                 optimizer: c.optimizer,
                 metadata_only: false,
                 step: Some(c.step),
-                progress: false,
+                progress: None,
             },
         )
         .await

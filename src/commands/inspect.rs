@@ -5,9 +5,9 @@ use std::fmt::Write;
 use anyhow::{Context, Result};
 use object_store::{ObjectStore, ObjectStoreExt};
 use serde_json::{Value, json};
-use tessera_metadata::dcp::{IndexSource, IndexStats, decode_object};
-use tessera_metadata::foreign::SafetensorsLayout;
-use tessera_metadata::native::DataPresence;
+use tessera_metadata::formats::SafetensorsLayout;
+use tessera_metadata::formats::dcp::{IndexSource, IndexStats, decode_object};
+use tessera_metadata::formats::native::DataPresence;
 use tessera_metadata::{FormatDetails, OpenedCheckpoint};
 
 use crate::human;

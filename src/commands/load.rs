@@ -23,12 +23,12 @@ use tessera_loader::transport::InProcTransport;
 use tessera_loader::transport::TcpTransport;
 use tessera_loader::transport::TransportOptions;
 use tessera_metadata::Format;
-use tessera_metadata::dcp::IndexSource;
-use tessera_metadata::safetensors::{self, TensorView};
-use tessera_metadata::synth;
+use tessera_metadata::formats::dcp::IndexSource;
+use tessera_metadata::formats::safetensors::{self, TensorView};
 use tessera_planner::{
     ExplicitRequests, Plan, PlanOptions, PlanSummary, RankPlan, RequestSet, Target,
 };
+use tessera_synth as synth;
 
 use crate::human;
 

@@ -18,7 +18,7 @@ use tessera_loader::load::Checkpoint;
 use tessera_metadata::{OpenOptions, OpenedCheckpoint, open_any};
 use tessera_planner::Layout;
 
-use crate::storage;
+use tessera_storage as storage;
 
 /// Environment variable naming a local directory where DCP blob indexes are cached between runs
 /// (every rank process of `load --transport tcp` shares it). Never the checkpoint's directory.

@@ -1,17 +1,17 @@
 //! `tessera synth`: write a synthetic checkpoint saved with a layout.
 
 use anyhow::Result;
-use tessera_metadata::native::DataPresence;
+use tessera_metadata::formats::native::DataPresence;
 
 use crate::human;
-use crate::storage;
-use crate::synth::{SynthOptions, synthesize};
+use tessera_storage as storage;
+use tessera_synth::{SynthOptions, synthesize};
 
 /// Writes the checkpoint and returns the report printed at the end.
 pub async fn run(out: &str, layout_path: &str, options: &SynthOptions) -> Result<String> {
     let layout = super::read_layout(layout_path)?;
     let location = storage::create(out)?;
-    let manifest = synthesize(&location, &layout, options).await?;
+    let manifest = synthesize(location.store.clone(), &location.prefix, &layout, options).await?;
     let data = match manifest.data {
         DataPresence::Present => "with data",
         DataPresence::Absent => "metadata only",

@@ -6,13 +6,13 @@
 use std::fmt::Write;
 
 use anyhow::{Context, Result, bail};
-use tessera_metadata::dcp::verify_dcp;
-use tessera_metadata::foreign::list_dir;
-use tessera_metadata::native::{self, verify_checkpoint};
+use tessera_metadata::formats::dcp::verify_dcp;
+use tessera_metadata::formats::list_dir;
+use tessera_metadata::formats::native::{self, verify_checkpoint};
 use tessera_metadata::{FormatDetails, open_any};
 
 use crate::human;
-use crate::storage;
+use tessera_storage as storage;
 
 /// Reads in flight while checking DCP blobs.
 const CONCURRENCY: usize = 16;

@@ -4,7 +4,7 @@
 
 use object_store::ObjectStoreExt;
 use object_store::path::Path;
-use tessera_metadata::native::{
+use tessera_metadata::formats::native::{
     NativeWriter, WriteOptions, open_checkpoint, read_latest, verify_checkpoint,
 };
 use tessera_metadata::{DType, TensorBox, TensorMeta};

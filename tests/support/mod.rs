@@ -11,9 +11,9 @@ use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use tessera_metadata::native::{NativeCheckpoint, open_checkpoint};
-use tessera_metadata::synth;
+use tessera_metadata::formats::native::{NativeCheckpoint, open_checkpoint};
 use tessera_planner::{RankPlan, Target};
+use tessera_synth as synth;
 
 /// The binary under test, built by cargo for this test target.
 pub const BIN: &str = env!("CARGO_BIN_EXE_tessera");

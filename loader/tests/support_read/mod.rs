@@ -12,14 +12,14 @@ use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use tessera_loader::LoaderError;
 use tessera_loader::place::{allocate, place_piece};
 use tessera_loader::read::{ReadOptions, ReadStats, read_pieces};
-use tessera_metadata::native::{
+use tessera_metadata::formats::native::{
     BlockChecksums, FileBlocks, NativeWriter, WriteOptions, open_checkpoint, read_block_checksums,
 };
-use tessera_metadata::synth::{box_bytes, flat_bytes};
 use tessera_metadata::{
     ByteMeta, CheckpointMeta, DType, DataFile, SavedChunk, TensorBox, TensorMeta, validate,
 };
 use tessera_planner::{Layout, PlanOptions, RankPlan, Target, plan};
+use tessera_synth::{box_bytes, flat_bytes};
 
 /// Checksum block size of the fixture checkpoints: small, so that a few hundred KiB of data span
 /// many blocks and verification's extension is visible.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use object_store::ObjectStore;
 use object_store::path::Path;
-use tessera_metadata::native::{Manifest, NativeWriter, WriteOptions, WrittenFile};
+use tessera_metadata::formats::native::{Manifest, NativeWriter, WriteOptions, WrittenFile};
 use tessera_metadata::{DType, MetadataError, TensorBox, TensorMeta};
 
 /// One saved box of the fixture: data file (0 or 1), tensor index, region, bytes.

@@ -14,10 +14,10 @@ use object_store::ObjectStore;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
 use serde_json::Value;
-use tessera_metadata::native::{NativeWriter, WriteOptions};
-use tessera_metadata::synth::{self, Model};
+use tessera_metadata::formats::native::{NativeWriter, WriteOptions};
 use tessera_planner::presets::{MegatronGpt, fsdp, megatron_gpt};
 use tessera_planner::{Layout, assign_writers};
+use tessera_synth::{self as synth, Model};
 use tower::ServiceExt;
 
 /// gpt-tiny's saved layout in the fixture: Megatron tp2 pp2 dp2 with a distributed optimizer.

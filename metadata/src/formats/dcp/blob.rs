@@ -149,10 +149,10 @@ fn parse_zip_blob(seg: &Segments) -> Result<TensorBlob, ZipError> {
 
 fn parse_safetensors_blob(seg: &Segments) -> Result<TensorBlob, ZipError> {
     let first8 = seg.get(0, 8, "the safetensors header length")?;
-    let n =
-        crate::safetensors::header_len(first8, "blob").map_err(|e| ZipError::Bad(e.to_string()))?;
+    let n = crate::formats::safetensors::header_len(first8, "blob")
+        .map_err(|e| ZipError::Bad(e.to_string()))?;
     let json = seg.get(8, n, "the safetensors header")?;
-    let header = crate::safetensors::parse_header(json, seg.len(), "blob")
+    let header = crate::formats::safetensors::parse_header(json, seg.len(), "blob")
         .map_err(|e| ZipError::Bad(e.to_string()))?;
     let [entry] = header.tensors.as_slice() else {
         return bad(format!(

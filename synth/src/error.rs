@@ -5,9 +5,10 @@ use std::fmt;
 
 use thiserror::Error;
 
-use crate::DType;
+use tessera_metadata::{DType, MetadataError};
+use tessera_planner::PlanError;
 
-/// Errors of [`crate::synth`]: bad requests (unknown model, a box or range outside the tensor, a
+/// Errors of this crate: bad requests (unknown model, a box or range outside the tensor, a
 /// buffer of the wrong size) and, from the checks, a value that differs from the formula.
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -67,6 +68,24 @@ pub enum SynthError {
     /// A value differs from the formula.
     #[error(transparent)]
     Mismatch(Box<ValueMismatch>),
+    /// The save layout does not resolve against the model, or writers cannot be assigned.
+    #[error("planning the synthetic save: {0}")]
+    Plan(#[from] PlanError),
+    /// Writing the checkpoint failed.
+    #[error("{context}: {source}")]
+    Write {
+        /// Verb phrase with the checkpoint or file.
+        context: String,
+        /// The writer's error.
+        #[source]
+        source: Box<MetadataError>,
+    },
+    /// A value-generation task died.
+    #[error("generating box values: {detail}")]
+    Task {
+        /// What happened.
+        detail: String,
+    },
 }
 
 impl SynthError {
@@ -107,7 +126,7 @@ impl fmt::Display for ValueMismatch {
             "tensor {} ({}): element {} (flat index {}, buffer byte {}): expected bytes {}, found {}",
             self.fqn,
             self.dtype,
-            crate::shape_to_string(&self.coords),
+            tessera_metadata::shape_to_string(&self.coords),
             self.index,
             self.byte_offset,
             HexBytes(&self.expected),
@@ -131,5 +150,37 @@ impl fmt::Display for HexBytes<'_> {
             write!(f, "{b:02x}")?;
         }
         f.write_str("]")
+    }
+}
+
+impl SynthError {
+    /// A `map_err` adapter for writer errors: `context` says what was being written.
+    pub fn writing(context: String) -> impl FnOnce(MetadataError) -> SynthError {
+        move |source| SynthError::Write {
+            context,
+            source: Box::new(source),
+        }
+    }
+
+    /// `context` in front of a write error's own (another error passes unchanged).
+    pub fn in_context(self, context: String) -> SynthError {
+        match self {
+            SynthError::Write {
+                context: inner,
+                source,
+            } => SynthError::Write {
+                context: format!("{context}: {inner}"),
+                source,
+            },
+            other => other,
+        }
+    }
+
+    /// Whether retrying cannot help: only a write whose storage error may pass is transient.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            SynthError::Write { source, .. } => source.is_permanent(),
+            _ => true,
+        }
     }
 }

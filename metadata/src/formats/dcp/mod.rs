@@ -39,8 +39,8 @@ use std::time::Instant;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 
-use crate::foreign::Listing;
-use crate::native::{resolve, store_error};
+use crate::formats::Listing;
+use crate::formats::native::{resolve, store_error};
 use crate::{
     ByteMeta, CheckpointMeta, DataFile, MetadataError, ObjectMeta, SavedChunk, TensorBox,
     TensorMeta, row_major_strides, validate,

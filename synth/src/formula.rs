@@ -3,7 +3,7 @@
 //! Everything here works on one contiguous run of global flat indices at a time; the box and
 //! range walking lives in `fill.rs`.
 
-use crate::DType;
+use tessera_metadata::DType;
 
 /// Golden-ratio multiplier that spreads the seed over the 32-bit index space.
 const SEED_MULTIPLIER: u32 = 0x9E37_79B9;

@@ -4,7 +4,7 @@
 //! # Models
 //!
 //! [`Model`] names a size (`gpt-tiny`, `gpt-small`, `llama3-8b`, `llama3-70b`, `llama3-405b`);
-//! [`tensors`] lists its [`TensorMeta`](crate::TensorMeta)s: bf16 parameters in model
+//! [`tensors`] lists its [`TensorMeta`](tessera_metadata::TensorMeta)s: bf16 parameters in model
 //! (state-dict) order, then optionally f32 optimizer states `optim.state.<param>.{master, exp_avg,
 //! exp_avg_sq}`, then `train.step` (i64, 0-dim).
 //!
@@ -43,6 +43,11 @@
 //! Bytes are little-endian. A hash rather than `arange` keeps low-precision tensors from repeating
 //! with a short period, which would let an off-by-N-rows bug go unnoticed.
 //!
+//! # Writing
+//!
+//! [`synthesize`] writes a model saved with a layout as a native checkpoint (or its metadata only,
+//! for models too large to materialize).
+//!
 //! # Generating and checking
 //!
 //! [`fill_box`] / [`fill_flat`] write a box (row-major over the box) or a flat range of a tensor,
@@ -54,6 +59,7 @@ mod error;
 mod fill;
 mod formula;
 mod model;
+mod write;
 
 pub use error::{SynthError, ValueMismatch};
 pub use fill::{box_bytes, check_box, check_flat, fill_box, fill_flat, flat_bytes};
@@ -62,3 +68,4 @@ pub use model::{
     Model, ModelConfig, OPTIM_DTYPE, OPTIM_STATES, PARAM_DTYPE, TRAIN_STEP_FQN, tensors,
     total_bytes,
 };
+pub use write::{FileWritten, ProgressFn, SynthOptions, synthesize};

@@ -7,7 +7,7 @@ use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt};
 
 use super::zip::read_archive;
 use super::{ChunkBlob, DcpDetails};
-use crate::native::{resolve, store_error};
+use crate::formats::native::{resolve, store_error};
 use crate::{CheckpointMeta, DataFile, MetadataError, ObjectMeta};
 
 /// A blob whose bytes do not match what its zip directory records.

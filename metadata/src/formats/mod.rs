@@ -2,7 +2,9 @@
 //! directory, or safetensors (a file, a directory, an HF index, DCP's HF writer). One listing of
 //! the location tells them apart ([`open_any`]); every format ends as the same [`CheckpointMeta`].
 
-pub mod hf;
+pub mod dcp;
+pub mod native;
+pub mod safetensors;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -11,11 +13,13 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 use serde::{Deserialize, Serialize};
 
-use crate::dcp::{self, DcpDetails, DcpOptions};
-use crate::native::{self, BlockChecksums, DataPresence, Manifest, store_error};
 use crate::{CheckpointMeta, MetadataError};
+use dcp::{DcpDetails, DcpOptions};
+use native::{BlockChecksums, DataPresence, Manifest, store_error};
 
-pub use hf::{SafetensorsCheckpoint, SafetensorsDetails, SafetensorsFile, SafetensorsLayout};
+pub use safetensors::{
+    SafetensorsCheckpoint, SafetensorsDetails, SafetensorsFile, SafetensorsLayout,
+};
 
 /// The formats tessera reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -186,7 +190,7 @@ pub fn step_from_name(name: &str) -> Option<u64> {
 /// - `manifest.json` (or a native-looking directory without one: `metadata.arrow`, `data/`): the
 ///   native reader, with its errors ([`MetadataError::MissingManifest`] for an incomplete save);
 /// - `.metadata` (or per-rank `__<r>.metadata`): [`dcp::open_dcp`];
-/// - `model.safetensors.index.json`, `*.safetensors`, or a `sharded/` folder: [`hf::open_safetensors`];
+/// - `model.safetensors.index.json`, `*.safetensors`, or a `sharded/` folder: [`safetensors::open_safetensors`];
 /// - a location that is itself a `.safetensors` file: that file.
 ///
 /// Anything else is [`MetadataError::Unsupported`], naming the location.
@@ -225,8 +229,8 @@ pub async fn open_any(
             details: FormatDetails::Dcp(Box::new(opened.details)),
         });
     }
-    if hf::is_safetensors(&listing) {
-        let opened = hf::open_safetensors(store, prefix, &listing, None).await?;
+    if safetensors::is_safetensors(&listing) {
+        let opened = safetensors::open_safetensors(store, prefix, &listing, None).await?;
         return Ok(safetensors_opened(prefix.clone(), step, opened));
     }
     // The location may be a single file.
@@ -239,7 +243,7 @@ pub async fn open_any(
         let root = prefix.parent().unwrap_or_default();
         let mut single = Listing::default();
         single.files.insert(name.to_string(), head.size);
-        let opened = hf::open_safetensors(store, &root, &single, Some(name)).await?;
+        let opened = safetensors::open_safetensors(store, &root, &single, Some(name)).await?;
         let step = root.filename().and_then(step_from_name);
         return Ok(safetensors_opened(root, step, opened));
     }

@@ -4,8 +4,8 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::synth::error::SynthError;
-use crate::{DType, TensorMeta};
+use crate::error::SynthError;
+use tessera_metadata::{DType, TensorMeta};
 
 /// Element type of the model parameters.
 pub const PARAM_DTYPE: DType = DType::Bf16;

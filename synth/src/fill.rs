@@ -4,9 +4,9 @@
 //! longer when the box spans whole trailing dimensions (then consecutive rows are adjacent in the
 //! tensor too). Each run is one tight loop in `formula.rs`.
 
-use crate::synth::error::{SynthError, ValueMismatch};
-use crate::synth::formula::{element_seed, fill_run, seed_base};
-use crate::{TensorBox, TensorMeta, row_major_strides, shape_to_string};
+use crate::error::{SynthError, ValueMismatch};
+use crate::formula::{element_seed, fill_run, seed_base};
+use tessera_metadata::{TensorBox, TensorMeta, row_major_strides, shape_to_string};
 
 /// Elements generated per step while checking, so the expected bytes stay in cache and the
 /// scratch buffer stays small however large the box is.
@@ -347,7 +347,7 @@ fn to_usize(n: u64) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::DType;
+    use tessera_metadata::DType;
 
     fn runs(shape: &[u64], offsets: &[u64], lengths: &[u64]) -> Vec<(u64, u64)> {
         let t = TensorMeta::new("t", DType::F32, shape.to_vec());

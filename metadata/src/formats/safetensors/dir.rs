@@ -9,9 +9,9 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 use serde_json::Value;
 
-use super::{Listing, list_dir};
-use crate::native::{resolve, store_error};
-use crate::safetensors::{Header, header_len, parse_header};
+use super::{Header, header_len, parse_header};
+use crate::formats::native::{resolve, store_error};
+use crate::formats::{Listing, list_dir};
 use crate::{
     ByteMeta, CheckpointMeta, DataFile, MetadataError, SavedChunk, TensorBox, TensorMeta, validate,
 };

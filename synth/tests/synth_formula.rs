@@ -9,11 +9,11 @@ use std::sync::OnceLock;
 use proptest::prelude::*;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use tessera_metadata::synth::{
+use tessera_metadata::{DType, TensorBox, TensorMeta, row_major_strides};
+use tessera_synth::{
     SynthError, box_bytes, check_box, check_flat, element_seed, fill_box, fill_flat, flat_bytes,
     hash32,
 };
-use tessera_metadata::{DType, TensorBox, TensorMeta, row_major_strides};
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/dcp");
 

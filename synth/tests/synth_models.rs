@@ -3,10 +3,8 @@
 #![allow(clippy::unwrap_used)]
 
 use sha2::{Digest, Sha256};
-use tessera_metadata::synth::{
-    Model, ModelConfig, SynthError, box_bytes, check_box, tensors, total_bytes,
-};
 use tessera_metadata::{DType, TensorMeta};
+use tessera_synth::{Model, ModelConfig, SynthError, box_bytes, check_box, tensors, total_bytes};
 
 #[test]
 fn model_names_round_trip_and_unknown_names_list_the_valid_ones() {

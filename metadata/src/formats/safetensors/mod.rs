@@ -1,14 +1,22 @@
-//! safetensors files: a writer (for `tessera load --dump` and consolidated exports) and a header
-//! parser with caps (untrusted input: size limits, checked arithmetic, no overlap, no hole).
+//! safetensors: a header parser with caps (untrusted input: size limits, checked arithmetic, no
+//! overlap, no hole), checkpoints read in place ([`dir`]: a file, a directory, an HF index, DCP's HF
+//! writer), and a writer (for `tessera load --dump` and consolidated exports).
 //!
 //! Layout: `u64` little-endian header length N, N bytes of JSON header (padded with spaces to a
 //! multiple of 8), then the data. The header maps each tensor name to
 //! `{"dtype", "shape", "data_offsets": [begin, end]}` relative to the data start, plus an optional
 //! `"__metadata__"` map of strings.
 
+pub mod dir;
+
 use std::collections::BTreeMap;
 
 use serde_json::{Map, Value, json};
+
+pub use dir::{
+    INDEX_FILE, SHARDED_DIR, SHARDING_INFO_KEY, SafetensorsCheckpoint, SafetensorsDetails,
+    SafetensorsFile, SafetensorsLayout, is_safetensors, open_safetensors, read_header,
+};
 
 use crate::{DType, MetadataError};
 
