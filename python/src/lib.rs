@@ -8,7 +8,6 @@
 //! Errors are `tessera.TesseraError` with the loader's message (it names the file, tensor, rank or
 //! field).
 
-mod coord;
 mod load;
 mod memory;
 mod save;
@@ -65,8 +64,9 @@ fn inspect(
     let rt = runtime()?;
     let options = storage_options(storage_env);
     py.detach(|| {
-        rt.block_on(tessera::commands::inspect::describe(&checkpoint, &options))
+        rt.block_on(tessera_ops::describe::describe(&checkpoint, &options))
             .map(|doc| doc.to_string())
+            .map_err(anyhow::Error::from)
     })
     .map_err(py_error)
 }

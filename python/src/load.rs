@@ -24,7 +24,9 @@ use tessera_planner::{ExplicitRequest, ExplicitRequests, Layout, PlanOptions, Ra
 use tessera_storage as storage;
 
 use crate::memory::{HostMemory, first_overlap};
-use crate::{coord, py_error, runtime, storage_options};
+use tessera_ops::coord;
+
+use crate::{py_error, runtime, storage_options};
 
 /// One entry of a state dict as the Python layer describes it:
 /// `(fqn, dtype, shape, offsets, flat_start, address, nbytes, cuda_device)`. `offsets` is the
@@ -243,7 +245,7 @@ struct LoadJob {
 
 async fn run_load(job: LoadJob) -> Result<RankReport> {
     let location = storage::open_with(&job.checkpoint, &job.storage)?;
-    let checkpoint = Checkpoint::open_with(location, &tessera::commands::open_options())
+    let checkpoint = Checkpoint::open_with(location, &tessera_ops::open::open_options())
         .await
         .with_context(|| format!("opening checkpoint {}", job.checkpoint))?;
     let by_name: HashMap<&str, &TensorMeta> = checkpoint
@@ -548,7 +550,7 @@ async fn plan_json(
     options: storage::StorageOptions,
 ) -> Result<String> {
     let location = storage::open_with(&checkpoint, &options)?;
-    let mut open = tessera::commands::open_options();
+    let mut open = tessera_ops::open::open_options();
     open.block_checksums = false;
     let opened = Checkpoint::open_with(location, &open)
         .await

@@ -1,9 +1,9 @@
 //! Ranks of one job agreeing on things before they load or save: joining the TCP mesh (the same
-//! rendezvous as `tessera load --rank`), and an all-gather of small messages over it.
+//! rendezvous as `tessera load --rank`), and an all-gather of small JSON messages over any
+//! transport.
 
 use std::time::Duration;
 
-use anyhow::{Context, Result};
 use bytes::Bytes;
 use futures::future::try_join_all;
 use serde::Serialize;
@@ -12,8 +12,10 @@ use tessera_loader::LoaderError;
 use tessera_loader::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{TcpTransport, Transport, TransportOptions};
 
-/// Tags of the coordination messages: above every ring exchange tag (group << 32 | round, with
-/// far fewer than 2^31 groups).
+use crate::{OpsError, ResultExt};
+
+/// Tag of the load's requests: above every ring exchange tag (group << 32 | round, with far fewer
+/// than 2^31 groups).
 pub const TAG_REQUESTS: u64 = 0xFFFF_FFFF_0000_0001;
 /// Tag of the save's box lists.
 pub const TAG_SAVE_BOXES: u64 = 0xFFFF_FFFF_0000_0002;
@@ -29,7 +31,7 @@ pub async fn connect(
     addr: &str,
     port: u16,
     timeout: Duration,
-) -> Result<TcpTransport> {
+) -> Result<TcpTransport, OpsError> {
     let joined = async {
         let config = RendezvousConfig::new(rank, world, addr, port)?;
         TcpTransport::connect(&config, TransportOptions::with_timeout(timeout)).await
@@ -45,15 +47,23 @@ pub async fn all_gather_json<T: Transport, V: Serialize + DeserializeOwned>(
     tag: u64,
     mine: &V,
     what: &str,
-) -> Result<Vec<V>> {
-    let text = Bytes::from(serde_json::to_vec(mine)?);
+) -> Result<Vec<V>, OpsError> {
+    let text = Bytes::from(
+        serde_json::to_vec(mine).map_err(|source| OpsError::Message {
+            what: format!("this rank's {what}"),
+            source,
+        })?,
+    );
     let all = all_gather(transport, tag, text)
         .await
         .with_context(|| format!("rank {} gathering every rank's {what}", transport.rank()))?;
     all.iter()
         .enumerate()
         .map(|(r, bytes)| {
-            serde_json::from_slice(bytes).with_context(|| format!("rank {r}'s {what}"))
+            serde_json::from_slice(bytes).map_err(|source| OpsError::Message {
+                what: format!("rank {r}'s {what}"),
+                source,
+            })
         })
         .collect()
 }

@@ -1,0 +1,129 @@
+//! What a checkpoint holds, as one JSON document: format, step, every tensor with its saved boxes
+//! (file and byte range), and the format's own details. `tessera inspect --json` prints it and the
+//! Python package's `tessera.inspect` returns it.
+
+use object_store::{ObjectStore, ObjectStoreExt};
+use serde_json::{Value, json};
+use tessera_metadata::formats::SafetensorsLayout;
+use tessera_metadata::formats::dcp::decode_object;
+use tessera_metadata::{FormatDetails, OpenedCheckpoint};
+use tessera_storage::StorageOptions;
+
+use crate::OpsError;
+use crate::open::open_at_with;
+
+/// What `inspect --json` prints, as a JSON value: format, step, every tensor with its saved boxes
+/// (file and byte range), and the format's own details. Also what the Python package's
+/// `tessera.inspect` returns.
+pub async fn describe(location: &str, storage_options: &StorageOptions) -> Result<Value, OpsError> {
+    let (store, checkpoint) = open_at_with(location, storage_options).await?;
+    let meta = &checkpoint.meta;
+    let tensors: Vec<_> = meta
+        .tensors()
+        .iter()
+        .enumerate()
+        .map(|(t, tensor)| {
+            let boxes: Vec<_> = meta
+                .chunks_of(t as u32)
+                .iter()
+                .map(|c| {
+                    let mut b = json!({
+                        "offsets": c.region.offsets,
+                        "lengths": c.region.lengths,
+                        "file": meta.files()[c.bytes.file as usize].path,
+                        "byte_offset": c.bytes.offset,
+                        "byte_length": c.bytes.length,
+                        "crc32c": c.crc32c,
+                    });
+                    if let Some(strides) = &c.bytes.strides {
+                        b["strides"] = json!(strides);
+                    }
+                    b
+                })
+                .collect();
+            json!({
+                "fqn": tensor.fqn,
+                "dtype": tensor.dtype,
+                "shape": tensor.shape,
+                "bytes": tensor.nbytes(),
+                "boxes": boxes,
+            })
+        })
+        .collect();
+    let mut doc = json!({
+        "location": location,
+        "format": checkpoint.format,
+        "step": checkpoint.step,
+        "committed": checkpoint.committed,
+        "tensors": tensors,
+    });
+    match &checkpoint.details {
+        FormatDetails::Native { manifest } => doc["manifest"] = json!(manifest),
+        FormatDetails::Dcp(dcp) => {
+            doc["dcp"] = json!({
+                "metadata_files": dcp.metadata_files,
+                "version": dcp.metadata.version,
+                "checkpoint_id": dcp.metadata.checkpoint_id,
+                "save_id": dcp.metadata.save_id,
+                "index": dcp.stats,
+            });
+            doc["objects"] = objects_json(store.as_ref(), &checkpoint).await?;
+        }
+        FormatDetails::Safetensors(st) => {
+            doc["safetensors"] = json!({
+                "layout": layout_name(st.layout),
+                "files": st.files.iter().map(|f| json!({
+                    "path": f.path,
+                    "size": f.size,
+                    "metadata": f.header.metadata,
+                })).collect::<Vec<_>>(),
+            });
+        }
+    }
+    Ok(doc)
+}
+
+/// How a safetensors checkpoint's files were found, in words.
+pub fn layout_name(layout: SafetensorsLayout) -> &'static str {
+    match layout {
+        SafetensorsLayout::SingleFile => "single file",
+        SafetensorsLayout::Directory => "directory",
+        SafetensorsLayout::Index => "HF index model.safetensors.index.json",
+        SafetensorsLayout::DcpSharded => "DCP HF writer, sharded/",
+    }
+}
+
+/// The non-tensor entries of a checkpoint, each with its decoded value when it is a simple
+/// Python value.
+pub async fn objects_json(
+    store: &dyn ObjectStore,
+    checkpoint: &OpenedCheckpoint,
+) -> Result<Value, OpsError> {
+    let meta = &checkpoint.meta;
+    let location = checkpoint.root.clone();
+    let mut objects = Vec::with_capacity(meta.objects().len());
+    for object in meta.objects() {
+        let file = &meta.files()[object.file as usize].path;
+        let path = location.clone().join(file.as_str());
+        let bytes = store
+            .get_range(&path, object.offset..object.offset + object.length)
+            .await
+            .map_err(|source| tessera_storage::StorageError::Store {
+                action: format!("reading object {} from", object.key),
+                path: path.to_string(),
+                source,
+            })?;
+        let mut entry = json!({
+            "key": object.key,
+            "file": file,
+            "byte_offset": object.offset,
+            "byte_length": object.length,
+        });
+        match decode_object(&bytes) {
+            Ok(value) => entry["value"] = value,
+            Err(e) => entry["value_error"] = json!(e.to_string()),
+        }
+        objects.push(entry);
+    }
+    Ok(Value::Array(objects))
+}

@@ -1,0 +1,111 @@
+//! The operations' one error type: the libraries' errors, with what the operation was doing.
+
+use thiserror::Error;
+
+/// Errors of an operation.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum OpsError {
+    /// A location that cannot be opened, or a store request that failed.
+    #[error(transparent)]
+    Storage(#[from] tessera_storage::StorageError),
+    /// Checkpoint metadata that cannot be read or written.
+    #[error(transparent)]
+    Metadata(#[from] tessera_metadata::MetadataError),
+    /// Planning failed.
+    #[error(transparent)]
+    Plan(#[from] tessera_planner::PlanError),
+    /// Loading or a transport between ranks failed.
+    #[error(transparent)]
+    Loader(#[from] tessera_loader::LoaderError),
+    /// A message between ranks that does not decode.
+    #[error("decoding {what}: {source}")]
+    Message {
+        /// What the message was (`rank 2's boxes`).
+        what: String,
+        /// The decoder's error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// Input that cannot work (disagreeing ranks, a missing rendezvous).
+    #[error("{detail}")]
+    Invalid {
+        /// What is wrong, naming the tensor, rank or field.
+        detail: String,
+    },
+    /// Other ranks failed, so nothing was committed.
+    #[error("not committed, ranks failed: {}", failures.join("; "))]
+    RanksFailed {
+        /// `rank R: why`, one per failed rank.
+        failures: Vec<String>,
+    },
+    /// An error with what the operation was doing when it happened.
+    #[error("{context}: {source}")]
+    Context {
+        /// Verb phrase with the object: `opening checkpoint run/step-1`.
+        context: String,
+        /// What went wrong.
+        #[source]
+        source: Box<OpsError>,
+    },
+}
+
+impl OpsError {
+    /// An [`OpsError::Invalid`].
+    pub fn invalid(detail: impl Into<String>) -> Self {
+        OpsError::Invalid {
+            detail: detail.into(),
+        }
+    }
+
+    /// Whether retrying the same operation cannot help. Storage and transport failures that may
+    /// pass are transient; bad input and bad data are permanent.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            OpsError::Storage(e) => e.is_permanent(),
+            OpsError::Metadata(e) => e.is_permanent(),
+            OpsError::Plan(_) => true,
+            OpsError::Loader(e) => loader_is_permanent(e),
+            OpsError::Message { .. } | OpsError::Invalid { .. } => true,
+            OpsError::RanksFailed { .. } => false,
+            OpsError::Context { source, .. } => source.is_permanent(),
+        }
+    }
+}
+
+/// The loader's classification where it has one; otherwise a storage failure of its read path
+/// counts as transient.
+fn loader_is_permanent(error: &tessera_loader::LoaderError) -> bool {
+    use tessera_loader::LoaderError as L;
+    match error {
+        L::Storage(e) => e.is_permanent(),
+        L::Metadata(e) => e.is_permanent(),
+        L::Store { source, .. } => !tessera_storage::is_transient(source),
+        L::Transport { .. } | L::PeerTimeout { .. } | L::Rendezvous { .. } => false,
+        _ => true,
+    }
+}
+
+/// `.context("verb phrase")` for results whose error converts into an [`OpsError`].
+pub trait ResultExt<T> {
+    /// Wraps the error with `context`.
+    fn context(self, context: impl Into<String>) -> Result<T, OpsError>;
+    /// Wraps the error with the context `f` makes (only on error).
+    fn with_context<S: Into<String>>(self, f: impl FnOnce() -> S) -> Result<T, OpsError>;
+}
+
+impl<T, E: Into<OpsError>> ResultExt<T> for Result<T, E> {
+    fn context(self, context: impl Into<String>) -> Result<T, OpsError> {
+        self.map_err(|e| OpsError::Context {
+            context: context.into(),
+            source: Box::new(e.into()),
+        })
+    }
+
+    fn with_context<S: Into<String>>(self, f: impl FnOnce() -> S) -> Result<T, OpsError> {
+        self.map_err(|e| OpsError::Context {
+            context: f().into(),
+            source: Box::new(e.into()),
+        })
+    }
+}

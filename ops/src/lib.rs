@@ -1,0 +1,20 @@
+//! The operations every tessera front end shares: the CLI (`tessera`), the Python package and,
+//! for opening, the server. Front ends parse their own arguments and render their own output;
+//! what a checkpoint *is* and what a multi-rank operation *does* is decided here once.
+//!
+//! - [`open`]: a location in any format ([`open::open_at_with`]), for loading
+//!   ([`open::open_for_load`]), with the blob-index cache directory from the environment.
+//! - [`describe`]: what `tessera inspect --json` prints and `tessera.inspect` returns.
+//! - [`save`]: the multi-rank save-and-commit protocol of the native format: every rank writes
+//!   the boxes the planner's worst-fit `assign_writers` gives it, rank 0 commits (manifest last)
+//!   only after every rank reported success.
+//! - [`coord`]: the small messages ranks exchange before they load or save (an all-gather over
+//!   the job's transport).
+
+pub mod coord;
+pub mod describe;
+mod error;
+pub mod open;
+pub mod save;
+
+pub use error::{OpsError, ResultExt};

@@ -1,0 +1,302 @@
+//! The multi-rank save-and-commit protocol of the native format.
+//!
+//! Every rank says which boxes (and objects) it holds; [`save_rank`] gets every rank's
+//! [`Holdings`], already gathered (see [`crate::coord::all_gather_json`]). A box held by several
+//! ranks (data-parallel replicas) is written once, by the holder the planner's worst-fit
+//! [`assign_writers`] picks, so write bytes are balanced over the ranks rather than piled on the
+//! lowest one. Each rank writes its boxes to its own data file (`data/rank-<r>.bin`) and reports
+//! what it wrote to rank 0, which commits (metadata, checksums, manifest last) only when every
+//! rank succeeded, and tells every rank the outcome. A failure anywhere leaves no manifest: the
+//! directory never shows as a checkpoint.
+
+use std::collections::{BTreeMap, HashMap};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tessera_loader::transport::Transport;
+use tessera_metadata::formats::native::{Manifest, NativeWriter, WriteOptions, WrittenFile};
+use tessera_metadata::{DType, TensorBox, TensorMeta};
+use tessera_planner::{Request, RequestSet, Target, assign_writers};
+use tessera_storage::StorageOptions;
+
+use crate::coord::{TAG_SAVE_DONE, TAG_SAVE_FILES};
+use crate::{OpsError, ResultExt};
+
+/// One box a rank holds.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct HeldBox {
+    /// The tensor.
+    pub fqn: String,
+    /// Its dtype (`bf16`, `f32`, …).
+    pub dtype: String,
+    /// Its global shape.
+    pub shape: Vec<u64>,
+    /// The box's offsets.
+    pub offsets: Vec<u64>,
+    /// The box's lengths.
+    pub lengths: Vec<u64>,
+}
+
+/// What one rank holds, as the other ranks learn it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Holdings {
+    /// Its boxes.
+    pub boxes: Vec<HeldBox>,
+    /// The keys of its non-tensor objects.
+    pub objects: Vec<String>,
+}
+
+/// Options of [`save_rank`].
+#[derive(Clone, Debug, Default)]
+pub struct SaveOptions {
+    /// Training step recorded in the manifest.
+    pub step: Option<u64>,
+    /// Credentials and endpoints on top of the environment.
+    pub storage: StorageOptions,
+}
+
+/// The checkpoint's tensors (sorted by name) from every rank's boxes; ranks must agree on each
+/// tensor's dtype and shape.
+pub fn global_tensors(all: &[Holdings]) -> Result<Vec<TensorMeta>, OpsError> {
+    let mut tensors: BTreeMap<&str, (DType, &[u64], usize)> = BTreeMap::new();
+    for (rank, held) in all.iter().enumerate() {
+        for b in &held.boxes {
+            let dtype = DType::parse(&b.dtype).map_err(|_| {
+                OpsError::invalid(format!(
+                    "tensor {}: tessera has no dtype {}",
+                    b.fqn, b.dtype
+                ))
+            })?;
+            match tensors.get(b.fqn.as_str()) {
+                None => {
+                    tensors.insert(&b.fqn, (dtype, &b.shape, rank));
+                }
+                Some(&(d, shape, first)) if d != dtype || shape != b.shape.as_slice() => {
+                    return Err(OpsError::invalid(format!(
+                        "tensor {}: rank {first} saves it as {d} of shape {shape:?} but rank {rank} as {dtype} of shape {:?}",
+                        b.fqn, b.shape
+                    )));
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    Ok(tensors
+        .into_iter()
+        .map(|(fqn, (dtype, shape, _))| TensorMeta::new(fqn, dtype, shape.to_vec()))
+        .collect())
+}
+
+/// Which of `rank`'s boxes it writes (indices into `all[rank].boxes`): the planner's worst-fit
+/// assignment over every rank's holdings, so each distinct box is written exactly once.
+pub fn boxes_to_write(
+    tensors: &[TensorMeta],
+    all: &[Holdings],
+    rank: usize,
+) -> Result<Vec<usize>, OpsError> {
+    let index: HashMap<&str, u32> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.fqn.as_str(), i as u32))
+        .collect();
+    let holdings = RequestSet {
+        ranks: all
+            .iter()
+            .map(|held| {
+                held.boxes
+                    .iter()
+                    .map(|b| Request {
+                        tensor: index[b.fqn.as_str()],
+                        target: Target::Box(TensorBox::new(b.offsets.clone(), b.lengths.clone())),
+                    })
+                    .collect()
+            })
+            .collect(),
+        disjoint: false,
+    };
+    let writes = assign_writers(tensors, &holdings)?;
+    let Some(assigned) = writes.get(rank) else {
+        return Ok(Vec::new());
+    };
+    let mine: HashMap<(u32, TensorBox), usize> = all[rank]
+        .boxes
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            (
+                (
+                    index[b.fqn.as_str()],
+                    TensorBox::new(b.offsets.clone(), b.lengths.clone()),
+                ),
+                i,
+            )
+        })
+        .collect();
+    let mut owned: Vec<usize> = assigned
+        .iter()
+        .filter_map(|item| mine.get(&(item.tensor, item.region.clone())).copied())
+        .collect();
+    owned.sort_unstable();
+    Ok(owned)
+}
+
+/// The lowest rank holding each object: objects are small (a step counter, optimizer settings),
+/// so balancing them buys nothing.
+fn object_writers(all: &[Holdings]) -> HashMap<&str, usize> {
+    let mut writers = HashMap::new();
+    for (rank, held) in all.iter().enumerate() {
+        for key in &held.objects {
+            writers.entry(key.as_str()).or_insert(rank);
+        }
+    }
+    writers
+}
+
+/// A rank's file for rank 0, or why it has none.
+type FileReport = Result<Option<WrittenFile>, String>;
+
+/// Writes this rank's share of a native checkpoint at `path` and takes part in the commit.
+///
+/// `all` is every rank's holdings (indexed by rank, the same on every rank), `data[i]` the bytes
+/// of `all[rank].boxes[i]` (row-major over the box), `objects` this rank's objects. Returns the
+/// committed manifest on every rank, or the error: this rank's own, or rank 0's verdict
+/// ([`OpsError::RanksFailed`] naming the ranks that failed).
+pub async fn save_rank<T: Transport>(
+    path: &str,
+    options: &SaveOptions,
+    all: &[Holdings],
+    data: &[&[u8]],
+    objects: &[(String, Vec<u8>)],
+    transport: &T,
+) -> Result<Manifest, OpsError> {
+    let (rank, world) = (transport.rank(), transport.world());
+    let written = write_share(path, options, all, data, objects, rank as usize).await;
+
+    if rank != 0 {
+        let report: FileReport = match &written {
+            Ok((_, file)) => Ok(file.clone()),
+            Err(e) => Err(e.to_string()),
+        };
+        transport
+            .send(0, TAG_SAVE_FILES, Bytes::from(encode(&report)?))
+            .await?;
+        let outcome = transport.recv(0, TAG_SAVE_DONE).await?;
+        let outcome: Result<Manifest, String> =
+            serde_json::from_slice(&outcome).map_err(|source| OpsError::Message {
+                what: "rank 0's commit outcome".to_string(),
+                source,
+            })?;
+        written?;
+        return outcome.map_err(OpsError::invalid);
+    }
+
+    // Rank 0: gather every rank's file, commit when all wrote, tell everyone.
+    let mut files = Vec::new();
+    let mut failures = Vec::new();
+    for peer in 1..world {
+        match transport.recv(peer, TAG_SAVE_FILES).await {
+            Ok(bytes) => match serde_json::from_slice::<FileReport>(&bytes) {
+                Ok(Ok(file)) => files.extend(file),
+                Ok(Err(e)) => failures.push(format!("rank {peer}: {e}")),
+                Err(e) => failures.push(format!("rank {peer}: undecodable report: {e}")),
+            },
+            Err(e) => failures.push(format!("rank {peer}: {e}")),
+        }
+    }
+    let outcome: Result<Manifest, OpsError> = match written {
+        Err(e) => Err(OpsError::Context {
+            context: "rank 0".to_string(),
+            source: Box::new(e),
+        }),
+        Ok(_) if !failures.is_empty() => Err(OpsError::RanksFailed { failures }),
+        Ok((writer, file)) => {
+            files.extend(file);
+            writer
+                .commit(files)
+                .await
+                .with_context(|| format!("committing checkpoint {path}"))
+        }
+    };
+    let message: Result<&Manifest, String> = outcome.as_ref().map_err(ToString::to_string);
+    let message = Bytes::from(encode(&message)?);
+    for peer in 1..world {
+        // A rank that already gave up cannot be told; the others still are.
+        let _ = transport.send(peer, TAG_SAVE_DONE, message.clone()).await;
+    }
+    outcome
+}
+
+/// Starts the checkpoint and writes what this rank owns; the writer (for rank 0's commit) and
+/// this rank's file, if it owns anything.
+async fn write_share(
+    path: &str,
+    options: &SaveOptions,
+    all: &[Holdings],
+    data: &[&[u8]],
+    objects: &[(String, Vec<u8>)],
+    rank: usize,
+) -> Result<(NativeWriter, Option<WrittenFile>), OpsError> {
+    let mine = all.get(rank).ok_or_else(|| {
+        OpsError::invalid(format!(
+            "rank {rank}: no holdings among {} ranks",
+            all.len()
+        ))
+    })?;
+    if data.len() != mine.boxes.len() {
+        return Err(OpsError::invalid(format!(
+            "rank {rank}: {} boxes but {} data buffers",
+            mine.boxes.len(),
+            data.len()
+        )));
+    }
+    let tensors = global_tensors(all)?;
+    let owned = boxes_to_write(&tensors, all, rank)?;
+    let location = tessera_storage::create_with(path, &options.storage)?;
+    let writer = NativeWriter::create(
+        location.store.clone(),
+        location.prefix.clone(),
+        tensors,
+        WriteOptions {
+            step: options.step,
+            ..WriteOptions::default()
+        },
+    )
+    .await
+    .with_context(|| format!("starting checkpoint {path}"))?;
+    let index: HashMap<&str, u32> = writer
+        .tensors()
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.fqn.as_str(), i as u32))
+        .collect();
+    let writers = object_writers(all);
+    let owned_objects: Vec<&(String, Vec<u8>)> = objects
+        .iter()
+        .filter(|(k, _)| writers.get(k.as_str()) == Some(&rank))
+        .collect();
+    if owned.is_empty() && owned_objects.is_empty() {
+        return Ok((writer, None));
+    }
+    let mut file = writer.data_file(&format!("rank-{rank}"))?;
+    for i in owned {
+        let b = &mine.boxes[i];
+        let region = TensorBox::new(b.offsets.clone(), b.lengths.clone());
+        file.write_box(index[b.fqn.as_str()], region, data[i])
+            .await
+            .with_context(|| format!("writing tensor {} at offsets {:?}", b.fqn, b.offsets))?;
+    }
+    for (key, bytes) in owned_objects {
+        file.write_object(key, bytes)
+            .await
+            .with_context(|| format!("writing object {key}"))?;
+    }
+    let file = file.finish().await?;
+    Ok((writer, Some(file)))
+}
+
+fn encode<V: Serialize>(value: &V) -> Result<Vec<u8>, OpsError> {
+    serde_json::to_vec(value).map_err(|source| OpsError::Message {
+        what: "a save message".to_string(),
+        source,
+    })
+}
