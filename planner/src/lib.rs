@@ -2,6 +2,22 @@
 //! boxes are intersected with the saved chunks through a per-tensor index, overlaps become byte
 //! runs of the source files, pieces needed by several ranks are read once (worst-fit by bytes) and
 //! handed on in ring rounds. No IO and no async: the server and the loader both call this.
+//!
+//! # Glossary
+//!
+//! | term | type | meaning |
+//! |---|---|---|
+//! | layout | [`Layout`] | a device mesh (named dims, row-major rank order) and per-tensor placements; [`Layout::resolve`] turns it into requests |
+//! | request | [`Request`], [`RequestSet`] | what one rank wants of one tensor: a box (`offsets`, `lengths`) or a flat range of its row-major flattening ([`Target`]) |
+//! | saved chunk | `tessera_metadata::SavedChunk` | a box of a tensor as the checkpoint stores it, with the file and byte range of its elements |
+//! | destination | [`Destination`], [`RankDestination`] | one buffer a rank fills: one request, as a contiguous row-major buffer |
+//! | piece | [`Piece`], [`RankPiece`] | the overlap of one saved chunk with what one or more ranks need: the unit read from storage (once) and exchanged |
+//! | byte run | [`StridedRuns`], [`RunIter`] | a contiguous stretch of bytes copied from the source (a saved chunk) to a destination, each side described by a [`Side`] (its shape and the box's offsets in it) |
+//! | group | [`Group`] | ranks that need exactly the same pieces; pieces are read once per group, by readers balanced worst-fit by bytes |
+//! | round | [`Round`], [`Exchange`] | one step of a group's ring all-to-all: in round k a rank sends its share to the rank k after it and receives from the rank k before it |
+//! | plan | [`Plan`], [`RankPlan`] | every rank's destinations, reads, placements and rounds; [`Plan::rank_plan`] is one rank's view (JSON or Arrow IPC) |
+//! | read amplification | [`PlanSummary`] | bytes read from storage ÷ bytes the ranks need (1.00 when nothing is read twice) |
+//! | writer assignment | [`assign_writers`] | the save side: which rank writes each distinct box, replicas once, balanced worst-fit |
 
 mod arrow;
 pub mod baseline;
