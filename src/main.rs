@@ -4,7 +4,7 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{ArgGroup, Parser, Subcommand, ValueEnum};
 use tessera::commands::{self, layout::Preset, plan::Format};
 use tessera_loader::device::DeviceSpec;
 use tessera_planner::presets::MegatronGpt;
@@ -60,6 +60,7 @@ enum Command {
         step: Option<u64>,
     },
     /// Plan loading a checkpoint into a layout (or explicit per-rank requests).
+    #[command(group(ArgGroup::new("target").required(true).args(["layout", "requests"])))]
     Plan {
         /// Checkpoint directory or file:// URL.
         checkpoint: String,
@@ -83,6 +84,7 @@ enum Command {
         no_dedup: bool,
     },
     /// Load a checkpoint into a layout: every rank here, or one rank of a real job (--rank).
+    #[command(group(ArgGroup::new("target").required(true).args(["layout", "requests"])))]
     Load {
         /// Checkpoint directory or URL (file://, s3://, gs://, az://, http(s)://).
         checkpoint: String,
@@ -142,8 +144,8 @@ enum Command {
         /// components).
         #[arg(long)]
         checkpoint_id: Option<String>,
-        /// Bearer token of the server (default: TESSERA_TOKEN).
-        #[arg(long)]
+        /// Bearer token of the server.
+        #[arg(long, env = "TESSERA_TOKEN", hide_env_values = true)]
         token: Option<String>,
     },
     /// Re-save a checkpoint in another layout, or export consolidated safetensors.

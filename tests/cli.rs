@@ -864,13 +864,23 @@ fn plan_reports_bad_arguments_and_inputs() {
             s(&requests)
         )
     );
-    assert_eq!(
-        fails(["plan", c, "--layout", l, "--requests", s(&requests)]),
-        "error: give exactly one of --layout or --requests\n"
+    // clap's argument group: one of the two, never both, never neither.
+    let usage_error = |args: &[&str]| {
+        let run = run_in(None, args);
+        assert_eq!(run.code, Some(2), "usage errors exit 2: {}", run.stderr);
+        run.stderr
+    };
+    let both = usage_error(&["plan", c, "--layout", l, "--requests", s(&requests)]);
+    assert!(
+        both.starts_with(
+            "error: the argument '--layout <LAYOUT>' cannot be used with '--requests <REQUESTS>'"
+        ),
+        "{both}"
     );
-    assert_eq!(
-        fails(["plan", c]),
-        "error: give exactly one of --layout or --requests\n"
+    let neither = usage_error(&["plan", c]);
+    assert!(
+        neither.starts_with("error: the following required arguments were not provided:\n  <--layout <LAYOUT>|--requests <REQUESTS>>"),
+        "{neither}"
     );
 }
 

@@ -93,7 +93,7 @@ pub struct LoadArgs {
     /// The checkpoint's id on the server (`<run>/<step>`); by default the last two components
     /// of the checkpoint location.
     pub checkpoint_id: Option<String>,
-    /// Bearer token of the server (default: `TESSERA_TOKEN`).
+    /// Bearer token of the server (the CLI fills it from `TESSERA_TOKEN` when not given).
     pub token: Option<String>,
 }
 
@@ -154,10 +154,7 @@ async fn plan_on_server(args: &LoadArgs, server: &str) -> Result<Planned> {
     let client = PlanClient::new(
         server,
         PlanClientOptions {
-            token: args
-                .token
-                .clone()
-                .or_else(|| std::env::var("TESSERA_TOKEN").ok()),
+            token: args.token.clone(),
             dedup: args.dedup,
             ..PlanClientOptions::default()
         },
