@@ -8,8 +8,9 @@ mod gpu;
 use std::fmt::Write as _;
 use std::io::IsTerminal;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
 
 use anyhow::{Context, Result, anyhow, bail};
 use tessera_loader::device::{CUDA_BUILT, DeviceSpec, cuda_not_built};
@@ -348,26 +349,20 @@ async fn load_all_inproc(
 ) -> Result<Vec<RankReport>> {
     let world = plan.world();
     let total = plan.summary().bytes_read;
-    let done = Arc::new(AtomicU64::new(0));
-    let counter = Arc::clone(&done);
-    options.progress = Some(Arc::new(move |bytes| {
-        counter.fetch_add(bytes, Ordering::Relaxed);
-    }));
-    let ticker = (!args.quiet && std::io::stderr().is_terminal()).then(|| {
-        let done = Arc::clone(&done);
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                let d = done.load(Ordering::Relaxed);
-                eprint!(
-                    "\r  read {} of {} ({:.0}%)   ",
-                    human::bytes(d),
-                    human::bytes(total),
-                    100.0 * d as f64 / total.max(1) as f64
-                );
-            }
-        })
+    // A bar only where a person watches: not with --quiet, not into a pipe or a log file.
+    let bar = (!args.quiet && std::io::stderr().is_terminal()).then(|| {
+        let bar = ProgressBar::new(total);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "  read {binary_bytes} of {binary_total_bytes} ({percent}%) {wide_bar} {binary_bytes_per_sec}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        bar
     });
+    if let Some(bar) = bar.clone() {
+        options.progress = Some(Arc::new(move |bytes| bar.inc(bytes)));
+    }
     let transports = InProcTransport::mesh(world, transport_options);
     let mut tasks = Vec::with_capacity(world as usize);
     for (rank, transport) in transports.into_iter().enumerate() {
@@ -390,9 +385,8 @@ async fn load_all_inproc(
             Err(e) => failures.push(format!("rank {rank}: task failed: {e}")),
         }
     }
-    if let Some(ticker) = ticker {
-        ticker.abort();
-        eprintln!();
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
     }
     if !failures.is_empty() {
         bail!("the load failed:\n  {}", failures.join("\n  "));
