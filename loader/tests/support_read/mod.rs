@@ -19,6 +19,7 @@ use tessera_metadata::{
     ByteMeta, CheckpointMeta, DType, DataFile, SavedChunk, TensorBox, TensorMeta, validate,
 };
 use tessera_planner::{Layout, PlanOptions, RankPlan, Target, plan};
+use tessera_storage::RetryPolicy;
 use tessera_synth::{box_bytes, flat_bytes};
 
 /// Checksum block size of the fixture checkpoints: small, so that a few hundred KiB of data span
@@ -251,7 +252,10 @@ pub fn check_loaded(plan: &RankPlan, loaded: &Loaded) {
 pub fn options(verify: bool) -> ReadOptions {
     ReadOptions {
         verify,
-        backoff: std::time::Duration::from_millis(1),
+        retry: RetryPolicy {
+            first_backoff: std::time::Duration::from_millis(1),
+            ..RetryPolicy::default()
+        },
         ..ReadOptions::default()
     }
 }
