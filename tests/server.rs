@@ -18,8 +18,8 @@ use tessera_planner::presets::{MegatronGpt, megatron_gpt};
 use tessera_planner::{ExplicitRequests, Layout, RankPlan, Target};
 use tessera_server::{AppState, ServerConfig};
 use tessera_storage as storage;
-use tessera_storage::StorageOptions;
 use tessera_storage::testing::S3TestServer;
+use tessera_storage::{RetryPolicy, StorageOptions};
 use tessera_synth::{self as synth, Model};
 use tessera_synth::{SynthOptions, synthesize};
 use tokio::sync::oneshot;
@@ -211,8 +211,11 @@ async fn plan_client_errors_say_what_went_wrong() {
         listener.local_addr().unwrap().port()
     };
     let quick = PlanClientOptions {
-        retries: 2,
-        backoff: Duration::from_millis(10),
+        retry: RetryPolicy {
+            max_attempts: 3,
+            first_backoff: Duration::from_millis(10),
+            ..RetryPolicy::default()
+        },
         ..PlanClientOptions::default()
     };
     let client = PlanClient::new(&format!("http://127.0.0.1:{port}"), quick.clone()).unwrap();

@@ -127,6 +127,42 @@ pub enum LoaderError {
 }
 
 impl LoaderError {
+    /// Whether retrying cannot help. tessera retries the transient ones itself (storage reads,
+    /// plan requests, peer connects, each under its [`RetryPolicy`](tessera_storage::RetryPolicy)),
+    /// so a transient error that reaches the caller means those retries were used up: a caller
+    /// may retry the whole load later (another replica, a restarted job); a permanent error will
+    /// fail the same way again.
+    ///
+    /// - Storage errors follow [`tessera_storage::is_transient`]: [`Store`](Self::Store) is
+    ///   transient when its source is (a network error, a timeout, a 5xx answer), and
+    ///   [`Storage`](Self::Storage) and [`Metadata`](Self::Metadata) delegate to their own
+    ///   `is_permanent`.
+    /// - Peer trouble is not permanent: [`Transport`](Self::Transport),
+    ///   [`PeerTimeout`](Self::PeerTimeout) and [`Rendezvous`](Self::Rendezvous) come from a rank
+    ///   that died, hung or started late, which a restarted job may not repeat.
+    /// - Everything else is permanent: a missing or truncated file and a checksum mismatch are
+    ///   what is stored; an invalid plan or a planning error is in the inputs; CUDA and device
+    ///   errors are the machine's; local file system errors ([`Io`](Self::Io)) are a missing
+    ///   path, a permission or a full disk, none of which a retry cures.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            LoaderError::Metadata(e) => e.is_permanent(),
+            LoaderError::Storage(e) => e.is_permanent(),
+            LoaderError::Store { source, .. } => !tessera_storage::is_transient(source),
+            LoaderError::Transport { .. }
+            | LoaderError::PeerTimeout { .. }
+            | LoaderError::Rendezvous { .. } => false,
+            LoaderError::Plan(_)
+            | LoaderError::MissingFile { .. }
+            | LoaderError::ShortRead { .. }
+            | LoaderError::Checksum { .. }
+            | LoaderError::InvalidPlan { .. }
+            | LoaderError::Cuda { .. }
+            | LoaderError::Device { .. }
+            | LoaderError::Io { .. } => true,
+        }
+    }
+
     /// Says where a peer or device error happened, which the transport or data plane that raised
     /// it cannot know (a ring round, a tagged transfer): `context` goes in front of a transport or
     /// device error's detail, `timeout_context` in front of what a timed-out wait was for. Other
@@ -154,6 +190,134 @@ impl LoaderError {
                 detail: format!("{context}: {detail}"),
             },
             other => other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_metadata::MetadataError;
+    use tessera_planner::PlanError;
+    use tessera_storage::StorageError;
+
+    fn generic() -> object_store::Error {
+        object_store::Error::Generic {
+            store: "S3",
+            source: "503 Service Unavailable".into(),
+        }
+    }
+
+    fn not_found() -> object_store::Error {
+        object_store::Error::NotFound {
+            path: "a".to_string(),
+            source: "404".into(),
+        }
+    }
+
+    fn store(source: object_store::Error) -> LoaderError {
+        LoaderError::Store {
+            action: "reading bytes 0..1 of".to_string(),
+            path: "a".to_string(),
+            source,
+        }
+    }
+
+    #[test]
+    fn storage_errors_follow_is_transient() {
+        assert!(!store(generic()).is_permanent());
+        assert!(store(not_found()).is_permanent());
+        let storage = |source| {
+            LoaderError::Storage(StorageError::Store {
+                action: "opening".to_string(),
+                path: "a".to_string(),
+                source,
+            })
+        };
+        assert!(!storage(generic()).is_permanent());
+        assert!(storage(not_found()).is_permanent());
+        let location = LoaderError::Storage(StorageError::Location {
+            location: "ftp://x".to_string(),
+            detail: "unknown scheme".to_string(),
+        });
+        assert!(location.is_permanent());
+    }
+
+    #[test]
+    fn metadata_errors_delegate() {
+        let metadata = |source| {
+            LoaderError::Metadata(MetadataError::Store {
+                action: "reading",
+                path: "a".to_string(),
+                source,
+            })
+        };
+        assert!(!metadata(generic()).is_permanent());
+        assert!(metadata(not_found()).is_permanent());
+    }
+
+    #[test]
+    fn peer_trouble_is_not_permanent() {
+        let errors = [
+            LoaderError::Transport {
+                rank: 0,
+                peer: 1,
+                detail: "reset".to_string(),
+            },
+            LoaderError::PeerTimeout {
+                rank: 0,
+                peer: 1,
+                what: "group 0 round 1".to_string(),
+                waited: Duration::from_secs(1),
+            },
+            LoaderError::Rendezvous {
+                detail: "master unreachable".to_string(),
+            },
+        ];
+        for error in errors {
+            assert!(!error.is_permanent(), "{error}");
+        }
+    }
+
+    #[test]
+    fn data_plan_and_device_errors_are_permanent() {
+        let path = "ckpt/data/rank0.bin".to_string();
+        let errors = [
+            LoaderError::Plan(PlanError::NoMatchingRule {
+                fqn: "w".to_string(),
+            }),
+            LoaderError::MissingFile { path: path.clone() },
+            LoaderError::ShortRead {
+                path: path.clone(),
+                start: 0,
+                end: 10,
+                got: 5,
+            },
+            LoaderError::Checksum {
+                path,
+                start: 0,
+                end: 8192,
+                expected: 1,
+                actual: 2,
+            },
+            LoaderError::InvalidPlan {
+                detail: "wrong rank".to_string(),
+            },
+            LoaderError::Cuda {
+                detail: "no driver".to_string(),
+            },
+            LoaderError::Device {
+                device: "cuda:0".to_string(),
+                detail: "copy past the end".to_string(),
+            },
+            LoaderError::Io {
+                action: "writing",
+                path: "out".to_string(),
+                source: std::io::Error::other("disk full"),
+            },
+        ];
+        for error in errors {
+            assert!(error.is_permanent(), "{error}");
         }
     }
 }

@@ -5,15 +5,19 @@
 //!
 //! Errors say what failed: a server that cannot be reached (after retries with backoff, since
 //! at job start the server may still be coming up), or the server's own `{"error", "detail"}`
-//! answer with its status (a 4xx is the caller's to fix and is not retried).
+//! answer with its status (a 4xx is the caller's to fix and is not retried). Retries follow
+//! tessera's one [`RetryPolicy`] ([`PlanClientOptions::retry`]); only errors that are not
+//! [`PlanClientError::is_permanent`] are retried.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use backon::Retryable;
 use serde::Deserialize;
 use tessera_planner::{ExplicitRequests, Layout, PlanSummary, RankPlan};
 use thiserror::Error;
 
-use tessera_storage::install_tls_provider;
+use tessera_storage::{RetryPolicy, install_tls_provider};
 
 /// The media type of Arrow IPC rank plans.
 pub const ARROW_STREAM: &str = "application/vnd.apache.arrow.stream";
@@ -39,11 +43,13 @@ pub struct PlanClientOptions {
     pub timeout: Duration,
     /// Limit of connecting: 10 s.
     pub connect_timeout: Duration,
-    /// Retries of transient failures (unreachable server, 502, 503, 504): 4 by default.
-    pub retries: u32,
-    /// Wait before the first retry, doubled for each next one: 500 ms by default (the retries
-    /// then span 7.5 s, long enough for a server pod to restart behind its service).
-    pub backoff: Duration,
+    /// How transient failures (unreachable server, 502, 503, 504) are retried: 5 attempts, 500 ms
+    /// before the first retry, doubled for each next one with jitter. The four retries then wait
+    /// 7.5 s (up to twice that with jitter), long enough for a server pod to restart behind its
+    /// service. Only `max_attempts`, `first_backoff` and `max_backoff` apply: a plan request's
+    /// limits are [`timeout`](Self::timeout) and [`connect_timeout`](Self::connect_timeout),
+    /// since a cold plan takes far longer than a storage read.
+    pub retry: RetryPolicy,
 }
 
 impl Default for PlanClientOptions {
@@ -53,8 +59,11 @@ impl Default for PlanClientOptions {
             dedup: true,
             timeout: Duration::from_secs(300),
             connect_timeout: Duration::from_secs(10),
-            retries: 4,
-            backoff: Duration::from_millis(500),
+            retry: RetryPolicy {
+                max_attempts: 5,
+                first_backoff: Duration::from_millis(500),
+                ..RetryPolicy::default()
+            },
         }
     }
 }
@@ -252,39 +261,38 @@ impl PlanClient {
         url: &str,
         request: impl Fn() -> reqwest::RequestBuilder,
     ) -> Result<bytes::Bytes, PlanClientError> {
-        let mut delay = self.options.backoff;
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
+        let attempts = &AtomicU32::new(0);
+        let request = &request;
+        let attempt = move || async move {
+            let attempt = attempts.fetch_add(1, Ordering::Relaxed) + 1;
             let mut builder = request();
             if let Some(token) = &self.options.token {
                 builder = builder.bearer_auth(token);
             }
-            let error = match builder.send().await {
+            match builder.send().await {
                 Ok(response) => {
                     let status = response.status();
                     match response.bytes().await {
-                        Ok(body) if status.is_success() => return Ok(body),
-                        Ok(body) => server_error(what, status.as_u16(), &body),
-                        Err(e) => PlanClientError::Unreachable {
+                        Ok(body) if status.is_success() => Ok(body),
+                        Ok(body) => Err(server_error(what, status.as_u16(), &body)),
+                        Err(e) => Err(PlanClientError::Unreachable {
                             url: url.to_string(),
                             attempts: attempt,
                             detail: format!("reading the answer: {}", error_chain(&e)),
-                        },
+                        }),
                     }
                 }
-                Err(e) => PlanClientError::Unreachable {
+                Err(e) => Err(PlanClientError::Unreachable {
                     url: url.to_string(),
                     attempts: attempt,
                     detail: error_chain(&e),
-                },
-            };
-            if error.is_permanent() || attempt > self.options.retries {
-                return Err(error);
+                }),
             }
-            tokio::time::sleep(delay).await;
-            delay = delay.saturating_mul(2);
-        }
+        };
+        attempt
+            .retry(self.options.retry.backoff())
+            .when(|e| !e.is_permanent())
+            .await
     }
 }
 

@@ -14,31 +14,33 @@
 //! fetch bytes nobody asked for, and the loader's promise is read amplification 1.00 (plus, when
 //! verifying, at most one partial checksum block on each side of a range). Parts are fetched with
 //! `get_range`, at most [`ReadOptions::max_in_flight`] at once and at most
-//! [`ReadOptions::max_buffered_bytes`] requested but not yet consumed; transient errors are retried
-//! with exponential backoff, permanent ones (a missing file, a truncated file, a refused request)
-//! surface at once. Every part is checked against the checkpoint's block checksums before the
-//! consumer sees it.
+//! [`ReadOptions::max_buffered_bytes`] requested but not yet consumed. Every part is checked
+//! against the checkpoint's block checksums before the consumer sees it.
+//!
+//! Retries follow tessera's one [`RetryPolicy`] ([`ReadOptions::retry`]): errors that
+//! [`tessera_storage::is_transient`] calls transient are retried with its jittered exponential
+//! backoff, at most `max_attempts` times per request; permanent ones (a missing file, a truncated
+//! file, a refused request) surface at once. The stores themselves do not retry (object_store's
+//! own retry is off for every store [`tessera_storage::open`] builds), so a request is tried
+//! exactly as often as the policy says.
 //!
 //! Cancellation: dropping the future of [`RangeScheduler::fetch`] aborts the requests in flight.
 
 use std::collections::HashMap;
-use std::hash::BuildHasher;
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
 
+use backon::{ExponentialBuilder, Retryable};
 use bytes::Bytes;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 use tessera_metadata::MetadataError;
 use tessera_metadata::formats::native::BlockChecksums;
+use tessera_storage::{RetryPolicy, is_transient};
 use tokio::task::{self, JoinSet};
 
 use crate::LoaderError;
-
-/// The longest single backoff, whatever `max_attempts` is: waiting longer than this between two
-/// attempts only delays the job's own failure handling (restart, another replica).
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// How the loader reads from storage.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -58,14 +60,14 @@ pub struct ReadOptions {
     /// stays bounded whatever the checkpoint size. A part larger than the whole budget is still
     /// fetched, alone, so that no setting can deadlock.
     pub max_buffered_bytes: u64,
-    /// Attempts per request before a transient error is given up on (5). With the default
-    /// backoff the retries wait about 20 + 40 + 80 + 160 ms: enough to ride out a reset connection
-    /// or a burst of 503s, short enough that a real outage fails the load within a second instead
-    /// of hanging every rank. A value of 0 counts as 1.
-    pub max_attempts: u32,
-    /// Wait before the first retry (20 ms), doubled for every further retry (with jitter, capped
-    /// at 5 s), so that thousands of ranks retrying together do not hit the store in lockstep.
-    pub backoff: Duration,
+    /// How transient storage errors are retried: tessera's one [`RetryPolicy`] (the default: 5
+    /// attempts per request, 20 ms before the first retry, doubled for every further one with
+    /// jitter, capped at 5 s). The retries of one request then wait about 20 + 40 + 80 + 160 ms
+    /// (up to twice that with jitter): enough to ride out a reset connection or a burst of 503s,
+    /// short enough that a real outage fails the load within a second instead of hanging every
+    /// rank. Only `max_attempts`, `first_backoff` and `max_backoff` apply here; the timeouts of a
+    /// request are the store's, set when [`tessera_storage::open`] built it.
+    pub retry: RetryPolicy,
     /// Check every fetched byte against the checkpoint's block checksums (true). Fetches whole
     /// checksum blocks: at most one partial block extra on each side of a coalesced range.
     /// Without block checksums (formats that have none) nothing is verified.
@@ -78,8 +80,7 @@ impl Default for ReadOptions {
             part_size: 16 * 1024 * 1024,
             max_in_flight: 8,
             max_buffered_bytes: 256 * 1024 * 1024,
-            max_attempts: 5,
-            backoff: Duration::from_millis(20),
+            retry: RetryPolicy::default(),
             verify: true,
         }
     }
@@ -252,10 +253,7 @@ impl<'a> RangeScheduler<'a> {
     ) -> Result<FetchStats, LoaderError> {
         let max_in_flight = self.options.max_in_flight.max(1);
         let budget = self.options.max_buffered_bytes;
-        let retry = Retry {
-            max_attempts: self.options.max_attempts.max(1),
-            backoff: self.options.backoff,
-        };
+        let backoff = self.options.retry.backoff();
         let mut stats = FetchStats::default();
         let mut tasks: JoinSet<Result<Vec<Fetched>, LoaderError>> = JoinSet::new();
         // Which parts each task fetches (several small parts of one file go in one request).
@@ -302,7 +300,7 @@ impl<'a> RangeScheduler<'a> {
                     .iter()
                     .map(|&i| parts[i].start..parts[i].end)
                     .collect();
-                let handle = tasks.spawn(fetch_ranges(store, path, ranges, retry));
+                let handle = tasks.spawn(fetch_ranges(store, path, ranges, backoff));
                 task_parts.insert(handle.id(), group);
             }
             let Some(joined) = tasks.join_next_with_id().await else {
@@ -429,44 +427,10 @@ fn bad_block(
         })
 }
 
-/// Retry policy of one request.
-#[derive(Clone, Copy, Debug)]
-struct Retry {
-    max_attempts: u32,
-    backoff: Duration,
-}
-
-impl Retry {
-    /// Wait before retry number `retry` (0-based): `backoff · 2^retry`, capped, with "equal
-    /// jitter" (half fixed, half random) so that ranks that failed together retry apart.
-    fn delay(&self, retry: u32, path: &Path, start: u64) -> Duration {
-        let full = self
-            .backoff
-            .saturating_mul(1u32 << retry.min(20))
-            .min(MAX_BACKOFF);
-        let half = full / 2;
-        let nanos = u64::try_from(half.as_nanos()).unwrap_or(u64::MAX);
-        if nanos == 0 {
-            return full;
-        }
-        // A randomly keyed hasher is randomness enough for jitter.
-        let random =
-            std::collections::hash_map::RandomState::new().hash_one((path.as_ref(), start, retry));
-        half + Duration::from_nanos(random % nanos)
-    }
-}
-
 /// A fetched part.
 struct Fetched {
     bytes: Bytes,
     retries: u32,
-}
-
-/// Only errors that another attempt may cure are retried. object_store reports network errors,
-/// timeouts and 5xx answers as `Generic`; a missing object, a failed precondition, refused
-/// credentials or an unsupported request stay what they are on every attempt.
-fn is_transient(error: &object_store::Error) -> bool {
-    matches!(error, object_store::Error::Generic { .. })
 }
 
 /// Parts smaller than this (and than a quarter of the part size) may share one request with
@@ -482,7 +446,7 @@ async fn fetch_ranges(
     store: Arc<dyn ObjectStore>,
     path: Path,
     ranges: Vec<Range<u64>>,
-    retry: Retry,
+    backoff: ExponentialBuilder,
 ) -> Result<Vec<Fetched>, LoaderError> {
     if ranges.len() > 1
         && let Ok(all) = store.get_ranges(&path, &ranges).await
@@ -499,69 +463,84 @@ async fn fetch_ranges(
     }
     let mut out = Vec::with_capacity(ranges.len());
     for range in ranges {
-        out.push(fetch_part(Arc::clone(&store), path.clone(), range, retry).await?);
+        out.push(fetch_part(store.as_ref(), &path, range, backoff).await?);
     }
     Ok(out)
 }
 
-/// Fetches `range` of `path`, retrying transient errors.
+/// How one attempt at a part failed.
+enum Attempt {
+    /// No retry can cure it: a missing or truncated file, a refused request.
+    Permanent(LoaderError),
+    /// Another attempt may cure it ([`is_transient`]).
+    Transient(object_store::Error),
+}
+
+/// Fetches `range` of `path`, retrying transient errors with `backoff` (at most its `max_times`
+/// retries); the number of retries goes into the result for the stats.
 async fn fetch_part(
-    store: Arc<dyn ObjectStore>,
-    path: Path,
+    store: &dyn ObjectStore,
+    path: &Path,
     range: Range<u64>,
-    retry: Retry,
+    backoff: ExponentialBuilder,
 ) -> Result<Fetched, LoaderError> {
     let (start, end) = (range.start, range.end);
-    let mut retries = 0u32;
-    let mut size_checked = false;
-    loop {
-        let error = match store.get_range(&path, range.clone()).await {
-            Ok(bytes) if bytes.len() as u64 == end - start => {
-                return Ok(Fetched { bytes, retries });
-            }
-            Ok(bytes) => {
-                return Err(LoaderError::ShortRead {
-                    path: path.to_string(),
-                    start,
-                    end,
-                    got: bytes.len() as u64,
-                });
-            }
+    let range = &range;
+    // Set by the first transient failure, which also looks at the object's size (once: a second
+    // look would tell nothing new).
+    let size_checked = &AtomicBool::new(false);
+    let attempt = move || async move {
+        match store.get_range(path, range.clone()).await {
+            Ok(bytes) if bytes.len() as u64 == end - start => Ok(bytes),
+            Ok(bytes) => Err(Attempt::Permanent(LoaderError::ShortRead {
+                path: path.to_string(),
+                start,
+                end,
+                got: bytes.len() as u64,
+            })),
             Err(object_store::Error::NotFound { .. }) => {
-                return Err(LoaderError::MissingFile {
+                Err(Attempt::Permanent(LoaderError::MissingFile {
                     path: path.to_string(),
-                });
+                }))
             }
-            Err(e) => e,
-        };
-        let attempts = retries + 1;
-        if !is_transient(&error) {
-            return Err(LoaderError::Store {
+            Err(error) if !is_transient(&error) => Err(Attempt::Permanent(LoaderError::Store {
                 action: format!("reading bytes {start}..{end} of"),
                 path: path.to_string(),
                 source: error,
-            });
-        }
-        // Local and in-memory stores (and some servers) report a range that starts past the end
-        // of the object as a generic error; one look at the object's size tells a truncated
-        // file, which no retry cures, from a passing failure.
-        if !size_checked {
-            size_checked = true;
-            if let Some(permanent) = truncated_or_missing(store.as_ref(), &path, &range).await {
-                return Err(permanent);
+            })),
+            Err(error) => {
+                // Local and in-memory stores (and some servers) report a range that starts past
+                // the end of the object as a generic error; one look at the object's size tells
+                // a truncated file, which no retry cures, from a passing failure.
+                if !size_checked.swap(true, Ordering::Relaxed)
+                    && let Some(permanent) = truncated_or_missing(store, path, range).await
+                {
+                    return Err(Attempt::Permanent(permanent));
+                }
+                Err(Attempt::Transient(error))
             }
         }
-        if attempts >= retry.max_attempts {
-            return Err(LoaderError::Store {
+    };
+    let mut retries = 0u32;
+    let result = attempt
+        .retry(backoff)
+        .when(|e| matches!(e, Attempt::Transient(_)))
+        .notify(|_, _| retries += 1)
+        .await;
+    match result {
+        Ok(bytes) => Ok(Fetched { bytes, retries }),
+        Err(Attempt::Permanent(error)) => Err(error),
+        // Transient errors are retried until the policy's attempts are used up.
+        Err(Attempt::Transient(error)) => {
+            let attempts = retries + 1;
+            Err(LoaderError::Store {
                 action: format!(
                     "reading bytes {start}..{end} (gave up after {attempts} attempts) of"
                 ),
                 path: path.to_string(),
                 source: error,
-            });
+            })
         }
-        tokio::time::sleep(retry.delay(retries, &path, start)).await;
-        retries += 1;
     }
 }
 
@@ -589,6 +568,8 @@ async fn truncated_or_missing(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use backon::BackoffBuilder;
+    use std::time::Duration;
     use tessera_metadata::formats::native::FileBlocks;
 
     fn r(file: u32, start: u64, end: u64) -> FileRange {
@@ -703,17 +684,27 @@ mod tests {
     }
 
     #[test]
-    fn backoff_doubles_with_jitter_and_is_capped() {
-        let retry = Retry {
-            max_attempts: 5,
-            backoff: Duration::from_millis(20),
-        };
-        let path = Path::from("a");
-        for k in 0..4u32 {
-            let d = retry.delay(k, &path, 0);
+    fn retries_follow_the_one_policy() {
+        let options = ReadOptions::default();
+        assert_eq!(options.retry, RetryPolicy::default());
+        // Four retries (five attempts), each wait doubling from 20 ms, with up to as much again
+        // of jitter.
+        let waits: Vec<_> = options.retry.backoff().build().collect();
+        assert_eq!(waits.len(), 4);
+        for (k, wait) in waits.into_iter().enumerate() {
             let full = Duration::from_millis(20 << k);
-            assert!(d >= full / 2 && d < full, "retry {k}: {d:?}");
+            // backon computes in f32 seconds: allow a microsecond of rounding.
+            let slack = Duration::from_micros(1);
+            assert!(
+                wait + slack >= full && wait < 2 * full + slack,
+                "retry {k}: {wait:?}"
+            );
         }
-        assert!(retry.delay(30, &path, 0) <= MAX_BACKOFF);
+        let long = RetryPolicy {
+            max_attempts: 40,
+            ..RetryPolicy::default()
+        };
+        let max = long.max_backoff;
+        assert!(long.backoff().build().all(|wait| wait <= 2 * max));
     }
 }

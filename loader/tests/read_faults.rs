@@ -13,6 +13,7 @@ use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use support_read::*;
 use tessera_loader::LoaderError;
 use tessera_loader::read::ReadOptions;
+use tessera_storage::RetryPolicy;
 use tessera_storage::testing::{FaultConfig, FaultyStore};
 
 const RANK0: &str = "runs/demo/step-000010/data/rank0.bin";
@@ -74,7 +75,10 @@ async fn a_seeded_share_of_failures_is_retried_deterministically() {
         let options = ReadOptions {
             part_size: 4096,
             max_in_flight: 1,
-            max_attempts: 10,
+            retry: RetryPolicy {
+                max_attempts: 10,
+                ..options(true).retry
+            },
             ..options(true)
         };
         let loaded = load(store.clone(), plan, Some(&written.checksums), &options)
@@ -93,7 +97,10 @@ async fn a_permanent_outage_fails_after_max_attempts() {
     store.set_outage(true);
     let plan = &rank_plans(&written.meta, WHOLE, true)[0];
     let options = ReadOptions {
-        max_attempts: 3,
+        retry: RetryPolicy {
+            max_attempts: 3,
+            ..options(false).retry
+        },
         max_in_flight: 1,
         ..options(false)
     };
@@ -227,8 +234,11 @@ async fn truncated_file_is_a_short_read_naming_it(store: Arc<dyn ObjectStore>) {
     let options = ReadOptions {
         part_size: 16384,
         max_in_flight: 1,
-        max_attempts: 5,
-        backoff: Duration::from_secs(10),
+        retry: RetryPolicy {
+            max_attempts: 5,
+            first_backoff: Duration::from_secs(10),
+            ..RetryPolicy::default()
+        },
         ..options(true)
     };
     let error = load(Arc::clone(&store), plan, Some(&written.checksums), &options)
@@ -257,7 +267,10 @@ async fn missing_file_is_named(store: Arc<dyn ObjectStore>) {
     store.delete(&RANK1.into()).await.unwrap();
     let plan = &rank_plans(&written.meta, WHOLE, true)[0];
     let options = ReadOptions {
-        backoff: Duration::from_secs(10),
+        retry: RetryPolicy {
+            first_backoff: Duration::from_secs(10),
+            ..RetryPolicy::default()
+        },
         ..options(true)
     };
     let error = load(Arc::clone(&store), plan, Some(&written.checksums), &options)

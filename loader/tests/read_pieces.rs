@@ -2,7 +2,9 @@
 //! split, verified range reads are byte-exact, read amplification is exactly 1.00 without
 //! verification, and strided (column and element-wise transposed) sources reassemble from few
 //! requests.
-#![allow(clippy::unwrap_used)]
+// LoaderError is 128 bytes (object_store::Error is 72 of them), just at clippy's
+// `result_large_err` threshold; the closures here return it on the cold path.
+#![allow(clippy::unwrap_used, clippy::result_large_err)]
 
 mod support_read;
 

@@ -169,3 +169,34 @@ pub enum PlanError {
         detail: String,
     },
 }
+
+impl PlanError {
+    /// Whether retrying cannot help: always. Planning is a pure function of the checkpoint's
+    /// metadata, the layout and the requests (no IO, no clock), so the same inputs fail the same
+    /// way every time; the inputs must change. Defined so that callers can classify every tessera
+    /// error alike.
+    pub fn is_permanent(&self) -> bool {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_plan_error_is_permanent() {
+        let errors = [
+            PlanError::MeshSizeZero {
+                name: "dp".to_string(),
+            },
+            PlanError::RankOutOfRange { rank: 8, world: 4 },
+            PlanError::Arrow {
+                detail: "truncated stream".to_string(),
+            },
+        ];
+        for error in errors {
+            assert!(error.is_permanent(), "{error}");
+        }
+    }
+}

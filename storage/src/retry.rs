@@ -11,7 +11,7 @@
 //!
 //! The bound: a request that keeps failing fast (connection refused, 503) is given up after
 //! `max_attempts` tries and about `first_backoff · (2^(max_attempts-1) − 1)` of waiting (300 ms
-//! with the defaults); one that stalls is cut after `read_timeout` of silence, or at `request_timeout` per attempt.
+//! with the defaults; backon's jitter adds up to as much again); one that stalls is cut after `read_timeout` of silence, or at `request_timeout` per attempt.
 
 use std::time::Duration;
 

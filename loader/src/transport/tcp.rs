@@ -23,9 +23,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use backon::{ExponentialBuilder, Retryable};
 use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use tessera_storage::RetryPolicy;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -509,30 +511,62 @@ async fn worker(
     }
 }
 
-/// Connects to `addr`, retrying with backoff (the other side may not be listening yet) until
-/// `deadline`.
+/// Connects to `addr`, retrying with backoff ([`connect_backoff`]; the other side may not be
+/// listening yet) until `deadline`.
 async fn connect_retrying<A: tokio::net::ToSocketAddrs + Clone>(
     addr: A,
     deadline: Instant,
     fail: impl Fn(&str) -> LoaderError,
 ) -> Result<TcpStream, LoaderError> {
-    let mut delay = Duration::from_millis(10);
-    let mut last = "no attempt made".to_string();
-    loop {
-        match tokio::time::timeout_at(deadline, TcpStream::connect(addr.clone())).await {
-            Ok(Ok(stream)) => {
-                let _ = stream.set_nodelay(true);
-                return Ok(stream);
-            }
-            Ok(Err(e)) => last = e.to_string(),
-            Err(_) => return Err(fail(&format!("last attempt: {last}"))),
-        }
-        if Instant::now() + delay >= deadline {
-            return Err(fail(&last));
-        }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_millis(500));
+    /// Why one connection attempt failed.
+    enum Failure {
+        /// Refused or unreachable: the peer may not be listening yet.
+        Refused(String),
+        /// The deadline passed during the attempt.
+        Deadline,
     }
+    let attempt = || async {
+        match tokio::time::timeout_at(deadline, TcpStream::connect(addr.clone())).await {
+            Ok(Ok(stream)) => Ok(stream),
+            Ok(Err(e)) => Err(Failure::Refused(e.to_string())),
+            Err(_) => Err(Failure::Deadline),
+        }
+    };
+    let mut last = "no attempt made".to_string();
+    let connected = attempt
+        .retry(connect_backoff())
+        .when(|failure| matches!(failure, Failure::Refused(_)))
+        // The deadline, not a number of attempts, ends the retries: no wait that would end past it.
+        .adjust(|_, wait| wait.filter(|wait| Instant::now() + *wait < deadline))
+        .notify(|failure, _| {
+            if let Failure::Refused(e) = failure {
+                last.clone_from(e);
+            }
+        })
+        .await;
+    match connected {
+        Ok(stream) => {
+            let _ = stream.set_nodelay(true);
+            Ok(stream)
+        }
+        Err(Failure::Refused(e)) => Err(fail(&e)),
+        Err(Failure::Deadline) => Err(fail(&format!("last attempt: {last}"))),
+    }
+}
+
+/// The backoff between connection attempts: tessera's [`RetryPolicy`] with a short first wait
+/// (10 ms: a peer that is about to listen is reached at once) and a short cap (250 ms, at most
+/// 500 ms with jitter: a rank that started late is found within half a second), and no limit on
+/// the attempts, since peers start in any order and only the connect deadline says how long to
+/// wait for them. The jitter keeps a thousand ranks waiting for the master from knocking at once.
+fn connect_backoff() -> ExponentialBuilder {
+    RetryPolicy {
+        first_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(250),
+        ..RetryPolicy::default()
+    }
+    .backoff()
+    .without_max_times()
 }
 
 /// A peer's handshake, read on this rank's listener.
