@@ -15,9 +15,10 @@ pub enum OpsError {
     /// Planning failed.
     #[error(transparent)]
     Plan(#[from] tessera_planner::PlanError),
-    /// Loading or a transport between ranks failed.
+    /// Loading or a transport between ranks failed (boxed: the loader's error is large, and
+    /// every `Result` of this crate would carry its size).
     #[error(transparent)]
-    Loader(#[from] tessera_loader::LoaderError),
+    Loader(Box<tessera_loader::LoaderError>),
     /// A message between ranks that does not decode.
     #[error("decoding {what}: {source}")]
     Message {
@@ -65,7 +66,7 @@ impl OpsError {
             OpsError::Storage(e) => e.is_permanent(),
             OpsError::Metadata(e) => e.is_permanent(),
             OpsError::Plan(_) => true,
-            OpsError::Loader(e) => loader_is_permanent(e),
+            OpsError::Loader(e) => e.is_permanent(),
             OpsError::Message { .. } | OpsError::Invalid { .. } => true,
             OpsError::RanksFailed { .. } => false,
             OpsError::Context { source, .. } => source.is_permanent(),
@@ -73,16 +74,9 @@ impl OpsError {
     }
 }
 
-/// The loader's classification where it has one; otherwise a storage failure of its read path
-/// counts as transient.
-fn loader_is_permanent(error: &tessera_loader::LoaderError) -> bool {
-    use tessera_loader::LoaderError as L;
-    match error {
-        L::Storage(e) => e.is_permanent(),
-        L::Metadata(e) => e.is_permanent(),
-        L::Store { source, .. } => !tessera_storage::is_transient(source),
-        L::Transport { .. } | L::PeerTimeout { .. } | L::Rendezvous { .. } => false,
-        _ => true,
+impl From<tessera_loader::LoaderError> for OpsError {
+    fn from(error: tessera_loader::LoaderError) -> Self {
+        OpsError::Loader(Box::new(error))
     }
 }
 
