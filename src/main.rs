@@ -27,7 +27,7 @@ enum Command {
         #[arg(long, default_value = "tessera-demo")]
         dir: String,
         /// Address to serve the catalog and web UI on (port 0 picks a free one).
-        #[arg(long, default_value = "127.0.0.1:8080")]
+        #[arg(long, default_value = tessera_server::DEFAULT_ADDR)]
         addr: String,
         /// Print the report and exit without serving.
         #[arg(long)]
@@ -185,7 +185,7 @@ enum Command {
         #[arg(long)]
         root: String,
         /// Address to listen on (port 0 picks a free port; the bound address is printed).
-        #[arg(long, default_value = "127.0.0.1:8080")]
+        #[arg(long, default_value = tessera_server::DEFAULT_ADDR)]
         addr: String,
         /// Bearer token every /v1 route requires (default: the TESSERA_TOKEN variable; none
         /// leaves the API open).
@@ -198,13 +198,13 @@ enum Command {
         #[arg(long = "cors-origin")]
         cors_origins: Vec<String>,
         /// Memory for checkpoint metadata, in MiB.
-        #[arg(long, default_value_t = 1024)]
+        #[arg(long, default_value_t = commands::serve::DEFAULT_METADATA_CACHE_MIB)]
         metadata_cache_mib: u64,
         /// Memory for computed plans, in MiB.
-        #[arg(long, default_value_t = 2048)]
+        #[arg(long, default_value_t = commands::serve::DEFAULT_PLAN_CACHE_MIB)]
         plan_cache_mib: u64,
         /// Largest request body, in KiB.
-        #[arg(long, default_value_t = 16 * 1024)]
+        #[arg(long, default_value_t = commands::serve::DEFAULT_BODY_LIMIT_KIB)]
         body_limit_kib: usize,
     },
 }
@@ -294,16 +294,9 @@ fn run(cli: Cli) -> Result<()> {
                 return Ok(());
             }
             stdout(b"\nserving the catalog and its web UI (Ctrl-C stops):\n")?;
-            runtime.block_on(commands::serve::run(&commands::serve::ServeArgs {
-                root: dir,
-                addr,
-                token: None,
-                web_ui: None,
-                cors_origins: Vec::new(),
-                metadata_cache_mib: 1024,
-                plan_cache_mib: 2048,
-                body_limit_kib: 16 * 1024,
-            }))
+            runtime.block_on(commands::serve::run(&commands::serve::ServeArgs::new(
+                dir, addr,
+            )))
         }
         Command::Layout { preset } => {
             let preset = match preset {

@@ -1,10 +1,39 @@
 //! What a server is configured with. Every limit has a default that suits one server in front of
-//! one training cluster; the comments say why a limit is where it is.
+//! one training cluster; the comments say why a limit is where it is. The `DEFAULT_*` constants
+//! are the one place those defaults are written: [`ServerConfig::new`] and the flags of
+//! `tessera serve` both take them from here (the Helm chart's values repeat them, pointing here).
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use tessera_storage::StorageOptions;
+
+/// The address `tessera serve` listens on unless told otherwise: loopback, so that a server
+/// started without a token is not reachable from other machines by accident.
+pub const DEFAULT_ADDR: &str = "127.0.0.1:8080";
+
+/// The environment variable `tessera serve` reads the token from when no `--token` is given.
+pub const TOKEN_ENV: &str = "TESSERA_TOKEN";
+
+/// Default [`ServerConfig::body_limit`]: a layout is a few KiB; explicit requests for thousands
+/// of ranks with many tensors each can reach megabytes.
+pub const DEFAULT_BODY_LIMIT: usize = 16 * 1024 * 1024;
+
+/// Default [`ServerConfig::meta_cache_bytes`]: a 405B checkpoint saved by 8192 ranks holds ~10^6
+/// boxes, about 200 MiB, so this keeps a few.
+pub const DEFAULT_META_CACHE_BYTES: u64 = 1024 * 1024 * 1024;
+
+/// Default [`ServerConfig::plan_cache_bytes`].
+pub const DEFAULT_PLAN_CACHE_BYTES: u64 = 2 * 1024 * 1024 * 1024;
+
+/// Default [`ServerConfig::catalog_ttl`]: a new save shows in the catalog within seconds.
+pub const DEFAULT_CATALOG_TTL: Duration = Duration::from_secs(5);
+
+/// Default [`ServerConfig::meta_ttl`].
+pub const DEFAULT_META_TTL: Duration = Duration::from_secs(600);
+
+/// Default [`ServerConfig::shutdown_grace`].
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// Configuration of [`AppState::new`](crate::AppState::new).
 #[derive(Clone, Debug)]
@@ -14,17 +43,18 @@ pub struct ServerConfig {
     pub root: String,
     /// Cloud store configuration on top of (or instead of) the process environment.
     pub storage: StorageOptions,
-    /// Bearer token every `/v1` route requires (`TESSERA_TOKEN`); `None` leaves them open.
+    /// Bearer token every `/v1` route requires (`tessera serve` reads [`TOKEN_ENV`]); `None`
+    /// leaves them open.
     pub token: Option<String>,
-    /// Largest request body accepted (413 above). A layout is a few KiB; explicit requests for
-    /// thousands of ranks with many tensors each can reach megabytes, so the default is 16 MiB.
+    /// Largest request body accepted (413 above); default [`DEFAULT_BODY_LIMIT`].
     pub body_limit: usize,
-    /// Bytes of checkpoint metadata kept in memory (estimated from the rows held). A 405B
-    /// checkpoint saved by 8192 ranks holds ~10^6 boxes, about 200 MiB; the default keeps a few.
+    /// Bytes of checkpoint metadata kept in memory (estimated from the rows held); default
+    /// [`DEFAULT_META_CACHE_BYTES`].
     pub meta_cache_bytes: u64,
     /// Bytes of computed plans kept in memory (estimated from pieces, destinations and groups).
     /// An evicted plan is recomputed from its request, which is kept in a smaller cache
-    /// (an eighth of this) so that plan ids handed out stay valid.
+    /// (an eighth of this) so that plan ids handed out stay valid. Default
+    /// [`DEFAULT_PLAN_CACHE_BYTES`].
     pub plan_cache_bytes: u64,
     /// How long a catalog listing and a run's `latest` pointer are reused before storage is
     /// listed again: a new save appears within this time.
@@ -48,14 +78,14 @@ impl ServerConfig {
             root: root.into(),
             storage: StorageOptions::default(),
             token: None,
-            body_limit: 16 * 1024 * 1024,
-            meta_cache_bytes: 1024 * 1024 * 1024,
-            plan_cache_bytes: 2 * 1024 * 1024 * 1024,
-            catalog_ttl: Duration::from_secs(5),
-            meta_ttl: Duration::from_secs(600),
+            body_limit: DEFAULT_BODY_LIMIT,
+            meta_cache_bytes: DEFAULT_META_CACHE_BYTES,
+            plan_cache_bytes: DEFAULT_PLAN_CACHE_BYTES,
+            catalog_ttl: DEFAULT_CATALOG_TTL,
+            meta_ttl: DEFAULT_META_TTL,
             web_ui: None,
             cors_origins: Vec::new(),
-            shutdown_grace: Duration::from_secs(10),
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
         }
     }
 }

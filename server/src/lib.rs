@@ -8,7 +8,7 @@
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
 //! use tessera_server::{AppState, ServerConfig, app};
 //! let state = AppState::new(ServerConfig::new("/data/checkpoints"))?;
-//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! let listener = tokio::net::TcpListener::bind(tessera_server::DEFAULT_ADDR).await?;
 //! tessera_server::serve(listener, state, tessera_server::shutdown_signal()).await?;
 //! # Ok(()) }
 //! ```
@@ -33,7 +33,10 @@ pub use catalog::{
     CatalogResponse, CheckpointEntry, CheckpointStatus, CheckpointSummary, RunEntry, SavedBox,
     TensorDetail, TensorEntry, TensorPage,
 };
-pub use config::ServerConfig;
+pub use config::{
+    DEFAULT_ADDR, DEFAULT_BODY_LIMIT, DEFAULT_CATALOG_TTL, DEFAULT_META_CACHE_BYTES,
+    DEFAULT_META_TTL, DEFAULT_PLAN_CACHE_BYTES, DEFAULT_SHUTDOWN_GRACE, ServerConfig, TOKEN_ENV,
+};
 pub use error::{ApiError, ErrorBody, ServerError};
 pub use id::CheckpointId;
 pub use metrics::MetricsSnapshot;

@@ -1,15 +1,19 @@
-//! Prometheus metrics, kept by hand (the text exposition format is a few lines, a client library
-//! would be a dependency tree): request counts and latency histograms per route, method and
-//! status; cache hits and misses; metadata loads; plan computations and their time.
+//! Prometheus metrics, kept in a `prometheus-client` registry and encoded in its OpenMetrics text
+//! format: request counts and latency histograms per route, method and status; cache hits and
+//! misses, entries and bytes; metadata loads; plan computations and their time.
 //!
 //! Routes are labelled with their template (`/v1/plans/{plan}/ranks/{rank}`), never the raw
 //! path, so that the number of series stays bounded whatever clients send.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 
 /// Upper bounds (seconds) of the request latency buckets: from a cached answer (sub-millisecond)
 /// to a cold plan of a 405B layout (seconds).
@@ -22,8 +26,18 @@ const PLAN_BUCKETS: [f64; 12] = [
     0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
+/// The media type of the OpenMetrics text format, which `prometheus-client` writes.
+pub(crate) const OPENMETRICS_TEXT: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The media type answered to clients that do not ask for OpenMetrics (browsers, `curl`, older
+/// scrapers). The body is the same: the Prometheus text parser reads OpenMetrics text as it is
+/// (`# EOF` is a comment to it), and a browser shows `text/plain` where it would download
+/// `application/openmetrics-text`.
+pub(crate) const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
 /// The caches whose hits and misses are counted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) enum CacheKind {
     /// Catalog listings.
     Catalog,
@@ -51,73 +65,49 @@ impl CacheKind {
             CacheKind::Plan => "plan",
         }
     }
+}
 
-    fn index(self) -> usize {
-        self as usize
+impl EncodeLabelValue for CacheKind {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        encoder.write_str(self.name())
     }
 }
 
-#[derive(Clone, Debug)]
-struct Histogram {
-    /// Non-cumulative counts per bucket, plus one for +Inf.
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
+/// Labels of the request series.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RequestLabels {
+    route: String,
+    method: String,
+    status: u16,
 }
 
-impl Histogram {
-    fn new(buckets: usize) -> Self {
-        Self {
-            counts: vec![0; buckets + 1],
-            sum: 0.0,
-            count: 0,
-        }
-    }
-
-    fn observe(&mut self, bounds: &[f64], seconds: f64) {
-        let slot = bounds
-            .iter()
-            .position(|&b| seconds <= b)
-            .unwrap_or(bounds.len());
-        self.counts[slot] += 1;
-        self.sum += seconds;
-        self.count += 1;
-    }
-
-    fn render(&self, out: &mut String, name: &str, labels: &str, bounds: &[f64]) {
-        let sep = if labels.is_empty() { "" } else { "," };
-        let mut cumulative = 0;
-        for (i, count) in self.counts.iter().enumerate() {
-            cumulative += count;
-            let le = bounds
-                .get(i)
-                .map_or_else(|| "+Inf".to_string(), |b| b.to_string());
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{{labels}{sep}le=\"{le}\"}} {cumulative}"
-            );
-        }
-        let braces = if labels.is_empty() {
-            String::new()
-        } else {
-            format!("{{{labels}}}")
-        };
-        let _ = writeln!(out, "{name}_sum{braces} {}", self.sum);
-        let _ = writeln!(out, "{name}_count{braces} {}", self.count);
-    }
+/// Labels of the cache series.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct CacheLabels {
+    cache: CacheKind,
 }
 
-/// Counters and histograms of one server.
+fn request_histogram() -> Histogram {
+    Histogram::new(REQUEST_BUCKETS)
+}
+
+/// Counters and histograms of one server, registered in its own registry (not a global one, so
+/// that servers in one process, as in tests, count apart).
 #[derive(Debug)]
 pub(crate) struct Metrics {
-    /// Per (route, method, status): latency histogram (its count is the request count).
-    requests: Mutex<BTreeMap<(String, String, u16), Histogram>>,
-    hits: [AtomicU64; 4],
-    misses: [AtomicU64; 4],
-    metadata_loads: AtomicU64,
-    plan_computations: AtomicU64,
-    plan_failures: AtomicU64,
-    plan_seconds: Mutex<Histogram>,
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    request_seconds: Family<RequestLabels, Histogram, fn() -> Histogram>,
+    /// All requests, for [`MetricsSnapshot`] (a family cannot be summed without encoding it).
+    requests_answered: Counter,
+    hits: Family<CacheLabels, Counter>,
+    misses: Family<CacheLabels, Counter>,
+    cache_entries: Family<CacheLabels, Gauge>,
+    cache_bytes: Family<CacheLabels, Gauge>,
+    metadata_loads: Counter,
+    plan_computations: Counter,
+    plan_failures: Counter,
+    plan_seconds: Histogram,
 }
 
 /// A copy of the counters a test or benchmark asserts on.
@@ -143,185 +133,164 @@ pub struct MetricsSnapshot {
 
 impl Metrics {
     pub(crate) fn new() -> Self {
+        let requests = Family::<RequestLabels, Counter>::default();
+        let request_seconds =
+            Family::<RequestLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+                request_histogram,
+            );
+        let hits = Family::<CacheLabels, Counter>::default();
+        let misses = Family::<CacheLabels, Counter>::default();
+        // Every cache's series from the start, at zero: a rate over a series that appears
+        // only with its first hit misses that hit.
+        for cache in CacheKind::ALL {
+            drop(hits.get_or_create(&CacheLabels { cache }));
+            drop(misses.get_or_create(&CacheLabels { cache }));
+        }
+        let cache_entries = Family::<CacheLabels, Gauge>::default();
+        let cache_bytes = Family::<CacheLabels, Gauge>::default();
+        let metadata_loads = Counter::default();
+        let plan_computations = Counter::default();
+        let plan_failures = Counter::default();
+        let plan_seconds = Histogram::new(PLAN_BUCKETS);
+
+        // Help texts without a final full stop: the registry appends one. Counter names without
+        // `_total`: the encoder appends it to the samples.
+        let mut registry = Registry::default();
+        registry.register(
+            "tessera_http_requests",
+            "Requests answered, by route template, method and status",
+            requests.clone(),
+        );
+        registry.register(
+            "tessera_http_request_duration_seconds",
+            "Time to answer a request (until the response head)",
+            request_seconds.clone(),
+        );
+        registry.register(
+            "tessera_cache_hits",
+            "Lookups answered from a cache (including waits on a computation another request started)",
+            hits.clone(),
+        );
+        registry.register(
+            "tessera_cache_misses",
+            "Lookups that had to compute or read the value",
+            misses.clone(),
+        );
+        registry.register(
+            "tessera_cache_entries",
+            "Entries held by a cache",
+            cache_entries.clone(),
+        );
+        registry.register(
+            "tessera_cache_bytes",
+            "Estimated bytes held by a cache",
+            cache_bytes.clone(),
+        );
+        registry.register(
+            "tessera_metadata_loads",
+            "Checkpoint metadata reads from storage",
+            metadata_loads.clone(),
+        );
+        registry.register(
+            "tessera_plan_computations",
+            "Plans computed (each distinct plan once while cached)",
+            plan_computations.clone(),
+        );
+        registry.register(
+            "tessera_plan_failures",
+            "Plan computations the planner refused",
+            plan_failures.clone(),
+        );
+        registry.register(
+            "tessera_plan_compute_seconds",
+            "Time to compute a plan",
+            plan_seconds.clone(),
+        );
         Self {
-            requests: Mutex::new(BTreeMap::new()),
-            hits: Default::default(),
-            misses: Default::default(),
-            metadata_loads: AtomicU64::new(0),
-            plan_computations: AtomicU64::new(0),
-            plan_failures: AtomicU64::new(0),
-            plan_seconds: Mutex::new(Histogram::new(PLAN_BUCKETS.len())),
+            registry,
+            requests,
+            request_seconds,
+            requests_answered: Counter::default(),
+            hits,
+            misses,
+            cache_entries,
+            cache_bytes,
+            metadata_loads,
+            plan_computations,
+            plan_failures,
+            plan_seconds,
         }
     }
 
     /// Records one answered request.
     pub(crate) fn request(&self, route: &str, method: &str, status: u16, elapsed: Duration) {
-        // A poisoned lock only means another request panicked mid-update of a counter.
-        let mut requests = self.requests.lock().unwrap_or_else(|e| e.into_inner());
-        requests
-            .entry((route.to_string(), method.to_string(), status))
-            .or_insert_with(|| Histogram::new(REQUEST_BUCKETS.len()))
-            .observe(&REQUEST_BUCKETS, elapsed.as_secs_f64());
+        let labels = RequestLabels {
+            route: route.to_string(),
+            method: method.to_string(),
+            status,
+        };
+        self.requests.get_or_create(&labels).inc();
+        self.request_seconds
+            .get_or_create(&labels)
+            .observe(elapsed.as_secs_f64());
+        self.requests_answered.inc();
     }
 
     /// Records a cache lookup.
-    pub(crate) fn cache(&self, kind: CacheKind, hit: bool) {
-        let counters = if hit { &self.hits } else { &self.misses };
-        counters[kind.index()].fetch_add(1, Ordering::Relaxed);
+    pub(crate) fn cache(&self, cache: CacheKind, hit: bool) {
+        let family = if hit { &self.hits } else { &self.misses };
+        family.get_or_create(&CacheLabels { cache }).inc();
     }
 
     /// Records a read of checkpoint metadata from storage.
     pub(crate) fn metadata_load(&self) {
-        self.metadata_loads.fetch_add(1, Ordering::Relaxed);
+        self.metadata_loads.inc();
     }
 
     /// Records a plan computation.
     pub(crate) fn plan_computed(&self, elapsed: Duration, ok: bool) {
-        self.plan_computations.fetch_add(1, Ordering::Relaxed);
+        self.plan_computations.inc();
         if !ok {
-            self.plan_failures.fetch_add(1, Ordering::Relaxed);
+            self.plan_failures.inc();
         }
-        self.plan_seconds
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .observe(&PLAN_BUCKETS, elapsed.as_secs_f64());
+        self.plan_seconds.observe(elapsed.as_secs_f64());
     }
 
     pub(crate) fn snapshot(&self) -> MetricsSnapshot {
-        let requests = self
-            .requests
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .map(|h| h.count)
-            .sum();
-        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let count = |family: &Family<CacheLabels, Counter>, cache| {
+            family.get_or_create(&CacheLabels { cache }).get()
+        };
         MetricsSnapshot {
-            requests,
-            plan_computations: load(&self.plan_computations),
-            plan_failures: load(&self.plan_failures),
-            metadata_loads: load(&self.metadata_loads),
-            plan_cache_hits: load(&self.hits[CacheKind::Plan.index()]),
-            plan_cache_misses: load(&self.misses[CacheKind::Plan.index()]),
-            metadata_cache_hits: load(&self.hits[CacheKind::Metadata.index()]),
-            metadata_cache_misses: load(&self.misses[CacheKind::Metadata.index()]),
+            requests: self.requests_answered.get(),
+            plan_computations: self.plan_computations.get(),
+            plan_failures: self.plan_failures.get(),
+            metadata_loads: self.metadata_loads.get(),
+            plan_cache_hits: count(&self.hits, CacheKind::Plan),
+            plan_cache_misses: count(&self.misses, CacheKind::Plan),
+            metadata_cache_hits: count(&self.hits, CacheKind::Metadata),
+            metadata_cache_misses: count(&self.misses, CacheKind::Metadata),
         }
     }
 
-    /// The text exposition (format 0.0.4). `caches` are (name, entries, weighted bytes).
-    pub(crate) fn render(&self, caches: &[(&str, u64, u64)]) -> String {
+    /// The OpenMetrics text exposition, with the cache sizes as of now: (cache, entries,
+    /// estimated bytes).
+    pub(crate) fn render(&self, caches: &[(CacheKind, u64, u64)]) -> String {
+        for &(cache, entries, bytes) in caches {
+            let labels = CacheLabels { cache };
+            let gauge = |value: u64| i64::try_from(value).unwrap_or(i64::MAX);
+            self.cache_entries
+                .get_or_create(&labels)
+                .set(gauge(entries));
+            self.cache_bytes.get_or_create(&labels).set(gauge(bytes));
+        }
         let mut out = String::with_capacity(8192);
-        out.push_str(
-            "# HELP tessera_http_requests_total Requests answered, by route template, method and status.\n\
-             # TYPE tessera_http_requests_total counter\n",
-        );
-        let requests = self
-            .requests
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        for ((route, method, status), h) in &requests {
-            let _ = writeln!(
-                out,
-                "tessera_http_requests_total{{route=\"{}\",method=\"{}\",status=\"{status}\"}} {}",
-                escape(route),
-                escape(method),
-                h.count
-            );
+        // Writing into a String cannot fail; an error would come from an encoder bug, and a
+        // partial exposition is still more use to a scraper than none.
+        if let Err(error) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::error!(%error, "encoding metrics");
         }
-        out.push_str(
-            "# HELP tessera_http_request_duration_seconds Time to answer a request (until the response head).\n\
-             # TYPE tessera_http_request_duration_seconds histogram\n",
-        );
-        for ((route, method, status), h) in &requests {
-            let labels = format!(
-                "route=\"{}\",method=\"{}\",status=\"{status}\"",
-                escape(route),
-                escape(method)
-            );
-            h.render(
-                &mut out,
-                "tessera_http_request_duration_seconds",
-                &labels,
-                &REQUEST_BUCKETS,
-            );
-        }
-        for (name, help, counters) in [
-            (
-                "tessera_cache_hits_total",
-                "Lookups answered from a cache (including waits on a computation another request started).",
-                &self.hits,
-            ),
-            (
-                "tessera_cache_misses_total",
-                "Lookups that had to compute or read the value.",
-                &self.misses,
-            ),
-        ] {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-            for kind in CacheKind::ALL {
-                let _ = writeln!(
-                    out,
-                    "{name}{{cache=\"{}\"}} {}",
-                    kind.name(),
-                    counters[kind.index()].load(Ordering::Relaxed)
-                );
-            }
-        }
-        let _ = writeln!(
-            out,
-            "# HELP tessera_cache_entries Entries held by a cache.\n# TYPE tessera_cache_entries gauge"
-        );
-        for (name, entries, _) in caches {
-            let _ = writeln!(out, "tessera_cache_entries{{cache=\"{name}\"}} {entries}");
-        }
-        let _ = writeln!(
-            out,
-            "# HELP tessera_cache_bytes Estimated bytes held by a cache.\n# TYPE tessera_cache_bytes gauge"
-        );
-        for (name, _, bytes) in caches {
-            let _ = writeln!(out, "tessera_cache_bytes{{cache=\"{name}\"}} {bytes}");
-        }
-        let _ = writeln!(
-            out,
-            "# HELP tessera_metadata_loads_total Checkpoint metadata reads from storage.\n\
-             # TYPE tessera_metadata_loads_total counter\n\
-             tessera_metadata_loads_total {}",
-            self.metadata_loads.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP tessera_plan_computations_total Plans computed (each distinct plan once while cached).\n\
-             # TYPE tessera_plan_computations_total counter\n\
-             tessera_plan_computations_total {}",
-            self.plan_computations.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP tessera_plan_failures_total Plan computations the planner refused.\n\
-             # TYPE tessera_plan_failures_total counter\n\
-             tessera_plan_failures_total {}",
-            self.plan_failures.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP tessera_plan_compute_seconds Time to compute a plan.\n\
-             # TYPE tessera_plan_compute_seconds histogram"
-        );
-        self.plan_seconds
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .render(&mut out, "tessera_plan_compute_seconds", "", &PLAN_BUCKETS);
         out
     }
-}
-
-/// Escapes a label value (backslash, quote, newline).
-fn escape(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 #[cfg(test)]
@@ -336,11 +305,46 @@ mod tests {
         metrics.request("/healthz", "GET", 200, Duration::from_secs(60));
         let text = metrics.render(&[]);
         assert!(text.contains(
-            "tessera_http_requests_total{route=\"/healthz\",method=\"GET\",status=\"200\"} 3"
+            "tessera_http_requests_total{route=\"/healthz\",method=\"GET\",status=\"200\"} 3\n"
         ));
-        assert!(text.contains("le=\"0.0005\"} 1\n"));
-        assert!(text.contains("le=\"0.05\"} 2\n"));
-        assert!(text.contains("le=\"+Inf\"} 3\n"));
+        // prometheus-client writes `le` first; label order means nothing to Prometheus.
+        let bucket = |le: &str, count: u64| {
+            format!(
+                "tessera_http_request_duration_seconds_bucket{{le=\"{le}\",route=\"/healthz\",method=\"GET\",status=\"200\"}} {count}\n"
+            )
+        };
+        assert!(text.contains(&bucket("0.0005", 1)), "{text}");
+        assert!(text.contains(&bucket("0.05", 2)), "{text}");
+        assert!(text.contains(&bucket("+Inf", 3)), "{text}");
+        assert!(text.ends_with("# EOF\n"));
         assert_eq!(metrics.snapshot().requests, 3);
+    }
+
+    #[test]
+    fn every_cache_counts_from_zero() {
+        let metrics = Metrics::new();
+        metrics.cache(CacheKind::Plan, true);
+        let text = metrics.render(&[(CacheKind::Metadata, 2, 4096)]);
+        assert!(
+            text.contains("tessera_cache_hits_total{cache=\"plan\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tessera_cache_misses_total{cache=\"latest\"} 0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tessera_cache_entries{cache=\"metadata\"} 2\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tessera_cache_bytes{cache=\"metadata\"} 4096\n"),
+            "{text}"
+        );
+        let snapshot = metrics.snapshot();
+        assert_eq!(
+            (snapshot.plan_cache_hits, snapshot.plan_cache_misses),
+            (1, 0)
+        );
     }
 }

@@ -13,7 +13,6 @@ use moka::policy::EvictionPolicy;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tessera_metadata::CheckpointMeta;
-use tessera_metadata::formats::native::{Created, Manifest};
 use tessera_planner::{ExplicitRequests, Layout, Plan, PlanError, PlanOptions, PlanSummary, plan};
 use utoipa::ToSchema;
 
@@ -266,7 +265,7 @@ impl PlanSpec {
         let canonical = request.target.canonical();
         let id = plan_id(
             &opened.id,
-            &opened.manifest,
+            &opened.facts.version,
             request.target.is_layout(),
             &canonical,
             &request.options,
@@ -285,27 +284,21 @@ impl PlanSpec {
     }
 }
 
-/// The stable id of a plan: SHA-256 over the checkpoint id, its version (the metadata file's
-/// crc32c and size, and the commit time, from the manifest), the kind and canonical JSON of the
-/// target, and the options; the first 128 bits in hex.
+/// The stable id of a plan: SHA-256 over the checkpoint id, its version (which changes when the
+/// checkpoint is saved again: the `version` of its catalog facts), the kind and canonical JSON
+/// of the target, and the options; the first 128 bits in hex.
 fn plan_id(
     checkpoint: &CheckpointId,
-    manifest: &Manifest,
+    version: &str,
     layout: bool,
     canonical: &str,
     options: &PlanOptions,
 ) -> String {
-    let created = match &manifest.created {
-        Created::Rfc3339(text) => text.clone(),
-        Created::UnixSeconds(secs) => secs.to_string(),
-    };
     let mut hasher = Sha256::new();
     for part in [
         "tessera-plan/1",
         &checkpoint.to_string(),
-        &format!("{:08x}", manifest.metadata.crc32c),
-        &manifest.metadata.size.to_string(),
-        &created,
+        version,
         if layout { "layout" } else { "requests" },
         canonical,
         if options.dedup { "dedup" } else { "no-dedup" },
@@ -453,7 +446,7 @@ impl Plans {
         let opened = catalog.open(&spec.checkpoint).await?;
         let current = plan_id(
             &opened.id,
-            &opened.manifest,
+            &opened.facts.version,
             spec.target.is_layout(),
             &spec.canonical,
             &spec.options,

@@ -115,7 +115,7 @@ async fn catalog_lists_runs_committed_incomplete_and_latest() {
     assert_eq!(c100["status"], "committed");
     assert_eq!(c100["committed"], true);
     assert_eq!(c100["latest"], false);
-    assert_eq!(c100["format"], "tessera");
+    assert_eq!(c100["format"], "native");
     assert_eq!(c100["step"], 100);
     assert_eq!(c100["data"], "present");
     assert!(c100["bytes"].as_u64().unwrap() > c100["tensor_bytes"].as_u64().unwrap());
@@ -923,15 +923,37 @@ async fn metrics_count_requests_caches_and_plan_computations() {
     );
     assert_eq!(
         m(
-            "tessera_http_request_duration_seconds_bucket{route=\"/v1/plans\",method=\"POST\",status=\"200\",le=\"+Inf\"}"
+            "tessera_http_request_duration_seconds_bucket{le=\"+Inf\",route=\"/v1/plans\",method=\"POST\",status=\"200\"}"
         ),
         2.0
     );
     assert_eq!(m("tessera_plan_compute_seconds_count"), 1.0);
     assert_eq!(m("tessera_cache_entries{cache=\"plan\"}"), 1.0);
     assert!(m("tessera_cache_bytes{cache=\"metadata\"}") > 1000.0);
+    assert!(
+        text.ends_with("# EOF\n"),
+        "an OpenMetrics exposition ends with # EOF"
+    );
     // Raw paths never become labels.
     assert!(!text.contains(&id));
+    // A scraper that asks for OpenMetrics (Prometheus does) gets the body typed as such.
+    let scraped = send(
+        &f.app,
+        Request::get("/metrics")
+            .header(
+                header::ACCEPT,
+                "application/openmetrics-text;version=1.0.0;q=0.6,text/plain;version=0.0.4;q=0.5",
+            )
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert!(
+        scraped.headers[header::CONTENT_TYPE]
+            .to_str()
+            .unwrap()
+            .starts_with("application/openmetrics-text; version=1.0.0")
+    );
 }
 
 #[tokio::test]

@@ -4,17 +4,31 @@ use std::io::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use tessera_server::{AppState, ServerConfig, init_logging, serve, shutdown_signal};
+use tessera_server::{
+    AppState, DEFAULT_BODY_LIMIT, DEFAULT_META_CACHE_BYTES, DEFAULT_PLAN_CACHE_BYTES, ServerConfig,
+    init_logging, serve, shutdown_signal,
+};
 
 /// The environment variable holding the token when `--token` is not given.
-pub const TOKEN_ENV: &str = "TESSERA_TOKEN";
+pub use tessera_server::TOKEN_ENV;
+
+/// Bytes in a KiB and a MiB: the units of the cache and body flags.
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * 1024;
+
+/// The server's default metadata cache, in MiB (the flag's default).
+pub const DEFAULT_METADATA_CACHE_MIB: u64 = DEFAULT_META_CACHE_BYTES / MIB;
+/// The server's default plan cache, in MiB (the flag's default).
+pub const DEFAULT_PLAN_CACHE_MIB: u64 = DEFAULT_PLAN_CACHE_BYTES / MIB;
+/// The server's default body limit, in KiB (the flag's default).
+pub const DEFAULT_BODY_LIMIT_KIB: usize = DEFAULT_BODY_LIMIT / KIB as usize;
 
 /// Arguments of `tessera serve`.
 #[derive(Clone, Debug)]
 pub struct ServeArgs {
     /// Catalog root: a local directory or an object-store URL.
     pub root: String,
-    /// Address to listen on (`127.0.0.1:8080`; port 0 picks a free one).
+    /// Address to listen on ([`tessera_server::DEFAULT_ADDR`]; port 0 picks a free one).
     pub addr: String,
     /// Bearer token for `/v1` (else `TESSERA_TOKEN`, else none).
     pub token: Option<String>,
@@ -30,6 +44,22 @@ pub struct ServeArgs {
     pub body_limit_kib: usize,
 }
 
+impl ServeArgs {
+    /// The server's defaults for the catalog at `root`, listening on `addr`.
+    pub fn new(root: impl Into<String>, addr: impl Into<String>) -> Self {
+        Self {
+            root: root.into(),
+            addr: addr.into(),
+            token: None,
+            web_ui: None,
+            cors_origins: Vec::new(),
+            metadata_cache_mib: DEFAULT_METADATA_CACHE_MIB,
+            plan_cache_mib: DEFAULT_PLAN_CACHE_MIB,
+            body_limit_kib: DEFAULT_BODY_LIMIT_KIB,
+        }
+    }
+}
+
 /// Runs the server until a shutdown signal. Prints `listening on http://ADDR` on stdout once the
 /// port is bound (scripts and tests wait for that line); logs go to stderr (`RUST_LOG`).
 pub async fn run(args: &ServeArgs) -> Result<()> {
@@ -42,9 +72,9 @@ pub async fn run(args: &ServeArgs) -> Result<()> {
     config.token = token;
     config.web_ui = args.web_ui.clone();
     config.cors_origins = args.cors_origins.clone();
-    config.meta_cache_bytes = args.metadata_cache_mib.saturating_mul(1024 * 1024);
-    config.plan_cache_bytes = args.plan_cache_mib.saturating_mul(1024 * 1024);
-    config.body_limit = args.body_limit_kib.saturating_mul(1024);
+    config.meta_cache_bytes = args.metadata_cache_mib.saturating_mul(MIB);
+    config.plan_cache_bytes = args.plan_cache_mib.saturating_mul(MIB);
+    config.body_limit = args.body_limit_kib.saturating_mul(KIB as usize);
     let has_token = config.token.is_some();
     let state =
         AppState::new(config).with_context(|| format!("opening the catalog {}", args.root))?;
@@ -65,4 +95,29 @@ pub async fn run(args: &ServeArgs) -> Result<()> {
     }
     serve(listener, state, shutdown_signal()).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The Helm chart repeats the server's defaults in its values; this keeps them in step.
+    #[test]
+    fn helm_values_repeat_the_server_defaults() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/helm/tessera/values.yaml");
+        let values = std::fs::read_to_string(path).expect("reading the chart's values");
+        let value = |key: &str| {
+            values.lines().find_map(|line| {
+                line.trim()
+                    .strip_prefix(key)?
+                    .strip_prefix(':')?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
+        };
+        assert_eq!(value("metadataCacheMiB"), Some(DEFAULT_METADATA_CACHE_MIB));
+        assert_eq!(value("planCacheMiB"), Some(DEFAULT_PLAN_CACHE_MIB));
+        assert_eq!(value("bodyLimitKiB"), Some(DEFAULT_BODY_LIMIT_KIB as u64));
+    }
 }

@@ -122,7 +122,7 @@ async function journey(base, page) {
   assert.match(rows[2], /gpt\s+step-000300\s+300\s+incomplete/);
   // Only committed checkpoints can be opened.
   assert.equal(await page.locator("#catalog tr.ckpt-row").nth(2).locator("a").count(), 0);
-  assert.match(rows[1], /\ttessera\t/);
+  assert.match(rows[1], /\tnative\t/);
   await shot(page, "catalog.png");
   // The run's latest pointer leads to its checkpoint.
   assert.equal(await page.locator("a.latest-link").innerText(), "gpt/step-000200");

@@ -7,10 +7,9 @@ use serde::Deserialize;
 use tessera_planner::glob_match;
 use utoipa::IntoParams;
 
-use crate::catalog::{saved_boxes, tensor_entry};
 use crate::{
-    ApiError, AppState, CatalogResponse, CheckpointId, CheckpointSummary, ErrorBody, TensorDetail,
-    TensorPage,
+    ApiError, AppState, CatalogResponse, CheckpointId, CheckpointSummary, ErrorBody, SavedBox,
+    TensorDetail, TensorEntry, TensorPage,
 };
 
 /// Default and largest page of the tensor table: a 405B checkpoint has ~3000 tensors with
@@ -138,7 +137,7 @@ pub(crate) async fn tensors(
     let mut page = Vec::new();
     for (index, _) in matching {
         if total >= offset && (page.len() as u64) < limit {
-            page.push(tensor_entry(meta, index as u32));
+            page.push(TensorEntry::new(meta, index as u32));
         }
         total += 1;
     }
@@ -183,7 +182,7 @@ pub(crate) async fn tensor(
     };
     Ok(Json(TensorDetail {
         checkpoint: opened.id.to_string(),
-        tensor: tensor_entry(meta, index),
-        saved: saved_boxes(meta, index),
+        tensor: TensorEntry::new(meta, index),
+        saved: SavedBox::of_tensor(meta, index),
     }))
 }

@@ -3,12 +3,13 @@
 use axum::Extension;
 use axum::Json;
 use axum::extract::State;
-use axum::http::header;
+use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::OpenApiJson;
+use crate::metrics::{CacheKind, OPENMETRICS_TEXT, PROMETHEUS_TEXT};
 use crate::{ApiError, AppState, ErrorBody};
 
 /// `{"status": ...}`.
@@ -63,25 +64,32 @@ pub(crate) async fn readyz(State(state): State<AppState>) -> Result<Json<Status>
     }))
 }
 
-/// Prometheus metrics (text exposition format 0.0.4).
+/// Prometheus metrics in the OpenMetrics text format: typed `application/openmetrics-text` for
+/// scrapers that ask for it (Prometheus does), `text/plain; version=0.0.4` for everyone else.
 #[utoipa::path(get, path = "/metrics", tag = "ops",
-    responses((status = 200, description = "Metrics", body = String, content_type = "text/plain; version=0.0.4")))]
-pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
+    responses((status = 200, description = "Metrics", content(
+        (String = "text/plain; version=0.0.4"),
+        (String = "application/openmetrics-text; version=1.0.0"),
+    ))))]
+pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Response {
     let inner = &state.inner;
     let (meta_entries, meta_bytes) = inner.catalog.meta_usage().await;
     let (plan_entries, plan_bytes) = inner.plans.usage().await;
     let text = inner.metrics.render(&[
-        ("metadata", meta_entries, meta_bytes),
-        ("plan", plan_entries, plan_bytes),
+        (CacheKind::Metadata, meta_entries, meta_bytes),
+        (CacheKind::Plan, plan_entries, plan_bytes),
     ]);
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response()
+    let openmetrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
+    let content_type = if openmetrics {
+        OPENMETRICS_TEXT
+    } else {
+        PROMETHEUS_TEXT
+    };
+    ([(header::CONTENT_TYPE, content_type)], text).into_response()
 }
 
 /// This API's OpenAPI document.
