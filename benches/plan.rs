@@ -115,6 +115,7 @@ fn main() {
         .block_on(synthesize(
             location.store.clone(),
             &location.prefix,
+            &location.display,
             &megatron_gpt(saved).unwrap(),
             &SynthOptions {
                 model,

@@ -51,6 +51,7 @@ fn main() {
         .block_on(synthesize(
             location.store.clone(),
             &location.prefix,
+            &location.display,
             &saved,
             &SynthOptions {
                 model,

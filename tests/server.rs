@@ -43,6 +43,7 @@ async fn write_tiny(location: &str, options: &StorageOptions) {
     synthesize(
         out.store.clone(),
         &out.prefix,
+        &out.display,
         &megatron(2, 2, 2, true),
         &SynthOptions {
             model: Model::GptTiny,

@@ -37,6 +37,7 @@ pub fn synth_fsdp4(runtime: &tokio::runtime::Runtime, model: Model) -> BenchChec
         .block_on(synthesize(
             store.store.clone(),
             &store.prefix,
+            &store.display,
             &fsdp(4).unwrap(),
             &SynthOptions {
                 model,

@@ -59,9 +59,10 @@ pub enum LoaderError {
         /// Checksum of what was read.
         actual: u32,
     },
-    /// A checkpoint location that cannot be opened.
+    /// A checkpoint location that cannot be opened (boxed: it would make every loader `Result`
+    /// carry its size).
     #[error(transparent)]
-    Storage(#[from] tessera_storage::StorageError),
+    Storage(Box<tessera_storage::StorageError>),
     /// A peer connection failed or sent something unexpected.
     #[error("rank {rank}: transport to rank {peer} failed: {detail}")]
     Transport {
@@ -124,6 +125,12 @@ pub enum LoaderError {
         #[source]
         source: std::io::Error,
     },
+}
+
+impl From<tessera_storage::StorageError> for LoaderError {
+    fn from(error: tessera_storage::StorageError) -> Self {
+        LoaderError::Storage(Box::new(error))
+    }
 }
 
 impl LoaderError {
@@ -228,7 +235,7 @@ mod tests {
         assert!(!store(generic()).is_permanent());
         assert!(store(not_found()).is_permanent());
         let storage = |source| {
-            LoaderError::Storage(StorageError::Store {
+            LoaderError::from(StorageError::Store {
                 action: "opening".to_string(),
                 path: "a".to_string(),
                 source,
@@ -236,7 +243,7 @@ mod tests {
         };
         assert!(!storage(generic()).is_permanent());
         assert!(storage(not_found()).is_permanent());
-        let location = LoaderError::Storage(StorageError::Location {
+        let location = LoaderError::from(StorageError::Location {
             location: "ftp://x".to_string(),
             detail: "unknown scheme".to_string(),
         });

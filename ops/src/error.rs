@@ -40,14 +40,15 @@ pub enum OpsError {
         /// `rank R: why`, one per failed rank.
         failures: Vec<String>,
     },
-    /// An error with what the operation was doing when it happened.
-    #[error("{context}: {source}")]
+    /// An error with what the operation was doing when it happened. The message includes the
+    /// inner error's, so the inner error is not also this one's `source()` (a chain printer would
+    /// repeat it).
+    #[error("{context}: {inner}")]
     Context {
         /// Verb phrase with the object: `opening checkpoint run/step-1`.
         context: String,
         /// What went wrong.
-        #[source]
-        source: Box<OpsError>,
+        inner: Box<OpsError>,
     },
 }
 
@@ -69,7 +70,7 @@ impl OpsError {
             OpsError::Loader(e) => e.is_permanent(),
             OpsError::Message { .. } | OpsError::Invalid { .. } => true,
             OpsError::RanksFailed { .. } => false,
-            OpsError::Context { source, .. } => source.is_permanent(),
+            OpsError::Context { inner, .. } => inner.is_permanent(),
         }
     }
 }
@@ -92,14 +93,14 @@ impl<T, E: Into<OpsError>> ResultExt<T> for Result<T, E> {
     fn context(self, context: impl Into<String>) -> Result<T, OpsError> {
         self.map_err(|e| OpsError::Context {
             context: context.into(),
-            source: Box::new(e.into()),
+            inner: Box::new(e.into()),
         })
     }
 
     fn with_context<S: Into<String>>(self, f: impl FnOnce() -> S) -> Result<T, OpsError> {
         self.map_err(|e| OpsError::Context {
             context: f().into(),
-            source: Box::new(e.into()),
+            inner: Box::new(e.into()),
         })
     }
 }

@@ -206,7 +206,7 @@ pub async fn save_rank<T: Transport>(
     let outcome: Result<Manifest, OpsError> = match written {
         Err(e) => Err(OpsError::Context {
             context: "rank 0".to_string(),
-            source: Box::new(e),
+            inner: Box::new(e),
         }),
         Ok(_) if !failures.is_empty() => Err(OpsError::RanksFailed { failures }),
         Ok((writer, file)) => {

@@ -88,6 +88,7 @@ pub async fn run(dir: &str) -> Result<String> {
         synthesize(
             location.store.clone(),
             &location.prefix,
+            &location.display,
             &c.layout,
             &SynthOptions {
                 model: c.model,

@@ -11,7 +11,14 @@ use tessera_synth::{SynthOptions, synthesize};
 pub async fn run(out: &str, layout_path: &str, options: &SynthOptions) -> Result<String> {
     let layout = super::read_layout(layout_path)?;
     let location = storage::create(out)?;
-    let manifest = synthesize(location.store.clone(), &location.prefix, &layout, options).await?;
+    let manifest = synthesize(
+        location.store.clone(),
+        &location.prefix,
+        &location.display,
+        &layout,
+        options,
+    )
+    .await?;
     let data = match manifest.data {
         DataPresence::Present => "with data",
         DataPresence::Absent => "metadata only",

@@ -71,14 +71,14 @@ pub enum SynthError {
     /// The save layout does not resolve against the model, or writers cannot be assigned.
     #[error("planning the synthetic save: {0}")]
     Plan(#[from] PlanError),
-    /// Writing the checkpoint failed.
-    #[error("{context}: {source}")]
+    /// Writing the checkpoint failed. The message includes the writer's, so that error is not
+    /// also this one's `source()` (a chain printer would repeat it).
+    #[error("{context}: {inner}")]
     Write {
         /// Verb phrase with the checkpoint or file.
         context: String,
         /// The writer's error.
-        #[source]
-        source: Box<MetadataError>,
+        inner: Box<MetadataError>,
     },
     /// A value-generation task died.
     #[error("generating box values: {detail}")]
@@ -156,9 +156,9 @@ impl fmt::Display for HexBytes<'_> {
 impl SynthError {
     /// A `map_err` adapter for writer errors: `context` says what was being written.
     pub fn writing(context: String) -> impl FnOnce(MetadataError) -> SynthError {
-        move |source| SynthError::Write {
+        move |inner| SynthError::Write {
             context,
-            source: Box::new(source),
+            inner: Box::new(inner),
         }
     }
 
@@ -166,11 +166,11 @@ impl SynthError {
     pub fn in_context(self, context: String) -> SynthError {
         match self {
             SynthError::Write {
-                context: inner,
-                source,
+                context: outer,
+                inner,
             } => SynthError::Write {
-                context: format!("{context}: {inner}"),
-                source,
+                context: format!("{context}: {outer}"),
+                inner,
             },
             other => other,
         }
@@ -179,7 +179,7 @@ impl SynthError {
     /// Whether retrying cannot help: only a write whose storage error may pass is transient.
     pub fn is_permanent(&self) -> bool {
         match self {
-            SynthError::Write { source, .. } => source.is_permanent(),
+            SynthError::Write { inner, .. } => inner.is_permanent(),
             _ => true,
         }
     }

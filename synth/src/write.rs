@@ -63,17 +63,19 @@ impl std::fmt::Debug for SynthOptions {
     }
 }
 
-/// Writes a synthetic checkpoint of `options.model` saved with `layout` at `prefix` of `store`.
+/// Writes a synthetic checkpoint of `options.model` saved with `layout` at `prefix` of `store`;
+/// messages name it `display` (the location as the user gave it).
 pub async fn synthesize(
     store: Arc<dyn ObjectStore>,
     prefix: &Path,
+    display: &str,
     layout: &Layout,
     options: &SynthOptions,
 ) -> Result<Manifest, SynthError> {
     let tensors = tensors(&options.model.config(), options.optimizer);
     let holdings = layout.resolve(&tensors)?;
     let writes = assign_writers(&tensors, &holdings)?;
-    let at = |what: &str| format!("{what} checkpoint {prefix}");
+    let at = |what: &str| format!("{what} checkpoint {display}");
     let writer = NativeWriter::create(
         store,
         prefix.clone(),
@@ -140,7 +142,7 @@ async fn write_rank(
 ) -> Result<WrittenFile, SynthError> {
     let wrap = |e: MetadataError| SynthError::Write {
         context: "writing a box".to_string(),
-        source: Box::new(e),
+        inner: Box::new(e),
     };
     for item in items {
         if metadata_only {
