@@ -28,13 +28,13 @@
 
 use std::sync::{Arc, Once};
 
+use object_store::ObjectStore;
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
 use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
 use object_store::http::HttpBuilder;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
-use object_store::{ClientConfigKey, ObjectStore};
 
 use crate::{RetryPolicy, StorageError};
 
@@ -261,25 +261,18 @@ fn local_parts(location: &str, raw: &str) -> Result<(std::path::PathBuf, String)
     Ok((root, name))
 }
 
-/// A cloud builder with [`RetryPolicy`]'s timeouts and retry. The timeouts are set as the
-/// builder's client configuration keys, so what the environment set for the client
-/// (`AWS_ALLOW_HTTP` and the like) is kept.
+/// A cloud builder with [`RetryPolicy`]'s timeouts ([`RetryPolicy::client_config`], set as the
+/// builder's client configuration keys so what the environment set for the client,
+/// `AWS_ALLOW_HTTP` and the like, is kept) and retry.
 macro_rules! with_policy {
     ($builder:expr, $key:path) => {{
         let policy = RetryPolicy::default();
-        $builder
-            .with_config(
-                $key(ClientConfigKey::ConnectTimeout),
-                format!("{}ms", policy.connect_timeout.as_millis()),
-            )
-            .with_config(
-                $key(ClientConfigKey::ReadTimeout),
-                format!("{}ms", policy.read_timeout.as_millis()),
-            )
-            .with_config(
-                $key(ClientConfigKey::Timeout),
-                format!("{}ms", policy.request_timeout.as_millis()),
-            )
+        policy
+            .client_config()
+            .into_iter()
+            .fold($builder, |builder, (key, value)| {
+                builder.with_config($key(key), value)
+            })
             .with_retry(policy.object_store_retry())
     }};
 }

@@ -16,7 +16,7 @@
 use std::time::Duration;
 
 use backon::ExponentialBuilder;
-use object_store::{ClientOptions, RetryConfig};
+use object_store::{ClientConfigKey, ClientOptions, RetryConfig};
 
 /// How often and how patiently tessera retries transient failures.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -76,12 +76,28 @@ impl RetryPolicy {
         total
     }
 
+    /// The timeouts above as object_store client configuration keys: the one list both
+    /// [`client_options`](Self::client_options) and the builders configured by key (S3, GCS,
+    /// Azure, whose environment may already have set other client keys) apply.
+    pub fn client_config(&self) -> [(ClientConfigKey, String); 3] {
+        let millis = |d: Duration| format!("{}ms", d.as_millis());
+        [
+            (
+                ClientConfigKey::ConnectTimeout,
+                millis(self.connect_timeout),
+            ),
+            (ClientConfigKey::ReadTimeout, millis(self.read_timeout)),
+            (ClientConfigKey::Timeout, millis(self.request_timeout)),
+        ]
+    }
+
     /// HTTP client settings of the cloud stores: the timeouts above.
     pub fn client_options(&self) -> ClientOptions {
-        ClientOptions::new()
-            .with_connect_timeout(self.connect_timeout)
-            .with_read_timeout(self.read_timeout)
-            .with_timeout(self.request_timeout)
+        self.client_config()
+            .into_iter()
+            .fold(ClientOptions::new(), |options, (key, value)| {
+                options.with_config(key, value)
+            })
     }
 
     /// object_store's own retry: off (see the module documentation).
