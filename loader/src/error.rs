@@ -14,17 +14,6 @@ pub enum LoaderError {
     /// Planning failed.
     #[error(transparent)]
     Plan(#[from] tessera_planner::PlanError),
-    /// Storage failed (after retries for transient errors).
-    #[error("{action} {path}: {source}")]
-    Store {
-        /// Verb phrase: `reading bytes 0..4096 of`.
-        action: String,
-        /// Object path.
-        path: String,
-        /// The store's error.
-        #[source]
-        source: object_store::Error,
-    },
     /// A data file the plan reads does not exist.
     #[error("data file {path} is missing")]
     MissingFile {
@@ -59,8 +48,10 @@ pub enum LoaderError {
         /// Checksum of what was read.
         actual: u32,
     },
-    /// A checkpoint location that cannot be opened (boxed: it would make every loader `Result`
-    /// carry its size).
+    /// A checkpoint location that cannot be opened, or a store request that failed (after retries
+    /// for transient errors): [`StorageError::Store`](tessera_storage::StorageError::Store) names
+    /// the action (`reading bytes 0..4096 of`) and the object. Boxed: it would make every loader
+    /// `Result` carry its size.
     #[error(transparent)]
     Storage(Box<tessera_storage::StorageError>),
     /// A peer connection failed or sent something unexpected.
@@ -140,10 +131,9 @@ impl LoaderError {
     /// may retry the whole load later (another replica, a restarted job); a permanent error will
     /// fail the same way again.
     ///
-    /// - Storage errors follow [`tessera_storage::is_transient`]: [`Store`](Self::Store) is
-    ///   transient when its source is (a network error, a timeout, a 5xx answer), and
-    ///   [`Storage`](Self::Storage) and [`Metadata`](Self::Metadata) delegate to their own
-    ///   `is_permanent`.
+    /// - Storage errors follow [`tessera_storage::is_transient`]: [`Storage`](Self::Storage) and
+    ///   [`Metadata`](Self::Metadata) delegate to their own `is_permanent` (a store request is
+    ///   transient when its source is: a network error, a timeout, a 5xx answer).
     /// - Peer trouble is not permanent: [`Transport`](Self::Transport),
     ///   [`PeerTimeout`](Self::PeerTimeout) and [`Rendezvous`](Self::Rendezvous) come from a rank
     ///   that died, hung or started late, which a restarted job may not repeat.
@@ -155,7 +145,6 @@ impl LoaderError {
         match self {
             LoaderError::Metadata(e) => e.is_permanent(),
             LoaderError::Storage(e) => e.is_permanent(),
-            LoaderError::Store { source, .. } => !tessera_storage::is_transient(source),
             LoaderError::Transport { .. }
             | LoaderError::PeerTimeout { .. }
             | LoaderError::Rendezvous { .. } => false,
@@ -223,11 +212,11 @@ mod tests {
     }
 
     fn store(source: object_store::Error) -> LoaderError {
-        LoaderError::Store {
+        LoaderError::from(StorageError::Store {
             action: "reading bytes 0..1 of".to_string(),
             path: "a".to_string(),
             source,
-        }
+        })
     }
 
     #[test]

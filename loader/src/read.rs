@@ -55,7 +55,7 @@ pub struct ReadStats {
 /// [`ReadStats::bytes_needed`] (the plan's `summary.bytes_read`).
 ///
 /// Errors name the file and byte range: [`LoaderError::MissingFile`], [`LoaderError::ShortRead`],
-/// [`LoaderError::Checksum`], [`LoaderError::Store`] (after retries for transient errors); an
+/// [`LoaderError::Checksum`], [`LoaderError::Storage`] (after retries for transient errors); an
 /// error from `on_piece` stops the read and is returned. Must run inside a tokio runtime; dropping
 /// the future aborts the requests in flight.
 pub async fn read_pieces(

@@ -37,7 +37,7 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 use tessera_metadata::MetadataError;
 use tessera_metadata::formats::native::BlockChecksums;
-use tessera_storage::{RetryPolicy, is_transient};
+use tessera_storage::{RetryPolicy, StorageError, is_transient};
 use tokio::task::{self, JoinSet};
 
 use crate::LoaderError;
@@ -322,11 +322,12 @@ impl<'a> RangeScheduler<'a> {
                         ),
                         None => (String::new(), "reading".to_string()),
                     };
-                    return Err(LoaderError::Store {
+                    return Err(StorageError::Store {
                         action,
                         path,
                         source: object_store::Error::JoinError { source: e },
-                    });
+                    }
+                    .into());
                 }
             };
             let Some(group) = index else {
@@ -503,11 +504,14 @@ async fn fetch_part(
                     path: path.to_string(),
                 }))
             }
-            Err(error) if !is_transient(&error) => Err(Attempt::Permanent(LoaderError::Store {
-                action: format!("reading bytes {start}..{end} of"),
-                path: path.to_string(),
-                source: error,
-            })),
+            Err(error) if !is_transient(&error) => Err(Attempt::Permanent(
+                StorageError::Store {
+                    action: format!("reading bytes {start}..{end} of"),
+                    path: path.to_string(),
+                    source: error,
+                }
+                .into(),
+            )),
             Err(error) => {
                 // Local and in-memory stores (and some servers) report a range that starts past
                 // the end of the object as a generic error; one look at the object's size tells
@@ -533,13 +537,14 @@ async fn fetch_part(
         // Transient errors are retried until the policy's attempts are used up.
         Err(Attempt::Transient(error)) => {
             let attempts = retries + 1;
-            Err(LoaderError::Store {
+            Err(StorageError::Store {
                 action: format!(
                     "reading bytes {start}..{end} (gave up after {attempts} attempts) of"
                 ),
                 path: path.to_string(),
                 source: error,
-            })
+            }
+            .into())
         }
     }
 }

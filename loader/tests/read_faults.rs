@@ -13,8 +13,8 @@ use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use support_read::*;
 use tessera_loader::LoaderError;
 use tessera_loader::read::ReadOptions;
-use tessera_storage::RetryPolicy;
 use tessera_storage::testing::{FaultConfig, FaultyStore};
+use tessera_storage::{RetryPolicy, StorageError};
 
 const RANK0: &str = "runs/demo/step-000010/data/rank0.bin";
 const RANK1: &str = "runs/demo/step-000010/data/rank1.bin";
@@ -115,11 +115,14 @@ async fn a_permanent_outage_fails_after_max_attempts() {
         )
     );
     assert!(matches!(
-        error,
-        LoaderError::Store {
-            source: object_store::Error::Generic { .. },
-            ..
-        }
+        &error,
+        LoaderError::Storage(e) if matches!(
+            **e,
+            StorageError::Store {
+                source: object_store::Error::Generic { .. },
+                ..
+            }
+        )
     ));
     // The two small files' parts share one multi-range request; when it fails they are fetched
     // one by one so the error names the exact range: one multi-range attempt, three attempts at

@@ -14,8 +14,8 @@ use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use tessera_loader::LoaderError;
 use tessera_loader::read::ReadOptions;
 use tessera_loader::scheduler::{FileRange, RangeScheduler, SourceFile};
-use tessera_storage::RetryPolicy;
 use tessera_storage::testing::{FaultConfig, FaultyStore, S3TestServer};
+use tessera_storage::{RetryPolicy, StorageError};
 
 const SIZE: usize = 10_000;
 
@@ -68,7 +68,7 @@ async fn an_outage_gives_up_after_max_attempts() {
             policy.max_attempts
         )
     );
-    assert!(matches!(error, LoaderError::Store { .. }));
+    assert!(matches!(&error, LoaderError::Storage(e) if matches!(**e, StorageError::Store { .. })));
     assert!(!error.is_permanent(), "{error}");
     // `max_attempts` range reads and nothing more, plus the one size check (`head`) after the
     // first failure, which tells a truncated file from an outage; it fails too.
@@ -116,7 +116,10 @@ async fn a_vanished_s3_server_fails_the_read_instead_of_hanging() {
     let Ok((error, path)) = outcome else {
         panic!("the read hung for over 60 s after the server stopped");
     };
-    assert!(matches!(error, LoaderError::Store { .. }), "{error:?}");
+    assert!(
+        matches!(&error, LoaderError::Storage(e) if matches!(**e, StorageError::Store { .. })),
+        "{error:?}"
+    );
     let message = error.to_string();
     assert!(message.contains(path.as_ref()), "{message}");
     assert!(
