@@ -88,6 +88,26 @@ pub enum LoaderError {
         /// What is wrong.
         detail: String,
     },
+    /// A rank plan made for another checkpoint than the one opened here: the checkpoint was
+    /// saved again at the same place since the plan was made (a server answering from a stale
+    /// cache), or the plan's source names another checkpoint under the same id. Executing it
+    /// would read the opened files at the other checkpoint's offsets.
+    #[error(
+        "rank {rank}: the plan was made for another version of checkpoint {checkpoint}: the plan \
+         (a server's plan, when planned on a server) is for identity {plan_identity}, but the \
+         checkpoint opened here has identity {checkpoint_identity}; plan it again (and check \
+         that the server's checkpoint id names this checkpoint)"
+    )]
+    PlanForOtherCheckpoint {
+        /// The rank.
+        rank: u32,
+        /// The checkpoint opened (its location as given).
+        checkpoint: String,
+        /// The identity the plan records.
+        plan_identity: String,
+        /// The identity of the opened checkpoint.
+        checkpoint_identity: String,
+    },
     /// CUDA or NCCL is unavailable (no driver or library, a build without the `cuda` feature, a
     /// device that does not exist) or one of their calls failed. Never a panic: the libraries are
     /// probed before first use.
@@ -153,6 +173,7 @@ impl LoaderError {
             | LoaderError::ShortRead { .. }
             | LoaderError::Checksum { .. }
             | LoaderError::InvalidPlan { .. }
+            | LoaderError::PlanForOtherCheckpoint { .. }
             | LoaderError::Cuda { .. }
             | LoaderError::Device { .. }
             | LoaderError::Io { .. } => true,

@@ -67,15 +67,35 @@ impl Checkpoint {
         })
     }
 
+    /// Refuses a plan made for another checkpoint: one whose recorded identity differs from this
+    /// checkpoint's ([`LoaderError::PlanForOtherCheckpoint`], naming the checkpoint and both
+    /// identities). A plan or a checkpoint without an identity (metadata assembled in memory, a
+    /// server older than identities) cannot be checked and passes.
+    pub fn check_plan(&self, plan: &RankPlan) -> Result<(), LoaderError> {
+        match (plan.checkpoint_identity.as_deref(), self.meta.identity()) {
+            (Some(planned), Some(opened)) if planned != opened => {
+                Err(LoaderError::PlanForOtherCheckpoint {
+                    rank: plan.rank,
+                    checkpoint: self.location.display.clone(),
+                    plan_identity: planned.to_string(),
+                    checkpoint_identity: opened.to_string(),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Reads the pieces `plan` has this rank read, verified when the checkpoint has block
     /// checksums, straight into `buffers` (one per plan destination), reporting progress as
-    /// `options` says.
+    /// `options` says. A plan made for another checkpoint is refused first
+    /// ([`Checkpoint::check_plan`]): every load path reads through here.
     pub async fn read_into<B: AsMut<[u8]>>(
         &self,
         plan: &RankPlan,
         options: &LoadOptions,
         buffers: &mut [B],
     ) -> Result<ReadStats, LoaderError> {
+        self.check_plan(plan)?;
         read_into(
             Arc::clone(&self.location.store),
             &self.location.prefix,

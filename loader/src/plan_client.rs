@@ -79,6 +79,10 @@ pub struct CreatedPlan {
     pub world: u32,
     /// Totals of the plan.
     pub summary: PlanSummary,
+    /// Identity of the checkpoint the server planned against (absent from servers that predate
+    /// identities); every rank plan carries it too.
+    #[serde(default)]
+    pub checkpoint_identity: Option<String>,
 }
 
 /// Errors of talking to a plan server.

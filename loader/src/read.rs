@@ -690,6 +690,7 @@ mod tests {
             pieces: Vec::new(),
             exchanges: Vec::new(),
             summary: Default::default(),
+            checkpoint_identity: None,
         };
         let progress = |_: u64| {};
         let (prefix, options) = (Path::from("x"), ReadOptions::default());

@@ -77,6 +77,7 @@ pub struct CheckpointMeta {
     chunk_ranges: Vec<Range<usize>>,
     objects: Vec<ObjectMeta>,
     files: Vec<DataFile>,
+    identity: Option<String>,
 }
 
 impl CheckpointMeta {
@@ -146,7 +147,24 @@ impl CheckpointMeta {
             chunk_ranges,
             objects,
             files,
+            identity: None,
         })
+    }
+
+    /// The same metadata stamped with the identity of the checkpoint it was read from (format
+    /// readers call this; see [`Self::identity`]).
+    pub fn with_identity(mut self, identity: String) -> Self {
+        self.identity = Some(identity);
+        self
+    }
+
+    /// The identity of the checkpoint this metadata was read from: `<format>:<hex digest>` of
+    /// the metadata bytes as read (the native manifest; DCP `.metadata` and data file sizes;
+    /// safetensors headers, index and file sizes). Another save at the same place has another
+    /// identity; plans record it so that a plan is never executed against another checkpoint.
+    /// `None` for metadata assembled in memory (tests, synthetic models).
+    pub fn identity(&self) -> Option<&str> {
+        self.identity.as_deref()
     }
 
     /// All tensors.

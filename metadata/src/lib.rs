@@ -9,6 +9,7 @@ mod checkpoint;
 mod dtype;
 mod error;
 pub mod formats;
+mod identity;
 mod tensor;
 mod validate;
 
@@ -17,5 +18,6 @@ pub use checkpoint::{ByteMeta, CheckpointMeta, DataFile, ObjectMeta, SavedChunk}
 pub use dtype::DType;
 pub use error::MetadataError;
 pub use formats::{Format, FormatDetails, OpenOptions, OpenedCheckpoint, open_any};
+pub use identity::native_identity;
 pub use tensor::{Dims, TensorBox, TensorMeta, row_major_strides, shape_to_string};
 pub use validate::validate;

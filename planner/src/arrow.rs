@@ -34,6 +34,9 @@ struct Context {
     destinations: Vec<RankDestination>,
     groups: BTreeMap<u32, Vec<u32>>,
     summary: RankSummary,
+    /// The plan's checkpoint identity; absent in streams written before identities existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    checkpoint_identity: Option<String>,
 }
 
 fn arrow_err(e: impl std::fmt::Display) -> PlanError {
@@ -159,6 +162,7 @@ impl RankPlan {
             destinations: self.destinations.clone(),
             groups,
             summary: self.summary.clone(),
+            checkpoint_identity: self.checkpoint_identity.clone(),
         };
         let mut fields = vec![
             Field::new("piece", DataType::UInt32, false),
@@ -241,6 +245,7 @@ impl RankPlan {
             pieces,
             exchanges,
             summary: context.summary,
+            checkpoint_identity: context.checkpoint_identity,
         })
     }
 }

@@ -125,6 +125,13 @@ pub struct RankPlan {
     pub exchanges: Vec<Exchange>,
     /// Totals.
     pub summary: RankSummary,
+    /// Identity of the checkpoint the plan was made for
+    /// ([`CheckpointMeta::identity`](tessera_metadata::CheckpointMeta::identity)): a loader
+    /// refuses to execute the plan against a checkpoint with another one. `None` when the
+    /// metadata planned against had none (assembled in memory), or from a server that predates
+    /// identities.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_identity: Option<String>,
 }
 
 impl RankPlan {
@@ -270,6 +277,7 @@ impl Plan {
             pieces,
             exchanges,
             summary,
+            checkpoint_identity: meta.identity().map(str::to_string),
         })
     }
 }

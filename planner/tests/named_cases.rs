@@ -262,3 +262,33 @@ fn without_dedup_every_rank_reads_its_own() {
     assert_eq!(s.bytes_read, 4 * total_bytes(&tensors));
     assert_eq!(s.read_amplification, 4.0);
 }
+
+#[test]
+fn rank_plans_carry_the_checkpoint_identity_through_json_and_arrow() {
+    let tensors = small_gpt(2, false);
+    let saved = save_layout(tensors.clone(), &megatron(2, 1, 1, 2));
+    let requests = megatron(1, 1, 2, 2).resolve(&tensors).unwrap();
+    let unstamped = tessera_planner::plan(&saved.meta, &requests, &PlanOptions::default()).unwrap();
+    assert_eq!(unstamped.rank_plan(0).unwrap().checkpoint_identity, None);
+    let stamped = std::sync::Arc::new(
+        saved
+            .meta
+            .as_ref()
+            .clone()
+            .with_identity("native:0123456789abcdef0123456789abcdef".to_string()),
+    );
+    let plan = tessera_planner::plan(&stamped, &requests, &PlanOptions::default()).unwrap();
+    for rank in 0..plan.world_size() {
+        let rank_plan = plan.rank_plan(rank).unwrap();
+        assert_eq!(
+            rank_plan.checkpoint_identity.as_deref(),
+            Some("native:0123456789abcdef0123456789abcdef")
+        );
+        let json = tessera_planner::RankPlan::from_json(&rank_plan.to_json()).unwrap();
+        assert_eq!(json, rank_plan);
+        let arrow =
+            tessera_planner::RankPlan::from_arrow_ipc(&rank_plan.to_arrow_ipc().unwrap()).unwrap();
+        assert_eq!(arrow.checkpoint_identity, rank_plan.checkpoint_identity);
+        assert_eq!(arrow, rank_plan);
+    }
+}

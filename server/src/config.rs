@@ -32,6 +32,11 @@ pub const DEFAULT_CATALOG_TTL: Duration = Duration::from_secs(5);
 /// Default [`ServerConfig::meta_ttl`].
 pub const DEFAULT_META_TTL: Duration = Duration::from_secs(600);
 
+/// Default [`ServerConfig::failure_ttl`]: long enough that a burst of requests for a corrupt
+/// checkpoint parses it once, short enough that a fix the stamp cannot see (a data file put back
+/// under an unchanged manifest) shows within a minute.
+pub const DEFAULT_FAILURE_TTL: Duration = Duration::from_secs(30);
+
 /// Default [`ServerConfig::shutdown_grace`].
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
@@ -59,9 +64,14 @@ pub struct ServerConfig {
     /// How long a catalog listing and a run's `latest` pointer are reused before storage is
     /// listed again: a new save appears within this time.
     pub catalog_ttl: Duration,
-    /// How long opened checkpoint metadata is reused before it is read and checked again
-    /// (committed checkpoints never change, but they can be deleted and saved again).
+    /// How long opened checkpoint metadata is kept. Every use checks the checkpoint's stamp
+    /// first (one `head` of its manifest), so a checkpoint deleted and saved again at the same
+    /// place is read again at once; this only bounds how long an unused entry holds memory.
     pub meta_ttl: Duration,
+    /// How long a failed open (a corrupt, oversized or incomplete checkpoint) is answered from
+    /// memory instead of read again. Keyed by the checkpoint's stamp, so a new save or a fix of
+    /// the manifest clears it at once; this bounds what the stamp cannot see.
+    pub failure_ttl: Duration,
     /// Directory of the static web UI served at `/`; `None` serves a small built-in index page.
     pub web_ui: Option<PathBuf>,
     /// Origins allowed by CORS (`*` for any). Empty (the default): no CORS headers at all, so
@@ -83,6 +93,7 @@ impl ServerConfig {
             plan_cache_bytes: DEFAULT_PLAN_CACHE_BYTES,
             catalog_ttl: DEFAULT_CATALOG_TTL,
             meta_ttl: DEFAULT_META_TTL,
+            failure_ttl: DEFAULT_FAILURE_TTL,
             web_ui: None,
             cors_origins: Vec::new(),
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,

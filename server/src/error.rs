@@ -20,6 +20,11 @@ pub struct ErrorBody {
     /// `invalid_requests`, `invalid_checkpoint`, `storage_unavailable`, `internal`.
     pub error: String,
     /// What went wrong, for people.
+    ///
+    /// Checkpoints that cannot be read answer 409 Conflict, with the reason here:
+    /// `incomplete_checkpoint` (no manifest: the save did not commit) and `invalid_checkpoint`
+    /// (corrupt or inconsistent metadata, or a run's `latest` pointer that names no valid
+    /// checkpoint). 422 is kept for what the client sent (`invalid_layout`, `invalid_requests`).
     pub detail: String,
 }
 
@@ -109,7 +114,9 @@ pub enum ApiError {
         /// The planner's message.
         reason: String,
     },
-    /// A committed checkpoint whose metadata fails its checks (500: the data on storage is bad).
+    /// A checkpoint whose metadata fails its checks, or a run whose `latest` pointer is bad (409,
+    /// like an incomplete checkpoint: the request is fine, the checkpoint on storage is not in a
+    /// state that can be read; `detail` says why). Not a 500: nothing is wrong with the server.
     #[error("checkpoint {id} cannot be read: {reason}")]
     InvalidCheckpoint {
         /// Checkpoint id.
@@ -145,14 +152,14 @@ impl ApiError {
             | ApiError::UnknownRank { .. }
             | ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::IncompleteCheckpoint { .. } => StatusCode::CONFLICT,
+            ApiError::IncompleteCheckpoint { .. } | ApiError::InvalidCheckpoint { .. } => {
+                StatusCode::CONFLICT
+            }
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::InvalidLayout { .. } | ApiError::InvalidRequests { .. } => {
                 StatusCode::UNPROCESSABLE_ENTITY
             }
-            ApiError::InvalidCheckpoint { .. } | ApiError::Internal { .. } => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::StorageUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }

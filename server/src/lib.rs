@@ -30,12 +30,13 @@ mod serve;
 mod state;
 
 pub use catalog::{
-    CatalogResponse, CheckpointEntry, CheckpointStatus, CheckpointSummary, RunEntry, SavedBox,
-    TensorDetail, TensorEntry, TensorPage,
+    CatalogProblem, CatalogResponse, CheckpointEntry, CheckpointStatus, CheckpointSummary,
+    RunEntry, SavedBox, TensorDetail, TensorEntry, TensorPage,
 };
 pub use config::{
-    DEFAULT_ADDR, DEFAULT_BODY_LIMIT, DEFAULT_CATALOG_TTL, DEFAULT_META_CACHE_BYTES,
-    DEFAULT_META_TTL, DEFAULT_PLAN_CACHE_BYTES, DEFAULT_SHUTDOWN_GRACE, ServerConfig, TOKEN_ENV,
+    DEFAULT_ADDR, DEFAULT_BODY_LIMIT, DEFAULT_CATALOG_TTL, DEFAULT_FAILURE_TTL,
+    DEFAULT_META_CACHE_BYTES, DEFAULT_META_TTL, DEFAULT_PLAN_CACHE_BYTES, DEFAULT_SHUTDOWN_GRACE,
+    ServerConfig, TOKEN_ENV,
 };
 pub use error::{ApiError, ErrorBody, ServerError};
 pub use id::CheckpointId;

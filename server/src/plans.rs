@@ -122,6 +122,10 @@ pub struct PlanCreated {
     pub plan: String,
     /// The checkpoint planned against (`latest` resolved).
     pub checkpoint: String,
+    /// Identity of the checkpoint planned against (`<format>:<hex digest>` of its metadata as
+    /// read). Every rank plan carries it, and loaders refuse a plan whose identity is not the one
+    /// of the checkpoint they open.
+    pub checkpoint_identity: String,
     /// Number of ranks.
     pub world: u32,
     /// Totals.
@@ -198,6 +202,7 @@ pub(crate) fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
             PlanTarget::Layout(layout)
         }
         (None, Some(requests)) => {
+            check_explicit(&requests)?;
             let requests: ExplicitRequests = serde_json::from_value(requests).map_err(|e| {
                 ApiError::from_plan(
                     &PlanError::Json {
@@ -227,6 +232,46 @@ pub(crate) fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
             dedup: request.options.dedup,
         },
     })
+}
+
+/// Checks explicit requests before they are parsed: the rank cap layouts have (the body limit
+/// alone lets through millions of empty rank lists), and requests that give both a box and a flat
+/// range (the parser would take the box and drop `flat` without a word).
+fn check_explicit(requests: &serde_json::Value) -> Result<(), ApiError> {
+    let Some(ranks) = requests.get("ranks").and_then(serde_json::Value::as_array) else {
+        // Not the expected shape: the parser says what is wrong.
+        return Ok(());
+    };
+    if ranks.len() as u64 > MAX_WORLD {
+        return Err(ApiError::InvalidRequests {
+            reason: format!(
+                "\"ranks\" has {} ranks, more than the {MAX_WORLD} this server plans",
+                ranks.len()
+            ),
+        });
+    }
+    for (rank, list) in ranks.iter().enumerate() {
+        let Some(list) = list.as_array() else {
+            continue;
+        };
+        for (i, request) in list.iter().enumerate() {
+            let has = |field: &str| request.get(field).is_some();
+            if has("flat") && (has("offsets") || has("lengths")) {
+                let fqn = request
+                    .get("fqn")
+                    .and_then(serde_json::Value::as_str)
+                    .map_or(String::new(), |f| {
+                        format!(" (tensor {:?})", crate::id::truncate(f))
+                    });
+                return Err(ApiError::InvalidRequests {
+                    reason: format!(
+                        "ranks[{rank}][{i}]{fqn} gives both \"flat\" and \"offsets\"/\"lengths\": a request is a box or a flat range, not both"
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 fn check_world(layout: &Layout) -> Result<(), ApiError> {
@@ -265,7 +310,7 @@ impl PlanSpec {
         let canonical = request.target.canonical();
         let id = plan_id(
             &opened.id,
-            &opened.facts.version,
+            &opened.facts.identity,
             request.target.is_layout(),
             &canonical,
             &request.options,
@@ -284,12 +329,12 @@ impl PlanSpec {
     }
 }
 
-/// The stable id of a plan: SHA-256 over the checkpoint id, its version (which changes when the
-/// checkpoint is saved again: the `version` of its catalog facts), the kind and canonical JSON
+/// The stable id of a plan: SHA-256 over the checkpoint id, its identity (which changes when the
+/// checkpoint is saved again: the `identity` of its catalog facts), the kind and canonical JSON
 /// of the target, and the options; the first 128 bits in hex.
 fn plan_id(
     checkpoint: &CheckpointId,
-    version: &str,
+    identity: &str,
     layout: bool,
     canonical: &str,
     options: &PlanOptions,
@@ -298,7 +343,7 @@ fn plan_id(
     for part in [
         "tessera-plan/1",
         &checkpoint.to_string(),
-        version,
+        identity,
         if layout { "layout" } else { "requests" },
         canonical,
         if options.dedup { "dedup" } else { "no-dedup" },
@@ -335,6 +380,8 @@ pub(crate) fn check_plan_id(id: &str) -> Result<(), ApiError> {
 pub(crate) struct PlanEntry {
     pub id: String,
     pub checkpoint: CheckpointId,
+    /// The identity of the checkpoint planned against.
+    pub identity: String,
     pub plan: Plan,
     weight: u32,
 }
@@ -344,6 +391,7 @@ impl PlanEntry {
         PlanCreated {
             plan: self.id.clone(),
             checkpoint: self.checkpoint.to_string(),
+            checkpoint_identity: self.identity.clone(),
             world: self.plan.world_size(),
             summary: self.plan.summary().into(),
             rank_url: format!("/v1/plans/{}/ranks/{{rank}}", self.id),
@@ -433,7 +481,10 @@ impl Plans {
     ) -> Result<Arc<PlanEntry>, ApiError> {
         if let Some(entry) = self.plans.get(id).await {
             self.metrics.cache(CacheKind::Plan, true);
-            return Ok(entry);
+            // The checkpoint may have been saved again since: checked against its stamp (one
+            // `head`), never answered blind.
+            let opened = catalog.open(&entry.checkpoint).await?;
+            return still_current(id, &entry.checkpoint, &entry.identity, &opened).map(|()| entry);
         }
         let Some(spec) = self.specs.get(id).await else {
             return Err(ApiError::UnknownPlan {
@@ -446,19 +497,13 @@ impl Plans {
         let opened = catalog.open(&spec.checkpoint).await?;
         let current = plan_id(
             &opened.id,
-            &opened.facts.version,
+            &opened.facts.identity,
             spec.target.is_layout(),
             &spec.canonical,
             &spec.options,
         );
         if current != spec.id {
-            return Err(ApiError::UnknownPlan {
-                plan: id.to_string(),
-                why: format!(
-                    "checkpoint {} was saved again since; POST /v1/plans again",
-                    spec.checkpoint
-                ),
-            });
+            return Err(saved_again(id, &spec.checkpoint));
         }
         self.get_or_compute(spec, opened).await
     }
@@ -506,6 +551,7 @@ impl Plans {
                 Ok::<_, ApiError>(Arc::new(PlanEntry {
                     id: spec.id.clone(),
                     checkpoint: spec.checkpoint.clone(),
+                    identity: opened.facts.identity.clone(),
                     weight,
                     plan,
                 }))
@@ -514,6 +560,30 @@ impl Plans {
             .map_err(unshare)?;
         metrics.cache(CacheKind::Plan, !entry.is_fresh());
         Ok(entry.into_value())
+    }
+}
+
+/// Whether a cached plan made for `checkpoint` with `identity` still fits the checkpoint as it is
+/// on storage now.
+fn still_current(
+    plan: &str,
+    checkpoint: &CheckpointId,
+    identity: &str,
+    opened: &OpenedCheckpoint,
+) -> Result<(), ApiError> {
+    if opened.facts.identity == identity {
+        Ok(())
+    } else {
+        Err(saved_again(plan, checkpoint))
+    }
+}
+
+fn saved_again(plan: &str, checkpoint: &CheckpointId) -> ApiError {
+    ApiError::UnknownPlan {
+        plan: plan.to_string(),
+        why: format!(
+            "it was made for another version of checkpoint {checkpoint}, which was saved again since; POST /v1/plans again"
+        ),
     }
 }
 

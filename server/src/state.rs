@@ -79,7 +79,13 @@ impl AppState {
             Some(token) => Some(Sha256::digest(token.as_bytes()).into()),
         };
         let metrics = Arc::new(Metrics::new());
-        let catalog = Catalog::new(store, root, &config, Arc::clone(&metrics));
+        let catalog = Catalog::new(
+            store,
+            root,
+            local_root.clone(),
+            &config,
+            Arc::clone(&metrics),
+        );
         let plans = Plans::new(&config, Arc::clone(&metrics));
         Ok(Self {
             inner: Arc::new(Inner {

@@ -134,7 +134,7 @@ impl Planned {
     }
 }
 
-async fn plan_on_server(args: &LoadArgs, server: &str) -> Result<Planned> {
+async fn plan_on_server(args: &LoadArgs, server: &str, checkpoint: &Checkpoint) -> Result<Planned> {
     let id = match &args.checkpoint_id {
         Some(id) => id.clone(),
         None => server_checkpoint_id(&args.checkpoint).with_context(|| {
@@ -164,6 +164,22 @@ async fn plan_on_server(args: &LoadArgs, server: &str) -> Result<Planned> {
         .create_plan(&id, &target)
         .await
         .with_context(|| format!("planning {id} on {server}"))?;
+    // The server plans from its own catalog: refuse at once (before any rank reads) a plan made
+    // for another version of the checkpoint than the one opened here. Each rank's plan is checked
+    // again when it is loaded.
+    if let (Some(planned), Some(opened)) = (
+        created.checkpoint_identity.as_deref(),
+        checkpoint.meta.identity(),
+    ) && planned != opened
+    {
+        bail!(
+            "the server's plan is for another version of checkpoint {}: {server} planned {id} \
+             with identity {planned}, but the checkpoint opened here has identity {opened} \
+             (it was saved again, or the server's {id} is another checkpoint; check \
+             --checkpoint-id and plan again)",
+            args.checkpoint
+        );
+    }
     Ok(Planned::Server { client, created })
 }
 
@@ -215,7 +231,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     }
     let started = Instant::now();
     let plan = match &args.server {
-        Some(server) => plan_on_server(args, server).await?,
+        Some(server) => plan_on_server(args, server, &checkpoint).await?,
         None => {
             let requests = requests_for(args, &checkpoint)?;
             Planned::Local(checkpoint.plan(&requests, &PlanOptions { dedup: args.dedup })?)

@@ -6,7 +6,7 @@
 use serde_json::Value;
 use tessera_metadata::formats::native::{Created, DataPresence, Manifest};
 use tessera_metadata::formats::step_from_name;
-use tessera_metadata::{CheckpointMeta, Format, OpenedCheckpoint};
+use tessera_metadata::{Format, OpenedCheckpoint};
 
 use super::wire::{CheckpointEntry, CheckpointStatus, CheckpointSummary};
 use crate::CheckpointId;
@@ -41,14 +41,17 @@ pub(crate) struct CheckpointFacts {
     pub block_size: Option<u64>,
     /// The layout it was saved with (native, when recorded).
     pub source_layout: Option<Value>,
-    /// A stamp that changes when the checkpoint is saved again at the same place: plan ids
-    /// depend on it, so that a plan of the old save is never served for the new one.
-    pub version: String,
+    /// The checkpoint's identity (`CheckpointMeta::identity`: a digest of the metadata bytes as
+    /// read), which changes when the checkpoint is saved again at the same place: plan ids and
+    /// rank plans carry it, so that a plan of the old save is never served or loaded for the new
+    /// one.
+    pub identity: String,
 }
 
 impl CheckpointFacts {
-    /// The facts of a native checkpoint in directory `dir_name`, from its manifest.
-    pub(crate) fn from_manifest(manifest: &Manifest, dir_name: &str) -> Self {
+    /// The facts of a native checkpoint in directory `dir_name`, from its manifest and the
+    /// identity of the manifest's bytes.
+    pub(crate) fn from_manifest(manifest: &Manifest, identity: &str, dir_name: &str) -> Self {
         let has_data = manifest.data == DataPresence::Present;
         let metadata_bytes =
             manifest.metadata.size + manifest.checksums.as_ref().map_or(0, |c| c.size);
@@ -61,12 +64,6 @@ impl CheckpointFacts {
             Created::Rfc3339(text) => text.clone(),
             Created::UnixSeconds(secs) => secs.to_string(),
         };
-        // The metadata file's crc32c and size change with any change of the saved tensors; the
-        // commit time with a save of the same tensors again.
-        let version = format!(
-            "{:08x}:{}:{created}",
-            manifest.metadata.crc32c, manifest.metadata.size
-        );
         Self {
             format: Format::Native,
             step: manifest.step.or_else(|| step_from_name(dir_name)),
@@ -81,14 +78,15 @@ impl CheckpointFacts {
             created: Some(created),
             block_size: Some(manifest.block_size),
             source_layout: manifest.source_layout.clone(),
-            version,
+            identity: identity.to_string(),
         }
     }
 
     /// The facts of a checkpoint in directory `dir_name`, opened in whatever format it is.
     pub(crate) fn from_opened(opened: &OpenedCheckpoint, dir_name: &str) -> Self {
+        let identity = opened.meta.identity().unwrap_or_default();
         if let Some(manifest) = opened.manifest() {
-            return Self::from_manifest(manifest, dir_name);
+            return Self::from_manifest(manifest, identity, dir_name);
         }
         let meta = &opened.meta;
         let data_bytes: u64 = meta.files().iter().filter_map(|f| f.size).sum();
@@ -106,7 +104,7 @@ impl CheckpointFacts {
             created: None,
             block_size: None,
             source_layout: None,
-            version: foreign_version(opened.format, meta),
+            identity: identity.to_string(),
         }
     }
 
@@ -126,6 +124,7 @@ impl CheckpointFacts {
             bytes: Some(self.bytes),
             tensor_bytes: Some(self.tensor_bytes),
             tensors: Some(self.tensors),
+            identity: (!self.identity.is_empty()).then(|| self.identity.clone()),
             ..CheckpointEntry::incomplete(id, latest)
         }
     }
@@ -141,18 +140,6 @@ impl CheckpointFacts {
             source_layout: self.source_layout.clone(),
         }
     }
-}
-
-/// The version stamp of a DCP or safetensors checkpoint, which records no commit: crc32c over
-/// the format, the chunk count and the data files' paths and sizes, which change when the
-/// checkpoint is rewritten.
-fn foreign_version(format: Format, meta: &CheckpointMeta) -> String {
-    let mut stamp = crc32c::crc32c(format!("{format}:{}", meta.chunks().len()).as_bytes());
-    for file in meta.files() {
-        let size = file.size.unwrap_or(0);
-        stamp = crc32c::crc32c_append(stamp, format!("{}:{size};", file.path).as_bytes());
-    }
-    format!("{format}:{stamp:08x}")
 }
 
 #[cfg(test)]
@@ -193,7 +180,7 @@ mod tests {
 
     #[test]
     fn native_facts_name_the_format_native_and_count_metadata_bytes() {
-        let facts = CheckpointFacts::from_manifest(&manifest(), "iter_0000100");
+        let facts = CheckpointFacts::from_manifest(&manifest(), "native:00", "iter_0000100");
         assert_eq!(facts.format.name(), "native");
         assert_eq!(facts.step, Some(100), "from the directory name");
         assert_eq!(facts.bytes, 4096 + 512 + 64);
@@ -203,16 +190,5 @@ mod tests {
         assert_eq!(entry.format.as_deref(), Some("native"));
         assert_eq!(entry.status, CheckpointStatus::Committed);
         assert!(entry.latest);
-    }
-
-    #[test]
-    fn a_native_save_again_changes_the_version() {
-        let first = CheckpointFacts::from_manifest(&manifest(), "step-1");
-        let mut again = manifest();
-        again.created = Created::UnixSeconds(1_700_000_001);
-        assert_ne!(
-            first.version,
-            CheckpointFacts::from_manifest(&again, "step-1").version
-        );
     }
 }

@@ -10,6 +10,7 @@ mod facts;
 mod scan;
 mod wire;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use moka::future::Cache;
@@ -18,8 +19,8 @@ use object_store::path::Path;
 use tessera_metadata::formats::native::read_latest;
 
 pub use wire::{
-    CatalogResponse, CheckpointEntry, CheckpointStatus, CheckpointSummary, RunEntry, SavedBox,
-    TensorDetail, TensorEntry, TensorPage,
+    CatalogProblem, CatalogResponse, CheckpointEntry, CheckpointStatus, CheckpointSummary,
+    RunEntry, SavedBox, TensorDetail, TensorEntry, TensorPage,
 };
 
 pub(crate) use cache::OpenedCheckpoint;
@@ -34,6 +35,8 @@ use cache::MetaCache;
 pub(crate) struct Catalog {
     store: Arc<dyn ObjectStore>,
     root: Path,
+    /// The root as a local directory, when the store is the local file system at it.
+    local_root: Option<PathBuf>,
     metrics: Arc<Metrics>,
     listing: Cache<(), Arc<CatalogResponse>>,
     latest: Cache<String, Option<String>>,
@@ -44,6 +47,7 @@ impl Catalog {
     pub(crate) fn new(
         store: Arc<dyn ObjectStore>,
         root: Path,
+        local_root: Option<PathBuf>,
         config: &ServerConfig,
         metrics: Arc<Metrics>,
     ) -> Self {
@@ -51,6 +55,7 @@ impl Catalog {
             meta: MetaCache::new(Arc::clone(&store), config, Arc::clone(&metrics)),
             store,
             root,
+            local_root,
             metrics,
             listing: Cache::builder()
                 .max_capacity(1)
@@ -88,7 +93,7 @@ impl Catalog {
             .listing
             .entry(())
             .or_try_insert_with(async {
-                scan::scan(self.store.as_ref(), &self.root)
+                scan::scan(self.store.as_ref(), &self.root, self.local_root.as_deref())
                     .await
                     .map(Arc::new)
             })
@@ -137,7 +142,10 @@ impl Catalog {
     pub(crate) async fn open(&self, id: &CheckpointId) -> Result<Arc<OpenedCheckpoint>, ApiError> {
         let id = self.resolve(id).await?;
         let prefix = id.prefix(&self.root);
-        self.meta.open(&id, &prefix).await
+        // A checkpoint found changed (saved again, deleted, fixed) is stale in the listing too.
+        self.meta
+            .open(&id, &prefix, || self.listing.invalidate_all())
+            .await
     }
 
     /// The summary of checkpoint `id`: committed (from its facts) or incomplete.

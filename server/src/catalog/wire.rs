@@ -52,6 +52,11 @@ pub struct CheckpointEntry {
     pub tensors: Option<u64>,
     /// Why an invalid checkpoint cannot be read.
     pub error: Option<String>,
+    /// The checkpoint's identity, `<format>:<hex digest>` of its metadata bytes as read (a native
+    /// manifest; DCP `.metadata`; safetensors headers): it changes when the checkpoint is saved
+    /// again at the same place, and every plan made for it carries it. In the listing only for
+    /// native checkpoints (the others are known once opened).
+    pub identity: Option<String>,
 }
 
 impl CheckpointEntry {
@@ -73,6 +78,7 @@ impl CheckpointEntry {
             tensor_bytes: None,
             tensors: None,
             error: None,
+            identity: None,
         }
     }
 }
@@ -88,6 +94,16 @@ pub struct RunEntry {
     pub checkpoints: u64,
 }
 
+/// An entry of the catalog root that could not be read and was skipped (a symlink loop, an
+/// entry the OS refuses), so that the rest of the catalog is still listed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct CatalogProblem {
+    /// The entry, relative to the catalog root (`loop`, `gpt/step-000100`).
+    pub path: String,
+    /// What is wrong with it.
+    pub error: String,
+}
+
 /// `GET /v1/checkpoints`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct CatalogResponse {
@@ -95,6 +111,9 @@ pub struct CatalogResponse {
     pub runs: Vec<RunEntry>,
     /// Checkpoints, by run then step.
     pub checkpoints: Vec<CheckpointEntry>,
+    /// Entries skipped because they cannot be read (empty when all is well).
+    #[serde(default)]
+    pub problems: Vec<CatalogProblem>,
 }
 
 /// `GET /v1/checkpoints/{run}/{step}`.

@@ -72,7 +72,7 @@ pub(crate) async fn list(State(state): State<AppState>) -> Result<Json<CatalogRe
         (status = 400, description = "Malformed id", body = ErrorBody),
         (status = 401, description = "Missing or wrong token", body = ErrorBody),
         (status = 404, description = "No such checkpoint", body = ErrorBody),
-        (status = 500, description = "The checkpoint's metadata is invalid", body = ErrorBody),
+        (status = 409, description = "The checkpoint's metadata is invalid (`invalid_checkpoint`), or the run's `latest` pointer is bad; `detail` says why", body = ErrorBody),
         (status = 503, description = "Storage is unavailable", body = ErrorBody),
     ),
     security(("bearer" = [])))]
@@ -96,7 +96,7 @@ pub(crate) async fn summary(
         (status = 400, description = "Malformed id or query", body = ErrorBody),
         (status = 401, description = "Missing or wrong token", body = ErrorBody),
         (status = 404, description = "No such checkpoint", body = ErrorBody),
-        (status = 409, description = "The checkpoint is incomplete", body = ErrorBody),
+        (status = 409, description = "The checkpoint is incomplete (`incomplete_checkpoint`) or its metadata is invalid (`invalid_checkpoint`), or the run's `latest` pointer is bad; `detail` says why", body = ErrorBody),
         (status = 503, description = "Storage is unavailable", body = ErrorBody),
     ),
     security(("bearer" = [])))]
@@ -162,7 +162,7 @@ pub(crate) async fn tensors(
         (status = 400, description = "Malformed id", body = ErrorBody),
         (status = 401, description = "Missing or wrong token", body = ErrorBody),
         (status = 404, description = "No such checkpoint or tensor", body = ErrorBody),
-        (status = 409, description = "The checkpoint is incomplete", body = ErrorBody),
+        (status = 409, description = "The checkpoint is incomplete (`incomplete_checkpoint`) or its metadata is invalid (`invalid_checkpoint`), or the run's `latest` pointer is bad; `detail` says why", body = ErrorBody),
         (status = 503, description = "Storage is unavailable", body = ErrorBody),
     ),
     security(("bearer" = [])))]

@@ -66,9 +66,9 @@ fn body_error(rejection: BytesRejection, limit: usize) -> ApiError {
         (status = 400, description = "Malformed body or checkpoint id", body = ErrorBody),
         (status = 401, description = "Missing or wrong token", body = ErrorBody),
         (status = 404, description = "No such checkpoint", body = ErrorBody),
-        (status = 409, description = "The checkpoint is incomplete", body = ErrorBody),
+        (status = 409, description = "The checkpoint is incomplete (`incomplete_checkpoint`) or its metadata is invalid (`invalid_checkpoint`), or the run's `latest` pointer is bad; `detail` says why", body = ErrorBody),
         (status = 413, description = "Body over the limit", body = ErrorBody),
-        (status = 422, description = "The planner refuses the layout or requests (its reason in detail)", body = ErrorBody),
+        (status = 422, description = "The planner refuses the layout or requests (its reason in detail): also more ranks than the server plans, or a request with both a box (`offsets`/`lengths`) and `flat`", body = ErrorBody),
         (status = 503, description = "Storage is unavailable", body = ErrorBody),
     ),
     security(("bearer" = [])))]
@@ -90,7 +90,9 @@ pub(crate) async fn create(
         (status = 200, description = "The plan id and totals", body = PlanCreated),
         (status = 400, description = "Malformed plan id", body = ErrorBody),
         (status = 401, description = "Missing or wrong token", body = ErrorBody),
-        (status = 404, description = "Unknown plan", body = ErrorBody),
+        (status = 404, description = "Unknown plan, or one made for a version of the checkpoint that was saved again since", body = ErrorBody),
+        (status = 409, description = "The plan's checkpoint cannot be read now (incomplete or invalid)", body = ErrorBody),
+        (status = 503, description = "Storage is unavailable", body = ErrorBody),
     ),
     security(("bearer" = [])))]
 pub(crate) async fn get_plan(
@@ -117,7 +119,9 @@ pub(crate) async fn get_plan(
         )),
         (status = 400, description = "Malformed plan id or rank", body = ErrorBody),
         (status = 401, description = "Missing or wrong token", body = ErrorBody),
-        (status = 404, description = "Unknown plan or rank", body = ErrorBody),
+        (status = 404, description = "Unknown plan or rank, or a plan made for a version of the checkpoint that was saved again since", body = ErrorBody),
+        (status = 409, description = "The plan's checkpoint cannot be read now (incomplete or invalid)", body = ErrorBody),
+        (status = 503, description = "Storage is unavailable", body = ErrorBody),
     ),
     security(("bearer" = [])))]
 pub(crate) async fn rank(

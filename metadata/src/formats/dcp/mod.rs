@@ -39,8 +39,9 @@ use std::time::Instant;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 
-use crate::formats::Listing;
 use crate::formats::native::{resolve, store_error};
+use crate::formats::{Format, Listing};
+use crate::identity::IdentityHasher;
 use crate::{
     ByteMeta, CheckpointMeta, DataFile, MetadataError, ObjectMeta, SavedChunk, TensorBox,
     TensorMeta, row_major_strides, validate,
@@ -164,6 +165,8 @@ pub async fn open_dcp(
     }
     let mut digest = crc32fast::Hasher::new();
     let mut digest_c = 0u32;
+    // The checkpoint's identity: the metadata files as read, and (below) the data files' sizes.
+    let mut identity = IdentityHasher::new(Format::Dcp);
     let mut metadata_bytes = 0u64;
     let mut parts = Vec::with_capacity(names.len());
     for name in &names {
@@ -189,6 +192,7 @@ pub async fn open_dcp(
             .map_err(store_error("reading", &path))?;
         digest.update(&bytes);
         digest_c = crc32c::crc32c_append(digest_c, &bytes);
+        identity.part(name.as_bytes()).part(&bytes);
         metadata_bytes += bytes.len() as u64;
         parts.push(parse_metadata(&bytes, path.as_ref(), &options.limits)?);
     }
@@ -233,6 +237,9 @@ pub async fn open_dcp(
     }
     let mut size_digest = 0u32;
     for file in &files {
+        identity
+            .part(file.path.as_bytes())
+            .part(&file.size.unwrap_or(0).to_le_bytes());
         size_digest = crc32c::crc32c_append(
             size_digest,
             format!("{}\t{}\n", file.path, file.size.unwrap_or(0)).as_bytes(),
@@ -414,7 +421,8 @@ pub async fn open_dcp(
             });
         }
     }
-    let meta = CheckpointMeta::new(tensors, chunks, objects, files)?;
+    let meta =
+        CheckpointMeta::new(tensors, chunks, objects, files)?.with_identity(identity.finish());
     validate(&meta)?;
     stats.seconds = started.elapsed().as_secs_f64();
     Ok(DcpCheckpoint {

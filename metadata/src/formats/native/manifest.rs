@@ -173,6 +173,15 @@ pub async fn read_manifest(
     store: &dyn ObjectStore,
     prefix: &Path,
 ) -> Result<Manifest, MetadataError> {
+    Ok(read_manifest_identified(store, prefix).await?.0)
+}
+
+/// [`read_manifest`], also returning the checkpoint's identity
+/// ([`native_identity`](crate::native_identity) of the manifest bytes as read).
+pub async fn read_manifest_identified(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+) -> Result<(Manifest, String), MetadataError> {
     let path = prefix.clone().join(MANIFEST_FILE);
     let result = match store.get(&path).await {
         Ok(result) => result,
@@ -197,7 +206,8 @@ pub async fn read_manifest(
         .bytes()
         .await
         .map_err(store_error("reading", &path))?;
-    Manifest::from_json(&bytes, path.as_ref())
+    let manifest = Manifest::from_json(&bytes, path.as_ref())?;
+    Ok((manifest, crate::native_identity(&bytes)))
 }
 
 #[cfg(test)]

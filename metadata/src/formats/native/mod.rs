@@ -58,7 +58,10 @@ use crate::MetadataError;
 pub use arrow_meta::{decode_metadata, encode_metadata};
 pub use checksums::{BlockChecksums, FileBlocks, decode_block_checksums, encode_block_checksums};
 pub use latest::{read_latest, step_from_dir_name};
-pub use manifest::{Created, DataPresence, Manifest, ManifestBlob, ManifestFile, read_manifest};
+pub use manifest::{
+    Created, DataPresence, Manifest, ManifestBlob, ManifestFile, read_manifest,
+    read_manifest_identified,
+};
 pub use reader::{NativeCheckpoint, open_checkpoint, read_block_checksums};
 pub use verify::{BadBlock, SizeMismatch, VerifyReport, verify_checkpoint};
 pub use writer::{DataFileWriter, NativeWriter, WriteOptions, WrittenFile};

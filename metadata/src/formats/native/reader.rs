@@ -7,7 +7,7 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 
 use super::arrow_meta::decode_metadata_with_sizes;
-use super::manifest::{Manifest, ManifestBlob, read_manifest};
+use super::manifest::{Manifest, ManifestBlob, read_manifest_identified};
 use super::{BlockChecksums, decode_block_checksums, resolve, store_error};
 use crate::{CheckpointMeta, MetadataError, validate};
 
@@ -23,19 +23,21 @@ pub struct NativeCheckpoint {
 /// Opens the checkpoint at `prefix`: reads the manifest ([`MetadataError::MissingManifest`] when
 /// there is none), checks `metadata.arrow` against the manifest's size and crc32c
 /// ([`MetadataError::ChecksumMismatch`] naming the file), decodes it, checks the counts the
-/// manifest recorded, and runs [`validate`].
+/// manifest recorded, and runs [`validate`]. The metadata carries the checkpoint's identity (a
+/// digest of the manifest bytes as read).
 pub async fn open_checkpoint(
     store: &dyn ObjectStore,
     prefix: &Path,
 ) -> Result<NativeCheckpoint, MetadataError> {
-    let manifest = read_manifest(store, prefix).await?;
+    let (manifest, identity) = read_manifest_identified(store, prefix).await?;
     let (path, bytes) = read_blob(store, prefix, &manifest.metadata).await?;
     let sizes: HashMap<&str, u64> = manifest
         .files
         .iter()
         .map(|f| (f.path.as_str(), f.size))
         .collect();
-    let meta = decode_metadata_with_sizes(&bytes, path.as_ref(), Some(&sizes))?;
+    let meta =
+        decode_metadata_with_sizes(&bytes, path.as_ref(), Some(&sizes))?.with_identity(identity);
     let counts = [
         ("tensors", manifest.tensors, meta.tensors().len() as u64),
         ("saved boxes", manifest.chunks, meta.chunks().len() as u64),

@@ -11,7 +11,8 @@ use serde_json::Value;
 
 use super::{Header, header_len, parse_header};
 use crate::formats::native::{resolve, store_error};
-use crate::formats::{Listing, list_dir};
+use crate::formats::{Format, Listing, list_dir};
+use crate::identity::IdentityHasher;
 use crate::{
     ByteMeta, CheckpointMeta, DataFile, MetadataError, SavedChunk, TensorBox, TensorMeta, validate,
 };
@@ -85,6 +86,17 @@ pub async fn read_header(
     path: &Path,
     size: u64,
 ) -> Result<(Header, u64), MetadataError> {
+    read_header_raw(store, path, size)
+        .await
+        .map(|(header, read, _)| (header, read))
+}
+
+/// [`read_header`], also returning the header's JSON bytes as read (for the identity).
+async fn read_header_raw(
+    store: &dyn ObjectStore,
+    path: &Path,
+    size: u64,
+) -> Result<(Header, u64, bytes::Bytes), MetadataError> {
     let name = path.to_string();
     if size < 8 {
         return Err(MetadataError::Decode {
@@ -110,17 +122,18 @@ pub async fn read_header(
             ),
         });
     }
-    let header = if end <= first.len() as u64 {
-        parse_header(&first[8..end as usize], size, &name)?
+    let json = if end <= first.len() as u64 {
+        first.slice(8..end as usize)
     } else {
         let json = store
             .get_range(path, 8..end)
             .await
             .map_err(store_error("reading", path))?;
         read += json.len() as u64;
-        parse_header(&json, size, &name)?
+        json
     };
-    Ok((header, read))
+    let header = parse_header(&json, size, &name)?;
+    Ok((header, read, json))
 }
 
 /// Opens the safetensors checkpoint in the directory `prefix` (whose listing is `listing`), or
@@ -133,6 +146,7 @@ pub async fn open_safetensors(
 ) -> Result<SafetensorsCheckpoint, MetadataError> {
     // Which files, and what the index says each tensor is in.
     let mut weight_map: Option<BTreeMap<String, String>> = None;
+    let mut index_bytes: Option<bytes::Bytes> = None;
     let (layout, names): (SafetensorsLayout, Vec<(String, Option<u64>)>) = if let Some(file) = file
     {
         (
@@ -140,7 +154,8 @@ pub async fn open_safetensors(
             vec![(file.to_string(), listing.files.get(file).copied())],
         )
     } else if listing.files.contains_key(INDEX_FILE) {
-        let map = read_index(store, prefix, listing).await?;
+        let (map, bytes) = read_index(store, prefix, listing).await?;
+        index_bytes = Some(bytes);
         let mut names: Vec<String> = map.values().cloned().collect();
         names.sort();
         names.dedup();
@@ -184,6 +199,12 @@ pub async fn open_safetensors(
 
     let mut files = Vec::with_capacity(names.len());
     let mut header_bytes = 0u64;
+    // The checkpoint's identity: the index (when there is one), then every file's name, size and
+    // header as read.
+    let mut identity = IdentityHasher::new(Format::Safetensors);
+    if let Some(index) = &index_bytes {
+        identity.part(INDEX_FILE.as_bytes()).part(index);
+    }
     for (name, size) in names {
         let path = resolve(prefix, &name)?;
         let size = match size {
@@ -205,15 +226,19 @@ pub async fn open_safetensors(
                 Err(e) => return Err(store_error("reading", &path)(e)),
             },
         };
-        let (header, read) = read_header(store, &path, size).await?;
+        let (header, read, json) = read_header_raw(store, &path, size).await?;
         header_bytes += read;
+        identity
+            .part(name.as_bytes())
+            .part(&size.to_le_bytes())
+            .part(&json);
         files.push(SafetensorsFile {
             path: name,
             size,
             header,
         });
     }
-    let meta = build_meta(prefix, &files, weight_map.as_ref())?;
+    let meta = build_meta(prefix, &files, weight_map.as_ref())?.with_identity(identity.finish());
     Ok(SafetensorsCheckpoint {
         meta,
         details: SafetensorsDetails {
@@ -228,7 +253,7 @@ async fn read_index(
     store: &dyn ObjectStore,
     prefix: &Path,
     listing: &Listing,
-) -> Result<BTreeMap<String, String>, MetadataError> {
+) -> Result<(BTreeMap<String, String>, bytes::Bytes), MetadataError> {
     let path = resolve(prefix, INDEX_FILE)?;
     let bad = |detail: String| MetadataError::Decode {
         path: path.to_string(),
@@ -260,7 +285,7 @@ async fn read_index(
         };
         out.insert(name.clone(), file.to_string());
     }
-    Ok(out)
+    Ok((out, bytes))
 }
 
 /// The chunk offsets DCP's HF writer recorded in a file's `__metadata__`.
