@@ -448,3 +448,94 @@ fn synth_verify_and_load_through_a_real_s3_server() {
     let latest = std::fs::read_to_string(dir.path().join("s3/ckpts/run/latest")).unwrap();
     assert_eq!(latest.trim(), "step-000001");
 }
+
+/// `load --dump` named each destination by scanning the names so far: quadratic, about a minute
+/// for 100k tensors. 100k one-element tensors (plus a rank holding several boxes of one tensor,
+/// which must get `#k` names) load and dump with every name and byte right.
+#[test]
+fn dump_of_100k_tensors_names_every_tensor() {
+    use tessera_metadata::DType;
+    use tessera_metadata::formats::safetensors::{TensorView, serialize};
+    const N: usize = 100_000;
+    let dir = tempdir();
+    let names: Vec<String> = (0..N).map(|i| format!("t.{i}")).collect();
+    let values: Vec<[u8; 4]> = (0..N).map(|i| (i as f32).to_le_bytes()).collect();
+    let shape = [1u64];
+    let views: Vec<TensorView<'_>> = names
+        .iter()
+        .zip(&values)
+        .map(|(name, v)| TensorView {
+            name,
+            dtype: DType::F32,
+            shape: &shape,
+            data: v,
+        })
+        .collect();
+    let ckpt = dir.path().join("many");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    std::fs::write(
+        ckpt.join("model.safetensors"),
+        serialize(&views, None).unwrap(),
+    )
+    .unwrap();
+    let layout = layout_file(dir.path(), "dp1.json", &["fsdp", "--dp", "1"]);
+    let dump = dir.path().join("dump");
+    let started = std::time::Instant::now();
+    ok([
+        "load",
+        s(&ckpt),
+        "--layout",
+        s(&layout),
+        "--dump",
+        s(&dump),
+        "--quiet",
+    ]);
+    eprintln!(
+        "load --dump of {N} tensors: {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
+    let file = std::fs::read(dump.join("rank-0.safetensors")).unwrap();
+    let header = safetensors::parse(&file, "rank-0").unwrap();
+    assert_eq!(header.tensors.len(), N);
+    let start = header.data_start as usize;
+    for entry in &header.tensors {
+        let i: usize = entry.name.strip_prefix("t.").unwrap().parse().unwrap();
+        let (b, e) = entry.data_offsets;
+        assert_eq!(
+            &file[start + b as usize..start + e as usize],
+            &values[i],
+            "{}",
+            entry.name
+        );
+    }
+
+    // Many boxes of one tensor on one rank: FQN, FQN#1, FQN#2, ...
+    let requests = dir.path().join("requests.json");
+    let boxes: Vec<String> = (0..2_000)
+        .map(|_| r#"{"fqn": "t.7", "offsets": [0], "lengths": [1]}"#.to_string())
+        .collect();
+    std::fs::write(
+        &requests,
+        format!(r#"{{"ranks": [[{}]]}}"#, boxes.join(",")),
+    )
+    .unwrap();
+    let dump2 = dir.path().join("dump2");
+    ok([
+        "load",
+        s(&ckpt),
+        "--requests",
+        s(&requests),
+        "--dump",
+        s(&dump2),
+        "--quiet",
+    ]);
+    let file = std::fs::read(dump2.join("rank-0.safetensors")).unwrap();
+    let header = safetensors::parse(&file, "rank-0").unwrap();
+    let mut got: Vec<String> = header.tensors.iter().map(|t| t.name.clone()).collect();
+    got.sort();
+    let mut expected: Vec<String> = std::iter::once("t.7".to_string())
+        .chain((1..2_000).map(|k| format!("t.7#{k}")))
+        .collect();
+    expected.sort();
+    assert_eq!(got, expected);
+}
