@@ -128,7 +128,8 @@ enum Command {
         /// Check every loaded byte against the synthetic value formula (synthetic checkpoints).
         #[arg(long)]
         check: bool,
-        /// Seconds a rank waits for a peer before failing.
+        /// Seconds a rank waits for a peer before failing: to join the rendezvous, to connect, or
+        /// to send; with --transport tcp, also how long the other ranks get after one failed.
         #[arg(long, default_value_t = 60.0)]
         peer_timeout: f64,
         /// Write this rank's JSON report to a file.

@@ -1106,3 +1106,137 @@ fn demo_creates_a_catalog_reshards_it_and_reuses_it() {
     assert!(!again.contains("created "), "{again}");
     assert_eq!(again.matches("read amplification   1.00\n").count(), 3);
 }
+
+/// Writes a one-file safetensors checkpoint `<dir>/<name>/model.safetensors` holding `tensors`
+/// (f32, each element its flat index within the file) and returns the checkpoint directory.
+fn safetensors_checkpoint(
+    dir: &Path,
+    name: &str,
+    tensors: &[(String, Vec<u64>)],
+) -> std::path::PathBuf {
+    use tessera_metadata::DType;
+    use tessera_metadata::formats::safetensors::{TensorView, serialize};
+    let data: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, shape)| {
+            let n: u64 = shape.iter().product();
+            (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect()
+        })
+        .collect();
+    let views: Vec<TensorView<'_>> = tensors
+        .iter()
+        .zip(&data)
+        .map(|((fqn, shape), data)| TensorView {
+            name: fqn,
+            dtype: DType::F32,
+            shape,
+            data,
+        })
+        .collect();
+    let ckpt = dir.join(name);
+    std::fs::create_dir_all(&ckpt).unwrap();
+    std::fs::write(
+        ckpt.join("model.safetensors"),
+        serialize(&views, None).unwrap(),
+    )
+    .unwrap();
+    ckpt
+}
+
+/// A 65,536-character tensor name panicked inspect's table ("Formatting argument out of range").
+#[test]
+fn inspect_renders_a_65536_character_tensor_name() {
+    let dir = tempdir();
+    let long = "n".repeat(65_536);
+    let ckpt = safetensors_checkpoint(
+        dir.path(),
+        "long",
+        &[(long.clone(), vec![2, 3]), ("short".to_string(), vec![4])],
+    );
+    let text = ok(["inspect", s(&ckpt)]).text();
+    let row = text
+        .lines()
+        .find(|l| l.starts_with(long.as_str()))
+        .expect("a row for the long name");
+    assert_eq!(
+        row.strip_prefix(long.as_str()).unwrap(),
+        format!("  {:6}  {:18}  {:>6}  {:>12}", "f32", "[2, 3]", 1, "24 B")
+    );
+    let short = text.lines().find(|l| l.starts_with("short ")).unwrap();
+    assert!(
+        short.len() < 200,
+        "short rows keep a capped column: {short}"
+    );
+}
+
+/// Meshes whose rank count wrapped u32: 65536² planned 0 ranks (and `load --check` "passed"),
+/// 4294967295² planned 1 rank; `--dp 1000000000` aborted on allocation.
+#[test]
+fn plan_and_load_refuse_meshes_over_the_rank_limit() {
+    let dir = tempdir();
+    let ckpt = synth_tiny(dir.path());
+    let c = s(&ckpt);
+    for (sizes, ranks) in [
+        ([65_536u64, 65_536], "4294967296"),
+        ([4_294_967_295, 4_294_967_295], "18446744065119617025"),
+    ] {
+        let layout = dir.path().join(format!("mesh-{}.json", sizes[0]));
+        std::fs::write(
+            &layout,
+            format!(
+                r#"{{"mesh": [{{"name": "pp", "size": {}}}, {{"name": "dp", "size": {}}}],
+                    "rules": [{{"match": "*", "placements": ["replicate", "shard(0)"]}}]}}"#,
+                sizes[0], sizes[1]
+            ),
+        )
+        .unwrap();
+        let l = s(&layout);
+        let expected = format!(
+            "layout mesh [pp={}, dp={}] gives {ranks} ranks, more than the 1048576 a plan may have\n",
+            sizes[0], sizes[1]
+        );
+        for args in [
+            vec!["plan", c, "--layout", l],
+            vec!["load", c, "--layout", l, "--check"],
+        ] {
+            let err = fails(&args);
+            assert!(err.starts_with("error: resolving layout "), "{err}");
+            assert!(err.ends_with(&expected), "{args:?}: {err}");
+        }
+    }
+    assert_eq!(
+        fails(["layout", "fsdp", "--dp", "1000000000"]),
+        "error: layout mesh [dp=1000000000] gives 1000000000 ranks, more than the 1048576 a plan may have\n"
+    );
+    let big = dir.path().join("big.json");
+    std::fs::write(
+        &big,
+        r#"{"mesh": [{"name": "dp", "size": 1000000000}], "rules": [{"match": "*", "placements": ["shard(0)"]}]}"#,
+    )
+    .unwrap();
+    let err = fails(["load", c, "--layout", s(&big)]);
+    assert!(
+        err.ends_with("layout mesh [dp=1000000000] gives 1000000000 ranks, more than the 1048576 a plan may have\n"),
+        "{err}"
+    );
+}
+
+/// A requested box whose end passes u64::MAX: the error shows its true end, not a wrapped one.
+#[test]
+fn plan_error_shows_the_true_end_of_an_overflowing_box() {
+    let dir = tempdir();
+    let ckpt = synth_tiny(dir.path());
+    let requests = dir.path().join("requests.json");
+    std::fs::write(
+        &requests,
+        r#"{"ranks": [[{"fqn": "model.embed_tokens.weight", "offsets": [18446744073709551615, 0], "lengths": [2, 64]}]]}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        fails(["plan", s(&ckpt), "--requests", s(&requests)]),
+        format!(
+            "error: reading requests {}: rank 0: request [18446744073709551615..18446744073709551617, 0..64] for tensor model.embed_tokens.weight does not fit its shape [1000, 64]\n",
+            s(&requests)
+        )
+    );
+}

@@ -448,3 +448,248 @@ fn synth_verify_and_load_through_a_real_s3_server() {
     let latest = std::fs::read_to_string(dir.path().join("s3/ckpts/run/latest")).unwrap();
     assert_eq!(latest.trim(), "step-000001");
 }
+
+/// `load --dump` named each destination by scanning the names so far: quadratic, about a minute
+/// for 100k tensors. 100k one-element tensors (plus a rank holding several boxes of one tensor,
+/// which must get `#k` names) load and dump with every name and byte right.
+#[test]
+fn dump_of_100k_tensors_names_every_tensor() {
+    use tessera_metadata::DType;
+    use tessera_metadata::formats::safetensors::{TensorView, serialize};
+    const N: usize = 100_000;
+    let dir = tempdir();
+    let names: Vec<String> = (0..N).map(|i| format!("t.{i}")).collect();
+    let values: Vec<[u8; 4]> = (0..N).map(|i| (i as f32).to_le_bytes()).collect();
+    let shape = [1u64];
+    let views: Vec<TensorView<'_>> = names
+        .iter()
+        .zip(&values)
+        .map(|(name, v)| TensorView {
+            name,
+            dtype: DType::F32,
+            shape: &shape,
+            data: v,
+        })
+        .collect();
+    let ckpt = dir.path().join("many");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    std::fs::write(
+        ckpt.join("model.safetensors"),
+        serialize(&views, None).unwrap(),
+    )
+    .unwrap();
+    let layout = layout_file(dir.path(), "dp1.json", &["fsdp", "--dp", "1"]);
+    let dump = dir.path().join("dump");
+    let started = std::time::Instant::now();
+    ok([
+        "load",
+        s(&ckpt),
+        "--layout",
+        s(&layout),
+        "--dump",
+        s(&dump),
+        "--quiet",
+    ]);
+    eprintln!(
+        "load --dump of {N} tensors: {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
+    let file = std::fs::read(dump.join("rank-0.safetensors")).unwrap();
+    let header = safetensors::parse(&file, "rank-0").unwrap();
+    assert_eq!(header.tensors.len(), N);
+    let start = header.data_start as usize;
+    for entry in &header.tensors {
+        let i: usize = entry.name.strip_prefix("t.").unwrap().parse().unwrap();
+        let (b, e) = entry.data_offsets;
+        assert_eq!(
+            &file[start + b as usize..start + e as usize],
+            &values[i],
+            "{}",
+            entry.name
+        );
+    }
+
+    // Many boxes of one tensor on one rank: FQN, FQN#1, FQN#2, ...
+    let requests = dir.path().join("requests.json");
+    let boxes: Vec<String> = (0..2_000)
+        .map(|_| r#"{"fqn": "t.7", "offsets": [0], "lengths": [1]}"#.to_string())
+        .collect();
+    std::fs::write(
+        &requests,
+        format!(r#"{{"ranks": [[{}]]}}"#, boxes.join(",")),
+    )
+    .unwrap();
+    let dump2 = dir.path().join("dump2");
+    ok([
+        "load",
+        s(&ckpt),
+        "--requests",
+        s(&requests),
+        "--dump",
+        s(&dump2),
+        "--quiet",
+    ]);
+    let file = std::fs::read(dump2.join("rank-0.safetensors")).unwrap();
+    let header = safetensors::parse(&file, "rank-0").unwrap();
+    let mut got: Vec<String> = header.tensors.iter().map(|t| t.name.clone()).collect();
+    got.sort();
+    let mut expected: Vec<String> = std::iter::once("t.7".to_string())
+        .chain((1..2_000).map(|k| format!("t.7#{k}")))
+        .collect();
+    expected.sort();
+    assert_eq!(got, expected);
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The rendezvous waited 300 s for a missing rank whatever --peer-timeout said, silently. Now it
+/// ends within the peer timeout and says every second or so whom it waits for.
+#[test]
+fn rendezvous_honours_peer_timeout_and_says_whom_it_waits_for() {
+    let dir = tempdir();
+    let ckpt = synth(dir.path(), &["fsdp", "--dp", "2"]);
+    let layout = layout_file(dir.path(), "dp3.json", &["fsdp", "--dp", "3"]);
+    let port = free_port().to_string();
+    let started = std::time::Instant::now();
+    let err = fails([
+        "load",
+        s(&ckpt),
+        "--layout",
+        s(&layout),
+        "--transport",
+        "tcp",
+        "--rank",
+        "0",
+        "--world",
+        "3",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        &port,
+        "--peer-timeout",
+        "3",
+    ]);
+    let took = started.elapsed();
+    assert!(took < std::time::Duration::from_secs(30), "took {took:?}");
+    assert!(
+        err.contains("rank 0: waiting for ranks 1,2 to join (1 s of 3 s)\n"),
+        "{err}"
+    );
+    assert!(
+        err.contains("rank 0: only 1 of 3 ranks checked in within 3s; missing ranks [1, 2]"),
+        "{err}"
+    );
+}
+
+/// The child processes of `tessera load --transport tcp` (their pids from /proc).
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for task in tasks.flatten() {
+        if let Ok(text) = std::fs::read_to_string(task.path().join("children")) {
+            out.extend(
+                text.split_whitespace()
+                    .filter_map(|p| p.parse::<u32>().ok()),
+            );
+        }
+    }
+    out
+}
+
+/// A SIGSTOPped rank never exits: its peers fail after --peer-timeout naming it, and the parent
+/// waited for it forever. Now the parent kills it after the grace period, reports every rank
+/// (the stopped one as stopped and killed) and exits non-zero.
+#[test]
+fn a_stopped_rank_is_killed_and_reported_and_load_ends() {
+    let dir = tempdir();
+    let ckpt = synth(dir.path(), &["fsdp", "--dp", "2"]);
+    let layout = layout_file(dir.path(), "dp3.json", &["fsdp", "--dp", "3"]);
+    let started = std::time::Instant::now();
+    let mut parent = std::process::Command::new(support::BIN)
+        .args([
+            "load",
+            s(&ckpt),
+            "--layout",
+            s(&layout),
+            "--transport",
+            "tcp",
+            "--peer-timeout",
+            "2",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Stop rank 2 as soon as its process exists, before it can check in or load.
+    let mut stopped = None;
+    while stopped.is_none() && started.elapsed() < std::time::Duration::from_secs(20) {
+        for child in children_of(parent.id()) {
+            let cmdline = std::fs::read(format!("/proc/{child}/cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            if args.windows(2).any(|w| w[0] == b"--rank" && w[1] == b"2") {
+                let status = std::process::Command::new("kill")
+                    .args(["-STOP", &child.to_string()])
+                    .status()
+                    .unwrap();
+                assert!(status.success());
+                stopped = Some(child);
+            }
+        }
+    }
+    let stopped = stopped.expect("rank 2's process appeared");
+    // Generous: the bound is about twice the 2 s peer timeout after start-up.
+    let deadline = started + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = parent.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = parent.kill();
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &stopped.to_string()])
+                .status();
+            panic!("tessera load still running after 60 s with rank 2 stopped");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let took = started.elapsed();
+    let output = parent.wait_with_output().unwrap();
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    eprintln!("load with rank 2 stopped ended after {took:?}:\n{stderr}");
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    // Progress lines the ranks printed while waiting come first, then the report.
+    assert!(
+        stderr.contains("rank 0: waiting for rank 2 to join ("),
+        "{stderr}"
+    );
+    let report = &stderr[stderr.find("error: the load failed:\n").expect(&stderr)..];
+    let line = |rank: u32| {
+        report
+            .lines()
+            .find(|l| l.starts_with(&format!("  rank {rank}: ")))
+            .unwrap_or_else(|| panic!("no line for rank {rank}: {stderr}"))
+            .trim()
+            .to_string()
+    };
+    assert!(
+        line(2).starts_with("rank 2: stopped (SIGSTOP or a debugger) 2 s after another rank failed: killed by signal 9, no report"),
+        "{stderr}"
+    );
+    // Rank 0 names rank 2 (missing from the rendezvous, or late with its pieces); rank 1 has its
+    // own error (the master gave up, or rank 2 timed out on it).
+    let zero = line(0);
+    assert!(
+        zero.contains("missing ranks [2]") || zero.contains("rank 2"),
+        "{stderr}"
+    );
+    assert!(line(1).len() > "  rank 1: ".len(), "{stderr}");
+}

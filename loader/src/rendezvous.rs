@@ -17,6 +17,10 @@ pub struct RendezvousConfig {
     pub master_addr: String,
     /// Port rank 0 listens on for the rendezvous.
     pub master_port: u16,
+    /// What this job loads (a fingerprint of the plan's inputs, 0 when unknown): rank 0 refuses a
+    /// rank that checks in with another one, which is a rank of a different job or a different
+    /// checkpoint, layout or option on the same port.
+    pub job: u64,
 }
 
 impl RendezvousConfig {
@@ -32,6 +36,7 @@ impl RendezvousConfig {
             world,
             master_addr: master_addr.into(),
             master_port,
+            job: 0,
         };
         config.check()?;
         Ok(config)
@@ -79,9 +84,15 @@ impl RendezvousConfig {
             )?,
             master_addr,
             master_port: number("MASTER_PORT", &port_text, "a TCP port (0 to 65535)")?,
+            job: 0,
         };
         config.check()?;
         Ok(config)
+    }
+
+    /// The same configuration for the job with fingerprint `job` (see [`RendezvousConfig::job`]).
+    pub fn with_job(self, job: u64) -> Self {
+        Self { job, ..self }
     }
 
     fn check(&self) -> Result<(), LoaderError> {

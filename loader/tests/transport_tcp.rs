@@ -22,6 +22,7 @@ fn options(connect: Duration) -> TransportOptions {
     TransportOptions {
         timeout: Duration::from_secs(2),
         connect_timeout: connect,
+        progress_every: None,
     }
 }
 
@@ -173,4 +174,52 @@ async fn master_port_in_use_is_an_error() {
         detail.contains("could not listen") && detail.contains("MASTER_PORT"),
         "{detail}"
     );
+}
+
+/// A rank of another job (another plan fingerprint) on the master's port is refused by name,
+/// with both fingerprints, instead of joining a mesh it does not belong to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_of_another_job_is_refused_naming_both() {
+    let port = free_port();
+    let connect = Duration::from_secs(5);
+    let join = |rank: u32, job: u64| {
+        tokio::spawn(async move {
+            let config = RendezvousConfig::new(rank, 2, "127.0.0.1", port)
+                .unwrap()
+                .with_job(job);
+            TcpTransport::connect(&config, options(connect)).await
+        })
+    };
+    let master = join(0, 0xaaaa);
+    let impostor = join(1, 0xbbbb);
+    let start = Instant::now();
+    let detail = rendezvous_detail(master.await.unwrap());
+    assert!(
+        detail.starts_with("rank 0 refused rank 1 from 127.0.0.1:")
+            && detail
+                .contains("it loads job 000000000000bbbb but rank 0 loads job 000000000000aaaa"),
+        "{detail}"
+    );
+    assert!(impostor.await.unwrap().is_err());
+    assert!(
+        start.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+/// Two processes claiming one rank: the error names both connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_rank_names_both_connections() {
+    let port = free_port();
+    let connect = Duration::from_secs(2);
+    let master = spawn_rank(0, 3, port, connect);
+    let a = spawn_rank(1, 3, port, connect);
+    let b = spawn_rank(1, 3, port, connect);
+    let detail = rendezvous_detail(master.await.unwrap());
+    let (_, rest) = detail
+        .split_once("rank 1 checked in twice, from 127.0.0.1:")
+        .unwrap_or_else(|| panic!("{detail}"));
+    assert!(rest.contains(" and from 127.0.0.1:"), "{detail}");
+    let _ = (a.await, b.await);
 }

@@ -142,7 +142,10 @@ impl fmt::Display for TensorBox {
             if d > 0 {
                 f.write_str(", ")?;
             }
-            write!(f, "{}..{}", self.offsets[d], self.end(d))?;
+            // Wide: this prints boxes that error messages reject for reaching past u64::MAX,
+            // and must show their true end rather than a wrapped one (or panic).
+            let end = u128::from(self.offsets[d]) + u128::from(self.lengths[d]);
+            write!(f, "{}..{end}", self.offsets[d])?;
         }
         f.write_str("]")
     }
@@ -188,6 +191,15 @@ mod tests {
         assert_eq!(s.numel(), 1);
         assert_eq!(s.intersect(&s), Some(s.clone()));
         assert_eq!(s.to_string(), "[]");
+    }
+
+    #[test]
+    fn display_of_a_box_past_u64_max_shows_its_true_end() {
+        let b = TensorBox::new(vec![u64::MAX, 3], vec![2, u64::MAX]);
+        assert_eq!(
+            b.to_string(),
+            "[18446744073709551615..18446744073709551617, 3..18446744073709551618]"
+        );
     }
 
     #[test]

@@ -154,6 +154,35 @@ pub enum PlanError {
         /// World size.
         world: u32,
     },
+    /// A mesh (or explicit request list) with more ranks than a plan may have: checked before
+    /// anything per rank is allocated, so that a typo cannot wrap the rank count or exhaust memory.
+    #[error("{field} gives {ranks} ranks, more than the {limit} a plan may have")]
+    WorldTooLarge {
+        /// What gave the rank count, e.g. `layout mesh [pp=65536, dp=65536]` or `requests "ranks"`.
+        field: String,
+        /// The true rank count (wide enough never to wrap).
+        ranks: u128,
+        /// The limit ([`crate::MAX_WORLD`]).
+        limit: u32,
+    },
+    /// A layout whose per-rank requests (one per rank and tensor) would not fit in memory.
+    #[error(
+        "{field}: {ranks} ranks x {tensors} tensors is {requests} per-rank requests, more than the {limit} a plan may hold (about {gib} GiB of memory)"
+    )]
+    TooManyRequests {
+        /// What gave the rank count (as in [`PlanError::WorldTooLarge`]).
+        field: String,
+        /// Ranks.
+        ranks: u32,
+        /// Tensors of the checkpoint.
+        tensors: u64,
+        /// ranks × tensors.
+        requests: u64,
+        /// The limit ([`crate::MAX_REQUESTS`]).
+        limit: u64,
+        /// Estimated memory of the requests alone, in GiB.
+        gib: u64,
+    },
     /// Invalid preset arguments.
     #[error("preset {preset}: {detail}")]
     Preset {
@@ -191,6 +220,11 @@ mod tests {
                 name: "dp".to_string(),
             },
             PlanError::RankOutOfRange { rank: 8, world: 4 },
+            PlanError::WorldTooLarge {
+                field: "layout mesh [dp=4294967296]".to_string(),
+                ranks: 1 << 32,
+                limit: crate::MAX_WORLD,
+            },
             PlanError::Arrow {
                 detail: "truncated stream".to_string(),
             },

@@ -8,6 +8,15 @@ use tessera_metadata::{TensorBox, TensorMeta};
 use crate::glob::glob_match;
 use crate::{PlanError, Request, RequestSet, Target};
 
+/// Most ranks a plan may have. A million ranks is beyond any job today; the bound is checked
+/// before anything per rank is allocated, so that a typo (`"size": 1000000000`) gets an error
+/// naming the mesh instead of a wrapped rank count or an allocation abort.
+pub const MAX_WORLD: u32 = 1 << 20;
+
+/// Most per-rank requests (ranks × tensors for a layout) a plan may hold: 2^27 requests take
+/// about 12 GiB before planning proper starts, more than a planning host should give one plan.
+pub const MAX_REQUESTS: u64 = 1 << 27;
+
 /// A named mesh dimension.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MeshDim {
@@ -100,9 +109,40 @@ impl Layout {
         serde_json::to_string_pretty(self).unwrap_or_default()
     }
 
-    /// Number of ranks: the product of the mesh sizes.
+    /// Number of ranks: the product of the mesh sizes. Saturates at `u32::MAX` instead of
+    /// wrapping; [`Layout::check`] (and so [`Layout::resolve`]) refuses a mesh over
+    /// [`MAX_WORLD`], see [`Layout::checked_world_size`].
     pub fn world_size(&self) -> u32 {
-        self.mesh.iter().map(|d| d.size).product()
+        self.mesh
+            .iter()
+            .fold(1u32, |acc, d| acc.saturating_mul(d.size))
+    }
+
+    /// Number of ranks, or [`PlanError::WorldTooLarge`] naming the mesh when the product of the
+    /// mesh sizes is over [`MAX_WORLD`] (computed in `u128`, so it never wraps).
+    pub fn checked_world_size(&self) -> Result<u32, PlanError> {
+        let ranks = self
+            .mesh
+            .iter()
+            .fold(1u128, |acc, d| acc.saturating_mul(u128::from(d.size)));
+        match u32::try_from(ranks) {
+            Ok(world) if world <= MAX_WORLD => Ok(world),
+            _ => Err(PlanError::WorldTooLarge {
+                field: self.mesh_field(),
+                ranks,
+                limit: MAX_WORLD,
+            }),
+        }
+    }
+
+    /// `layout mesh [pp=2, dp=4]`: how errors name the mesh.
+    fn mesh_field(&self) -> String {
+        let dims: Vec<String> = self
+            .mesh
+            .iter()
+            .map(|d| format!("{}={}", d.name, d.size))
+            .collect();
+        format!("layout mesh [{}]", dims.join(", "))
     }
 
     /// Mesh coordinates of `rank` (row-major, last dim fastest).
@@ -130,6 +170,7 @@ impl Layout {
                 });
             }
         }
+        self.checked_world_size()?;
         let mut parsed = Vec::with_capacity(self.rules.len());
         for (r, rule) in self.rules.iter().enumerate() {
             if rule.placements.len() != self.mesh.len() {
@@ -171,7 +212,21 @@ impl Layout {
     /// A rank whose shard of a tensor is empty still gets an (empty) request, as DTensor does.
     pub fn resolve(&self, tensors: &[TensorMeta]) -> Result<RequestSet, PlanError> {
         let placements = self.check()?;
-        let world = self.world_size();
+        let world = self.checked_world_size()?;
+        // One request per rank and tensor (empty shards included): bound it before allocating.
+        let tensors_len = tensors.len() as u64;
+        let requests = u64::from(world).saturating_mul(tensors_len);
+        if requests > MAX_REQUESTS {
+            let bytes = u128::from(requests) * std::mem::size_of::<Request>() as u128;
+            return Err(PlanError::TooManyRequests {
+                field: self.mesh_field(),
+                ranks: world,
+                tensors: tensors_len,
+                requests,
+                limit: MAX_REQUESTS,
+                gib: u64::try_from(bytes >> 30).unwrap_or(u64::MAX),
+            });
+        }
         let stage_of = StageResolver::new(self, tensors)?;
         let coords: Vec<Vec<u32>> = (0..world).map(|r| self.coords(r)).collect();
         let mut ranks: Vec<Vec<Request>> = vec![Vec::new(); world as usize];
@@ -281,12 +336,15 @@ pub fn shard_box(
         match *p {
             Placement::Replicate | Placement::Stage => {}
             Placement::Shard(dim) => {
-                let n = region.lengths[dim];
-                let k = u64::from(mesh[i].size);
+                // In u128: (c + 1) · ceil(n / k) may pass u64::MAX for n near it.
+                let n = u128::from(region.lengths[dim]);
+                let k = u128::from(mesh[i].size);
                 let chunk = n.div_ceil(k);
-                let c = u64::from(coords[i]);
+                let c = u128::from(coords[i]);
                 let start = (c * chunk).min(n);
                 let end = ((c + 1) * chunk).min(n);
+                // Both are at most n, which came from a u64.
+                let (start, end) = (start as u64, end as u64);
                 region.offsets[dim] += start;
                 region.lengths[dim] = end - start;
             }
@@ -357,9 +415,12 @@ impl StageResolver {
             if layer >= num_layers {
                 return Err(fail(format!("layer {layer} >= num_layers {num_layers}")));
             }
-            // Balanced split: stage s holds layers [floor(s·L/P), floor((s+1)·L/P)).
-            let p = u64::from(stages);
-            return Ok((((layer + 1) * p - 1) / num_layers) as u32);
+            // Balanced split: stage s holds layers [floor(s·L/P), floor((s+1)·L/P)). In u128:
+            // a layer number from the FQN times the stage count may not fit u64.
+            let p = u128::from(stages);
+            let stage = ((u128::from(layer) + 1) * p - 1) / u128::from(num_layers);
+            // layer < num_layers, so stage < p <= u32::MAX.
+            return Ok(u32::try_from(stage).unwrap_or(stages.saturating_sub(1)));
         }
         if self.first.iter().any(|g| glob_match(g, &tensor.fqn)) {
             return Ok(0);

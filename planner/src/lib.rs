@@ -34,7 +34,7 @@ mod summary;
 
 pub use error::PlanError;
 pub use glob::glob_match;
-pub use layout::{Layout, MeshDim, Placement, Rule, Stages, shard_box};
+pub use layout::{Layout, MAX_REQUESTS, MAX_WORLD, MeshDim, Placement, Rule, Stages, shard_box};
 pub use plan::{Destination, Group, Piece, PieceDestination, Plan, PlanOptions, plan};
 pub use rank_plan::{
     Exchange, PiecePlacement, RankDestination, RankPiece, RankPlan, RankSummary, Round, SourceRead,

@@ -11,14 +11,17 @@ pub fn fsdp(dp: u32) -> Result<Layout, PlanError> {
             detail: "--dp must be at least 1".to_string(),
         });
     }
-    Ok(Layout {
+    let layout = Layout {
         mesh: vec![MeshDim {
             name: "dp".to_string(),
             size: dp,
         }],
         rules: vec![rule("*", &["shard(0)"])],
         stages: None,
-    })
+    };
+    // A preset nobody can plan is refused here, where the flag was given.
+    layout.checked_world_size()?;
+    Ok(layout)
 }
 
 /// Arguments of the Megatron GPT preset.
@@ -89,7 +92,7 @@ pub fn megatron_gpt(args: MegatronGpt) -> Result<Layout, PlanError> {
         rules.push(rule(&format!("{p}*"), &[stage, "replicate", "shard(1)"]));
     }
     rules.push(rule("*", &[stage, "replicate", "replicate"]));
-    Ok(Layout {
+    let layout = Layout {
         mesh: vec![
             MeshDim {
                 name: "pp".to_string(),
@@ -111,7 +114,9 @@ pub fn megatron_gpt(args: MegatronGpt) -> Result<Layout, PlanError> {
             first: vec!["*embed*".to_string()],
             last: vec!["*lm_head*".to_string(), "*final_norm*".to_string()],
         }),
-    })
+    };
+    layout.checked_world_size()?;
+    Ok(layout)
 }
 
 fn rule(pattern: &str, placements: &[&str]) -> Rule {

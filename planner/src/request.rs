@@ -108,6 +108,14 @@ impl ExplicitRequests {
 
     /// Resolves FQNs against the checkpoint's tensors and checks every request fits its tensor.
     pub fn resolve(&self, tensors: &[TensorMeta]) -> Result<RequestSet, PlanError> {
+        // Rank numbers are u32 everywhere downstream: refuse a list they cannot number.
+        if self.ranks.len() > crate::MAX_WORLD as usize {
+            return Err(PlanError::WorldTooLarge {
+                field: "requests \"ranks\"".to_string(),
+                ranks: self.ranks.len() as u128,
+                limit: crate::MAX_WORLD,
+            });
+        }
         let by_name: HashMap<&str, u32> = tensors
             .iter()
             .enumerate()

@@ -188,3 +188,112 @@ fn preset_errors() {
         "preset megatron-gpt: --num-layers 2 is smaller than --pp 4: some stage would hold no layer"
     );
 }
+
+/// 65536 × 65536 wrapped to 0 ranks (an empty plan that "loaded" fine); it is 2^32 ranks.
+#[test]
+fn mesh_product_that_wraps_u32_to_zero() {
+    let json = r#"{"mesh": [{"name": "pp", "size": 65536}, {"name": "dp", "size": 65536}],
+                   "rules": [{"match": "*", "placements": ["replicate", "shard(0)"]}]}"#;
+    let layout = Layout::from_json(json).unwrap();
+    let err = layout.resolve(&tensors()).unwrap_err();
+    assert!(matches!(err, PlanError::WorldTooLarge { ranks, .. } if ranks == 1 << 32));
+    assert_eq!(
+        err.to_string(),
+        "layout mesh [pp=65536, dp=65536] gives 4294967296 ranks, more than the 1048576 a plan may have"
+    );
+    assert_eq!(layout.world_size(), u32::MAX, "saturates, never wraps");
+}
+
+/// 4294967295² wrapped to 1 rank (which then loaded a fraction of the model).
+#[test]
+fn mesh_product_that_wraps_u32_to_one() {
+    let json = r#"{"mesh": [{"name": "a", "size": 4294967295}, {"name": "b", "size": 4294967295}],
+                   "rules": [{"match": "*", "placements": ["shard(0)", "replicate"]}]}"#;
+    assert_eq!(
+        resolve_err(json),
+        "layout mesh [a=4294967295, b=4294967295] gives 18446744065119617025 ranks, more than the 1048576 a plan may have"
+    );
+}
+
+/// A world under the rank limit whose per-rank requests (one per rank and tensor) would still
+/// take tens of GiB is refused before anything is allocated.
+#[test]
+fn world_times_tensors_over_the_request_limit() {
+    let many: Vec<TensorMeta> = (0..200)
+        .map(|i| TensorMeta::new(format!("t{i}"), DType::F32, vec![4]))
+        .collect();
+    let json = r#"{"mesh": [{"name": "dp", "size": 1048576}], "rules": [{"match": "*", "placements": ["shard(0)"]}]}"#;
+    let err = Layout::from_json(json)
+        .unwrap()
+        .resolve(&many)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with(
+            "layout mesh [dp=1048576]: 1048576 ranks x 200 tensors is 209715200 per-rank requests, more than the 134217728 a plan may hold"
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn presets_refuse_a_world_over_the_limit() {
+    assert_eq!(
+        fsdp(1_000_000_000).unwrap_err().to_string(),
+        "layout mesh [dp=1000000000] gives 1000000000 ranks, more than the 1048576 a plan may have"
+    );
+    let err = megatron_gpt(MegatronGpt {
+        tp: 65536,
+        pp: 65536,
+        dp: 1,
+        num_layers: 65536,
+        zero1: false,
+    })
+    .unwrap_err();
+    assert!(
+        matches!(err, PlanError::WorldTooLarge { ranks, .. } if ranks == 1 << 32),
+        "{err}"
+    );
+}
+
+#[test]
+fn explicit_requests_with_more_ranks_than_the_limit() {
+    let requests = ExplicitRequests {
+        ranks: vec![Vec::new(); tessera_planner::MAX_WORLD as usize + 1],
+    };
+    assert_eq!(
+        requests.resolve(&tensors()).unwrap_err().to_string(),
+        "requests \"ranks\" gives 1048577 ranks, more than the 1048576 a plan may have"
+    );
+}
+
+/// Layer numbers near u64::MAX: (layer + 1) · stages overflowed u64 in the stage formula.
+#[test]
+fn huge_layer_numbers_get_a_stage_without_overflow() {
+    let layer = u64::MAX - 1;
+    let tensors = vec![TensorMeta::new(
+        format!("model.layers.{layer}.w"),
+        DType::F32,
+        vec![4],
+    )];
+    let json = format!(
+        r#"{{"mesh": [{{"name": "pp", "size": 4}}], "rules": [{{"match": "*", "placements": ["stage(layer)"]}}],
+            "stages": {{"num_layers": {}}}}}"#,
+        u64::MAX
+    );
+    let requests = Layout::from_json(&json).unwrap().resolve(&tensors).unwrap();
+    // The last layer lives on the last stage only.
+    let holders: Vec<usize> = (0..4).filter(|&r| !requests.ranks[r].is_empty()).collect();
+    assert_eq!(holders, vec![3]);
+}
+
+/// A dimension near u64::MAX split over a few ranks: (c + 1) · chunk overflowed u64.
+#[test]
+fn shard_of_a_dimension_near_u64_max() {
+    let n = u64::MAX - 2;
+    let tensors = vec![TensorMeta::new("w", DType::U8, vec![n])];
+    let json = r#"{"mesh": [{"name": "dp", "size": 3}], "rules": [{"match": "*", "placements": ["shard(0)"]}]}"#;
+    let requests = Layout::from_json(json).unwrap().resolve(&tensors).unwrap();
+    let total: u64 = requests.ranks.iter().map(|r| r[0].target.numel()).sum();
+    assert_eq!(total, n);
+}

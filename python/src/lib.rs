@@ -50,6 +50,7 @@ fn storage_options(env: Vec<(String, String)>) -> StorageOptions {
     StorageOptions {
         env,
         ignore_process_env: false,
+        ..StorageOptions::default()
     }
 }
 

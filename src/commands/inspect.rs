@@ -3,9 +3,9 @@
 use std::fmt::Write;
 
 use anyhow::Result;
-use tessera_metadata::FormatDetails;
 use tessera_metadata::formats::dcp::{IndexSource, IndexStats};
 use tessera_metadata::formats::native::DataPresence;
+use tessera_metadata::{CheckpointMeta, FormatDetails};
 use tessera_ops::describe::{describe, layout_name};
 use tessera_storage::StorageOptions;
 
@@ -94,30 +94,57 @@ pub async fn run(location: &str, as_json: bool) -> Result<String> {
             )?;
         }
     }
+    out.push('\n');
+    out.push_str(&tensor_table(meta));
+    Ok(out)
+}
+
+/// Widest the FQN column gets: longer names are printed whole and push their own row's other
+/// columns right, instead of widening every row of the table.
+const MAX_FQN_COLUMN: usize = 96;
+
+/// The tensor table: one row per tensor with its dtype, shape, saved boxes and bytes. Padding is
+/// done by hand: `format!("{:width$}")` panics ("Formatting argument out of range") for a width
+/// over u16::MAX, which a 65,536-character tensor name gave.
+pub fn tensor_table(meta: &CheckpointMeta) -> String {
     let width = meta
         .tensors()
         .iter()
-        .map(|t| t.fqn.len())
+        .map(|t| t.fqn.chars().count())
         .max()
         .unwrap_or(3)
-        .max(3);
-    writeln!(
-        out,
-        "\n{:width$}  {:6}  {:18}  {:>6}  {:>12}",
-        "FQN", "DTYPE", "SHAPE", "BOXES", "BYTES"
-    )?;
+        .clamp(3, MAX_FQN_COLUMN);
+    let mut out = String::new();
+    let mut row = |fqn: &str, dtype: &str, shape: &str, boxes: &str, bytes: &str| {
+        out.push_str(&human::pad_right(fqn, width));
+        out.push_str("  ");
+        out.push_str(&human::pad_right(dtype, 6));
+        out.push_str("  ");
+        out.push_str(&human::pad_right(shape, 18));
+        out.push_str("  ");
+        out.push_str(&human::pad_left(boxes, 6));
+        out.push_str("  ");
+        out.push_str(&human::pad_left(bytes, 12));
+        out.push('\n');
+    };
+    row("FQN", "DTYPE", "SHAPE", "BOXES", "BYTES");
     for (t, tensor) in meta.tensors().iter().enumerate() {
-        writeln!(
-            out,
-            "{:width$}  {:6}  {:18}  {:>6}  {:>12}",
-            tensor.fqn,
+        // Checked: metadata validation bounds numel × dtype size, but rendering must not rely on
+        // it (it runs on whatever the reader accepted).
+        let bytes = tensor
+            .shape
+            .iter()
+            .try_fold(tensor.dtype.size(), |acc, &d| acc.checked_mul(d))
+            .map_or_else(|| "over 2^64 B".to_string(), human::bytes);
+        row(
+            &tensor.fqn,
             tensor.dtype.name(),
-            human::shape(&tensor.shape),
-            meta.chunks_of(t as u32).len(),
-            human::bytes(tensor.nbytes())
-        )?;
+            &human::shape(&tensor.shape),
+            &meta.chunks_of(t as u32).len().to_string(),
+            &bytes,
+        );
     }
-    Ok(out)
+    out
 }
 
 /// The line that says what indexing a DCP checkpoint's blobs cost.

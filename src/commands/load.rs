@@ -5,6 +5,7 @@
 #[cfg(feature = "cuda")]
 mod gpu;
 
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::io::IsTerminal;
 use std::sync::Arc;
@@ -245,9 +246,11 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         },
         progress: None,
     };
+    // One bound for every wait on a peer, rendezvous included (it had its own 300 s default).
     let transport_options = TransportOptions {
         timeout: args.peer_timeout,
-        ..TransportOptions::default()
+        connect_timeout: args.peer_timeout,
+        progress_every: Some(progress_interval(args.peer_timeout)),
     };
 
     #[cfg(feature = "cuda")]
@@ -331,13 +334,48 @@ fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> 
     })
 }
 
+/// How often a waiting rank says whom it waits for: every 5 s, more often for a short timeout
+/// (a quarter of it, at least 1 s) so that a wait always says something before it fails.
+fn progress_interval(timeout: Duration) -> Duration {
+    (timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(5))
+}
+
+/// A fingerprint of what this job loads: everything the plan depends on (checkpoint, layout or
+/// requests as text, server and checkpoint id, dedup, world). Rank 0 refuses a rank whose
+/// fingerprint differs. FNV-1a: stable across processes and builds, unlike std's hasher.
+fn job_fingerprint(args: &LoadArgs, world: u32) -> Result<u64> {
+    let mut parts: Vec<Vec<u8>> = vec![args.checkpoint.clone().into_bytes()];
+    for path in [&args.layout, &args.requests].into_iter().flatten() {
+        parts.push(super::read_text(path)?.into_bytes());
+    }
+    parts.push(args.server.clone().unwrap_or_default().into_bytes());
+    parts.push(args.checkpoint_id.clone().unwrap_or_default().into_bytes());
+    parts.push(vec![u8::from(args.dedup)]);
+    parts.push(world.to_le_bytes().to_vec());
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in &parts {
+        // Length first, so that ("ab", "c") and ("a", "bc") differ.
+        for byte in (part.len() as u64).to_le_bytes().iter().chain(part) {
+            hash ^= u64::from(*byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    Ok(hash)
+}
+
 fn rendezvous(args: &LoadArgs, rank: u32, world: u32) -> Result<RendezvousConfig> {
+    let job = job_fingerprint(args, world)?;
+    Ok(rendezvous_config(args, rank, world)?.with_job(job))
+}
+
+fn rendezvous_config(args: &LoadArgs, rank: u32, world: u32) -> Result<RendezvousConfig> {
     match (&args.master_addr, args.master_port) {
         (Some(addr), Some(port)) => Ok(RendezvousConfig {
             rank,
             world,
             master_addr: addr.clone(),
             master_port: port,
+            job: 0,
         }),
         (None, None) => {
             let env = RendezvousConfig::from_env()?;
@@ -487,39 +525,179 @@ async fn load_all_tcp(
         cmd.stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .kill_on_drop(true);
-        children.push((
-            rank,
-            report,
-            cmd.spawn()
-                .with_context(|| format!("starting rank {rank}"))?,
-        ));
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting rank {rank}"))?;
+        children.push((rank, report, child));
     }
+    let outcomes = supervise(children, args.peer_timeout).await;
     let mut failures = Vec::new();
     let mut reports = Vec::new();
-    for (rank, report, child) in children {
-        let output = child
-            .wait_with_output()
-            .await
-            .with_context(|| format!("waiting for rank {rank}"))?;
-        if !output.status.success() {
-            let stderr = String::from_utf8_lossy(&output.stderr);
-            failures.push(format!(
-                "rank {rank}: {}",
-                stderr.trim().trim_start_matches("error: ")
-            ));
-            continue;
+    for (rank, report, outcome) in outcomes {
+        match outcome {
+            RankOutcome::Succeeded => {
+                let text = std::fs::read(&report)
+                    .with_context(|| format!("reading rank {rank}'s report"))?;
+                reports.push(
+                    serde_json::from_slice(&text)
+                        .with_context(|| format!("parsing rank {rank}'s report"))?,
+                );
+            }
+            RankOutcome::Failed(message) => failures.push(format!("rank {rank}: {message}")),
         }
-        let text =
-            std::fs::read(&report).with_context(|| format!("reading rank {rank}'s report"))?;
-        reports.push(
-            serde_json::from_slice(&text)
-                .with_context(|| format!("parsing rank {rank}'s report"))?,
-        );
     }
     if !failures.is_empty() {
         bail!("the load failed:\n  {}", failures.join("\n  "));
     }
     Ok(reports)
+}
+
+/// How one rank process ended.
+enum RankOutcome {
+    Succeeded,
+    /// Its error, or what became of it when it left none.
+    Failed(String),
+}
+
+/// Waits for every rank process, all at once, reading their stderr as they go (a full pipe
+/// would block a rank). A rank that stops making progress (SIGSTOPped, hung in a syscall) never
+/// exits and its peers only time out on it; waiting for it would hang `load` forever. So once
+/// any rank has failed, the others get `grace` (the peer timeout: every live rank that waits on a
+/// failed one fails by itself within it) and are then killed, each reported with what became of
+/// it. The parent therefore ends within about twice the peer timeout of the first failure.
+async fn supervise(
+    mut children: Vec<(u32, std::path::PathBuf, tokio::process::Child)>,
+    grace: Duration,
+) -> Vec<(u32, std::path::PathBuf, RankOutcome)> {
+    use futures::StreamExt;
+    let (kill_tx, kill_rx) = tokio::sync::watch::channel(false);
+    let mut waits = futures::stream::FuturesUnordered::new();
+    for (index, (rank, _, child)) in children.iter_mut().enumerate() {
+        let rank = *rank;
+        let stderr = child.stderr.take();
+        let mut kill_rx = kill_rx.clone();
+        let pid = child.id();
+        waits.push(async move {
+            let read_stderr = async {
+                let mut text = String::new();
+                if let Some(pipe) = stderr {
+                    use tokio::io::AsyncBufReadExt;
+                    let mut lines = tokio::io::BufReader::new(pipe).lines();
+                    // A killed rank's pipe closes with it; a read error only loses its message.
+                    while let Ok(Some(line)) = lines.next_line().await {
+                        // Progress ("rank 0: waiting for ranks 2,3 to join") is passed on as it
+                        // comes, so that a waiting load is not silent.
+                        if line.starts_with("rank ") && line.contains(": waiting for ") {
+                            eprintln!("{line}");
+                        } else {
+                            text.push_str(&line);
+                            text.push('\n');
+                        }
+                    }
+                }
+                text
+            };
+            let wait = async {
+                tokio::select! {
+                    status = child.wait() => (status, None),
+                    _ = kill_rx.wait_for(|kill| *kill) => {
+                        // Seen before the kill: a SIGSTOPped rank shows state T.
+                        let state = pid.and_then(process_state);
+                        let _ = child.start_kill();
+                        (child.wait().await, Some(state))
+                    }
+                }
+            };
+            let (text, (status, killed)) = tokio::join!(read_stderr, wait);
+            (index, rank, rank_outcome(status, killed, &text, grace))
+        });
+    }
+    let mut outcomes: Vec<Option<RankOutcome>> = (0..waits.len()).map(|_| None).collect();
+    let mut kill_at: Option<tokio::time::Instant> = None;
+    loop {
+        let next = match kill_at {
+            Some(at) => match tokio::time::timeout_at(at, waits.next()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    let _ = kill_tx.send(true);
+                    kill_at = None;
+                    continue;
+                }
+            },
+            None => waits.next().await,
+        };
+        let Some((index, _rank, outcome)) = next else {
+            break;
+        };
+        if matches!(outcome, RankOutcome::Failed(_)) && kill_at.is_none() && !*kill_tx.borrow() {
+            kill_at = Some(tokio::time::Instant::now() + grace);
+        }
+        outcomes[index] = Some(outcome);
+    }
+    drop(waits);
+    children
+        .into_iter()
+        .zip(outcomes)
+        .map(|((rank, report, _), outcome)| {
+            let outcome = outcome.unwrap_or_else(|| {
+                RankOutcome::Failed("its process could not be waited for".to_string())
+            });
+            (rank, report, outcome)
+        })
+        .collect()
+}
+
+/// What became of a rank process: success, its own error message, or (when it left none) how it
+/// ended: killed by us after the grace period (and whether it was stopped then), killed by a
+/// signal from elsewhere, or an exit code.
+fn rank_outcome(
+    status: std::io::Result<std::process::ExitStatus>,
+    killed: Option<Option<char>>,
+    stderr: &str,
+    grace: Duration,
+) -> RankOutcome {
+    let status = match status {
+        Ok(status) if status.success() => return RankOutcome::Succeeded,
+        Ok(status) => status,
+        Err(e) => return RankOutcome::Failed(format!("waiting for its process failed: {e}")),
+    };
+    let message = stderr.trim().trim_start_matches("error: ");
+    if let Some(state) = killed {
+        let how = match state {
+            Some('T') | Some('t') => "stopped (SIGSTOP or a debugger)",
+            _ => "still running",
+        };
+        let mut line = format!(
+            "{how} {:.0} s after another rank failed: killed by signal 9, no report",
+            grace.as_secs_f64()
+        );
+        if !message.is_empty() {
+            line.push_str(&format!(" (it had printed: {message})"));
+        }
+        return RankOutcome::Failed(line);
+    }
+    if !message.is_empty() {
+        return RankOutcome::Failed(message.to_string());
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(signal) = status.signal() {
+            return RankOutcome::Failed(format!("killed by signal {signal}, no report"));
+        }
+    }
+    RankOutcome::Failed(match status.code() {
+        Some(code) => format!("exited with code {code}, no report"),
+        None => "ended without an exit code, no report".to_string(),
+    })
+}
+
+/// The state letter of process `pid` (`R`, `S`, `T` for stopped, ...) from `/proc`, where there
+/// is one.
+fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) S ...": comm may hold spaces and parentheses, so look after the last ')'.
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
 }
 
 /// Per-rank work after loading: value check and dump.
@@ -537,22 +715,16 @@ fn finish_rank(args: &LoadArgs, loaded: &LoadedRank) -> Result<()> {
     }
     if let Some(dir) = &args.dump {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {dir}"))?;
-        let mut names: Vec<String> = Vec::with_capacity(plan.destinations.len());
         let shapes: Vec<Vec<u64>> = plan
             .destinations
             .iter()
             .map(|d| d.target.buffer_shape())
             .collect();
-        for dest in &plan.destinations {
-            let fqn = &plan.tensors[dest.tensor as usize].fqn;
-            let mut name = fqn.clone();
-            let mut k = 1;
-            while names.contains(&name) {
-                name = format!("{fqn}#{k}");
-                k += 1;
-            }
-            names.push(name);
-        }
+        let names = dump_names(
+            plan.destinations
+                .iter()
+                .map(|d| plan.tensors[d.tensor as usize].fqn.as_str()),
+        );
         let views: Vec<TensorView<'_>> = plan
             .destinations
             .iter()
@@ -571,6 +743,32 @@ fn finish_rank(args: &LoadArgs, loaded: &LoadedRank) -> Result<()> {
         std::fs::rename(&tmp, &path).with_context(|| format!("renaming {}", tmp.display()))?;
     }
     Ok(())
+}
+
+/// Unique safetensors names for a rank's destinations, in order: a tensor's FQN, or `FQN#k` (the
+/// first free k) when the rank holds several boxes of it. Linear in the number of destinations:
+/// a hash set of the names taken and, per FQN, the last k tried (a name once taken stays taken,
+/// so the search for the next free k can start there); the list scan it replaces made a 100k
+/// tensor dump take about a minute.
+pub fn dump_names<'a>(fqns: impl Iterator<Item = &'a str>) -> Vec<String> {
+    let fqns = fqns.collect::<Vec<_>>();
+    let mut taken: HashSet<String> = HashSet::with_capacity(fqns.len());
+    let mut next_k: HashMap<&str, u64> = HashMap::new();
+    let mut names = Vec::with_capacity(fqns.len());
+    for fqn in fqns {
+        let mut name = fqn.to_string();
+        if taken.contains(&name) {
+            let k = next_k.entry(fqn).or_insert(1);
+            name = format!("{fqn}#{k}");
+            while taken.contains(&name) {
+                *k += 1;
+                name = format!("{fqn}#{k}");
+            }
+        }
+        taken.insert(name.clone());
+        names.push(name);
+    }
+    names
 }
 
 fn report_text(

@@ -62,6 +62,10 @@ pub struct StorageOptions {
     pub env: Vec<(String, String)>,
     /// Configure stores from [`env`](Self::env) only, not from the process environment.
     pub ignore_process_env: bool,
+    /// The timeouts every request of a cloud or HTTP store gets (connect, read silence, whole
+    /// request) and object_store's retry (off). The default policy unless a caller (a test with
+    /// short timeouts) needs another.
+    pub retry: RetryPolicy,
 }
 
 /// Opens `location` for reading, configured from the process environment. See the module
@@ -265,8 +269,8 @@ fn local_parts(location: &str, raw: &str) -> Result<(std::path::PathBuf, String)
 /// builder's client configuration keys so what the environment set for the client,
 /// `AWS_ALLOW_HTTP` and the like, is kept) and retry.
 macro_rules! with_policy {
-    ($builder:expr, $key:path) => {{
-        let policy = RetryPolicy::default();
+    ($builder:expr, $key:path, $policy:expr) => {{
+        let policy: &RetryPolicy = $policy;
         policy
             .client_config()
             .into_iter()
@@ -292,7 +296,8 @@ fn cloud(
         Cloud::S3 => Arc::new(
             with_policy!(
                 s3_builder(location, bucket, options)?,
-                AmazonS3ConfigKey::Client
+                AmazonS3ConfigKey::Client,
+                &options.retry
             )
             .build()
             .map_err(|e| invalid(location, format!("configuring S3: {e}")))?,
@@ -309,11 +314,13 @@ fn cloud(
                 |b, k: GoogleConfigKey, v| b.with_config(k, v),
             );
             Arc::new(
-                with_policy!(builder.with_bucket_name(bucket), GoogleConfigKey::Client)
-                    .build()
-                    .map_err(|e| {
-                        invalid(location, format!("configuring Google Cloud Storage: {e}"))
-                    })?,
+                with_policy!(
+                    builder.with_bucket_name(bucket),
+                    GoogleConfigKey::Client,
+                    &options.retry
+                )
+                .build()
+                .map_err(|e| invalid(location, format!("configuring Google Cloud Storage: {e}")))?,
             )
         }
         Cloud::Azure => {
@@ -344,14 +351,18 @@ fn cloud(
                 ));
             }
             Arc::new(
-                with_policy!(builder.with_container_name(bucket), AzureConfigKey::Client)
-                    .build()
-                    .map_err(|e| invalid(location, format!("configuring Azure: {e}")))?,
+                with_policy!(
+                    builder.with_container_name(bucket),
+                    AzureConfigKey::Client,
+                    &options.retry
+                )
+                .build()
+                .map_err(|e| invalid(location, format!("configuring Azure: {e}")))?,
             )
         }
         Cloud::Http { https } => {
             let scheme = if https { "https" } else { "http" };
-            let policy = RetryPolicy::default();
+            let policy = &options.retry;
             let client = policy.client_options().with_allow_http(!https);
             Arc::new(
                 HttpBuilder::new()

@@ -13,6 +13,7 @@ fn isolated(vars: &[(&str, &str)]) -> StorageOptions {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
         ignore_process_env: true,
+        ..StorageOptions::default()
     }
 }
 

@@ -88,8 +88,12 @@ pub struct TransportOptions {
     /// [`LoaderError::PeerTimeout`]. A peer that is known to be dead fails a `recv` at once instead.
     pub timeout: Duration,
     /// How long [`TcpTransport::connect`] may take altogether: reaching the master (ranks start in
-    /// any order, so it retries), exchanging addresses, and connecting the mesh.
+    /// any order, so it retries), exchanging addresses, and connecting the mesh. The CLI sets it
+    /// to `--peer-timeout`, like `timeout`: one bound for every wait on a peer.
     pub connect_timeout: Duration,
+    /// While [`TcpTransport::connect`] waits, print who waits for whom to stderr this often
+    /// (`rank 0: waiting for ranks 2,3 to join (12 s of 60 s)`); `None` keeps it silent.
+    pub progress_every: Option<Duration>,
 }
 
 impl TransportOptions {
@@ -98,6 +102,7 @@ impl TransportOptions {
         Self {
             timeout,
             connect_timeout: timeout,
+            progress_every: None,
         }
     }
 }
@@ -110,6 +115,7 @@ impl Default for TransportOptions {
         Self {
             timeout: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(300),
+            progress_every: None,
         }
     }
 }

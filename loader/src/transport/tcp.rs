@@ -8,7 +8,7 @@
 //! stale connection is turned away).
 //!
 //! ```text
-//! hello  (rank -> master) "TSRH" version:u32 rank:u32 world:u32 addr_len:u16 addr
+//! hello  (rank -> master) "TSRH" version:u32 rank:u32 world:u32 job:u64 addr_len:u16 addr
 //! table  (master -> rank) "TSRT" version:u32 session:u64 world:u32 (addr_len:u16 addr) x world
 //! shake  (low -> high)    "TSPH" version:u32 session:u64 from:u32 to:u32 world:u32
 //! ack    (high -> low)    "TSPA" to:u32
@@ -18,6 +18,11 @@
 //! A reader task per connection buffers incoming frames in the rank's mailbox, so a send never
 //! waits for the receiver to ask; end of stream or a reset marks the peer gone, which fails
 //! pending and later receives from it at once.
+//!
+//! Rank 0 refuses a rank that checks in with another world size, job fingerprint
+//! ([`RendezvousConfig::job`]) or a rank number already taken, naming both sides. Every wait is
+//! bounded by [`TransportOptions::connect_timeout`]; with [`TransportOptions::progress_every`]
+//! each rank says on stderr whom it is waiting for.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -38,7 +43,8 @@ use super::{Mailbox, Transport, TransportOptions, check_peer};
 use crate::LoaderError;
 use crate::rendezvous::RendezvousConfig;
 
-const VERSION: u32 = 1;
+/// 2: the hello carries the job fingerprint.
+const VERSION: u32 = 2;
 const HELLO: &[u8; 4] = b"TSRH";
 const TABLE: &[u8; 4] = b"TSRT";
 const SHAKE: &[u8; 4] = b"TSPH";
@@ -306,7 +312,10 @@ fn put_addr(out: &mut Vec<u8>, addr: &SocketAddr) {
 struct Hello {
     rank: u32,
     world: u32,
+    job: u64,
     addr: SocketAddr,
+    /// Where the connection came from, to name it in errors.
+    peer: Option<SocketAddr>,
     stream: TcpStream,
 }
 
@@ -317,15 +326,84 @@ async fn read_hello(mut stream: TcpStream) -> std::io::Result<Option<Hello>> {
     }
     let rank = stream.read_u32_le().await?;
     let world = stream.read_u32_le().await?;
+    let job = stream.read_u64_le().await?;
     let Some(addr) = read_addr(&mut stream).await? else {
         return Ok(None);
     };
     Ok(Some(Hello {
         rank,
         world,
+        job,
         addr,
+        peer: stream.peer_addr().ok(),
         stream,
     }))
+}
+
+/// `127.0.0.1:4242`, or `an unknown address`.
+fn from(peer: Option<SocketAddr>) -> String {
+    peer.map_or_else(|| "an unknown address".to_string(), |p| p.to_string())
+}
+
+/// `rank 2` or `ranks 2,3`.
+fn ranks_text(ranks: &[u32]) -> String {
+    let list: Vec<String> = ranks.iter().map(u32::to_string).collect();
+    match ranks.len() {
+        1 => format!("rank {}", list[0]),
+        _ => format!("ranks {}", list.join(",")),
+    }
+}
+
+/// Ticks every [`TransportOptions::progress_every`]; never, without it.
+struct Progress {
+    interval: Option<tokio::time::Interval>,
+    started: Instant,
+    total: Duration,
+}
+
+impl Progress {
+    fn new(options: &TransportOptions) -> Self {
+        let interval = options.progress_every.map(|every| {
+            let every = every.max(Duration::from_millis(100));
+            let mut interval = tokio::time::interval_at(Instant::now() + every, every);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            interval
+        });
+        Self {
+            interval,
+            started: Instant::now(),
+            total: options.connect_timeout,
+        }
+    }
+
+    async fn tick(&mut self) {
+        match &mut self.interval {
+            Some(interval) => {
+                interval.tick().await;
+            }
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Runs `work`, saying every tick that `rank` is waiting for `what`.
+    async fn saying<T>(&mut self, work: impl Future<Output = T>, rank: u32, what: String) -> T {
+        tokio::pin!(work);
+        loop {
+            tokio::select! {
+                done = &mut work => return done,
+                () = self.tick() => self.say(rank, &what),
+            }
+        }
+    }
+
+    /// Prints `rank R: waiting for WHAT (E s of T s)` to stderr.
+    fn say(&self, rank: u32, what: &str) {
+        eprintln!(
+            "rank {rank}: waiting for {what} ({} s of {} s)",
+            self.started.elapsed().as_secs(),
+            self.total.as_secs_f64().round()
+        );
+    }
 }
 
 fn missing(have: &[bool], below: u32) -> Vec<u32> {
@@ -367,8 +445,12 @@ async fn master(
     let mut pending = FuturesUnordered::new();
     let sleep = tokio::time::sleep_until(deadline);
     tokio::pin!(sleep);
+    let mut progress = Progress::new(options);
     while count < world {
         tokio::select! {
+            () = progress.tick() => {
+                progress.say(0, &format!("{} to join", ranks_text(&missing(&have, world))));
+            }
             accepted = master.accept() => {
                 // A failed accept (a connection reset before it was taken) only loses that one.
                 if let Ok((stream, _)) = accepted {
@@ -379,21 +461,34 @@ async fn master(
             Some(hello) = pending.next(), if !pending.is_empty() => {
                 // Connections that are not ours (or die before saying hello) are dropped.
                 let Ok(Some(hello)) = hello else { continue };
+                // An impostor (another job on this port, or a misconfigured rank) is refused by
+                // name, with what it claimed and what rank 0 expects.
+                let who = from(hello.peer);
                 if hello.world != world {
                     return Err(rendezvous(format!(
-                        "rank {} says the world has {} ranks but rank 0 has WORLD_SIZE={world}",
+                        "rank 0 refused rank {} from {who}: it says the world has {} ranks but rank 0 has WORLD_SIZE={world}",
                         hello.rank, hello.world
                     )));
                 }
                 if hello.rank == 0 || hello.rank >= world {
                     return Err(rendezvous(format!(
-                        "a rank checked in as rank {} but ranks 1..{world} were expected (two ranks 0?)",
+                        "rank 0 refused a connection from {who} that checked in as rank {} but ranks 1..{world} were expected (two ranks 0?)",
                         hello.rank
                     )));
                 }
+                if hello.job != config.job {
+                    return Err(rendezvous(format!(
+                        "rank 0 refused rank {} from {who}: it loads job {:016x} but rank 0 loads job {:016x} (another checkpoint, layout or option, or another job on port {})",
+                        hello.rank, hello.job, config.job, config.master_port
+                    )));
+                }
                 let slot = hello.rank as usize;
-                if have[slot] {
-                    return Err(rendezvous(format!("rank {} checked in twice (two processes with the same RANK?)", hello.rank)));
+                if let Some(first) = &checked_in[slot] {
+                    return Err(rendezvous(format!(
+                        "rank {} checked in twice, from {} and from {who} (two processes with the same RANK?)",
+                        hello.rank,
+                        from(first.peer)
+                    )));
                 }
                 have[slot] = true;
                 count += 1;
@@ -443,7 +538,8 @@ async fn worker(
     deadline: Instant,
 ) -> Result<(u64, Vec<SocketAddr>, TcpListener), LoaderError> {
     let (rank, world) = (config.rank, config.world);
-    let mut stream = connect_retrying(
+    let mut progress = Progress::new(options);
+    let reach = connect_retrying(
         (config.master_addr.as_str(), config.master_port),
         deadline,
         |last| {
@@ -452,8 +548,12 @@ async fn worker(
                 config.master_addr, config.master_port, options.connect_timeout
             ))
         },
-    )
-    .await?;
+    );
+    let what = format!(
+        "rank 0 to listen on {}:{}",
+        config.master_addr, config.master_port
+    );
+    let mut stream = progress.saying(reach, rank, what).await?;
     let local_ip = stream
         .local_addr()
         .map_err(|e| {
@@ -474,6 +574,7 @@ async fn worker(
     hello.extend_from_slice(&VERSION.to_le_bytes());
     hello.extend_from_slice(&rank.to_le_bytes());
     hello.extend_from_slice(&world.to_le_bytes());
+    hello.extend_from_slice(&config.job.to_le_bytes());
     put_addr(&mut hello, &own);
     let talk = async {
         stream.write_all(&hello).await?;
@@ -494,6 +595,14 @@ async fn worker(
         }
         Ok::<_, std::io::Error>(Some((session, table)))
     };
+    let talk = progress.saying(
+        talk,
+        rank,
+        format!(
+            "rank 0 at {}:{} to send the address table (all {world} ranks must join)",
+            config.master_addr, config.master_port
+        ),
+    );
     match tokio::time::timeout_at(deadline, talk).await {
         Ok(Ok(Some((session, table)))) => Ok((session, table, listener)),
         Ok(Ok(None)) => Err(rendezvous(format!(
@@ -640,8 +749,12 @@ async fn build_mesh(
         let mut pending = FuturesUnordered::new();
         let sleep = tokio::time::sleep_until(deadline);
         tokio::pin!(sleep);
+        let mut progress = Progress::new(options);
         while accepted.len() < rank as usize {
             tokio::select! {
+                () = progress.tick() => {
+                    progress.say(rank, &format!("{} to connect", ranks_text(&missing(&have, rank))));
+                }
                 incoming = listener.accept() => {
                     if let Ok((stream, _)) = incoming {
                         let _ = stream.set_nodelay(true);

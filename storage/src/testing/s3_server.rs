@@ -154,6 +154,7 @@ impl S3TestServer {
         StorageOptions {
             env: self.env(),
             ignore_process_env: true,
+            ..StorageOptions::default()
         }
     }
 
