@@ -68,7 +68,7 @@ impl Checkpoint {
     }
 
     /// Reads the pieces `plan` has this rank read, verified when the checkpoint has block
-    /// checksums, straight into `buffers` (one per plan destination), reporting progress as
+    /// checksums (and whole saved boxes against their own crc32c), straight into `buffers` (one per plan destination), reporting progress as
     /// `options` says.
     pub async fn read_into<B: AsMut<[u8]>>(
         &self,
@@ -81,6 +81,7 @@ impl Checkpoint {
             &self.location.prefix,
             plan,
             self.checksums.as_deref(),
+            Some(&self.meta),
             &options.read,
             buffers,
             options

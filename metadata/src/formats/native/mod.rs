@@ -60,7 +60,7 @@ pub use checksums::{BlockChecksums, FileBlocks, decode_block_checksums, encode_b
 pub use latest::{read_latest, step_from_dir_name};
 pub use manifest::{Created, DataPresence, Manifest, ManifestBlob, ManifestFile, read_manifest};
 pub use reader::{NativeCheckpoint, open_checkpoint, read_block_checksums};
-pub use verify::{BadBlock, SizeMismatch, VerifyReport, verify_checkpoint};
+pub use verify::{BadBlock, BadBox, SizeMismatch, VerifyReport, verify_checkpoint};
 pub use writer::{DataFileWriter, NativeWriter, WriteOptions, WrittenFile};
 
 /// The `format` field of every native manifest.
