@@ -1,4 +1,6 @@
-//! `tessera verify`: check what a checkpoint's format lets us check. Native: every block checksum.
+//! `tessera verify`: check what a checkpoint's format lets us check. Native: every block checksum,
+//! every box's and object's own crc32c, and no stray file under the checkpoint (on local disk
+//! also the staging files `<name>#<n>` a killed upload leaves, which the object store hides).
 //! PyTorch DCP: the structure (metadata, every blob's zip directory and `data.pkl`, byte ranges)
 //! and the zip CRC-32 of every tensor storage and object blob. safetensors: headers, byte ranges
 //! (no overlap, no hole, inside the file); the format records no checksums of the data.
@@ -100,8 +102,21 @@ pub async fn run(location: &str) -> Result<String> {
 }
 
 async fn verify_native(location: &str, loc: &storage::Location) -> Result<String> {
-    let report = verify_checkpoint(loc.store.as_ref(), &loc.prefix).await?;
+    let mut report = verify_checkpoint(loc.store.as_ref(), &loc.prefix).await?;
+    if let Some(dir) = storage::local_directory(location) {
+        report.stray_files.extend(storage::staged_uploads(&dir)?);
+        report.stray_files.sort();
+    }
     let mut out = String::new();
+    for stray in &report.stray_files {
+        writeln!(
+            out,
+            "stray file {stray}: not part of the checkpoint (left by an interrupted writer? remove it)"
+        )?;
+    }
+    if report.data_absent && !report.is_ok() {
+        bail!("{out}{location}: verification failed");
+    }
     if report.data_absent {
         writeln!(
             out,
@@ -125,6 +140,9 @@ async fn verify_native(location: &str, loc: &storage::Location) -> Result<String
             "bad block in {} bytes {}..{}: expected crc32c {:08x}, found {:08x}",
             b.file, b.start, b.end, b.expected, b.actual
         )?;
+    }
+    for b in &report.bad_boxes {
+        writeln!(out, "bad box: {}", b.to_error())?;
     }
     if !report.is_ok() {
         bail!("{out}{location}: verification failed");
