@@ -43,7 +43,7 @@ async fn load_all(checkpoint: &Checkpoint, layout: &Layout) -> Result<Vec<Loaded
 
 /// `tessera convert CKPT --layout L --out DIR`: the checkpoint saved as layout L would save it.
 pub async fn to_layout(source: &str, layout_path: &str, out: &str) -> Result<String> {
-    let checkpoint = open(source).await?;
+    let checkpoint = open(source, out).await?;
     let layout = super::read_layout(layout_path)?;
     let loaded = load_all(&checkpoint, &layout).await?;
     let tensors = checkpoint.meta.tensors().to_vec();
@@ -140,7 +140,7 @@ fn object_path(checkpoint: &Checkpoint, file: u32) -> Result<object_store::path:
 /// `tessera convert CKPT --format safetensors --out DIR`: consolidated full tensors in shards of
 /// at most `max_shard_bytes`, plus `model.safetensors.index.json` (written last).
 pub async fn to_safetensors(source: &str, out: &str, max_shard_bytes: u64) -> Result<String> {
-    let checkpoint = open(source).await?;
+    let checkpoint = open(source, out).await?;
     let everything =
         Layout::from_json(r#"{"mesh": [], "rules": [{"match": "*", "placements": []}]}"#)?;
     let loaded = load_all(&checkpoint, &everything).await?;
@@ -211,12 +211,22 @@ pub async fn to_safetensors(source: &str, out: &str, max_shard_bytes: u64) -> Re
     ))
 }
 
-/// Opens the source in any format (native, PyTorch DCP, safetensors). Foreign formats are read
-/// without verification: they record no checksums a partial read could be checked against.
-async fn open(source: &str) -> Result<Checkpoint> {
+/// Opens the source in any format (native, PyTorch DCP, safetensors) and verifies all of it as
+/// `tessera verify` does before anything is written: a conversion re-checksums what it reads, so
+/// corruption it let through would come out the other side as a checkpoint that verifies
+/// ("laundered"). The loader checks native block checksums (and whole boxes) as it reads, but
+/// DCP's zip CRC-32 covers whole storages that a conversion reads in pieces, and native box crcs
+/// cover boxes a new layout splits; one streaming pass over the source checks both, at the cost
+/// of reading the source twice.
+async fn open(source: &str, out: &str) -> Result<Checkpoint> {
     let checkpoint = super::open_for_load(source).await?;
     if !checkpoint.has_data {
         bail!("{source}: a metadata-only checkpoint has no data to convert");
     }
+    super::verify::check(source, super::verify::Strays::Ignore)
+        .await
+        .with_context(|| {
+            format!("verifying {source} before converting it (nothing was written to {out})")
+        })?;
     Ok(checkpoint)
 }
