@@ -338,9 +338,10 @@ fn convert_refuses_a_dcp_blob_that_fails_its_crc() {
     assert!(!out.join("manifest.json").exists());
     assert!(!out.join("data").exists());
     let err = fails(["verify", s(&out)]);
+    assert!(err.contains("not a checkpoint tessera can read"), "{err}");
     assert!(
-        err.contains("not a committed checkpoint") || err.contains("does not exist"),
-        "{err}"
+        !out.join(".tessera-claim.json").exists(),
+        "the claim is dropped on failure"
     );
 
     let hf = tmp.path().join("hf");

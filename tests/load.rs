@@ -386,8 +386,7 @@ fn a_convert_killed_midway_leaves_no_checkpoint() {
 
     // The killed writer's claim is still there: a new convert is refused, naming it.
     let claim = out.join(".tessera-claim.json");
-    let body: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&claim).unwrap()).unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&std::fs::read(&claim).unwrap()).unwrap();
     let pid = body["pid"].as_u64().unwrap();
     let args = [
         "convert",
@@ -413,11 +412,15 @@ fn a_convert_killed_midway_leaves_no_checkpoint() {
     resumed.push("--break-claim");
     let text = ok(resumed).text();
     assert!(
-        text.starts_with(&format!("broke the write claim of tessera convert pid {pid} on host ")),
+        text.starts_with(&format!(
+            "broke the write claim of tessera convert pid {pid} on host "
+        )),
         "{text}"
     );
     assert!(
-        text.contains("removed data/rank-00001.bin#1: an unfinished upload of an interrupted writer\n"),
+        text.contains(
+            "removed data/rank-00001.bin#1: an unfinished upload of an interrupted writer\n"
+        ),
         "{text}"
     );
     assert!(!out.join("data/rank-00001.bin#1").exists());
@@ -451,7 +454,10 @@ fn a_live_claim_refuses_a_second_writer_at_once() {
         r#"{"pid": 4242, "host": "trainer-7", "created": "2026-01-02T03:04:05Z", "command": "tessera convert"}"#,
     )
     .unwrap();
-    for format in [&["--layout", s(&layout)][..], &["--format", "safetensors"][..]] {
+    for format in [
+        &["--layout", s(&layout)][..],
+        &["--format", "safetensors"][..],
+    ] {
         let mut args = vec!["convert", s(&ckpt), "--out", s(&out)];
         args.extend_from_slice(format);
         assert_eq!(
@@ -487,14 +493,7 @@ fn two_concurrent_converts_into_one_out_commit_one_intact_checkpoint() {
             .iter()
             .map(|layout| {
                 std::process::Command::new(support::BIN)
-                    .args([
-                        "convert",
-                        s(&ckpt),
-                        "--layout",
-                        s(layout),
-                        "--out",
-                        s(&out),
-                    ])
+                    .args(["convert", s(&ckpt), "--layout", s(layout), "--out", s(&out)])
                     .stdin(std::process::Stdio::null())
                     .stdout(std::process::Stdio::piped())
                     .stderr(std::process::Stdio::piped())
@@ -580,14 +579,18 @@ fn an_interrupted_safetensors_export_is_never_read_as_a_checkpoint() {
     let mut resumed = args.to_vec();
     resumed.push("--break-claim");
     let text = ok(resumed).text();
-    assert!(text.contains(&format!("model.safetensors.index.json")), "{text}");
+    assert!(text.contains("model.safetensors.index.json"), "{text}");
     let leftovers: Vec<String> = std::fs::read_dir(&out)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .filter(|n| n.ends_with(".partial") || n.starts_with(".tessera"))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
-    assert!(ok(["verify", s(&out)]).text().contains(&format!("ok, safetensors: {total} files")));
+    assert!(
+        ok(["verify", s(&out)])
+            .text()
+            .contains(&format!("ok, safetensors: {total} files"))
+    );
 }
 
 /// Runs the binary with extra environment variables and expects success.

@@ -61,8 +61,8 @@ pub struct ReadStats {
 /// Reads every piece of `plan` that this rank reads itself (`read` is `Some`) from the files
 /// under `prefix` in `store` and calls `on_piece(index into plan.pieces, wire bytes)` once per
 /// piece as soon as all its bytes are in (in no particular order). Bytes are verified against
-/// `checksums` when `options.verify` is set and checksums are given, and pieces that are whole saved
-/// boxes of `meta` (the checkpoint the plan was made from) against the box's own crc32c when `meta`
+/// `checksums` when `options.verify` is set and checksums are given, and (also only when
+/// `options.verify` is set) pieces that are whole saved boxes of `meta` (the checkpoint the plan was made from) against the box's own crc32c when `meta`
 /// records one ([`MetadataError::BoxChecksumMismatch`] otherwise). `progress(n)` is called with
 /// the number of bytes just delivered to pieces; the calls add up to
 /// [`ReadStats::bytes_needed`] (the plan's `summary.bytes_read`).
@@ -72,6 +72,9 @@ pub struct ReadStats {
 /// [`LoaderError::Storage`] (after retries for transient errors); an
 /// error from `on_piece` stops the read and is returned. Must run inside a tokio runtime; dropping
 /// the future aborts the requests in flight.
+// Eight arguments: the two verification inputs (block checksums, box crcs from the metadata)
+// are separate because either may be absent (foreign formats, plans tested without metadata).
+#[allow(clippy::too_many_arguments)]
 pub async fn read_pieces(
     store: Arc<dyn ObjectStore>,
     prefix: &Path,
@@ -179,7 +182,8 @@ async fn read_runs(
         });
     }
 
-    let mut boxes = meta.map(BoxLookup::new);
+    // `verify: false` turns off every checksum, the boxes' too.
+    let mut boxes = meta.filter(|_| options.verify).map(BoxLookup::new);
     let mut sources: Vec<Source> = Vec::new();
     let mut ranges: Vec<FileRange> = Vec::new();
     let mut pieces = 0usize;

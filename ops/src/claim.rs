@@ -138,7 +138,12 @@ impl Claim {
             Err(e) => return Err(store_error("creating the claim", &path, e)),
         }
         let removed_staged = match tessera_storage::local_directory(&location.display) {
-            Some(dir) => tessera_storage::remove_staged_uploads(&dir)?,
+            // Not the claim's own staging files: another writer trying to take the claim right
+            // now stages it there, and removing that file would fail its attempt with a
+            // confusing error instead of "claimed".
+            Some(dir) => tessera_storage::remove_staged_uploads(&dir, |relative| {
+                !relative.starts_with(CLAIM_FILE)
+            })?,
             None => Vec::new(),
         };
         Ok(Claim {

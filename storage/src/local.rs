@@ -40,10 +40,16 @@ pub fn staged_uploads(dir: &Path) -> Result<Vec<String>, StorageError> {
     Ok(found)
 }
 
-/// Removes every staged upload under `dir` (see [`staged_uploads`]) and returns what it removed.
-/// Only call this while no writer can be uploading there (the caller holds the write claim).
-pub fn remove_staged_uploads(dir: &Path) -> Result<Vec<String>, StorageError> {
-    let found = staged_uploads(dir)?;
+/// Removes the staged uploads under `dir` (see [`staged_uploads`]) for which `stale(relative
+/// path)` says so, and returns what it removed. Only call this for uploads no live writer can be
+/// making (the caller holds the write claim; the claim's own staging files belong to writers
+/// trying to take it, so callers keep those).
+pub fn remove_staged_uploads(
+    dir: &Path,
+    stale: impl Fn(&str) -> bool,
+) -> Result<Vec<String>, StorageError> {
+    let mut found = staged_uploads(dir)?;
+    found.retain(|relative| stale(relative));
     for relative in &found {
         let path = dir.join(relative);
         match std::fs::remove_file(&path) {
@@ -123,8 +129,9 @@ mod tests {
             staged_uploads(dir.path()).unwrap(),
             vec!["data/rank-00000.bin#1", "manifest.json#2"]
         );
-        remove_staged_uploads(dir.path()).unwrap();
-        assert!(staged_uploads(dir.path()).unwrap().is_empty());
+        let removed = remove_staged_uploads(dir.path(), |p| p.starts_with("data/")).unwrap();
+        assert_eq!(removed, vec!["data/rank-00000.bin#1"]);
+        assert_eq!(staged_uploads(dir.path()).unwrap(), vec!["manifest.json#2"]);
         assert!(dir.path().join("data/rank-00000.bin").exists());
         assert!(
             staged_uploads(&dir.path().join("absent"))
