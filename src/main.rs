@@ -165,6 +165,10 @@ enum Command {
         /// Largest safetensors shard in bytes.
         #[arg(long, default_value_t = 5 * 1024 * 1024 * 1024)]
         max_shard_bytes: u64,
+        /// Remove another writer's claim on --out first: only when that writer is known to be
+        /// dead (killed, its host gone), or two writers will mix their files.
+        #[arg(long)]
+        break_claim: bool,
     },
     /// Show what a checkpoint holds.
     Inspect {
@@ -433,16 +437,18 @@ fn run(cli: Cli) -> Result<()> {
             format,
             out,
             max_shard_bytes,
+            break_claim,
         } => {
+            let options = commands::convert::ConvertOptions { break_claim };
             let report = match (format, layout) {
-                (ConvertFormat::Native, Some(layout)) => {
-                    runtime.block_on(commands::convert::to_layout(&checkpoint, &layout, &out))?
-                }
+                (ConvertFormat::Native, Some(layout)) => runtime.block_on(
+                    commands::convert::to_layout(&checkpoint, &layout, &out, &options),
+                )?,
                 (ConvertFormat::Native, None) => {
                     anyhow::bail!("convert to the native format needs --layout")
                 }
                 (ConvertFormat::Safetensors, None) => runtime.block_on(
-                    commands::convert::to_safetensors(&checkpoint, &out, max_shard_bytes),
+                    commands::convert::to_safetensors(&checkpoint, &out, max_shard_bytes, &options),
                 )?,
                 (ConvertFormat::Safetensors, Some(_)) => {
                     anyhow::bail!("--format safetensors writes consolidated tensors; drop --layout")

@@ -13,7 +13,7 @@ use std::path::Path;
 use serde_json::Value;
 use support::{
     MEGATRON_TP2_PP2_DP2, assert_same_bytes, crc32c, execute_and_check, fails, layout_file, ok,
-    open, run_in, s, synth_tiny,
+    open, run_in, s, swap_two_boxes, synth_tiny,
 };
 use tessera_metadata::{TensorBox, TensorMeta};
 use tessera_planner::{Layout, MeshDim, PlanSummary, RankPlan, Rule, Target, assign_writers};
@@ -945,14 +945,77 @@ fn verify_names_the_block_holding_a_flipped_byte() {
     data[pos] ^= 0x10;
     let found = crc32c(&data[a as usize..b as usize]);
     std::fs::write(&path, &data).unwrap();
+    // The box holding the byte no longer matches its own crc either.
+    let opened = open(&ckpt);
+    let meta = &opened.meta;
+    let file_index = meta
+        .files()
+        .iter()
+        .position(|f| f.path == file.path)
+        .unwrap() as u32;
+    let chunk = meta
+        .chunks()
+        .iter()
+        .find(|c| {
+            c.bytes.file == file_index
+                && (c.bytes.offset..c.bytes.offset + c.bytes.length).contains(&(pos as u64))
+        })
+        .expect("the flipped byte lies in a box");
+    let (start, end) = (chunk.bytes.offset, chunk.bytes.offset + chunk.bytes.length);
 
     assert_eq!(
         fails(["verify", s(&ckpt)]),
         format!(
-            "error: bad block in {} bytes {a}..{b}: expected crc32c {expected:08x}, found {found:08x}\n{}: verification failed\n",
+            "error: bad block in {} bytes {a}..{b}: expected crc32c {expected:08x}, found {found:08x}\n\
+             bad box: checksum mismatch in {} bytes {start}..{end} (tensor {} box {}): its metadata records crc32c {:08x}, the bytes have {:08x}\n\
+             {}: verification failed\n",
             file.path,
+            file.path,
+            meta.tensors()[chunk.tensor as usize].fqn,
+            chunk.region,
+            chunk.crc32c.unwrap(),
+            crc32c(&data[start as usize..end as usize]),
             s(&ckpt)
         )
+    );
+}
+
+#[test]
+fn verify_and_load_refuse_boxes_pointing_at_each_others_bytes() {
+    let dir = tempdir();
+    let ckpt = synth_tiny(dir.path());
+    let moved = swap_two_boxes(&ckpt);
+    // The metadata is self-consistent: inspect opens it.
+    ok(["inspect", s(&ckpt)]);
+    let err = fails(["verify", s(&ckpt)]);
+    for (fqn, region, file, start, end) in &moved {
+        let data = std::fs::read(ckpt.join(file)).unwrap();
+        let actual = crc32c(&data[*start as usize..*end as usize]);
+        let line = format!(
+            "bad box: checksum mismatch in {file} bytes {start}..{end} (tensor {fqn} box {region}): its metadata records crc32c "
+        );
+        let found = err.lines().find(|l| l.contains(&line[..line.len() - 1]));
+        let found = found.unwrap_or_else(|| panic!("no line {line:?} in {err}"));
+        assert!(
+            found.ends_with(&format!(", the bytes have {actual:08x}")),
+            "{found}"
+        );
+    }
+    assert!(
+        err.ends_with(&format!("{}: verification failed\n", s(&ckpt))),
+        "{err}"
+    );
+    assert!(!err.contains("bad block"), "{err}");
+
+    // Loading the whole model reads every box whole: the load fails naming a box.
+    let layout = layout_file(dir.path(), "one.json", &["fsdp", "--dp", "1"]);
+    let err = fails(["load", s(&ckpt), "--layout", s(&layout)]);
+    assert!(
+        moved.iter().any(|(fqn, region, file, start, end)| err.contains(&format!(
+            "checksum mismatch in {}/{file} bytes {start}..{end} (tensor {fqn} box {region}): its metadata records crc32c",
+            prefix_of(&ckpt)
+        ))),
+        "{err}"
     );
 }
 

@@ -305,6 +305,59 @@ fn copy_fixture(fixture: &str, into: &Path) -> PathBuf {
     to
 }
 
+/// A bit-flipped DCP storage must not come out of `convert` as a native checkpoint that verifies
+/// (the conversion would re-checksum the bad bytes): convert fails naming the blob, and the output
+/// holds no committed checkpoint; the same goes for the safetensors export.
+#[test]
+fn convert_refuses_a_dcp_blob_that_fails_its_crc() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture("a_w1_plain", tmp.path());
+    let distcp = dir.join("__0_0.distcp");
+    let mut bytes = std::fs::read(&distcp).unwrap();
+    bytes[309355 + 1000] ^= 0x01;
+    std::fs::write(&distcp, &bytes).unwrap();
+    let blob = "bad blob in __0_0.distcp bytes 310059..334635 (tensor model.lm_head.weight chunk [0..96, 0..64]): storage crc32 ";
+
+    let out = tmp.path().join("native/step-000001");
+    let err = fails([
+        "convert",
+        s(&dir),
+        "--layout",
+        s(&dir.join("layout_w2_shard1.json")),
+        "--out",
+        s(&out),
+    ]);
+    assert!(
+        err.starts_with(&format!(
+            "error: verifying {} before converting it (nothing was written to {}): {blob}",
+            s(&dir),
+            s(&out)
+        )),
+        "{err}"
+    );
+    assert!(!out.join("manifest.json").exists());
+    assert!(!out.join("data").exists());
+    let err = fails(["verify", s(&out)]);
+    assert!(err.contains("not a checkpoint tessera can read"), "{err}");
+    assert!(
+        !out.join(".tessera-claim.json").exists(),
+        "the claim is dropped on failure"
+    );
+
+    let hf = tmp.path().join("hf");
+    let err = fails([
+        "convert",
+        s(&dir),
+        "--format",
+        "safetensors",
+        "--out",
+        s(&hf),
+    ]);
+    assert!(err.contains(blob), "{err}");
+    assert!(!hf.join("model.safetensors.index.json").exists());
+    assert!(!hf.join("model-00001-of-00001.safetensors").exists());
+}
+
 #[test]
 fn damaged_checkpoints_fail_naming_the_file() {
     let tmp = tempfile::tempdir().unwrap();

@@ -383,6 +383,214 @@ fn a_convert_killed_midway_leaves_no_checkpoint() {
         "{err}"
     );
     assert!(!dir.path().join("converted/latest").exists());
+
+    // The killed writer's claim is still there: a new convert is refused, naming it.
+    let claim = out.join(".tessera-claim.json");
+    let body: serde_json::Value = serde_json::from_slice(&std::fs::read(&claim).unwrap()).unwrap();
+    let pid = body["pid"].as_u64().unwrap();
+    let args = [
+        "convert",
+        s(&ckpt),
+        "--layout",
+        s(&layout),
+        "--out",
+        s(&out),
+    ];
+    let err = fails(args);
+    assert!(
+        err.starts_with(&format!(
+            "error: claiming {out} for writing: {out} is being written by another writer: step-000001/.tessera-claim.json is held by tessera convert pid {pid} on host ",
+            out = s(&out)
+        )),
+        "{err}"
+    );
+    assert!(err.contains("rerun with --break-claim"), "{err}");
+    // A writer killed mid-upload also leaves object_store's staging file, which its listings hide.
+    std::fs::write(out.join("data/rank-00001.bin#1"), b"half an upload").unwrap();
+
+    let mut resumed = args.to_vec();
+    resumed.push("--break-claim");
+    let text = ok(resumed).text();
+    assert!(
+        text.starts_with(&format!(
+            "broke the write claim of tessera convert pid {pid} on host "
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "removed data/rank-00001.bin#1: an unfinished upload of an interrupted writer\n"
+        ),
+        "{text}"
+    );
+    assert!(!out.join("data/rank-00001.bin#1").exists());
+    assert!(!claim.exists(), "the claim is removed after the commit");
+    assert!(ok(["verify", s(&out)]).text().contains(": ok, 3 files"));
+}
+
+#[test]
+fn verify_reports_a_staging_file_left_inside_a_checkpoint() {
+    let dir = tempdir();
+    let ckpt = synth(dir.path(), &["fsdp", "--dp", "2"]);
+    std::fs::write(ckpt.join("data/rank-00000.bin#1"), b"x").unwrap();
+    assert_eq!(
+        fails(["verify", s(&ckpt)]),
+        format!(
+            "error: stray file data/rank-00000.bin#1: not part of the checkpoint (left by an interrupted writer? remove it)\n{}: verification failed\n",
+            s(&ckpt)
+        )
+    );
+}
+
+#[test]
+fn a_live_claim_refuses_a_second_writer_at_once() {
+    let dir = tempdir();
+    let ckpt = synth(dir.path(), &["fsdp", "--dp", "2"]);
+    let layout = layout_file(dir.path(), "fsdp3.json", &["fsdp", "--dp", "3"]);
+    let out = dir.path().join("converted/step-000001");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(
+        out.join(".tessera-claim.json"),
+        r#"{"pid": 4242, "host": "trainer-7", "created": "2026-01-02T03:04:05Z", "command": "tessera convert"}"#,
+    )
+    .unwrap();
+    for format in [
+        &["--layout", s(&layout)][..],
+        &["--format", "safetensors"][..],
+    ] {
+        let mut args = vec!["convert", s(&ckpt), "--out", s(&out)];
+        args.extend_from_slice(format);
+        assert_eq!(
+            fails(args),
+            format!(
+                "error: claiming {o} for writing: {o} is being written by another writer: step-000001/.tessera-claim.json is held by tessera convert pid 4242 on host trainer-7 since 2026-01-02T03:04:05Z. If that writer is dead (killed, its host gone), rerun with --break-claim to remove its claim and write anyway\n",
+                o = s(&out)
+            )
+        );
+    }
+    // Nothing was written next to the claim.
+    let entries: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(entries, vec![".tessera-claim.json".to_string()]);
+}
+
+/// Two converts into one `--out` at once: exactly one commits, the other fails (on the claim, or
+/// on the committed checkpoint when it started after the first finished), and what is committed
+/// verifies. Repeated, since the interleaving differs from run to run.
+#[test]
+fn two_concurrent_converts_into_one_out_commit_one_intact_checkpoint() {
+    let dir = tempdir();
+    let ckpt = synth(dir.path(), &["fsdp", "--dp", "2"]);
+    let layouts = [
+        layout_file(dir.path(), "fsdp3.json", &["fsdp", "--dp", "3"]),
+        layout_file(dir.path(), "fsdp4.json", &["fsdp", "--dp", "4"]),
+    ];
+    for attempt in 0..5 {
+        let out = dir.path().join(format!("race{attempt}/step-000001"));
+        let children: Vec<std::process::Child> = layouts
+            .iter()
+            .map(|layout| {
+                std::process::Command::new(support::BIN)
+                    .args(["convert", s(&ckpt), "--layout", s(layout), "--out", s(&out)])
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let outputs: Vec<std::process::Output> = children
+            .into_iter()
+            .map(|c| c.wait_with_output().unwrap())
+            .collect();
+        let winners = outputs.iter().filter(|o| o.status.success()).count();
+        assert_eq!(winners, 1, "attempt {attempt}: {outputs:?}");
+        let loser = outputs.iter().find(|o| !o.status.success()).unwrap();
+        let err = String::from_utf8_lossy(&loser.stderr);
+        assert!(
+            err.contains("is being written by another writer")
+                || err.contains("holds a committed checkpoint"),
+            "attempt {attempt}: {err}"
+        );
+        assert!(ok(["verify", s(&out)]).text().contains(": ok, "));
+        assert!(!out.join(".tessera-claim.json").exists());
+    }
+}
+
+/// An export killed after its first shard shows no shard (they are staged as `.partial`); one
+/// killed while renaming shows an incomplete set, refused naming the missing shard; a retry
+/// with --break-claim cleans up and commits the whole export.
+#[test]
+fn an_interrupted_safetensors_export_is_never_read_as_a_checkpoint() {
+    let dir = tempdir();
+    let ckpt = synth(dir.path(), &["fsdp", "--dp", "2"]);
+    let out = dir.path().join("hf");
+    let args = [
+        "convert",
+        s(&ckpt),
+        "--format",
+        "safetensors",
+        "--out",
+        s(&out),
+        "--max-shard-bytes",
+        "1000000",
+    ];
+    let status = std::process::Command::new(support::BIN)
+        .args(args)
+        .env("TESSERA_FAULT_ABORT_AFTER_FILES", "2")
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(!status.success());
+    let mut names: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 3, "{names:?}");
+    assert_eq!(names[0], ".tessera-claim.json");
+    assert!(names[1].ends_with(".safetensors.partial"), "{names:?}");
+    let total: usize = names[1]
+        .trim_end_matches(".safetensors.partial")
+        .rsplit("-of-")
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(total >= 3, "{names:?}");
+    let err = fails(["inspect", s(&out)]);
+    assert!(!err.contains("ok"), "{err}");
+
+    // As if killed after renaming the first shard into place: the set is incomplete.
+    let first = names[1].trim_end_matches(".partial").to_string();
+    std::fs::rename(out.join(&names[1]), out.join(&first)).unwrap();
+    let second = first.replacen("-00001-of-", "-00002-of-", 1);
+    for command in ["inspect", "verify"] {
+        let err = fails([command, s(&out)]);
+        assert!(
+            err.contains(&format!("incomplete safetensors shard set: {second}, "))
+                && err.contains(&format!(" missing (1 of {total} shards of model-*-of-")),
+            "{command}: {err}"
+        );
+    }
+
+    let mut resumed = args.to_vec();
+    resumed.push("--break-claim");
+    let text = ok(resumed).text();
+    assert!(text.contains("model.safetensors.index.json"), "{text}");
+    let leftovers: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".partial") || n.starts_with(".tessera"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    assert!(
+        ok(["verify", s(&out)])
+            .text()
+            .contains(&format!("ok, safetensors: {total} files"))
+    );
 }
 
 /// Runs the binary with extra environment variables and expects success.

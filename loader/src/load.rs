@@ -86,9 +86,9 @@ impl Checkpoint {
     }
 
     /// Reads the pieces `plan` has this rank read, verified when the checkpoint has block
-    /// checksums, straight into `buffers` (one per plan destination), reporting progress as
-    /// `options` says. A plan made for another checkpoint is refused first
-    /// ([`Checkpoint::check_plan`]): every load path reads through here.
+    /// checksums (and whole saved boxes against their own crc32c), straight into `buffers` (one per
+    /// plan destination), reporting progress as `options` says. A plan made for another checkpoint
+    /// is refused first ([`Checkpoint::check_plan`]): every load path reads through here.
     pub async fn read_into<B: AsMut<[u8]>>(
         &self,
         plan: &RankPlan,
@@ -101,6 +101,7 @@ impl Checkpoint {
             &self.location.prefix,
             plan,
             self.checksums.as_deref(),
+            Some(&self.meta),
             &options.read,
             buffers,
             options

@@ -9,14 +9,23 @@
 //! the moment its last byte lands, and its buffer is dropped. Memory stays within the scheduler's
 //! byte budget plus the pieces that are partly assembled; since parts are requested in file order
 //! and pieces are contiguous stretches of their file, those are few.
+//!
+//! A piece that is a whole saved box (the common case when a layout matches the saved one, and
+//! always in `convert`) is also checked against the crc32c of the box's own metadata row, folded
+//! from the parts as they arrive (`crc32c_combine`, since parts complete in any order). Block
+//! checksums only prove that a file holds what was written; the box crc proves the metadata points
+//! the box at its own bytes (a metadata row with another box's offset passes every block check).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use object_store::ObjectStore;
 use object_store::path::{Path, PathPart};
+use std::collections::HashMap;
+
 use tessera_metadata::formats::native::BlockChecksums;
-use tessera_planner::{RankPlan, StridedRuns};
+use tessera_metadata::{CheckpointMeta, MetadataError};
+use tessera_planner::{RankPiece, RankPlan, StridedRuns};
 
 use crate::LoaderError;
 use crate::scheduler::{FileRange, RangeScheduler, SourceFile};
@@ -37,6 +46,8 @@ pub struct ReadStats {
     pub verify_extra_bytes: u64,
     /// Bytes checked against block checksums (0 when not verifying).
     pub bytes_verified: u64,
+    /// Pieces that were whole saved boxes checked against their metadata row's crc32c.
+    pub boxes_verified: u64,
     /// Storage requests (small parts of one file share one; retries not included).
     pub requests: u64,
     /// Parts fetched (ranges of at most the part size).
@@ -50,19 +61,26 @@ pub struct ReadStats {
 /// Reads every piece of `plan` that this rank reads itself (`read` is `Some`) from the files
 /// under `prefix` in `store` and calls `on_piece(index into plan.pieces, wire bytes)` once per
 /// piece as soon as all its bytes are in (in no particular order). Bytes are verified against
-/// `checksums` when `options.verify` is set and checksums are given. `progress(n)` is called with
+/// `checksums` when `options.verify` is set and checksums are given, and (also only when
+/// `options.verify` is set) pieces that are whole saved boxes of `meta` (the checkpoint the plan was made from) against the box's own crc32c when `meta`
+/// records one ([`MetadataError::BoxChecksumMismatch`] otherwise). `progress(n)` is called with
 /// the number of bytes just delivered to pieces; the calls add up to
 /// [`ReadStats::bytes_needed`] (the plan's `summary.bytes_read`).
 ///
 /// Errors name the file and byte range: [`LoaderError::MissingFile`], [`LoaderError::ShortRead`],
-/// [`LoaderError::Checksum`], [`LoaderError::Storage`] (after retries for transient errors); an
+/// [`LoaderError::Checksum`], a box checksum mismatch ([`LoaderError::Metadata`]),
+/// [`LoaderError::Storage`] (after retries for transient errors); an
 /// error from `on_piece` stops the read and is returned. Must run inside a tokio runtime; dropping
 /// the future aborts the requests in flight.
+// Eight arguments: the two verification inputs (block checksums, box crcs from the metadata)
+// are separate because either may be absent (foreign formats, plans tested without metadata).
+#[allow(clippy::too_many_arguments)]
 pub async fn read_pieces(
     store: Arc<dyn ObjectStore>,
     prefix: &Path,
     plan: &RankPlan,
     checksums: Option<&BlockChecksums>,
+    meta: Option<&CheckpointMeta>,
     options: &ReadOptions,
     mut on_piece: impl FnMut(usize, &[u8]) -> Result<(), LoaderError>,
     progress: Option<&(dyn Fn(u64) + Sync)>,
@@ -74,6 +92,7 @@ pub async fn read_pieces(
         prefix,
         plan,
         checksums,
+        meta,
         options,
         |piece, event| match event {
             Delivery::Bytes(wire_offset, bytes) => {
@@ -94,12 +113,15 @@ pub async fn read_pieces(
 }
 
 /// Reads this rank's pieces straight into its destination buffers (one per plan destination),
-/// through each piece's place runs: no wire buffer, one copy from the fetched bytes.
+/// through each piece's place runs: no wire buffer, one copy from the fetched bytes. Verified as
+/// [`read_pieces`] says.
+#[allow(clippy::too_many_arguments)]
 pub async fn read_into<B: AsMut<[u8]>>(
     store: Arc<dyn ObjectStore>,
     prefix: &Path,
     plan: &RankPlan,
     checksums: Option<&BlockChecksums>,
+    meta: Option<&CheckpointMeta>,
     options: &ReadOptions,
     buffers: &mut [B],
     progress: Option<&(dyn Fn(u64) + Sync)>,
@@ -117,6 +139,7 @@ pub async fn read_into<B: AsMut<[u8]>>(
         prefix,
         plan,
         checksums,
+        meta,
         options,
         |piece, event| match (event, &placers[piece]) {
             (Delivery::Bytes(wire_offset, bytes), Some(placer)) => {
@@ -139,11 +162,13 @@ enum Delivery<'a> {
 
 /// The shared read core: schedules and fetches every run of every piece this rank reads and
 /// hands each fetched run, then the piece's completion, to `deliver(piece, event)`.
+#[allow(clippy::too_many_arguments)]
 async fn read_runs(
     store: Arc<dyn ObjectStore>,
     prefix: &Path,
     plan: &RankPlan,
     checksums: Option<&BlockChecksums>,
+    meta: Option<&CheckpointMeta>,
     options: &ReadOptions,
     mut deliver: impl FnMut(usize, Delivery<'_>) -> Result<(), LoaderError>,
     progress: Option<&(dyn Fn(u64) + Sync)>,
@@ -157,6 +182,8 @@ async fn read_runs(
         });
     }
 
+    // `verify: false` turns off every checksum, the boxes' too.
+    let mut boxes = meta.filter(|_| options.verify).map(BoxLookup::new);
     let mut sources: Vec<Source> = Vec::new();
     let mut ranges: Vec<FileRange> = Vec::new();
     let mut pieces = 0usize;
@@ -186,10 +213,14 @@ async fn read_runs(
             continue;
         }
         runs.src_ranges(read.file, &mut ranges);
+        let whole_box = boxes
+            .as_mut()
+            .and_then(|b| b.whole_box(plan, piece, &runs, &files[read.file as usize]));
         sources.push(Source {
             piece: index,
             file: read.file,
             runs,
+            whole_box,
         });
     }
 
@@ -197,21 +228,30 @@ async fn read_runs(
     let schedule = scheduler.schedule(ranges)?;
     let index = SourceIndex::new(&sources);
     let mut remaining: Vec<u64> = sources.iter().map(|s| s.runs.total).collect();
+    let mut boxes_verified = 0u64;
 
     let fetched = scheduler
         .fetch(&schedule.parts, |part, bytes| {
             let mut delivered = 0u64;
             for s in index.overlapping(part) {
-                let source = &sources[s];
+                let source = &mut sources[s];
+                let piece = source.piece;
                 let copied = source
                     .runs
                     .copy_from(part.start, bytes, |wire_offset, run| {
-                        deliver(source.piece, Delivery::Bytes(wire_offset, run))
+                        deliver(piece, Delivery::Bytes(wire_offset, run))
                     })?;
+                if let Some(check) = &mut source.whole_box {
+                    check.fold(part.start, bytes);
+                }
                 delivered += copied;
                 remaining[s] -= copied;
                 if copied > 0 && remaining[s] == 0 {
-                    deliver(source.piece, Delivery::Complete)?;
+                    if let Some(check) = &mut source.whole_box {
+                        check.finish()?;
+                        boxes_verified += 1;
+                    }
+                    deliver(piece, Delivery::Complete)?;
                 }
             }
             if let (Some(progress), true) = (progress, delivered > 0) {
@@ -240,6 +280,7 @@ async fn read_runs(
             0
         },
         bytes_verified: fetched.bytes_verified,
+        boxes_verified,
         requests: fetched.requests,
         parts: fetched.parts,
         retries: fetched.retries,
@@ -276,6 +317,124 @@ struct Source {
     /// Index into the plan's files.
     file: u32,
     runs: Runs,
+    /// Present when the piece is a whole saved box whose metadata records a crc32c.
+    whole_box: Option<BoxCrc>,
+}
+
+/// Finds the saved box of the checkpoint's metadata that a piece is, if it is a whole one.
+struct BoxLookup<'a> {
+    meta: &'a CheckpointMeta,
+    /// Tensor index by FQN, built on first use (plans name tensors by FQN).
+    tensors: Option<HashMap<&'a str, u32>>,
+}
+
+impl<'a> BoxLookup<'a> {
+    fn new(meta: &'a CheckpointMeta) -> Self {
+        Self {
+            meta,
+            tensors: None,
+        }
+    }
+
+    /// The check of `piece` when it reads, from `file`, exactly the bytes of a saved box with the
+    /// same tensor and region whose metadata row records a crc32c. Anything else (a part of a
+    /// box, a format without box checksums, a plan made from other metadata) is not checked here.
+    fn whole_box(
+        &mut self,
+        plan: &RankPlan,
+        piece: &RankPiece,
+        runs: &Runs,
+        file: &SourceFile,
+    ) -> Option<BoxCrc> {
+        let contiguous = runs.sorted && runs.src_end - runs.src_offset == runs.total;
+        if !contiguous || runs.total == 0 {
+            return None;
+        }
+        let meta = self.meta;
+        let fqn = plan.tensors.get(piece.tensor as usize)?.fqn.as_str();
+        let tensors = self.tensors.get_or_insert_with(|| {
+            meta.tensors()
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t.fqn.as_str(), i as u32))
+                .collect()
+        });
+        let tensor = *tensors.get(fqn)?;
+        let chunk = meta
+            .chunks_of(tensor)
+            .iter()
+            .find(|c| c.region == piece.region)?;
+        let expected = chunk.crc32c?;
+        let same_bytes = meta.files().get(chunk.bytes.file as usize)?.path == file.key
+            && chunk.bytes.offset == runs.src_offset
+            && chunk.bytes.length == runs.total;
+        same_bytes.then(|| BoxCrc {
+            path: file.path.to_string(),
+            entry: format!("tensor {fqn} box {}", chunk.region),
+            start: runs.src_offset,
+            end: runs.src_end,
+            expected,
+            segments: Vec::new(),
+        })
+    }
+}
+
+/// The crc32c of a whole saved box, assembled from the parts that hold its bytes.
+#[derive(Debug)]
+struct BoxCrc {
+    /// Store path of the data file.
+    path: String,
+    entry: String,
+    start: u64,
+    end: u64,
+    expected: u32,
+    /// (file offset, crc32c, length) of the box's bytes in each part seen so far.
+    segments: Vec<(u64, u32, u64)>,
+}
+
+impl BoxCrc {
+    /// Folds in the box's bytes among `bytes` (file bytes from `start`).
+    fn fold(&mut self, start: u64, bytes: &[u8]) {
+        let end = start + bytes.len() as u64;
+        let (lo, hi) = (self.start.max(start), self.end.min(end));
+        if lo < hi {
+            let slice = &bytes[(lo - start) as usize..(hi - start) as usize];
+            self.segments.push((lo, crc32c::crc32c(slice), hi - lo));
+        }
+    }
+
+    /// Combines the segments in file order and compares with the recorded crc32c.
+    fn finish(&mut self) -> Result<(), LoaderError> {
+        self.segments.sort_unstable_by_key(|s| s.0);
+        let mut at = self.start;
+        let mut crc = 0u32;
+        for &(offset, part, len) in &self.segments {
+            if offset != at {
+                // Parts never overlap and cover every byte of a complete piece; a gap here would
+                // be a scheduler bug, so say so rather than report a bogus checksum.
+                return Err(LoaderError::InvalidPlan {
+                    detail: format!(
+                        "{}: the bytes of {} were assembled with a gap at {at}",
+                        self.path, self.entry
+                    ),
+                });
+            }
+            crc = crc32c::crc32c_combine(crc, part, len as usize);
+            at += len;
+        }
+        if crc != self.expected || at != self.end {
+            return Err(MetadataError::BoxChecksumMismatch {
+                path: self.path.clone(),
+                entry: std::mem::take(&mut self.entry),
+                start: self.start,
+                end: self.end,
+                expected: self.expected,
+                actual: crc,
+            }
+            .into());
+        }
+        Ok(())
+    }
 }
 
 /// A piece's read runs with the outer dims ordered by falling source stride, so that iteration
@@ -698,6 +857,7 @@ mod tests {
             store,
             &prefix,
             &plan,
+            None,
             None,
             &options,
             |_, _| Ok(()),

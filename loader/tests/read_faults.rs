@@ -353,3 +353,66 @@ async fn a_byte_budget_below_one_part_still_completes_one_part_at_a_time() {
     .await;
     assert_eq!(peak, 2);
 }
+
+/// Two same-sized boxes whose metadata rows point at each other's bytes (the manifest's record of
+/// `metadata.arrow` recomputed, so the metadata opens cleanly and every block checksum still
+/// matches): a load must fail naming the file, tensor, box and both crcs, never hand back the
+/// other box's bytes.
+#[tokio::test]
+async fn swapped_box_locations_fail_the_load_naming_the_box() {
+    use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
+    use tessera_loader::transport::{InProcTransport, TransportOptions};
+    use tessera_metadata::TensorBox;
+
+    let store = memory_store();
+    let written = write_checkpoint(&store).await;
+    // The embed boxes are rows 0..128 in rank0.bin and rows 128..256 in rank1.bin, both at
+    // offset 0 and 49 152 bytes long: swap where they live.
+    let rows = |start: u64| TensorBox::new(vec![start, 0], vec![128, 96]);
+    rewrite_boxes(&store, |chunks| {
+        let a = chunks
+            .iter()
+            .position(|c| c.tensor == 0 && c.region == rows(0))
+            .unwrap();
+        let b = chunks
+            .iter()
+            .position(|c| c.tensor == 0 && c.region == rows(128))
+            .unwrap();
+        let (fa, fb) = (chunks[a].bytes.clone(), chunks[b].bytes.clone());
+        assert_eq!((fa.offset, fa.length), (fb.offset, fb.length));
+        chunks[a].bytes = fb;
+        chunks[b].bytes = fa;
+    })
+    .await;
+    let expected = written.meta.chunks()[0].crc32c.unwrap();
+    let rank1 = contents(&store, RANK1).await;
+    let actual = crc32c::crc32c(&rank1[..49_152]);
+    assert_ne!(expected, actual);
+
+    let checkpoint = Checkpoint::open(tessera_storage::Location {
+        store: Arc::clone(&store),
+        prefix: prefix(),
+        display: PREFIX.to_string(),
+    })
+    .await
+    .unwrap();
+    let plan = rank_plans(&checkpoint.meta, WHOLE, true).remove(0);
+    let transport = InProcTransport::mesh(1, TransportOptions::default()).remove(0);
+    let err = load_rank(&checkpoint, plan, &transport, &LoadOptions::default())
+        .await
+        .unwrap_err();
+    let message = err.to_string();
+    // Which of the two boxes completes first depends on request timing; either names itself.
+    let first = format!(
+        "checksum mismatch in {RANK1} bytes 0..49152 (tensor model.embed.weight box [0..128, 0..96]): \
+         its metadata records crc32c {expected:08x}, the bytes have {actual:08x}"
+    );
+    let rank0 = contents(&store, RANK0).await;
+    let second = format!(
+        "checksum mismatch in {RANK0} bytes 0..49152 (tensor model.embed.weight box [128..256, 0..96]): \
+         its metadata records crc32c {:08x}, the bytes have {:08x}",
+        crc32c::crc32c(&rank1[..49_152]),
+        crc32c::crc32c(&rank0[..49_152]),
+    );
+    assert!(message == first || message == second, "{message}");
+}

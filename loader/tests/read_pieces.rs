@@ -299,6 +299,7 @@ async fn an_error_from_on_piece_stops_the_read() {
         &prefix(),
         plan,
         None,
+        None,
         &options,
         |_, _| {
             calls += 1;

@@ -112,6 +112,25 @@ pub enum MetadataError {
         /// Checksum of what was read.
         actual: u32,
     },
+    /// A saved box (or object) whose bytes do not match the crc32c its metadata row records: the
+    /// block checksums can all be right while the metadata points a box at another box's bytes.
+    #[error(
+        "checksum mismatch in {path} bytes {start}..{end} ({entry}): its metadata records crc32c {expected:08x}, the bytes have {actual:08x}"
+    )]
+    BoxChecksumMismatch {
+        /// Data file.
+        path: String,
+        /// `tensor <fqn> box <region>` or `object <key>`.
+        entry: String,
+        /// First byte of the box.
+        start: u64,
+        /// One past its last byte.
+        end: u64,
+        /// crc32c recorded in the metadata.
+        expected: u32,
+        /// crc32c of the bytes read.
+        actual: u32,
+    },
     /// A directory that holds no manifest: an incomplete (or no) checkpoint.
     #[error(
         "{path}: no manifest.json, so this is not a committed checkpoint (an incomplete save?)"

@@ -12,7 +12,7 @@ use object_store::ObjectStore;
 use object_store::path::Path;
 use tessera_metadata::MetadataError;
 use tessera_metadata::formats::native::{
-    BadBlock, BlockChecksums, FileBlocks, SizeMismatch, WriteOptions, open_checkpoint,
+    BadBlock, BadBox, BlockChecksums, FileBlocks, SizeMismatch, WriteOptions, open_checkpoint,
     read_block_checksums, read_manifest, verify_checkpoint,
 };
 
@@ -268,4 +268,120 @@ fn block_checksums_must_match_the_file_size() {
         err.to_string(),
         "invalid checkpoint metadata: data/a.bin: 9 block checksums for 95 bytes in blocks of 10 (10 blocks)"
     );
+}
+
+/// Rewrites `metadata.arrow` with `edit` applied to the saved boxes and records the new file's
+/// size and crc32c in the manifest: metadata that opens cleanly but points boxes elsewhere.
+async fn rewrite_boxes(
+    store: &dyn ObjectStore,
+    root: &std::path::Path,
+    edit: impl FnOnce(&mut Vec<tessera_metadata::SavedChunk>),
+) {
+    use tessera_metadata::CheckpointMeta;
+    use tessera_metadata::formats::native::encode_metadata;
+    let meta = open_checkpoint(store, &Path::from(PREFIX))
+        .await
+        .unwrap()
+        .meta;
+    let mut chunks = meta.chunks().to_vec();
+    edit(&mut chunks);
+    let edited = CheckpointMeta::new(
+        meta.tensors().to_vec(),
+        chunks,
+        meta.objects().to_vec(),
+        meta.files().to_vec(),
+    )
+    .unwrap();
+    let bytes = encode_metadata(&edited).unwrap();
+    let mut manifest = read_manifest(store, &Path::from(PREFIX)).await.unwrap();
+    manifest.metadata.size = bytes.len() as u64;
+    manifest.metadata.crc32c = crc32c::crc32c(&bytes);
+    std::fs::write(root.join("metadata.arrow"), &bytes).unwrap();
+    std::fs::write(root.join("manifest.json"), manifest.to_json().unwrap()).unwrap();
+}
+
+#[tokio::test]
+async fn boxes_with_swapped_offsets_are_reported_with_both_crcs() {
+    let (_dir, store, root) = committed().await;
+    let qkv = |offsets: [u64; 2], lengths: [u64; 2]| {
+        tessera_metadata::TensorBox::new(offsets.to_vec(), lengths.to_vec())
+    };
+    // Two qkv boxes in rank0.bin (24 and 12 bytes): each row now points at the other's bytes.
+    let (a_region, b_region) = (qkv([0, 0], [3, 2]), qkv([3, 2], [1, 3]));
+    let mut moved = Vec::new();
+    rewrite_boxes(store.as_ref(), &root, |chunks| {
+        let a = chunks.iter().position(|c| c.region == a_region).unwrap();
+        let b = chunks.iter().position(|c| c.region == b_region).unwrap();
+        let (oa, ob) = (chunks[a].bytes.offset, chunks[b].bytes.offset);
+        chunks[a].bytes.offset = ob;
+        chunks[b].bytes.offset = oa;
+        moved = vec![
+            (a_region.clone(), ob, 24, chunks[a].crc32c.unwrap()),
+            (b_region.clone(), oa, 12, chunks[b].crc32c.unwrap()),
+        ];
+    })
+    .await;
+    // The metadata itself is consistent: it opens and validates.
+    open_checkpoint(store.as_ref(), &Path::from(PREFIX))
+        .await
+        .unwrap();
+
+    let report = verify_checkpoint(store.as_ref(), &Path::from(PREFIX))
+        .await
+        .unwrap();
+    assert!(report.bad_blocks.is_empty(), "{report:?}");
+    assert!(!report.is_ok());
+    let data = std::fs::read(root.join("data/rank0.bin")).unwrap();
+    let mut expected: Vec<BadBox> = moved
+        .into_iter()
+        .map(|(region, start, len, crc)| BadBox {
+            file: "data/rank0.bin".to_string(),
+            entry: format!("tensor model.layers.0.attn.qkv.weight box {region}"),
+            start,
+            end: start + len,
+            expected: crc,
+            actual: crc32c::crc32c(&data[start as usize..(start + len) as usize]),
+        })
+        .collect();
+    expected.sort_by_key(|b| b.start);
+    assert_eq!(report.bad_boxes, expected);
+    assert!(expected.iter().all(|b| b.expected != b.actual));
+    assert_eq!(
+        report.bad_boxes[0].to_error().to_string(),
+        format!(
+            "checksum mismatch in data/rank0.bin bytes {}..{} ({}): its metadata records crc32c {:08x}, the bytes have {:08x}",
+            expected[0].start,
+            expected[0].end,
+            expected[0].entry,
+            expected[0].expected,
+            expected[0].actual
+        )
+    );
+}
+
+#[tokio::test]
+async fn every_box_and_object_of_a_clean_checkpoint_is_checked() {
+    let (_dir, store, _root) = committed().await;
+    let report = verify_checkpoint(store.as_ref(), &Path::from(PREFIX))
+        .await
+        .unwrap();
+    assert!(report.is_ok(), "{report:?}");
+    // 12 boxes of which 2 are empty, 3 objects of which 1 is empty: empty ones hold nothing.
+    assert_eq!(report.boxes_checked, 10 + 2);
+}
+
+#[tokio::test]
+async fn stray_files_under_the_checkpoint_are_reported() {
+    let (_dir, store, root) = committed().await;
+    std::fs::write(root.join("data/rank7.bin"), b"left over").unwrap();
+    std::fs::write(root.join("notes.txt"), b"hand made").unwrap();
+    let report = verify_checkpoint(store.as_ref(), &Path::from(PREFIX))
+        .await
+        .unwrap();
+    assert_eq!(
+        report.stray_files,
+        vec!["data/rank7.bin".to_string(), "notes.txt".to_string()]
+    );
+    assert!(!report.is_ok());
+    assert!(report.bad_blocks.is_empty() && report.bad_boxes.is_empty());
 }

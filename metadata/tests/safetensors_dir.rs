@@ -347,3 +347,44 @@ fn a_directory_with_nothing_readable_is_named() {
         "empty: not a checkpoint tessera can read: no manifest.json (tessera), .metadata (PyTorch DCP), model.safetensors.index.json or *.safetensors files"
     );
 }
+
+/// Writes `<dir>/<name>` as a safetensors file holding one f32 tensor `t<k>` of 4 elements.
+fn write_shard(dir: &Path, name: &str, k: u32) {
+    let data: Vec<u8> = (0..16u8).map(|b| b.wrapping_add(k as u8)).collect();
+    let tensor = format!("t{k}");
+    let views = [TensorView {
+        name: &tensor,
+        dtype: DType::F32,
+        shape: &[4],
+        data: &data,
+    }];
+    std::fs::write(dir.join(name), serialize(&views, None).unwrap()).unwrap();
+}
+
+/// An export killed after two of its three shards (before its index): the directory of shards is
+/// refused naming the missing one, never read as a model with a third of its tensors absent.
+#[test]
+fn an_incomplete_shard_set_without_index_is_refused_naming_the_missing_shard() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("hf");
+    std::fs::create_dir_all(&dir).unwrap();
+    write_shard(&dir, "model-00001-of-00003.safetensors", 1);
+    write_shard(&dir, "model-00003-of-00003.safetensors", 3);
+    assert_eq!(
+        error(&dir),
+        "invalid checkpoint metadata: hf: incomplete safetensors shard set: model-00002-of-00003.safetensors missing (2 of 3 shards of model-*-of-00003.safetensors present), and there is no model.safetensors.index.json (an interrupted export or a partial copy?)"
+    );
+    // The complete set opens (an export killed between its last shard and its index lost
+    // nothing), and so do files that are not named as shards.
+    write_shard(&dir, "model-00002-of-00003.safetensors", 2);
+    let opened = open(&dir).unwrap();
+    assert_eq!(opened.meta.tensors().len(), 3);
+    write_shard(&dir, "extra.safetensors", 4);
+    assert_eq!(open(&dir).unwrap().meta.tensors().len(), 4);
+    // A shard number past the count is as wrong as a missing one.
+    write_shard(&dir, "model-00004-of-00003.safetensors", 5);
+    assert_eq!(
+        error(&dir),
+        "invalid checkpoint metadata: hf: incomplete safetensors shard set: model-00004-of-00003.safetensors is not one of 3 shards, and there is no model.safetensors.index.json (an interrupted export or a partial copy?)"
+    );
+}

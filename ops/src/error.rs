@@ -34,6 +34,18 @@ pub enum OpsError {
         /// What is wrong, naming the tensor, rank or field.
         detail: String,
     },
+    /// Another writer holds the output location's claim.
+    #[error(
+        "{location} is being written by another writer: {claim} is held by {holder}. If that writer is dead (killed, its host gone), rerun with --break-claim to remove its claim and write anyway"
+    )]
+    Claimed {
+        /// The output location.
+        location: String,
+        /// The claim object.
+        claim: String,
+        /// Who holds it (pid, host, since when, command).
+        holder: String,
+    },
     /// Other ranks failed, so nothing was committed.
     #[error("not committed, ranks failed: {}", failures.join("; "))]
     RanksFailed {
@@ -68,7 +80,7 @@ impl OpsError {
             OpsError::Metadata(e) => e.is_permanent(),
             OpsError::Plan(_) => true,
             OpsError::Loader(e) => e.is_permanent(),
-            OpsError::Message { .. } | OpsError::Invalid { .. } => true,
+            OpsError::Message { .. } | OpsError::Invalid { .. } | OpsError::Claimed { .. } => true,
             OpsError::RanksFailed { .. } => false,
             OpsError::Context { inner, .. } => inner.is_permanent(),
         }

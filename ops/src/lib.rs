@@ -8,9 +8,11 @@
 //! - [`save`]: the multi-rank save-and-commit protocol of the native format: every rank writes
 //!   the boxes the planner's worst-fit `assign_writers` gives it, rank 0 commits (manifest last)
 //!   only after every rank reported success.
+//! - [`claim`]: the exclusive claim a writer takes on its output before writing data.
 //! - [`coord`]: the small messages ranks exchange before they load or save (an all-gather over
 //!   the job's transport).
 
+pub mod claim;
 pub mod coord;
 pub mod describe;
 mod error;

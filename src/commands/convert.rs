@@ -1,19 +1,26 @@
 //! `tessera convert`: re-save a checkpoint (native, PyTorch DCP or safetensors) in another layout
 //! (native format, manifest last, replicas balanced over writers), or export it as consolidated
 //! HF-style safetensors shards.
+//!
+//! Both take the output's write claim (`tessera_ops::claim`) before writing anything and drop it
+//! after the commit or the failure, so a second writer into the same `--out` fails at once naming
+//! the first. What a killed convert leaves and how to resume is in `docs/writers.md`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
+use futures::TryStreamExt;
 use object_store::{ObjectStoreExt, PutPayload};
 use serde_json::json;
 use tessera_loader::load::{Checkpoint, LoadOptions, LoadedRank, load_rank};
 use tessera_loader::transport::InProcTransport;
 use tessera_loader::transport::TransportOptions;
 use tessera_metadata::formats::native::{NativeWriter, WriteOptions};
-use tessera_metadata::formats::safetensors::{self, TensorView};
+use tessera_metadata::formats::safetensors::{self, INDEX_FILE, TensorView};
+use tessera_ops::claim::{Claim, ClaimOptions};
 use tessera_planner::{Layout, PlanOptions, Target, assign_writers};
+use tessera_storage::Location;
 
 use crate::human;
 
@@ -41,15 +48,74 @@ async fn load_all(checkpoint: &Checkpoint, layout: &Layout) -> Result<Vec<Loaded
     Ok(loaded)
 }
 
+/// Options of both conversions.
+#[derive(Clone, Debug, Default)]
+pub struct ConvertOptions {
+    /// Remove a stale write claim on `--out` (its writer is dead) and write anyway.
+    pub break_claim: bool,
+}
+
+/// Runs `write` holding the write claim on `out`, and drops the claim afterwards whatever the
+/// outcome. A process that dies inside `write` leaves the claim (see the module docs).
+async fn claimed<F, Fut>(out: &str, options: &ConvertOptions, write: F) -> Result<String>
+where
+    F: FnOnce(Location) -> Fut,
+    Fut: std::future::Future<Output = Result<String>>,
+{
+    let target = tessera_storage::create(out)?;
+    let claim = Claim::take(
+        &target,
+        "tessera convert",
+        &ClaimOptions {
+            break_existing: options.break_claim,
+        },
+    )
+    .await
+    .with_context(|| format!("claiming {out} for writing"))?;
+    let mut notes = String::new();
+    if let Some(holder) = &claim.broke {
+        notes.push_str(&format!("broke the write claim of {holder}\n"));
+    }
+    for staged in &claim.removed_staged {
+        notes.push_str(&format!(
+            "removed {staged}: an unfinished upload of an interrupted writer\n"
+        ));
+    }
+    let outcome = write(target).await;
+    let released = claim
+        .release()
+        .await
+        .with_context(|| format!("removing the write claim of {out}"));
+    let text = outcome?;
+    released?;
+    Ok(notes + &text)
+}
+
 /// `tessera convert CKPT --layout L --out DIR`: the checkpoint saved as layout L would save it.
-pub async fn to_layout(source: &str, layout_path: &str, out: &str) -> Result<String> {
-    let checkpoint = open(source).await?;
+pub async fn to_layout(
+    source: &str,
+    layout_path: &str,
+    out: &str,
+    options: &ConvertOptions,
+) -> Result<String> {
     let layout = super::read_layout(layout_path)?;
+    claimed(out, options, |target| {
+        to_layout_claimed(source, layout, out, target)
+    })
+    .await
+}
+
+async fn to_layout_claimed(
+    source: &str,
+    layout: Layout,
+    out: &str,
+    target: Location,
+) -> Result<String> {
+    let checkpoint = open(source, out).await?;
     let loaded = load_all(&checkpoint, &layout).await?;
     let tensors = checkpoint.meta.tensors().to_vec();
     let holdings = layout.resolve(&tensors)?;
     let writes = assign_writers(&tensors, &holdings)?;
-    let target = tessera_storage::create(out)?;
     let writer = NativeWriter::create(
         Arc::clone(&target.store),
         target.prefix.clone(),
@@ -137,10 +203,61 @@ fn object_path(checkpoint: &Checkpoint, file: u32) -> Result<object_store::path:
     Ok(path)
 }
 
+/// Suffix of a shard being written: not `.safetensors`, so no reader takes it for a shard.
+const PARTIAL: &str = ".partial";
+
 /// `tessera convert CKPT --format safetensors --out DIR`: consolidated full tensors in shards of
-/// at most `max_shard_bytes`, plus `model.safetensors.index.json` (written last).
-pub async fn to_safetensors(source: &str, out: &str, max_shard_bytes: u64) -> Result<String> {
-    let checkpoint = open(source).await?;
+/// at most `max_shard_bytes`, plus `model.safetensors.index.json`, visible only once complete.
+///
+/// On local disk every shard is written under a temporary name (`<shard>.partial`), then all are
+/// renamed into place and the index is written last: a kill while writing leaves no shard a
+/// reader sees, a kill while renaming leaves an incomplete `-of-N` set that readers refuse by
+/// name. On object stores a rename is a copy, so shards go to their final names and the index,
+/// written last, is the commit point.
+pub async fn to_safetensors(
+    source: &str,
+    out: &str,
+    max_shard_bytes: u64,
+    options: &ConvertOptions,
+) -> Result<String> {
+    claimed(out, options, |target| {
+        to_safetensors_claimed(source, out, max_shard_bytes, target)
+    })
+    .await
+}
+
+async fn to_safetensors_claimed(
+    source: &str,
+    out: &str,
+    max_shard_bytes: u64,
+    target: Location,
+) -> Result<String> {
+    let local = tessera_storage::local_directory(out).is_some();
+    let store = target.store.as_ref();
+    if store
+        .head(&target.prefix.clone().join(INDEX_FILE))
+        .await
+        .is_ok()
+    {
+        bail!(
+            "{out} already holds an exported checkpoint ({INDEX_FILE}); export into a new directory"
+        );
+    }
+    // Shards an interrupted export left under temporary names: this export owns the claim.
+    let stale: Vec<object_store::path::Path> = store
+        .list(Some(&target.prefix))
+        .map_ok(|o| o.location)
+        .try_filter(|p| std::future::ready(p.as_ref().ends_with(PARTIAL)))
+        .try_collect()
+        .await
+        .with_context(|| format!("listing {out}"))?;
+    for path in stale {
+        store
+            .delete(&path)
+            .await
+            .with_context(|| format!("removing the stale {path}"))?;
+    }
+    let checkpoint = open(source, out).await?;
     let everything =
         Layout::from_json(r#"{"mesh": [], "rules": [{"match": "*", "placements": []}]}"#)?;
     let loaded = load_all(&checkpoint, &everything).await?;
@@ -159,9 +276,9 @@ pub async fn to_safetensors(source: &str, out: &str, max_shard_bytes: u64) -> Re
             shard.push(d);
         }
     }
-    let target = tessera_storage::create(out)?;
     let n = shards.len();
     let mut weight_map = BTreeMap::new();
+    let mut written = Vec::with_capacity(n);
     let mut total = 0u64;
     for (k, shard) in shards.iter().enumerate() {
         let name = format!("model-{:05}-of-{n:05}.safetensors", k + 1);
@@ -186,20 +303,40 @@ pub async fn to_safetensors(source: &str, out: &str, max_shard_bytes: u64) -> Re
         let mut metadata = BTreeMap::new();
         metadata.insert("format".to_string(), "pt".to_string());
         let bytes = safetensors::serialize(&views, Some(&metadata))?;
+        let staged = if local {
+            format!("{name}{PARTIAL}")
+        } else {
+            name.clone()
+        };
         target
             .store
             .put(
-                &target.prefix.clone().join(name.as_str()),
+                &target.prefix.clone().join(staged.as_str()),
                 PutPayload::from(bytes),
             )
             .await
-            .with_context(|| format!("writing {out}/{name}"))?;
+            .with_context(|| format!("writing {out}/{staged}"))?;
+        written.push((staged, name));
+        abort_if_fault_injected(written.len());
+    }
+    for (staged, name) in &written {
+        if staged != name {
+            let (from, to) = (
+                target.prefix.clone().join(staged.as_str()),
+                target.prefix.clone().join(name.as_str()),
+            );
+            target
+                .store
+                .rename(&from, &to)
+                .await
+                .with_context(|| format!("renaming {out}/{staged} to {name}"))?;
+        }
     }
     let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
     target
         .store
         .put(
-            &target.prefix.clone().join("model.safetensors.index.json"),
+            &target.prefix.clone().join(INDEX_FILE),
             PutPayload::from(serde_json::to_vec_pretty(&index)?),
         )
         .await
@@ -211,12 +348,22 @@ pub async fn to_safetensors(source: &str, out: &str, max_shard_bytes: u64) -> Re
     ))
 }
 
-/// Opens the source in any format (native, PyTorch DCP, safetensors). Foreign formats are read
-/// without verification: they record no checksums a partial read could be checked against.
-async fn open(source: &str) -> Result<Checkpoint> {
+/// Opens the source in any format (native, PyTorch DCP, safetensors) and verifies all of it as
+/// `tessera verify` does before anything is written: a conversion re-checksums what it reads, so
+/// corruption it let through would come out the other side as a checkpoint that verifies
+/// ("laundered"). The loader checks native block checksums (and whole boxes) as it reads, but
+/// DCP's zip CRC-32 covers whole storages that a conversion reads in pieces, and native box crcs
+/// cover boxes a new layout splits; one streaming pass over the source checks both, at the cost
+/// of reading the source twice.
+async fn open(source: &str, out: &str) -> Result<Checkpoint> {
     let checkpoint = super::open_for_load(source).await?;
     if !checkpoint.has_data {
         bail!("{source}: a metadata-only checkpoint has no data to convert");
     }
+    super::verify::check(source, super::verify::Strays::Ignore)
+        .await
+        .with_context(|| {
+            format!("verifying {source} before converting it (nothing was written to {out})")
+        })?;
     Ok(checkpoint)
 }

@@ -1,4 +1,6 @@
-//! `tessera verify`: check what a checkpoint's format lets us check. Native: every block checksum.
+//! `tessera verify`: check what a checkpoint's format lets us check. Native: every block checksum,
+//! every box's and object's own crc32c, and no stray file under the checkpoint (on local disk
+//! also the staging files `<name>#<n>` a killed upload leaves, which the object store hides).
 //! PyTorch DCP: the structure (metadata, every blob's zip directory and `data.pkl`, byte ranges)
 //! and the zip CRC-32 of every tensor storage and object blob. safetensors: headers, byte ranges
 //! (no overlap, no hole, inside the file); the format records no checksums of the data.
@@ -17,16 +19,31 @@ use tessera_storage as storage;
 /// Reads in flight while checking DCP blobs.
 const CONCURRENCY: usize = 16;
 
-/// Runs the command; an error (non-zero exit) when anything is wrong, listing every bad block or
-/// blob.
+/// Runs the command; an error (non-zero exit) when anything is wrong, listing every bad block,
+/// box, blob or stray file.
 pub async fn run(location: &str) -> Result<String> {
+    check(location, Strays::Fail).await
+}
+
+/// What stray files under a native checkpoint mean.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strays {
+    /// They fail verification (`tessera verify`: the directory is not what the manifest says).
+    Fail,
+    /// They are not looked for (a source about to be read: they cannot change what is read).
+    Ignore,
+}
+
+/// Verifies the checkpoint at `location` as far as its format allows (see the module docs); an
+/// error listing everything that is wrong, or a one-line summary.
+pub async fn check(location: &str, strays: Strays) -> Result<String> {
     let loc = storage::open(location)?;
     let listing = list_dir(loc.store.as_ref(), &loc.prefix).await?;
     let native = listing.files.contains_key(native::MANIFEST_FILE)
         || listing.files.contains_key(native::METADATA_FILE)
         || listing.dirs.contains(native::DATA_DIR);
     if native {
-        return verify_native(location, &loc).await;
+        return verify_native(location, &loc, strays).await;
     }
     let mut options = super::open_options();
     options.block_checksums = false;
@@ -94,14 +111,32 @@ pub async fn run(location: &str) -> Result<String> {
                 opened.meta.tensors().len()
             )?;
         }
-        FormatDetails::Native { .. } => return verify_native(location, &loc).await,
+        FormatDetails::Native { .. } => return verify_native(location, &loc, strays).await,
     }
     Ok(out)
 }
 
-async fn verify_native(location: &str, loc: &storage::Location) -> Result<String> {
-    let report = verify_checkpoint(loc.store.as_ref(), &loc.prefix).await?;
+async fn verify_native(location: &str, loc: &storage::Location, strays: Strays) -> Result<String> {
+    let mut report = verify_checkpoint(loc.store.as_ref(), &loc.prefix).await?;
+    match strays {
+        Strays::Ignore => report.stray_files.clear(),
+        Strays::Fail => {
+            if let Some(dir) = storage::local_directory(location) {
+                report.stray_files.extend(storage::staged_uploads(&dir)?);
+                report.stray_files.sort();
+            }
+        }
+    }
     let mut out = String::new();
+    for stray in &report.stray_files {
+        writeln!(
+            out,
+            "stray file {stray}: not part of the checkpoint (left by an interrupted writer? remove it)"
+        )?;
+    }
+    if report.data_absent && !report.is_ok() {
+        bail!("{out}{location}: verification failed");
+    }
     if report.data_absent {
         writeln!(
             out,
@@ -125,6 +160,9 @@ async fn verify_native(location: &str, loc: &storage::Location) -> Result<String
             "bad block in {} bytes {}..{}: expected crc32c {:08x}, found {:08x}",
             b.file, b.start, b.end, b.expected, b.actual
         )?;
+    }
+    for b in &report.bad_boxes {
+        writeln!(out, "bad box: {}", b.to_error())?;
     }
     if !report.is_ok() {
         bail!("{out}{location}: verification failed");

@@ -8,12 +8,14 @@
 //! wrap any store, [`testing::S3TestServer`] serves an S3-compatible API on 127.0.0.1.
 
 mod error;
+mod local;
 mod location;
 mod retry;
 #[cfg(feature = "testing")]
 pub mod testing;
 
 pub use error::StorageError;
+pub use local::{is_staged_upload, local_directory, remove_staged_uploads, staged_uploads};
 pub use location::{
     Location, StorageOptions, create, create_with, install_tls_provider, open, open_with,
 };

@@ -151,14 +151,14 @@ pub fn install_tls_provider() {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Cloud {
+pub(crate) enum Cloud {
     S3,
     Gcs,
     Azure,
     Http { https: bool },
 }
 
-enum Parsed<'a> {
+pub(crate) enum Parsed<'a> {
     /// A local path, `file://` stripped.
     Local(&'a str),
     /// `bucket` is the bucket, container or (for HTTP) `host[:port]`; `key` the rest.
@@ -176,7 +176,7 @@ fn invalid(location: &str, detail: String) -> StorageError {
     }
 }
 
-fn parse(location: &str) -> Result<Parsed<'_>, StorageError> {
+pub(crate) fn parse(location: &str) -> Result<Parsed<'_>, StorageError> {
     if location.is_empty() {
         return Err(invalid("\"\"", "empty checkpoint location".to_string()));
     }
@@ -226,7 +226,10 @@ fn local(location: &str, root: &std::path::Path, name: &str) -> Result<Location,
 }
 
 /// Splits a local location into its absolute parent directory and last component.
-fn local_parts(location: &str, raw: &str) -> Result<(std::path::PathBuf, String), StorageError> {
+pub(crate) fn local_parts(
+    location: &str,
+    raw: &str,
+) -> Result<(std::path::PathBuf, String), StorageError> {
     if raw.is_empty() {
         return Err(invalid(location, "empty checkpoint location".to_string()));
     }

@@ -361,3 +361,60 @@ pub fn execute_and_check(ckpt: &Path, plans: &[RankPlan]) -> Vec<u64> {
     }
     bytes_read
 }
+
+/// Swaps where two same-sized saved boxes of the checkpoint live (file and byte offset) in its
+/// `metadata.arrow`, and records the rewritten file's size and crc32c in the manifest: metadata
+/// that opens and validates but points each box at the other's bytes. Returns the two boxes as
+/// `(fqn, region, file, start, end)` where each now points.
+pub fn swap_two_boxes(ckpt: &Path) -> Vec<(String, String, String, u64, u64)> {
+    use tessera_metadata::CheckpointMeta;
+    use tessera_metadata::formats::native::encode_metadata;
+    let opened = open(ckpt);
+    let meta = &opened.meta;
+    let mut chunks = meta.chunks().to_vec();
+    // The first two non-empty boxes of equal byte length in different places.
+    let mut pair = None;
+    'outer: for (i, a) in chunks.iter().enumerate() {
+        for (j, b) in chunks.iter().enumerate().skip(i + 1) {
+            if a.bytes.length > 0 && a.bytes.length == b.bytes.length && a.region != b.region {
+                pair = Some((i, j));
+                break 'outer;
+            }
+        }
+    }
+    let (i, j) = pair.expect("two boxes of equal size");
+    let (bi, bj) = (chunks[i].bytes.clone(), chunks[j].bytes.clone());
+    chunks[i].bytes = bj;
+    chunks[j].bytes = bi;
+    let described = [i, j]
+        .iter()
+        .map(|&k| {
+            let c = &chunks[k];
+            (
+                meta.tensors()[c.tensor as usize].fqn.clone(),
+                c.region.to_string(),
+                meta.files()[c.bytes.file as usize].path.clone(),
+                c.bytes.offset,
+                c.bytes.offset + c.bytes.length,
+            )
+        })
+        .collect();
+    let edited = CheckpointMeta::new(
+        meta.tensors().to_vec(),
+        chunks,
+        meta.objects().to_vec(),
+        meta.files().to_vec(),
+    )
+    .expect("edited metadata");
+    let bytes = encode_metadata(&edited).expect("encoding metadata");
+    let mut manifest = opened.manifest.clone();
+    manifest.metadata.size = bytes.len() as u64;
+    manifest.metadata.crc32c = crc32c(&bytes);
+    std::fs::write(ckpt.join("metadata.arrow"), &bytes).expect("writing metadata.arrow");
+    std::fs::write(
+        ckpt.join("manifest.json"),
+        manifest.to_json().expect("manifest JSON"),
+    )
+    .expect("writing manifest.json");
+    described
+}

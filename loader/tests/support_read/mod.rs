@@ -197,6 +197,7 @@ pub async fn load_with(
         &prefix(),
         plan,
         checksums,
+        None,
         options,
         |p, wire| {
             if wire != expected_piece(plan, p).as_slice() {
@@ -330,4 +331,42 @@ pub async fn write_transposed(
         meta: Arc::new(meta),
         checksums,
     }
+}
+
+/// Rewrites the committed checkpoint's `metadata.arrow` with `edit` applied to its saved boxes,
+/// and the manifest's record of it (size, crc32c), as a bug or a hand edit that keeps the
+/// metadata file itself consistent would.
+pub async fn rewrite_boxes(store: &Arc<dyn ObjectStore>, edit: impl FnOnce(&mut Vec<SavedChunk>)) {
+    use tessera_metadata::formats::native::{encode_metadata, read_manifest};
+    let opened = open_checkpoint(store.as_ref(), &prefix()).await.unwrap();
+    let meta = opened.meta;
+    let mut chunks = meta.chunks().to_vec();
+    edit(&mut chunks);
+    let edited = CheckpointMeta::new(
+        meta.tensors().to_vec(),
+        chunks,
+        meta.objects().to_vec(),
+        meta.files().to_vec(),
+    )
+    .unwrap();
+    validate(&edited).unwrap();
+    let bytes = encode_metadata(&edited).unwrap();
+    let mut manifest = read_manifest(store.as_ref(), &prefix()).await.unwrap();
+    manifest.metadata.size = bytes.len() as u64;
+    manifest.metadata.crc32c = crc32c::crc32c(&bytes);
+    let root = prefix();
+    store
+        .put(
+            &root.clone().join("metadata.arrow"),
+            PutPayload::from(bytes),
+        )
+        .await
+        .unwrap();
+    store
+        .put(
+            &root.join("manifest.json"),
+            PutPayload::from(manifest.to_json().unwrap()),
+        )
+        .await
+        .unwrap();
 }

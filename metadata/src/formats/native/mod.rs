@@ -63,7 +63,7 @@ pub use manifest::{
     read_manifest_identified,
 };
 pub use reader::{NativeCheckpoint, open_checkpoint, read_block_checksums};
-pub use verify::{BadBlock, SizeMismatch, VerifyReport, verify_checkpoint};
+pub use verify::{BadBlock, BadBox, SizeMismatch, VerifyReport, verify_checkpoint};
 pub use writer::{DataFileWriter, NativeWriter, WriteOptions, WrittenFile};
 
 /// The `format` field of every native manifest.

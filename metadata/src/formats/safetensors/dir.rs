@@ -171,15 +171,14 @@ pub async fn open_safetensors(
                 .collect(),
         )
     } else if listing.files.keys().any(|n| n.ends_with(".safetensors")) {
-        (
-            SafetensorsLayout::Directory,
-            listing
-                .files
-                .iter()
-                .filter(|(n, _)| n.ends_with(".safetensors"))
-                .map(|(n, s)| (n.clone(), Some(*s)))
-                .collect(),
-        )
+        let names: Vec<(String, Option<u64>)> = listing
+            .files
+            .iter()
+            .filter(|(n, _)| n.ends_with(".safetensors"))
+            .map(|(n, s)| (n.clone(), Some(*s)))
+            .collect();
+        check_shard_sets(prefix, names.iter().map(|(n, _)| n.as_str()))?;
+        (SafetensorsLayout::Directory, names)
     } else {
         let sharded = list_dir(store, &prefix.clone().join(SHARDED_DIR)).await?;
         let names: Vec<(String, Option<u64>)> = sharded
@@ -247,6 +246,64 @@ pub async fn open_safetensors(
             header_bytes,
         },
     })
+}
+
+/// A shard name `<stem>-<k>-of-<n>.safetensors` split into (stem, k, n as written).
+fn shard_name(name: &str) -> Option<(&str, u64, &str)> {
+    let base = name.strip_suffix(".safetensors")?;
+    let (head, total) = base.rsplit_once("-of-")?;
+    let (stem, index) = head.rsplit_once('-')?;
+    let digits = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
+    if !digits(total) || !digits(index) {
+        return None;
+    }
+    Some((stem, index.parse().ok()?, total))
+}
+
+/// Without an index, files named `<stem>-<k>-of-<n>.safetensors` say how many shards there are:
+/// every set must be complete. An export writes its index last, so shards without one may be an
+/// interrupted export, and a set with a shard missing certainly is (or a partial copy): reading
+/// it would serve a model with tensors silently absent.
+fn check_shard_sets<'a>(
+    prefix: &Path,
+    names: impl Iterator<Item = &'a str>,
+) -> Result<(), MetadataError> {
+    let mut sets: BTreeMap<(&str, &str), Vec<u64>> = BTreeMap::new();
+    for name in names {
+        if let Some((stem, index, total)) = shard_name(name) {
+            sets.entry((stem, total)).or_default().push(index);
+        }
+    }
+    for ((stem, total), present) in sets {
+        // A count too large to parse cannot be complete; cap what is listed as missing.
+        let n: u64 = total.parse().unwrap_or(u64::MAX);
+        let width = total.len();
+        let missing: Vec<String> = (1..=n)
+            .filter(|k| !present.contains(k))
+            .take(3)
+            .map(|k| format!("{stem}-{k:0width$}-of-{total}.safetensors"))
+            .collect();
+        let beyond = present.iter().find(|&&k| k == 0 || k > n);
+        if missing.is_empty() && beyond.is_none() {
+            continue;
+        }
+        let detail = match beyond {
+            Some(k) if missing.is_empty() => {
+                format!("{stem}-{k:0width$}-of-{total}.safetensors is not one of {n} shards")
+            }
+            _ => format!(
+                "{} missing ({} of {n} shards of {stem}-*-of-{total}.safetensors present)",
+                missing.join(", "),
+                present.len()
+            ),
+        };
+        return Err(MetadataError::Invalid {
+            what: format!(
+                "{prefix}: incomplete safetensors shard set: {detail}, and there is no {INDEX_FILE} (an interrupted export or a partial copy?)"
+            ),
+        });
+    }
+    Ok(())
 }
 
 async fn read_index(
