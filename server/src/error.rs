@@ -17,7 +17,8 @@ pub struct ErrorBody {
     /// Stable machine-readable kind: `bad_id`, `bad_request`, `unauthorized`,
     /// `unknown_checkpoint`, `incomplete_checkpoint`, `unknown_tensor`, `unknown_plan`,
     /// `unknown_rank`, `not_found`, `method_not_allowed`, `body_too_large`, `invalid_layout`,
-    /// `invalid_requests`, `invalid_checkpoint`, `storage_unavailable`, `internal`.
+    /// `invalid_requests`, `plan_too_large`, `invalid_checkpoint`, `storage_unavailable`,
+    /// `busy`, `internal`.
     pub error: String,
     /// What went wrong, for people.
     pub detail: String,
@@ -109,6 +110,30 @@ pub enum ApiError {
         /// The planner's message.
         reason: String,
     },
+    /// A plan whose computation would take more memory than the server allows one plan (422).
+    #[error(
+        "planning this would take {estimate}, over this server's bound of {limit} bytes for one plan computation; plan fewer ranks or fewer tensors, or raise the bound (--plan-memory-mib)"
+    )]
+    PlanTooLarge {
+        /// The planner's estimate, with its counts.
+        estimate: String,
+        /// The estimated bytes.
+        bytes: u64,
+        /// The server's bound.
+        limit: u64,
+    },
+    /// Every plan computation slot is busy and the queue is full (503 with `Retry-After`).
+    #[error(
+        "the server is computing {running} plans with {queued} more waiting, its limit; retry in {retry_after} s"
+    )]
+    Busy {
+        /// Computations running.
+        running: usize,
+        /// Computations waiting.
+        queued: usize,
+        /// Seconds to wait before retrying (the `Retry-After` header).
+        retry_after: u64,
+    },
     /// A committed checkpoint whose metadata fails its checks (500: the data on storage is bad).
     #[error("checkpoint {id} cannot be read: {reason}")]
     InvalidCheckpoint {
@@ -147,13 +172,15 @@ impl ApiError {
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::IncompleteCheckpoint { .. } => StatusCode::CONFLICT,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::InvalidLayout { .. } | ApiError::InvalidRequests { .. } => {
-                StatusCode::UNPROCESSABLE_ENTITY
-            }
+            ApiError::InvalidLayout { .. }
+            | ApiError::InvalidRequests { .. }
+            | ApiError::PlanTooLarge { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::InvalidCheckpoint { .. } | ApiError::Internal { .. } => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
-            ApiError::StorageUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::StorageUnavailable { .. } | ApiError::Busy { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
         }
     }
 
@@ -173,6 +200,8 @@ impl ApiError {
             ApiError::BodyTooLarge { .. } => "body_too_large",
             ApiError::InvalidLayout { .. } => "invalid_layout",
             ApiError::InvalidRequests { .. } => "invalid_requests",
+            ApiError::PlanTooLarge { .. } => "plan_too_large",
+            ApiError::Busy { .. } => "busy",
             ApiError::InvalidCheckpoint { .. } => "invalid_checkpoint",
             ApiError::StorageUnavailable { .. } => "storage_unavailable",
             ApiError::Internal { .. } => "internal",
@@ -260,6 +289,11 @@ impl IntoResponse for ApiError {
             detail: self.to_string(),
         };
         let mut response = (status, Json(body)).into_response();
+        if let ApiError::Busy { retry_after, .. } = &self {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after));
+        }
         if status == StatusCode::UNAUTHORIZED {
             response.headers_mut().insert(
                 header::WWW_AUTHENTICATE,

@@ -68,8 +68,8 @@ fn body_error(rejection: BytesRejection, limit: usize) -> ApiError {
         (status = 404, description = "No such checkpoint", body = ErrorBody),
         (status = 409, description = "The checkpoint is incomplete", body = ErrorBody),
         (status = 413, description = "Body over the limit", body = ErrorBody),
-        (status = 422, description = "The planner refuses the layout or requests (its reason in detail)", body = ErrorBody),
-        (status = 503, description = "Storage is unavailable", body = ErrorBody),
+        (status = 422, description = "The planner refuses the layout or requests (its reason in detail), or planning them would take more memory than the server's bound (`plan_too_large`, the estimate in detail)", body = ErrorBody),
+        (status = 503, description = "Storage is unavailable, or every planning slot and the queue are taken (`busy`, with Retry-After)", body = ErrorBody),
     ),
     security(("bearer" = [])))]
 pub(crate) async fn create(
