@@ -26,10 +26,11 @@ pub const DEFAULT_META_CACHE_BYTES: u64 = 1024 * 1024 * 1024;
 /// Default [`ServerConfig::plan_cache_bytes`].
 pub const DEFAULT_PLAN_CACHE_BYTES: u64 = 2 * 1024 * 1024 * 1024;
 
-/// Default [`ServerConfig::plan_memory_bytes`]: a 405B model on 8192 ranks (about 2.3 million
-/// (rank, tensor) requests) plans in about 600 MiB; 2 GiB leaves room for three times that, and a
-/// typo'd mesh (2^20 ranks over hundreds of tensors is tens of GB) is refused before it starts.
-pub const DEFAULT_PLAN_MEMORY_BYTES: u64 = 2 * 1024 * 1024 * 1024;
+/// Default [`ServerConfig::plan_memory_bytes`]: planning takes about 260 bytes per (rank, tensor)
+/// request, so a 405B model on 8192 ranks (about 2.3 million requests) plans in about 600 MiB
+/// and fits; a typo'd mesh (2^20 ranks over hundreds of tensors is tens of GB) is refused before
+/// it starts. Two computations at this bound plus both caches stay near the chart's 4 GiB limit.
+pub const DEFAULT_PLAN_MEMORY_BYTES: u64 = 1024 * 1024 * 1024;
 
 /// Default [`ServerConfig::plan_concurrency`]: the planner already spreads one plan over up to 8
 /// threads, so two at once keep the cores busy while bounding planning memory to twice
