@@ -58,6 +58,10 @@ impl std::fmt::Display for PlanEstimate {
     }
 }
 
+/// What decides a tensor's groups under a layout: its stage (mesh dim, stage) if any and the
+/// mesh dims that shard it. Tensors with the same signature share their groups.
+type GroupSignature = (Option<(usize, u32)>, Vec<usize>);
+
 /// The counts the memory model is written in.
 #[derive(Default)]
 struct Counts {
@@ -252,7 +256,7 @@ impl Layout {
         // groups whatever the tensor.
         let mut unstaged = 0u64;
         let mut staged: HashMap<(usize, u32), u64> = HashMap::new();
-        let mut signatures: FxHashSet<(Option<(usize, u32)>, Vec<usize>)> = FxHashSet::default();
+        let mut signatures: FxHashSet<GroupSignature> = FxHashSet::default();
         for (t, tensor) in tensors.iter().enumerate() {
             let Some(rule) = self
                 .rules
