@@ -211,6 +211,23 @@ enum Command {
         /// Largest request body, in KiB.
         #[arg(long, default_value_t = commands::serve::DEFAULT_BODY_LIMIT_KIB)]
         body_limit_kib: usize,
+        /// Most memory one plan computation may take by the planner's estimate, in MiB (over
+        /// it a plan request is refused with 422 and the estimate).
+        #[arg(long, default_value_t = commands::serve::DEFAULT_PLAN_MEMORY_MIB)]
+        plan_memory_mib: u64,
+        /// Plan computations running at once.
+        #[arg(long, default_value_t = tessera_server::DEFAULT_PLAN_CONCURRENCY)]
+        plan_concurrency: usize,
+        /// Plan computations waiting beyond those running (one more gets 503 with Retry-After).
+        #[arg(long, default_value_t = tessera_server::DEFAULT_PLAN_QUEUE)]
+        plan_queue: usize,
+        /// Seconds a connection may take to send a request head (also how long an idle
+        /// keep-alive connection is kept).
+        #[arg(long, default_value_t = commands::serve::DEFAULT_HEADER_TIMEOUT_SECS)]
+        header_timeout_secs: u64,
+        /// Connections served at once (one more is closed on arrival).
+        #[arg(long, default_value_t = tessera_server::DEFAULT_MAX_CONNECTIONS)]
+        max_connections: usize,
     },
 }
 
@@ -470,6 +487,11 @@ fn run(cli: Cli) -> Result<()> {
             metadata_cache_mib,
             plan_cache_mib,
             body_limit_kib,
+            plan_memory_mib,
+            plan_concurrency,
+            plan_queue,
+            header_timeout_secs,
+            max_connections,
         } => runtime.block_on(commands::serve::run(&commands::serve::ServeArgs {
             root,
             addr,
@@ -479,6 +501,11 @@ fn run(cli: Cli) -> Result<()> {
             metadata_cache_mib,
             plan_cache_mib,
             body_limit_kib,
+            plan_memory_mib,
+            plan_concurrency,
+            plan_queue,
+            header_timeout_secs,
+            max_connections,
         })),
         Command::Verify { checkpoint } => stdout(
             runtime

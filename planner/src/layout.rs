@@ -305,7 +305,7 @@ impl Layout {
         })
     }
 
-    fn stage_dim_size(&self, placements: &[Placement]) -> u32 {
+    pub(crate) fn stage_dim_size(&self, placements: &[Placement]) -> u32 {
         placements
             .iter()
             .position(|p| *p == Placement::Stage)
@@ -355,7 +355,7 @@ pub fn shard_box(
 
 /// Derives pipeline stages: the layer number from the FQN balanced over `num_layers`, or the
 /// first/last stage for tensors outside the layers.
-struct StageResolver {
+pub(crate) struct StageResolver {
     pattern: Option<Regex>,
     num_layers: Option<u64>,
     first: Vec<String>,
@@ -363,7 +363,7 @@ struct StageResolver {
 }
 
 impl StageResolver {
-    fn new(layout: &Layout, tensors: &[TensorMeta]) -> Result<Self, PlanError> {
+    pub(crate) fn new(layout: &Layout, tensors: &[TensorMeta]) -> Result<Self, PlanError> {
         let Some(stages) = &layout.stages else {
             return Ok(Self {
                 pattern: None,
@@ -400,7 +400,7 @@ impl StageResolver {
     }
 
     /// The stage of `tensor` among `stages` pipeline stages.
-    fn stage(&self, tensor: &TensorMeta, stages: u32) -> Result<u32, PlanError> {
+    pub(crate) fn stage(&self, tensor: &TensorMeta, stages: u32) -> Result<u32, PlanError> {
         let fail = |reason: String| PlanError::StageUnderivable {
             fqn: tensor.fqn.clone(),
             reason,

@@ -22,6 +22,7 @@
 mod arrow;
 pub mod baseline;
 mod error;
+mod estimate;
 mod glob;
 mod layout;
 mod plan;
@@ -33,6 +34,7 @@ mod save;
 mod summary;
 
 pub use error::PlanError;
+pub use estimate::PlanEstimate;
 pub use glob::glob_match;
 pub use layout::{Layout, MAX_REQUESTS, MAX_WORLD, MeshDim, Placement, Rule, Stages, shard_box};
 pub use plan::{Destination, Group, Piece, PieceDestination, Plan, PlanOptions, plan};

@@ -149,11 +149,59 @@ impl Plan {
         &self.summary
     }
 
+    /// Heap bytes this plan holds, counted from the capacities of its tables (the checkpoint
+    /// metadata it points to is shared, not counted): what a cache of plans should weigh it at.
+    /// `tests/memory.rs` checks it against a counting allocator.
+    pub fn heap_bytes(&self) -> u64 {
+        fn table<T>(v: &Vec<T>) -> u64 {
+            (v.capacity() * std::mem::size_of::<T>()) as u64
+        }
+        fn nested<T>(v: &Vec<Vec<T>>) -> u64 {
+            table(v) + v.iter().map(table).sum::<u64>()
+        }
+        let boxes = |region: &TensorBox| spilled_bytes_of(region);
+        let destinations = nested(&self.destinations)
+            + self
+                .destinations
+                .iter()
+                .flatten()
+                .map(|d| match &d.target {
+                    Target::Box(b) => boxes(b),
+                    Target::Flat { .. } => 0,
+                })
+                .sum::<u64>();
+        let pieces =
+            table(&self.pieces) + self.pieces.iter().map(|p| boxes(&p.region)).sum::<u64>();
+        let groups =
+            table(&self.groups) + self.groups.iter().map(|g| table(&g.members)).sum::<u64>();
+        destinations
+            + pieces
+            + groups
+            + nested(&self.dest_targets)
+            + table(&self.target_piece_offsets)
+            + table(&self.target_piece_ids)
+            + nested(&self.reads)
+            + nested(&self.group_pieces)
+            + nested(&self.rank_groups)
+    }
+
     /// Bytes of piece `piece`.
     pub fn piece_bytes(&self, piece: u32) -> u64 {
         let p = &self.pieces[piece as usize];
         p.region.numel() * self.meta.tensors()[p.tensor as usize].dtype.size()
     }
+}
+
+/// Heap bytes of a box's dims (none while they fit inline).
+fn spilled_bytes_of(region: &TensorBox) -> u64 {
+    let dims = |d: &Dims| {
+        if d.spilled() {
+            (d.capacity() * std::mem::size_of::<u64>()) as u64
+        } else {
+            0
+        }
+    };
+    dims(&region.offsets) + dims(&region.lengths)
 }
 
 /// The distinct targets of a plan (identical requests of several ranks folded into one) and
@@ -224,7 +272,7 @@ enum Holders {
 }
 
 /// A piece found by a worker, before it gets its plan-wide id.
-struct LocalPiece {
+pub(crate) struct LocalPiece {
     chunk: u32,
     region: TensorBox,
     holders: Holders,

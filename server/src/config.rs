@@ -26,6 +26,30 @@ pub const DEFAULT_META_CACHE_BYTES: u64 = 1024 * 1024 * 1024;
 /// Default [`ServerConfig::plan_cache_bytes`].
 pub const DEFAULT_PLAN_CACHE_BYTES: u64 = 2 * 1024 * 1024 * 1024;
 
+/// Default [`ServerConfig::plan_memory_bytes`]: planning takes about 260 bytes per (rank, tensor)
+/// request, so a 405B model on 8192 ranks (about 2.3 million requests) plans in about 600 MiB
+/// and fits; a typo'd mesh (2^20 ranks over hundreds of tensors is tens of GB) is refused before
+/// it starts. Two computations at this bound plus both caches stay near the chart's 4 GiB limit.
+pub const DEFAULT_PLAN_MEMORY_BYTES: u64 = 1024 * 1024 * 1024;
+
+/// Default [`ServerConfig::plan_concurrency`]: the planner already spreads one plan over up to 8
+/// threads, so two at once keep the cores busy while bounding planning memory to twice
+/// [`DEFAULT_PLAN_MEMORY_BYTES`].
+pub const DEFAULT_PLAN_CONCURRENCY: usize = 2;
+
+/// Default [`ServerConfig::plan_queue`]: different plans waiting for a computation slot. Ranks
+/// asking for the same plan wait on one computation and take one place.
+pub const DEFAULT_PLAN_QUEUE: usize = 16;
+
+/// Default [`ServerConfig::header_timeout`]: a client that has not sent a whole request head
+/// within this time (a slow or stalled client, or an idle keep-alive connection) is
+/// disconnected, so it cannot hold a connection slot for long.
+pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Default [`ServerConfig::max_connections`]: well below the usual 1024 open-file limit, so
+/// accepting never fails for lack of descriptors and the store and cache files keep theirs.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 512;
+
 /// Default [`ServerConfig::catalog_ttl`]: a new save shows in the catalog within seconds.
 pub const DEFAULT_CATALOG_TTL: Duration = Duration::from_secs(5);
 
@@ -56,11 +80,27 @@ pub struct ServerConfig {
     /// Bytes of checkpoint metadata kept in memory (estimated from the rows held); default
     /// [`DEFAULT_META_CACHE_BYTES`].
     pub meta_cache_bytes: u64,
-    /// Bytes of computed plans kept in memory (estimated from pieces, destinations and groups).
+    /// Bytes of computed plans kept in memory (each weighed at the heap bytes it holds).
     /// An evicted plan is recomputed from its request, which is kept in a smaller cache
     /// (an eighth of this) so that plan ids handed out stay valid. Default
     /// [`DEFAULT_PLAN_CACHE_BYTES`].
     pub plan_cache_bytes: u64,
+    /// Most bytes one plan computation may take, by the planner's estimate made before it starts
+    /// (`tessera_planner::PlanEstimate`): a request over it is refused with 422
+    /// `plan_too_large` and the estimate. Default [`DEFAULT_PLAN_MEMORY_BYTES`].
+    pub plan_memory_bytes: u64,
+    /// Plan computations running at once; default [`DEFAULT_PLAN_CONCURRENCY`].
+    pub plan_concurrency: usize,
+    /// Plan computations waiting for a slot beyond those running; one more is refused with 503
+    /// `busy` and `Retry-After`. Default [`DEFAULT_PLAN_QUEUE`].
+    pub plan_queue: usize,
+    /// Longest wait for a request head, from the connection's start or the end of the previous
+    /// answer (so also how long an idle keep-alive connection is kept); default
+    /// [`DEFAULT_HEADER_TIMEOUT`].
+    pub header_timeout: Duration,
+    /// Connections served at once; one more is accepted and closed at once (its client sees
+    /// the connection reset and can retry). Default [`DEFAULT_MAX_CONNECTIONS`].
+    pub max_connections: usize,
     /// How long a catalog listing and a run's `latest` pointer are reused before storage is
     /// listed again: a new save appears within this time.
     pub catalog_ttl: Duration,
@@ -91,6 +131,11 @@ impl ServerConfig {
             body_limit: DEFAULT_BODY_LIMIT,
             meta_cache_bytes: DEFAULT_META_CACHE_BYTES,
             plan_cache_bytes: DEFAULT_PLAN_CACHE_BYTES,
+            plan_memory_bytes: DEFAULT_PLAN_MEMORY_BYTES,
+            plan_concurrency: DEFAULT_PLAN_CONCURRENCY,
+            plan_queue: DEFAULT_PLAN_QUEUE,
+            header_timeout: DEFAULT_HEADER_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
             catalog_ttl: DEFAULT_CATALOG_TTL,
             meta_ttl: DEFAULT_META_TTL,
             failure_ttl: DEFAULT_FAILURE_TTL,

@@ -17,7 +17,8 @@ pub struct ErrorBody {
     /// Stable machine-readable kind: `bad_id`, `bad_request`, `unauthorized`,
     /// `unknown_checkpoint`, `incomplete_checkpoint`, `unknown_tensor`, `unknown_plan`,
     /// `unknown_rank`, `not_found`, `method_not_allowed`, `body_too_large`, `invalid_layout`,
-    /// `invalid_requests`, `invalid_checkpoint`, `storage_unavailable`, `internal`.
+    /// `invalid_requests`, `plan_too_large`, `invalid_checkpoint`, `storage_unavailable`,
+    /// `busy`, `internal`.
     pub error: String,
     /// What went wrong, for people.
     ///
@@ -114,6 +115,30 @@ pub enum ApiError {
         /// The planner's message.
         reason: String,
     },
+    /// A plan whose computation would take more memory than the server allows one plan (422).
+    #[error(
+        "planning this would take {estimate}, over this server's bound of {limit} bytes for one plan computation; plan fewer ranks or fewer tensors, or raise the bound (--plan-memory-mib)"
+    )]
+    PlanTooLarge {
+        /// The planner's estimate, with its counts.
+        estimate: String,
+        /// The estimated bytes.
+        bytes: u64,
+        /// The server's bound.
+        limit: u64,
+    },
+    /// Every plan computation slot is busy and the queue is full (503 with `Retry-After`).
+    #[error(
+        "the server is computing {running} plans with {queued} more waiting, its limit; retry in {retry_after} s"
+    )]
+    Busy {
+        /// Computations running.
+        running: usize,
+        /// Computations waiting.
+        queued: usize,
+        /// Seconds to wait before retrying (the `Retry-After` header).
+        retry_after: u64,
+    },
     /// A checkpoint whose metadata fails its checks, or a run whose `latest` pointer is bad (409,
     /// like an incomplete checkpoint: the request is fine, the checkpoint on storage is not in a
     /// state that can be read; `detail` says why). Not a 500: nothing is wrong with the server.
@@ -156,11 +181,13 @@ impl ApiError {
                 StatusCode::CONFLICT
             }
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::InvalidLayout { .. } | ApiError::InvalidRequests { .. } => {
-                StatusCode::UNPROCESSABLE_ENTITY
-            }
+            ApiError::InvalidLayout { .. }
+            | ApiError::InvalidRequests { .. }
+            | ApiError::PlanTooLarge { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
-            ApiError::StorageUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::StorageUnavailable { .. } | ApiError::Busy { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
         }
     }
 
@@ -180,6 +207,8 @@ impl ApiError {
             ApiError::BodyTooLarge { .. } => "body_too_large",
             ApiError::InvalidLayout { .. } => "invalid_layout",
             ApiError::InvalidRequests { .. } => "invalid_requests",
+            ApiError::PlanTooLarge { .. } => "plan_too_large",
+            ApiError::Busy { .. } => "busy",
             ApiError::InvalidCheckpoint { .. } => "invalid_checkpoint",
             ApiError::StorageUnavailable { .. } => "storage_unavailable",
             ApiError::Internal { .. } => "internal",
@@ -267,6 +296,11 @@ impl IntoResponse for ApiError {
             detail: self.to_string(),
         };
         let mut response = (status, Json(body)).into_response();
+        if let ApiError::Busy { retry_after, .. } = &self {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after));
+        }
         if status == StatusCode::UNAUTHORIZED {
             response.headers_mut().insert(
                 header::WWW_AUTHENTICATE,

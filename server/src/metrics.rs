@@ -108,6 +108,7 @@ pub(crate) struct Metrics {
     plan_computations: Counter,
     plan_failures: Counter,
     plan_seconds: Histogram,
+    connections_refused: Counter,
 }
 
 /// A copy of the counters a test or benchmark asserts on.
@@ -152,6 +153,7 @@ impl Metrics {
         let plan_computations = Counter::default();
         let plan_failures = Counter::default();
         let plan_seconds = Histogram::new(PLAN_BUCKETS);
+        let connections_refused = Counter::default();
 
         // Help texts without a final full stop: the registry appends one. Counter names without
         // `_total`: the encoder appends it to the samples.
@@ -206,6 +208,11 @@ impl Metrics {
             "Time to compute a plan",
             plan_seconds.clone(),
         );
+        registry.register(
+            "tessera_connections_refused",
+            "Connections closed on arrival because the server held its limit of connections",
+            connections_refused.clone(),
+        );
         Self {
             registry,
             requests,
@@ -219,6 +226,7 @@ impl Metrics {
             plan_computations,
             plan_failures,
             plan_seconds,
+            connections_refused,
         }
     }
 
@@ -245,6 +253,11 @@ impl Metrics {
     /// Records a read of checkpoint metadata from storage.
     pub(crate) fn metadata_load(&self) {
         self.metadata_loads.inc();
+    }
+
+    /// Records a connection closed on arrival at the connection limit.
+    pub(crate) fn connection_refused(&self) {
+        self.connections_refused.inc();
     }
 
     /// Records a plan computation.

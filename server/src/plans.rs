@@ -13,7 +13,11 @@ use moka::policy::EvictionPolicy;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tessera_metadata::CheckpointMeta;
-use tessera_planner::{ExplicitRequests, Layout, Plan, PlanError, PlanOptions, PlanSummary, plan};
+use tessera_planner::{
+    ExplicitRequests, Layout, Plan, PlanError, PlanEstimate, PlanOptions, PlanSummary, RequestSet,
+    plan,
+};
+use tokio::sync::Semaphore;
 use utoipa::ToSchema;
 
 use crate::catalog::{Catalog, OpenedCheckpoint};
@@ -24,6 +28,10 @@ use crate::{ApiError, CheckpointId, ServerConfig};
 /// Most ranks a layout may have: a million ranks is beyond any job today, and a bound keeps a
 /// typo (`"size": 100000000`) from making the planner allocate per-rank tables for hours.
 pub(crate) const MAX_WORLD: u64 = 1 << 20;
+
+/// Seconds a client is asked to wait (`Retry-After`) when every planning slot and the queue are
+/// taken: about the time a large plan takes, so a retry usually finds a slot.
+const BUSY_RETRY_AFTER_SECS: u64 = 2;
 
 /// Hex digits of a plan id (128 bits of SHA-256).
 const PLAN_ID_LEN: usize = 32;
@@ -399,22 +407,72 @@ impl PlanEntry {
     }
 }
 
-/// Estimated bytes of a plan, from its counts: a piece holds a box (two inline 4-d vectors)
-/// plus ids and its entries in the per-target and per-group tables; a destination a target box
-/// and its per-rank index. Only a weight for the cache's bound.
-fn plan_weight(plan: &Plan) -> u32 {
-    let s = plan.summary();
-    let bytes = 4096
-        + 160 * s.pieces
-        + 120 * s.destinations
-        + 64 * s.exchange_groups
-        + 96 * u64::from(s.ranks);
+/// What a cached plan holds: the plan's own tables (counted from their capacities by the
+/// planner; the checkpoint metadata it points to is the metadata cache's) and its entry. Moka
+/// weighs in `u32`, so a plan over 4 GiB weighs 4 GiB; `plan_memory_bytes` keeps plans smaller.
+fn plan_weight(plan: &Plan, id: &str, checkpoint: &CheckpointId) -> u32 {
+    let bytes = plan.heap_bytes()
+        + std::mem::size_of::<PlanEntry>() as u64
+        + id.len() as u64
+        + checkpoint.to_string().len() as u64;
     u32::try_from(bytes).unwrap_or(u32::MAX)
+}
+
+/// Bounds plan computations: `concurrency` run at once, `queue` more wait, and any further one
+/// is refused at once (503 `busy`) rather than piling up memory and threads.
+pub(crate) struct PlanGate {
+    /// Computations running or waiting: a permit is taken without waiting, or refused.
+    admitted: Arc<Semaphore>,
+    /// Computations running.
+    running: Arc<Semaphore>,
+    concurrency: usize,
+    queue: usize,
+}
+
+/// A computation's place: while held, it counts against the gate.
+pub(crate) struct GateSlot {
+    _admitted: tokio::sync::OwnedSemaphorePermit,
+    _running: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl PlanGate {
+    pub(crate) fn new(concurrency: usize, queue: usize) -> Self {
+        Self {
+            admitted: Arc::new(Semaphore::new(concurrency.saturating_add(queue))),
+            running: Arc::new(Semaphore::new(concurrency)),
+            concurrency,
+            queue,
+        }
+    }
+
+    /// Waits for a running slot if there is room in the queue; refuses as busy if not.
+    pub(crate) async fn enter(&self) -> Result<GateSlot, ApiError> {
+        let Ok(admitted) = Arc::clone(&self.admitted).try_acquire_owned() else {
+            return Err(ApiError::Busy {
+                running: self.concurrency,
+                queued: self.queue,
+                retry_after: BUSY_RETRY_AFTER_SECS,
+            });
+        };
+        let running = Arc::clone(&self.running)
+            .acquire_owned()
+            .await
+            .map_err(|e| ApiError::Internal {
+                detail: format!("the planning slots are closed: {e}"),
+            })?;
+        Ok(GateSlot {
+            _admitted: admitted,
+            _running: running,
+        })
+    }
 }
 
 /// The plan caches.
 pub(crate) struct Plans {
     capacity: u64,
+    /// Most bytes one computation may take (by the planner's estimate).
+    memory_limit: u64,
+    gate: PlanGate,
     plans: Cache<String, Arc<PlanEntry>>,
     specs: Cache<String, Arc<PlanSpec>>,
     metrics: Arc<Metrics>,
@@ -424,6 +482,8 @@ impl Plans {
     pub(crate) fn new(config: &ServerConfig, metrics: Arc<Metrics>) -> Self {
         Self {
             capacity: config.plan_cache_bytes,
+            memory_limit: config.plan_memory_bytes,
+            gate: PlanGate::new(config.plan_concurrency, config.plan_queue),
             // LRU rather than moka's default TinyLFU admission: a plan just computed is the one
             // a job's ranks are about to ask for, and TinyLFU could refuse it in favour of older,
             // often-read plans, making every rank's request compute it again.
@@ -522,16 +582,43 @@ impl Plans {
                 let started = Instant::now();
                 let meta = Arc::clone(&opened.meta);
                 let task_spec = Arc::clone(&spec);
-                // Planning is CPU-bound (seconds for a 405B layout): off the async workers.
-                let computed = tokio::task::spawn_blocking(move || compute(&meta, &task_spec))
+                // 1. The estimate, before any per-rank table exists: milliseconds even for a
+                // mesh whose plan would not fit in memory.
+                let prepared = tokio::task::spawn_blocking(move || prepare(&meta, &task_spec))
                     .await
                     .map_err(|e| ApiError::Internal {
-                        detail: format!("the planning task failed: {e}"),
+                        detail: format!("the plan estimate task failed: {e}"),
                     })
                     .and_then(|r| r);
+                // A layout or requests the planner refuses count as failed computations,
+                // whether the estimate or the planner found it.
+                let (estimate, requests) = prepared.inspect_err(|_| {
+                    metrics.plan_computed(started.elapsed(), false);
+                })?;
+                if estimate.bytes > self.memory_limit {
+                    metrics.plan_computed(started.elapsed(), false);
+                    tracing::warn!(plan = %spec.id, %estimate, limit = self.memory_limit, "plan refused: over the memory bound");
+                    return Err(ApiError::PlanTooLarge {
+                        estimate: estimate.to_string(),
+                        bytes: estimate.bytes,
+                        limit: self.memory_limit,
+                    });
+                }
+                // 2. A place among the computations running or waiting, or 503 at once.
+                let _slot = self.gate.enter().await?;
+                let meta = Arc::clone(&opened.meta);
+                let task_spec = Arc::clone(&spec);
+                // Planning is CPU-bound (seconds for a 405B layout): off the async workers.
+                let computed =
+                    tokio::task::spawn_blocking(move || compute(&meta, &task_spec, requests))
+                        .await
+                        .map_err(|e| ApiError::Internal {
+                            detail: format!("the planning task failed: {e}"),
+                        })
+                        .and_then(|r| r);
                 metrics.plan_computed(started.elapsed(), computed.is_ok());
                 let plan = computed?;
-                let weight = plan_weight(&plan);
+                let weight = plan_weight(&plan, &spec.id, &spec.checkpoint);
                 if u64::from(weight) > capacity {
                     tracing::warn!(
                         plan = %spec.id,
@@ -545,6 +632,8 @@ impl Plans {
                     checkpoint = %spec.checkpoint,
                     ranks = plan.world_size(),
                     pieces = plan.summary().pieces,
+                    estimated_bytes = estimate.bytes,
+                    held_bytes = weight,
                     seconds = started.elapsed().as_secs_f64(),
                     "plan computed"
                 );
@@ -587,17 +676,46 @@ fn saved_again(plan: &str, checkpoint: &CheckpointId) -> ApiError {
     }
 }
 
-fn compute(meta: &Arc<CheckpointMeta>, spec: &PlanSpec) -> Result<Plan, ApiError> {
-    let layout = spec.target.is_layout();
-    let requests = match &spec.target {
-        PlanTarget::Layout(l) => l.resolve(meta.tensors()),
-        PlanTarget::Requests(r) => r.resolve(meta.tensors()),
+/// The memory estimate of a plan, and for explicit requests the resolved requests (bounded by
+/// the body size, so resolving them first costs little and they are not resolved twice).
+fn prepare(
+    meta: &Arc<CheckpointMeta>,
+    spec: &PlanSpec,
+) -> Result<(PlanEstimate, Option<RequestSet>), ApiError> {
+    match &spec.target {
+        PlanTarget::Layout(layout) => layout
+            .estimate(meta, &spec.options)
+            .map(|estimate| (estimate, None))
+            .map_err(|e| ApiError::from_plan(&e, true)),
+        PlanTarget::Requests(requests) => {
+            let requests = requests
+                .resolve(meta.tensors())
+                .map_err(|e| ApiError::from_plan(&e, false))?;
+            Ok((requests.estimate(meta, &spec.options), Some(requests)))
+        }
     }
-    .map_err(|e| ApiError::from_plan(&e, layout))?;
+}
+
+fn compute(
+    meta: &Arc<CheckpointMeta>,
+    spec: &PlanSpec,
+    resolved: Option<RequestSet>,
+) -> Result<Plan, ApiError> {
+    let layout = spec.target.is_layout();
+    let requests = match (resolved, &spec.target) {
+        (Some(requests), _) => requests,
+        (None, PlanTarget::Layout(l)) => l
+            .resolve(meta.tensors())
+            .map_err(|e| ApiError::from_plan(&e, true))?,
+        (None, PlanTarget::Requests(r)) => r
+            .resolve(meta.tensors())
+            .map_err(|e| ApiError::from_plan(&e, false))?,
+    };
     plan(meta, &requests, &spec.options).map_err(|e| ApiError::from_plan(&e, layout))
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -619,6 +737,43 @@ mod tests {
             parse_request(body),
             Err(ApiError::InvalidLayout { .. })
         ));
+    }
+
+    #[tokio::test]
+    async fn the_gate_queues_then_refuses_with_retry_after() {
+        let gate = Arc::new(PlanGate::new(1, 1));
+        let first = gate.enter().await.unwrap();
+        // The second waits for the running slot (its queue place is taken at once).
+        let waiting = {
+            let gate = Arc::clone(&gate);
+            tokio::spawn(async move { gate.enter().await.map(|_| ()) })
+        };
+        while gate.admitted.available_permits() > 0 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!waiting.is_finished());
+        // The third finds the running slot and the queue full.
+        let refused = match gate.enter().await {
+            Err(e) => e,
+            Ok(_) => panic!("a third computation was admitted past concurrency 1 + queue 1"),
+        };
+        assert_eq!(refused.kind(), "busy");
+        let response = axum::response::IntoResponse::into_response(refused);
+        assert_eq!(
+            response.status(),
+            axum::http::StatusCode::SERVICE_UNAVAILABLE
+        );
+        assert_eq!(
+            response
+                .headers()
+                .get(axum::http::header::RETRY_AFTER)
+                .unwrap(),
+            &BUSY_RETRY_AFTER_SECS.to_string()
+        );
+        drop(first);
+        waiting.await.unwrap().unwrap();
+        // Everything released: room again.
+        assert!(gate.enter().await.is_ok());
     }
 
     #[test]

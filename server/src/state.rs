@@ -69,6 +69,21 @@ impl AppState {
                 detail: "body_limit must be at least 1 byte".to_string(),
             });
         }
+        for (value, what) in [
+            (config.plan_concurrency, "plan_concurrency"),
+            (config.max_connections, "max_connections"),
+        ] {
+            if value == 0 {
+                return Err(ServerError::Config {
+                    detail: format!("{what} must be at least 1"),
+                });
+            }
+        }
+        if config.header_timeout.is_zero() {
+            return Err(ServerError::Config {
+                detail: "header_timeout must be longer than zero".to_string(),
+            });
+        }
         let token_digest = match config.token.as_deref() {
             None => None,
             Some("") => {

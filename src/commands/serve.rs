@@ -5,8 +5,10 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use tessera_server::{
-    AppState, DEFAULT_BODY_LIMIT, DEFAULT_META_CACHE_BYTES, DEFAULT_PLAN_CACHE_BYTES, ServerConfig,
-    init_logging, serve, shutdown_signal,
+    AppState, DEFAULT_BODY_LIMIT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_META_CACHE_BYTES, DEFAULT_PLAN_CACHE_BYTES, DEFAULT_PLAN_CONCURRENCY,
+    DEFAULT_PLAN_MEMORY_BYTES, DEFAULT_PLAN_QUEUE, ServerConfig, init_logging, serve,
+    shutdown_signal,
 };
 
 /// The environment variable holding the token when `--token` is not given.
@@ -22,6 +24,11 @@ pub const DEFAULT_METADATA_CACHE_MIB: u64 = DEFAULT_META_CACHE_BYTES / MIB;
 pub const DEFAULT_PLAN_CACHE_MIB: u64 = DEFAULT_PLAN_CACHE_BYTES / MIB;
 /// The server's default body limit, in KiB (the flag's default).
 pub const DEFAULT_BODY_LIMIT_KIB: usize = DEFAULT_BODY_LIMIT / KIB as usize;
+
+/// The server's default bound on one plan computation, in MiB (the flag's default).
+pub const DEFAULT_PLAN_MEMORY_MIB: u64 = DEFAULT_PLAN_MEMORY_BYTES / MIB;
+/// The server's default header timeout, in seconds (the flag's default).
+pub const DEFAULT_HEADER_TIMEOUT_SECS: u64 = DEFAULT_HEADER_TIMEOUT.as_secs();
 
 /// Arguments of `tessera serve`.
 #[derive(Clone, Debug)]
@@ -42,6 +49,16 @@ pub struct ServeArgs {
     pub plan_cache_mib: u64,
     /// Largest request body in KiB.
     pub body_limit_kib: usize,
+    /// Most memory one plan computation may take (by its estimate), in MiB.
+    pub plan_memory_mib: u64,
+    /// Plan computations running at once.
+    pub plan_concurrency: usize,
+    /// Plan computations waiting beyond those running.
+    pub plan_queue: usize,
+    /// Seconds a connection may take to send a request head (and stay idle).
+    pub header_timeout_secs: u64,
+    /// Connections served at once.
+    pub max_connections: usize,
 }
 
 impl ServeArgs {
@@ -56,6 +73,11 @@ impl ServeArgs {
             metadata_cache_mib: DEFAULT_METADATA_CACHE_MIB,
             plan_cache_mib: DEFAULT_PLAN_CACHE_MIB,
             body_limit_kib: DEFAULT_BODY_LIMIT_KIB,
+            plan_memory_mib: DEFAULT_PLAN_MEMORY_MIB,
+            plan_concurrency: DEFAULT_PLAN_CONCURRENCY,
+            plan_queue: DEFAULT_PLAN_QUEUE,
+            header_timeout_secs: DEFAULT_HEADER_TIMEOUT_SECS,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
 }
@@ -75,6 +97,11 @@ pub async fn run(args: &ServeArgs) -> Result<()> {
     config.meta_cache_bytes = args.metadata_cache_mib.saturating_mul(MIB);
     config.plan_cache_bytes = args.plan_cache_mib.saturating_mul(MIB);
     config.body_limit = args.body_limit_kib.saturating_mul(KIB as usize);
+    config.plan_memory_bytes = args.plan_memory_mib.saturating_mul(MIB);
+    config.plan_concurrency = args.plan_concurrency;
+    config.plan_queue = args.plan_queue;
+    config.header_timeout = std::time::Duration::from_secs(args.header_timeout_secs);
+    config.max_connections = args.max_connections;
     let has_token = config.token.is_some();
     let state =
         AppState::new(config).with_context(|| format!("opening the catalog {}", args.root))?;
@@ -119,5 +146,19 @@ mod tests {
         assert_eq!(value("metadataCacheMiB"), Some(DEFAULT_METADATA_CACHE_MIB));
         assert_eq!(value("planCacheMiB"), Some(DEFAULT_PLAN_CACHE_MIB));
         assert_eq!(value("bodyLimitKiB"), Some(DEFAULT_BODY_LIMIT_KIB as u64));
+        assert_eq!(value("planMemoryMiB"), Some(DEFAULT_PLAN_MEMORY_MIB));
+        assert_eq!(
+            value("planConcurrency"),
+            Some(DEFAULT_PLAN_CONCURRENCY as u64)
+        );
+        assert_eq!(value("planQueue"), Some(DEFAULT_PLAN_QUEUE as u64));
+        assert_eq!(
+            value("headerTimeoutSeconds"),
+            Some(DEFAULT_HEADER_TIMEOUT_SECS)
+        );
+        assert_eq!(
+            value("maxConnections"),
+            Some(DEFAULT_MAX_CONNECTIONS as u64)
+        );
     }
 }

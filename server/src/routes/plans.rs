@@ -68,8 +68,8 @@ fn body_error(rejection: BytesRejection, limit: usize) -> ApiError {
         (status = 404, description = "No such checkpoint", body = ErrorBody),
         (status = 409, description = "The checkpoint is incomplete (`incomplete_checkpoint`) or its metadata is invalid (`invalid_checkpoint`), or the run's `latest` pointer is bad; `detail` says why", body = ErrorBody),
         (status = 413, description = "Body over the limit", body = ErrorBody),
-        (status = 422, description = "The planner refuses the layout or requests (its reason in detail): also more ranks than the server plans, or a request with both a box (`offsets`/`lengths`) and `flat`", body = ErrorBody),
-        (status = 503, description = "Storage is unavailable", body = ErrorBody),
+        (status = 422, description = "The planner refuses the layout or requests (its reason in detail): also more ranks than the server plans, a request with both a box (`offsets`/`lengths`) and `flat`, or planning them would take more memory than the server's bound (`plan_too_large`, the estimate in detail)", body = ErrorBody),
+        (status = 503, description = "Storage is unavailable, or every planning slot and the queue are taken (`busy`, with Retry-After)", body = ErrorBody),
     ),
     security(("bearer" = [])))]
 pub(crate) async fn create(

@@ -8,9 +8,9 @@
 //! them the way Python does (an object is memoized before it is filled, then filled in place) and
 //! `BINGET` is O(1): no value is ever deep-copied, which keeps "billion laughs" inputs linear.
 //!
-//! The input is untrusted: its size, the mark nesting, the stack, the memo and the number of
-//! objects are capped ([`Limits`]), all arithmetic is checked, and every failure is an error that
-//! names the byte offset, never a panic.
+//! The input is untrusted: its size, the mark nesting, the stack, the memo, the number of
+//! objects and the bytes they take are capped ([`Limits`]), all arithmetic is checked, and every
+//! failure is an error that names the byte offset, never a panic.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -29,17 +29,24 @@ pub struct Limits {
     pub max_memo: usize,
     /// Most objects (tuples, lists, dicts, instances, ...) created.
     pub max_objects: usize,
+    /// Most bytes the values built may take: each object's own size, its items, the memo's
+    /// slots, and the length of every str, bytes and long int. An object count alone does not
+    /// bound memory: one-byte opcodes build objects of tens of bytes, and a list can grow by
+    /// 24 bytes per two input bytes.
+    pub max_bytes: u64,
 }
 
 impl Limits {
     /// Caps for a DCP `.metadata` file. A 1 GiB pickle describes millions of chunks (about 300
-    /// bytes and a dozen objects each); the object cap keeps memory around 4 GiB at worst.
+    /// bytes and a dozen objects each, roughly a KiB once built); the byte cap keeps what the VM
+    /// builds under 4 GiB whatever the input (the object cap alone allowed about 17 GB).
     pub const METADATA: Limits = Limits {
         max_input: 1 << 30,
         max_depth: 1000,
         max_stack: 1 << 20,
         max_memo: 1 << 27,
         max_objects: 1 << 26,
+        max_bytes: 4 << 30,
     };
 
     /// Caps for a `data.pkl` of a torch.save blob: a tensor's is ~160 bytes, a Python value's
@@ -50,6 +57,7 @@ impl Limits {
         max_stack: 1 << 20,
         max_memo: 1 << 20,
         max_objects: 1 << 20,
+        max_bytes: 256 << 20,
     };
 }
 
@@ -271,6 +279,7 @@ pub fn unpickle(data: &[u8], limits: &Limits) -> std::result::Result<Pickle, Pic
         memo_sparse: HashMap::new(),
         memo_count: 0,
         objects: Vec::new(),
+        built: 0,
         limits,
     };
     let root = vm.run()?;
@@ -363,10 +372,18 @@ struct Vm<'a> {
     memo_sparse: HashMap<u32, Value>,
     memo_count: usize,
     objects: Vec<Obj>,
+    /// Bytes of the values built so far (see [`Limits::max_bytes`]).
+    built: u64,
     limits: &'a Limits,
 }
 
 type Result<T> = std::result::Result<T, PickleError>;
+
+/// Bytes of a value inside an object or the memo.
+const VALUE: usize = std::mem::size_of::<Value>();
+
+/// Bytes an `Arc<str>`/`Arc<[u8]>` allocation adds to its contents (the two reference counts).
+const ARC_HEADER: usize = 16;
 
 impl Vm<'_> {
     fn fail<T>(&self, detail: impl Into<String>) -> Result<T> {
@@ -374,6 +391,18 @@ impl Vm<'_> {
             offset: self.op_start,
             detail: detail.into(),
         })
+    }
+
+    /// Counts `bytes` more of built values against [`Limits::max_bytes`].
+    fn charge(&mut self, bytes: usize) -> Result<()> {
+        self.built = self.built.saturating_add(bytes as u64);
+        if self.built > self.limits.max_bytes {
+            return self.fail(format!(
+                "the values built take more than the {}-byte cap (counting objects, their items, memo slots and string lengths)",
+                self.limits.max_bytes
+            ));
+        }
+        Ok(())
     }
 
     fn take(&mut self, n: usize, what: &str) -> Result<&[u8]> {
@@ -422,6 +451,12 @@ impl Vm<'_> {
         }
     }
 
+    /// The text line of `len` bytes that [`Self::line`] just read (it is UTF-8: checked there).
+    fn line_before(&self, len: usize) -> &str {
+        let start = self.pos - 1 - len;
+        std::str::from_utf8(&self.data[start..start + len]).unwrap_or_default()
+    }
+
     fn sized(&mut self, n: u64, what: &str) -> Result<&[u8]> {
         let Ok(n) = usize::try_from(n) else {
             return self.fail(format!("{what} of {n} bytes is too long"));
@@ -430,7 +465,9 @@ impl Vm<'_> {
     }
 
     fn string(&mut self, n: u64) -> Result<Value> {
-        let bytes = self.sized(n, "a string")?;
+        let bytes = self.sized(n, "a string")?.len();
+        self.charge(bytes + ARC_HEADER)?;
+        let bytes = &self.data[self.pos - bytes..self.pos];
         match std::str::from_utf8(bytes) {
             Ok(s) => Ok(Value::Str(Arc::from(s))),
             Err(e) => self.fail(format!("a string is not UTF-8 ({e})")),
@@ -438,8 +475,11 @@ impl Vm<'_> {
     }
 
     fn bytes(&mut self, n: u64) -> Result<Value> {
-        let bytes = self.sized(n, "a bytes object")?;
-        Ok(Value::Bytes(Arc::from(bytes)))
+        let len = self.sized(n, "a bytes object")?.len();
+        self.charge(len + ARC_HEADER)?;
+        Ok(Value::Bytes(Arc::from(
+            &self.data[self.pos - len..self.pos],
+        )))
     }
 
     fn push(&mut self, value: Value) -> Result<()> {
@@ -489,6 +529,18 @@ impl Vm<'_> {
         if self.objects.len() >= self.limits.max_objects {
             return self.fail(format!("more than {} objects", self.limits.max_objects));
         }
+        let items = match &obj {
+            Obj::Tuple(v) | Obj::List(v) | Obj::Set(v) => v.capacity() * VALUE,
+            Obj::Dict(v) => v.capacity() * 2 * VALUE,
+            Obj::Global { module, name } => module.len() + name.len() + 2 * ARC_HEADER,
+            Obj::Instance(i) => {
+                std::mem::size_of::<Instance>()
+                    + i.args.capacity() * VALUE
+                    + i.kwargs.capacity() * 2 * VALUE
+            }
+            Obj::PersistentId(_) => 0,
+        };
+        self.charge(std::mem::size_of::<Obj>() + items)?;
         let id = ObjId(self.objects.len() as u32);
         self.objects.push(obj);
         Ok(Value::Ref(id))
@@ -515,6 +567,12 @@ impl Vm<'_> {
             self.memo_sparse.insert(index, value).is_none()
         };
         if new {
+            // A dense slot is one value; a sparse one a hash map entry (key, value, control).
+            self.charge(if i < self.memo.len() {
+                VALUE
+            } else {
+                2 * VALUE
+            })?;
             self.memo_count += 1;
             if self.memo_count > self.limits.max_memo {
                 return self.fail(format!("more than {} memo entries", self.limits.max_memo));
@@ -548,6 +606,15 @@ impl Vm<'_> {
             return Value::Int(i64::from_le_bytes(le));
         }
         Value::BigInt(Arc::from(bytes))
+    }
+
+    /// [`Self::int_from_le`], counting a long int's bytes.
+    fn charged_int(&mut self, bytes_at: std::ops::Range<usize>) -> Result<Value> {
+        if bytes_at.len() > 8 {
+            self.charge(bytes_at.len() + ARC_HEADER)?;
+        }
+        let data = self.data;
+        Ok(self.int_from_le(&data[bytes_at]))
     }
 
     /// A protocol 0 decimal int (`INT`/`LONG`). Wider than 64 bits is refused: the binary
@@ -601,6 +668,7 @@ impl Vm<'_> {
     }
 
     fn set_items(&mut self, target: &Value, pairs: Vec<(Value, Value)>) -> Result<()> {
+        self.charge(pairs.len() * 2 * VALUE)?;
         match self.obj_mut(target) {
             Some(Obj::Dict(existing)) => {
                 for (key, value) in pairs {
@@ -625,6 +693,7 @@ impl Vm<'_> {
     }
 
     fn append_items(&mut self, target: &Value, items: Vec<Value>) -> Result<()> {
+        self.charge(items.len() * VALUE)?;
         match self.obj_mut(target) {
             Some(Obj::List(existing)) => {
                 existing.extend(items);
@@ -639,6 +708,7 @@ impl Vm<'_> {
     }
 
     fn add_items(&mut self, target: &Value, items: Vec<Value>) -> Result<()> {
+        self.charge(items.len() * VALUE)?;
         match self.obj_mut(target) {
             Some(Obj::Set(existing)) => {
                 existing.extend(items);
@@ -746,8 +816,9 @@ impl Vm<'_> {
                 }
                 op::LONG1 => {
                     let n = self.u8()?;
-                    let bytes = self.take(n as usize, "a LONG1")?.to_vec();
-                    let v = self.int_from_le(&bytes);
+                    let start = self.pos;
+                    self.take(n as usize, "a LONG1")?;
+                    let v = self.charged_int(start..self.pos)?;
                     self.push(v)?;
                 }
                 op::LONG4 => {
@@ -755,8 +826,9 @@ impl Vm<'_> {
                     if n < 0 {
                         return self.fail("LONG4 with a negative length");
                     }
-                    let bytes = self.take(n as usize, "a LONG4")?.to_vec();
-                    let v = self.int_from_le(&bytes);
+                    let start = self.pos;
+                    self.take(n as usize, "a LONG4")?;
+                    let v = self.charged_int(start..self.pos)?;
                     self.push(v)?;
                 }
                 op::INT => {
@@ -976,7 +1048,9 @@ impl Vm<'_> {
                     self.build(&target, state)?;
                 }
                 op::PERSID => {
-                    let id = Value::Str(Arc::from(self.line()?));
+                    let len = self.line()?.len();
+                    self.charge(len + ARC_HEADER)?;
+                    let id = Value::Str(Arc::from(self.line_before(len)));
                     let v = self.alloc(Obj::PersistentId(id))?;
                     self.push(v)?;
                 }
@@ -1119,5 +1193,71 @@ mod tests {
         assert_eq!(p.root(), &Value::Int(0x7fff));
         let p = unpickle(b"\x8a\x01\xff.", &Limits::default()).unwrap();
         assert_eq!(p.root(), &Value::Int(-1));
+    }
+
+    /// A list grown by `EMPTY_TUPLE APPEND` pairs: two input bytes build an object and a list
+    /// slot each, far more than two bytes.
+    fn amplifying(pairs: usize) -> Vec<u8> {
+        let mut data = b"\x80\x04]".to_vec();
+        for _ in 0..pairs {
+            data.extend_from_slice(b")a");
+        }
+        data.push(b'.');
+        data
+    }
+
+    #[test]
+    fn the_byte_cap_bounds_what_small_opcodes_build() {
+        let data = amplifying(100_000);
+        let limits = Limits {
+            max_bytes: 1 << 20,
+            ..Limits::default()
+        };
+        // Far under the object cap, yet over the byte cap: the bytes built are what is bounded.
+        assert!(100_000 < limits.max_objects);
+        let err = unpickle(&data, &limits).unwrap_err();
+        assert!(
+            err.detail
+                .contains("the values built take more than the 1048576-byte cap"),
+            "{err}"
+        );
+        // Each pair builds at least an object and a slot: the cap is hit well before the end.
+        let per_pair = std::mem::size_of::<Obj>() + VALUE;
+        assert!(err.offset <= 3 + 2 * ((1 << 20) / per_pair + 1), "{err}");
+        // The default cap leaves it alone.
+        let p = unpickle(&data, &Limits::default()).unwrap();
+        assert_eq!(p.sequence(p.root()).map(<[Value]>::len), Some(100_000));
+    }
+
+    #[test]
+    fn the_byte_cap_counts_string_lengths() {
+        // One 2 MiB str: a single object, but 2 MiB built.
+        let mut data = b"\x80\x04X".to_vec();
+        data.extend_from_slice(&(2u32 << 20).to_le_bytes());
+        data.extend(std::iter::repeat_n(b'x', 2 << 20));
+        data.push(b'.');
+        let limits = Limits {
+            max_bytes: 1 << 20,
+            ..Limits::default()
+        };
+        let err = unpickle(&data, &limits).unwrap_err();
+        assert!(err.detail.contains("1048576-byte cap"), "{err}");
+    }
+
+    #[test]
+    fn a_metadata_file_over_the_byte_cap_is_named() {
+        let limits = Limits {
+            max_bytes: 1 << 20,
+            ..Limits::default()
+        };
+        let err = crate::formats::dcp::metadata::parse_metadata(
+            &amplifying(100_000),
+            "run/step-1/.metadata",
+            &limits,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("run/step-1/.metadata"), "{err}");
+        assert!(err.contains("1048576-byte cap"), "{err}");
     }
 }

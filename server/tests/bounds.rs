@@ -1,0 +1,227 @@
+//! The server's resource bounds: plan computations refused by their memory estimate before
+//! they start, the plan cache weighing what a plan really holds, and connections bounded in
+//! number and in how long they may take to send a request head (real sockets on loopback).
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::http::StatusCode;
+use object_store::local::LocalFileSystem;
+use object_store::path::Path;
+use serde_json::json;
+use tempfile::TempDir;
+use tessera_metadata::formats::native::open_checkpoint;
+use tessera_planner::presets::fsdp;
+use tessera_planner::{PlanOptions, plan};
+use tessera_server::{AppState, ServerConfig, app};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use support::*;
+
+async fn catalog() -> TempDir {
+    let dir = TempDir::new().unwrap();
+    write_catalog(dir.path()).await;
+    dir
+}
+
+fn config(dir: &TempDir) -> ServerConfig {
+    ServerConfig::new(dir.path().to_str().unwrap())
+}
+
+/// A 2^20-rank mesh is inside the server's rank cap, but its plan would hold about a hundred
+/// million (rank, tensor) requests: it is refused from the estimate, with the estimate, before
+/// any per-rank table is built (before the fix the server tried, and died allocating).
+#[tokio::test]
+async fn a_mesh_whose_plan_would_not_fit_is_refused_with_the_estimate() {
+    let dir = catalog().await;
+    let app = app(AppState::new(config(&dir)).unwrap());
+    let body = json!({
+        "checkpoint": "gpt/step-000200",
+        "layout": {"mesh": [{"name": "dp", "size": 1 << 20}], "rules": [{"match": "*", "placements": ["replicate"]}]},
+    })
+    .to_string();
+    let started = Instant::now();
+    let answer = post_json(&app, "/v1/plans", body).await;
+    let elapsed = started.elapsed();
+    eprintln!(
+        "1048576-rank plan refused in {:.3} s",
+        elapsed.as_secs_f64()
+    );
+    answer.assert_error(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "plan_too_large",
+        "1048576 ranks",
+    );
+    let detail = answer.json()["detail"].as_str().unwrap().to_string();
+    assert!(detail.contains("requests"), "{detail}");
+    assert!(
+        detail.contains(&format!(
+            "bound of {} bytes",
+            tessera_server::DEFAULT_PLAN_MEMORY_BYTES
+        )),
+        "{detail}"
+    );
+}
+
+/// The bound is the configuration's: a small plan passes the default and is refused under a
+/// bound below its estimate.
+#[tokio::test]
+async fn the_memory_bound_is_configurable() {
+    let dir = catalog().await;
+    let body = plan_body("gpt/step-000200", &fsdp(4).unwrap());
+    let open = app(AppState::new(config(&dir)).unwrap());
+    assert_eq!(
+        post_json(&open, "/v1/plans", body.clone()).await.status,
+        StatusCode::OK
+    );
+    let mut tight = config(&dir);
+    tight.plan_memory_bytes = 64 * 1024;
+    let tight = app(AppState::new(tight).unwrap());
+    post_json(&tight, "/v1/plans", body).await.assert_error(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "plan_too_large",
+        "bound of 65536 bytes",
+    );
+}
+
+/// What the plan cache counts is what the cached plan holds: the planner's count of the plan's
+/// tables plus the entry, not a guess from its totals.
+#[tokio::test]
+async fn the_plan_cache_weighs_what_a_plan_holds() {
+    let dir = catalog().await;
+    let app = app(AppState::new(config(&dir)).unwrap());
+    let layout = fsdp(64).unwrap();
+    let answer = post_json(&app, "/v1/plans", plan_body("gpt/step-000200", &layout)).await;
+    assert_eq!(answer.status, StatusCode::OK);
+    let store = LocalFileSystem::new_with_prefix(dir.path()).unwrap();
+    let meta = Arc::new(
+        open_checkpoint(&store, &Path::from("gpt/step-000200"))
+            .await
+            .unwrap()
+            .meta,
+    );
+    let requests = layout.resolve(meta.tensors()).unwrap();
+    let held = plan(&meta, &requests, &PlanOptions::default())
+        .unwrap()
+        .heap_bytes();
+    let text = get(&app, "/metrics").await.text();
+    let weighed = metric(&text, "tessera_cache_bytes{cache=\"plan\"}").unwrap() as u64;
+    assert!(
+        weighed >= held && weighed <= held + 1024,
+        "the plan cache counts {weighed} bytes for a plan holding {held}"
+    );
+}
+
+/// A server on loopback with small connection bounds; stops when the sender is dropped.
+async fn start(
+    dir: &TempDir,
+    header_timeout: Duration,
+    max_connections: usize,
+) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    let mut config = config(dir);
+    config.header_timeout = header_timeout;
+    config.max_connections = max_connections;
+    let state = AppState::new(config).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(tessera_server::serve(listener, state, async move {
+        let _ = stopped.await;
+    }));
+    (addr, stop)
+}
+
+/// `GET /healthz` on a new connection: the status line, or `None` if the server closed it.
+async fn healthz(addr: SocketAddr) -> Option<String> {
+    let mut stream = TcpStream::connect(addr).await.ok()?;
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n")
+        .await
+        .ok()?;
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.ok()?;
+    let text = String::from_utf8_lossy(&answer).to_string();
+    text.lines()
+        .next()
+        .map(str::to_string)
+        .filter(|l| !l.is_empty())
+}
+
+/// Waits until the server closes `stream` (EOF or reset), at most `limit`; the time it took.
+async fn closed_within(stream: &mut TcpStream, limit: Duration) -> Option<Duration> {
+    let started = Instant::now();
+    let mut buf = [0u8; 1024];
+    loop {
+        match tokio::time::timeout(
+            limit.saturating_sub(started.elapsed()),
+            stream.read(&mut buf),
+        )
+        .await
+        {
+            Err(_) => return None,
+            Ok(Ok(0) | Err(_)) => return Some(started.elapsed()),
+            // A 408 or similar before the close is fine; keep reading until it closes.
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_and_idle_connections_are_bounded_and_healthz_still_answers() {
+    let dir = catalog().await;
+    let header_timeout = Duration::from_secs(2);
+    let cap = 8;
+    let (addr, _stop) = start(&dir, header_timeout, cap).await;
+    // cap - 2 clients that send part of a request head and stall, and one that sends nothing.
+    let mut slow = Vec::new();
+    for _ in 0..cap - 2 {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream
+            .write_all(b"GET /healthz HTTP/1.1\r\nhost: t\r\n")
+            .await
+            .unwrap();
+        slow.push(stream);
+    }
+    slow.push(TcpStream::connect(addr).await.unwrap());
+    // The last slot still answers.
+    assert_eq!(healthz(addr).await.as_deref(), Some("HTTP/1.1 200 OK"));
+    // A keep-alive client that got its answer and stays idle takes the last slot...
+    let mut idle = TcpStream::connect(addr).await.unwrap();
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nhost: t\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 512];
+    let n = idle.read(&mut buf).await.unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 200 OK"),
+        "{}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    // ...so one more connection is closed at once instead of waiting in the backlog.
+    let mut extra = TcpStream::connect(addr).await.unwrap();
+    let refused = closed_within(&mut extra, header_timeout / 2).await;
+    assert!(
+        refused.is_some(),
+        "a connection past the limit of {cap} was kept open"
+    );
+    // The stalled and idle ones are closed after the header timeout (with a generous margin).
+    let margin = header_timeout + Duration::from_secs(8);
+    for (i, stream) in slow
+        .iter_mut()
+        .chain(std::iter::once(&mut idle))
+        .enumerate()
+    {
+        assert!(
+            closed_within(stream, margin).await.is_some(),
+            "connection {i} still open {margin:?} after it stalled"
+        );
+    }
+    // Slots free again.
+    assert_eq!(healthz(addr).await.as_deref(), Some("HTTP/1.1 200 OK"));
+}
