@@ -225,6 +225,9 @@ enum Command {
         /// keep-alive connection is kept).
         #[arg(long, default_value_t = commands::serve::DEFAULT_HEADER_TIMEOUT_SECS)]
         header_timeout_secs: u64,
+        /// Seconds a request may take to send its body once its head is in (408 past it).
+        #[arg(long, default_value_t = commands::serve::DEFAULT_BODY_TIMEOUT_SECS)]
+        body_timeout_secs: u64,
         /// Connections served at once (one more is closed on arrival).
         #[arg(long, default_value_t = tessera_server::DEFAULT_MAX_CONNECTIONS)]
         max_connections: usize,
@@ -491,6 +494,7 @@ fn run(cli: Cli) -> Result<()> {
             plan_concurrency,
             plan_queue,
             header_timeout_secs,
+            body_timeout_secs,
             max_connections,
         } => runtime.block_on(commands::serve::run(&commands::serve::ServeArgs {
             root,
@@ -505,6 +509,7 @@ fn run(cli: Cli) -> Result<()> {
             plan_concurrency,
             plan_queue,
             header_timeout_secs,
+            body_timeout_secs,
             max_connections,
         })),
         Command::Verify { checkpoint } => stdout(

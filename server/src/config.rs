@@ -46,6 +46,11 @@ pub const DEFAULT_PLAN_QUEUE: usize = 16;
 /// disconnected, so it cannot hold a connection slot for long.
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Default [`ServerConfig::body_timeout`]: the body limit (16 MiB) arrives in well under a second
+/// on any cluster network; a client still sending after this long is stalled, and is answered
+/// 408 instead of holding a connection and a request task.
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Default [`ServerConfig::max_connections`]: well below the usual 1024 open-file limit, so
 /// accepting never fails for lack of descriptors and the store and cache files keep theirs.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 512;
@@ -98,6 +103,9 @@ pub struct ServerConfig {
     /// answer (so also how long an idle keep-alive connection is kept); default
     /// [`DEFAULT_HEADER_TIMEOUT`].
     pub header_timeout: Duration,
+    /// Longest time to receive a request's body once its head is in (408 `body_timeout` past
+    /// it); default [`DEFAULT_BODY_TIMEOUT`].
+    pub body_timeout: Duration,
     /// Connections served at once; one more is accepted and closed at once (its client sees
     /// the connection reset and can retry). Default [`DEFAULT_MAX_CONNECTIONS`].
     pub max_connections: usize,
@@ -135,6 +143,7 @@ impl ServerConfig {
             plan_concurrency: DEFAULT_PLAN_CONCURRENCY,
             plan_queue: DEFAULT_PLAN_QUEUE,
             header_timeout: DEFAULT_HEADER_TIMEOUT,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             catalog_ttl: DEFAULT_CATALOG_TTL,
             meta_ttl: DEFAULT_META_TTL,

@@ -16,7 +16,7 @@ use utoipa::ToSchema;
 pub struct ErrorBody {
     /// Stable machine-readable kind: `bad_id`, `bad_request`, `unauthorized`,
     /// `unknown_checkpoint`, `incomplete_checkpoint`, `unknown_tensor`, `unknown_plan`,
-    /// `unknown_rank`, `not_found`, `method_not_allowed`, `body_too_large`, `invalid_layout`,
+    /// `unknown_rank`, `not_found`, `method_not_allowed`, `body_too_large`, `body_timeout`, `invalid_layout`,
     /// `invalid_requests`, `plan_too_large`, `invalid_checkpoint`, `storage_unavailable`,
     /// `busy`, `internal`.
     pub error: String,
@@ -103,6 +103,14 @@ pub enum ApiError {
         /// The limit in bytes.
         limit: usize,
     },
+    /// The request body did not arrive within the server's body timeout (408).
+    #[error(
+        "the request body did not arrive within {seconds} s (the server's body timeout); a stalled client is cut off"
+    )]
+    BodyTimeout {
+        /// The timeout, in seconds.
+        seconds: u64,
+    },
     /// A layout the planner refuses (422), with the planner's reason.
     #[error("invalid layout: {reason}")]
     InvalidLayout {
@@ -181,6 +189,7 @@ impl ApiError {
                 StatusCode::CONFLICT
             }
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::InvalidLayout { .. }
             | ApiError::InvalidRequests { .. }
             | ApiError::PlanTooLarge { .. } => StatusCode::UNPROCESSABLE_ENTITY,
@@ -205,6 +214,7 @@ impl ApiError {
             ApiError::NotFound { .. } => "not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::BodyTooLarge { .. } => "body_too_large",
+            ApiError::BodyTimeout { .. } => "body_timeout",
             ApiError::InvalidLayout { .. } => "invalid_layout",
             ApiError::InvalidRequests { .. } => "invalid_requests",
             ApiError::PlanTooLarge { .. } => "plan_too_large",

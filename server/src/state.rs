@@ -79,10 +79,15 @@ impl AppState {
                 });
             }
         }
-        if config.header_timeout.is_zero() {
-            return Err(ServerError::Config {
-                detail: "header_timeout must be longer than zero".to_string(),
-            });
+        for (what, value) in [
+            ("header_timeout", config.header_timeout),
+            ("body_timeout", config.body_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(ServerError::Config {
+                    detail: format!("{what} must be longer than zero"),
+                });
+            }
         }
         let token_digest = match config.token.as_deref() {
             None => None,

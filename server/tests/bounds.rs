@@ -127,6 +127,10 @@ async fn start(
     let mut config = config(dir);
     config.header_timeout = header_timeout;
     config.max_connections = max_connections;
+    start_with(config).await
+}
+
+async fn start_with(config: ServerConfig) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
     let state = AppState::new(config).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -224,4 +228,48 @@ async fn slow_and_idle_connections_are_bounded_and_healthz_still_answers() {
     }
     // Slots free again.
     assert_eq!(healthz(addr).await.as_deref(), Some("HTTP/1.1 200 OK"));
+}
+
+/// A client that sends a request head promising a body and then stalls is answered 408
+/// `body_timeout` once the body timeout passes, instead of holding its connection and request
+/// task for as long as it likes (the header timeout no longer runs once the head is in).
+#[tokio::test]
+async fn a_stalled_request_body_is_answered_408_after_the_body_timeout() {
+    let dir = catalog().await;
+    let mut config = config(&dir);
+    config.body_timeout = Duration::from_secs(1);
+    let (addr, _stop) = start_with(config).await;
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(
+            b"POST /v1/plans HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"checkpoint\": ",
+        )
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), async {
+        let mut buf = [0u8; 1024];
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    answer.extend_from_slice(&buf[..n]);
+                    if answer.windows(4).any(|w| w == b"\r\n\r\n") && answer.ends_with(b"}") {
+                        break;
+                    }
+                }
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "no answer 20 s after the body stalled");
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("\"body_timeout\""), "{text}");
+    assert!(text.contains("within 1 s"), "{text}");
+    eprintln!(
+        "stalled body answered 408 after {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
 }

@@ -5,10 +5,10 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use tessera_server::{
-    AppState, DEFAULT_BODY_LIMIT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_META_CACHE_BYTES, DEFAULT_PLAN_CACHE_BYTES, DEFAULT_PLAN_CONCURRENCY,
-    DEFAULT_PLAN_MEMORY_BYTES, DEFAULT_PLAN_QUEUE, ServerConfig, init_logging, serve,
-    shutdown_signal,
+    AppState, DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS, DEFAULT_META_CACHE_BYTES, DEFAULT_PLAN_CACHE_BYTES,
+    DEFAULT_PLAN_CONCURRENCY, DEFAULT_PLAN_MEMORY_BYTES, DEFAULT_PLAN_QUEUE, ServerConfig,
+    init_logging, serve, shutdown_signal,
 };
 
 /// The environment variable holding the token when `--token` is not given.
@@ -29,6 +29,8 @@ pub const DEFAULT_BODY_LIMIT_KIB: usize = DEFAULT_BODY_LIMIT / KIB as usize;
 pub const DEFAULT_PLAN_MEMORY_MIB: u64 = DEFAULT_PLAN_MEMORY_BYTES / MIB;
 /// The server's default header timeout, in seconds (the flag's default).
 pub const DEFAULT_HEADER_TIMEOUT_SECS: u64 = DEFAULT_HEADER_TIMEOUT.as_secs();
+/// The server's default body timeout, in seconds (the flag's default).
+pub const DEFAULT_BODY_TIMEOUT_SECS: u64 = DEFAULT_BODY_TIMEOUT.as_secs();
 
 /// Arguments of `tessera serve`.
 #[derive(Clone, Debug)]
@@ -57,6 +59,8 @@ pub struct ServeArgs {
     pub plan_queue: usize,
     /// Seconds a connection may take to send a request head (and stay idle).
     pub header_timeout_secs: u64,
+    /// Seconds a request may take to send its body.
+    pub body_timeout_secs: u64,
     /// Connections served at once.
     pub max_connections: usize,
 }
@@ -77,6 +81,7 @@ impl ServeArgs {
             plan_concurrency: DEFAULT_PLAN_CONCURRENCY,
             plan_queue: DEFAULT_PLAN_QUEUE,
             header_timeout_secs: DEFAULT_HEADER_TIMEOUT_SECS,
+            body_timeout_secs: DEFAULT_BODY_TIMEOUT_SECS,
             max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
@@ -101,6 +106,7 @@ pub async fn run(args: &ServeArgs) -> Result<()> {
     config.plan_concurrency = args.plan_concurrency;
     config.plan_queue = args.plan_queue;
     config.header_timeout = std::time::Duration::from_secs(args.header_timeout_secs);
+    config.body_timeout = std::time::Duration::from_secs(args.body_timeout_secs);
     config.max_connections = args.max_connections;
     let has_token = config.token.is_some();
     let state =
@@ -156,6 +162,7 @@ mod tests {
             value("headerTimeoutSeconds"),
             Some(DEFAULT_HEADER_TIMEOUT_SECS)
         );
+        assert_eq!(value("bodyTimeoutSeconds"), Some(DEFAULT_BODY_TIMEOUT_SECS));
         assert_eq!(
             value("maxConnections"),
             Some(DEFAULT_MAX_CONNECTIONS as u64)

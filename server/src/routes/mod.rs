@@ -29,6 +29,7 @@ use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::services::ServeDir;
+use tower_http::timeout::RequestBodyTimeoutLayer;
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 use utoipa::openapi::OpenApi;
@@ -138,6 +139,7 @@ pub fn app(state: AppState) -> Router {
             record_metrics,
         ))
         .layer(DefaultBodyLimit::max(config.body_limit))
+        .layer(RequestBodyTimeoutLayer::new(config.body_timeout))
         .layer(trace)
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid));

@@ -12,7 +12,7 @@ use utoipa::ToSchema;
 use super::ARROW_STREAM;
 use super::checkpoints::path_error;
 use crate::plans::{check_plan_id, parse_request};
-use crate::{ApiError, AppState, ErrorBody, PlanCreated, PlanRequest};
+use crate::{ApiError, AppState, ErrorBody, PlanCreated, PlanRequest, ServerConfig};
 
 /// One rank's plan as JSON (the planner's `RankPlan`): destinations, pieces with their file
 /// runs and placements, ring exchanges, totals.
@@ -47,14 +47,36 @@ pub(crate) struct RankPlanJson {
 #[schema(value_type = String, format = Binary)]
 pub(crate) struct ArrowStream(#[allow(dead_code)] Vec<u8>);
 
-fn body_error(rejection: BytesRejection, limit: usize) -> ApiError {
+fn body_error(rejection: BytesRejection, config: &ServerConfig) -> ApiError {
     if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        ApiError::BodyTooLarge { limit }
+        ApiError::BodyTooLarge {
+            limit: config.body_limit,
+        }
+    } else if timed_out(&rejection) {
+        ApiError::BodyTimeout {
+            seconds: config.body_timeout.as_secs(),
+        }
     } else {
         ApiError::BadRequest {
             detail: format!("cannot read the body: {}", rejection.body_text()),
         }
     }
+}
+
+/// Whether reading the body failed because tower-http's body timeout fired: its error sits
+/// somewhere down the rejection's source chain (axum wraps it in its own error types).
+fn timed_out(rejection: &BytesRejection) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(rejection);
+    while let Some(error) = source {
+        if error
+            .downcast_ref::<tower_http::timeout::TimeoutError>()
+            .is_some()
+        {
+            return true;
+        }
+        source = error.source();
+    }
+    false
 }
 
 /// Plans a checkpoint for a layout or explicit requests. The same request gets the same plan
@@ -67,6 +89,7 @@ fn body_error(rejection: BytesRejection, limit: usize) -> ApiError {
         (status = 401, description = "Missing or wrong token", body = ErrorBody),
         (status = 404, description = "No such checkpoint", body = ErrorBody),
         (status = 409, description = "The checkpoint is incomplete (`incomplete_checkpoint`) or its metadata is invalid (`invalid_checkpoint`), or the run's `latest` pointer is bad; `detail` says why", body = ErrorBody),
+        (status = 408, description = "The body did not arrive within the server's body timeout (`body_timeout`)", body = ErrorBody),
         (status = 413, description = "Body over the limit", body = ErrorBody),
         (status = 422, description = "The planner refuses the layout or requests (its reason in detail): also more ranks than the server plans, a request with both a box (`offsets`/`lengths`) and `flat`, or planning them would take more memory than the server's bound (`plan_too_large`, the estimate in detail)", body = ErrorBody),
         (status = 503, description = "Storage is unavailable, or every planning slot and the queue are taken (`busy`, with Retry-After)", body = ErrorBody),
@@ -76,7 +99,7 @@ pub(crate) async fn create(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<PlanCreated>, ApiError> {
-    let body = body.map_err(|e| body_error(e, state.config().body_limit))?;
+    let body = body.map_err(|e| body_error(e, state.config()))?;
     let request = parse_request(&body)?;
     let inner = &state.inner;
     let entry = inner.plans.create(&inner.catalog, request).await?;
