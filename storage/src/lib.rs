@@ -5,7 +5,8 @@
 //! the same [`RetryPolicy`].
 //!
 //! Test support (feature `testing`): [`testing::FaultyStore`] and [`testing::RecordingStore`]
-//! wrap any store, [`testing::S3TestServer`] serves an S3-compatible API on 127.0.0.1.
+//! wrap any store, [`testing::S3TestServer`] serves an S3-compatible API on 127.0.0.1,
+//! [`testing::StallingHttpServer`] serves a directory over plain HTTP and stalls when told to.
 
 mod error;
 mod location;
