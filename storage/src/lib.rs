@@ -18,4 +18,4 @@ pub use error::StorageError;
 pub use location::{
     Location, StorageOptions, create, create_with, install_tls_provider, open, open_with,
 };
-pub use retry::{RetryPolicy, is_transient};
+pub use retry::{RetryPolicy, is_timeout, is_transient};

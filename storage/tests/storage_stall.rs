@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use object_store::ObjectStoreExt;
 use object_store::path::Path;
 use tessera_storage::testing::{Stall, StallingHttpServer};
-use tessera_storage::{Location, RetryPolicy, StorageOptions, is_transient, open_with};
+use tessera_storage::{Location, RetryPolicy, StorageOptions, is_timeout, is_transient, open_with};
 
 const SIZE: usize = 1 << 20;
 
@@ -126,6 +126,7 @@ async fn a_body_that_stops_midway_fails_after_the_read_timeout() {
     };
     let took = started.elapsed();
     assert!(is_transient(&err), "{err}");
+    assert!(is_timeout(&err), "{err:?}");
     assert!(took < Duration::from_secs(10), "took {took:?}: {err}");
     assert_eq!(server.stalled(), 1);
     eprintln!("stalled body cut after {took:?}: {err}");
@@ -146,6 +147,7 @@ async fn a_range_read_of_a_stalled_body_fails_after_the_read_timeout() {
     let took = started.elapsed();
     let err = result.unwrap_err();
     assert!(is_transient(&err), "{err}");
+    assert!(is_timeout(&err), "{err:?}");
     assert!(took < Duration::from_secs(10), "took {took:?}: {err}");
     assert_eq!(server.stalled(), 1);
     eprintln!("stalled range cut after {took:?}: {err}");
@@ -166,6 +168,7 @@ async fn a_server_that_never_answers_fails_after_the_read_timeout() {
     .unwrap_err();
     let took = started.elapsed();
     assert!(is_transient(&err), "{err}");
+    assert!(is_timeout(&err), "{err:?}");
     assert!(took < Duration::from_secs(10), "took {took:?}: {err}");
     assert_eq!(server.stalled(), 1);
     eprintln!("silent server cut after {took:?}: {err}");
