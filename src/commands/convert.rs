@@ -9,16 +9,29 @@ use anyhow::{Context, Result, bail};
 use object_store::{ObjectStoreExt, PutPayload};
 use serde_json::json;
 use tessera_loader::load::{Checkpoint, LoadOptions, LoadedRank, load_rank};
+use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::InProcTransport;
 use tessera_loader::transport::TransportOptions;
 use tessera_metadata::formats::native::{NativeWriter, WriteOptions};
 use tessera_metadata::formats::safetensors::{self, TensorView};
 use tessera_planner::{Layout, PlanOptions, Target, assign_writers};
+use tessera_storage::RetryPolicy;
 
 use crate::human;
 
-/// Loads every rank of `layout` in this process.
-async fn load_all(checkpoint: &Checkpoint, layout: &Layout) -> Result<Vec<LoadedRank>> {
+/// Loads every rank of `layout` in this process, reading with `retry`.
+async fn load_all(
+    checkpoint: &Checkpoint,
+    layout: &Layout,
+    retry: &RetryPolicy,
+) -> Result<Vec<LoadedRank>> {
+    let options = LoadOptions {
+        read: ReadOptions {
+            retry: retry.clone(),
+            ..ReadOptions::default()
+        },
+        progress: None,
+    };
     let requests = layout.resolve(checkpoint.meta.tensors())?;
     let plan = checkpoint.plan(&requests, &PlanOptions::default())?;
     let transports = InProcTransport::mesh(plan.world_size(), TransportOptions::default());
@@ -26,8 +39,9 @@ async fn load_all(checkpoint: &Checkpoint, layout: &Layout) -> Result<Vec<Loaded
     for (rank, transport) in transports.into_iter().enumerate() {
         let rank_plan = plan.rank_plan(rank as u32)?;
         let checkpoint = checkpoint.clone();
+        let options = options.clone();
         tasks.push(tokio::spawn(async move {
-            load_rank(&checkpoint, rank_plan, &transport, &LoadOptions::default()).await
+            load_rank(&checkpoint, rank_plan, &transport, &options).await
         }));
     }
     let mut loaded = Vec::with_capacity(tasks.len());
@@ -42,14 +56,20 @@ async fn load_all(checkpoint: &Checkpoint, layout: &Layout) -> Result<Vec<Loaded
 }
 
 /// `tessera convert CKPT --layout L --out DIR`: the checkpoint saved as layout L would save it.
-pub async fn to_layout(source: &str, layout_path: &str, out: &str) -> Result<String> {
-    let checkpoint = open(source).await?;
+/// Both checkpoints' stores get `retry`'s timeouts.
+pub async fn to_layout(
+    source: &str,
+    layout_path: &str,
+    out: &str,
+    retry: &RetryPolicy,
+) -> Result<String> {
+    let checkpoint = open(source, retry).await?;
     let layout = super::read_layout(layout_path)?;
-    let loaded = load_all(&checkpoint, &layout).await?;
+    let loaded = load_all(&checkpoint, &layout, retry).await?;
     let tensors = checkpoint.meta.tensors().to_vec();
     let holdings = layout.resolve(&tensors)?;
     let writes = assign_writers(&tensors, &holdings)?;
-    let target = tessera_storage::create(out)?;
+    let target = tessera_storage::create_with(out, &super::storage_options(retry))?;
     let writer = NativeWriter::create(
         Arc::clone(&target.store),
         target.prefix.clone(),
@@ -139,11 +159,16 @@ fn object_path(checkpoint: &Checkpoint, file: u32) -> Result<object_store::path:
 
 /// `tessera convert CKPT --format safetensors --out DIR`: consolidated full tensors in shards of
 /// at most `max_shard_bytes`, plus `model.safetensors.index.json` (written last).
-pub async fn to_safetensors(source: &str, out: &str, max_shard_bytes: u64) -> Result<String> {
-    let checkpoint = open(source).await?;
+pub async fn to_safetensors(
+    source: &str,
+    out: &str,
+    max_shard_bytes: u64,
+    retry: &RetryPolicy,
+) -> Result<String> {
+    let checkpoint = open(source, retry).await?;
     let everything =
         Layout::from_json(r#"{"mesh": [], "rules": [{"match": "*", "placements": []}]}"#)?;
-    let loaded = load_all(&checkpoint, &everything).await?;
+    let loaded = load_all(&checkpoint, &everything, retry).await?;
     let rank = &loaded[0];
     let plan = &rank.plan;
     // Group tensors (in checkpoint order) into shards.
@@ -159,7 +184,7 @@ pub async fn to_safetensors(source: &str, out: &str, max_shard_bytes: u64) -> Re
             shard.push(d);
         }
     }
-    let target = tessera_storage::create(out)?;
+    let target = tessera_storage::create_with(out, &super::storage_options(retry))?;
     let n = shards.len();
     let mut weight_map = BTreeMap::new();
     let mut total = 0u64;
@@ -213,8 +238,8 @@ pub async fn to_safetensors(source: &str, out: &str, max_shard_bytes: u64) -> Re
 
 /// Opens the source in any format (native, PyTorch DCP, safetensors). Foreign formats are read
 /// without verification: they record no checksums a partial read could be checked against.
-async fn open(source: &str) -> Result<Checkpoint> {
-    let checkpoint = super::open_for_load(source).await?;
+async fn open(source: &str, retry: &RetryPolicy) -> Result<Checkpoint> {
+    let checkpoint = super::open_for_load(source, retry).await?;
     if !checkpoint.has_data {
         bail!("{source}: a metadata-only checkpoint has no data to convert");
     }

@@ -19,8 +19,8 @@ const CONCURRENCY: usize = 16;
 
 /// Runs the command; an error (non-zero exit) when anything is wrong, listing every bad block or
 /// blob.
-pub async fn run(location: &str) -> Result<String> {
-    let loc = storage::open(location)?;
+pub async fn run(location: &str, retry: &storage::RetryPolicy) -> Result<String> {
+    let loc = storage::open_with(location, &super::storage_options(retry))?;
     let listing = list_dir(loc.store.as_ref(), &loc.prefix).await?;
     let native = listing.files.contains_key(native::MANIFEST_FILE)
         || listing.files.contains_key(native::METADATA_FILE)
