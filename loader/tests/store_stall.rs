@@ -39,7 +39,7 @@ fn policy() -> RetryPolicy {
 
 /// The bound docs/retry.md gives for one rank's read of a stalled store, with [`policy`]:
 /// `(max_attempts + 1) × (connect_timeout + read_timeout) + total_backoff()` plus one size check
-/// (`head`) after the first failure; 2.7 s here. The tests allow several times that.
+/// (`head`) after the first failure; 3.0 s here. The tests allow several times that.
 fn stall_bound(policy: &RetryPolicy) -> Duration {
     let attempt = policy.connect_timeout + policy.read_timeout;
     attempt * (policy.max_attempts + 2) + policy.total_backoff()

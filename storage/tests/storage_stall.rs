@@ -173,3 +173,113 @@ async fn a_server_that_never_answers_fails_after_the_read_timeout() {
     assert_eq!(server.stalled(), 1);
     eprintln!("silent server cut after {took:?}: {err}");
 }
+
+/// A TCP proxy on 127.0.0.1 in front of `upstream` that, for a connection whose first request
+/// line contains `stall_on`, passes on the answer's headers and `after` bytes of its body and
+/// then nothing more; other connections are passed through untouched. S3's own test server
+/// cannot stall; this puts the stall between it and the S3 client.
+async fn stalling_proxy(
+    upstream: std::net::SocketAddr,
+    stall_on: &'static str,
+    after: usize,
+) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(mut server) = tokio::net::TcpStream::connect(upstream).await else {
+                    return;
+                };
+                let mut head = Vec::new();
+                let mut buf = [0u8; 8192];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match client.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let first_line = head.split(|b| *b == b'\n').next().unwrap_or_default();
+                let stall = String::from_utf8_lossy(first_line).contains(stall_on);
+                if server.write_all(&head).await.is_err() {
+                    return;
+                }
+                if !stall {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    return;
+                }
+                // Headers plus `after` bytes of the body, then silence until the client gives up.
+                let mut answer = Vec::new();
+                loop {
+                    if let Some(end) = answer.windows(4).position(|w| w == b"\r\n\r\n")
+                        && answer.len() >= end + 4 + after
+                    {
+                        let _ = client.write_all(&answer[..end + 4 + after]).await;
+                        break;
+                    }
+                    match server.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => answer.extend_from_slice(&buf[..n]),
+                    }
+                }
+                while let Ok(n) = client.read(&mut buf).await {
+                    if n == 0 {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+/// The same stall between the S3 test server and the `s3://` store (a proxy that passes on the
+/// headers and 100 bytes of a data object's body): the range read is cut after the read timeout
+/// as a transient timeout, as over plain HTTP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_s3_range_read_of_a_stalled_body_fails_after_the_read_timeout() {
+    use tessera_storage::testing::S3TestServer;
+    let dir = tempfile::tempdir().unwrap();
+    let server = S3TestServer::start(dir.path());
+    server.create_bucket("ckpt");
+    let path = Path::from("run/step/data/rank0.bin");
+    server
+        .store("ckpt")
+        .put(&path, bytes().into())
+        .await
+        .unwrap();
+    let upstream: std::net::SocketAddr = server
+        .endpoint()
+        .trim_start_matches("http://")
+        .parse()
+        .unwrap();
+    let port = stalling_proxy(upstream, "/data/", 100).await;
+    let mut options = server.options();
+    options.retry = short_policy();
+    options.env.push((
+        "AWS_ENDPOINT_URL".to_string(),
+        format!("http://127.0.0.1:{port}"),
+    ));
+    let location = open_with("s3://ckpt/run/step", &options).unwrap();
+    let started = Instant::now();
+    let err = tokio::time::timeout(
+        Duration::from_secs(30),
+        location.store.get_range(&path, 0..65536),
+    )
+    .await
+    .expect("get_range through the stalling proxy hung past 30 s")
+    .unwrap_err();
+    let took = started.elapsed();
+    assert!(is_transient(&err), "{err}");
+    assert!(is_timeout(&err), "{err:?}");
+    assert!(took < Duration::from_secs(10), "took {took:?}: {err}");
+    eprintln!("stalled S3 range cut after {took:?}: {err}");
+    // The proxy passes everything else on: the object is there and readable without it.
+    let direct = server.store("ckpt").get_range(&path, 0..100).await.unwrap();
+    assert!(direct.as_ref() == &bytes()[..100]);
+    // Drop the server (joins its thread) off the runtime's workers.
+    tokio::task::spawn_blocking(move || drop(server))
+        .await
+        .unwrap();
+}
