@@ -4,12 +4,42 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use clap::{ArgGroup, Parser, Subcommand, ValueEnum};
+use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 use tessera::commands::{self, layout::Preset, plan::Format};
 use tessera_loader::device::DeviceSpec;
 use tessera_planner::presets::MegatronGpt;
 use tessera_synth::Model;
 use tessera_synth::SynthOptions;
+
+/// How patient the checkpoint's storage requests are (load, inspect, verify, convert, plan).
+#[derive(Args, Clone, Debug)]
+struct StorageArgs {
+    /// Seconds a storage request may go without receiving data (mid-body or before the answer)
+    /// before it is cut and retried. With --storage-attempts it bounds how soon a load from a
+    /// store that stalls fails: about attempts x this (see docs/retry.md).
+    #[arg(
+        long,
+        env = commands::READ_TIMEOUT_ENV,
+        value_name = "SECS",
+        default_value_t = tessera_storage::RetryPolicy::default().read_timeout.as_secs_f64()
+    )]
+    storage_read_timeout: f64,
+    /// Attempts per storage request before a transient failure (a timeout, a reset
+    /// connection, a 5xx answer) fails the command.
+    #[arg(
+        long,
+        env = commands::ATTEMPTS_ENV,
+        value_name = "N",
+        default_value_t = tessera_storage::RetryPolicy::default().max_attempts
+    )]
+    storage_attempts: u32,
+}
+
+impl StorageArgs {
+    fn policy(&self) -> Result<tessera_storage::RetryPolicy> {
+        commands::storage_policy(self.storage_read_timeout, self.storage_attempts)
+    }
+}
 
 #[derive(Parser)]
 #[command(name = "tessera", version, about = "Checkpoint resharding and loading")]
@@ -82,6 +112,8 @@ enum Command {
         /// Every rank reads all it needs itself (no read dedup, no exchange).
         #[arg(long)]
         no_dedup: bool,
+        #[command(flatten)]
+        storage: StorageArgs,
     },
     /// Load a checkpoint into a layout: every rank here, or one rank of a real job (--rank).
     #[command(group(ArgGroup::new("target").required(true).args(["layout", "requests"])))]
@@ -148,6 +180,8 @@ enum Command {
         /// Bearer token of the server.
         #[arg(long, env = "TESSERA_TOKEN", hide_env_values = true)]
         token: Option<String>,
+        #[command(flatten)]
+        storage: StorageArgs,
     },
     /// Re-save a checkpoint in another layout, or export consolidated safetensors.
     Convert {
@@ -169,6 +203,8 @@ enum Command {
         /// dead (killed, its host gone), or two writers will mix their files.
         #[arg(long)]
         break_claim: bool,
+        #[command(flatten)]
+        storage: StorageArgs,
     },
     /// Show what a checkpoint holds.
     Inspect {
@@ -177,11 +213,15 @@ enum Command {
         /// JSON output.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        storage: StorageArgs,
     },
     /// Check every block checksum of a checkpoint's data files.
     Verify {
         /// Checkpoint directory or file:// URL.
         checkpoint: String,
+        #[command(flatten)]
+        storage: StorageArgs,
     },
     /// Serve the catalog and plan API of a storage root over HTTP (until Ctrl-C or SIGTERM).
     Serve {
@@ -379,6 +419,7 @@ fn run(cli: Cli) -> Result<()> {
             format,
             summary,
             no_dedup,
+            storage,
         } => {
             let args = commands::plan::PlanArgs {
                 checkpoint,
@@ -392,6 +433,7 @@ fn run(cli: Cli) -> Result<()> {
                 },
                 summary,
                 no_dedup,
+                retry: storage.policy()?,
             };
             stdout(&runtime.block_on(commands::plan::run(&args))?)
         }
@@ -415,6 +457,7 @@ fn run(cli: Cli) -> Result<()> {
             server,
             checkpoint_id,
             token,
+            storage,
         } => {
             if !(peer_timeout > 0.0 && peer_timeout.is_finite()) {
                 anyhow::bail!("--peer-timeout must be a positive number of seconds");
@@ -443,6 +486,7 @@ fn run(cli: Cli) -> Result<()> {
                 server,
                 checkpoint_id,
                 token,
+                retry: storage.policy()?,
             };
             let report = runtime.block_on(commands::load::run(&args))?;
             if args.quiet {
@@ -458,8 +502,12 @@ fn run(cli: Cli) -> Result<()> {
             out,
             max_shard_bytes,
             break_claim,
+            storage,
         } => {
-            let options = commands::convert::ConvertOptions { break_claim };
+            let options = commands::convert::ConvertOptions {
+                break_claim,
+                retry: storage.policy()?,
+            };
             let report = match (format, layout) {
                 (ConvertFormat::Native, Some(layout)) => runtime.block_on(
                     commands::convert::to_layout(&checkpoint, &layout, &out, &options),
@@ -476,9 +524,17 @@ fn run(cli: Cli) -> Result<()> {
             };
             stdout(report.as_bytes())
         }
-        Command::Inspect { checkpoint, json } => stdout(
+        Command::Inspect {
+            checkpoint,
+            json,
+            storage,
+        } => stdout(
             runtime
-                .block_on(commands::inspect::run(&checkpoint, json))?
+                .block_on(commands::inspect::run(
+                    &checkpoint,
+                    json,
+                    &storage.policy()?,
+                ))?
                 .as_bytes(),
         ),
         Command::Serve {
@@ -512,9 +568,12 @@ fn run(cli: Cli) -> Result<()> {
             body_timeout_secs,
             max_connections,
         })),
-        Command::Verify { checkpoint } => stdout(
+        Command::Verify {
+            checkpoint,
+            storage,
+        } => stdout(
             runtime
-                .block_on(commands::verify::run(&checkpoint))?
+                .block_on(commands::verify::run(&checkpoint, &storage.policy()?))?
                 .as_bytes(),
         ),
     }

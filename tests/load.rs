@@ -901,3 +901,95 @@ fn a_stopped_rank_is_killed_and_reported_and_load_ends() {
     );
     assert!(line(1).len() > "  rank 1: ".len(), "{stderr}");
 }
+
+/// Runs `tessera <args>` with extra environment variables and returns its exit code, stderr and
+/// how long it took.
+fn run_timed(env: &[(&str, &str)], args: &[&str]) -> (Option<i32>, String, std::time::Duration) {
+    let started = std::time::Instant::now();
+    let output = std::process::Command::new(support::BIN)
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    (
+        output.status.code(),
+        String::from_utf8(output.stderr).unwrap(),
+        started.elapsed(),
+    )
+}
+
+/// A storage server that stalls mid-body on every data file (headers and 100 bytes, then
+/// silence with the connection open) used to hang `tessera load` for minutes. With
+/// `--storage-read-timeout 0.3 --storage-attempts 3` (or the same as TESSERA_STORAGE_* variables,
+/// which the rank processes of `--transport tcp` get too) the load exits 1 after about 3 × 0.3 s
+/// per rank, naming the stalled file and saying it gave up after 3 attempts that timed out. The
+/// same command loads and checks every byte when nothing stalls.
+#[test]
+fn a_load_from_storage_that_stalls_mid_body_fails_within_the_bound() {
+    use tessera_storage::testing::{Stall, StallingHttpServer};
+    let dir = tempdir();
+    synth(dir.path(), &["fsdp", "--dp", "2"]);
+    let target = layout_file(dir.path(), "target.json", &megatron("2", "1", "1"));
+    let server = StallingHttpServer::start(dir.path());
+    let url = format!("{}/run/step-000001", server.url());
+    let load = |transport: &'static str| {
+        vec![
+            "load".to_string(),
+            url.clone(),
+            "--layout".to_string(),
+            s(&target).to_string(),
+            "--transport".to_string(),
+            transport.to_string(),
+            "--check".to_string(),
+        ]
+    };
+    let flags = ["--storage-read-timeout", "0.3", "--storage-attempts", "3"];
+    let env = [
+        ("TESSERA_STORAGE_READ_TIMEOUT", "0.3"),
+        ("TESSERA_STORAGE_ATTEMPTS", "3"),
+    ];
+
+    let mut args = load("inproc");
+    args.extend(flags.iter().map(|f| f.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, stderr, _) = run_timed(&[], &args);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(server.stalled(), 0);
+
+    server.stall(Stall::AfterBytes(100), |path| path.contains("/data/"));
+    // In-process ranks, timeouts as flags; rank processes over TCP, timeouts from the
+    // environment (forwarded to every rank).
+    let inproc = args.clone();
+    let tcp_args = load("tcp");
+    let tcp: Vec<&str> = tcp_args.iter().map(String::as_str).collect();
+    for (args, env) in [(&inproc[..], &[][..]), (&tcp[..], &env[..])] {
+        let before = server.stalled();
+        let (code, stderr, took) = run_timed(env, args);
+        eprintln!("{} ended after {took:?}:\n{stderr}", args.join(" "));
+        assert_eq!(code, Some(1), "{stderr}");
+        assert!(stderr.contains("error: the load failed:"), "{stderr}");
+        assert!(
+            stderr.contains(
+                "(gave up after 3 attempts, the last one timed out) of run/step-000001/data/"
+            ),
+            "{stderr}"
+        );
+        assert!(server.stalled() >= before + 3, "{}", server.stalled());
+        // About 1 s per rank (3 × 0.3 s and backoff); the bound is generous for a loaded machine,
+        // far below the default timeouts (5 × 10 s) and the 60 s peer timeout.
+        assert!(took < std::time::Duration::from_secs(20), "took {took:?}");
+    }
+}
+
+/// The storage flags refuse what cannot be a timeout or an attempt count, naming the flag.
+#[test]
+fn storage_flags_refuse_nonsense() {
+    let err = fails(["inspect", "/nonexistent", "--storage-read-timeout", "0"]);
+    assert!(err.contains("--storage-read-timeout (TESSERA_STORAGE_READ_TIMEOUT) must be a positive number of seconds"), "{err}");
+    let err = fails(["verify", "/nonexistent", "--storage-attempts", "0"]);
+    assert!(
+        err.contains("--storage-attempts (TESSERA_STORAGE_ATTEMPTS) must be at least 1"),
+        "{err}"
+    );
+}

@@ -37,7 +37,7 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 use tessera_metadata::MetadataError;
 use tessera_metadata::formats::native::BlockChecksums;
-use tessera_storage::{RetryPolicy, StorageError, is_transient};
+use tessera_storage::{RetryPolicy, StorageError, is_timeout, is_transient};
 use tokio::task::{self, JoinSet};
 
 use crate::LoaderError;
@@ -537,9 +537,16 @@ async fn fetch_part(
         // Transient errors are retried until the policy's attempts are used up.
         Err(Attempt::Transient(error)) => {
             let attempts = retries + 1;
+            // A stalled store's error reads "request or response body error"; saying that the
+            // request timed out tells the operator the store went silent (see docs/retry.md).
+            let timed_out = if is_timeout(&error) {
+                ", the last one timed out"
+            } else {
+                ""
+            };
             Err(StorageError::Store {
                 action: format!(
-                    "reading bytes {start}..{end} (gave up after {attempts} attempts) of"
+                    "reading bytes {start}..{end} (gave up after {attempts} attempts{timed_out}) of"
                 ),
                 path: path.to_string(),
                 source: error,

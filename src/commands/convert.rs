@@ -14,18 +14,30 @@ use futures::TryStreamExt;
 use object_store::{ObjectStoreExt, PutPayload};
 use serde_json::json;
 use tessera_loader::load::{Checkpoint, LoadOptions, LoadedRank, load_rank};
+use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::InProcTransport;
 use tessera_loader::transport::TransportOptions;
 use tessera_metadata::formats::native::{NativeWriter, WriteOptions};
 use tessera_metadata::formats::safetensors::{self, INDEX_FILE, TensorView};
 use tessera_ops::claim::{Claim, ClaimOptions};
 use tessera_planner::{Layout, PlanOptions, Target, assign_writers};
-use tessera_storage::Location;
+use tessera_storage::{Location, RetryPolicy};
 
 use crate::human;
 
 /// Loads every rank of `layout` in this process.
-async fn load_all(checkpoint: &Checkpoint, layout: &Layout) -> Result<Vec<LoadedRank>> {
+async fn load_all(
+    checkpoint: &Checkpoint,
+    layout: &Layout,
+    retry: &RetryPolicy,
+) -> Result<Vec<LoadedRank>> {
+    let options = LoadOptions {
+        read: ReadOptions {
+            retry: retry.clone(),
+            ..ReadOptions::default()
+        },
+        progress: None,
+    };
     let requests = layout.resolve(checkpoint.meta.tensors())?;
     let plan = checkpoint.plan(&requests, &PlanOptions::default())?;
     let transports = InProcTransport::mesh(plan.world_size(), TransportOptions::default());
@@ -33,8 +45,9 @@ async fn load_all(checkpoint: &Checkpoint, layout: &Layout) -> Result<Vec<Loaded
     for (rank, transport) in transports.into_iter().enumerate() {
         let rank_plan = plan.rank_plan(rank as u32)?;
         let checkpoint = checkpoint.clone();
+        let options = options.clone();
         tasks.push(tokio::spawn(async move {
-            load_rank(&checkpoint, rank_plan, &transport, &LoadOptions::default()).await
+            load_rank(&checkpoint, rank_plan, &transport, &options).await
         }));
     }
     let mut loaded = Vec::with_capacity(tasks.len());
@@ -53,6 +66,8 @@ async fn load_all(checkpoint: &Checkpoint, layout: &Layout) -> Result<Vec<Loaded
 pub struct ConvertOptions {
     /// Remove a stale write claim on `--out` (its writer is dead) and write anyway.
     pub break_claim: bool,
+    /// Timeouts and attempts of both checkpoints' stores.
+    pub retry: RetryPolicy,
 }
 
 /// Runs `write` holding the write claim on `out`, and drops the claim afterwards whatever the
@@ -62,7 +77,7 @@ where
     F: FnOnce(Location) -> Fut,
     Fut: std::future::Future<Output = Result<String>>,
 {
-    let target = tessera_storage::create(out)?;
+    let target = tessera_storage::create_with(out, &super::storage_options(&options.retry))?;
     let claim = Claim::take(
         &target,
         "tessera convert",
@@ -100,7 +115,7 @@ pub async fn to_layout(
 ) -> Result<String> {
     let layout = super::read_layout(layout_path)?;
     claimed(out, options, |target| {
-        to_layout_claimed(source, layout, out, target)
+        to_layout_claimed(source, layout, out, target, &options.retry)
     })
     .await
 }
@@ -110,9 +125,10 @@ async fn to_layout_claimed(
     layout: Layout,
     out: &str,
     target: Location,
+    retry: &RetryPolicy,
 ) -> Result<String> {
-    let checkpoint = open(source, out).await?;
-    let loaded = load_all(&checkpoint, &layout).await?;
+    let checkpoint = open(source, out, retry).await?;
+    let loaded = load_all(&checkpoint, &layout, retry).await?;
     let tensors = checkpoint.meta.tensors().to_vec();
     let holdings = layout.resolve(&tensors)?;
     let writes = assign_writers(&tensors, &holdings)?;
@@ -221,7 +237,7 @@ pub async fn to_safetensors(
     options: &ConvertOptions,
 ) -> Result<String> {
     claimed(out, options, |target| {
-        to_safetensors_claimed(source, out, max_shard_bytes, target)
+        to_safetensors_claimed(source, out, max_shard_bytes, target, &options.retry)
     })
     .await
 }
@@ -231,6 +247,7 @@ async fn to_safetensors_claimed(
     out: &str,
     max_shard_bytes: u64,
     target: Location,
+    retry: &RetryPolicy,
 ) -> Result<String> {
     let local = tessera_storage::local_directory(out).is_some();
     let store = target.store.as_ref();
@@ -257,10 +274,10 @@ async fn to_safetensors_claimed(
             .await
             .with_context(|| format!("removing the stale {path}"))?;
     }
-    let checkpoint = open(source, out).await?;
+    let checkpoint = open(source, out, retry).await?;
     let everything =
         Layout::from_json(r#"{"mesh": [], "rules": [{"match": "*", "placements": []}]}"#)?;
-    let loaded = load_all(&checkpoint, &everything).await?;
+    let loaded = load_all(&checkpoint, &everything, retry).await?;
     let rank = &loaded[0];
     let plan = &rank.plan;
     // Group tensors (in checkpoint order) into shards.
@@ -355,12 +372,12 @@ async fn to_safetensors_claimed(
 /// DCP's zip CRC-32 covers whole storages that a conversion reads in pieces, and native box crcs
 /// cover boxes a new layout splits; one streaming pass over the source checks both, at the cost
 /// of reading the source twice.
-async fn open(source: &str, out: &str) -> Result<Checkpoint> {
-    let checkpoint = super::open_for_load(source).await?;
+async fn open(source: &str, out: &str, retry: &RetryPolicy) -> Result<Checkpoint> {
+    let checkpoint = super::open_for_load(source, retry).await?;
     if !checkpoint.has_data {
         bail!("{source}: a metadata-only checkpoint has no data to convert");
     }
-    super::verify::check(source, super::verify::Strays::Ignore)
+    super::verify::check(source, super::verify::Strays::Ignore, retry)
         .await
         .with_context(|| {
             format!("verifying {source} before converting it (nothing was written to {out})")

@@ -114,7 +114,7 @@ pub async fn run(dir: &str) -> Result<String> {
     }
     let ckpt = format!("{root}/gpt-tiny/step-000100");
     let config = Model::GptTiny.config();
-    let checkpoint = super::open(&ckpt).await?;
+    let checkpoint = super::open(&ckpt, &tessera_storage::RetryPolicy::default()).await?;
     let meta = Arc::new(checkpoint.meta);
     let targets = [
         ("fsdp dp4", fsdp(4)?),

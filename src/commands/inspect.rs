@@ -7,7 +7,7 @@ use tessera_metadata::formats::dcp::{IndexSource, IndexStats};
 use tessera_metadata::formats::native::DataPresence;
 use tessera_metadata::{CheckpointMeta, FormatDetails};
 use tessera_ops::describe::{describe, layout_name};
-use tessera_storage::StorageOptions;
+use tessera_storage::RetryPolicy;
 
 use crate::human;
 
@@ -15,12 +15,12 @@ use crate::human;
 /// checkpoints are described alike (tensors, boxes, byte ranges); the header says what the
 /// format records (native: manifest; DCP: metadata version and the blob index; safetensors: how
 /// its files were found).
-pub async fn run(location: &str, as_json: bool) -> Result<String> {
+pub async fn run(location: &str, as_json: bool, retry: &RetryPolicy) -> Result<String> {
     if as_json {
-        let doc = describe(location, &StorageOptions::default()).await?;
+        let doc = describe(location, &super::storage_options(retry)).await?;
         return Ok(serde_json::to_string_pretty(&doc)? + "\n");
     }
-    let checkpoint = super::open(location).await?;
+    let checkpoint = super::open(location, retry).await?;
     let meta = &checkpoint.meta;
     let mut out = String::new();
     let step = checkpoint.step.map_or("-".to_string(), |s| s.to_string());

@@ -97,6 +97,10 @@ pub struct LoadArgs {
     pub checkpoint_id: Option<String>,
     /// Bearer token of the server (the CLI fills it from `TESSERA_TOKEN` when not given).
     pub token: Option<String>,
+    /// Timeouts and attempts of every storage request, for the store and the reads alike
+    /// (`--storage-read-timeout`, `--storage-attempts`): with a store that stalls, they bound
+    /// how soon the load fails (docs/retry.md).
+    pub retry: tessera_storage::RetryPolicy,
 }
 
 /// Where rank plans come from: planned here from the checkpoint (the default, no service
@@ -220,7 +224,8 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     if let Some(dir) = &shared_cache {
         open_options.dcp.cache_dir = Some(dir.path().to_path_buf());
     }
-    let location = tessera_storage::open(&args.checkpoint)?;
+    let location =
+        tessera_storage::open_with(&args.checkpoint, &super::storage_options(&args.retry))?;
     let checkpoint = Checkpoint::open_with(location, &open_options)
         .await
         .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
@@ -242,6 +247,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     let options = LoadOptions {
         read: ReadOptions {
             verify: args.verify,
+            retry: args.retry.clone(),
             ..ReadOptions::default()
         },
         progress: None,
@@ -507,6 +513,13 @@ async fn load_all_tcp(
             "--peer-timeout",
             &args.peer_timeout.as_secs_f64().to_string(),
             "--quiet",
+        ])
+        // The same storage timeouts in every rank (flags win over the environment there too).
+        .args([
+            "--storage-read-timeout",
+            &args.retry.read_timeout.as_secs_f64().to_string(),
+            "--storage-attempts",
+            &args.retry.max_attempts.to_string(),
         ])
         .arg("--report-json")
         .arg(&report);

@@ -10,22 +10,69 @@ pub mod serve;
 pub mod synth;
 pub mod verify;
 
-use anyhow::{Context, Result};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
 use tessera_loader::load::Checkpoint;
 use tessera_metadata::OpenedCheckpoint;
 use tessera_planner::Layout;
-use tessera_storage::StorageOptions;
+use tessera_storage::{RetryPolicy, StorageOptions};
 
 pub use tessera_ops::open::{CACHE_DIR_ENV, open_options};
 
-/// Opens the checkpoint at `location` in whatever format it is (see `tessera_ops::open`).
-pub async fn open(location: &str) -> Result<OpenedCheckpoint> {
-    Ok(tessera_ops::open::open(location).await?)
+/// Environment variable of `--storage-read-timeout`.
+pub const READ_TIMEOUT_ENV: &str = "TESSERA_STORAGE_READ_TIMEOUT";
+/// Environment variable of `--storage-attempts`.
+pub const ATTEMPTS_ENV: &str = "TESSERA_STORAGE_ATTEMPTS";
+
+/// The one retry policy of a command's stores and reads: the defaults, with the read timeout
+/// (seconds of silence before a request is cut) and the attempts per request the operator gave
+/// (`--storage-read-timeout`, `--storage-attempts`, or [`READ_TIMEOUT_ENV`], [`ATTEMPTS_ENV`]).
+/// They set how soon a load from a store that stalls fails (docs/retry.md). The whole-request
+/// timeout is raised to the read timeout when that is longer, so that a long read timeout is not
+/// cut short by it.
+pub fn storage_policy(read_timeout_secs: f64, attempts: u32) -> Result<RetryPolicy> {
+    if !(read_timeout_secs > 0.0 && read_timeout_secs.is_finite()) {
+        bail!(
+            "--storage-read-timeout ({READ_TIMEOUT_ENV}) must be a positive number of seconds, not {read_timeout_secs}"
+        );
+    }
+    if attempts == 0 {
+        bail!("--storage-attempts ({ATTEMPTS_ENV}) must be at least 1");
+    }
+    let defaults = RetryPolicy::default();
+    let read_timeout = Duration::try_from_secs_f64(read_timeout_secs)
+        .with_context(|| format!("--storage-read-timeout {read_timeout_secs}"))?;
+    Ok(RetryPolicy {
+        max_attempts: attempts,
+        read_timeout,
+        request_timeout: defaults.request_timeout.max(read_timeout),
+        ..defaults
+    })
 }
 
-/// Opens the checkpoint at `location` for loading (block checksums included for native ones).
-pub async fn open_for_load(location: &str) -> Result<Checkpoint> {
-    Ok(tessera_ops::open::open_for_load(location, &StorageOptions::default()).await?)
+/// Storage options that give every store `retry`'s timeouts.
+pub fn storage_options(retry: &RetryPolicy) -> StorageOptions {
+    StorageOptions {
+        retry: retry.clone(),
+        ..StorageOptions::default()
+    }
+}
+
+/// Opens the checkpoint at `location` in whatever format it is (see `tessera_ops::open`), its
+/// store with `retry`'s timeouts.
+pub async fn open(location: &str, retry: &RetryPolicy) -> Result<OpenedCheckpoint> {
+    Ok(
+        tessera_ops::open::open_at_with(location, &storage_options(retry))
+            .await?
+            .1,
+    )
+}
+
+/// Opens the checkpoint at `location` for loading (block checksums included for native ones),
+/// its store with `retry`'s timeouts.
+pub async fn open_for_load(location: &str, retry: &RetryPolicy) -> Result<Checkpoint> {
+    Ok(tessera_ops::open::open_for_load(location, &storage_options(retry)).await?)
 }
 
 /// Reads a layout JSON file (`-` for standard input).

@@ -37,11 +37,13 @@ pub struct PlanArgs {
     pub summary: bool,
     /// Disable read dedup.
     pub no_dedup: bool,
+    /// Timeouts and attempts of the checkpoint's store.
+    pub retry: tessera_storage::RetryPolicy,
 }
 
 /// Runs the command; returns what goes to stdout.
 pub async fn run(args: &PlanArgs) -> Result<Vec<u8>> {
-    let checkpoint = super::open(&args.checkpoint).await?;
+    let checkpoint = super::open(&args.checkpoint, &args.retry).await?;
     let meta = Arc::new(checkpoint.meta);
     let requests: RequestSet = match (&args.layout, &args.requests) {
         (Some(layout), None) => super::read_layout(layout)?

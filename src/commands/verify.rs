@@ -21,8 +21,8 @@ const CONCURRENCY: usize = 16;
 
 /// Runs the command; an error (non-zero exit) when anything is wrong, listing every bad block,
 /// box, blob or stray file.
-pub async fn run(location: &str) -> Result<String> {
-    check(location, Strays::Fail).await
+pub async fn run(location: &str, retry: &storage::RetryPolicy) -> Result<String> {
+    check(location, Strays::Fail, retry).await
 }
 
 /// What stray files under a native checkpoint mean.
@@ -36,8 +36,8 @@ pub enum Strays {
 
 /// Verifies the checkpoint at `location` as far as its format allows (see the module docs); an
 /// error listing everything that is wrong, or a one-line summary.
-pub async fn check(location: &str, strays: Strays) -> Result<String> {
-    let loc = storage::open(location)?;
+pub async fn check(location: &str, strays: Strays, retry: &storage::RetryPolicy) -> Result<String> {
+    let loc = storage::open_with(location, &super::storage_options(retry))?;
     let listing = list_dir(loc.store.as_ref(), &loc.prefix).await?;
     let native = listing.files.contains_key(native::MANIFEST_FILE)
         || listing.files.contains_key(native::METADATA_FILE)

@@ -5,7 +5,8 @@
 //! the same [`RetryPolicy`].
 //!
 //! Test support (feature `testing`): [`testing::FaultyStore`] and [`testing::RecordingStore`]
-//! wrap any store, [`testing::S3TestServer`] serves an S3-compatible API on 127.0.0.1.
+//! wrap any store, [`testing::S3TestServer`] serves an S3-compatible API on 127.0.0.1,
+//! [`testing::StallingHttpServer`] serves a directory over plain HTTP and stalls when told to.
 
 mod error;
 mod local;
@@ -19,4 +20,4 @@ pub use local::{is_staged_upload, local_directory, remove_staged_uploads, staged
 pub use location::{
     Location, StorageOptions, create, create_with, install_tls_provider, open, open_with,
 };
-pub use retry::{RetryPolicy, is_transient};
+pub use retry::{RetryPolicy, is_timeout, is_transient};

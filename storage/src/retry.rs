@@ -117,6 +117,29 @@ pub fn is_transient(error: &object_store::Error) -> bool {
     matches!(error, object_store::Error::Generic { .. })
 }
 
+/// Whether `error` is a request that timed out: a server that stopped sending for the read
+/// timeout (mid-body or before its headers), a connect that took the connect timeout, or a
+/// request past its whole-request timeout. Such errors are transient, and their own message
+/// ("request or response body error") does not say it; callers add it to theirs, since "timed
+/// out" is what tells an operator the store stalled rather than refused.
+pub fn is_timeout(error: &object_store::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(err) = source {
+        if let Some(e) = err.downcast_ref::<reqwest::Error>()
+            && e.is_timeout()
+        {
+            return true;
+        }
+        if let Some(e) = err.downcast_ref::<std::io::Error>()
+            && e.kind() == std::io::ErrorKind::TimedOut
+        {
+            return true;
+        }
+        source = err.source();
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,5 +174,14 @@ mod tests {
         };
         assert!(is_transient(&generic));
         assert!(!is_transient(&missing));
+        assert!(!is_timeout(&generic));
+        let timed_out = object_store::Error::Generic {
+            store: "HTTP",
+            source: Box::new(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "no data for 10 s",
+            )),
+        };
+        assert!(is_timeout(&timed_out));
     }
 }
