@@ -71,6 +71,10 @@ impl fmt::Display for ClaimHolder {
 pub struct ClaimOptions {
     /// Remove an existing claim first (the `--break-claim` of a writer that is known to be dead).
     pub break_existing: bool,
+    /// How the user of this front end breaks a stale claim, for the error of a refused claim
+    /// (`rerun with --break-claim` when `None`, the CLI's flag): the Python save has a keyword
+    /// argument instead.
+    pub how_to_break: Option<String>,
 }
 
 /// A claim this process holds; [`Claim::release`] removes it.
@@ -133,6 +137,10 @@ impl Claim {
                     location: location.display.clone(),
                     claim: path.to_string(),
                     holder,
+                    how_to_break: options
+                        .how_to_break
+                        .clone()
+                        .unwrap_or_else(|| "rerun with --break-claim".to_string()),
                 });
             }
             Err(e) => return Err(store_error("creating the claim", &path, e)),

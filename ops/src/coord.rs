@@ -23,6 +23,8 @@ pub const TAG_SAVE_BOXES: u64 = 0xFFFF_FFFF_0000_0002;
 pub const TAG_SAVE_FILES: u64 = 0xFFFF_FFFF_0000_0003;
 /// Tag of the save's outcome (from rank 0).
 pub const TAG_SAVE_DONE: u64 = 0xFFFF_FFFF_0000_0004;
+/// Tag of rank 0's word on the save's write claim (to every rank, before anyone writes).
+pub const TAG_SAVE_CLAIM: u64 = 0xFFFF_FFFF_0000_0005;
 
 /// Joins the mesh of `world` ranks through rank 0 at `addr:port`.
 pub async fn connect(

@@ -36,7 +36,7 @@ pub enum OpsError {
     },
     /// Another writer holds the output location's claim.
     #[error(
-        "{location} is being written by another writer: {claim} is held by {holder}. If that writer is dead (killed, its host gone), rerun with --break-claim to remove its claim and write anyway"
+        "{location} is being written by another writer: {claim} is held by {holder}. If that writer is dead (killed, its host gone), {how_to_break} to remove its claim and write anyway"
     )]
     Claimed {
         /// The output location.
@@ -45,6 +45,9 @@ pub enum OpsError {
         claim: String,
         /// Who holds it (pid, host, since when, command).
         holder: String,
+        /// What the user does to break a stale claim in the front end that was refused
+        /// (`rerun with --break-claim`).
+        how_to_break: String,
     },
     /// Other ranks failed, so nothing was committed.
     #[error("not committed, ranks failed: {}", failures.join("; "))]

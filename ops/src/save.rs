@@ -8,6 +8,13 @@
 //! what it wrote to rank 0, which commits (metadata, checksums, manifest last) only when every
 //! rank succeeded, and tells every rank the outcome. A failure anywhere leaves no manifest: the
 //! directory never shows as a checkpoint.
+//!
+//! Before any rank writes, rank 0 takes the output's write claim ([`crate::claim`]) and tells
+//! every rank whether it got it; the other ranks wait for that word before they write. So a
+//! second job saving into the same directory fails on every rank at once, naming the holder,
+//! instead of mixing its data files into the first job's (the manifest alone is created
+//! exclusively, and it is written last). Rank 0 removes the claim after the commit or the failure,
+//! before it tells the ranks the outcome, so a job that retries at once finds it gone.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -19,7 +26,8 @@ use tessera_metadata::{DType, TensorBox, TensorMeta};
 use tessera_planner::{Request, RequestSet, Target, assign_writers};
 use tessera_storage::StorageOptions;
 
-use crate::coord::{TAG_SAVE_DONE, TAG_SAVE_FILES};
+use crate::claim::{Claim, ClaimOptions};
+use crate::coord::{TAG_SAVE_CLAIM, TAG_SAVE_DONE, TAG_SAVE_FILES};
 use crate::{OpsError, ResultExt};
 
 /// One box a rank holds.
@@ -53,6 +61,32 @@ pub struct SaveOptions {
     pub step: Option<u64>,
     /// Credentials and endpoints on top of the environment.
     pub storage: StorageOptions,
+    /// Remove a stale write claim on the output first (its writer is known to be dead) and save
+    /// anyway. Never while the other writer may still run: the two would mix their files.
+    pub break_claim: bool,
+}
+
+/// What the claim's holder records as its command.
+pub const SAVE_COMMAND: &str = "tessera.save";
+
+/// How a refused save breaks a stale claim, for the error.
+const HOW_TO_BREAK: &str = "rerun the save with break_claim=True";
+
+/// Rank 0's word on the write claim, sent to every other rank before anyone writes.
+#[derive(Debug, Serialize, Deserialize)]
+enum ClaimReport {
+    /// Rank 0 holds the claim: write.
+    Held,
+    /// Another writer holds it (the fields of [`OpsError::Claimed`]).
+    Claimed {
+        location: String,
+        claim: String,
+        holder: String,
+        how_to_break: String,
+    },
+    /// Taking it failed otherwise (the location, the store); `permanent` as
+    /// [`OpsError::is_permanent`] said on rank 0.
+    Failed { detail: String, permanent: bool },
 }
 
 /// The checkpoint's tensors (sorted by name) from every rank's boxes; ranks must agree on each
@@ -170,9 +204,9 @@ pub async fn save_rank<T: Transport>(
     transport: &T,
 ) -> Result<Manifest, OpsError> {
     let (rank, world) = (transport.rank(), transport.world());
-    let written = write_share(path, options, all, data, objects, rank as usize).await;
-
     if rank != 0 {
+        wait_for_claim(path, transport).await?;
+        let written = write_share(path, options, all, data, objects, rank as usize).await;
         let report: FileReport = match &written {
             Ok((_, file)) => Ok(file.clone()),
             Err(e) => Err(e.to_string()),
@@ -190,10 +224,148 @@ pub async fn save_rank<T: Transport>(
         return outcome.map_err(OpsError::invalid);
     }
 
-    // Rank 0: gather every rank's file, commit when all wrote, tell everyone.
+    let claim = claim_for_all(path, options, transport).await?;
+    let outcome = write_and_commit(path, options, all, data, objects, transport).await;
+    // Released before the ranks hear the outcome: a job that retries the save as soon as it
+    // returns must not find its own claim.
+    let released = claim
+        .release()
+        .await
+        .with_context(|| format!("removing the write claim of {path}"));
+    let outcome = match (outcome, released) {
+        (Ok(_), Err(e)) => Err(OpsError::Context {
+            context: format!("checkpoint {path} was committed, but"),
+            inner: Box::new(e),
+        }),
+        (outcome, _) => outcome,
+    };
+    let message: Result<&Manifest, String> = outcome.as_ref().map_err(ToString::to_string);
+    let message = Bytes::from(encode(&message)?);
+    for peer in 1..world {
+        // A rank that already gave up cannot be told; the others still are.
+        let _ = transport.send(peer, TAG_SAVE_DONE, message.clone()).await;
+    }
+    outcome
+}
+
+/// The context of every rank's error when rank 0 could not claim `path`.
+fn claim_context(path: &str) -> String {
+    format!("rank 0 claiming {path} for writing")
+}
+
+/// Rank 0: takes the write claim on `path` and tells every other rank whether it holds it. On
+/// failure every rank gets the same error (see [`wait_for_claim`]).
+async fn claim_for_all<T: Transport>(
+    path: &str,
+    options: &SaveOptions,
+    transport: &T,
+) -> Result<Claim, OpsError> {
+    let taken = match tessera_storage::create_with(path, &options.storage) {
+        Ok(location) => {
+            Claim::take(
+                &location,
+                SAVE_COMMAND,
+                &ClaimOptions {
+                    break_existing: options.break_claim,
+                    how_to_break: Some(HOW_TO_BREAK.to_string()),
+                },
+            )
+            .await
+        }
+        Err(e) => Err(e.into()),
+    };
+    let report = match &taken {
+        Ok(_) => ClaimReport::Held,
+        Err(OpsError::Claimed {
+            location,
+            claim,
+            holder,
+            how_to_break,
+        }) => ClaimReport::Claimed {
+            location: location.clone(),
+            claim: claim.clone(),
+            holder: holder.clone(),
+            how_to_break: how_to_break.clone(),
+        },
+        Err(e) => ClaimReport::Failed {
+            detail: e.to_string(),
+            permanent: e.is_permanent(),
+        },
+    };
+    let message = match encode(&report) {
+        Ok(message) => Bytes::from(message),
+        Err(e) => {
+            if let Ok(claim) = taken {
+                let _ = claim.release().await;
+            }
+            return Err(e);
+        }
+    };
+    for peer in 1..transport.world() {
+        // A rank that cannot be told fails on its own (its recv times out); rank 0 then finds
+        // its report missing and commits nothing.
+        let _ = transport.send(peer, TAG_SAVE_CLAIM, message.clone()).await;
+    }
+    taken.with_context(|| claim_context(path))
+}
+
+/// A rank other than 0: waits for rank 0's word on the claim; an error unless rank 0 holds it.
+async fn wait_for_claim<T: Transport>(path: &str, transport: &T) -> Result<(), OpsError> {
+    let rank = transport.rank();
+    let bytes = transport
+        .recv(0, TAG_SAVE_CLAIM)
+        .await
+        .with_context(|| format!("rank {rank} waiting for rank 0 to claim {path}"))?;
+    let report: ClaimReport =
+        serde_json::from_slice(&bytes).map_err(|source| OpsError::Message {
+            what: "rank 0's claim report".to_string(),
+            source,
+        })?;
+    let inner = match report {
+        ClaimReport::Held => return Ok(()),
+        ClaimReport::Claimed {
+            location,
+            claim,
+            holder,
+            how_to_break,
+        } => OpsError::Claimed {
+            location,
+            claim,
+            holder,
+            how_to_break,
+        },
+        ClaimReport::Failed {
+            detail,
+            permanent: true,
+        } => OpsError::invalid(detail),
+        // Kept transient, as it was on rank 0: a retry may pass.
+        ClaimReport::Failed {
+            detail,
+            permanent: false,
+        } => OpsError::RanksFailed {
+            failures: vec![format!("rank 0: {detail}")],
+        },
+    };
+    Err(OpsError::Context {
+        context: claim_context(path),
+        inner: Box::new(inner),
+    })
+}
+
+/// Rank 0, holding the claim: writes its share, gathers every rank's file and commits when all
+/// wrote.
+async fn write_and_commit<T: Transport>(
+    path: &str,
+    options: &SaveOptions,
+    all: &[Holdings],
+    data: &[&[u8]],
+    objects: &[(String, Vec<u8>)],
+    transport: &T,
+) -> Result<Manifest, OpsError> {
+    let written = write_share(path, options, all, data, objects, 0).await;
     let mut files = Vec::new();
     let mut failures = Vec::new();
-    for peer in 1..world {
+    for peer in 1..transport.world() {
         match transport.recv(peer, TAG_SAVE_FILES).await {
             Ok(bytes) => match serde_json::from_slice::<FileReport>(&bytes) {
                 Ok(Ok(file)) => files.extend(file),
@@ -203,7 +375,7 @@ pub async fn save_rank<T: Transport>(
             Err(e) => failures.push(format!("rank {peer}: {e}")),
         }
     }
-    let outcome: Result<Manifest, OpsError> = match written {
+    match written {
         Err(e) => Err(OpsError::Context {
             context: "rank 0".to_string(),
             inner: Box::new(e),
@@ -216,14 +388,7 @@ pub async fn save_rank<T: Transport>(
                 .await
                 .with_context(|| format!("committing checkpoint {path}"))
         }
-    };
-    let message: Result<&Manifest, String> = outcome.as_ref().map_err(ToString::to_string);
-    let message = Bytes::from(encode(&message)?);
-    for peer in 1..world {
-        // A rank that already gave up cannot be told; the others still are.
-        let _ = transport.send(peer, TAG_SAVE_DONE, message.clone()).await;
     }
-    outcome
 }
 
 /// Starts the checkpoint and writes what this rank owns; the writer (for rank 0's commit) and

@@ -1,7 +1,8 @@
 //! `tessera.save`: a native checkpoint written from the ranks that hold the data, through the
 //! shared save-and-commit protocol (`tessera_ops::save`): replicas written once by the holder the
 //! planner's worst-fit assignment picks, rank 0 commits (manifest last) after every rank reported
-//! success; a failure anywhere leaves no manifest.
+//! success; a failure anywhere leaves no manifest. Rank 0 holds the output's write claim while the
+//! ranks write, so a second job saving into the same directory fails naming the first.
 
 use std::time::Duration;
 
@@ -29,6 +30,7 @@ struct SaveJob {
     rendezvous: Option<(String, u16)>,
     step: Option<u64>,
     storage: StorageOptions,
+    break_claim: bool,
     timeout: Duration,
 }
 
@@ -57,6 +59,7 @@ async fn run_save(job: SaveJob) -> Result<String> {
     let options = SaveOptions {
         step: job.step,
         storage: job.storage,
+        break_claim: job.break_claim,
     };
     let manifest = match &job.rendezvous {
         Some((addr, port)) if job.world > 1 => {
@@ -90,7 +93,7 @@ async fn run_save(job: SaveJob) -> Result<String> {
 
 /// Saves boxes (and byte objects) as a native checkpoint at `path`; returns its manifest as JSON.
 #[pyfunction]
-#[pyo3(signature = (path, boxes, objects, rank, world, rendezvous, step, storage_env, timeout_s))]
+#[pyo3(signature = (path, boxes, objects, rank, world, rendezvous, step, storage_env, break_claim, timeout_s))]
 #[allow(clippy::too_many_arguments)]
 pub fn save(
     py: Python<'_>,
@@ -102,6 +105,7 @@ pub fn save(
     rendezvous: Option<(String, u16)>,
     step: Option<u64>,
     storage_env: Vec<(String, String)>,
+    break_claim: bool,
     timeout_s: f64,
 ) -> PyResult<String> {
     let rt = runtime()?;
@@ -114,6 +118,7 @@ pub fn save(
         rendezvous,
         step,
         storage: storage_options(storage_env),
+        break_claim,
         timeout: Duration::from_secs_f64(timeout_s.max(0.001)),
     };
     py.detach(|| rt.block_on(run_save(job))).map_err(py_error)

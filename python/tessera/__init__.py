@@ -391,6 +391,7 @@ def save(
     master_addr: Optional[str] = None,
     master_port: Optional[int] = None,
     storage_options: Optional[Mapping[str, str]] = None,
+    break_claim: bool = False,
     timeout: float = 300.0,
 ) -> dict:
     """Saves ``state_dict`` as a tessera native checkpoint at ``path``, from every rank.
@@ -402,6 +403,12 @@ def save(
     has written, and on any failure nothing is committed. With several ranks a rendezvous is
     needed (``master_addr``/``master_port``, default ``MASTER_ADDR`` and ``TESSERA_PORT`` or
     ``MASTER_PORT + 1``).
+
+    Rank 0 takes an exclusive write claim on ``path`` (``.tessera-claim.json``) before any rank
+    writes and removes it after the commit or a failure: a second job saving into the same
+    ``path`` fails at once on every rank, naming the holder (pid, host, since when). A job killed
+    while saving leaves its claim; once that job is surely gone, ``break_claim=True`` (on every
+    rank; rank 0's counts) removes it and saves anyway. Never while the other job may still run.
 
     Returns:
         The manifest (dict).
@@ -447,6 +454,7 @@ def save(
         rendezvous,
         step,
         _storage_env(storage_options),
+        bool(break_claim),
         float(timeout),
     )
     del keep_alive

@@ -42,5 +42,6 @@ def save(
     rendezvous: Optional[Tuple[str, int]],
     step: Optional[int],
     storage_env: Sequence[Tuple[str, str]],
+    break_claim: bool,
     timeout_s: float,
 ) -> str: ...

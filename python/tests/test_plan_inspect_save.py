@@ -61,6 +61,27 @@ def test_save_refuses_committed_checkpoint_and_conflicts(tmp_path):
         tessera.save({"w": np.zeros(4, np.float32)}, str(tmp_path / "x"), rank=0, world_size=2)
 
 
+def test_save_refuses_a_claimed_directory_until_break_claim(tmp_path):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    claim = out / ".tessera-claim.json"
+    claim.write_text(
+        '{"pid": 4242, "host": "trainer-7", "created": "2026-01-02T03:04:05Z", "command": "tessera.save"}'
+    )
+    with pytest.raises(tessera.TesseraError) as refused:
+        tessera.save({"w": np.arange(4, dtype=np.float32)}, str(out))
+    message = str(refused.value)
+    assert "is held by tessera.save pid 4242 on host trainer-7 since 2026-01-02T03:04:05Z" in message
+    assert "rerun the save with break_claim=True" in message
+    assert not (out / "data").exists() and not (out / "manifest.json").exists()
+    manifest = tessera.save({"w": np.arange(4, dtype=np.float32)}, str(out), break_claim=True)
+    assert manifest["tensors"] == 1
+    assert not claim.exists()  # released after the commit
+    w = np.empty(4, np.float32)
+    tessera.load(str(out), {"w": w}, progress=False)
+    assert np.array_equal(w, np.arange(4, dtype=np.float32))
+
+
 def test_save_with_a_hole_commits_nothing(tmp_path):
     out = tmp_path / "holey"
     with pytest.raises(tessera.TesseraError, match=r"w"):

@@ -83,6 +83,7 @@ where
         "tessera convert",
         &ClaimOptions {
             break_existing: options.break_claim,
+            ..ClaimOptions::default()
         },
     )
     .await
