@@ -178,7 +178,14 @@ async function catalogPage() {
   const runList = h("ul", { class: "runs" }, ...cat.runs.map((r) =>
     h("li", {}, h("strong", {}, r.run), `: ${r.checkpoints} checkpoint(s), latest `,
       latestOf[r.run] ? h("a", { class: "latest-link", href: "#/ckpt/" + latestOf[r.run].split("/").map(enc).join("/") }, latestOf[r.run]) : "none")));
-  fill(view, title, runs, table, h("h2", {}, "Runs"), runList);
+  // Entries the server could not read (a symlink loop, a permission error) are skipped from the
+  // table; say which, so a missing checkpoint is not a mystery.
+  const problems = (cat.problems || []).length
+    ? h("div", { class: "problems", id: "catalog-problems" },
+      h("p", {}, h("strong", {}, `${cat.problems.length} catalog entr${cat.problems.length === 1 ? "y" : "ies"} could not be read and ${cat.problems.length === 1 ? "is" : "are"} not listed:`)),
+      h("ul", {}, ...cat.problems.map((p) => h("li", {}, h("code", {}, p.path), ": ", p.error))))
+    : null;
+  fill(view, title, runs, problems, table, h("h2", {}, "Runs"), runList);
 }
 
 // ---------- checkpoint ----------
@@ -196,7 +203,9 @@ async function checkpointPage(run, step) {
     h("dt", {}, "size"), h("dd", {}, `${fmtBytes(sum.bytes)} (tensor bytes ${fmtBytes(sum.tensor_bytes)})`),
     h("dt", {}, "tensors"), h("dd", {}, fmtInt(sum.tensors)),
     h("dt", {}, "saved boxes"), h("dd", {}, fmtInt(sum.chunks)),
-    h("dt", {}, "files"), h("dd", {}, fmtInt(sum.files)));
+    h("dt", {}, "files"), h("dd", {}, fmtInt(sum.files)),
+    // What plans made from this page are bound to: a loader refuses a plan for another identity.
+    h("dt", {}, "identity"), h("dd", { class: "mono", id: "identity" }, sum.identity || "–"));
   const base = `#/ckpt/${enc(run)}/${enc(step)}`;
   const cols = [
     { key: "fqn", title: "fqn", cell: (t) => h("a", { class: "mono", href: `${base}/tensor/${enc(t.fqn)}` }, t.fqn), sort: (t) => t.fqn },

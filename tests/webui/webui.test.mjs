@@ -7,7 +7,7 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { spawn, execFileSync } from "node:child_process";
-import { mkdtempSync, mkdirSync, rmSync, writeFileSync, existsSync } from "node:fs";
+import { mkdtempSync, mkdirSync, rmSync, writeFileSync, existsSync, symlinkSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
@@ -79,6 +79,8 @@ before(async () => {
   // A save that did not finish: data but no manifest.
   mkdirSync(path.join(work, "root/gpt/step-000300/data"), { recursive: true });
   writeFileSync(path.join(work, "root/gpt/step-000300/data/rank-00000.bin"), "partial");
+  // An entry the server cannot read: a symlink pointing at itself (skipped and reported).
+  symlinkSync("loop", path.join(work, "root/loop"));
   mkdirSync(path.join(work, "empty"));
   // A fresh profile per run (playwright takes it as the persistent context's directory).
   browser = await chromium.launchPersistentContext(path.join(work, "chromium-profile"), {
@@ -123,6 +125,8 @@ async function journey(base, page) {
   // Only committed checkpoints can be opened.
   assert.equal(await page.locator("#catalog tr.ckpt-row").nth(2).locator("a").count(), 0);
   assert.match(rows[1], /\tnative\t/);
+  // The unreadable entry is named above the table, not silently dropped.
+  assert.match(await page.locator("#catalog-problems").innerText(), /1 catalog entry could not be read[\s\S]*loop/);
   await shot(page, "catalog.png");
   // The run's latest pointer leads to its checkpoint.
   assert.equal(await page.locator("a.latest-link").innerText(), "gpt/step-000200");
@@ -138,6 +142,10 @@ async function journey(base, page) {
   const all = await api("/v1/checkpoints/gpt/step-000200/tensors?limit=10000");
   assert.equal(await page.locator("#tensors tr.tensor-row").count(), all.total);
   assert.equal(await page.locator("#tensor-count").innerText(), `${all.total} of ${all.total} tensors`);
+  // The checkpoint's identity (what its plans are bound to), as the API states it.
+  const summary = await api("/v1/checkpoints/gpt/step-000200");
+  assert.match(summary.identity, /^native:[0-9a-f]{32}$/);
+  assert.equal(await page.locator("#identity").innerText(), summary.identity);
   await page.fill("#filter", "attn.qkv.weight");
   const qkv = all.tensors.filter((t) => t.fqn.includes("attn.qkv.weight"));
   assert.equal(qkv.length, 4 * 4, "4 layers × (weight + 3 optimizer states)");
