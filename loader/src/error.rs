@@ -108,6 +108,23 @@ pub enum LoaderError {
         /// The identity of the opened checkpoint.
         checkpoint_identity: String,
     },
+    /// A plan that records no checkpoint identity (from a server or a file older than
+    /// identities) against a checkpoint that has one: nothing ties the plan's offsets to these
+    /// files, so it is refused rather than trusted.
+    #[error(
+        "rank {rank}: the plan does not say which checkpoint it was made for (it has no \
+         checkpoint_identity: a plan from an older tessera server or file), so it cannot be \
+         checked against {checkpoint} (identity {checkpoint_identity}); plan it again with this \
+         version"
+    )]
+    PlanWithoutIdentity {
+        /// The rank.
+        rank: u32,
+        /// The checkpoint opened (its location as given).
+        checkpoint: String,
+        /// The identity of the opened checkpoint.
+        checkpoint_identity: String,
+    },
     /// CUDA or NCCL is unavailable (no driver or library, a build without the `cuda` feature, a
     /// device that does not exist) or one of their calls failed. Never a panic: the libraries are
     /// probed before first use.
@@ -174,6 +191,7 @@ impl LoaderError {
             | LoaderError::Checksum { .. }
             | LoaderError::InvalidPlan { .. }
             | LoaderError::PlanForOtherCheckpoint { .. }
+            | LoaderError::PlanWithoutIdentity { .. }
             | LoaderError::Cuda { .. }
             | LoaderError::Device { .. }
             | LoaderError::Io { .. } => true,

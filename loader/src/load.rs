@@ -69,10 +69,17 @@ impl Checkpoint {
 
     /// Refuses a plan made for another checkpoint: one whose recorded identity differs from this
     /// checkpoint's ([`LoaderError::PlanForOtherCheckpoint`], naming the checkpoint and both
-    /// identities). A plan or a checkpoint without an identity (metadata assembled in memory, a
-    /// server older than identities) cannot be checked and passes.
+    /// identities). A plan without an identity against a checkpoint that has one (a server or
+    /// plan file older than identities) is refused too ([`LoaderError::PlanWithoutIdentity`]):
+    /// nothing would tie its offsets to these files. Only metadata assembled in memory, which
+    /// has no identity, loads plans unchecked.
     pub fn check_plan(&self, plan: &RankPlan) -> Result<(), LoaderError> {
         match (plan.checkpoint_identity.as_deref(), self.meta.identity()) {
+            (None, Some(opened)) => Err(LoaderError::PlanWithoutIdentity {
+                rank: plan.rank,
+                checkpoint: self.location.display.clone(),
+                checkpoint_identity: opened.to_string(),
+            }),
             (Some(planned), Some(opened)) if planned != opened => {
                 Err(LoaderError::PlanForOtherCheckpoint {
                     rank: plan.rank,

@@ -416,3 +416,49 @@ async fn swapped_box_locations_fail_the_load_naming_the_box() {
     );
     assert!(message == first || message == second, "{message}");
 }
+
+/// A plan that records no checkpoint identity (from a server or a plan file older than
+/// identities) is refused against a checkpoint that has one, naming the rank and the checkpoint:
+/// nothing ties its offsets to these files. The same plan with its identity loads.
+#[tokio::test]
+async fn a_plan_without_an_identity_is_refused_naming_the_checkpoint() {
+    use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
+    use tessera_loader::transport::{InProcTransport, TransportOptions};
+
+    let store = memory_store();
+    write_checkpoint(&store).await;
+    let checkpoint = Checkpoint::open(tessera_storage::Location {
+        store: Arc::clone(&store),
+        prefix: prefix(),
+        display: PREFIX.to_string(),
+    })
+    .await
+    .unwrap();
+    let identity = checkpoint.meta.identity().unwrap().to_string();
+    let plan = rank_plans(&checkpoint.meta, WHOLE, true).remove(0);
+    assert_eq!(plan.checkpoint_identity.as_deref(), Some(identity.as_str()));
+    let mut anonymous = plan.clone();
+    anonymous.checkpoint_identity = None;
+    let transport = InProcTransport::mesh(1, TransportOptions::default()).remove(0);
+    let err = load_rank(&checkpoint, anonymous, &transport, &LoadOptions::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            tessera_loader::LoaderError::PlanWithoutIdentity { rank: 0, .. }
+        ),
+        "{err}"
+    );
+    let message = err.to_string();
+    assert!(
+        message.contains("does not say which checkpoint it was made for")
+            && message.contains(PREFIX)
+            && message.contains(&identity),
+        "{message}"
+    );
+    let transport = InProcTransport::mesh(1, TransportOptions::default()).remove(0);
+    load_rank(&checkpoint, plan, &transport, &LoadOptions::default())
+        .await
+        .unwrap();
+}

@@ -172,6 +172,17 @@ async fn plan_on_server(args: &LoadArgs, server: &str, checkpoint: &Checkpoint) 
     // The server plans from its own catalog: refuse at once (before any rank reads) a plan made
     // for another version of the checkpoint than the one opened here. Each rank's plan is checked
     // again when it is loaded.
+    if let (None, Some(opened)) = (
+        created.checkpoint_identity.as_deref(),
+        checkpoint.meta.identity(),
+    ) {
+        bail!(
+            "{server} did not say which version of checkpoint {id} its plan is for (no \
+             checkpoint_identity: a server older than this client), so the plan cannot be checked \
+             against {} (identity {opened}); upgrade the server, or load without --server",
+            args.checkpoint
+        );
+    }
     if let (Some(planned), Some(opened)) = (
         created.checkpoint_identity.as_deref(),
         checkpoint.meta.identity(),
