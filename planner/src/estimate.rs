@@ -13,7 +13,6 @@ use std::mem::size_of;
 use rustc_hash::FxHashSet;
 use tessera_metadata::{BoxIndex, CheckpointMeta, TensorBox};
 
-use crate::glob::glob_match;
 use crate::layout::StageResolver;
 use crate::plan::{LocalPiece, target_boxes};
 use crate::{
@@ -258,31 +257,9 @@ impl Layout {
         let mut staged: HashMap<(usize, u32), u64> = HashMap::new();
         let mut signatures: FxHashSet<GroupSignature> = FxHashSet::default();
         for (t, tensor) in tensors.iter().enumerate() {
-            let Some(rule) = self
-                .rules
-                .iter()
-                .position(|rule| glob_match(&rule.pattern, &tensor.fqn))
-            else {
-                return Err(PlanError::NoMatchingRule {
-                    fqn: tensor.fqn.clone(),
-                });
-            };
+            let rule_placements = self.placements_of(tensor, &placements)?;
             let ndim = tensor.shape.len();
             let chunks = meta.chunks_of(t as u32);
-            let rule_placements: &[Placement] = if ndim == 0 { &[] } else { &placements[rule] };
-            for p in rule_placements {
-                if let Placement::Shard(dim) = *p
-                    && dim >= ndim
-                {
-                    return Err(PlanError::ShardDimOutOfRange {
-                        fqn: tensor.fqn.clone(),
-                        rule,
-                        pattern: self.rules[rule].pattern.clone(),
-                        dim,
-                        ndim,
-                    });
-                }
-            }
             let stage = match rule_placements.iter().position(|p| *p == Placement::Stage) {
                 Some(i) => Some((
                     i,

@@ -231,19 +231,9 @@ impl Layout {
         let coords: Vec<Vec<u32>> = (0..world).map(|r| self.coords(r)).collect();
         let mut ranks: Vec<Vec<Request>> = vec![Vec::new(); world as usize];
         for (t, tensor) in tensors.iter().enumerate() {
-            let Some(rule) = self
-                .rules
-                .iter()
-                .position(|rule| glob_match(&rule.pattern, &tensor.fqn))
-            else {
-                return Err(PlanError::NoMatchingRule {
-                    fqn: tensor.fqn.clone(),
-                });
-            };
-            let ndim = tensor.shape.len();
-            let rule_placements = &placements[rule];
+            let rule_placements = self.placements_of(tensor, &placements)?;
             // 0-dim tensors are always replicated: there is nothing to split and no stage to own.
-            if ndim == 0 {
+            if tensor.shape.is_empty() {
                 for requests in &mut ranks {
                     requests.push(Request {
                         tensor: t as u32,
@@ -251,19 +241,6 @@ impl Layout {
                     });
                 }
                 continue;
-            }
-            for p in rule_placements {
-                if let Placement::Shard(dim) = *p
-                    && dim >= ndim
-                {
-                    return Err(PlanError::ShardDimOutOfRange {
-                        fqn: tensor.fqn.clone(),
-                        rule,
-                        pattern: self.rules[rule].pattern.clone(),
-                        dim,
-                        ndim,
-                    });
-                }
             }
             let stage_dim = rule_placements.iter().position(|p| *p == Placement::Stage);
             let stage = if rule_placements.contains(&Placement::Stage) {
@@ -303,6 +280,43 @@ impl Layout {
             ranks,
             disjoint: true,
         })
+    }
+
+    /// The placements of the first rule matching `tensor` (`placements` from [`Layout::check`]),
+    /// checked against its dims; none for a 0-dim tensor, which is always replicated. The one
+    /// place resolving and estimating a layout match rules, so both refuse the same tensors.
+    pub(crate) fn placements_of<'a>(
+        &self,
+        tensor: &TensorMeta,
+        placements: &'a [Vec<Placement>],
+    ) -> Result<&'a [Placement], PlanError> {
+        let Some(rule) = self
+            .rules
+            .iter()
+            .position(|rule| glob_match(&rule.pattern, &tensor.fqn))
+        else {
+            return Err(PlanError::NoMatchingRule {
+                fqn: tensor.fqn.clone(),
+            });
+        };
+        let ndim = tensor.shape.len();
+        if ndim == 0 {
+            return Ok(&[]);
+        }
+        for p in &placements[rule] {
+            if let Placement::Shard(dim) = *p
+                && dim >= ndim
+            {
+                return Err(PlanError::ShardDimOutOfRange {
+                    fqn: tensor.fqn.clone(),
+                    rule,
+                    pattern: self.rules[rule].pattern.clone(),
+                    dim,
+                    ndim,
+                });
+            }
+        }
+        Ok(&placements[rule])
     }
 
     pub(crate) fn stage_dim_size(&self, placements: &[Placement]) -> u32 {
