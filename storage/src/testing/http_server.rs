@@ -9,16 +9,14 @@
 //! normally (open and plan succeed) and stall its data files (the load's reads).
 
 use std::fmt::Write as _;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
+use super::loopback::LoopbackServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::oneshot;
 
 /// What the server does with a request for a file a stall rule matches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,17 +61,15 @@ const LAST_MODIFIED: &str = "Tue, 15 Nov 1994 08:12:31 GMT";
 /// serves synchronous tests, any test runtime, and child processes alike). `GET /a/b` reads
 /// `root/a/b`. Dropping it stops it and cuts every connection, stalled ones included.
 pub struct StallingHttpServer {
-    addr: SocketAddr,
+    server: LoopbackServer,
     root: PathBuf,
     state: Arc<State>,
-    shutdown: Option<oneshot::Sender<()>>,
-    thread: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for StallingHttpServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StallingHttpServer")
-            .field("addr", &self.addr)
+            .field("addr", &self.server.addr())
             .field("root", &self.root)
             .finish_non_exhaustive()
     }
@@ -92,58 +88,24 @@ impl StallingHttpServer {
             stalled: AtomicU64::new(0),
             requests: Mutex::new(Vec::new()),
         });
-        // Bound here, not on the server thread, so that the port is known and taken on return.
-        let listener = std::net::TcpListener::bind(("127.0.0.1", 0))
-            .and_then(|l| l.set_nonblocking(true).map(|()| l))
-            .unwrap_or_else(|e| panic!("HTTP test server: cannot bind 127.0.0.1: {e}"));
-        let addr = listener
-            .local_addr()
-            .unwrap_or_else(|e| panic!("HTTP test server: no local address: {e}"));
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("http-test-server")
-            .enable_all()
-            .build()
-            .unwrap_or_else(|e| panic!("HTTP test server: cannot start a runtime: {e}"));
-        let (shutdown, mut stop) = oneshot::channel::<()>();
         let served = root.clone();
         let shared = Arc::clone(&state);
-        let thread = std::thread::Builder::new()
-            .name("http-test-server".to_string())
-            .spawn(move || {
-                runtime.block_on(async move {
-                    let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
-                        return;
-                    };
-                    loop {
-                        let socket = tokio::select! {
-                            _ = &mut stop => break,
-                            accepted = listener.accept() => match accepted {
-                                Ok((socket, _)) => socket,
-                                Err(_) => continue,
-                            },
-                        };
-                        let root = served.clone();
-                        let state = Arc::clone(&shared);
-                        tokio::spawn(async move { serve(socket, &root, &state).await });
-                    }
-                });
-                runtime.shutdown_timeout(SHUTDOWN_GRACE);
-            })
-            .unwrap_or_else(|e| panic!("HTTP test server: cannot spawn its thread: {e}"));
+        let server = LoopbackServer::start("HTTP test server", SHUTDOWN_GRACE, move |socket| {
+            let root = served.clone();
+            let state = Arc::clone(&shared);
+            async move { serve(socket, &root, &state).await }
+        });
         Self {
-            addr,
+            server,
             root,
             state,
-            shutdown: Some(shutdown),
-            thread: Some(thread),
         }
     }
 
     /// `http://127.0.0.1:<port>`: the origin; a checkpoint at `root/run/step` is the location
     /// `{url}/run/step`.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("http://{}", self.server.addr())
     }
 
     /// The directory served.
@@ -179,18 +141,6 @@ impl StallingHttpServer {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
-    }
-}
-
-impl Drop for StallingHttpServer {
-    fn drop(&mut self) {
-        if let Some(shutdown) = self.shutdown.take() {
-            let _ = shutdown.send(());
-        }
-        if let Some(thread) = self.thread.take() {
-            // A panic on the server thread has been reported there already.
-            let _ = thread.join();
-        }
     }
 }
 

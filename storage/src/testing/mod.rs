@@ -5,6 +5,7 @@
 
 mod fault;
 mod http_server;
+mod loopback;
 mod recording;
 mod s3_server;
 

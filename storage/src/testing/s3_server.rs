@@ -2,10 +2,8 @@
 //! the `s3://` path: request signing, range reads, listing, multipart uploads and conditional
 //! puts go over real HTTP, as they do against S3, MinIO or Ceph.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
@@ -13,8 +11,8 @@ use object_store::ObjectStore;
 use object_store::aws::AmazonS3Builder;
 use s3s::auth::SimpleAuth;
 use s3s::service::S3ServiceBuilder;
-use tokio::sync::oneshot;
 
+use super::loopback::LoopbackServer;
 use crate::{StorageOptions, install_tls_provider};
 
 /// The access key id the server accepts.
@@ -35,10 +33,8 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// cuts connections after at most a few seconds, and joins the thread.
 #[derive(Debug)]
 pub struct S3TestServer {
-    addr: SocketAddr,
+    server: LoopbackServer,
     root: PathBuf,
-    shutdown: Option<oneshot::Sender<()>>,
-    thread: Option<JoinHandle<()>>,
 }
 
 impl S3TestServer {
@@ -56,60 +52,21 @@ impl S3TestServer {
             builder.set_auth(SimpleAuth::from_single(ACCESS_KEY_ID, SECRET_ACCESS_KEY));
             builder.build()
         };
-        // Bound here, not on the server thread, so that the port is known and taken on return.
-        let listener = std::net::TcpListener::bind(("127.0.0.1", 0))
-            .and_then(|l| l.set_nonblocking(true).map(|()| l))
-            .unwrap_or_else(|e| panic!("S3 test server: cannot bind 127.0.0.1: {e}"));
-        let addr = listener
-            .local_addr()
-            .unwrap_or_else(|e| panic!("S3 test server: no local address: {e}"));
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("s3-test-server")
-            .enable_all()
-            .build()
-            .unwrap_or_else(|e| panic!("S3 test server: cannot start a runtime: {e}"));
-        let (shutdown, mut stop) = oneshot::channel::<()>();
-        let thread = std::thread::Builder::new()
-            .name("s3-test-server".to_string())
-            .spawn(move || {
-                runtime.block_on(async move {
-                    let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
-                        return;
-                    };
-                    loop {
-                        let socket = tokio::select! {
-                            // A send or a dropped sender: either way, stop.
-                            _ = &mut stop => break,
-                            accepted = listener.accept() => match accepted {
-                                Ok((socket, _)) => socket,
-                                Err(_) => continue,
-                            },
-                        };
-                        let service = service.clone();
-                        tokio::spawn(async move {
-                            // A client that goes away mid-request is not the server's problem.
-                            let _ = hyper::server::conn::http1::Builder::new()
-                                .serve_connection(TokioIo::new(socket), service)
-                                .await;
-                        });
-                    }
-                });
-                // Cuts the connection tasks still running; bounded so that drop is too.
-                runtime.shutdown_timeout(SHUTDOWN_GRACE);
-            })
-            .unwrap_or_else(|e| panic!("S3 test server: cannot spawn its thread: {e}"));
-        Self {
-            addr,
-            root,
-            shutdown: Some(shutdown),
-            thread: Some(thread),
-        }
+        let server = LoopbackServer::start("S3 test server", SHUTDOWN_GRACE, move |socket| {
+            let service = service.clone();
+            async move {
+                // A client that goes away mid-request is not the server's problem.
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(socket), service)
+                    .await;
+            }
+        });
+        Self { server, root }
     }
 
     /// The endpoint URL, `http://127.0.0.1:<port>`.
     pub fn endpoint(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("http://{}", self.server.addr())
     }
 
     /// The directory the buckets live in.
@@ -174,18 +131,5 @@ impl S3TestServer {
             .build()
             .unwrap_or_else(|e| panic!("S3 test server: building a client: {e}"));
         Arc::new(store)
-    }
-}
-
-impl Drop for S3TestServer {
-    fn drop(&mut self) {
-        if let Some(shutdown) = self.shutdown.take() {
-            // The server may have stopped already; then there is no one to tell.
-            let _ = shutdown.send(());
-        }
-        if let Some(thread) = self.thread.take() {
-            // A panic on the server thread has been reported there already.
-            let _ = thread.join();
-        }
     }
 }
