@@ -9,97 +9,21 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use object_store::ObjectStoreExt;
-use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
+use tessera_loader::load::Checkpoint;
 use tessera_loader::plan_client::{
     PlanClient, PlanClientError, PlanClientOptions, PlanTarget, fetch_rank_plan,
 };
-use tessera_loader::transport::{InProcTransport, TransportOptions};
-use tessera_planner::presets::{MegatronGpt, megatron_gpt};
-use tessera_planner::{ExplicitRequests, Layout, RankPlan, Target};
-use tessera_server::{AppState, ServerConfig};
+use tessera_planner::{ExplicitRequests, Layout};
+use tessera_server::ServerConfig;
 use tessera_storage as storage;
 use tessera_storage::testing::S3TestServer;
 use tessera_storage::{RetryPolicy, StorageOptions};
-use tessera_synth::{self as synth, Model};
-use tessera_synth::{SynthOptions, synthesize};
-use tokio::sync::oneshot;
+
+mod server_support;
+
+use server_support::{RunningServer, load_and_check, megatron, write_tiny};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tessera");
-
-fn megatron(tp: u32, pp: u32, dp: u32, zero1: bool) -> Layout {
-    megatron_gpt(MegatronGpt {
-        tp,
-        pp,
-        dp,
-        num_layers: 4,
-        zero1,
-    })
-    .unwrap()
-}
-
-/// Writes gpt-tiny (with optimizer states) saved Megatron tp2 pp2 dp2 zero1 at `location`.
-async fn write_tiny(location: &str, options: &StorageOptions) {
-    let out = storage::create_with(location, options).unwrap();
-    synthesize(
-        out.store.clone(),
-        &out.prefix,
-        &out.display,
-        &megatron(2, 2, 2, true),
-        &SynthOptions {
-            model: Model::GptTiny,
-            optimizer: true,
-            metadata_only: false,
-            step: None,
-            progress: None,
-        },
-    )
-    .await
-    .unwrap();
-}
-
-/// A server on an ephemeral port of 127.0.0.1, stopped (gracefully) when dropped.
-struct RunningServer {
-    addr: SocketAddr,
-    state: AppState,
-    stop: Option<oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl RunningServer {
-    async fn start(config: ServerConfig) -> Self {
-        let state = AppState::new(config).unwrap();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(tessera_server::serve(listener, state.clone(), async move {
-            let _ = stopped.await;
-        }));
-        Self {
-            addr,
-            state,
-            stop: Some(stop),
-            task: Some(tokio::spawn(async move {
-                task.await.unwrap().unwrap();
-            })),
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
-    async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(task) = self.task.take() {
-            tokio::time::timeout(Duration::from_secs(10), task)
-                .await
-                .expect("the server stops within its grace period")
-                .unwrap();
-        }
-    }
-}
 
 /// A plain HTTP/1.1 GET over a blocking socket: status and body.
 fn http_get(addr: SocketAddr, path: &str, token: Option<&str>) -> (u16, String) {
@@ -126,41 +50,17 @@ fn http_get(addr: SocketAddr, path: &str, token: Option<&str>) -> (u16, String) 
     (status, body)
 }
 
-/// Loads every rank of `plans` in this process and checks every byte against the formula.
-async fn load_and_check(checkpoint: &Checkpoint, plans: Vec<RankPlan>) -> u64 {
-    let world = plans.len() as u32;
-    let transports = InProcTransport::mesh(world, TransportOptions::default());
-    let mut tasks = Vec::new();
-    for (plan, transport) in plans.into_iter().zip(transports) {
-        let checkpoint = checkpoint.clone();
-        tasks.push(tokio::spawn(async move {
-            load_rank(&checkpoint, plan, &transport, &LoadOptions::default()).await
-        }));
-    }
-    let mut bytes_read = 0;
-    for task in tasks {
-        let loaded = task.await.unwrap().unwrap();
-        let plan = &loaded.plan;
-        for (dest, buffer) in plan.destinations.iter().zip(&loaded.buffers) {
-            let tensor = &plan.tensors[dest.tensor as usize];
-            match &dest.target {
-                Target::Box(region) => synth::check_box(tensor, region, buffer).unwrap(),
-                Target::Flat { start, end } => {
-                    synth::check_flat(tensor, *start, *end, buffer).unwrap()
-                }
-            }
-        }
-        bytes_read += loaded.report.bytes_read;
-    }
-    bytes_read
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ranks_fetch_their_plans_from_the_server_and_load_every_byte() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("catalog");
     let ckpt = root.join("gpt/step-000100");
-    write_tiny(ckpt.to_str().unwrap(), &StorageOptions::default()).await;
+    write_tiny(
+        ckpt.to_str().unwrap(),
+        &megatron(2, 2, 2, true),
+        &StorageOptions::default(),
+    )
+    .await;
     let server = RunningServer::start(ServerConfig::new(root.to_str().unwrap())).await;
     let client = PlanClient::new(&server.url(), PlanClientOptions::default()).unwrap();
     let checkpoint = Checkpoint::open(storage::open(ckpt.to_str().unwrap()).unwrap())
@@ -240,6 +140,7 @@ async fn plan_client_errors_say_what_went_wrong() {
     let root = dir.path().join("catalog");
     write_tiny(
         root.join("gpt/step-000100").to_str().unwrap(),
+        &megatron(2, 2, 2, true),
         &StorageOptions::default(),
     )
     .await;
@@ -315,6 +216,7 @@ async fn a_burst_of_plan_requests_over_http_computes_the_plan_once() {
     let root = dir.path().join("catalog");
     write_tiny(
         root.join("gpt/step-000100").to_str().unwrap(),
+        &megatron(2, 2, 2, true),
         &StorageOptions::default(),
     )
     .await;
@@ -360,6 +262,7 @@ fn tessera_serve_runs_until_sigterm() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(write_tiny(
         root.join("gpt/step-000100").to_str().unwrap(),
+        &megatron(2, 2, 2, true),
         &StorageOptions::default(),
     ));
     let (mut child, addr) = start_tessera_serve(&root, "from-env", std::process::Stdio::piped());
@@ -419,7 +322,12 @@ async fn a_catalog_root_on_s3() {
     let s3 = S3TestServer::start(buckets.path());
     s3.create_bucket("ckpts");
     let options = s3.options();
-    write_tiny("s3://ckpts/catalog/gpt/step-000100", &options).await;
+    write_tiny(
+        "s3://ckpts/catalog/gpt/step-000100",
+        &megatron(2, 2, 2, true),
+        &options,
+    )
+    .await;
     // An interrupted save next to it.
     let partial = storage::create_with("s3://ckpts/catalog/gpt/step-000200", &options).unwrap();
     partial
@@ -471,6 +379,7 @@ fn tessera_load_fetches_its_plan_from_tessera_serve() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(write_tiny(
         ckpt.to_str().unwrap(),
+        &megatron(2, 2, 2, true),
         &StorageOptions::default(),
     ));
     let (mut child, addr) = start_tessera_serve(&root, "secret", std::process::Stdio::null());

@@ -5,35 +5,22 @@
 //! checkpoints, bad `latest` pointers, symlink loops and bad explicit requests get clear answers.
 #![allow(clippy::unwrap_used, missing_docs)]
 
-use std::net::SocketAddr;
 use std::path::Path as FsPath;
-use std::time::Duration;
 
 use serde_json::{Value, json};
 use tessera_loader::LoaderError;
 use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
 use tessera_loader::transport::{InProcTransport, TransportOptions};
-use tessera_planner::presets::{MegatronGpt, megatron_gpt};
-use tessera_planner::{Layout, RankPlan, Target};
-use tessera_server::{AppState, ServerConfig};
+use tessera_planner::{Layout, RankPlan};
+use tessera_server::ServerConfig;
 use tessera_storage as storage;
-use tessera_synth::{self as synth, Model, SynthOptions, synthesize};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::oneshot;
+
+mod server_support;
+
+use server_support::{RunningServer, load_and_check, megatron};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tessera");
 const ID: &str = "gpt/step-000100";
-
-fn megatron(tp: u32, pp: u32, dp: u32, zero1: bool) -> Layout {
-    megatron_gpt(MegatronGpt {
-        tp,
-        pp,
-        dp,
-        num_layers: 4,
-        zero1,
-    })
-    .unwrap()
-}
 
 /// The layout checkpoint A is saved with.
 fn layout_a() -> Layout {
@@ -47,116 +34,11 @@ fn layout_b() -> Layout {
 
 /// Writes gpt-tiny with optimizer states saved with `layout` at directory `dir`.
 async fn write_tiny(dir: &FsPath, layout: &Layout) {
-    let out = storage::create(dir.to_str().unwrap()).unwrap();
-    synthesize(
-        out.store.clone(),
-        &out.prefix,
-        &out.display,
-        layout,
-        &SynthOptions {
-            model: Model::GptTiny,
-            optimizer: true,
-            metadata_only: false,
-            step: None,
-            progress: None,
-        },
-    )
-    .await
-    .unwrap();
-}
-
-/// A server on an ephemeral port of 127.0.0.1, stopped when dropped.
-struct RunningServer {
-    addr: SocketAddr,
-    state: AppState,
-    _stop: oneshot::Sender<()>,
-}
-
-impl RunningServer {
-    async fn start(config: ServerConfig) -> Self {
-        let state = AppState::new(config).unwrap();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stopped) = oneshot::channel::<()>();
-        tokio::spawn(tessera_server::serve(listener, state.clone(), async move {
-            let _ = stopped.await;
-        }));
-        Self {
-            addr,
-            state,
-            _stop: stop,
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
-    /// One HTTP/1.1 request: status and body (JSON, or a string when it is not JSON).
-    async fn request(&self, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
-        let mut stream = tokio::net::TcpStream::connect(self.addr).await.unwrap();
-        let body = body.unwrap_or("");
-        let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            self.addr,
-            body.len()
-        );
-        stream.write_all(head.as_bytes()).await.unwrap();
-        stream.write_all(body.as_bytes()).await.unwrap();
-        let mut response = Vec::new();
-        tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut response))
-            .await
-            .unwrap()
-            .unwrap();
-        let response = String::from_utf8_lossy(&response);
-        let status = response
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-        let json = serde_json::from_str(body).unwrap_or_else(|_| Value::String(body.to_string()));
-        (status, json)
-    }
-
-    async fn get(&self, path: &str) -> (u16, Value) {
-        self.request("GET", path, None).await
-    }
-
-    async fn post_plan(&self, body: &Value) -> (u16, Value) {
-        self.request("POST", "/v1/plans", Some(&body.to_string()))
-            .await
-    }
+    server_support::write_tiny(dir.to_str().unwrap(), layout, &Default::default()).await;
 }
 
 fn plan_body(layout: &Layout) -> Value {
     json!({"checkpoint": ID, "layout": layout})
-}
-
-/// Loads every rank of `plans` against `checkpoint` and checks every byte against the formula.
-async fn load_and_check(checkpoint: &Checkpoint, plans: Vec<RankPlan>) {
-    let world = plans.len() as u32;
-    let transports = InProcTransport::mesh(world, TransportOptions::default());
-    let mut tasks = Vec::new();
-    for (plan, transport) in plans.into_iter().zip(transports) {
-        let checkpoint = checkpoint.clone();
-        tasks.push(tokio::spawn(async move {
-            load_rank(&checkpoint, plan, &transport, &LoadOptions::default()).await
-        }));
-    }
-    for task in tasks {
-        let loaded = task.await.unwrap().unwrap();
-        let plan = &loaded.plan;
-        for (dest, buffer) in plan.destinations.iter().zip(&loaded.buffers) {
-            let tensor = &plan.tensors[dest.tensor as usize];
-            match &dest.target {
-                Target::Box(region) => synth::check_box(tensor, region, buffer).unwrap(),
-                Target::Flat { start, end } => {
-                    synth::check_flat(tensor, *start, *end, buffer).unwrap()
-                }
-            }
-        }
-    }
 }
 
 async fn rank_plans(server: &RunningServer, plan: &str, world: u64) -> Vec<RankPlan> {
