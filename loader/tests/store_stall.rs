@@ -106,6 +106,36 @@ async fn load_all(
     (outcomes, started.elapsed())
 }
 
+/// Every rank failed (none reports success with partial buffers), and those that failed on
+/// storage gave up on one of `files` ([`assert_gave_up`]); `why` says why none may succeed.
+/// Returns the storage failures, which a stalled read must cause.
+fn storage_failures(
+    outcomes: &[Result<LoadedRank, LoaderError>],
+    files: &[&str],
+    why: &str,
+) -> usize {
+    let mut failures = 0;
+    for (rank, outcome) in outcomes.iter().enumerate() {
+        let error = outcome
+            .as_ref()
+            .err()
+            .unwrap_or_else(|| panic!("rank {rank} loaded {why}"));
+        eprintln!("rank {rank}: {error}");
+        if let LoaderError::Storage(_) = error {
+            assert_gave_up(error, files);
+            failures += 1;
+        }
+    }
+    failures
+}
+
+/// The load ended within a few times the policy's bound (far below the 60 s peer timeout).
+fn assert_within_bound(took: Duration, what: &str) {
+    let bound = stall_bound(&policy());
+    eprintln!("{what} ended after {took:?} (bound {bound:?})");
+    assert!(took < 4 * bound, "took {took:?}, bound {bound:?}");
+}
+
 /// The storage error a rank whose read stalled must fail with: the file, the byte range, the
 /// attempts, and a transient (not permanent) cause.
 fn assert_gave_up(error: &LoaderError, files: &[&str]) {
@@ -168,19 +198,13 @@ async fn a_load_from_a_store_that_stalls_mid_body_fails_within_the_bound() {
     let plans = rank_plans(&checkpoint.meta, DP2_TP2, true);
     server.stall(Stall::AfterBytes(100), |path| path.contains("/data/"));
     let (outcomes, took) = load_all(&checkpoint, &plans, Duration::from_secs(60)).await;
-    let mut storage_failures = 0;
+    let storage_failures =
+        storage_failures(&outcomes, &["rank0", "rank1"], "from a store that stalls");
+    // The others fail on their transport, naming a rank that failed.
     for (rank, outcome) in outcomes.iter().enumerate() {
-        let error = outcome
-            .as_ref()
-            .err()
-            .unwrap_or_else(|| panic!("rank {rank} loaded from a store that stalls"));
-        eprintln!("rank {rank}: {error}");
-        match error {
-            LoaderError::Storage(_) => {
-                assert_gave_up(error, &["rank0", "rank1"]);
-                storage_failures += 1;
-            }
-            LoaderError::Transport { peer, detail, .. } => assert!(
+        match outcome {
+            Err(LoaderError::Storage(_)) => {}
+            Err(error @ LoaderError::Transport { peer, detail, .. }) => assert!(
                 outcomes[*peer as usize].is_err() && detail.contains("exited"),
                 "rank {rank}: {error}"
             ),
@@ -193,9 +217,7 @@ async fn a_load_from_a_store_that_stalls_mid_body_fails_within_the_bound() {
         "{}",
         server.stalled()
     );
-    let bound = stall_bound(&policy());
-    eprintln!("load of a stalled store ended after {took:?} (bound {bound:?})");
-    assert!(took < 4 * bound, "took {took:?}, bound {bound:?}");
+    assert_within_bound(took, "load of a stalled store");
 }
 
 /// Only `rank1.bin` stalls: the ranks that read `rank0.bin` finish reading and wait for the
@@ -210,22 +232,8 @@ async fn ranks_waiting_on_a_peer_whose_read_stalls_fail_when_it_gives_up() {
         path.ends_with("/data/rank1.bin")
     });
     let (outcomes, took) = load_all(&checkpoint, &plans, Duration::from_secs(60)).await;
-    let mut storage_failures = 0;
-    for (rank, outcome) in outcomes.iter().enumerate() {
-        let error = outcome
-            .as_ref()
-            .err()
-            .unwrap_or_else(|| panic!("rank {rank} loaded although a peer's read stalled"));
-        eprintln!("rank {rank}: {error}");
-        if let LoaderError::Storage(_) = error {
-            assert_gave_up(error, &["rank1"]);
-            storage_failures += 1;
-        }
-    }
-    assert!(storage_failures > 0);
-    let bound = stall_bound(&policy());
-    eprintln!("load with one stalled file ended after {took:?} (bound {bound:?})");
-    assert!(took < 4 * bound, "took {took:?}, bound {bound:?}");
+    assert!(storage_failures(&outcomes, &["rank1"], "although a peer's read stalled") > 0);
+    assert_within_bound(took, "load with one stalled file");
 }
 
 /// A server that never answers the data files (not even headers, HEAD included), with a layout
@@ -238,20 +246,11 @@ async fn strided_reads_from_a_server_that_never_answers_fail_within_the_bound() 
     let plans = rank_plans(&checkpoint.meta, COLUMNS_TP3, true);
     server.stall(Stall::BeforeHeaders, |path| path.contains("/data/"));
     let (outcomes, took) = load_all(&checkpoint, &plans, Duration::from_secs(60)).await;
-    let mut storage_failures = 0;
-    for (rank, outcome) in outcomes.iter().enumerate() {
-        let error = outcome
-            .as_ref()
-            .err()
-            .unwrap_or_else(|| panic!("rank {rank} loaded from a server that never answers"));
-        eprintln!("rank {rank}: {error}");
-        if let LoaderError::Storage(_) = error {
-            assert_gave_up(error, &["rank0", "rank1"]);
-            storage_failures += 1;
-        }
-    }
-    assert!(storage_failures > 0);
-    let bound = stall_bound(&policy());
-    eprintln!("strided load of a silent store ended after {took:?} (bound {bound:?})");
-    assert!(took < 4 * bound, "took {took:?}, bound {bound:?}");
+    let failures = storage_failures(
+        &outcomes,
+        &["rank0", "rank1"],
+        "from a server that never answers",
+    );
+    assert!(failures > 0);
+    assert_within_bound(took, "strided load of a silent store");
 }
