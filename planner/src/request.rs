@@ -196,73 +196,7 @@ pub fn check_target(rank: u32, tensor: &TensorMeta, target: &Target) -> Result<(
     Ok(())
 }
 
-/// Splits the flat row-major range `[start, end)` of a tensor of `shape` into at most 2·ndim − 1
-/// boxes, in flat order: a partial leading row, whole rows, a partial trailing row, recursively.
-pub fn flat_range_to_boxes(shape: &[u64], start: u64, end: u64) -> Vec<TensorBox> {
-    let mut out = Vec::new();
-    let mut prefix = Vec::new();
-    split_flat(shape, start, end, &mut prefix, &mut out);
-    out
-}
-
-fn split_flat(
-    shape: &[u64],
-    start: u64,
-    end: u64,
-    prefix: &mut Vec<u64>,
-    out: &mut Vec<TensorBox>,
-) {
-    if start >= end {
-        return;
-    }
-    let push = |prefix: &[u64],
-                offsets_rest: Vec<u64>,
-                lengths_rest: Vec<u64>,
-                out: &mut Vec<TensorBox>| {
-        let mut offsets = prefix.to_vec();
-        let mut lengths = vec![1; prefix.len()];
-        offsets.extend(offsets_rest);
-        lengths.extend(lengths_rest);
-        out.push(TensorBox::new(offsets, lengths));
-    };
-    let Some((&rows, inner_shape)) = shape.split_first() else {
-        push(prefix, Vec::new(), Vec::new(), out);
-        return;
-    };
-    let _ = rows;
-    let inner: u64 = inner_shape.iter().product();
-    let (mut r0, r1) = (start / inner, end / inner);
-    if r0 == r1 {
-        prefix.push(r0);
-        split_flat(
-            inner_shape,
-            start - r0 * inner,
-            end - r0 * inner,
-            prefix,
-            out,
-        );
-        prefix.pop();
-        return;
-    }
-    if !start.is_multiple_of(inner) {
-        prefix.push(r0);
-        split_flat(inner_shape, start % inner, inner, prefix, out);
-        prefix.pop();
-        r0 += 1;
-    }
-    if r1 > r0 {
-        let mut offsets_rest = vec![r0];
-        offsets_rest.extend(std::iter::repeat_n(0, inner_shape.len()));
-        let mut lengths_rest = vec![r1 - r0];
-        lengths_rest.extend_from_slice(inner_shape);
-        push(prefix, offsets_rest, lengths_rest, out);
-    }
-    if !end.is_multiple_of(inner) {
-        prefix.push(r1);
-        split_flat(inner_shape, 0, end % inner, prefix, out);
-        prefix.pop();
-    }
-}
+pub use tessera_metadata::flat_range_to_boxes;
 
 /// Flat row-major index of the element at `coords` in a tensor whose row-major strides are given.
 pub fn flat_index(coords: &[u64], strides: &[u64]) -> u64 {
@@ -272,43 +206,4 @@ pub fn flat_index(coords: &[u64], strides: &[u64]) -> u64 {
 /// Row-major strides of a tensor's global shape (re-exported for destination mapping).
 pub fn global_strides(shape: &[u64]) -> Vec<u64> {
     row_major_strides(shape)
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-
-    fn expand(shape: &[u64], boxes: &[TensorBox]) -> Vec<u64> {
-        let strides = row_major_strides(shape);
-        let mut out = Vec::new();
-        for b in boxes {
-            let n = b.numel();
-            let bs = row_major_strides(&b.lengths);
-            for i in 0..n {
-                let coords: Vec<u64> = (0..b.ndim())
-                    .map(|d| b.offsets[d] + (i / bs[d]) % b.lengths[d])
-                    .collect();
-                out.push(flat_index(&coords, &strides));
-            }
-        }
-        out
-    }
-
-    #[test]
-    fn flat_ranges_split_into_boxes_in_flat_order() {
-        let shape = [4, 3, 5];
-        for start in 0..=60 {
-            for end in start..=60 {
-                let boxes = flat_range_to_boxes(&shape, start, end);
-                assert!(boxes.len() <= 5, "{start}..{end}: {boxes:?}");
-                assert_eq!(
-                    expand(&shape, &boxes),
-                    (start..end).collect::<Vec<_>>(),
-                    "{start}..{end}"
-                );
-            }
-        }
-        assert_eq!(flat_range_to_boxes(&[], 0, 1), vec![TensorBox::whole(&[])]);
-    }
 }
