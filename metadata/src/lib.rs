@@ -19,7 +19,7 @@ pub use checkpoint::{ByteMeta, CheckpointMeta, DataFile, ObjectMeta, SavedChunk}
 pub use dtype::DType;
 pub use error::MetadataError;
 pub use flat::{flat_range_chunks, flat_range_of_box, flat_range_to_boxes};
-pub use formats::{Format, FormatDetails, OpenOptions, OpenedCheckpoint, open_any};
+pub use formats::{Format, FormatDetails, OpenOptions, OpenedCheckpoint, Writer, open_any};
 pub use identity::native_identity;
 pub use tensor::{Dims, TensorBox, TensorMeta, row_major_strides, shape_to_string};
 pub use validate::validate;

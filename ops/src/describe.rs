@@ -53,6 +53,7 @@ pub async fn describe(location: &str, storage_options: &StorageOptions) -> Resul
     let mut doc = json!({
         "location": location,
         "format": checkpoint.format,
+        "writer": checkpoint.writer.as_ref().map(ToString::to_string),
         "step": checkpoint.step,
         "committed": checkpoint.committed,
         "tensors": tensors,

@@ -113,6 +113,36 @@ pub enum FormatDetails {
     Safetensors(Box<SafetensorsDetails>),
 }
 
+/// The software that wrote a checkpoint, as far as its files tell: `PyTorch DCP`,
+/// `Megatron-Core torch_dist`, `tessera`, … and its version when recorded.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Writer {
+    /// Name of the writer.
+    pub name: String,
+    /// Its version (or the version of the format it wrote), when the files record one.
+    pub version: Option<String>,
+}
+
+impl Writer {
+    /// A writer with an optional version.
+    pub fn new(name: impl Into<String>, version: Option<String>) -> Self {
+        Writer {
+            name: name.into(),
+            version,
+        }
+    }
+}
+
+impl fmt::Display for Writer {
+    /// `Megatron-Core torch_dist (version 1)`, or the bare name when no version is known.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.version {
+            Some(version) => write!(f, "{} (version {version})", self.name),
+            None => f.write_str(&self.name),
+        }
+    }
+}
+
 /// A checkpoint opened in whatever format it is in.
 #[derive(Clone, Debug)]
 pub struct OpenedCheckpoint {
@@ -135,6 +165,8 @@ pub struct OpenedCheckpoint {
     /// Block checksums of the data (native only; the other formats record none a partial read
     /// can be checked against, so their loads read unverified).
     pub block_checksums: Option<BlockChecksums>,
+    /// Who wrote it, as far as the files tell.
+    pub writer: Option<Writer>,
     /// Format-specific details.
     pub details: FormatDetails,
 }
@@ -226,6 +258,10 @@ pub async fn open_any(
             committed: true,
             has_data: true,
             block_checksums: None,
+            writer: Some(Writer::new(
+                "PyTorch DCP",
+                opened.details.metadata.version.clone(),
+            )),
             details: FormatDetails::Dcp(Box::new(opened.details)),
         });
     }
@@ -277,6 +313,7 @@ fn safetensors_opened(
         committed: true,
         has_data: true,
         block_checksums: None,
+        writer: None,
         details: FormatDetails::Safetensors(Box::new(opened.details)),
     }
 }
@@ -302,6 +339,7 @@ async fn open_native(
         committed: true,
         has_data,
         block_checksums,
+        writer: Some(Writer::new("tessera", None)),
         details: FormatDetails::Native {
             manifest: Box::new(opened.manifest),
         },
