@@ -12,9 +12,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use sha2::{Digest, Sha256};
+use support::reference::{Tensors, check_reference, json, sha256, tensors_of};
 use support::{fails, ok, s};
-use tessera_metadata::formats::safetensors;
 
 /// The fixtures (`shared/fixtures/dcp` next to the workspace, or `$TESSERA_DCP_FIXTURES`).
 fn fixtures() -> PathBuf {
@@ -27,65 +26,6 @@ fn fixtures() -> PathBuf {
         dir.display()
     );
     dir
-}
-
-fn json(path: &Path) -> Value {
-    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
-}
-
-fn sha256(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
-/// Tensors by name: (shape, bytes).
-type Tensors = HashMap<String, (Vec<u64>, Vec<u8>)>;
-
-/// Every tensor of a safetensors file.
-fn tensors_of(path: &Path) -> Tensors {
-    let file = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let header = safetensors::parse(&file, s(path)).unwrap();
-    header
-        .tensors
-        .iter()
-        .map(|t| {
-            let (a, b) = t.data_offsets;
-            let bytes =
-                file[(header.data_start + a) as usize..(header.data_start + b) as usize].to_vec();
-            (t.name.clone(), (t.shape.clone(), bytes))
-        })
-        .collect()
-}
-
-/// Checks every rank's dump against torch's `reference_<layout>.json`: each rank holds exactly the
-/// reference's tensors, with its local shape and sha256.
-fn check_reference(dump: &Path, reference: &Value) {
-    let world = reference["world_size"].as_u64().unwrap();
-    let tensors = reference["tensors"].as_object().unwrap();
-    for rank in 0..world {
-        let got = tensors_of(&dump.join(format!("rank-{rank}.safetensors")));
-        assert_eq!(got.len(), tensors.len(), "rank {rank}: tensor count");
-        for (fqn, tensor) in tensors {
-            let local = tensor["ranks"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|r| r["rank"] == rank)
-                .unwrap();
-            let (shape, bytes) = got
-                .get(fqn)
-                .unwrap_or_else(|| panic!("rank {rank} has no {fqn}"));
-            let want: Vec<u64> = serde_json::from_value(local["local_shape"].clone()).unwrap();
-            assert_eq!(shape, &want, "rank {rank} {fqn}: shape");
-            assert_eq!(
-                sha256(bytes),
-                local["sha256"].as_str().unwrap(),
-                "rank {rank} {fqn}: bytes differ from torch's"
-            );
-        }
-    }
 }
 
 /// The full-tensor sha256s of a fixture's `expected.json`.

@@ -6,6 +6,8 @@
 // Each test binary uses a subset of these helpers.
 #![allow(dead_code)]
 
+pub mod reference;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
