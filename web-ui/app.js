@@ -199,6 +199,7 @@ async function checkpointPage(run, step) {
   const facts = h("dl", { class: "facts" },
     h("dt", {}, "status"), h("dd", {}, sum.status, sum.latest ? " (latest)" : ""),
     h("dt", {}, "format"), h("dd", {}, sum.format || "–"),
+    h("dt", {}, "written by"), h("dd", { id: "writer" }, sum.writer || "–"),
     h("dt", {}, "step"), h("dd", {}, fmtInt(sum.step)),
     h("dt", {}, "size"), h("dd", {}, `${fmtBytes(sum.bytes)} (tensor bytes ${fmtBytes(sum.tensor_bytes)})`),
     h("dt", {}, "tensors"), h("dd", {}, fmtInt(sum.tensors)),

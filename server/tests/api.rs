@@ -116,6 +116,7 @@ async fn catalog_lists_runs_committed_incomplete_and_latest() {
     assert_eq!(c100["committed"], true);
     assert_eq!(c100["latest"], false);
     assert_eq!(c100["format"], "native");
+    assert_eq!(c100["writer"], "tessera (version 1)");
     assert_eq!(c100["step"], 100);
     assert_eq!(c100["data"], "present");
     assert!(c100["bytes"].as_u64().unwrap() > c100["tensor_bytes"].as_u64().unwrap());

@@ -146,6 +146,8 @@ async function journey(base, page) {
   const summary = await api("/v1/checkpoints/gpt/step-000200");
   assert.match(summary.identity, /^native:[0-9a-f]{32}$/);
   assert.equal(await page.locator("#identity").innerText(), summary.identity);
+  assert.equal(summary.writer, "tessera (version 1)");
+  assert.equal(await page.locator("#writer").innerText(), summary.writer);
   await page.fill("#filter", "attn.qkv.weight");
   const qkv = all.tensors.filter((t) => t.fqn.includes("attn.qkv.weight"));
   assert.equal(qkv.length, 4 * 4, "4 layers × (weight + 3 optimizer states)");

@@ -339,7 +339,10 @@ async fn open_native(
         committed: true,
         has_data,
         block_checksums,
-        writer: Some(Writer::new("tessera", None)),
+        writer: Some(Writer::new(
+            "tessera",
+            Some(opened.manifest.format_version.to_string()),
+        )),
         details: FormatDetails::Native {
             manifest: Box::new(opened.manifest),
         },

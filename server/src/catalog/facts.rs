@@ -6,7 +6,7 @@
 use serde_json::Value;
 use tessera_metadata::formats::native::{Created, DataPresence, Manifest};
 use tessera_metadata::formats::step_from_name;
-use tessera_metadata::{Format, OpenedCheckpoint};
+use tessera_metadata::{Format, OpenedCheckpoint, Writer};
 
 use super::wire::{CheckpointEntry, CheckpointStatus, CheckpointSummary};
 use crate::CheckpointId;
@@ -16,6 +16,9 @@ use crate::CheckpointId;
 pub(crate) struct CheckpointFacts {
     /// Its format.
     pub format: Format,
+    /// Who wrote it (`Megatron-Core torch_dist (version 1)`, `PyTorch DCP (version 1.0.0)`, …),
+    /// when the files tell.
+    pub writer: Option<String>,
     /// Training step: recorded (native manifest), else the one in the directory name.
     pub step: Option<u64>,
     /// Whether it is complete as far as its format can tell.
@@ -66,6 +69,9 @@ impl CheckpointFacts {
         };
         Self {
             format: Format::Native,
+            writer: Some(
+                Writer::new("tessera", Some(manifest.format_version.to_string())).to_string(),
+            ),
             step: manifest.step.or_else(|| step_from_name(dir_name)),
             committed: true,
             has_data,
@@ -92,6 +98,7 @@ impl CheckpointFacts {
         let data_bytes: u64 = meta.files().iter().filter_map(|f| f.size).sum();
         Self {
             format: opened.format,
+            writer: opened.writer.as_ref().map(ToString::to_string),
             step: opened.step.or_else(|| step_from_name(dir_name)),
             committed: opened.committed,
             has_data: opened.has_data,
@@ -119,6 +126,7 @@ impl CheckpointFacts {
             },
             committed: self.committed,
             format: Some(self.format.name().to_string()),
+            writer: self.writer.clone(),
             created: self.created.clone(),
             data: Some(if self.has_data { "present" } else { "absent" }.to_string()),
             bytes: Some(self.bytes),

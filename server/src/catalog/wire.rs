@@ -40,6 +40,9 @@ pub struct CheckpointEntry {
     pub latest: bool,
     /// Checkpoint format: `native`, `dcp` or `safetensors`; absent when not committed.
     pub format: Option<String>,
+    /// The software that wrote it and its version as far as the files tell
+    /// (`Megatron-Core torch_dist (version 1)`, `PyTorch DCP (version 1.0.0)`, …).
+    pub writer: Option<String>,
     /// Commit time, RFC 3339 (or Unix seconds as a decimal string, when recorded so).
     pub created: Option<String>,
     /// `present`, or `absent` for a metadata-only checkpoint.
@@ -72,6 +75,7 @@ impl CheckpointEntry {
             committed: false,
             latest,
             format: None,
+            writer: None,
             created: None,
             data: None,
             bytes: None,
