@@ -11,9 +11,7 @@ mod support;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
-use support::reference::{
-    interop_fixtures, json, layout_from_reference, sha256, tensors_of,
-};
+use support::reference::{interop_fixtures, json, layout_from_reference, sha256, tensors_of};
 use support::{fails, ok, s};
 
 const LAYOUTS: [&str; 4] = ["w1_full", "w3_shard0", "w2_shard1", "w2x2_s0s1"];
@@ -73,7 +71,10 @@ fn inspect_names_the_writer_and_follows_latest() {
         text.contains(": DeepSpeed ZeRO-2 (version 0.19.8), step 1, tag global_step1 (from latest), 2 data-parallel ranks, read in place"),
         "{text}"
     );
-    assert!(text.contains("optimizer.state.l2.weight.exp_avg_sq"), "{text}");
+    assert!(
+        text.contains("optimizer.state.l2.weight.exp_avg_sq"),
+        "{text}"
+    );
     let doc: Value = serde_json::from_slice(&ok(["inspect", s(&ckpt), "--json"]).stdout).unwrap();
     assert_eq!(doc["format"], "deepspeed");
     assert_eq!(doc["writer"], "DeepSpeed ZeRO-2 (version 0.19.8)");
@@ -81,10 +82,7 @@ fn inspect_names_the_writer_and_follows_latest() {
     let objects = doc["objects"].as_array().unwrap();
     let config = objects.iter().find(|o| o["key"] == "ds_config").unwrap();
     assert_eq!(config["value"]["zero_optimization"]["stage"], 2);
-    assert_eq!(
-        config["file"],
-        "global_step1/mp_rank_00_model_states.pt"
-    );
+    assert_eq!(config["file"], "global_step1/mp_rank_00_model_states.pt");
 }
 
 #[test]
@@ -104,8 +102,14 @@ fn every_layout_gives_every_rank_deepspeeds_bytes() {
             s(&dump),
         ])
         .text();
-        assert!(report.contains("read amplification 1.00"), "{layout}: {report}");
-        assert!(report.contains("format               DeepSpeed ZeRO"), "{report}");
+        assert!(
+            report.contains("read amplification 1.00"),
+            "{layout}: {report}"
+        );
+        assert!(
+            report.contains("format               DeepSpeed ZeRO"),
+            "{report}"
+        );
         check_listed(&dump, &reference);
     }
 }
@@ -125,8 +129,15 @@ fn converts_to_safetensors_like_zero_to_fp32_and_to_native_and_back() {
                 &dir.join("zero_to_fp32_out")
                     .join(zero_to_fp32["weight_map"][fqn].as_str().unwrap()),
             );
-            assert_eq!(sha256(&got[fqn].1), want["sha256"].as_str().unwrap(), "{fqn}");
-            assert!(got[fqn] == theirs[fqn], "{fqn}: differs from zero_to_fp32's");
+            assert_eq!(
+                sha256(&got[fqn].1),
+                want["sha256"].as_str().unwrap(),
+                "{fqn}"
+            );
+            assert!(
+                got[fqn] == theirs[fqn],
+                "{fqn}: differs from zero_to_fp32's"
+            );
         }
     };
     let st = tmp.path().join("consolidated");

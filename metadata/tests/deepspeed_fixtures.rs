@@ -76,14 +76,21 @@ fn fp32_weights_equal_zero_to_fp32_byte_for_byte() {
         (Some("global_step1"), 2)
     );
     let reference = open(&dir.join("zero_to_fp32_out")).unwrap();
-    let expected = serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let expected = serde_json::from_str::<serde_json::Value>(
+        &std::fs::read_to_string(dir.join("expected.json")).unwrap(),
+    )
+    .unwrap();
     let meta = &opened.meta;
     let root = dir.join("ckpt");
     for fqn in PARAMS {
         let t = meta.tensor_index(fqn).unwrap();
         let r = reference.meta.tensor_index(fqn).unwrap();
         let tensor = &meta.tensors()[t as usize];
-        assert_eq!(tensor.shape, reference.meta.tensors()[r as usize].shape, "{fqn}");
+        assert_eq!(
+            tensor.shape,
+            reference.meta.tensors()[r as usize].shape,
+            "{fqn}"
+        );
         assert_eq!(tensor.dtype, DType::F32, "{fqn}");
         let ours = read_tensor(&root, meta, t);
         let theirs = read_tensor(&dir.join("zero_to_fp32_out"), &reference.meta, r);
@@ -134,7 +141,9 @@ fn adam_moments_are_at_their_parameters_elements() {
     }
     // Embedding rows of tokens not in the batch had no gradient: their moments are zero rows,
     // the others have no zero, so the rows line up with the parameter's rows.
-    let t = meta.tensor_index("optimizer.state.emb.weight.exp_avg").unwrap();
+    let t = meta
+        .tensor_index("optimizer.state.emb.weight.exp_avg")
+        .unwrap();
     let m = f32s(&read_tensor(&root, meta, t));
     let (mut zero, mut live) = (0, 0);
     for row in m.chunks(64) {
@@ -167,7 +176,12 @@ fn objects_are_the_model_states_simple_values() {
     assert_eq!(value("note"), "interop");
     assert_eq!(value("ds_config")["zero_optimization"]["stage"], 2);
     assert_eq!(value("optimizer.param_groups")[0]["lr"], 0.01);
-    let keys: Vec<&str> = opened.meta.objects().iter().map(|o| o.key.as_str()).collect();
+    let keys: Vec<&str> = opened
+        .meta
+        .objects()
+        .iter()
+        .map(|o| o.key.as_str())
+        .collect();
     assert_eq!(keys.len(), details.objects.len());
     assert!(!keys.contains(&"module") && !keys.contains(&"param_shapes"));
 }

@@ -114,9 +114,14 @@ pub async fn check(location: &str, strays: Strays, retry: &storage::RetryPolicy)
             )?;
         }
         FormatDetails::DeepSpeed(ds) => {
-            let report =
-                verify_deepspeed(loc.store.as_ref(), &opened.root, &opened.meta, ds, CONCURRENCY)
-                    .await?;
+            let report = verify_deepspeed(
+                loc.store.as_ref(),
+                &opened.root,
+                &opened.meta,
+                ds,
+                CONCURRENCY,
+            )
+            .await?;
             for bad in &report.bad {
                 writeln!(
                     out,

@@ -264,6 +264,9 @@ mod tests {
     #[test]
     fn zero3_groups_of_the_wrong_size_are_refused() {
         let err = zero3_pieces(&[7], &[vec![4], vec![3]]).unwrap_err();
-        assert!(err.contains("rank 1's fp32_flat_groups hold 3 elements"), "{err}");
+        assert!(
+            err.contains("rank 1's fp32_flat_groups hold 3 elements"),
+            "{err}"
+        );
     }
 }

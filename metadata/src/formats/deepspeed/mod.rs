@@ -191,10 +191,7 @@ pub async fn locate(
     }
     let tag_prefix = resolve(prefix, tag)?;
     let inner = list_dir(store, &tag_prefix).await?;
-    let has_model = inner
-        .files
-        .keys()
-        .any(|n| n.ends_with("_model_states.pt"));
+    let has_model = inner.files.keys().any(|n| n.ends_with("_model_states.pt"));
     Ok(has_model.then(|| (Some(tag.to_string()), inner)))
 }
 
@@ -463,7 +460,11 @@ pub async fn open_deepspeed(
     let mut ranks: Vec<(u32, OptimStates)> = Vec::with_capacity(world);
     for (name, _) in optims.values() {
         let f = file_of[name.as_str()];
-        let o: OptimStates = decode(&files[f as usize], "DeepSpeed optimizer states", states::optim_states)?;
+        let o: OptimStates = decode(
+            &files[f as usize],
+            "DeepSpeed optimizer states",
+            states::optim_states,
+        )?;
         ranks.push((f, o));
     }
     let bf16 = optims.values().any(|(_, b)| *b);
@@ -474,9 +475,8 @@ pub async fn open_deepspeed(
             // The bf16 optimizer records no stage: it partitions like ZeRO-1.
             None if bf16 => 1,
             None => {
-                return Err(files[*f as usize].error(
-                    "optimizer_state_dict has no zero_stage: not a ZeRO checkpoint",
-                ));
+                return Err(files[*f as usize]
+                    .error("optimizer_state_dict has no zero_stage: not a ZeRO checkpoint"));
             }
         },
     };
@@ -589,9 +589,9 @@ pub async fn open_deepspeed(
                 if *n == 0 {
                     continue;
                 }
-                let found = pieces.iter().find(|p| {
-                    p.rank == r && p.group == g && params[p.param].0 == *name
-                });
+                let found = pieces
+                    .iter()
+                    .find(|p| p.rank == r && p.group == g && params[p.param].0 == *name);
                 let ok = found.is_some_and(|p| p.end - p.start == *n && p.at == *start);
                 if !ok {
                     return Err(files[*f as usize].error(format!(
@@ -713,7 +713,11 @@ pub async fn open_deepspeed(
             let states = if f == 0 {
                 model.clone()
             } else {
-                decode(&files[f as usize], "DeepSpeed model states", states::model_states)?
+                decode(
+                    &files[f as usize],
+                    "DeepSpeed model states",
+                    states::model_states,
+                )?
             };
             out.push((f, states));
         }
@@ -725,7 +729,11 @@ pub async fn open_deepspeed(
         let n = numel(shape)?;
         let mut located = Vec::new();
         for (f, states) in &model_files {
-            let Some((_, t)) = states.frozen_param_fragments.iter().find(|(k, _)| k == name) else {
+            let Some((_, t)) = states
+                .frozen_param_fragments
+                .iter()
+                .find(|(k, _)| k == name)
+            else {
                 return Err(files[*f as usize].error(format!(
                     "tensor {name}: in frozen_param_shapes but not in frozen_param_fragments"
                 )));
@@ -783,7 +791,8 @@ pub async fn open_deepspeed(
         {
             continue;
         }
-        let plain = stage == 0 || (model.buffer_names.contains(name) && !b.index.contains_key(name));
+        let plain =
+            stage == 0 || (model.buffer_names.contains(name) && !b.index.contains_key(name));
         if plain {
             let tensor = b.add(name, t.dtype, t.size.clone())?;
             b.chunks.push(l.whole_chunk(tensor)?);
@@ -807,7 +816,10 @@ pub async fn open_deepspeed(
             .chunks
             .iter()
             .filter(|c| c.tensor == s)
-            .map(|c| SavedChunk { tensor: t, ..c.clone() })
+            .map(|c| SavedChunk {
+                tensor: t,
+                ..c.clone()
+            })
             .collect();
         b.chunks.extend(copies);
     }
@@ -862,9 +874,11 @@ pub async fn open_deepspeed(
         requests += file.requests;
         bytes_read += file.bytes_read;
     }
-    let Builder { tensors, chunks, .. } = b;
-    let meta = CheckpointMeta::new(tensors, chunks, objects, data_files)?
-        .with_identity(identity.finish());
+    let Builder {
+        tensors, chunks, ..
+    } = b;
+    let meta =
+        CheckpointMeta::new(tensors, chunks, objects, data_files)?.with_identity(identity.finish());
     validate(&meta)?;
     Ok(DeepSpeedCheckpoint {
         meta,

@@ -164,11 +164,7 @@ fn named_tensors(
     Ok(out)
 }
 
-fn named_shapes(
-    p: &Pickle,
-    value: &Value,
-    what: &str,
-) -> Result<Vec<(String, Vec<u64>)>, String> {
+fn named_shapes(p: &Pickle, value: &Value, what: &str) -> Result<Vec<(String, Vec<u64>)>, String> {
     let mut out = Vec::new();
     for (k, v) in dict(p, value, what)? {
         let name = string(p, k, &format!("a key of {what}"))?;
@@ -371,6 +367,53 @@ fn base_state(p: &Pickle, base: &Value, out: &mut OptimStates) -> Result<(), Str
                 .position(|&i| i == index)
                 .unwrap_or(index as usize);
             put(position, v, &format!("base_optimizer_state state[{index}]"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Reads a whole torch.save file held in memory the way the reader does (zip directory,
+/// `data.pkl`, model or optimizer states, every tensor's storage record present and long enough):
+/// the entry point of the fuzz target and the mutation tests. Never panics.
+pub fn parse_states_file(bytes: &[u8]) -> Result<(), String> {
+    use crate::formats::dcp::zip::{self, Segments};
+    let seg = Segments::whole(bytes::Bytes::copy_from_slice(bytes));
+    let dir = zip::read_directory(&seg).map_err(|e| e.to_string())?;
+    let Some(pkl) = dir
+        .entries
+        .iter()
+        .filter(|e| e.name.ends_with("/data.pkl") || e.name == "data.pkl")
+        .min_by_key(|e| e.name.len())
+    else {
+        return Err("no data.pkl".to_string());
+    };
+    let prefix = &pkl.name[..pkl.name.len() - "data.pkl".len()];
+    let data = zip::read_member(&seg, &dir, pkl).map_err(|e| e.to_string())?;
+    let p = load(data)?;
+    let tensors: Vec<PickledTensor> = if p
+        .dict(p.root())
+        .is_some_and(|d| get(d, "param_shapes").is_some())
+    {
+        let m = model_states(&p)?;
+        m.module
+            .into_iter()
+            .chain(m.frozen_param_fragments)
+            .map(|(_, t)| t)
+            .collect()
+    } else {
+        let o = optim_states(&p)?;
+        o.flat_groups
+            .into_iter()
+            .chain(o.moments.into_iter().flatten().map(|(_, t)| t))
+            .collect()
+    };
+    for t in tensors {
+        let Some(entry) = dir.find(&format!("{prefix}data/{}", t.key)) else {
+            return Err(format!("no record data/{}", t.key));
+        };
+        let range = zip::data_range(&seg, &dir, entry).map_err(|e| e.to_string())?;
+        if range.end - range.start != t.storage_bytes {
+            return Err(format!("record data/{} has the wrong size", t.key));
         }
     }
     Ok(())

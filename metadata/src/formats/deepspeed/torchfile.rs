@@ -143,7 +143,11 @@ pub async fn read(
         }
     }
     let Some(dir) = dir else {
-        return Err(file_error(&path, size, "its zip directory cannot be located"));
+        return Err(file_error(
+            &path,
+            size,
+            "its zip directory cannot be located",
+        ));
     };
     // `data.pkl` at the archive's top folder (torch names it `<archive>/data.pkl`).
     let Some(pkl) = dir
@@ -152,7 +156,11 @@ pub async fn read(
         .filter(|e| e.name.ends_with("/data.pkl") || e.name == "data.pkl")
         .min_by_key(|e| e.name.len())
     else {
-        return Err(file_error(&path, size, "no data.pkl member: not a torch.save file"));
+        return Err(file_error(
+            &path,
+            size,
+            "no data.pkl member: not a torch.save file",
+        ));
     };
     let prefix = pkl.name[..pkl.name.len() - "data.pkl".len()].to_string();
     if pkl.size > LIMITS.max_input as u64 {
@@ -227,7 +235,11 @@ pub async fn read(
         }
     }
     let Some(pkl_record) = pkl_record else {
-        return Err(file_error(&path, size, "data.pkl has no readable local header"));
+        return Err(file_error(
+            &path,
+            size,
+            "data.pkl has no readable local header",
+        ));
     };
     if let Some(order) = byteorder {
         let bytes = fetch(store, &path, order.range.clone()).await?;
