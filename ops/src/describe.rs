@@ -70,6 +70,39 @@ pub async fn describe(location: &str, storage_options: &StorageOptions) -> Resul
             });
             doc["objects"] = objects_json(store.as_ref(), &checkpoint).await?;
         }
+        FormatDetails::DeepSpeed(ds) => {
+            doc["deepspeed"] = json!({
+                "tag": ds.tag,
+                "zero_stage": ds.zero_stage,
+                "dp_world_size": ds.dp_world_size,
+                "ds_version": ds.ds_version,
+                "requests": ds.requests,
+                "bytes_read": ds.bytes_read,
+            });
+            // Entries of a pickle have no byte range of their own: each object points at the
+            // pickle holding it, and its value is the one the reader decoded.
+            doc["objects"] = json!(
+                checkpoint
+                    .meta
+                    .objects()
+                    .iter()
+                    .zip(&ds.objects)
+                    .map(|(object, (_, value))| {
+                        let mut entry = json!({
+                            "key": object.key,
+                            "file": checkpoint.meta.files()[object.file as usize].path,
+                            "byte_offset": object.offset,
+                            "byte_length": object.length,
+                        });
+                        match value {
+                            Some(value) => entry["value"] = value.clone(),
+                            None => entry["value_error"] = json!("not a simple Python value"),
+                        }
+                        entry
+                    })
+                    .collect::<Vec<_>>()
+            );
+        }
         FormatDetails::Safetensors(st) => {
             doc["safetensors"] = json!({
                 "layout": layout_name(st.layout),

@@ -77,6 +77,31 @@ pub async fn run(location: &str, as_json: bool, retry: &RetryPolicy) -> Result<S
             )?;
             writeln!(out, "{}", index_line(&dcp.stats))?;
         }
+        FormatDetails::DeepSpeed(ds) => {
+            writeln!(
+                out,
+                "checkpoint {location}: {}, step {step}, {}{} data-parallel ranks, read in place",
+                checkpoint
+                    .writer
+                    .as_ref()
+                    .map_or("DeepSpeed".to_string(), ToString::to_string),
+                ds.tag
+                    .as_ref()
+                    .map_or(String::new(), |t| format!("tag {t} (from latest), ")),
+                ds.dp_world_size
+            )?;
+            writeln!(
+                out,
+                "{} tensors, {} saved boxes, {} objects, {} data files, {} of tensors, {} read in {} requests at open",
+                meta.tensors().len(),
+                meta.chunks().len(),
+                meta.objects().len(),
+                meta.files().len(),
+                human::bytes(meta.tensor_bytes()),
+                human::bytes(ds.bytes_read),
+                ds.requests
+            )?;
+        }
         FormatDetails::Safetensors(st) => {
             writeln!(
                 out,

@@ -856,6 +856,12 @@ fn report_text(
                 "format               safetensors, read in place without verification (safetensors records no checksums)"
             );
         }
+        Format::DeepSpeed => {
+            let _ = writeln!(
+                out,
+                "format               DeepSpeed ZeRO, read in place without verification (partial reads of torch.save records have no checksum)"
+            );
+        }
     }
     if let Some(index) = &checkpoint.index {
         let line = match index.source {

@@ -4,11 +4,13 @@
 //! PyTorch DCP: the structure (metadata, every blob's zip directory and `data.pkl`, byte ranges)
 //! and the zip CRC-32 of every tensor storage and object blob. safetensors: headers, byte ranges
 //! (no overlap, no hole, inside the file); the format records no checksums of the data.
+//! DeepSpeed: the torch.save files' structure and layout, and the zip CRC-32 of every record.
 
 use std::fmt::Write;
 
 use anyhow::{Context, Result, bail};
 use tessera_metadata::formats::dcp::verify_dcp;
+use tessera_metadata::formats::deepspeed::verify_deepspeed;
 use tessera_metadata::formats::list_dir;
 use tessera_metadata::formats::native::{self, verify_checkpoint};
 use tessera_metadata::{FormatDetails, open_any};
@@ -109,6 +111,34 @@ pub async fn check(location: &str, strays: Strays, retry: &storage::RetryPolicy)
                  checksums: data bytes not verified)",
                 st.files.len(),
                 opened.meta.tensors().len()
+            )?;
+        }
+        FormatDetails::DeepSpeed(ds) => {
+            let report = verify_deepspeed(
+                loc.store.as_ref(),
+                &opened.root,
+                &opened.meta,
+                ds,
+                CONCURRENCY,
+            )
+            .await?;
+            for bad in &report.bad {
+                writeln!(
+                    out,
+                    "bad record in {} bytes {}..{} ({}): {}",
+                    bad.file, bad.start, bad.end, bad.entry, bad.detail
+                )?;
+            }
+            if !report.is_ok() {
+                bail!("{out}{location}: verification failed");
+            }
+            writeln!(
+                out,
+                "{location}: ok, DeepSpeed ZeRO: {} torch.save files parse and their layout is consistent; \
+                 {} records (storages and pickles) match their zip CRC-32, {} checked",
+                opened.meta.files().len(),
+                report.records_checked,
+                human::bytes(report.bytes_checked)
             )?;
         }
         FormatDetails::Native { .. } => return verify_native(location, &loc, strays).await,

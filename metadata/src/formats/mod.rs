@@ -3,6 +3,7 @@
 //! the location tells them apart ([`open_any`]); every format ends as the same [`CheckpointMeta`].
 
 pub mod dcp;
+pub mod deepspeed;
 pub mod native;
 pub mod safetensors;
 
@@ -31,15 +32,19 @@ pub enum Format {
     Dcp,
     /// safetensors files.
     Safetensors,
+    /// DeepSpeed ZeRO checkpoints (`latest`, `global_stepN/*_states.pt`).
+    #[serde(rename = "deepspeed")]
+    DeepSpeed,
 }
 
 impl Format {
-    /// Lower-case name: `native`, `dcp`, `safetensors`.
+    /// Lower-case name: `native`, `dcp`, `safetensors`, `deepspeed`.
     pub fn name(self) -> &'static str {
         match self {
             Format::Native => "native",
             Format::Dcp => "dcp",
             Format::Safetensors => "safetensors",
+            Format::DeepSpeed => "deepspeed",
         }
     }
 }
@@ -111,6 +116,8 @@ pub enum FormatDetails {
     Dcp(Box<DcpDetails>),
     /// safetensors.
     Safetensors(Box<SafetensorsDetails>),
+    /// DeepSpeed ZeRO.
+    DeepSpeed(Box<deepspeed::DeepSpeedDetails>),
 }
 
 /// The software that wrote a checkpoint, as far as its files tell: `PyTorch DCP`,
@@ -188,6 +195,14 @@ impl OpenedCheckpoint {
         }
     }
 
+    /// The DeepSpeed details, for DeepSpeed checkpoints.
+    pub fn deepspeed(&self) -> Option<&deepspeed::DeepSpeedDetails> {
+        match &self.details {
+            FormatDetails::DeepSpeed(ds) => Some(ds),
+            _ => None,
+        }
+    }
+
     /// The safetensors details, for safetensors checkpoints.
     pub fn safetensors(&self) -> Option<&SafetensorsDetails> {
         match &self.details {
@@ -223,7 +238,9 @@ pub fn step_from_name(name: &str) -> Option<u64> {
 ///   native reader, with its errors ([`MetadataError::MissingManifest`] for an incomplete save);
 /// - `.metadata` (or per-rank `__<r>.metadata`): [`dcp::open_dcp`];
 /// - `model.safetensors.index.json`, `*.safetensors`, or a `sharded/` folder: [`safetensors::open_safetensors`];
-/// - a location that is itself a `.safetensors` file: that file.
+/// - a location that is itself a `.safetensors` file: that file;
+/// - `*_model_states.pt` + `*_optim_states.pt`, or a `latest` naming a directory of them:
+///   [`deepspeed::open_deepspeed`].
 ///
 /// Anything else is [`MetadataError::Unsupported`], naming the location.
 pub async fn open_any(
@@ -282,6 +299,26 @@ pub async fn open_any(
         let opened = safetensors::open_safetensors(store, &root, &single, Some(name)).await?;
         let step = root.filename().and_then(step_from_name);
         return Ok(safetensors_opened(root, step, opened));
+    }
+    // DeepSpeed: a tag directory, or a save directory whose `latest` names one.
+    if let Some((tag, inner)) = deepspeed::locate(store, prefix, &listing).await? {
+        let step = tag.as_deref().and_then(step_from_name).or(step);
+        let opened = deepspeed::open_deepspeed(store, prefix, tag, &inner).await?;
+        let details = opened.details;
+        return Ok(OpenedCheckpoint {
+            format: Format::DeepSpeed,
+            root: prefix.clone(),
+            meta: opened.meta,
+            step,
+            committed: true,
+            has_data: true,
+            block_checksums: None,
+            writer: Some(Writer::new(
+                format!("DeepSpeed ZeRO-{}", details.zero_stage),
+                details.ds_version.clone(),
+            )),
+            details: FormatDetails::DeepSpeed(Box::new(details)),
+        });
     }
     if listing.files.keys().any(|n| n.ends_with(".distcp")) {
         return Err(MetadataError::Unsupported {

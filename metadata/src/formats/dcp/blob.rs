@@ -172,6 +172,46 @@ fn parse_safetensors_blob(seg: &Segments) -> Result<TensorBlob, ZipError> {
     })
 }
 
+/// A tensor inside a pickle (a `torch.save` of a dict, say), as `_rebuild_tensor_v2(...)` and
+/// friends would have built it: other readers of torch.save files (DeepSpeed's `*.pt`) locate its
+/// bytes through the storage record `data/<key>` of the same archive.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PickledTensor {
+    /// Key of the storage record (`data/<key>` in the archive).
+    pub key: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Bytes of the storage the record must hold.
+    pub storage_bytes: u64,
+    /// Offset of the tensor's first element in its storage, in elements.
+    pub storage_offset: u64,
+    /// Shape.
+    pub size: Vec<u64>,
+    /// Element strides.
+    pub stride: Vec<u64>,
+}
+
+/// The tensor `value` of pickle `p` rebuilds (an error saying what it is instead).
+pub fn pickled_tensor(p: &Pickle, value: &Value) -> Result<PickledTensor, String> {
+    let rebuilt = rebuild(p, value, 0)?;
+    let storage_bytes = if rebuilt.untyped {
+        rebuilt.storage_numel
+    } else {
+        rebuilt
+            .storage_numel
+            .checked_mul(rebuilt.dtype.size())
+            .ok_or("storage size overflows")?
+    };
+    Ok(PickledTensor {
+        key: rebuilt.key,
+        dtype: rebuilt.dtype,
+        storage_bytes,
+        storage_offset: rebuilt.storage_offset,
+        size: rebuilt.size,
+        stride: rebuilt.stride,
+    })
+}
+
 /// What `_rebuild_tensor_v2(...)` and friends would have built.
 struct Rebuilt {
     key: String,

@@ -47,10 +47,10 @@ use crate::{
     TensorMeta, row_major_strides, validate,
 };
 
-pub use blob::TensorBlob;
+pub use blob::{PickledTensor, TensorBlob, pickled_tensor};
 pub use index::{HEAD_BYTES, IndexCache, IndexSource, IndexStats, TAIL_BYTES};
 pub use metadata::{DcpChunk, DcpMetadata, DcpObject, DcpTensor, StorageInfo, parse_metadata};
-pub use object::{decode_object, decode_pickle};
+pub use object::{decode_object, decode_pickle, value_to_json};
 pub use verify::{BadBlob, DcpVerifyReport, verify_dcp};
 
 /// Name of the global metadata file.

@@ -50,6 +50,13 @@ pub fn decode_pickle(bytes: &[u8]) -> Result<Json, MetadataError> {
     to_json(&pickle, pickle.root(), 0, &mut nodes).map_err(fail)
 }
 
+/// One value inside an executed pickle as JSON, by the rules of [`decode_object`] (an error
+/// naming what has no JSON form).
+pub fn value_to_json(p: &Pickle, value: &Value) -> Result<Json, String> {
+    let mut nodes = 0usize;
+    to_json(p, value, 0, &mut nodes)
+}
+
 fn to_json(p: &Pickle, value: &Value, depth: usize, nodes: &mut usize) -> Result<Json, String> {
     *nodes += 1;
     if *nodes > MAX_NODES {
