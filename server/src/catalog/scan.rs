@@ -16,7 +16,7 @@ use object_store::{ListResult, ObjectStore};
 use tessera_metadata::formats::native::{
     LATEST_FILE, read_latest, read_manifest_identified, step_from_dir_name,
 };
-use tessera_metadata::formats::{Listing, dcp, safetensors, step_from_name};
+use tessera_metadata::formats::{Listing, dcp, deepspeed, safetensors, step_from_name};
 use tessera_metadata::{Format, MetadataError};
 
 use super::facts::CheckpointFacts;
@@ -337,6 +337,8 @@ async fn foreign_entry(
         Format::Dcp
     } else if safetensors::is_safetensors(&names) {
         Format::Safetensors
+    } else if deepspeed::is_deepspeed(&names) {
+        Format::DeepSpeed
     } else {
         return Ok(None);
     };
