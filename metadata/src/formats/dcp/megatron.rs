@@ -320,7 +320,7 @@ impl Reformulation {
 /// The reformulation of every tensor of `metadata` that `mcore_data` gives an original shape
 /// (`None` for the others), every chunk checked against the rule. Errors name `path` (the
 /// `.metadata`), the tensor and the chunk.
-pub(super) fn reformulations(
+pub fn reformulations(
     metadata: &DcpMetadata,
     path: &str,
 ) -> Result<Vec<Option<Reformulation>>, MetadataError> {
