@@ -52,7 +52,10 @@ fn expected_shas(dir: &Path) -> HashMap<String, (Vec<u64>, String)> {
         .iter()
         .map(|(k, e)| {
             let shape: Vec<u64> = serde_json::from_value(e["shape"].clone()).unwrap();
-            (k.clone(), (shape, e["sha256"].as_str().unwrap().to_string()))
+            (
+                k.clone(),
+                (shape, e["sha256"].as_str().unwrap().to_string()),
+            )
         })
         .collect()
 }
@@ -75,7 +78,10 @@ fn loads_every_reference(name: &str) {
     let dir = fixture(name);
     let references = megatron_references(&dir);
     assert_eq!(
-        references.iter().map(|(l, _)| l.as_str()).collect::<Vec<_>>(),
+        references
+            .iter()
+            .map(|(l, _)| l.as_str())
+            .collect::<Vec<_>>(),
         ["tp4", "w1_full", "w2x2_s0s1", "w3_shard0"],
         "{name}: the references this test knows"
     );
@@ -111,10 +117,8 @@ fn megatron_0_19_loads_like_torch_raw_dcp_too() {
 #[test]
 fn megatron_0_15_raw_dcp_reference_differs_exactly_in_the_reformulated_tensors() {
     let dir = fixture(FLAT_015);
-    let doc: Value = serde_json::from_slice(
-        &ok(["inspect", s(&dir.join("ckpt")), "--json"]).stdout,
-    )
-    .unwrap();
+    let doc: Value =
+        serde_json::from_slice(&ok(["inspect", s(&dir.join("ckpt")), "--json"]).stdout).unwrap();
     let reformulated: BTreeSet<String> =
         serde_json::from_value(doc["megatron"]["reformulated"].clone()).unwrap();
     let ours: HashMap<String, Value> = doc["tensors"]
@@ -175,7 +179,8 @@ fn inspect_says_megatron_and_decodes_the_common_state() {
         let ckpt = fixture(name).join("ckpt");
         let text = ok(["inspect", s(&ckpt)]).text();
         assert!(text.contains(&format!("written by {writer}")), "{text}");
-        let doc: Value = serde_json::from_slice(&ok(["inspect", s(&ckpt), "--json"]).stdout).unwrap();
+        let doc: Value =
+            serde_json::from_slice(&ok(["inspect", s(&ckpt), "--json"]).stdout).unwrap();
         assert_eq!(doc["writer"], writer);
         let objects_json = doc["objects"].as_array().unwrap();
         assert_eq!(objects_json.len(), objects, "{name}");
@@ -192,7 +197,10 @@ fn inspect_says_megatron_and_decodes_the_common_state() {
             .iter()
             .find(|o| o["key"].as_str().unwrap().starts_with("rng_state/"))
             .unwrap();
-        assert!(rng["value_error"].as_str().unwrap().contains("tensor"), "{rng}");
+        assert!(
+            rng["value_error"].as_str().unwrap().contains("tensor"),
+            "{rng}"
+        );
         assert!(rng["byte_length"].as_u64().unwrap() > 0);
     }
 }
@@ -208,14 +216,14 @@ fn verify_checks_the_megatron_blobs_and_common_pt() {
     std::fs::create_dir_all(&copy).unwrap();
     for entry in std::fs::read_dir(&ckpt).unwrap() {
         let entry = entry.unwrap();
-        std::fs::write(copy.join(entry.file_name()), std::fs::read(entry.path()).unwrap())
-            .unwrap();
+        std::fs::write(
+            copy.join(entry.file_name()),
+            std::fs::read(entry.path()).unwrap(),
+        )
+        .unwrap();
     }
     let mut common = std::fs::read(copy.join("common.pt")).unwrap();
-    let at = common
-        .windows(9)
-        .position(|w| w == b"iteration")
-        .unwrap();
+    let at = common.windows(9).position(|w| w == b"iteration").unwrap();
     common[at] ^= 0x20;
     std::fs::write(copy.join("common.pt"), common).unwrap();
     let run = support::run_in(None, ["verify", s(&copy)]);
@@ -279,7 +287,8 @@ fn megatron_converts_to_native_and_loads_back_like_megatron() {
         ]);
         assert!(ok(["verify", s(&out)]).text().contains(": ok"));
         // The objects (common.pt included) ride along as their torch.save blobs.
-        let doc: Value = serde_json::from_slice(&ok(["inspect", s(&out), "--json"]).stdout).unwrap();
+        let doc: Value =
+            serde_json::from_slice(&ok(["inspect", s(&out), "--json"]).stdout).unwrap();
         assert_eq!(doc["manifest"]["objects"], 9, "{name}");
         for layout in ["w3_shard0", "w2x2_s0s1"] {
             load_like_megatron(

@@ -32,16 +32,13 @@ fn metadata() -> &'static Vec<u8> {
 /// Where `mcore_data` starts in the pickle: mutations there hit Megatron's part.
 fn mcore_start() -> usize {
     let bytes = metadata();
-    bytes
-        .windows(10)
-        .position(|w| w == b"mcore_data")
-        .unwrap()
+    bytes.windows(10).position(|w| w == b"mcore_data").unwrap()
 }
 
 const INTERESTING: &[u8] = &[
-    b'(', b'.', b'0', b'2', b'J', b'K', b'M', b'N', b'R', b'X', b'a', b'b', b'e', b'h', b'q',
-    b'r', b's', b't', b'u', b')', b']', b'}', 0x81, 0x85, 0x86, 0x87, 0x88, 0x89, 0x8c, 0x93,
-    0x94, 0x95, 0xff, 0x00,
+    b'(', b'.', b'0', b'2', b'J', b'K', b'M', b'N', b'R', b'X', b'a', b'b', b'e', b'h', b'q', b'r',
+    b's', b't', b'u', b')', b']', b'}', 0x81, 0x85, 0x86, 0x87, 0x88, 0x89, 0x8c, 0x93, 0x94, 0x95,
+    0xff, 0x00,
 ];
 
 #[derive(Clone, Debug)]
@@ -136,8 +133,8 @@ proptest! {
             prop_assert_eq!(&r.shape, &orig);
             if let Ok((parent, start, end)) = r.chunk(&offsets, &sizes) {
                 prop_assert!(start <= end && end <= parent.numel());
-                for d in 0..orig.len() {
-                    prop_assert!(parent.end(d) <= orig[d]);
+                for (d, &g) in orig.iter().enumerate() {
+                    prop_assert!(parent.end(d) <= g);
                 }
             }
         }

@@ -94,7 +94,10 @@ pub(super) fn read_pickle(
             let state = p
                 .instance(plan)
                 .and_then(|i| i.state.as_ref())
-                .and_then(|s| p.dict(s).or_else(|| p.sequence(s)?.first().and_then(|d| p.dict(d))));
+                .and_then(|s| {
+                    p.dict(s)
+                        .or_else(|| p.sequence(s)?.first().and_then(|d| p.dict(d)))
+                });
             if let Some(data) = state.and_then(|s| field(s, "mcore_data"))
                 && *data != Value::None
             {
@@ -385,7 +388,9 @@ pub fn parse_config(bytes: &[u8], path: &str) -> Result<Option<MegatronConfig>, 
     };
     Ok(Some(MegatronConfig {
         sharded_backend: backend.to_string(),
-        sharded_backend_version: value.get("sharded_backend_version").and_then(|v| v.as_i64()),
+        sharded_backend_version: value
+            .get("sharded_backend_version")
+            .and_then(|v| v.as_i64()),
         common_backend: value
             .get("common_backend")
             .and_then(|v| v.as_str())
@@ -522,6 +527,7 @@ impl MegatronDetails {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -558,9 +564,21 @@ mod tests {
             assert!(e.contains("is not the reformulation"), "{e}");
         }
         let r = Reformulation::new(&[2, 1, 3072], &[96, 64]).unwrap();
-        assert!(r.chunk(&[0, 0, 1536], &[1, 1, 1537]).unwrap_err().contains("1536..3073"));
-        assert!(r.chunk(&[0, 0, 0], &[2, 1, 10]).unwrap_err().contains("dim 0"));
-        assert!(r.chunk(&[2, 0, 0], &[1, 1, 10]).unwrap_err().contains("dim 0"));
+        assert!(
+            r.chunk(&[0, 0, 1536], &[1, 1, 1537])
+                .unwrap_err()
+                .contains("1536..3073")
+        );
+        assert!(
+            r.chunk(&[0, 0, 0], &[2, 1, 10])
+                .unwrap_err()
+                .contains("dim 0")
+        );
+        assert!(
+            r.chunk(&[2, 0, 0], &[1, 1, 10])
+                .unwrap_err()
+                .contains("dim 0")
+        );
         assert!(r.chunk(&[0, 0], &[1, 10]).unwrap_err().contains("dims"));
         assert!(r.chunk(&[0, 0, u64::MAX], &[1, 1, 2]).is_err());
     }

@@ -224,7 +224,7 @@ impl<'a> Reader<'a> {
                 Ok(pairs)
             }
             _ => self.err(format!(
-                "the pickled object is a {}, not a Metadata (nor a class with its state_dict_metadata and storage_data)",
+                "the pickled object is a {}, not a Metadata",
                 match p.class_of(root) {
                     Some((_, name)) => name.to_string(),
                     None => p.describe(root),

@@ -464,13 +464,7 @@ pub async fn open_dcp(
                     let (parent, start, end) =
                         r.chunk(&chunk.offsets, &chunk.sizes).map_err(&bad)?;
                     chunks.extend(flat_range_chunks(
-                        t as u32,
-                        &parent,
-                        start,
-                        end,
-                        *file,
-                        offset,
-                        esize,
+                        t as u32, &parent, start, end, *file, offset, esize,
                     ));
                 }
             }
@@ -528,9 +522,7 @@ async fn read_megatron_config(
         .bytes()
         .await
         .map_err(store_error("reading", &path))?;
-    identity
-        .part(megatron::CONFIG_FILE.as_bytes())
-        .part(&bytes);
+    identity.part(megatron::CONFIG_FILE.as_bytes()).part(&bytes);
     megatron::parse_config(&bytes, path.as_ref())
 }
 
