@@ -68,6 +68,9 @@ pub async fn describe(location: &str, storage_options: &StorageOptions) -> Resul
                 "save_id": dcp.metadata.save_id,
                 "index": dcp.stats,
             });
+            if let Some(megatron) = &dcp.megatron {
+                doc["megatron"] = json!(megatron);
+            }
             doc["objects"] = objects_json(store.as_ref(), &checkpoint).await?;
         }
         FormatDetails::DeepSpeed(ds) => {

@@ -3,7 +3,7 @@
 use std::fmt::Write;
 
 use anyhow::Result;
-use tessera_metadata::formats::dcp::{IndexSource, IndexStats};
+use tessera_metadata::formats::dcp::{IndexSource, IndexStats, MegatronDetails};
 use tessera_metadata::formats::native::DataPresence;
 use tessera_metadata::{CheckpointMeta, FormatDetails};
 use tessera_ops::describe::{describe, layout_name};
@@ -76,6 +76,9 @@ pub async fn run(location: &str, as_json: bool, retry: &RetryPolicy) -> Result<S
                 human::bytes(dcp.stats.metadata_bytes)
             )?;
             writeln!(out, "{}", index_line(&dcp.stats))?;
+            if let Some(megatron) = &dcp.megatron {
+                writeln!(out, "{}", megatron_line(megatron))?;
+            }
         }
         FormatDetails::DeepSpeed(ds) => {
             writeln!(
@@ -122,6 +125,22 @@ pub async fn run(location: &str, as_json: bool, retry: &RetryPolicy) -> Result<S
     out.push('\n');
     out.push_str(&tensor_table(meta));
     Ok(out)
+}
+
+/// `written by Megatron-Core torch_dist (version …); N tensors stored reformulated
+/// (flattened_range), shown in their original shapes; common state in …`.
+fn megatron_line(megatron: &MegatronDetails) -> String {
+    let mut line = format!("written by {}", megatron.writer());
+    if !megatron.reformulated.is_empty() {
+        line.push_str(&format!(
+            "; {} tensors stored reformulated (flattened_range), shown in their original shapes",
+            megatron.reformulated.len()
+        ));
+    }
+    if let Some(common) = &megatron.common_state {
+        line.push_str(&format!("; common state in {common}"));
+    }
+    line
 }
 
 /// Widest the FQN column gets: longer names are printed whole and push their own row's other

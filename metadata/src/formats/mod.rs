@@ -275,10 +275,7 @@ pub async fn open_any(
             committed: true,
             has_data: true,
             block_checksums: None,
-            writer: Some(Writer::new(
-                "PyTorch DCP",
-                opened.details.metadata.version.clone(),
-            )),
+            writer: Some(opened.details.writer()),
             details: FormatDetails::Dcp(Box::new(opened.details)),
         });
     }

@@ -1,6 +1,8 @@
 //! The DCP `.metadata` pickle read into plain structs: what [`super::pickle`] executed, given the
 //! meaning torch 2.1–2.15 (and Megatron-Core) give it. Classes are matched by name, not module
-//! (`TensorProperties` moved between modules in 2.3); unknown keys and classes are ignored.
+//! (`TensorProperties` moved between modules in 2.3); unknown keys and classes are ignored. The
+//! root may be a `Metadata` subclass with extra fields (matched by its fields); what
+//! Megatron-Core adds is read by [`super::megatron::read_pickle`].
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
@@ -72,6 +74,11 @@ pub struct DcpMetadata {
     pub planner_data: BTreeMap<String, Vec<serde_json::Value>>,
     /// Objects the VM created (a size measure).
     pub pickle_objects: usize,
+    /// `module.qualname` of the pickled root: `torch.distributed.checkpoint.metadata.Metadata`,
+    /// or a subclass that adds fields (Megatron-Core 0.15's `MCoreMetadata`).
+    pub class: Option<String>,
+    /// What Megatron-Core added to the pickle (`mcore_data`, `all_local_plans`), when present.
+    pub mcore: Option<super::megatron::McorePickle>,
 }
 
 /// Parses the `.metadata` pickle at `path` (for messages).
@@ -199,9 +206,36 @@ impl<'a> Reader<'a> {
         items.iter().map(|v| self.uint(v, &what)).collect()
     }
 
+    /// The state of the root: a `Metadata`, or an instance of any class whose state has
+    /// `Metadata`'s fields (a subclass adding its own, like Megatron-Core 0.15's
+    /// `MCoreMetadata`): matched by fields, since a subclass may have any name.
+    fn root_state(&self) -> Result<Pairs<'a>, MetadataError> {
+        let p = self.p;
+        let root = p.root();
+        if matches!(p.class_of(root), Some((_, "Metadata"))) {
+            return self.state(root, "Metadata", "the pickled object");
+        }
+        let state = p.instance(root).and_then(|i| i.state.as_ref());
+        match state.and_then(|s| p.dict(s)) {
+            Some(pairs)
+                if Self::field(pairs, "state_dict_metadata").is_some()
+                    && Self::field(pairs, "storage_data").is_some() =>
+            {
+                Ok(pairs)
+            }
+            _ => self.err(format!(
+                "the pickled object is a {}, not a Metadata",
+                match p.class_of(root) {
+                    Some((_, name)) => name.to_string(),
+                    None => p.describe(root),
+                }
+            )),
+        }
+    }
+
     fn metadata(&self) -> Result<DcpMetadata, MetadataError> {
         let p = self.p;
-        let root = self.state(p.root(), "Metadata", "the pickled object")?;
+        let root = self.root_state()?;
         let storage = self.storage_data(self.required(root, "storage_data", "Metadata")?)?;
         let sdm = self.required(root, "state_dict_metadata", "Metadata")?;
         let Some(entries) = p.dict(sdm) else {
@@ -209,6 +243,10 @@ impl<'a> Reader<'a> {
         };
         let mut out = DcpMetadata {
             pickle_objects: p.num_objects(),
+            class: p
+                .class_of(p.root())
+                .map(|(module, name)| format!("{module}.{name}")),
+            mcore: super::megatron::read_pickle(p, root, self.path)?,
             ..DcpMetadata::default()
         };
         let mut seen: HashSet<String> = HashSet::with_capacity(entries.len());

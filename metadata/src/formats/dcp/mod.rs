@@ -25,6 +25,7 @@
 
 pub mod blob;
 mod index;
+pub mod megatron;
 pub mod metadata;
 mod object;
 pub mod pickle;
@@ -40,15 +41,16 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 
 use crate::formats::native::{resolve, store_error};
-use crate::formats::{Format, Listing};
+use crate::formats::{Format, Listing, Writer};
 use crate::identity::IdentityHasher;
 use crate::{
     ByteMeta, CheckpointMeta, DataFile, MetadataError, ObjectMeta, SavedChunk, TensorBox,
-    TensorMeta, row_major_strides, validate,
+    TensorMeta, flat_range_chunks, row_major_strides, validate,
 };
 
 pub use blob::{PickledTensor, TensorBlob, pickled_tensor};
 pub use index::{HEAD_BYTES, IndexCache, IndexSource, IndexStats, TAIL_BYTES};
+pub use megatron::{MegatronConfig, MegatronDetails, Reformulation};
 pub use metadata::{DcpChunk, DcpMetadata, DcpObject, DcpTensor, StorageInfo, parse_metadata};
 pub use object::{decode_object, decode_pickle, value_to_json};
 pub use verify::{BadBlob, DcpVerifyReport, verify_dcp};
@@ -113,12 +115,27 @@ pub struct DcpCheckpoint {
 pub struct DcpDetails {
     /// What `.metadata` says.
     pub metadata: DcpMetadata,
-    /// Every tensor chunk's blob, in [`CheckpointMeta::chunks`] order.
+    /// Every stored tensor chunk's blob, in `.metadata` order: one per [`CheckpointMeta::chunks`]
+    /// entry, except that a Megatron reformulated chunk is several there (the boxes tiling its
+    /// flat range).
     pub blobs: Vec<ChunkBlob>,
     /// How the blob index was obtained.
     pub stats: IndexStats,
     /// The metadata file(s) read: `.metadata`, or the per-rank `__<r>.metadata` files.
     pub metadata_files: Vec<String>,
+    /// What Megatron-Core added, when it wrote the checkpoint (torch_dist backend).
+    pub megatron: Option<MegatronDetails>,
+}
+
+impl DcpDetails {
+    /// Who wrote the checkpoint: Megatron-Core torch_dist (with what the files tell of its
+    /// version), or PyTorch DCP with its metadata version.
+    pub fn writer(&self) -> Writer {
+        match &self.megatron {
+            Some(megatron) => megatron.writer(),
+            None => Writer::new("PyTorch DCP", self.metadata.version.clone()),
+        }
+    }
 }
 
 /// True when `listing` looks like a DCP directory (a `.metadata`, or per-rank metadata files).
@@ -197,6 +214,15 @@ pub async fn open_dcp(
         parts.push(parse_metadata(&bytes, path.as_ref(), &options.limits)?);
     }
     let metadata = merge(parts, prefix)?;
+    let metadata_path = resolve(prefix, &names[0])?.to_string();
+    let reformulations = megatron::reformulations(&metadata, &metadata_path)?;
+    let config = read_megatron_config(store, prefix, listing, &mut identity).await?;
+    let megatron = MegatronDetails::detect(listing, config, &metadata, &reformulations);
+    // Megatron ≤0.18 keeps the common state in common.pt next to the DCP files.
+    let common_file = megatron
+        .as_ref()
+        .and_then(|m| m.common_state.as_deref())
+        .filter(|c| *c == megatron::COMMON_FILE);
 
     // Data files: sizes from the listing (or a HEAD for files in subdirectories).
     let mut file_names: BTreeSet<&str> = BTreeSet::new();
@@ -207,6 +233,9 @@ pub async fn open_dcp(
     }
     for object in &metadata.objects {
         file_names.insert(&object.storage.relative_path);
+    }
+    if let Some(common) = common_file {
+        file_names.insert(common);
     }
     let mut files = Vec::with_capacity(file_names.len());
     let mut file_index: HashMap<&str, u32> = HashMap::with_capacity(file_names.len());
@@ -297,6 +326,16 @@ pub async fn open_dcp(
             crc32c: None,
         });
     }
+    if let Some(common) = common_file {
+        let file = file_index[common];
+        objects.push(ObjectMeta {
+            key: common.to_string(),
+            file,
+            offset: 0,
+            length: files[file as usize].size.unwrap_or(0),
+            crc32c: None,
+        });
+    }
 
     // The index: memory, disk, or built.
     let key = format!(
@@ -350,10 +389,11 @@ pub async fn open_dcp(
     let mut blobs = Vec::with_capacity(refs.len());
     let mut k = 0usize;
     for (t, tensor) in metadata.tensors.iter().enumerate() {
+        let reformulation = reformulations.get(t).and_then(Option::as_ref);
         tensors.push(TensorMeta::new(
             tensor.fqn.clone(),
             tensor.dtype,
-            tensor.shape.clone(),
+            reformulation.map_or_else(|| tensor.shape.clone(), |r| r.shape.clone()),
         ));
         for chunk in &tensor.chunks {
             let (file, blob_ref) = &refs[k];
@@ -401,17 +441,33 @@ pub async fn open_dcp(
                 .checked_add(blob.data_offset)
                 .and_then(|o| o.checked_add(blob.storage_offset.checked_mul(esize)?))
                 .ok_or_else(|| bad("storage offset overflows".to_string()))?;
-            chunks.push(SavedChunk {
-                tensor: t as u32,
-                region: TensorBox::new(chunk.offsets.clone(), chunk.sizes.clone()),
-                bytes: ByteMeta {
-                    file: *file,
-                    offset,
-                    length: span,
-                    strides,
-                },
-                crc32c: None,
-            });
+            match reformulation {
+                None => chunks.push(SavedChunk {
+                    tensor: t as u32,
+                    region: TensorBox::new(chunk.offsets.clone(), chunk.sizes.clone()),
+                    bytes: ByteMeta {
+                        file: *file,
+                        offset,
+                        length: span,
+                        strides,
+                    },
+                    crc32c: None,
+                }),
+                Some(r) => {
+                    // A flat range of one TP-local box: its elements lie back to back.
+                    if strides.is_some() {
+                        return Err(bad(format!(
+                            "a Megatron flattened chunk stored with strides {:?}, not contiguous",
+                            blob.stride
+                        )));
+                    }
+                    let (parent, start, end) =
+                        r.chunk(&chunk.offsets, &chunk.sizes).map_err(&bad)?;
+                    chunks.extend(flat_range_chunks(
+                        t as u32, &parent, start, end, *file, offset, esize,
+                    ));
+                }
+            }
             blobs.push(ChunkBlob {
                 entry: blob_ref.entry.clone(),
                 file: *file,
@@ -432,8 +488,42 @@ pub async fn open_dcp(
             blobs,
             stats,
             metadata_files: names,
+            megatron,
         },
     })
+}
+
+/// Megatron's `metadata.json`, when the listing has one (capped at
+/// [`megatron::MAX_CONFIG_BYTES`]); its bytes become part of the checkpoint's identity.
+async fn read_megatron_config(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    listing: &Listing,
+    identity: &mut IdentityHasher,
+) -> Result<Option<MegatronConfig>, MetadataError> {
+    let Some(&size) = listing.files.get(megatron::CONFIG_FILE) else {
+        return Ok(None);
+    };
+    let path = resolve(prefix, megatron::CONFIG_FILE)?;
+    if size > megatron::MAX_CONFIG_BYTES {
+        return Err(MetadataError::Decode {
+            path: path.to_string(),
+            what: "Megatron-Core metadata.json",
+            detail: format!(
+                "{size} bytes exceed the {}-byte cap",
+                megatron::MAX_CONFIG_BYTES
+            ),
+        });
+    }
+    let bytes = store
+        .get(&path)
+        .await
+        .map_err(store_error("reading", &path))?
+        .bytes()
+        .await
+        .map_err(store_error("reading", &path))?;
+    identity.part(megatron::CONFIG_FILE.as_bytes()).part(&bytes);
+    megatron::parse_config(&bytes, path.as_ref())
 }
 
 /// The stored strides when they are not row-major over `sizes` (dims of extent 1 do not count:
@@ -485,6 +575,8 @@ fn merge(mut parts: Vec<DcpMetadata>, prefix: &Path) -> Result<DcpMetadata, Meta
         out.checkpoint_id = out.checkpoint_id.or(part.checkpoint_id);
         out.save_id = out.save_id.or(part.save_id);
         out.pickle_objects += part.pickle_objects;
+        out.class = out.class.or(part.class);
+        out.mcore = out.mcore.or(part.mcore);
         out.planner_data.extend(part.planner_data);
         for tensor in part.tensors {
             match tensors.get(&tensor.fqn) {
