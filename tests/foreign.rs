@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use support::reference::{Tensors, check_reference, json, sha256, tensors_of};
+use support::served::Served;
 use support::{fails, ok, s};
 
 /// The fixtures (`shared/fixtures/dcp` next to the workspace, or `$TESSERA_DCP_FIXTURES`).
@@ -443,68 +444,6 @@ fn plan_reads_each_dcp_byte_once() {
         .map(|f| f.as_str().unwrap())
         .collect();
     assert!(files.iter().all(|f| f.ends_with(".distcp")), "{files:?}");
-}
-
-/// Serves a catalog root from this process on an ephemeral loopback port; stops on drop.
-struct Served {
-    addr: std::net::SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Served {
-    fn start(root: &Path) -> Served {
-        let state =
-            tessera_server::AppState::new(tessera_server::ServerConfig::new(s(root))).unwrap();
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let thread = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Runtime::new().unwrap();
-            runtime.block_on(async move {
-                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-                tessera_server::serve(listener, state, async move {
-                    let _ = stopped.await;
-                })
-                .await
-                .unwrap();
-            });
-        });
-        Served {
-            addr,
-            stop: Some(stop),
-            thread: Some(thread),
-        }
-    }
-
-    fn get(&self, path: &str) -> Value {
-        use std::io::{Read, Write};
-        let mut stream = std::net::TcpStream::connect(self.addr).unwrap();
-        write!(
-            stream,
-            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut response = String::new();
-        stream.read_to_string(&mut response).unwrap();
-        let (head, body) = response.split_once("\r\n\r\n").unwrap();
-        assert!(head.starts_with("HTTP/1.1 200"), "{path}: {head}");
-        // Bodies may be chunked: take the JSON between the first '{' and the last '}'.
-        let json = &body[body.find('{').unwrap()..=body.rfind('}').unwrap()];
-        serde_json::from_str(json).unwrap()
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
 }
 
 #[test]

@@ -10,57 +10,16 @@ mod support;
 
 use std::path::{Path, PathBuf};
 
-use serde_json::{Value, json};
-use support::reference::{interop_fixtures, json, layout_from_reference, sha256, tensors_of};
+use serde_json::Value;
+use support::reference::{
+    check_reference_listed, interop_fixtures, json, sha256, tensors_of, write_layout_with_catch_all,
+};
 use support::{fails, ok, s};
 
 const LAYOUTS: [&str; 4] = ["w1_full", "w3_shard0", "w2_shard1", "w2x2_s0s1"];
 
 fn fixture() -> PathBuf {
     interop_fixtures().join("deepspeed_0.19.8_zero2_w2")
-}
-
-/// The reference's layout, plus a catch-all rule replicating what the reference does not list
-/// (optimizer moments, `module.` weights): tessera exposes more of the checkpoint than
-/// zero_to_fp32 does.
-fn write_layout(reference: &Value, path: &Path) -> String {
-    let mut layout = layout_from_reference(reference);
-    let dims = layout["mesh"].as_array().unwrap().len();
-    layout["rules"]
-        .as_array_mut()
-        .unwrap()
-        .push(json!({"match": "*", "placements": vec!["replicate"; dims]}));
-    std::fs::write(path, serde_json::to_vec_pretty(&layout).unwrap()).unwrap();
-    s(path).to_string()
-}
-
-/// Every rank's dump holds the reference's tensors with its local shape and sha256 (and more:
-/// the catch-all tensors, which the reference does not list).
-fn check_listed(dump: &Path, reference: &Value) {
-    let world = reference["world_size"].as_u64().unwrap();
-    let tensors = reference["tensors"].as_object().unwrap();
-    assert_eq!(tensors.len(), 8);
-    for rank in 0..world {
-        let got = tensors_of(&dump.join(format!("rank-{rank}.safetensors")));
-        for (fqn, tensor) in tensors {
-            let local = tensor["ranks"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|r| r["rank"] == rank)
-                .unwrap();
-            let (shape, bytes) = got
-                .get(fqn)
-                .unwrap_or_else(|| panic!("rank {rank} has no {fqn}"));
-            let want: Vec<u64> = serde_json::from_value(local["local_shape"].clone()).unwrap();
-            assert_eq!(shape, &want, "rank {rank} {fqn}: shape");
-            assert_eq!(
-                sha256(bytes),
-                local["sha256"].as_str().unwrap(),
-                "rank {rank} {fqn}: bytes differ from DeepSpeed's"
-            );
-        }
-    }
 }
 
 #[test]
@@ -91,7 +50,8 @@ fn every_layout_gives_every_rank_deepspeeds_bytes() {
     let tmp = tempfile::tempdir().unwrap();
     for layout in LAYOUTS {
         let reference = json(&dir.join(format!("reference_zero_to_fp32_out_{layout}.json")));
-        let layout_path = write_layout(&reference, &tmp.path().join(format!("{layout}.json")));
+        let layout_path =
+            write_layout_with_catch_all(&reference, &tmp.path().join(format!("{layout}.json")));
         let dump = tmp.path().join(layout);
         let report = ok([
             "load",
@@ -110,7 +70,7 @@ fn every_layout_gives_every_rank_deepspeeds_bytes() {
             report.contains("format               DeepSpeed ZeRO"),
             "{report}"
         );
-        check_listed(&dump, &reference);
+        check_reference_listed(&dump, &reference);
     }
 }
 
@@ -153,7 +113,7 @@ fn converts_to_safetensors_like_zero_to_fp32_and_to_native_and_back() {
 
     // Into native (sharded over 2 ranks), verified, and back out to safetensors.
     let reference = json(&dir.join("reference_zero_to_fp32_out_w2_shard1.json"));
-    let layout = write_layout(&reference, &tmp.path().join("w2.json"));
+    let layout = write_layout_with_catch_all(&reference, &tmp.path().join("w2.json"));
     let native = tmp.path().join("native/step-000001");
     ok([
         "convert",

@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 pub mod reference;
+pub mod served;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ffi::OsStr;
