@@ -148,7 +148,10 @@ fn save_mixed(tensors: Vec<TensorMeta>, files: u64, rng: &mut Rng) -> (Saved, us
                         }
                         let tiles =
                             flat_range_chunks(t, &parent, start, end, file as u32, offset, esize);
-                        assert!(tiles.len() <= (2 * tensor.shape.len()).max(2) - 1);
+                        assert!(
+                            tiles.len() < (2 * tensor.shape.len()).max(2),
+                            "at most 2·ndim − 1 tiles"
+                        );
                         chunks.extend(tiles);
                         flat_ranges += 1;
                     }
