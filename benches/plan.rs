@@ -5,6 +5,11 @@
 //! `--tp 4 --pp 4 --dp 8`. Reports metadata write/load time and size, whole-cluster plan time and
 //! peak memory, per-rank plan extraction, and the all-pairs intersection baseline measured in the
 //! same run. `TESSERA_BENCH_MODEL=llama3-8b` (with `TESSERA_BENCH_LAYERS=32`) runs a smaller case.
+//!
+//! `TESSERA_BENCH_OPTIMIZER` picks how the saved checkpoint holds its optimizer states, a comma
+//! separated list run one after the other: `zero1` (default: box-shaped DP shards, `--zero1`) and
+//! `flat` (Megatron's distributed optimizer, `synth --dist-optimizer-flat`: the layout without
+//! `--zero1`, each DP rank saving flat ranges of the TP-local boxes).
 #![allow(missing_docs, clippy::unwrap_used)]
 #![allow(unsafe_code)]
 
@@ -74,13 +79,27 @@ fn main() {
         return;
     }
     let model = bench_model("llama3-405b");
+    let variants = std::env::var("TESSERA_BENCH_OPTIMIZER").unwrap_or_else(|_| "zero1".to_string());
+    for variant in variants.split(',') {
+        let flat = match variant.trim() {
+            "zero1" => false,
+            "flat" => true,
+            other => panic!("TESSERA_BENCH_OPTIMIZER: unknown {other:?} (zero1, flat)"),
+        };
+        run(model, flat);
+    }
+}
+
+/// Saves the checkpoint (optimizer states box-shaped `--zero1`, or `flat` as Megatron's
+/// distributed optimizer) and plans it into the target layouts.
+fn run(model: tessera_synth::Model, flat: bool) {
     let layers = model.config().num_layers;
     let saved = MegatronGpt {
         tp: 8,
         pp: 16,
         dp: 64,
         num_layers: layers,
-        zero1: true,
+        zero1: !flat,
     };
     let targets = [
         MegatronGpt {
@@ -109,7 +128,14 @@ fn main() {
         display: "bench".to_string(),
     };
 
-    println!("model {model}: saved megatron tp8 pp16 dp64 zero1, metadata only");
+    println!(
+        "\n=== model {model}: saved megatron tp8 pp16 dp64 {}, metadata only",
+        if flat {
+            "with --dist-optimizer-flat (flat-range optimizer states)"
+        } else {
+            "zero1 (box-shaped optimizer states)"
+        }
+    );
     let started = Instant::now();
     let manifest = runtime
         .block_on(synthesize(
@@ -121,6 +147,7 @@ fn main() {
                 model,
                 optimizer: true,
                 metadata_only: true,
+                dist_optimizer: flat.then(|| "dp".to_string()),
                 step: Some(1),
                 progress: None,
             },

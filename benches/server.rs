@@ -57,6 +57,7 @@ fn main() {
                 model,
                 optimizer: true,
                 metadata_only: true,
+                dist_optimizer: None,
                 step: Some(1),
                 progress: None,
             },

@@ -85,6 +85,13 @@ enum Command {
         /// Leave out optimizer states.
         #[arg(long)]
         no_optimizer: bool,
+        /// Save the optimizer states as Megatron-Core's distributed optimizer does: the TP-local
+        /// boxes of each state laid end to end in reverse model order and split into equal
+        /// contiguous parts over the data-parallel mesh dim named here (default `dp`), each rank
+        /// writing flat ranges of those boxes (uneven, mid-row cuts). The layout must replicate
+        /// the optimizer states over that dim (e.g. `megatron-gpt` without `--zero1`).
+        #[arg(long, value_name = "DP_DIM", num_args = 0..=1, default_missing_value = "dp")]
+        dist_optimizer_flat: Option<String>,
         /// Training step recorded in the manifest.
         #[arg(long)]
         step: Option<u64>,
@@ -388,13 +395,20 @@ fn run(cli: Cli) -> Result<()> {
             out,
             metadata_only,
             no_optimizer,
+            dist_optimizer_flat,
             step,
         } => {
             let model: Model = model.parse()?;
+            if no_optimizer && dist_optimizer_flat.is_some() {
+                anyhow::bail!(
+                    "--dist-optimizer-flat saves optimizer states; --no-optimizer leaves them out"
+                );
+            }
             let options = SynthOptions {
                 model,
                 optimizer: !no_optimizer,
                 metadata_only,
+                dist_optimizer: dist_optimizer_flat,
                 step,
                 progress: Some(std::sync::Arc::new(|w: &tessera_synth::FileWritten| {
                     eprintln!(

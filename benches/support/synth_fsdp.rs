@@ -43,6 +43,7 @@ pub fn synth_fsdp4(runtime: &tokio::runtime::Runtime, model: Model) -> BenchChec
                 model,
                 optimizer: true,
                 metadata_only: false,
+                dist_optimizer: None,
                 step: Some(1),
                 progress: None,
             },

@@ -3,15 +3,14 @@
 
 mod common;
 
-use std::collections::HashSet;
-
-use common::{Saved, execute, plan_and_check, save_layout};
+use common::{
+    check_group_reads, execute, layout_for, plan_and_check, rank_plans, save_layout, tensors_from,
+};
 use proptest::prelude::*;
-use tessera_metadata::{DType, TensorMeta};
+use tessera_metadata::DType;
 use tessera_planner::baseline::all_pairs_overlaps;
 use tessera_planner::{
-    ExplicitRequest, ExplicitRequests, Layout, MeshDim, Plan, PlanOptions, RankPlan, RequestSet,
-    Rule, Stages, plan as make_plan,
+    ExplicitRequest, ExplicitRequests, PlanOptions, RankPlan, RequestSet, plan as make_plan,
 };
 
 fn tensor_strategy() -> impl Strategy<Value = (Vec<u64>, DType)> {
@@ -23,89 +22,6 @@ fn tensor_strategy() -> impl Strategy<Value = (Vec<u64>, DType)> {
 
 fn mesh_strategy() -> impl Strategy<Value = Vec<u32>> {
     prop::collection::vec(1u32..=3, 1..=3)
-}
-
-/// A layout over `mesh` with one rule per tensor: each mesh dim either replicates or shards a
-/// random tensor dim (so nested shards of one dim happen too); the first may be a pipeline.
-fn layout_for(mesh: &[u32], tensors: &[TensorMeta], choices: &[u32]) -> Layout {
-    let mut c = choices.iter().cycle();
-    let rules = tensors
-        .iter()
-        .map(|t| Rule {
-            pattern: t.fqn.clone(),
-            placements: mesh
-                .iter()
-                .enumerate()
-                .map(|(i, _)| {
-                    let pick = *c.next().unwrap() as usize;
-                    // The first mesh dim sometimes acts as a pipeline over the tensors' layers.
-                    if i == 0 && pick % 5 == 4 {
-                        return "stage(layer)".to_string();
-                    }
-                    if t.shape.is_empty() || pick.is_multiple_of(3) {
-                        "replicate".to_string()
-                    } else {
-                        format!("shard({})", pick % t.shape.len())
-                    }
-                })
-                .collect(),
-        })
-        .collect();
-    Layout {
-        mesh: mesh
-            .iter()
-            .enumerate()
-            .map(|(i, &size)| MeshDim {
-                name: format!("m{i}"),
-                size,
-            })
-            .collect(),
-        rules,
-        stages: Some(Stages {
-            layer_pattern: r"layers\.(\d+)\.".to_string(),
-            num_layers: Some(tensors.len() as u64),
-            first: Vec::new(),
-            last: Vec::new(),
-        }),
-    }
-}
-
-fn tensors_from(specs: Vec<(Vec<u64>, DType)>) -> Vec<TensorMeta> {
-    specs
-        .into_iter()
-        .enumerate()
-        .map(|(i, (shape, dtype))| TensorMeta::new(format!("layers.{i}.weight"), dtype, shape))
-        .collect()
-}
-
-fn rank_plans(plan: &Plan) -> Vec<RankPlan> {
-    (0..plan.world_size())
-        .map(|r| plan.rank_plan(r).unwrap())
-        .collect()
-}
-
-/// No storage byte is read twice inside a group; returns total bytes read.
-fn check_group_reads(saved: &Saved, plans: &[RankPlan]) -> u64 {
-    let mut seen: HashSet<(u32, String, u64)> = HashSet::new();
-    let mut total = 0;
-    for rp in plans {
-        for p in &rp.pieces {
-            let Some(read) = &p.read else { continue };
-            let file = rp.files[read.file as usize].clone();
-            for (src, _) in read.runs.iter() {
-                for b in src..src + read.runs.run_bytes {
-                    assert!(
-                        seen.insert((p.group, file.clone(), b)),
-                        "group {} reads {file} byte {b} twice",
-                        p.group
-                    );
-                    total += 1;
-                }
-            }
-        }
-    }
-    let _ = saved;
-    total
 }
 
 proptest! {

@@ -94,6 +94,7 @@ pub async fn run(dir: &str) -> Result<String> {
                 model: c.model,
                 optimizer: c.optimizer,
                 metadata_only: false,
+                dist_optimizer: None,
                 step: Some(c.step),
                 progress: None,
             },

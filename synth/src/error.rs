@@ -71,6 +71,15 @@ pub enum SynthError {
     /// The save layout does not resolve against the model, or writers cannot be assigned.
     #[error("planning the synthetic save: {0}")]
     Plan(#[from] PlanError),
+    /// The save layout cannot be saved the way Megatron's distributed optimizer saves (see
+    /// [`crate::SynthOptions::dist_optimizer`]).
+    #[error("saving optimizer states as flat ranges over mesh dim {dim:?}: {detail}")]
+    DistOptimizer {
+        /// The data-parallel mesh dim named.
+        dim: String,
+        /// What does not fit, naming the tensor and box.
+        detail: String,
+    },
     /// Writing the checkpoint failed. The message includes the writer's, so that error is not
     /// also this one's `source()` (a chain printer would repeat it).
     #[error("{context}: {inner}")]

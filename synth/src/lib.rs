@@ -46,7 +46,9 @@
 //! # Writing
 //!
 //! [`synthesize`] writes a model saved with a layout as a native checkpoint (or its metadata only,
-//! for models too large to materialize).
+//! for models too large to materialize). With [`SynthOptions::dist_optimizer`] the optimizer
+//! states are saved as Megatron-Core's distributed optimizer saves them: flat ranges of each
+//! TP-local box, split contiguously over the data-parallel ranks.
 //!
 //! # Generating and checking
 //!
@@ -55,6 +57,7 @@
 //! differing element ([`ValueMismatch`]: global index, coordinates, expected and found bytes).
 //! A box is generated as contiguous runs of flat indices, each a tight loop of integer ops.
 
+mod dist_optimizer;
 mod error;
 mod fill;
 mod formula;

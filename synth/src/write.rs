@@ -12,9 +12,10 @@ use object_store::path::Path;
 use tessera_metadata::formats::native::{
     DataFileWriter, Manifest, NativeWriter, WriteOptions, WrittenFile,
 };
-use tessera_metadata::{MetadataError, TensorMeta};
-use tessera_planner::{Layout, WriteItem, assign_writers};
+use tessera_metadata::{MetadataError, TensorMeta, flat_range_of_box};
+use tessera_planner::{Layout, assign_writers};
 
+use crate::dist_optimizer::{WriteEntry, dist_optimizer_writes};
 use crate::{Model, SynthError, box_bytes, tensors};
 
 /// One data file written, for progress reports.
@@ -46,6 +47,12 @@ pub struct SynthOptions {
     pub optimizer: bool,
     /// Write metadata only (for models too large to materialize).
     pub metadata_only: bool,
+    /// Save the optimizer states the way Megatron-Core's distributed optimizer does: each
+    /// data-parallel rank (over the mesh dim named here, usually `"dp"`) writes flat ranges of
+    /// the TP-local boxes, its contiguous part of their flattening laid end to end (see
+    /// `dist_optimizer.rs`). The save layout must replicate the optimizer states over that dim.
+    /// `None`: every tensor is saved as the layout's boxes.
+    pub dist_optimizer: Option<String>,
     /// Training step recorded in the manifest.
     pub step: Option<u64>,
     /// Called after each data file is written.
@@ -58,6 +65,7 @@ impl std::fmt::Debug for SynthOptions {
             .field("model", &self.model)
             .field("optimizer", &self.optimizer)
             .field("metadata_only", &self.metadata_only)
+            .field("dist_optimizer", &self.dist_optimizer)
             .field("step", &self.step)
             .finish_non_exhaustive()
     }
@@ -74,7 +82,13 @@ pub async fn synthesize(
 ) -> Result<Manifest, SynthError> {
     let tensors = tensors(&options.model.config(), options.optimizer);
     let holdings = layout.resolve(&tensors)?;
-    let writes = assign_writers(&tensors, &holdings)?;
+    let writes: Vec<Vec<WriteEntry>> = match &options.dist_optimizer {
+        Some(dim) => dist_optimizer_writes(&tensors, layout, &holdings, dim)?,
+        None => assign_writers(&tensors, &holdings)?
+            .into_iter()
+            .map(|items| items.into_iter().map(WriteEntry::Box).collect())
+            .collect(),
+    };
     let at = |what: &str| format!("{what} checkpoint {display}");
     let writer = NativeWriter::create(
         store,
@@ -137,7 +151,7 @@ pub async fn synthesize(
 async fn write_rank(
     mut file: DataFileWriter,
     tensors: Vec<TensorMeta>,
-    items: Vec<WriteItem>,
+    items: Vec<WriteEntry>,
     metadata_only: bool,
 ) -> Result<WrittenFile, SynthError> {
     let wrap = |e: MetadataError| SynthError::Write {
@@ -145,21 +159,55 @@ async fn write_rank(
         inner: Box::new(e),
     };
     for item in items {
-        if metadata_only {
-            file.write_box_metadata_only(item.tensor, item.region)
-                .map_err(wrap)?;
-            continue;
+        match item {
+            WriteEntry::Box(item) => {
+                if metadata_only {
+                    file.write_box_metadata_only(item.tensor, item.region)
+                        .map_err(wrap)?;
+                    continue;
+                }
+                let tensor = tensors[item.tensor as usize].clone();
+                let region = item.region.clone();
+                let bytes = tokio::task::spawn_blocking(move || box_bytes(&tensor, &region))
+                    .await
+                    .map_err(|e| SynthError::Task {
+                        detail: e.to_string(),
+                    })??;
+                file.write_box(item.tensor, item.region, &bytes)
+                    .await
+                    .map_err(wrap)?;
+            }
+            WriteEntry::Flat {
+                tensor: t,
+                parent,
+                start,
+                end,
+            } => {
+                if metadata_only {
+                    file.write_flat_metadata_only(t, parent, start, end)
+                        .map_err(wrap)?;
+                    continue;
+                }
+                let tensor = tensors[t as usize].clone();
+                let range_parent = parent.clone();
+                // The range's elements in flat order are those of the boxes that tile it, one
+                // after the other: generate only them, not the whole TP-local box.
+                let bytes = tokio::task::spawn_blocking(move || {
+                    let mut out = Vec::new();
+                    for (_, tile) in flat_range_of_box(&range_parent, start, end) {
+                        out.extend(box_bytes(&tensor, &tile)?);
+                    }
+                    Ok::<_, SynthError>(out)
+                })
+                .await
+                .map_err(|e| SynthError::Task {
+                    detail: e.to_string(),
+                })??;
+                file.write_flat(t, parent, start, end, &bytes)
+                    .await
+                    .map_err(wrap)?;
+            }
         }
-        let tensor = tensors[item.tensor as usize].clone();
-        let region = item.region.clone();
-        let bytes = tokio::task::spawn_blocking(move || box_bytes(&tensor, &region))
-            .await
-            .map_err(|e| SynthError::Task {
-                detail: e.to_string(),
-            })??;
-        file.write_box(item.tensor, item.region, &bytes)
-            .await
-            .map_err(wrap)?;
     }
     file.finish().await.map_err(wrap)
 }

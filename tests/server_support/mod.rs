@@ -42,6 +42,7 @@ pub async fn write_tiny(location: &str, layout: &Layout, options: &StorageOption
             model: Model::GptTiny,
             optimizer: true,
             metadata_only: false,
+            dist_optimizer: None,
             step: None,
             progress: None,
         },

@@ -2,7 +2,7 @@
 //! executor that carries out rank plans (reads, ring exchange, placement) on real bytes.
 #![allow(dead_code, clippy::unwrap_used, missing_docs)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use tessera_metadata::{
@@ -10,7 +10,8 @@ use tessera_metadata::{
     row_major_strides, validate,
 };
 use tessera_planner::{
-    Layout, Plan, PlanOptions, RankPlan, RequestSet, Target, assign_writers, plan,
+    Layout, MeshDim, Plan, PlanOptions, RankPlan, RequestSet, Rule, Stages, Target, assign_writers,
+    plan,
 };
 
 /// A checkpoint held in memory: metadata plus the bytes of every data file.
@@ -28,15 +29,16 @@ pub fn element(tensor: u32, flat: u64, esize: u64) -> Vec<u8> {
     z.to_le_bytes()[..esize as usize].to_vec()
 }
 
-/// Coordinates of element `i` (row-major) of a box.
-fn coords_of(region: &TensorBox, i: u64) -> Vec<u64> {
+/// Global coordinates of element `i` (row-major over the box) of a box.
+pub fn coords_of(region: &TensorBox, i: u64) -> Vec<u64> {
     let strides = row_major_strides(&region.lengths);
     (0..region.ndim())
         .map(|d| region.offsets[d] + (i / strides[d]) % region.lengths[d])
         .collect()
 }
 
-fn flat_of(coords: &[u64], shape: &[u64]) -> u64 {
+/// Global row-major flat index of `coords` in a tensor of `shape`.
+pub fn flat_of(coords: &[u64], shape: &[u64]) -> u64 {
     coords
         .iter()
         .zip(row_major_strides(shape))
@@ -361,4 +363,89 @@ pub fn small_gpt(layers: u64, optimizer: bool) -> Vec<TensorMeta> {
     }
     all.push(TensorMeta::new("train.step", DType::I64, vec![]));
     all
+}
+
+/// A layout over `mesh` with one rule per tensor: each mesh dim either replicates or shards a
+/// random tensor dim (so nested shards of one dim happen too); the first may be a pipeline.
+pub fn layout_for(mesh: &[u32], tensors: &[TensorMeta], choices: &[u32]) -> Layout {
+    let mut c = choices.iter().cycle();
+    let rules = tensors
+        .iter()
+        .map(|t| Rule {
+            pattern: t.fqn.clone(),
+            placements: mesh
+                .iter()
+                .enumerate()
+                .map(|(i, _)| {
+                    let pick = *c.next().unwrap() as usize;
+                    // The first mesh dim sometimes acts as a pipeline over the tensors' layers.
+                    if i == 0 && pick % 5 == 4 {
+                        return "stage(layer)".to_string();
+                    }
+                    if t.shape.is_empty() || pick.is_multiple_of(3) {
+                        "replicate".to_string()
+                    } else {
+                        format!("shard({})", pick % t.shape.len())
+                    }
+                })
+                .collect(),
+        })
+        .collect();
+    Layout {
+        mesh: mesh
+            .iter()
+            .enumerate()
+            .map(|(i, &size)| MeshDim {
+                name: format!("m{i}"),
+                size,
+            })
+            .collect(),
+        rules,
+        stages: Some(Stages {
+            layer_pattern: r"layers\.(\d+)\.".to_string(),
+            num_layers: Some(tensors.len() as u64),
+            first: Vec::new(),
+            last: Vec::new(),
+        }),
+    }
+}
+
+/// Tensors `layers.<i>.weight` of the given shapes and dtypes (one layer each, for pipelines).
+pub fn tensors_from(specs: Vec<(Vec<u64>, DType)>) -> Vec<TensorMeta> {
+    specs
+        .into_iter()
+        .enumerate()
+        .map(|(i, (shape, dtype))| TensorMeta::new(format!("layers.{i}.weight"), dtype, shape))
+        .collect()
+}
+
+/// Every rank's plan.
+pub fn rank_plans(plan: &Plan) -> Vec<RankPlan> {
+    (0..plan.world_size())
+        .map(|r| plan.rank_plan(r).unwrap())
+        .collect()
+}
+
+/// No storage byte is read twice inside a group; returns total bytes read.
+pub fn check_group_reads(saved: &Saved, plans: &[RankPlan]) -> u64 {
+    let mut seen: HashSet<(u32, String, u64)> = HashSet::new();
+    let mut total = 0;
+    for rp in plans {
+        for p in &rp.pieces {
+            let Some(read) = &p.read else { continue };
+            let file = rp.files[read.file as usize].clone();
+            for (src, _) in read.runs.iter() {
+                for b in src..src + read.runs.run_bytes {
+                    assert!(
+                        seen.insert((p.group, file.clone(), b)),
+                        "group {} reads {file} byte {b} twice",
+                        p.group
+                    );
+                    total += 1;
+                }
+            }
+        }
+    }
+    let _ = saved;
+    total
 }

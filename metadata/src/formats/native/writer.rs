@@ -490,12 +490,115 @@ impl DataFileWriter {
         Ok(())
     }
 
+    /// Appends elements `[start, end)` of the row-major flattening of the box `parent` of tensor
+    /// `tensor`: a flat-range chunk, the way Megatron's distributed optimizer or ZeRO save a
+    /// rank's share of a parameter. `bytes` are those elements in flat order, little-endian,
+    /// exactly `(end - start) * dtype size` of them; they are written contiguously (one 4 KiB
+    /// aligned entry) and recorded as the at most 2·ndim − 1 boxes that tile the range
+    /// ([`crate::flat_range_of_box`]), each with the crc32c of its own bytes. So readers, the
+    /// planner, the loader and `verify` see ordinary boxes, and a load that wants only part of
+    /// the range reads only that part. An empty range records nothing.
+    pub async fn write_flat(
+        &mut self,
+        tensor: u32,
+        parent: TensorBox,
+        start: u64,
+        end: u64,
+        bytes: &[u8],
+    ) -> Result<(), MetadataError> {
+        self.usable()?;
+        let tiles = self.flat_tiles(tensor, &parent, start, end)?;
+        let meta = &self.shared.tensors[tensor as usize];
+        let esize = meta.dtype.size();
+        // Inside the parent box, which lies inside the tensor: no overflow.
+        let expected = (end - start) * esize;
+        if bytes.len() as u64 != expected {
+            return Err(MetadataError::ByteLengthMismatch {
+                fqn: meta.fqn.clone(),
+                region: format!("{parent} flat {start}..{end}"),
+                numel: end - start,
+                dtype: meta.dtype.to_string(),
+                expected,
+                actual: bytes.len() as u64,
+            });
+        }
+        if tiles.is_empty() {
+            return Ok(());
+        }
+        let offset = self.place_bytes(bytes).await?;
+        let with_data = !self.shared.options.metadata_only;
+        for (at, region) in tiles {
+            let (lo, length) = (at * esize, region.numel() * esize);
+            // Each tile is its own row (box) in the metadata, so each gets its own checksum: a
+            // partial load checks the tiles it reads whole.
+            let crc32c =
+                with_data.then(|| crc32c::crc32c(&bytes[lo as usize..(lo + length) as usize]));
+            self.record_box(tensor, region, offset + lo, length, crc32c);
+        }
+        Ok(())
+    }
+
+    /// Records the flat range `[start, end)` of the box `parent` of tensor `tensor` (see
+    /// [`Self::write_flat`]) at the place its bytes would have, without bytes: for
+    /// metadata-only checkpoints.
+    pub fn write_flat_metadata_only(
+        &mut self,
+        tensor: u32,
+        parent: TensorBox,
+        start: u64,
+        end: u64,
+    ) -> Result<(), MetadataError> {
+        self.usable()?;
+        self.require_metadata_only("write_flat_metadata_only")?;
+        let tiles = self.flat_tiles(tensor, &parent, start, end)?;
+        if tiles.is_empty() {
+            return Ok(());
+        }
+        let esize = self.shared.tensors[tensor as usize].dtype.size();
+        let offset = self.lay_out((end - start) * esize);
+        for (at, region) in tiles {
+            let length = region.numel() * esize;
+            self.record_box(tensor, region, offset + at * esize, length, None);
+        }
+        Ok(())
+    }
+
+    /// Checks a flat range of a box of a tensor and returns the boxes that tile it, each with its
+    /// first element's position in the range.
+    fn flat_tiles(
+        &self,
+        tensor: u32,
+        parent: &TensorBox,
+        start: u64,
+        end: u64,
+    ) -> Result<Vec<(u64, TensorBox)>, MetadataError> {
+        self.box_bytes(tensor, parent)?;
+        let numel = parent.numel();
+        if start > end || end > numel {
+            return Err(MetadataError::Invalid {
+                what: format!(
+                    "{}: tensor {}: flat range {start}..{end} of box {parent} does not lie in its {numel} elements",
+                    self.relative, self.shared.tensors[tensor as usize].fqn
+                ),
+            });
+        }
+        Ok(crate::flat_range_of_box(parent, start, end))
+    }
+
     /// Puts `bytes` at the next aligned offset (in a metadata-only checkpoint only reserves their
     /// length); returns where they start and their crc32c (none without data).
     async fn place(&mut self, bytes: &[u8]) -> Result<(u64, Option<u32>), MetadataError> {
+        let offset = self.place_bytes(bytes).await?;
+        let crc32c = (!self.shared.options.metadata_only).then(|| crc32c::crc32c(bytes));
+        Ok((offset, crc32c))
+    }
+
+    /// Puts `bytes` at the next aligned offset (in a metadata-only checkpoint only reserves their
+    /// length); returns where they start.
+    async fn place_bytes(&mut self, bytes: &[u8]) -> Result<u64, MetadataError> {
         let length = bytes.len() as u64;
         if self.shared.options.metadata_only {
-            return Ok((self.lay_out(length), None));
+            return Ok(self.lay_out(length));
         }
         // An empty entry takes no byte, so it needs no alignment (and adds no padding).
         let offset = if length == 0 {
@@ -504,7 +607,7 @@ impl DataFileWriter {
             self.align().await?
         };
         self.append(bytes).await?;
-        Ok((offset, Some(crc32c::crc32c(bytes))))
+        Ok(offset)
     }
 
     fn record_box(
@@ -536,17 +639,22 @@ impl DataFileWriter {
         region: TensorBox,
     ) -> Result<(), MetadataError> {
         self.usable()?;
+        self.require_metadata_only("write_box_metadata_only")?;
+        let length = self.box_bytes(tensor, &region)?;
+        let offset = self.lay_out(length);
+        self.record_box(tensor, region, offset, length, None);
+        Ok(())
+    }
+
+    fn require_metadata_only(&self, call: &str) -> Result<(), MetadataError> {
         if !self.shared.options.metadata_only {
             return Err(MetadataError::Invalid {
                 what: format!(
-                    "{}: write_box_metadata_only in a checkpoint that stores data (set WriteOptions::metadata_only)",
+                    "{}: {call} in a checkpoint that stores data (set WriteOptions::metadata_only)",
                     self.relative
                 ),
             });
         }
-        let length = self.box_bytes(tensor, &region)?;
-        let offset = self.lay_out(length);
-        self.record_box(tensor, region, offset, length, None);
         Ok(())
     }
 
