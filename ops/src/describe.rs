@@ -70,6 +70,23 @@ pub async fn describe(location: &str, storage_options: &StorageOptions) -> Resul
             });
             doc["objects"] = objects_json(store.as_ref(), &checkpoint).await?;
         }
+        FormatDetails::ByteCheckpoint(bc) => {
+            doc["bytecheckpoint"] = json!({
+                "version": bc.version,
+                "followed": bc.followed,
+                "components": bc.components.iter().map(|c| json!({
+                    "name": c.name,
+                    "dir": c.dir,
+                    "metadata_file": c.metadata_file,
+                    "metadata_bytes": c.metadata_bytes,
+                    "bytecheckpoint_version": c.version,
+                    "tensors": c.metadata.tensors.len(),
+                    "objects": c.metadata.objects.len(),
+                    "user_defined_keys": c.user_defined_keys,
+                })).collect::<Vec<_>>(),
+            });
+            doc["objects"] = objects_json(store.as_ref(), &checkpoint).await?;
+        }
         FormatDetails::Safetensors(st) => {
             doc["safetensors"] = json!({
                 "layout": layout_name(st.layout),

@@ -4,10 +4,13 @@
 //! PyTorch DCP: the structure (metadata, every blob's zip directory and `data.pkl`, byte ranges)
 //! and the zip CRC-32 of every tensor storage and object blob. safetensors: headers, byte ranges
 //! (no overlap, no hole, inside the file); the format records no checksums of the data.
+//! ByteCheckpoint: the structure (metadata, every chunk's rebuild descriptor against its byte
+//! range) and the zip CRC-32 of its torch.save objects; raw storage bytes carry no checksum.
 
 use std::fmt::Write;
 
 use anyhow::{Context, Result, bail};
+use tessera_metadata::formats::bytecheckpoint::verify_bytecheckpoint;
 use tessera_metadata::formats::dcp::verify_dcp;
 use tessera_metadata::formats::list_dir;
 use tessera_metadata::formats::native::{self, verify_checkpoint};
@@ -87,6 +90,35 @@ pub async fn check(location: &str, strays: Strays, retry: &storage::RetryPolicy)
                 } else {
                     String::new()
                 }
+            )?;
+        }
+        FormatDetails::ByteCheckpoint(bc) => {
+            let report = verify_bytecheckpoint(
+                loc.store.as_ref(),
+                &opened.root,
+                &opened.meta,
+                bc,
+                CONCURRENCY,
+            )
+            .await?;
+            for bad in &report.bad {
+                writeln!(
+                    out,
+                    "bad blob in {} bytes {}..{} ({}): {}",
+                    bad.file, bad.start, bad.end, bad.entry, bad.detail
+                )?;
+            }
+            if !report.is_ok() {
+                bail!("{out}{location}: verification failed");
+            }
+            writeln!(
+                out,
+                "{location}: ok, ByteCheckpoint: metadata, {} rebuild descriptors and byte ranges are \
+                 consistent (raw storage bytes: no checksum recorded); {} torch.save objects match \
+                 their zip CRC-32, {} checked",
+                report.chunks_unchecked,
+                report.objects_checked,
+                human::bytes(report.bytes_checked),
             )?;
         }
         FormatDetails::Safetensors(st) => {
