@@ -122,7 +122,11 @@ pub async fn objects_json(
     let mut objects = Vec::with_capacity(meta.objects().len());
     for object in meta.objects() {
         let file = &meta.files()[object.file as usize].path;
-        let path = location.clone().join(file.as_str());
+        // Data file paths are `/`-separated (ByteCheckpoint's `optimizer/__0_0.distcp`): one
+        // path part per segment, or the `/` would be escaped into the name.
+        let path = file
+            .split('/')
+            .fold(location.clone(), |path, part| path.join(part));
         let bytes = store
             .get_range(&path, object.offset..object.offset + object.length)
             .await

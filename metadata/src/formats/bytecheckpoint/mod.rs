@@ -193,9 +193,6 @@ pub async fn detect(
     prefix: &Path,
     listing: &Listing,
 ) -> Result<Option<BcLocation>, MetadataError> {
-    let parent_step = prefix
-        .parent()
-        .and_then(|p| p.filename().and_then(step_of_dir));
     if listing.files.contains_key(METADATA_FILE) {
         if !sniff(store, prefix, listing).await? {
             return Ok(None);
@@ -209,7 +206,7 @@ pub async fn detect(
                 namespace: String::new(),
                 listing: listing.clone(),
             }],
-            step: parent_step,
+            step: None,
             followed: None,
         }));
     }
@@ -280,7 +277,7 @@ pub async fn detect(
                 namespace: String::new(),
                 listing: listing.clone(),
             }],
-            step: parent_step,
+            step: None,
             followed: None,
         }));
     }
