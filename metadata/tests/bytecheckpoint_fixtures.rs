@@ -427,3 +427,49 @@ fn a_torch_dcp_save_under_model_is_not_taken_for_bytecheckpoint() {
     // ... and opens as torch DCP on its own.
     assert_eq!(open(&root.join("model")).unwrap().format, Format::Dcp);
 }
+
+#[test]
+fn a_descriptor_with_strides_and_a_storage_offset_is_read_as_torch_would_rebuild_it() {
+    // emb.weight's first chunk, rebuilt by the descriptor as storage[16 + 32·i + j] (stride
+    // (32, 1), storage offset 16): what `_rebuild_tensor_v2` makes of the same 3072 floats.
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = copy_ckpt(tmp.path(), "ckpt");
+    patch(
+        &ckpt.join("model/.metadata"),
+        b"QK\x00K0K@\x86q\x06K@K\x01\x86",
+        b"QK\x10K0K@\x86q\x06K K\x01\x86",
+    );
+    let dir = ckpt.join("model");
+    let opened = open(&dir).unwrap();
+    let t = opened.meta.tensor_index("emb.weight").unwrap();
+    let chunk = &opened.meta.chunks_of(t)[0];
+    assert_eq!(chunk.bytes.strides.as_deref(), Some(&[32u64, 1][..]));
+    assert_eq!(chunk.bytes.offset, 16 * 4);
+    let storage = std::fs::read(dir.join("__0_0.distcp")).unwrap();
+    let mut want = Vec::new();
+    for i in 0..48 {
+        for j in 0..64 {
+            let at = (16 + 32 * i + j) * 4;
+            want.extend_from_slice(&storage[at..at + 4]);
+        }
+    }
+    let first = opened.meta.first_chunk_index(t);
+    let got = dcp_support::read_box(&dir, &opened.meta, first, &chunk.region);
+    assert!(got == want, "the strided chunk's bytes");
+
+    // Strides that reach past the storage are refused, naming the chunk.
+    let ckpt = copy_ckpt(tmp.path(), "ckpt4");
+    patch(
+        &ckpt.join("model/.metadata"),
+        b"QK\x00K0K@\x86q\x06K@K\x01\x86",
+        b"QK\x00K0K@\x86q\x06KAK\x01\x86",
+    );
+    let text = open(&ckpt.join("model")).unwrap_err().to_string();
+    assert!(
+        text.contains("tensor emb.weight chunk [0..48, 0..64]")
+            && text.contains(
+                "strides [65, 1] from storage offset 0 reaches byte 12476 of a 12288-byte storage"
+            ),
+        "{text}"
+    );
+}
