@@ -29,7 +29,24 @@ pub struct BcFields {
     /// Keys of `user_defined_dict` (its values are whatever the user saved; only the names are
     /// shown).
     pub user_defined_keys: Vec<String>,
+    /// A decomposed FSDP save's flat-parameter layouts (`user_defined_dict`'s `fsdp_*` entries).
+    pub flat_params: FlatParams,
 }
+
+/// One slot of an FSDP flat parameter, in flat order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FlatSlot {
+    /// Elements of the slot.
+    pub numel: u64,
+    /// The parameter it holds (its name relative to the flat parameter's module) and shape;
+    /// `None` for alignment padding.
+    pub param: Option<(String, Vec<u64>)>,
+}
+
+/// Flat parameter key (`_flat_param`, `layers.0._flat_param`) → its slots, from a decomposed
+/// FSDP save's `user_defined_dict` (`fsdp_flat_param_to_fqns`, `fsdp_is_padding_mask`,
+/// `fsdp_numels_with_padding`, `fsdp_shapes`). Empty for every other save.
+pub type FlatParams = HashMap<String, Vec<FlatSlot>>;
 
 /// Reads the ByteCheckpoint-only fields of the `.metadata` pickle at `path` (for messages).
 pub fn parse_bc_fields(
@@ -73,6 +90,9 @@ pub fn parse_bc_fields(
                 other => p.describe(other),
             })
             .collect();
+    }
+    if let Some(user) = field(fields, "user_defined_dict").and_then(|v| p.dict(v)) {
+        out.flat_params = flat_params(p, user).map_err(|e| decode(path, e))?;
     }
     let Some(all) = field(fields, "all_tensor_metadata") else {
         return Err(decode(path, "Metadata has no all_tensor_metadata".into()));
@@ -167,4 +187,79 @@ fn uints(p: &Pickle, value: &Value) -> Option<Vec<u64>> {
             _ => None,
         })
         .collect()
+}
+
+/// The `fsdp_*` entries of `user_defined_dict` (what ByteCheckpoint's FSDP hack records for every
+/// flat parameter when saving decomposed), as slots in flat order.
+fn flat_params(p: &Pickle, user: &[(Value, Value)]) -> Result<FlatParams, String> {
+    let table = |name: &str| field(user, name).and_then(|v| p.dict(v));
+    let (Some(fqns), Some(padding), Some(numels), Some(shapes)) = (
+        table("fsdp_flat_param_to_fqns"),
+        table("fsdp_is_padding_mask"),
+        table("fsdp_numels_with_padding"),
+        table("fsdp_shapes"),
+    ) else {
+        return Ok(FlatParams::new());
+    };
+    let mut out = FlatParams::new();
+    for (key, names) in fqns {
+        let Value::Str(key) = key else {
+            return Err(format!(
+                "a fsdp_flat_param_to_fqns key is a {}",
+                p.describe(key)
+            ));
+        };
+        let list = |table: &'_ [(Value, Value)], what: &str| -> Result<Vec<Value>, String> {
+            field(table, key)
+                .and_then(|v| p.sequence(v))
+                .map(<[Value]>::to_vec)
+                .ok_or_else(|| format!("user_defined_dict has no {what} list for {key}"))
+        };
+        let names = p
+            .sequence(names)
+            .ok_or_else(|| format!("fsdp_flat_param_to_fqns[{key}] is not a list"))?;
+        let padding = list(padding, "fsdp_is_padding_mask")?;
+        let numels = list(numels, "fsdp_numels_with_padding")?;
+        let shapes = list(shapes, "fsdp_shapes")?;
+        if padding.len() != numels.len() || names.len() != shapes.len() {
+            return Err(format!(
+                "{key}: {} padding flags for {} slot sizes, {} names for {} shapes",
+                padding.len(),
+                numels.len(),
+                names.len(),
+                shapes.len()
+            ));
+        }
+        let mut slots = Vec::with_capacity(numels.len());
+        let mut next = 0usize;
+        for (flag, numel) in padding.iter().zip(&numels) {
+            let Value::Int(numel) = numel else {
+                return Err(format!("{key}: a slot size is a {}", p.describe(numel)));
+            };
+            let numel = u64::try_from(*numel).map_err(|_| format!("{key}: slot size {numel}"))?;
+            let param = match flag {
+                Value::Bool(true) => None,
+                Value::Bool(false) => {
+                    let (Some(Value::Str(name)), Some(shape)) = (names.get(next), shapes.get(next))
+                    else {
+                        return Err(format!("{key}: more parameter slots than names"));
+                    };
+                    next += 1;
+                    let shape = uints(p, shape).ok_or_else(|| {
+                        format!("{key}: the shape of {name} is a {}", p.describe(shape))
+                    })?;
+                    if shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)) != Some(numel) {
+                        return Err(format!(
+                            "{key}: {name} has shape {shape:?} but a {numel}-element slot"
+                        ));
+                    }
+                    Some((name.to_string(), shape))
+                }
+                other => return Err(format!("{key}: a padding flag is a {}", p.describe(other))),
+            };
+            slots.push(FlatSlot { numel, param });
+        }
+        out.insert(key.to_string(), slots);
+    }
+    Ok(out)
 }

@@ -33,6 +33,12 @@
 //! `module.` prefix and its optimizer's integer parameter ids stay, since that is what
 //! ByteCheckpoint's own load into the same wrapper expects.
 //!
+//! Irregular shards. A decomposed FSDP save (`save_decomposed_model_optimizer=True`) stores each
+//! FSDP unit's flat parameter (`<module>._flat_param`, 1-D, even splits over ranks) and the
+//! optimizer's per-parameter pieces of flat states; the model's `user_defined_dict` records the
+//! slot layout. Each saved range is cut at the slots and becomes flat-range chunks of the
+//! original parameters ([`crate::flat_range_chunks`]), so loads need no merge step.
+//!
 //! ByteCheckpoint records no checksums of the raw storage bytes: loads read without verification,
 //! and [`verify_bytecheckpoint`] checks the zip CRC-32 of what is stored as torch.save zips (bytes
 //! entries, extra state), besides the structure checked when opening.
@@ -53,9 +59,9 @@ use crate::formats::{Format, Listing, list_dir};
 use crate::identity::IdentityHasher;
 use crate::{
     ByteMeta, CheckpointMeta, DataFile, MetadataError, ObjectMeta, SavedChunk, TensorBox,
-    TensorMeta, row_major_strides, validate,
+    TensorMeta, flat_range_chunks, row_major_strides, validate,
 };
-pub use metadata::{BcFields, METADATA_MODULE, parse_bc_fields};
+pub use metadata::{BcFields, FlatParams, FlatSlot, METADATA_MODULE, parse_bc_fields};
 pub use verify::{BcVerifyReport, verify_bytecheckpoint};
 
 /// The tracker file a save with `global_steps` updates in the root.
@@ -362,6 +368,7 @@ pub async fn open_bytecheckpoint(
             (files.len() - 1) as u32
         })
     };
+    let mut flat_params = FlatParams::new();
     for component in &location.components {
         let dir = resolve_dir(root, &component.dir)?;
         if !component.listing.files.contains_key(METADATA_FILE) {
@@ -438,14 +445,14 @@ pub async fn open_bytecheckpoint(
                 size,
             ))
         };
+        // A decomposed FSDP save: the model's `.metadata` says how its flat parameters split;
+        // the optimizer's (read after it, at a save's root) uses the same layouts.
+        if !fields.flat_params.is_empty() {
+            flat_params = fields.flat_params.clone();
+        }
         for tensor in &metadata.tensors {
-            let t = tensors.len() as u32;
             let fqn = format!("{ns}{}", tensor.fqn);
-            tensors.push(TensorMeta::new(
-                fqn.clone(),
-                tensor.dtype,
-                tensor.shape.clone(),
-            ));
+            let mut located = Vec::with_capacity(tensor.chunks.len());
             for chunk in &tensor.chunks {
                 let region = TensorBox::new(chunk.offsets.clone(), chunk.sizes.clone());
                 let info = &chunk.storage;
@@ -473,8 +480,31 @@ pub async fn open_bytecheckpoint(
                         )));
                     }
                 };
-                chunks
-                    .push(locate(&descriptor, tensor.dtype, t, &region, info, file).map_err(bad)?);
+                located
+                    .push(locate(&descriptor, tensor.dtype, 0, &region, info, file).map_err(bad)?);
+            }
+            match flat_param_of(&flat_params, &tensor.fqn) {
+                Some((key, state)) if tensor.shape.len() == 1 => {
+                    let derived = unflatten(&flat_params[key], key, state, tensor, &located)
+                        .map_err(|detail| MetadataError::Invalid {
+                            what: format!("{path}: flat parameter {fqn}: {detail}"),
+                        })?;
+                    for (name, shape, mut parts) in derived {
+                        let t = tensors.len() as u32;
+                        tensors.push(TensorMeta::new(format!("{ns}{name}"), tensor.dtype, shape));
+                        parts.iter_mut().for_each(|c| c.tensor = t);
+                        chunks.extend(parts);
+                    }
+                }
+                _ => {
+                    let t = tensors.len() as u32;
+                    tensors.push(TensorMeta::new(
+                        fqn.clone(),
+                        tensor.dtype,
+                        tensor.shape.clone(),
+                    ));
+                    chunks.extend(located.into_iter().map(|c| SavedChunk { tensor: t, ..c }));
+                }
             }
         }
         for object in &metadata.objects {
@@ -511,6 +541,109 @@ pub async fn open_bytecheckpoint(
         CheckpointMeta::new(tensors, chunks, objects, files)?.with_identity(identity.finish());
     validate(&meta)?;
     Ok(BcCheckpoint { meta, details })
+}
+
+/// Name of the FSDP flat parameter in keys (`torch.distributed.fsdp._unshard_param_utils.FLAT_PARAM`).
+const FLAT_PARAM: &str = "_flat_param";
+
+/// The flat parameter a saved tensor is, or the optimizer state of: `<key>` (model) or
+/// `state.<key>.<state>` (optimizer), with the state's name.
+fn flat_param_of<'a>(flat: &'a FlatParams, fqn: &'a str) -> Option<(&'a str, Option<&'a str>)> {
+    if flat.is_empty() {
+        return None;
+    }
+    if let Some((key, _)) = flat.get_key_value(fqn) {
+        return Some((key.as_str(), None));
+    }
+    let rest = fqn.strip_prefix("state.")?;
+    flat.keys().find_map(|key| {
+        let state = rest.strip_prefix(key.as_str())?.strip_prefix('.')?;
+        Some((key.as_str(), Some(state)))
+    })
+}
+
+/// The original parameter's name from a flat parameter's key and a slot's name, the way
+/// ByteCheckpoint's merge tool forms it: the key without `_flat_param`, then the slot's name
+/// without the longest overlap between the two (older saves repeat the module path).
+fn param_name(key: &str, slot: &str) -> String {
+    let prefix = key.replace(FLAT_PARAM, "");
+    let overlap = (1..=prefix.len())
+        .rev()
+        .find(|&n| {
+            prefix.is_char_boundary(prefix.len() - n)
+                && slot.starts_with(&prefix[prefix.len() - n..])
+        })
+        .unwrap_or(0);
+    format!("{prefix}{}", &slot[overlap.min(slot.len())..])
+}
+
+/// One original parameter (or its optimizer state) out of a flat tensor: name, shape, chunks.
+type Unflattened = (String, Vec<u64>, Vec<SavedChunk>);
+
+/// A decomposed FSDP save's flat tensor (a flat parameter, or an optimizer state of one) split
+/// into the original parameters: every saved chunk is a range `[s, e)` of the flat tensor,
+/// stored contiguously; the part of it inside a parameter's slot `[a, b)` is the flat range
+/// `[max(a,s) − a, min(b,e) − a)` of that parameter, saved as the few boxes that tile it. Padding
+/// slots are dropped, and a parameter no chunk touches (frozen, or on no optimizer) is not
+/// exposed. Returns (name, shape, chunks) per parameter.
+fn unflatten(
+    slots: &[FlatSlot],
+    key: &str,
+    state: Option<&str>,
+    tensor: &crate::formats::dcp::DcpTensor,
+    located: &[SavedChunk],
+) -> Result<Vec<Unflattened>, String> {
+    let total: u64 = slots.iter().map(|s| s.numel).sum();
+    if tensor.shape != [total] {
+        return Err(format!(
+            "shape {:?} but its {} slots hold {total} elements",
+            tensor.shape,
+            slots.len()
+        ));
+    }
+    let esize = tensor.dtype.size();
+    let mut out = Vec::new();
+    let mut start = 0u64;
+    for slot in slots {
+        let (a, b) = (start, start + slot.numel);
+        start = b;
+        let Some((name, shape)) = &slot.param else {
+            continue;
+        };
+        let whole = TensorBox::whole(shape);
+        let mut parts = Vec::new();
+        for chunk in located {
+            if chunk.bytes.strides.is_some() {
+                return Err(format!("chunk {} is not stored contiguously", chunk.region));
+            }
+            let (s, e) = (
+                chunk.region.offsets[0],
+                chunk.region.offsets[0] + chunk.region.lengths[0],
+            );
+            let (lo, hi) = (a.max(s), b.min(e));
+            if lo < hi {
+                parts.extend(flat_range_chunks(
+                    0,
+                    &whole,
+                    lo - a,
+                    hi - a,
+                    chunk.bytes.file,
+                    chunk.bytes.offset + (lo - s) * esize,
+                    esize,
+                ));
+            }
+        }
+        if parts.is_empty() {
+            continue;
+        }
+        let param = param_name(key, name);
+        let name = match state {
+            None => param,
+            Some(state) => format!("state.{param}.{state}"),
+        };
+        out.push((name, shape.clone(), parts));
+    }
+    Ok(out)
 }
 
 fn namespace_or(component: &BcComponent) -> &str {
@@ -634,4 +767,37 @@ pub fn component_names(details: &BcDetails) -> String {
         .map(|c| c.name.as_str())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameter_names_drop_the_overlap_of_key_and_slot_like_bytecheckpoints_merge_tool() {
+        assert_eq!(param_name("_flat_param", "emb.weight"), "emb.weight");
+        assert_eq!(
+            param_name("layers.0._flat_param", "attn.w"),
+            "layers.0.attn.w"
+        );
+        // Older saves repeat the module path in the slot's name.
+        assert_eq!(
+            param_name("layers.0._flat_param", "layers.0.attn.w"),
+            "layers.0.attn.w"
+        );
+        assert_eq!(param_name("a.b._flat_param", "b.c"), "a.b.c");
+    }
+
+    #[test]
+    fn tracker_steps_and_metadata_sniffing() {
+        assert_eq!(step_of_dir("global_step_120"), Some(120));
+        assert_eq!(step_of_dir("global_step_"), None);
+        assert_eq!(step_of_dir("global_step120"), None);
+        assert!(is_bytecheckpoint_metadata(
+            b"\x80\x04\x95\x86\x16\x00\x00\x00\x00\x00\x00\x8c%bytecheckpoint.checkpointer.meta_type\x94"
+        ));
+        assert!(!is_bytecheckpoint_metadata(
+            b"\x80\x04\x95\x86\x16\x00\x00\x00\x00\x00\x00\x8c%torch.distributed.checkpoint.metadata"
+        ));
+    }
 }
