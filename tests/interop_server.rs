@@ -29,8 +29,10 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-/// A catalog root with the interop fixtures as runs: `megatron/{mcore-0.15,mcore-0.19}` and
-/// DeepSpeed's save directory as run `deepspeed` (its `latest` names `global_step1`).
+/// A catalog root with the interop fixtures as runs: `megatron/{mcore-0.15,mcore-0.19}`,
+/// DeepSpeed's save directory as run `deepspeed` (its `latest` names `global_step1`), and a
+/// ByteCheckpoint save whole (`bytecheckpoint/fsdp-w2`) and its `model/` component on its own
+/// (`bytecheckpoint/model-only`).
 fn catalog_root(root: &Path) -> PathBuf {
     let fixtures = interop_fixtures();
     copy_dir(
@@ -44,6 +46,12 @@ fn catalog_root(root: &Path) -> PathBuf {
     copy_dir(
         &fixtures.join("deepspeed_0.19.8_zero2_w2/ckpt"),
         &root.join("deepspeed"),
+    );
+    let bytecheckpoint = fixtures.join("bytecheckpoint_0.0.2_torch2.5.0_fsdp_w2/ckpt");
+    copy_dir(&bytecheckpoint, &root.join("bytecheckpoint/fsdp-w2"));
+    copy_dir(
+        &bytecheckpoint.join("model"),
+        &root.join("bytecheckpoint/model-only"),
     );
     root.to_path_buf()
 }
@@ -67,6 +75,8 @@ fn the_catalog_lists_other_stacks_checkpoints_with_their_writer() {
         ("megatron/mcore-0.15", "dcp"),
         ("megatron/mcore-0.19", "dcp"),
         ("deepspeed/global_step1", "deepspeed"),
+        ("bytecheckpoint/fsdp-w2", "bytecheckpoint"),
+        ("bytecheckpoint/model-only", "bytecheckpoint"),
     ] {
         let listed = entry(&catalog, id);
         assert_eq!(listed["format"], format, "{id}");
@@ -128,6 +138,11 @@ fn loads_planned_by_the_server_give_every_rank_the_writers_bytes() {
             "deepspeed/global_step1",
             fixtures.join("deepspeed_0.19.8_zero2_w2/reference_zero_to_fp32_out_w2x2_s0s1.json"),
             false,
+        ),
+        (
+            "bytecheckpoint/model-only",
+            fixtures.join("bytecheckpoint_0.0.2_torch2.5.0_fsdp_w2/reference_model_w3_shard0.json"),
+            true,
         ),
     ];
     for (id, reference_path, exactly) in cases {

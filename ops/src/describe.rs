@@ -106,6 +106,23 @@ pub async fn describe(location: &str, storage_options: &StorageOptions) -> Resul
                     .collect::<Vec<_>>()
             );
         }
+        FormatDetails::ByteCheckpoint(bc) => {
+            doc["bytecheckpoint"] = json!({
+                "version": bc.version,
+                "followed": bc.followed,
+                "components": bc.components.iter().map(|c| json!({
+                    "name": c.name,
+                    "dir": c.dir,
+                    "metadata_file": c.metadata_file,
+                    "metadata_bytes": c.metadata_bytes,
+                    "bytecheckpoint_version": c.version,
+                    "tensors": c.metadata.tensors.len(),
+                    "objects": c.metadata.objects.len(),
+                    "user_defined_keys": c.user_defined_keys,
+                })).collect::<Vec<_>>(),
+            });
+            doc["objects"] = objects_json(store.as_ref(), &checkpoint).await?;
+        }
         FormatDetails::Safetensors(st) => {
             doc["safetensors"] = json!({
                 "layout": layout_name(st.layout),
@@ -141,7 +158,11 @@ pub async fn objects_json(
     let mut objects = Vec::with_capacity(meta.objects().len());
     for object in meta.objects() {
         let file = &meta.files()[object.file as usize].path;
-        let path = location.clone().join(file.as_str());
+        // Data file paths are `/`-separated (ByteCheckpoint's `optimizer/__0_0.distcp`): one
+        // path part per segment, or the `/` would be escaped into the name.
+        let path = file
+            .split('/')
+            .fold(location.clone(), |path, part| path.join(part));
         let bytes = store
             .get_range(&path, object.offset..object.offset + object.length)
             .await

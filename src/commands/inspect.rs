@@ -105,6 +105,30 @@ pub async fn run(location: &str, as_json: bool, retry: &RetryPolicy) -> Result<S
                 ds.requests
             )?;
         }
+        FormatDetails::ByteCheckpoint(bc) => {
+            writeln!(
+                out,
+                "checkpoint {location}: {}, step {step}, committed ({}{}), read in place",
+                checkpoint
+                    .writer
+                    .as_ref()
+                    .map_or("ByteCheckpoint".to_string(), ToString::to_string),
+                tessera_metadata::formats::bytecheckpoint::component_names(bc),
+                bc.followed
+                    .as_ref()
+                    .map_or(String::new(), |d| format!(" in {d}, from the tracker"))
+            )?;
+            writeln!(
+                out,
+                "{} tensors, {} saved boxes, {} objects, {} data files, {} of tensors, metadata {}",
+                meta.tensors().len(),
+                meta.chunks().len(),
+                meta.objects().len(),
+                meta.files().len(),
+                human::bytes(meta.tensor_bytes()),
+                human::bytes(bc.components.iter().map(|c| c.metadata_bytes).sum())
+            )?;
+        }
         FormatDetails::Safetensors(st) => {
             writeln!(
                 out,

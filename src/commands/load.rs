@@ -850,6 +850,12 @@ fn report_text(
                 "format               PyTorch DCP, read in place without verification (DCP records no checksums of chunk bytes)"
             );
         }
+        Format::ByteCheckpoint => {
+            let _ = writeln!(
+                out,
+                "format               ByteCheckpoint, read in place without verification (ByteCheckpoint records no checksums of storage bytes)"
+            );
+        }
         Format::Safetensors => {
             let _ = writeln!(
                 out,

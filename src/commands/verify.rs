@@ -5,10 +5,13 @@
 //! and the zip CRC-32 of every tensor storage and object blob. safetensors: headers, byte ranges
 //! (no overlap, no hole, inside the file); the format records no checksums of the data.
 //! DeepSpeed: the torch.save files' structure and layout, and the zip CRC-32 of every record.
+//! ByteCheckpoint: the structure (metadata, every chunk's rebuild descriptor against its byte
+//! range) and the zip CRC-32 of its torch.save objects; raw storage bytes carry no checksum.
 
 use std::fmt::Write;
 
 use anyhow::{Context, Result, bail};
+use tessera_metadata::formats::bytecheckpoint::verify_bytecheckpoint;
 use tessera_metadata::formats::dcp::verify_dcp;
 use tessera_metadata::formats::deepspeed::verify_deepspeed;
 use tessera_metadata::formats::list_dir;
@@ -89,6 +92,35 @@ pub async fn check(location: &str, strays: Strays, retry: &storage::RetryPolicy)
                 } else {
                     String::new()
                 }
+            )?;
+        }
+        FormatDetails::ByteCheckpoint(bc) => {
+            let report = verify_bytecheckpoint(
+                loc.store.as_ref(),
+                &opened.root,
+                &opened.meta,
+                bc,
+                CONCURRENCY,
+            )
+            .await?;
+            for bad in &report.bad {
+                writeln!(
+                    out,
+                    "bad blob in {} bytes {}..{} ({}): {}",
+                    bad.file, bad.start, bad.end, bad.entry, bad.detail
+                )?;
+            }
+            if !report.is_ok() {
+                bail!("{out}{location}: verification failed");
+            }
+            writeln!(
+                out,
+                "{location}: ok, ByteCheckpoint: metadata, {} rebuild descriptors and byte ranges are \
+                 consistent (raw storage bytes: no checksum recorded); {} torch.save objects match \
+                 their zip CRC-32, {} checked",
+                report.chunks_unchecked,
+                report.objects_checked,
+                human::bytes(report.bytes_checked),
             )?;
         }
         FormatDetails::Safetensors(st) => {

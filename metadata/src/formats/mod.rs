@@ -2,6 +2,7 @@
 //! directory, or safetensors (a file, a directory, an HF index, DCP's HF writer). One listing of
 //! the location tells them apart ([`open_any`]); every format ends as the same [`CheckpointMeta`].
 
+pub mod bytecheckpoint;
 pub mod dcp;
 pub mod deepspeed;
 pub mod native;
@@ -35,16 +36,19 @@ pub enum Format {
     /// DeepSpeed ZeRO checkpoints (`latest`, `global_stepN/*_states.pt`).
     #[serde(rename = "deepspeed")]
     DeepSpeed,
+    /// ByteCheckpoint saves (`model/`, `optimizer/`, `extra_state/`; raw storage bytes).
+    ByteCheckpoint,
 }
 
 impl Format {
-    /// Lower-case name: `native`, `dcp`, `safetensors`, `deepspeed`.
+    /// Lower-case name: `native`, `dcp`, `safetensors`, `deepspeed`, `bytecheckpoint`.
     pub fn name(self) -> &'static str {
         match self {
             Format::Native => "native",
             Format::Dcp => "dcp",
             Format::Safetensors => "safetensors",
             Format::DeepSpeed => "deepspeed",
+            Format::ByteCheckpoint => "bytecheckpoint",
         }
     }
 }
@@ -118,6 +122,8 @@ pub enum FormatDetails {
     Safetensors(Box<SafetensorsDetails>),
     /// DeepSpeed ZeRO.
     DeepSpeed(Box<deepspeed::DeepSpeedDetails>),
+    /// ByteCheckpoint.
+    ByteCheckpoint(Box<bytecheckpoint::BcDetails>),
 }
 
 /// The software that wrote a checkpoint, as far as its files tell: `PyTorch DCP`,
@@ -203,6 +209,14 @@ impl OpenedCheckpoint {
         }
     }
 
+    /// The ByteCheckpoint details, for ByteCheckpoint saves.
+    pub fn bytecheckpoint(&self) -> Option<&bytecheckpoint::BcDetails> {
+        match &self.details {
+            FormatDetails::ByteCheckpoint(bc) => Some(bc),
+            _ => None,
+        }
+    }
+
     /// The safetensors details, for safetensors checkpoints.
     pub fn safetensors(&self) -> Option<&SafetensorsDetails> {
         match &self.details {
@@ -236,6 +250,8 @@ pub fn step_from_name(name: &str) -> Option<u64> {
 ///
 /// - `manifest.json` (or a native-looking directory without one: `metadata.arrow`, `data/`): the
 ///   native reader, with its errors ([`MetadataError::MissingManifest`] for an incomplete save);
+/// - a ByteCheckpoint save (its root, a component directory, a root of `global_step_N` saves):
+///   [`bytecheckpoint::open_bytecheckpoint`];
 /// - `.metadata` (or per-rank `__<r>.metadata`): [`dcp::open_dcp`];
 /// - `model.safetensors.index.json`, `*.safetensors`, or a `sharded/` folder: [`safetensors::open_safetensors`];
 /// - a location that is itself a `.safetensors` file: that file;
@@ -264,6 +280,25 @@ pub async fn open_any(
         || listing.dirs.contains(native::DATA_DIR)
     {
         return open_native(store, prefix, options).await;
+    }
+    // Before DCP: ByteCheckpoint's `.metadata` looks like torch's from the listing (one small
+    // ranged read of it tells them apart), and a save's root is only folders.
+    if let Some(found) = bytecheckpoint::detect(store, prefix, &listing).await? {
+        let opened = bytecheckpoint::open_bytecheckpoint(store, &found, &options.dcp).await?;
+        return Ok(OpenedCheckpoint {
+            format: Format::ByteCheckpoint,
+            root: found.root,
+            meta: opened.meta,
+            step: found.step.or(step),
+            committed: true,
+            has_data: true,
+            block_checksums: None,
+            writer: Some(Writer::new(
+                "ByteCheckpoint",
+                opened.details.version.clone(),
+            )),
+            details: FormatDetails::ByteCheckpoint(Box::new(opened.details)),
+        });
     }
     if dcp::is_dcp(&listing) {
         let opened = dcp::open_dcp(store, prefix, &listing, &options.dcp).await?;

@@ -17,7 +17,7 @@ use moka::policy::EvictionPolicy;
 use object_store::path::Path;
 use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt};
 use sha2::{Digest, Sha256};
-use tessera_metadata::formats::{dcp, native};
+use tessera_metadata::formats::{bytecheckpoint, dcp, native};
 use tessera_metadata::{CheckpointMeta, MetadataError, OpenOptions, open_any};
 
 use super::facts::CheckpointFacts;
@@ -203,7 +203,8 @@ impl MetaCache {
 /// `.metadata`'s (written last too), each with one `head`: the entity tag, or modification time
 /// and size where the store gives none. Anything else (safetensors, per-rank DCP metadata, an
 /// incomplete save, nothing at all) is stamped by one listing of the directory: every object's
-/// name, size, time and tag.
+/// name, size, time and tag, plus the `.metadata` of a ByteCheckpoint save's `model/` and
+/// `optimizer/` (a `head` each).
 pub(crate) async fn probe(store: &dyn ObjectStore, prefix: &Path) -> Result<String, ApiError> {
     for name in [native::MANIFEST_FILE, dcp::METADATA_FILE] {
         let path = prefix.clone().join(name);
@@ -236,6 +237,19 @@ pub(crate) async fn probe(store: &dyn ObjectStore, prefix: &Path) -> Result<Stri
     dirs.sort();
     for dir in &dirs {
         hasher.update(format!("{dir}/\n").as_bytes());
+        // A ByteCheckpoint save keeps its `.metadata` files (written last) one level down, in
+        // its component directories: a new save changes them, not the root's listing.
+        if dir
+            .filename()
+            .is_some_and(|name| bytecheckpoint::TENSOR_COMPONENTS.contains(&name))
+        {
+            let path = dir.clone().join(dcp::METADATA_FILE);
+            match store.head(&path).await {
+                Ok(meta) => hasher.update(format!("{path}\t{}\n", object_stamp(&meta)).as_bytes()),
+                Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(ApiError::storage(format!("reading {path}"), &e)),
+            }
+        }
     }
     let digest = hasher.finalize();
     Ok(format!(

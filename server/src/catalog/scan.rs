@@ -16,7 +16,9 @@ use object_store::{ListResult, ObjectStore};
 use tessera_metadata::formats::native::{
     LATEST_FILE, read_latest, read_manifest_identified, step_from_dir_name,
 };
-use tessera_metadata::formats::{Listing, dcp, deepspeed, safetensors, step_from_name};
+use tessera_metadata::formats::{
+    Listing, bytecheckpoint, dcp, deepspeed, safetensors, step_from_name,
+};
 use tessera_metadata::{Format, MetadataError};
 
 use super::facts::CheckpointFacts;
@@ -333,7 +335,29 @@ async fn foreign_entry(
 ) -> Result<Option<CheckpointEntry>, ApiError> {
     let listing = scanner.list(dir, problems).await?;
     let names = listing.names();
-    let format = if dcp::is_dcp(&names) {
+    // ByteCheckpoint writes DCP-like `.metadata` files of its own class, in component directories
+    // (`model/`, `optimizer/`) of a save: telling them apart takes a small read of a `.metadata`.
+    let bytecheckpoint = if names.files.contains_key(dcp::METADATA_FILE)
+        || bytecheckpoint::TENSOR_COMPONENTS
+            .iter()
+            .any(|c| names.dirs.contains(*c))
+    {
+        match bytecheckpoint::detect(scanner.store, dir, &names).await {
+            Ok(found) => found.is_some(),
+            Err(e) => {
+                problems.push(CatalogProblem {
+                    path: id.to_string(),
+                    error: format!("cannot tell whether it is a ByteCheckpoint save: {e}"),
+                });
+                false
+            }
+        }
+    } else {
+        false
+    };
+    let format = if bytecheckpoint {
+        Format::ByteCheckpoint
+    } else if dcp::is_dcp(&names) {
         Format::Dcp
     } else if safetensors::is_safetensors(&names) {
         Format::Safetensors

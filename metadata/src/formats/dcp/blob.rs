@@ -372,3 +372,46 @@ fn ints(p: &Pickle, value: &Value, what: &str) -> Result<Vec<u64>, String> {
     };
     items.iter().map(|v| int(p, v, what)).collect()
 }
+
+/// What a bare tensor-descriptor pickle says: `torch._utils._rebuild_tensor_v2(persistent_id(
+/// ('storage', <T>Storage, key, location, numel)), storage_offset, size, stride, ...)`, the
+/// `data.pkl` of a one-tensor `torch.save` without the zip around it. ByteCheckpoint records one
+/// per saved chunk and writes the storage's raw bytes elsewhere.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorDescriptor {
+    /// Element type.
+    pub dtype: DType,
+    /// Whether the storage is untyped (its numel counts bytes, not elements).
+    pub untyped: bool,
+    /// Size of the storage, in elements (bytes for an untyped storage).
+    pub storage_numel: u64,
+    /// Offset of the tensor's first element in its storage, in elements.
+    pub storage_offset: u64,
+    /// Shape of the tensor.
+    pub size: Vec<u64>,
+    /// Element strides of the tensor.
+    pub stride: Vec<u64>,
+}
+
+impl TensorDescriptor {
+    /// Bytes the storage holds.
+    pub fn storage_bytes(&self) -> Option<u64> {
+        self.storage_numel
+            .checked_mul(if self.untyped { 1 } else { self.dtype.size() })
+    }
+}
+
+/// Reads a bare tensor-descriptor pickle (see [`TensorDescriptor`]) with the VM capped by
+/// `limits`; the error says what is wrong in words.
+pub fn parse_tensor_descriptor(bytes: &[u8], limits: &Limits) -> Result<TensorDescriptor, String> {
+    let pickle = pickle::unpickle(bytes, limits).map_err(|e| e.to_string())?;
+    let rebuilt = rebuild(&pickle, pickle.root(), 0)?;
+    Ok(TensorDescriptor {
+        dtype: rebuilt.dtype,
+        untyped: rebuilt.untyped,
+        storage_numel: rebuilt.storage_numel,
+        storage_offset: rebuilt.storage_offset,
+        size: rebuilt.size,
+        stride: rebuilt.stride,
+    })
+}
