@@ -8,7 +8,8 @@
 //! (`*.exp_avg`) the bytes of its `exp_avg_sq`: the generator's FULL_STATE_DICT optimizer gather
 //! aliased them. For those tensors the truth is the saved chunk bytes as Python's decoding of the
 //! metadata (`metadata_dump_optimizer.txt`, byte ranges verified with torch) locates them, sliced
-//! per rank by the reference's boxes; the flaw itself is asserted, so a corrected fixture shows.
+//! per rank by the reference's boxes, wherever a reference shows the flaw (a corrected fixture is
+//! taken as it is).
 #![allow(clippy::unwrap_used, missing_docs)]
 
 mod support;
@@ -106,7 +107,7 @@ fn slice(full: &[u8], shape: &[u64], offsets: &[u64], lengths: &[u64]) -> Vec<u8
 }
 
 /// `reference_<component>_<layout>.json` with the `*.exp_avg` entries' per-rank sha256 taken from
-/// the saved bytes (see the module docs), after asserting the fixture's flaw.
+/// the saved bytes where the fixture has the flaw (see the module docs).
 fn reference(component: &str, layout: &str) -> Value {
     let mut reference = read_json(&fixture().join(format!("reference_{component}_{layout}.json")));
     if component != "optimizer" {
@@ -123,10 +124,10 @@ fn reference(component: &str, layout: &str) -> Value {
     for name in names {
         let sq = tensors[&format!("{name}_sq")]["full_sha256"].clone();
         let entry = tensors.get_mut(&name).unwrap();
-        assert_eq!(
-            entry["full_sha256"], sq,
-            "{name}: the fixture no longer aliases exp_avg_sq"
-        );
+        if entry["full_sha256"] != sq {
+            // A corrected fixture: its reference is the truth.
+            continue;
+        }
         let full = &truth[&name];
         assert_ne!(json!(sha256(full)), sq);
         entry["full_sha256"] = json!(sha256(full));

@@ -31,7 +31,7 @@ fn fixture() -> PathBuf {
 
 /// expected.json's sha256 of every full tensor, except the Adam first moments (`*.exp_avg`):
 /// for those, the fixture's expected.json (and references) hold the bytes of `exp_avg_sq` (an
-/// aliasing in the generator's FULL_STATE_DICT optimizer gather on gloo, asserted below), so
+/// aliasing in the generator's FULL_STATE_DICT optimizer gather on gloo), so where it shows
 /// their truth is taken from the files as Python's own decoding of `storage_data`
 /// (metadata_dump_optimizer.txt, whose byte ranges torch verified) gives them.
 fn expected() -> serde_json::Map<String, Value> {
@@ -46,12 +46,11 @@ fn expected() -> serde_json::Map<String, Value> {
         if !name.ends_with(".exp_avg") {
             continue;
         }
-        // The fixture's flaw, so that a corrected fixture is noticed (drop this branch then).
+        // Only where the fixture has the flaw: a corrected expected.json is the truth.
         let sq = doc["tensors"][format!("{key}_sq")]["sha256"].clone();
-        assert_eq!(
-            entry["sha256"], sq,
-            "{key}: expected.json no longer aliases exp_avg_sq"
-        );
+        if entry["sha256"] != sq {
+            continue;
+        }
         assert_ne!(sha256(&truth[name]), sq.as_str().unwrap());
         entry["sha256"] = json!(sha256(&truth[name]));
     }
