@@ -119,7 +119,7 @@ pub fn parse_bc_fields(
         };
         let offset = match field(index, "offset") {
             None | Some(Value::None) => None,
-            Some(v) => Some(uints(p, v).ok_or_else(|| {
+            Some(v) => Some(p.uints(v).ok_or_else(|| {
                 decode(
                     path,
                     format!(
@@ -169,24 +169,6 @@ fn field<'a>(pairs: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
         .rev()
         .find(|(k, _)| matches!(k, Value::Str(s) if &**s == key))
         .map(|(_, v)| v)
-}
-
-/// A `torch.Size` (a REDUCE of a tuple), tuple or list of non-negative ints.
-fn uints(p: &Pickle, value: &Value) -> Option<Vec<u64>> {
-    let items = match p.sequence(value) {
-        Some(items) => items,
-        None => match p.instance(value)?.args.first() {
-            None => &[][..],
-            Some(arg) => p.sequence(arg)?,
-        },
-    };
-    items
-        .iter()
-        .map(|v| match v {
-            Value::Int(i) if *i >= 0 => Some(*i as u64),
-            _ => None,
-        })
-        .collect()
 }
 
 /// The `fsdp_*` entries of `user_defined_dict` (what ByteCheckpoint's FSDP hack records for every
@@ -245,7 +227,7 @@ fn flat_params(p: &Pickle, user: &[(Value, Value)]) -> Result<FlatParams, String
                         return Err(format!("{key}: more parameter slots than names"));
                     };
                     next += 1;
-                    let shape = uints(p, shape).ok_or_else(|| {
+                    let shape = p.uints(shape).ok_or_else(|| {
                         format!("{key}: the shape of {name} is a {}", p.describe(shape))
                     })?;
                     if shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)) != Some(numel) {

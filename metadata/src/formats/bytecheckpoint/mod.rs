@@ -53,8 +53,10 @@ use object_store::{ObjectStore, ObjectStoreExt};
 
 use crate::formats::dcp::blob::{TensorBlob, TensorDescriptor, parse_tensor_descriptor};
 use crate::formats::dcp::pickle::Limits;
-use crate::formats::dcp::{DcpMetadata, DcpOptions, METADATA_FILE, StorageInfo, parse_metadata};
-use crate::formats::native::{resolve, store_error};
+use crate::formats::dcp::{
+    DcpMetadata, DcpOptions, METADATA_FILE, StorageInfo, check_range, parse_metadata,
+};
+use crate::formats::native::{read_whole, resolve, store_error};
 use crate::formats::{Format, Listing, list_dir};
 use crate::identity::IdentityHasher;
 use crate::{
@@ -413,13 +415,7 @@ pub async fn open_bytecheckpoint(
                 ),
             });
         }
-        let bytes = store
-            .get(&path)
-            .await
-            .map_err(store_error("reading", &path))?
-            .bytes()
-            .await
-            .map_err(store_error("reading", &path))?;
+        let bytes = read_whole(store, &path).await?;
         let metadata_name = join(&component.dir, METADATA_FILE);
         identity.part(metadata_name.as_bytes()).part(&bytes);
         // torch's fields through the DCP reader, ByteCheckpoint's here: two passes of the VM
@@ -737,26 +733,6 @@ fn stored_strides(stride: &[u64], sizes: &[u64]) -> Option<Vec<u64>> {
         .zip(&row_major)
         .all(|((&n, s), r)| n <= 1 || s == r);
     (!same).then(|| stride.to_vec())
-}
-
-fn check_range(
-    fqn: &str,
-    region: &str,
-    path: &Path,
-    info: &StorageInfo,
-    size: u64,
-) -> Result<(), MetadataError> {
-    match info.offset.checked_add(info.length) {
-        Some(end) if end <= size => Ok(()),
-        end => Err(MetadataError::ByteRangePastEnd {
-            fqn: fqn.to_string(),
-            region: region.to_string(),
-            file: path.to_string(),
-            start: info.offset,
-            end: end.unwrap_or(u64::MAX),
-            size,
-        }),
-    }
 }
 
 /// The components' names, for messages: `model, optimizer, extra_state`.

@@ -200,7 +200,7 @@ fn read_mcore_data(
                 };
                 match field(fields, ORIG_SHAPE) {
                     None | Some(Value::None) => None,
-                    Some(shape) => Some(uints(p, shape).ok_or_else(|| {
+                    Some(shape) => Some(p.uints(shape).ok_or_else(|| {
                         decode(
                             path,
                             format!(
@@ -215,27 +215,6 @@ fn read_mcore_data(
         into.insert(key.to_string(), shape);
     }
     Ok(())
-}
-
-/// A tuple, list or `torch.Size` of non-negative ints.
-fn uints(p: &Pickle, value: &Value) -> Option<Vec<u64>> {
-    let items = match p.sequence(value) {
-        Some(items) => items,
-        None => {
-            let instance = p.instance(value)?;
-            match instance.args.first() {
-                None => &[][..],
-                Some(arg) => p.sequence(arg)?,
-            }
-        }
-    };
-    items
-        .iter()
-        .map(|v| match v {
-            Value::Int(i) if *i >= 0 => Some(*i as u64),
-            _ => None,
-        })
-        .collect()
 }
 
 /// How a reformulated tensor's stored shape maps onto its original one.

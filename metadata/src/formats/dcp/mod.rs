@@ -40,7 +40,7 @@ use std::time::Instant;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 
-use crate::formats::native::{resolve, store_error};
+use crate::formats::native::{read_whole, resolve, store_error};
 use crate::formats::{Format, Listing, Writer};
 use crate::identity::IdentityHasher;
 use crate::{
@@ -53,6 +53,7 @@ pub use index::{HEAD_BYTES, IndexCache, IndexSource, IndexStats, TAIL_BYTES};
 pub use megatron::{MegatronConfig, MegatronDetails, Reformulation};
 pub use metadata::{DcpChunk, DcpMetadata, DcpObject, DcpTensor, StorageInfo, parse_metadata};
 pub use object::{decode_object, decode_pickle, value_to_json};
+pub(crate) use verify::stream_crc32;
 pub use verify::{BadBlob, DcpVerifyReport, verify_dcp};
 
 /// Name of the global metadata file.
@@ -200,13 +201,7 @@ pub async fn open_dcp(
                 ),
             });
         }
-        let bytes = store
-            .get(&path)
-            .await
-            .map_err(store_error("reading", &path))?
-            .bytes()
-            .await
-            .map_err(store_error("reading", &path))?;
+        let bytes = read_whole(store, &path).await?;
         digest.update(&bytes);
         digest_c = crc32c::crc32c_append(digest_c, &bytes);
         identity.part(name.as_bytes()).part(&bytes);
@@ -515,13 +510,7 @@ async fn read_megatron_config(
             ),
         });
     }
-    let bytes = store
-        .get(&path)
-        .await
-        .map_err(store_error("reading", &path))?
-        .bytes()
-        .await
-        .map_err(store_error("reading", &path))?;
+    let bytes = read_whole(store, &path).await?;
     identity.part(megatron::CONFIG_FILE.as_bytes()).part(&bytes);
     megatron::parse_config(&bytes, path.as_ref())
 }
@@ -541,7 +530,9 @@ fn stored_strides(blob: &TensorBlob, sizes: &[u64]) -> Option<Vec<u64>> {
     (!same).then(|| blob.stride.clone())
 }
 
-fn check_range(
+/// Refuses a storage range `info` of `path` (of `size` bytes) that ends past the file, naming the
+/// tensor and chunk.
+pub(crate) fn check_range(
     fqn: &str,
     region: &str,
     path: &Path,

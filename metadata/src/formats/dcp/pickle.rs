@@ -217,6 +217,25 @@ impl Pickle {
         }
     }
 
+    /// A `torch.Size` (an instance whose first argument is the tuple), tuple or list of
+    /// non-negative ints; `None` for anything else.
+    pub fn uints(&self, value: &Value) -> Option<Vec<u64>> {
+        let items = match self.sequence(value) {
+            Some(items) => items,
+            None => match self.instance(value)?.args.first() {
+                None => &[][..],
+                Some(arg) => self.sequence(arg)?,
+            },
+        };
+        items
+            .iter()
+            .map(|v| match v {
+                Value::Int(i) if *i >= 0 => Some(*i as u64),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The pairs of a dict.
     pub fn dict(&self, value: &Value) -> Option<&[(Value, Value)]> {
         match self.obj(value)? {

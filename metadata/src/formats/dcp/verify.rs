@@ -131,28 +131,7 @@ async fn check_tensor(
     let path = resolve(prefix, file)?;
     let start = chunk.offset + chunk.blob.data_offset;
     let end = start + chunk.blob.data_len;
-    let mut hasher = crc32fast::Hasher::new();
-    let mut read = 0u64;
-    if end > start {
-        // Streamed: a multi-GiB storage is checked in the store's own chunks.
-        let result = store
-            .get_opts(
-                &path,
-                GetOptions {
-                    range: Some(GetRange::Bounded(start..end)),
-                    ..GetOptions::default()
-                },
-            )
-            .await
-            .map_err(store_error("reading", &path))?;
-        let mut stream = result.into_stream();
-        while let Some(part) = stream.next().await {
-            let part = part.map_err(store_error("reading", &path))?;
-            read += part.len() as u64;
-            hasher.update(&part);
-        }
-    }
-    let actual = hasher.finalize();
+    let (read, actual) = stream_crc32(store, &path, start..end).await?;
     if read == end - start && actual == expected {
         return Ok(Outcome::Checked(read));
     }
@@ -199,4 +178,34 @@ async fn check_object(
             bytes.len() as u64,
         ),
     })
+}
+
+/// The zip CRC-32 of bytes `range` of `path`, and how many bytes the store gave. Streamed: a
+/// multi-GiB storage is checked in the store's own chunks, never held whole.
+pub(crate) async fn stream_crc32(
+    store: &dyn ObjectStore,
+    path: &Path,
+    range: std::ops::Range<u64>,
+) -> Result<(u64, u32), MetadataError> {
+    let mut hasher = crc32fast::Hasher::new();
+    let mut read = 0u64;
+    if range.end > range.start {
+        let result = store
+            .get_opts(
+                path,
+                GetOptions {
+                    range: Some(GetRange::Bounded(range)),
+                    ..GetOptions::default()
+                },
+            )
+            .await
+            .map_err(store_error("reading", path))?;
+        let mut stream = result.into_stream();
+        while let Some(part) = stream.next().await {
+            let part = part.map_err(store_error("reading", path))?;
+            read += part.len() as u64;
+            hasher.update(&part);
+        }
+    }
+    Ok((read, hasher.finalize()))
 }

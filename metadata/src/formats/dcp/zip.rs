@@ -174,6 +174,17 @@ impl Directory {
     pub fn find(&self, name: &str) -> Option<&Entry> {
         self.entries.iter().find(|e| e.name == name)
     }
+
+    /// The `data.pkl` of a `torch.save` archive: the one in its top folder (torch names it
+    /// `<archive>/data.pkl`), with the folder prefix its other members share.
+    pub fn torch_data_pkl(&self) -> Option<(&Entry, &str)> {
+        let pkl = self
+            .entries
+            .iter()
+            .filter(|e| e.name.ends_with("/data.pkl") || e.name == "data.pkl")
+            .min_by_key(|e| e.name.len())?;
+        Some((pkl, &pkl.name[..pkl.name.len() - "data.pkl".len()]))
+    }
 }
 
 /// Reads the end records and the central directory.

@@ -31,12 +31,12 @@ mod verify;
 use std::collections::{BTreeMap, HashMap};
 
 use futures::StreamExt;
+use object_store::ObjectStore;
 use object_store::path::Path;
-use object_store::{ObjectStore, ObjectStoreExt};
 use serde_json::Value as Json;
 
 use crate::formats::dcp::{PickledTensor, TensorBlob};
-use crate::formats::native::{resolve, store_error};
+use crate::formats::native::{read_whole, resolve};
 use crate::formats::{Format, Listing, list_dir};
 use crate::identity::IdentityHasher;
 use crate::{
@@ -171,13 +171,7 @@ pub async fn locate(
     if size > MAX_LATEST {
         return Ok(None);
     }
-    let bytes = store
-        .get(&path)
-        .await
-        .map_err(store_error("reading", &path))?
-        .bytes()
-        .await
-        .map_err(store_error("reading", &path))?;
+    let bytes = read_whole(store, &path).await?;
     let Ok(text) = std::str::from_utf8(&bytes) else {
         return Ok(None);
     };

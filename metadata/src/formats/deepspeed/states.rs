@@ -379,15 +379,9 @@ pub fn parse_states_file(bytes: &[u8]) -> Result<(), String> {
     use crate::formats::dcp::zip::{self, Segments};
     let seg = Segments::whole(bytes::Bytes::copy_from_slice(bytes));
     let dir = zip::read_directory(&seg).map_err(|e| e.to_string())?;
-    let Some(pkl) = dir
-        .entries
-        .iter()
-        .filter(|e| e.name.ends_with("/data.pkl") || e.name == "data.pkl")
-        .min_by_key(|e| e.name.len())
-    else {
+    let Some((pkl, prefix)) = dir.torch_data_pkl() else {
         return Err("no data.pkl".to_string());
     };
-    let prefix = &pkl.name[..pkl.name.len() - "data.pkl".len()];
     let data = zip::read_member(&seg, &dir, pkl).map_err(|e| e.to_string())?;
     let p = load(data)?;
     let tensors: Vec<PickledTensor> = if p

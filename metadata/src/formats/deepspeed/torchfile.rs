@@ -149,20 +149,14 @@ pub async fn read(
             "its zip directory cannot be located",
         ));
     };
-    // `data.pkl` at the archive's top folder (torch names it `<archive>/data.pkl`).
-    let Some(pkl) = dir
-        .entries
-        .iter()
-        .filter(|e| e.name.ends_with("/data.pkl") || e.name == "data.pkl")
-        .min_by_key(|e| e.name.len())
-    else {
+    let Some((pkl, prefix)) = dir.torch_data_pkl() else {
         return Err(file_error(
             &path,
             size,
             "no data.pkl member: not a torch.save file",
         ));
     };
-    let prefix = pkl.name[..pkl.name.len() - "data.pkl".len()].to_string();
+    let prefix = prefix.to_string();
     if pkl.size > LIMITS.max_input as u64 {
         return Err(file_error(
             &path,

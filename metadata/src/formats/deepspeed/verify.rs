@@ -2,13 +2,14 @@
 //! torch.save file against the CRC-32 its zip directory records, streamed (bounded memory).
 
 use futures::StreamExt;
+use object_store::ObjectStore;
 use object_store::path::Path;
-use object_store::{GetOptions, GetRange, ObjectStore};
 
 use super::DeepSpeedDetails;
 use super::torchfile::Record;
 use crate::formats::dcp::BadBlob;
-use crate::formats::native::{resolve, store_error};
+use crate::formats::dcp::stream_crc32;
+use crate::formats::native::resolve;
 use crate::{CheckpointMeta, MetadataError};
 
 /// What [`verify_deepspeed`] found.
@@ -76,27 +77,7 @@ async fn check(
 ) -> Result<(u64, Option<BadBlob>), MetadataError> {
     let path = resolve(prefix, file)?;
     let (start, end) = (record.range.start, record.range.end);
-    let mut hasher = crc32fast::Hasher::new();
-    let mut read = 0u64;
-    if end > start {
-        let result = store
-            .get_opts(
-                &path,
-                GetOptions {
-                    range: Some(GetRange::Bounded(start..end)),
-                    ..GetOptions::default()
-                },
-            )
-            .await
-            .map_err(store_error("reading", &path))?;
-        let mut stream = result.into_stream();
-        while let Some(part) = stream.next().await {
-            let part = part.map_err(store_error("reading", &path))?;
-            read += part.len() as u64;
-            hasher.update(&part);
-        }
-    }
-    let actual = hasher.finalize();
+    let (read, actual) = stream_crc32(store, &path, start..end).await?;
     if read == end - start && actual == record.crc32 {
         return Ok((read, None));
     }

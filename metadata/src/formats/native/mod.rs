@@ -112,6 +112,22 @@ fn bad_relative_path(relative: &str, why: &str) -> MetadataError {
     }
 }
 
+/// Reads the whole object at `path` (callers check its size against their cap first, from a
+/// listing or a head, so that no reader fetches an unbounded object).
+pub(crate) async fn read_whole(
+    store: &dyn object_store::ObjectStore,
+    path: &Path,
+) -> Result<bytes::Bytes, MetadataError> {
+    use object_store::ObjectStoreExt;
+    store
+        .get(path)
+        .await
+        .map_err(store_error("reading", path))?
+        .bytes()
+        .await
+        .map_err(store_error("reading", path))
+}
+
 /// Maps a storage error to [`MetadataError::Store`] with the verb phrase and path.
 pub(crate) fn store_error(
     action: &'static str,

@@ -10,7 +10,7 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use serde_json::Value;
 
 use super::{Header, header_len, parse_header};
-use crate::formats::native::{resolve, store_error};
+use crate::formats::native::{read_whole, resolve, store_error};
 use crate::formats::{Format, Listing, list_dir};
 use crate::identity::IdentityHasher;
 use crate::{
@@ -324,13 +324,7 @@ async fn read_index(
     {
         return Err(bad(format!("larger than the {MAX_INDEX_BYTES}-byte cap")));
     }
-    let bytes = store
-        .get(&path)
-        .await
-        .map_err(store_error("reading", &path))?
-        .bytes()
-        .await
-        .map_err(store_error("reading", &path))?;
+    let bytes = read_whole(store, &path).await?;
     let value: Value = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
     let Some(map) = value.get("weight_map").and_then(Value::as_object) else {
         return Err(bad("no weight_map object".to_string()));
