@@ -6,12 +6,13 @@
 #![allow(clippy::unwrap_used, missing_docs)]
 
 mod dcp_support;
+mod mutation_support;
 
+use mutation_support::{edit, mutate};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use proptest::prelude::*;
-use proptest::sample::Index;
 use tessera_metadata::formats::bytecheckpoint::{is_bytecheckpoint_metadata, parse_bc_fields};
 use tessera_metadata::formats::dcp::blob::parse_tensor_descriptor;
 use tessera_metadata::formats::dcp::parse_metadata;
@@ -55,65 +56,6 @@ fn samples() -> &'static Samples {
     })
 }
 
-const INTERESTING: &[u8] = &[
-    b'(', b'.', b'0', b'1', b'2', b'C', b'J', b'K', b'M', b'N', b'Q', b'R', b'X', b'a', b'b', b'c',
-    b'e', b'h', b'q', b's', b't', b'u', b')', b']', b'}', 0x80, 0x85, 0x86, 0x87, 0x88, 0x89, 0x8c,
-    0x93, 0x94, 0x95, 0xff, 0x00, 0x01, 0x02,
-];
-
-#[derive(Clone, Debug)]
-enum Edit {
-    Set(Index, u8),
-    Opcode(Index, Index),
-    Insert(Index, Vec<u8>),
-    Delete(Index, usize),
-    Truncate(Index),
-}
-
-fn edit() -> impl Strategy<Value = Edit> {
-    prop_oneof![
-        4 => (any::<Index>(), any::<u8>()).prop_map(|(i, b)| Edit::Set(i, b)),
-        4 => (any::<Index>(), any::<Index>()).prop_map(|(i, o)| Edit::Opcode(i, o)),
-        2 => (any::<Index>(), prop::collection::vec(any::<u8>(), 1..16)).prop_map(|(i, b)| Edit::Insert(i, b)),
-        2 => (any::<Index>(), 1usize..64).prop_map(|(i, n)| Edit::Delete(i, n)),
-        1 => any::<Index>().prop_map(Edit::Truncate),
-    ]
-}
-
-fn mutate(base: &[u8], edits: &[Edit]) -> Vec<u8> {
-    let mut out = base.to_vec();
-    for e in edits {
-        if out.is_empty() {
-            break;
-        }
-        let at = |i: &Index| i.index(out.len());
-        match e {
-            Edit::Set(i, b) => {
-                let k = at(i);
-                out[k] = *b;
-            }
-            Edit::Opcode(i, o) => {
-                let k = at(i);
-                out[k] = INTERESTING[o.index(INTERESTING.len())];
-            }
-            Edit::Insert(i, bytes) => {
-                let k = at(i);
-                out.splice(k..k, bytes.iter().copied());
-            }
-            Edit::Delete(i, n) => {
-                let k = at(i);
-                let end = (k + n).min(out.len());
-                out.drain(k..end);
-            }
-            Edit::Truncate(i) => {
-                let k = at(i);
-                out.truncate(k);
-            }
-        }
-    }
-    out
-}
-
 fn read_metadata_every_way(data: &[u8]) {
     let _ = is_bytecheckpoint_metadata(data);
     let _ = parse_bc_fields(data, "fuzz", &Limits::METADATA);
@@ -152,12 +94,12 @@ proptest! {
 
     #[test]
     fn mutated_metadata_never_panics(which in 0usize..2, edits in prop::collection::vec(edit(), 1..6)) {
-        read_metadata_every_way(&mutate(&samples().metadata[which], &edits));
+        read_metadata_every_way(&mutate(&samples().metadata[which], &edits, 0..usize::MAX));
     }
 
     #[test]
     fn mutated_descriptors_never_panic(which in 0usize..16, edits in prop::collection::vec(edit(), 1..6)) {
-        let _ = parse_tensor_descriptor(&mutate(&samples().descriptors[which], &edits), &Limits::BLOB);
+        let _ = parse_tensor_descriptor(&mutate(&samples().descriptors[which], &edits, 0..usize::MAX), &Limits::BLOB);
     }
 }
 
@@ -171,10 +113,10 @@ proptest! {
         data_too in any::<bool>(),
     ) {
         let tmp = tempfile::tempdir().unwrap();
-        let metadata = mutate(&samples().metadata[0], &edits);
+        let metadata = mutate(&samples().metadata[0], &edits, 0..usize::MAX);
         let data = data_too.then(|| {
             let bytes = std::fs::read(fixture().join("model/__1_0.distcp")).unwrap();
-            mutate(&bytes, &edits)
+            mutate(&bytes, &edits, 0..usize::MAX)
         });
         let dir = model_copy(tmp.path(), Some(&metadata), data.as_deref());
         if let Ok(opened) = dcp_support::open(&dir) {
