@@ -186,6 +186,8 @@ async fn read_runs(
     let mut boxes = meta.filter(|_| options.verify).map(BoxLookup::new);
     let mut sources: Vec<Source> = Vec::new();
     let mut ranges: Vec<FileRange> = Vec::new();
+    // Whole saved boxes checked against their own crc32c: no checksum blocks needed for them.
+    let mut box_ranges: Vec<FileRange> = Vec::new();
     let mut pieces = 0usize;
     let mut bytes_needed = 0u64;
     for (index, piece) in plan.pieces.iter().enumerate() {
@@ -212,10 +214,19 @@ async fn read_runs(
             deliver(index, Delivery::Complete)?;
             continue;
         }
-        runs.src_ranges(read.file, &mut ranges);
         let whole_box = boxes
             .as_mut()
             .and_then(|b| b.whole_box(plan, piece, &runs, &files[read.file as usize]));
+        match &whole_box {
+            // A whole box is one contiguous run (`whole_box` checks), and its crc32c covers
+            // every byte of it, so block checksums would only add bytes to fetch.
+            Some(check) => box_ranges.push(FileRange {
+                file: read.file,
+                start: check.start,
+                end: check.end,
+            }),
+            None => runs.src_ranges(read.file, &mut ranges),
+        }
         sources.push(Source {
             piece: index,
             file: read.file,
@@ -225,13 +236,13 @@ async fn read_runs(
     }
 
     let scheduler = RangeScheduler::new(store, files, checksums, options);
-    let schedule = scheduler.schedule(ranges)?;
+    let schedule = scheduler.schedule_checked(ranges, box_ranges)?;
     let index = SourceIndex::new(&sources);
     let mut remaining: Vec<u64> = sources.iter().map(|s| s.runs.total).collect();
     let mut boxes_verified = 0u64;
 
     let fetched = scheduler
-        .fetch(&schedule.parts, |part, bytes| {
+        .fetch_with(&schedule.parts, &schedule.caller_checked, |part, bytes| {
             let mut delivered = 0u64;
             for s in index.overlapping(part) {
                 let source = &mut sources[s];
