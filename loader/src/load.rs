@@ -154,7 +154,7 @@ pub struct RankReport {
     /// Bytes requested from storage (read + checksum-block extension).
     pub bytes_fetched: u64,
     /// Of `bytes_fetched`, the bytes only verification needed (whole checksum blocks around
-    /// the data).
+    /// the data, the rest of small boxes read whole to check their own crc32c).
     pub verify_extra_bytes: u64,
     /// Read amplification of the bytes needed: data fetched (`bytes_fetched` less
     /// `verify_extra_bytes`) / `bytes_read`. 1.00 when no byte outside the pieces is read.
@@ -164,8 +164,8 @@ pub struct RankReport {
     /// Checksum blocks around small tensors can make this several times `read_amplification`.
     #[serde(default)]
     pub io_amplification: f64,
-    /// Pieces that were whole saved boxes, verified by the crc32c of their own metadata row
-    /// (these need no checksum blocks).
+    /// Saved boxes fetched whole and verified by the crc32c of their own metadata row (these
+    /// need no checksum blocks): whole-box pieces, and small boxes of which a part was needed.
     #[serde(default)]
     pub boxes_verified: u64,
     /// Storage requests.

@@ -399,6 +399,11 @@ impl<'a> RangeScheduler<'a> {
     }
 }
 
+/// Bytes in the union of `ranges`.
+pub(crate) fn union_len(ranges: Vec<FileRange>) -> u64 {
+    coalesce(ranges).iter().map(FileRange::len).sum()
+}
+
 /// Sorts `ranges` and merges those of one file that touch or overlap.
 fn coalesce(mut ranges: Vec<FileRange>) -> Vec<FileRange> {
     ranges.sort_unstable();

@@ -812,9 +812,10 @@ pub struct LoadTotals {
     pub bytes_read: u64,
     /// Bytes fetched from storage, verification blocks included.
     pub bytes_fetched: u64,
-    /// Of `bytes_fetched`, the bytes of checksum blocks only verification needed.
+    /// Of `bytes_fetched`, the bytes only verification needed (checksum blocks around the data,
+    /// the rest of boxes read whole to check their crc32c).
     pub verify_extra_bytes: u64,
-    /// Pieces verified as whole boxes by their own crc32c.
+    /// Saved boxes fetched whole and checked against their own crc32c.
     pub boxes_verified: u64,
     /// `bytes_read / unique_needed`: 1.00 when no byte is read twice or needlessly.
     pub read_amplification: f64,
@@ -894,11 +895,11 @@ fn report_text(
     let boxes = sum(|r| r.boxes_verified);
     let _ = writeln!(
         out,
-        "bytes fetched        {} ({} for checksum blocks{}, {} requests, {} retries)",
+        "bytes fetched        {} ({} only to verify: checksum blocks, boxes read whole{}; {} requests, {} retries)",
         human::bytes(fetched),
         human::bytes(totals.verify_extra_bytes),
         if boxes > 0 {
-            format!(", {boxes} whole boxes checked by their own crc32c")
+            format!("; {boxes} boxes checked by their own crc32c")
         } else {
             String::new()
         },
@@ -907,7 +908,7 @@ fn report_text(
     );
     let _ = writeln!(
         out,
-        "total I/O            {} = {:.2} x needed (I/O amplification: data plus verification blocks / needed)",
+        "total I/O            {} = {:.2} x needed (I/O amplification = bytes fetched, verification included / needed)",
         human::bytes(fetched),
         totals.io_amplification,
     );
