@@ -152,7 +152,10 @@ fn report_names_read_and_io_amplification_where_checksum_blocks_dominate() {
     let (text, report) = load(dir.path(), &ckpt, &["--layout", s(&target), "--no-verify"]);
     assert_eq!(u(&report["totals"], "verify_extra_bytes"), 0);
     assert_eq!(f(&report["totals"], "io_amplification"), 1.0);
-    assert!(text.contains(" = 1.00 x needed (I/O amplification"), "{text}");
+    assert!(
+        text.contains(" = 1.00 x needed (I/O amplification"),
+        "{text}"
+    );
 }
 
 /// `human::bytes` as the report prints it (binary units, two decimals).
@@ -201,7 +204,11 @@ fn part_of_a_small_box_fetches_the_box_and_part_of_a_large_one_its_blocks() {
     let (_, report) = load(dir.path(), &ckpt, &["--requests", s(&req), "--check"]);
     let totals = &report["totals"];
     assert_eq!(u(totals, "bytes_read"), 10 * 64 * 2);
-    assert_eq!(u(totals, "bytes_fetched"), small_len, "the box, not a block");
+    assert_eq!(
+        u(totals, "bytes_fetched"),
+        small_len,
+        "the box, not a block"
+    );
     assert_eq!(u(totals, "boxes_verified"), 1);
 
     // 10 of 500 rows of a 128,000-byte fp32 box: the block around them is cheaper.

@@ -238,13 +238,15 @@ async fn read_runs(
         let check = match boxes.as_mut() {
             Some(b) => match b.whole_box(plan, piece, &runs, (read.file, file)) {
                 Some(check) => Some(check),
-                None => match block_checksums {
-                    Some(blocks) => {
+                None => match (
+                    block_checksums,
+                    b.containing_box(plan, piece, &runs, (read.file, file)),
+                ) {
+                    (Some(blocks), Some(check)) => {
                         let cost = block_cost(blocks, &file.key, &piece_ranges)?;
-                        b.containing_box(plan, piece, &runs, (read.file, file))
-                            .filter(|c| c.end - c.start <= cost)
+                        (check.end - check.start <= cost).then_some(check)
                     }
-                    None => None,
+                    _ => None,
                 },
             },
             None => None,

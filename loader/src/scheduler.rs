@@ -250,7 +250,10 @@ impl<'a> RangeScheduler<'a> {
             });
         }
         let bs = checksums.block_size();
-        let block_parts = split(&coalesce(extended), (self.options.part_size / bs).max(1) * bs);
+        let block_parts = split(
+            &coalesce(extended),
+            (self.options.part_size / bs).max(1) * bs,
+        );
         let own = subtract(&coalesce(checked), &block_parts);
         let own_parts = split(&own, self.options.part_size.max(1));
         let mut tagged: Vec<(FileRange, bool)> = block_parts
@@ -827,7 +830,13 @@ mod tests {
         let cover = [r(0, 10, 20), r(0, 30, 40), r(0, 90, 155), r(1, 50, 60)];
         assert_eq!(
             subtract(&ranges, &cover),
-            vec![r(0, 0, 10), r(0, 20, 30), r(0, 40, 90), r(0, 155, 160), r(1, 0, 50)]
+            vec![
+                r(0, 0, 10),
+                r(0, 20, 30),
+                r(0, 40, 90),
+                r(0, 155, 160),
+                r(1, 0, 50)
+            ]
         );
     }
 

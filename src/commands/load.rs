@@ -867,7 +867,11 @@ fn report_text(
     let max = |f: fn(&RankReport) -> f64| reports.iter().map(f).fold(0.0, f64::max);
     let needed = sum(|r| r.bytes_needed);
     let totals = LoadTotals::new(plan, reports);
-    let (read, fetched, unique) = (totals.bytes_read, totals.bytes_fetched, totals.unique_needed);
+    let (read, fetched, unique) = (
+        totals.bytes_read,
+        totals.bytes_fetched,
+        totals.unique_needed,
+    );
     let total = max(|r| r.total_seconds);
     let mut out = String::new();
     let _ = writeln!(
