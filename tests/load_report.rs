@@ -148,6 +148,31 @@ fn report_names_read_and_io_amplification_where_checksum_blocks_dominate() {
         assert_eq!(f(rank, "read_amplification"), 1.0);
     }
 
+    // Ranks as processes: each writes its own report (the per-rank JSON, both figures named) and
+    // the totals add up to the same.
+    let (_, tcp) = load(
+        dir.path(),
+        &ckpt,
+        &["--layout", s(&target), "--transport", "tcp"],
+    );
+    for key in [
+        "bytes_read",
+        "bytes_fetched",
+        "verify_extra_bytes",
+        "boxes_verified",
+    ] {
+        assert_eq!(u(&tcp["totals"], key), u(totals, key), "{key}");
+    }
+    assert_eq!(f(&tcp["totals"], "io_amplification"), io);
+    for (a, b) in tcp["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(report["ranks"].as_array().unwrap())
+    {
+        assert_eq!(f(a, "io_amplification"), f(b, "io_amplification"));
+    }
+
     // Without verification both figures are the same.
     let (text, report) = load(dir.path(), &ckpt, &["--layout", s(&target), "--no-verify"]);
     assert_eq!(u(&report["totals"], "verify_extra_bytes"), 0);
