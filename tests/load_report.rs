@@ -181,6 +181,7 @@ fn report_names_read_and_io_amplification_where_checksum_blocks_dominate() {
         text.contains(" = 1.00 x needed (I/O amplification"),
         "{text}"
     );
+    assert!(!text.contains("only to verify"), "{text}");
 }
 
 /// `human::bytes` as the report prints it (binary units, two decimals).

@@ -897,16 +897,19 @@ fn report_text(
         totals.read_amplification,
     );
     let boxes = sum(|r| r.boxes_verified);
+    // Formats without checksums (and --no-verify) fetch nothing to verify: say nothing about it.
+    let verification = if totals.verify_extra_bytes > 0 || boxes > 0 {
+        format!(
+            "{} only to verify: checksum blocks, boxes read whole; {boxes} boxes checked by their own crc32c; ",
+            human::bytes(totals.verify_extra_bytes)
+        )
+    } else {
+        String::new()
+    };
     let _ = writeln!(
         out,
-        "bytes fetched        {} ({} only to verify: checksum blocks, boxes read whole{}; {} requests, {} retries)",
+        "bytes fetched        {} ({verification}{} requests, {} retries)",
         human::bytes(fetched),
-        human::bytes(totals.verify_extra_bytes),
-        if boxes > 0 {
-            format!("; {boxes} boxes checked by their own crc32c")
-        } else {
-            String::new()
-        },
         sum(|r| r.requests),
         sum(|r| r.retries)
     );
