@@ -9,9 +9,20 @@ PYTHON ?= $(shell python3 -c 'import yaml' 2>/dev/null && echo python3 || echo /
 # apt-get needs root; CI runs as root, a workstation through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: test lint unit gpu-test python-gpu-test bench-build bench bench-gpu demo webui webui-deps helm-test python-env python-test python-bench
+.PHONY: test skips-reset lint unit gpu-test python-gpu-test bench-build bench bench-gpu demo webui webui-deps helm-test python-env python-test python-bench
 
-test: lint unit python-test webui helm-test
+# Tests that cannot run here (GPU tests without a CUDA driver, torch tests without torch) pass
+# without running; each suite that has such tests counts them into $(SKIPS) (.ci/skip_summary.py),
+# and `make test` ends by repeating those lines.
+SKIPS ?= target/test-skips.txt
+SKIP_SUMMARY = python3 .ci/skip_summary.py
+
+test: skips-reset lint unit python-test webui helm-test
+	@echo "== tests skipped on this machine (README \"Tests\" says how to run them):"
+	@cat $(SKIPS)
+
+skips-reset:
+	@mkdir -p $(dir $(SKIPS)) && : > $(SKIPS)
 
 # The `cuda` feature is linted too (it builds without CUDA), so the GPU path cannot rot.
 lint:
@@ -24,7 +35,7 @@ lint:
 # first command: they need no feature.
 unit:
 	$(CARGO) test --workspace --locked
-	$(CARGO) test --locked -p tessera-loader -p tessera --features tessera/cuda --lib --test cuda_absent --test gpu
+	$(SKIP_SUMMARY) "GPU tests" $(SKIPS) -- $(CARGO) test --locked -p tessera-loader -p tessera --features tessera/cuda --lib --test cuda_absent --test gpu -- --show-output
 
 # Every GPU test in one command (on a machine with an NVIDIA GPU and driver; NCCL for the NCCL
 # tests). Each test says `skipped: <reason>` where it cannot run.
@@ -59,15 +70,19 @@ webui: webui-deps
 	$(CARGO) build --locked --bin tessera
 	cd tests/webui && CHROMIUM=$(CHROMIUM) timeout 600 npm test
 
+# Before installing anything it says what and why: apt-get may also upgrade system packages that
+# Chromium depends on.
 webui-deps:
-	@[ -x $(CHROMIUM) ] || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }
+	@[ -x $(CHROMIUM) ] || { echo "webui: the web UI tests drive a real headless Chromium and there is none at $(CHROMIUM)"; \
+	  echo "webui: installing it now: $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium (may upgrade system packages it depends on; CHROMIUM=/path/to/chromium uses another)"; \
+	  $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }
 	@[ -x $(CHROMIUM) ] || { echo "error: no Chromium at $(CHROMIUM) and apt-get could not install it" >&2; exit 1; }
-	@[ -d tests/webui/node_modules/playwright-core ] || (cd tests/webui && npm ci --no-audit --no-fund)
+	@[ -d tests/webui/node_modules/playwright-core ] || { echo "webui: installing playwright-core (npm ci in tests/webui) to drive Chromium"; cd tests/webui && npm ci --no-audit --no-fund; }
 
 # The Helm chart rendered with default and non-default values, checked for the Kubernetes fields
 # that matter (helm/test_chart.py; no helm binary needed).
 helm-test:
-	@$(PYTHON) -c 'import yaml' 2>/dev/null || { $(SUDO) apt-get update && $(SUDO) apt-get install -y python3-yaml; }
+	@$(PYTHON) -c 'import yaml' 2>/dev/null || { echo "helm-test: the chart checks parse YAML and $(PYTHON) has no PyYAML: installing python3-yaml with apt-get"; $(SUDO) apt-get update && $(SUDO) apt-get install -y python3-yaml; }
 	$(PYTHON) helm/test_chart.py
 
 # The Python package (python/): built into a virtual environment with maturin and tested with
@@ -76,14 +91,14 @@ PYENV ?= target/pyenv
 PYENV_ABS = $(abspath $(PYENV))
 
 python-env:
-	@[ -x $(PYENV)/bin/python ] || python3 -m venv $(PYENV) || { $(SUDO) apt-get update && $(SUDO) apt-get install -y python3-venv && python3 -m venv $(PYENV); }
+	@[ -x $(PYENV)/bin/python ] || python3 -m venv $(PYENV) || { echo "python-env: python3 cannot create a virtual environment: installing python3-venv with apt-get"; $(SUDO) apt-get update && $(SUDO) apt-get install -y python3-venv && python3 -m venv $(PYENV); }
 	$(PYENV)/bin/pip install -q --disable-pip-version-check 'maturin>=1.9,<2' 'numpy>=1.24' 'pytest>=8' 'ml_dtypes>=0.4'
 
 python-test: python-env
 	$(CARGO) build --locked -p tessera-storage --features testing --example s3_test_server
 	$(CARGO) build --locked --bin tessera
 	cd python && VIRTUAL_ENV=$(PYENV_ABS) $(PYENV_ABS)/bin/maturin develop --locked
-	timeout 900 $(PYENV)/bin/pytest -q -rs python/tests
+	$(SKIP_SUMMARY) "Python tests" $(SKIPS) -- timeout 900 $(PYENV)/bin/pytest -q -rs python/tests
 
 # Python-side overhead: `tessera.load` into NumPy arrays vs the CLI, same checkpoint, same run.
 python-bench: python-env

@@ -171,7 +171,9 @@ enum Command {
         /// to send; with --transport tcp, also how long the other ranks get after one failed.
         #[arg(long, default_value_t = 60.0)]
         peer_timeout: f64,
-        /// Write this rank's JSON report to a file.
+        /// Write the JSON report to a file: with --rank, that rank's report; otherwise
+        /// {"totals": ..., "ranks": [...]}. Both name read_amplification (data read / bytes
+        /// needed) and io_amplification (bytes fetched, checksum blocks included / bytes needed).
         #[arg(long)]
         report_json: Option<String>,
         /// No progress bar and no report on stdout.

@@ -205,6 +205,12 @@ where
         bytes_read: read.bytes_needed,
         bytes_fetched: read.bytes_fetched,
         verify_extra_bytes: read.verify_extra_bytes,
+        read_amplification: crate::load::ratio(
+            read.bytes_fetched.saturating_sub(read.verify_extra_bytes),
+            read.bytes_needed,
+        ),
+        io_amplification: crate::load::ratio(read.bytes_fetched, read.bytes_needed),
+        boxes_verified: read.boxes_verified,
         requests: read.requests,
         retries: read.retries,
         bytes_sent: exchanged.bytes_sent,

@@ -153,8 +153,21 @@ pub struct RankReport {
     pub bytes_read: u64,
     /// Bytes requested from storage (read + checksum-block extension).
     pub bytes_fetched: u64,
-    /// Of `bytes_fetched`, the bytes only verification needed.
+    /// Of `bytes_fetched`, the bytes only verification needed (whole checksum blocks around
+    /// the data, the rest of small boxes read whole to check their own crc32c).
     pub verify_extra_bytes: u64,
+    /// Read amplification of the bytes needed: data fetched (`bytes_fetched` less
+    /// `verify_extra_bytes`) / `bytes_read`. 1.00 when no byte outside the pieces is read.
+    #[serde(default)]
+    pub read_amplification: f64,
+    /// Total I/O per byte needed, verification included: `bytes_fetched` / `bytes_read`.
+    /// Checksum blocks around small tensors can make this several times `read_amplification`.
+    #[serde(default)]
+    pub io_amplification: f64,
+    /// Saved boxes fetched whole and verified by the crc32c of their own metadata row (these
+    /// need no checksum blocks): whole-box pieces, and small boxes of which a part was needed.
+    #[serde(default)]
+    pub boxes_verified: u64,
     /// Storage requests.
     pub requests: u64,
     /// Retried storage requests.
@@ -229,6 +242,12 @@ pub async fn load_rank_into<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
         bytes_read: stats.bytes_needed,
         bytes_fetched: stats.bytes_fetched,
         verify_extra_bytes: stats.verify_extra_bytes,
+        read_amplification: ratio(
+            stats.bytes_fetched.saturating_sub(stats.verify_extra_bytes),
+            stats.bytes_needed,
+        ),
+        io_amplification: ratio(stats.bytes_fetched, stats.bytes_needed),
+        boxes_verified: stats.boxes_verified,
         requests: stats.requests,
         retries: stats.retries,
         bytes_sent: exchanged.bytes_sent,
@@ -239,4 +258,13 @@ pub async fn load_rank_into<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
         h2d_seconds: 0.0,
         total_seconds: started.elapsed().as_secs_f64(),
     })
+}
+
+/// `num / den` as an amplification: 1.00 when nothing was needed (nothing read is no waste).
+pub fn ratio(num: u64, den: u64) -> f64 {
+    if den == 0 {
+        1.0
+    } else {
+        num as f64 / den as f64
+    }
 }

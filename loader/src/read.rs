@@ -11,10 +11,15 @@
 //! and pieces are contiguous stretches of their file, those are few.
 //!
 //! A piece that is a whole saved box (the common case when a layout matches the saved one, and
-//! always in `convert`) is also checked against the crc32c of the box's own metadata row, folded
-//! from the parts as they arrive (`crc32c_combine`, since parts complete in any order). Block
-//! checksums only prove that a file holds what was written; the box crc proves the metadata points
-//! the box at its own bytes (a metadata row with another box's offset passes every block check).
+//! always in `convert`) is checked against the crc32c of the box's own metadata row instead of
+//! block checksums, folded from the parts as they arrive (`crc32c_combine`, since parts complete
+//! in any order), and fetched without the checksum blocks around it. Block checksums only prove
+//! that a file holds what was written; the box crc also proves the metadata points the box at its
+//! own bytes (a metadata row with another box's offset passes every block check). A piece that is
+//! part of a box is verified the same way, the box fetched whole, when the box is no larger than
+//! the checksum blocks the piece would need: small tensors split over ranks then cost their own
+//! bytes rather than a 64 KiB block on each side of every slice. Such a piece is handed on only
+//! once its box has checked out.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,7 +33,7 @@ use tessera_metadata::{CheckpointMeta, MetadataError};
 use tessera_planner::{RankPiece, RankPlan, StridedRuns};
 
 use crate::LoaderError;
-use crate::scheduler::{FileRange, RangeScheduler, SourceFile};
+use crate::scheduler::{FileRange, RangeScheduler, SourceFile, union_len};
 
 pub use crate::scheduler::ReadOptions;
 
@@ -46,7 +51,8 @@ pub struct ReadStats {
     pub verify_extra_bytes: u64,
     /// Bytes checked against block checksums (0 when not verifying).
     pub bytes_verified: u64,
-    /// Pieces that were whole saved boxes checked against their metadata row's crc32c.
+    /// Saved boxes fetched whole and checked against their metadata row's crc32c instead of
+    /// block checksums (pieces that are whole boxes, and small boxes of which a piece is a part).
     pub boxes_verified: u64,
     /// Storage requests (small parts of one file share one; retries not included).
     pub requests: u64,
@@ -184,8 +190,18 @@ async fn read_runs(
 
     // `verify: false` turns off every checksum, the boxes' too.
     let mut boxes = meta.filter(|_| options.verify).map(BoxLookup::new);
+    let block_checksums = checksums.filter(|_| options.verify);
     let mut sources: Vec<Source> = Vec::new();
+    // Ranges verified by block checksums (extended to whole blocks when fetched).
     let mut ranges: Vec<FileRange> = Vec::new();
+    // Saved boxes fetched whole and checked against their own crc32c: no checksum blocks.
+    let mut box_ranges: Vec<FileRange> = Vec::new();
+    // What the pieces verified by box need of their file (for the accounting of what
+    // verification added).
+    let mut box_needed: Vec<FileRange> = Vec::new();
+    let mut checks: Vec<BoxCrc> = Vec::new();
+    let mut check_of: HashMap<(u32, u64), usize> = HashMap::new();
+    let mut piece_ranges: Vec<FileRange> = Vec::new();
     let mut pieces = 0usize;
     let mut bytes_needed = 0u64;
     for (index, piece) in plan.pieces.iter().enumerate() {
@@ -212,26 +228,79 @@ async fn read_runs(
             deliver(index, Delivery::Complete)?;
             continue;
         }
-        runs.src_ranges(read.file, &mut ranges);
-        let whole_box = boxes
-            .as_mut()
-            .and_then(|b| b.whole_box(plan, piece, &runs, &files[read.file as usize]));
+        let file = &files[read.file as usize];
+        piece_ranges.clear();
+        runs.src_ranges(read.file, &mut piece_ranges);
+        // A whole box is checked by its own crc32c (which also proves the metadata points it at
+        // its own bytes). A part of a box is too when fetching the whole box costs no more than
+        // the checksum blocks around the part: a small tensor split over ranks otherwise costs
+        // a whole 64 KiB block on each side of every rank's slice of it.
+        let check = match boxes.as_mut() {
+            Some(b) => match b.whole_box(plan, piece, &runs, (read.file, file)) {
+                Some(check) => Some(check),
+                None => match (
+                    block_checksums,
+                    b.containing_box(plan, piece, &runs, (read.file, file)),
+                ) {
+                    (Some(blocks), Some(check)) => {
+                        let cost = block_cost(blocks, &file.key, &piece_ranges)?;
+                        (check.end - check.start <= cost).then_some(check)
+                    }
+                    _ => None,
+                },
+            },
+            None => None,
+        };
+        let check = match check {
+            Some(check) => {
+                let key = (read.file, check.start);
+                let at = match check_of.get(&key) {
+                    Some(&at) => at,
+                    None => {
+                        box_ranges.push(FileRange {
+                            file: read.file,
+                            start: check.start,
+                            end: check.end,
+                        });
+                        checks.push(check);
+                        check_of.insert(key, checks.len() - 1);
+                        checks.len() - 1
+                    }
+                };
+                box_needed.extend_from_slice(&piece_ranges);
+                Some(at)
+            }
+            None => {
+                ranges.extend_from_slice(&piece_ranges);
+                None
+            }
+        };
         sources.push(Source {
             piece: index,
             file: read.file,
             runs,
-            whole_box,
+            check,
         });
     }
 
+    // Distinct bytes the pieces need, before `ranges` moves into the schedule.
+    let needed_union = union_len(ranges.iter().chain(&box_needed).copied().collect());
+    drop(box_needed);
     let scheduler = RangeScheduler::new(store, files, checksums, options);
-    let schedule = scheduler.schedule(ranges)?;
-    let index = SourceIndex::new(&sources);
+    let schedule = scheduler.schedule_checked(ranges, box_ranges)?;
+    let index = SpanIndex::new(
+        sources
+            .iter()
+            .map(|s| (s.file, s.runs.src_offset, s.runs.src_end)),
+    );
+    let check_index = SpanIndex::new(checks.iter().map(|c| (c.file, c.start, c.end)));
     let mut remaining: Vec<u64> = sources.iter().map(|s| s.runs.total).collect();
+    // Per box check: the sources whose bytes are all in but whose box is not yet verified.
+    let mut waiting: Vec<Vec<usize>> = vec![Vec::new(); checks.len()];
     let mut boxes_verified = 0u64;
 
     let fetched = scheduler
-        .fetch(&schedule.parts, |part, bytes| {
+        .fetch_with(&schedule.parts, &schedule.caller_checked, |part, bytes| {
             let mut delivered = 0u64;
             for s in index.overlapping(part) {
                 let source = &mut sources[s];
@@ -241,17 +310,24 @@ async fn read_runs(
                     .copy_from(part.start, bytes, |wire_offset, run| {
                         deliver(piece, Delivery::Bytes(wire_offset, run))
                     })?;
-                if let Some(check) = &mut source.whole_box {
-                    check.fold(part.start, bytes);
-                }
                 delivered += copied;
                 remaining[s] -= copied;
                 if copied > 0 && remaining[s] == 0 {
-                    if let Some(check) = &mut source.whole_box {
-                        check.finish()?;
-                        boxes_verified += 1;
+                    // A piece whose box is still being checked completes when the check does.
+                    match source.check {
+                        Some(c) if !checks[c].done() => waiting[c].push(s),
+                        _ => deliver(piece, Delivery::Complete)?,
                     }
-                    deliver(piece, Delivery::Complete)?;
+                }
+            }
+            for c in check_index.overlapping(part) {
+                let check = &mut checks[c];
+                if check.fold(part.start, bytes) && check.done() {
+                    check.finish()?;
+                    boxes_verified += 1;
+                    for s in std::mem::take(&mut waiting[c]) {
+                        deliver(sources[s].piece, Delivery::Complete)?;
+                    }
                 }
             }
             if let (Some(progress), true) = (progress, delivered > 0) {
@@ -270,12 +346,20 @@ async fn read_runs(
             ),
         });
     }
+    if let Some(check) = checks.iter().find(|c| !c.done()) {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!(
+                "rank {}: {} of {} was never fetched whole",
+                plan.rank, check.entry, check.path
+            ),
+        });
+    }
     Ok(ReadStats {
         pieces,
         bytes_needed,
         bytes_fetched: schedule.bytes_fetched,
-        verify_extra_bytes: if scheduler.verifying() {
-            schedule.bytes_fetched - schedule.bytes_needed
+        verify_extra_bytes: if scheduler.verifying() || !checks.is_empty() {
+            schedule.bytes_fetched.saturating_sub(needed_union)
         } else {
             0
         },
@@ -317,8 +401,9 @@ struct Source {
     /// Index into the plan's files.
     file: u32,
     runs: Runs,
-    /// Present when the piece is a whole saved box whose metadata records a crc32c.
-    whole_box: Option<BoxCrc>,
+    /// The box check (index into the read's checks) that verifies the piece's bytes instead of
+    /// block checksums: the piece is a whole saved box, or lies in one that is fetched whole.
+    check: Option<usize>,
 }
 
 /// Finds the saved box of the checkpoint's metadata that a piece is, if it is a whole one.
@@ -344,22 +429,15 @@ impl<'a> BoxLookup<'a> {
         plan: &RankPlan,
         piece: &RankPiece,
         runs: &Runs,
-        file: &SourceFile,
+        file: (u32, &SourceFile),
     ) -> Option<BoxCrc> {
+        let (file_index, file) = file;
         let contiguous = runs.sorted && runs.src_end - runs.src_offset == runs.total;
         if !contiguous || runs.total == 0 {
             return None;
         }
         let meta = self.meta;
-        let fqn = plan.tensors.get(piece.tensor as usize)?.fqn.as_str();
-        let tensors = self.tensors.get_or_insert_with(|| {
-            meta.tensors()
-                .iter()
-                .enumerate()
-                .map(|(i, t)| (t.fqn.as_str(), i as u32))
-                .collect()
-        });
-        let tensor = *tensors.get(fqn)?;
+        let (fqn, tensor) = self.tensor(plan, piece)?;
         let chunk = meta
             .chunks_of(tensor)
             .iter()
@@ -369,38 +447,117 @@ impl<'a> BoxLookup<'a> {
             && chunk.bytes.offset == runs.src_offset
             && chunk.bytes.length == runs.total;
         same_bytes.then(|| BoxCrc {
+            file: file_index,
             path: file.path.to_string(),
             entry: format!("tensor {fqn} box {}", chunk.region),
             start: runs.src_offset,
             end: runs.src_end,
             expected,
+            folded: 0,
             segments: Vec::new(),
         })
     }
+
+    /// The check of the saved box (of the piece's tensor, with a recorded crc32c) whose bytes in
+    /// `file` hold every byte `piece` reads: a part of a box, fetched whole to be verified.
+    fn containing_box(
+        &mut self,
+        plan: &RankPlan,
+        piece: &RankPiece,
+        runs: &Runs,
+        file: (u32, &SourceFile),
+    ) -> Option<BoxCrc> {
+        let (file_index, file) = file;
+        let meta = self.meta;
+        let (fqn, tensor) = self.tensor(plan, piece)?;
+        let chunk = meta.chunks_of(tensor).iter().find(|c| {
+            c.bytes.offset <= runs.src_offset
+                && runs.src_end <= c.bytes.offset.saturating_add(c.bytes.length)
+                && meta
+                    .files()
+                    .get(c.bytes.file as usize)
+                    .is_some_and(|f| f.path == file.key)
+        })?;
+        Some(BoxCrc {
+            file: file_index,
+            path: file.path.to_string(),
+            entry: format!("tensor {fqn} box {}", chunk.region),
+            start: chunk.bytes.offset,
+            end: chunk.bytes.offset.checked_add(chunk.bytes.length)?,
+            expected: chunk.crc32c?,
+            folded: 0,
+            segments: Vec::new(),
+        })
+    }
+
+    /// The FQN of the piece's tensor and its index in the metadata.
+    fn tensor<'p>(&mut self, plan: &'p RankPlan, piece: &RankPiece) -> Option<(&'p str, u32)> {
+        let meta = self.meta;
+        let fqn = plan.tensors.get(piece.tensor as usize)?.fqn.as_str();
+        let tensors = self.tensors.get_or_insert_with(|| {
+            meta.tensors()
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t.fqn.as_str(), i as u32))
+                .collect()
+        });
+        Some((fqn, *tensors.get(fqn)?))
+    }
+}
+
+/// Bytes fetched to verify `ranges` of the file `key` by block checksums: the whole blocks that
+/// cover them, each block once.
+fn block_cost(
+    checksums: &BlockChecksums,
+    key: &str,
+    ranges: &[FileRange],
+) -> Result<u64, LoaderError> {
+    let mut covering = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        let c = checksums.covering_byte_range(key, r.start, r.end)?;
+        covering.push(FileRange {
+            file: r.file,
+            start: c.start,
+            end: c.end,
+        });
+    }
+    Ok(union_len(covering))
 }
 
 /// The crc32c of a whole saved box, assembled from the parts that hold its bytes.
 #[derive(Debug)]
 struct BoxCrc {
+    /// Index into the plan's files.
+    file: u32,
     /// Store path of the data file.
     path: String,
     entry: String,
     start: u64,
     end: u64,
     expected: u32,
+    /// Bytes of the box folded in so far.
+    folded: u64,
     /// (file offset, crc32c, length) of the box's bytes in each part seen so far.
     segments: Vec<(u64, u32, u64)>,
 }
 
 impl BoxCrc {
-    /// Folds in the box's bytes among `bytes` (file bytes from `start`).
-    fn fold(&mut self, start: u64, bytes: &[u8]) {
+    /// Folds in the box's bytes among `bytes` (file bytes from `start`); true when there were
+    /// some.
+    fn fold(&mut self, start: u64, bytes: &[u8]) -> bool {
         let end = start + bytes.len() as u64;
         let (lo, hi) = (self.start.max(start), self.end.min(end));
         if lo < hi {
             let slice = &bytes[(lo - start) as usize..(hi - start) as usize];
             self.segments.push((lo, crc32c::crc32c(slice), hi - lo));
+            self.folded += hi - lo;
         }
+        lo < hi
+    }
+
+    /// True when every byte of the box has been folded in (parts never overlap).
+    fn done(&self) -> bool {
+        self.folded >= self.end - self.start
     }
 
     /// Combines the segments in file order and compares with the recorded crc32c.
@@ -664,25 +821,25 @@ impl Cursor {
 /// Finds the sources a fetched part overlaps: per file, source spans sorted by start with a
 /// running maximum of their ends, so a lookup walks back from the last span starting before the
 /// part's end only while some earlier span still reaches into the part.
-struct SourceIndex {
-    /// Per file: (span start, span end, source), by start.
+struct SpanIndex {
+    /// Per file: (span start, span end, index), by start.
     spans: Vec<Vec<(u64, u64, usize)>>,
     /// Per file: running maximum of span ends.
     reach: Vec<Vec<u64>>,
 }
 
-impl SourceIndex {
-    fn new(sources: &[Source]) -> SourceIndex {
-        let files = sources
-            .iter()
-            .map(|s| s.file as usize + 1)
-            .max()
-            .unwrap_or(0);
-        let mut spans: Vec<Vec<(u64, u64, usize)>> = vec![Vec::new(); files];
-        for (i, s) in sources.iter().enumerate() {
-            spans[s.file as usize].push((s.runs.src_offset, s.runs.src_end, i));
+impl SpanIndex {
+    /// An index of `(file, start, end)` spans; `overlapping` yields their positions.
+    fn new(items: impl Iterator<Item = (u32, u64, u64)>) -> SpanIndex {
+        let mut spans: Vec<Vec<(u64, u64, usize)>> = Vec::new();
+        for (i, (file, start, end)) in items.enumerate() {
+            let file = file as usize;
+            if spans.len() <= file {
+                spans.resize_with(file + 1, Vec::new);
+            }
+            spans[file].push((start, end, i));
         }
-        let mut reach = Vec::with_capacity(files);
+        let mut reach = Vec::with_capacity(spans.len());
         for list in &mut spans {
             list.sort_unstable();
             let mut max = 0;
@@ -695,7 +852,7 @@ impl SourceIndex {
                     .collect(),
             );
         }
-        SourceIndex { spans, reach }
+        SpanIndex { spans, reach }
     }
 
     fn overlapping(&self, part: FileRange) -> impl Iterator<Item = usize> + '_ {

@@ -128,6 +128,10 @@ pub struct Schedule {
     pub bytes_needed: u64,
     /// Bytes of all parts: `bytes_needed` plus what verification adds.
     pub bytes_fetched: u64,
+    /// Per part (same order as `parts`; empty when there are none): true when the part holds
+    /// only bytes of caller-checked ranges ([`RangeScheduler::schedule_checked`]) and is not
+    /// checked against block checksums. Pass it to [`RangeScheduler::fetch_with`].
+    pub caller_checked: Vec<bool>,
 }
 
 /// What a [`RangeScheduler::fetch`] did.
@@ -197,49 +201,75 @@ impl<'a> RangeScheduler<'a> {
     /// extends them to whole checksum blocks when verifying (and coalesces again: two ranges in
     /// one block share it), and splits them into parts of at most `part_size` bytes, block
     /// aligned when verifying. Empty ranges need no request.
-    pub fn schedule(&self, mut ranges: Vec<FileRange>) -> Result<Schedule, LoaderError> {
+    pub fn schedule(&self, ranges: Vec<FileRange>) -> Result<Schedule, LoaderError> {
+        self.schedule_checked(ranges, Vec::new())
+    }
+
+    /// [`Self::schedule`] for `ranges` plus `checked`: ranges the caller verifies itself (a whole
+    /// saved box against the crc32c of its metadata row). When verifying, those are fetched as
+    /// they are, not extended to whole checksum blocks, and their parts are marked in
+    /// [`Schedule::caller_checked`] so that [`Self::fetch_with`] skips their block check. Where a
+    /// checked range overlaps the blocks that `ranges` need anyway, those bytes come (block
+    /// checked) with the blocks and only the rest is fetched separately. A small box thus costs
+    /// its own bytes instead of a whole block (64 KiB by default) on each side.
+    pub fn schedule_checked(
+        &self,
+        mut ranges: Vec<FileRange>,
+        mut checked: Vec<FileRange>,
+    ) -> Result<Schedule, LoaderError> {
         ranges.retain(|r| r.end > r.start);
-        for r in &ranges {
+        checked.retain(|r| r.end > r.start);
+        for r in ranges.iter().chain(&checked) {
             self.file(r.file)?;
         }
-        let merged = coalesce(ranges);
-        let bytes_needed = merged.iter().map(FileRange::len).sum();
-        let (fetched, part_size) = match self.checksums {
-            Some(checksums) => {
-                let mut extended = Vec::with_capacity(merged.len());
-                for r in &merged {
-                    let key = &self.file(r.file)?.key;
-                    let covering = checksums.covering_byte_range(key, r.start, r.end)?;
-                    extended.push(FileRange {
-                        file: r.file,
-                        start: covering.start,
-                        end: covering.end,
-                    });
-                }
-                let bs = checksums.block_size();
-                let part_size = (self.options.part_size / bs).max(1) * bs;
-                (coalesce(extended), part_size)
-            }
-            None => (merged, self.options.part_size.max(1)),
+        let bytes_needed = coalesce(ranges.iter().chain(&checked).copied().collect())
+            .iter()
+            .map(FileRange::len)
+            .sum();
+        let Some(checksums) = self.checksums else {
+            // Nothing is block checked, so the caller's ranges are ranges like any other.
+            ranges.extend(checked);
+            let parts = split(&coalesce(ranges), self.options.part_size.max(1));
+            let bytes_fetched = parts.iter().map(FileRange::len).sum();
+            return Ok(Schedule {
+                caller_checked: vec![false; parts.len()],
+                parts,
+                bytes_needed,
+                bytes_fetched,
+            });
         };
-        let mut parts = Vec::with_capacity(fetched.len());
-        for r in &fetched {
-            let mut start = r.start;
-            while start < r.end {
-                let end = r.end.min(start.saturating_add(part_size));
-                parts.push(FileRange {
-                    file: r.file,
-                    start,
-                    end,
-                });
-                start = end;
-            }
+        let merged = coalesce(ranges);
+        let mut extended = Vec::with_capacity(merged.len());
+        for r in &merged {
+            let key = &self.file(r.file)?.key;
+            let covering = checksums.covering_byte_range(key, r.start, r.end)?;
+            extended.push(FileRange {
+                file: r.file,
+                start: covering.start,
+                end: covering.end,
+            });
         }
+        let bs = checksums.block_size();
+        let block_parts = split(
+            &coalesce(extended),
+            (self.options.part_size / bs).max(1) * bs,
+        );
+        let own = subtract(&coalesce(checked), &block_parts);
+        let own_parts = split(&own, self.options.part_size.max(1));
+        let mut tagged: Vec<(FileRange, bool)> = block_parts
+            .into_iter()
+            .map(|p| (p, false))
+            .chain(own_parts.into_iter().map(|p| (p, true)))
+            .collect();
+        // Parts in file order, as `fetch` expects (it groups neighbouring small parts).
+        tagged.sort_unstable();
+        let (parts, caller_checked): (Vec<FileRange>, Vec<bool>) = tagged.into_iter().unzip();
         let bytes_fetched = parts.iter().map(FileRange::len).sum();
         Ok(Schedule {
             parts,
             bytes_needed,
             bytes_fetched,
+            caller_checked,
         })
     }
 
@@ -249,6 +279,18 @@ impl<'a> RangeScheduler<'a> {
     pub async fn fetch(
         &self,
         parts: &[FileRange],
+        on_part: impl FnMut(FileRange, &[u8]) -> Result<(), LoaderError>,
+    ) -> Result<FetchStats, LoaderError> {
+        self.fetch_with(parts, &[], on_part).await
+    }
+
+    /// [`Self::fetch`], skipping the block check of the parts that `caller_checked` (as
+    /// [`Schedule::caller_checked`] gives it) marks: the caller verifies those bytes itself.
+    /// A part without an entry is block checked.
+    pub async fn fetch_with(
+        &self,
+        parts: &[FileRange],
+        caller_checked: &[bool],
         mut on_part: impl FnMut(FileRange, &[u8]) -> Result<(), LoaderError>,
     ) -> Result<FetchStats, LoaderError> {
         let max_in_flight = self.options.max_in_flight.max(1);
@@ -345,7 +387,8 @@ impl<'a> RangeScheduler<'a> {
                 // Verified here rather than in the request task: crc32c runs at memory speed (CPU
                 // CRC instructions), far above what storage delivers, and the checksums stay
                 // borrowed.
-                if let Some(checksums) = self.checksums {
+                let checked_by_caller = caller_checked.get(index).copied().unwrap_or(false);
+                if let (Some(checksums), false) = (self.checksums, checked_by_caller) {
                     let file = self.file(part.file)?;
                     verify(checksums, file, part.start, &fetched.bytes)?;
                     stats.bytes_verified += part.len();
@@ -357,6 +400,11 @@ impl<'a> RangeScheduler<'a> {
         }
         Ok(stats)
     }
+}
+
+/// Bytes in the union of `ranges`.
+pub(crate) fn union_len(ranges: Vec<FileRange>) -> u64 {
+    coalesce(ranges).iter().map(FileRange::len).sum()
 }
 
 /// Sorts `ranges` and merges those of one file that touch or overlap.
@@ -372,6 +420,60 @@ fn coalesce(mut ranges: Vec<FileRange>) -> Vec<FileRange> {
         }
     }
     merged
+}
+
+/// Cuts each range into parts of at most `part_size` bytes (from its start, so block-aligned
+/// ranges give block-aligned parts when `part_size` is whole blocks).
+fn split(ranges: &[FileRange], part_size: u64) -> Vec<FileRange> {
+    let mut parts = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        let mut start = r.start;
+        while start < r.end {
+            let end = r.end.min(start.saturating_add(part_size));
+            parts.push(FileRange {
+                file: r.file,
+                start,
+                end,
+            });
+            start = end;
+        }
+    }
+    parts
+}
+
+/// The bytes of `ranges` that are in none of `cover`; both sorted and without overlaps within
+/// themselves (as [`coalesce`] and [`split`] leave them).
+fn subtract(ranges: &[FileRange], cover: &[FileRange]) -> Vec<FileRange> {
+    let mut out = Vec::with_capacity(ranges.len());
+    let mut c = 0;
+    for r in ranges {
+        let mut start = r.start;
+        // Skip covers that end before this range (by file, then offset).
+        while c < cover.len() && (cover[c].file, cover[c].end) <= (r.file, start) {
+            c += 1;
+        }
+        let mut k = c;
+        while start < r.end && k < cover.len() && cover[k].file == r.file && cover[k].start < r.end
+        {
+            if cover[k].start > start {
+                out.push(FileRange {
+                    file: r.file,
+                    start,
+                    end: cover[k].start,
+                });
+            }
+            start = start.max(cover[k].end);
+            k += 1;
+        }
+        if start < r.end {
+            out.push(FileRange {
+                file: r.file,
+                start,
+                end: r.end,
+            });
+        }
+    }
+    out
 }
 
 /// Checks `bytes`, read from `file` at `start`, against its block checksums; a mismatch names the
@@ -673,6 +775,69 @@ mod tests {
         );
         assert_eq!(schedule.bytes_needed, 10 + 20 + 690);
         assert_eq!(schedule.bytes_fetched, 128 + 1000 - 256);
+    }
+
+    #[test]
+    fn caller_checked_ranges_fetch_only_their_own_bytes() {
+        let checksums = BlockChecksums::new(
+            64,
+            vec![FileBlocks {
+                path: "data/f0.bin".to_string(),
+                size: 1000,
+                crcs: vec![0; 16],
+            }],
+        )
+        .unwrap();
+        let scheduler =
+            RangeScheduler::new(store(), files(1), Some(&checksums), &options(150, true));
+        let schedule = scheduler
+            .schedule_checked(
+                vec![r(0, 10, 20)],
+                // Inside block 0 (fetched for 10..20 anyway), straddling its end, on its own.
+                vec![r(0, 30, 40), r(0, 60, 70), r(0, 200, 210), r(0, 500, 900)],
+            )
+            .unwrap();
+        assert_eq!(
+            schedule.parts,
+            vec![
+                r(0, 0, 64),
+                r(0, 64, 70),
+                r(0, 200, 210),
+                r(0, 500, 650),
+                r(0, 650, 800),
+                r(0, 800, 900),
+            ]
+        );
+        assert_eq!(
+            schedule.caller_checked,
+            vec![false, true, true, true, true, true]
+        );
+        assert_eq!(schedule.bytes_needed, 10 + 10 + 10 + 10 + 400);
+        assert_eq!(schedule.bytes_fetched, 64 + 6 + 10 + 400);
+
+        // Without verification they are ranges like any other.
+        let plain = RangeScheduler::new(store(), files(1), Some(&checksums), &options(150, false));
+        let schedule = plain
+            .schedule_checked(vec![r(0, 10, 20)], vec![r(0, 15, 40)])
+            .unwrap();
+        assert_eq!(schedule.parts, vec![r(0, 10, 40)]);
+        assert_eq!(schedule.caller_checked, vec![false]);
+    }
+
+    #[test]
+    fn subtract_keeps_what_no_cover_holds() {
+        let ranges = [r(0, 0, 100), r(0, 150, 160), r(1, 0, 50)];
+        let cover = [r(0, 10, 20), r(0, 30, 40), r(0, 90, 155), r(1, 50, 60)];
+        assert_eq!(
+            subtract(&ranges, &cover),
+            vec![
+                r(0, 0, 10),
+                r(0, 20, 30),
+                r(0, 40, 90),
+                r(0, 155, 160),
+                r(1, 0, 50)
+            ]
+        );
     }
 
     #[test]

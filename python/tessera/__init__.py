@@ -286,7 +286,11 @@ def load(
 
     Returns:
         The rank's report: bytes needed, read and fetched, requests, retries, bytes exchanged,
-        seconds per phase.
+        seconds per phase, and two figures by name: ``read_amplification`` (data fetched /
+        bytes read for the rank's pieces; 1.0 when nothing else is read) and
+        ``io_amplification`` (``bytes_fetched`` / ``bytes_read``: total I/O, verification
+        included, since checksum blocks around small tensors can exceed the data), with
+        ``verify_extra_bytes`` and ``boxes_verified`` (boxes checked by their own crc32c).
 
     Raises:
         TesseraError: unknown tensor, dtype or shape mismatch, unreadable checkpoint, storage,

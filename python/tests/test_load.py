@@ -176,3 +176,34 @@ def test_copied_checkpoint_loads_from_a_new_place(tmp_path):
     a = empty(t["dtype"], t["shape"])
     tessera.load(str(dst), {"model.tiny.weight": a}, progress=False)
     assert sha256(a) == t["sha256"]
+
+
+def test_report_names_read_and_io_amplification(tmp_path):
+    # Eight 4,000-byte tensors (far below a 64 KiB checksum block) and one of 800,000 bytes.
+    arrays = {f"small.{i}": np.arange(1000, dtype=np.float32) + i for i in range(8)}
+    arrays["big"] = np.arange(200_000, dtype=np.float32)
+    out = tmp_path / "ckpt"
+    tessera.save(arrays, str(out))
+
+    # Whole tensors: every box checked by its own crc32c, not a byte fetched beyond the data.
+    state = {k: np.empty_like(v) for k, v in arrays.items()}
+    report = tessera.load(str(out), state, progress=False)
+    assert report["boxes_verified"] == 9 and report["verify_extra_bytes"] == 0
+    assert report["read_amplification"] == 1.0 and report["io_amplification"] == 1.0
+    assert all((state[k] == v).all() for k, v in arrays.items())
+
+    # 100 elements inside the big tensor: the checksum block around them is fetched, and the I/O
+    # figure says how much that costs while read amplification stays 1.0.
+    part = np.empty(100, np.float32)
+    report = tessera.load(str(out), {"big": tessera.Flat(part, 100_000)}, progress=False)
+    assert (part == arrays["big"][100_000:100_100]).all()
+    assert report["bytes_read"] == 400 and report["read_amplification"] == 1.0
+    assert report["bytes_fetched"] == 400 + report["verify_extra_bytes"] >= 64 * 1024
+    assert report["io_amplification"] == report["bytes_fetched"] / 400
+
+    # 100 elements of a small tensor: the whole 4,000-byte box instead of a 64 KiB block.
+    part = np.empty(100, np.float32)
+    report = tessera.load(str(out), {"small.3": tessera.Flat(part, 500)}, progress=False)
+    assert (part == arrays["small.3"][500:600]).all()
+    assert report["bytes_fetched"] == 4000 and report["boxes_verified"] == 1
+    assert report["io_amplification"] == 10.0

@@ -329,6 +329,9 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
             format!("{} processes on 127.0.0.1", args.transport.name())
         }
     };
+    if let Some(path) = &args.report_json {
+        write_all_ranks_json(path, &plan, &reports)?;
+    }
     Ok(report_text(
         args,
         &checkpoint,
@@ -795,6 +798,63 @@ pub fn dump_names<'a>(fqns: impl Iterator<Item = &'a str>) -> Vec<String> {
     names
 }
 
+/// The load's totals over every rank that reported, as the text report and `--report-json` (all
+/// ranks) give them.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct LoadTotals {
+    /// Ranks that reported.
+    pub ranks: usize,
+    /// Bytes of every rank's buffers.
+    pub bytes_needed: u64,
+    /// Distinct bytes of the checkpoint that the ranks need (the plan's summary).
+    pub unique_needed: u64,
+    /// Bytes of data read from storage, over all ranks.
+    pub bytes_read: u64,
+    /// Bytes fetched from storage, verification blocks included.
+    pub bytes_fetched: u64,
+    /// Of `bytes_fetched`, the bytes only verification needed (checksum blocks around the data,
+    /// the rest of boxes read whole to check their crc32c).
+    pub verify_extra_bytes: u64,
+    /// Saved boxes fetched whole and checked against their own crc32c.
+    pub boxes_verified: u64,
+    /// `bytes_read / unique_needed`: 1.00 when no byte is read twice or needlessly.
+    pub read_amplification: f64,
+    /// `bytes_fetched / unique_needed`: total I/O per byte needed, verification included.
+    pub io_amplification: f64,
+    /// Bytes ranks sent each other.
+    pub bytes_exchanged: u64,
+}
+
+impl LoadTotals {
+    fn new(plan: &Planned, reports: &[RankReport]) -> Self {
+        let sum = |f: fn(&RankReport) -> u64| reports.iter().map(f).sum::<u64>();
+        let unique = plan.summary().unique_bytes_needed;
+        let (read, fetched) = (sum(|r| r.bytes_read), sum(|r| r.bytes_fetched));
+        LoadTotals {
+            ranks: reports.len(),
+            bytes_needed: sum(|r| r.bytes_needed),
+            unique_needed: unique,
+            bytes_read: read,
+            bytes_fetched: fetched,
+            verify_extra_bytes: sum(|r| r.verify_extra_bytes),
+            boxes_verified: sum(|r| r.boxes_verified),
+            read_amplification: tessera_loader::load::ratio(read, unique),
+            io_amplification: tessera_loader::load::ratio(fetched, unique),
+            bytes_exchanged: sum(|r| r.bytes_sent),
+        }
+    }
+}
+
+/// The `--report-json` of a load of several ranks: the totals and every rank's own report.
+fn write_all_ranks_json(path: &str, plan: &Planned, reports: &[RankReport]) -> Result<()> {
+    let json = serde_json::json!({
+        "totals": LoadTotals::new(plan, reports),
+        "ranks": reports,
+    });
+    std::fs::write(path, serde_json::to_vec_pretty(&json)?)
+        .with_context(|| format!("writing {path}"))
+}
+
 fn report_text(
     args: &LoadArgs,
     checkpoint: &Checkpoint,
@@ -806,10 +866,13 @@ fn report_text(
     let sum = |f: fn(&RankReport) -> u64| reports.iter().map(f).sum::<u64>();
     let max = |f: fn(&RankReport) -> f64| reports.iter().map(f).fold(0.0, f64::max);
     let needed = sum(|r| r.bytes_needed);
-    let read = sum(|r| r.bytes_read);
-    let fetched = sum(|r| r.bytes_fetched);
+    let totals = LoadTotals::new(plan, reports);
+    let (read, fetched, unique) = (
+        totals.bytes_read,
+        totals.bytes_fetched,
+        totals.unique_needed,
+    );
     let total = max(|r| r.total_seconds);
-    let unique = plan.summary().unique_bytes_needed;
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -823,24 +886,38 @@ fn report_text(
         "bytes needed         {} (every rank's buffers)",
         human::bytes(needed)
     );
+    // Two figures by name: what was read of the data (read amplification) and what the storage
+    // served in all (I/O amplification), since checksum blocks around small tensors can be several
+    // times the data they verify.
     let _ = writeln!(
         out,
-        "bytes read           {} (unique needed {}, read amplification {:.2})",
+        "bytes read           {} of data (unique needed {}, read amplification {:.2} = data read / needed)",
         human::bytes(read),
         human::bytes(unique),
-        if unique == 0 {
-            1.0
-        } else {
-            read as f64 / unique as f64
-        }
+        totals.read_amplification,
+    );
+    let boxes = sum(|r| r.boxes_verified);
+    // Formats without checksums (and --no-verify) fetch nothing to verify: say nothing about it.
+    let verification = if totals.verify_extra_bytes > 0 || boxes > 0 {
+        format!(
+            "{} only to verify: checksum blocks, boxes read whole; {boxes} boxes checked by their own crc32c; ",
+            human::bytes(totals.verify_extra_bytes)
+        )
+    } else {
+        String::new()
+    };
+    let _ = writeln!(
+        out,
+        "bytes fetched        {} ({verification}{} requests, {} retries)",
+        human::bytes(fetched),
+        sum(|r| r.requests),
+        sum(|r| r.retries)
     );
     let _ = writeln!(
         out,
-        "bytes fetched        {} ({} for checksum blocks, {} requests, {} retries)",
+        "total I/O            {} = {:.2} x needed (I/O amplification = bytes fetched, verification included / needed)",
         human::bytes(fetched),
-        human::bytes(sum(|r| r.verify_extra_bytes)),
-        sum(|r| r.requests),
-        sum(|r| r.retries)
+        totals.io_amplification,
     );
     match checkpoint.format {
         Format::Native => {}

@@ -187,6 +187,9 @@ pub(super) async fn run(
             ),
         ),
     };
+    if let Some(path) = &args.report_json {
+        super::write_all_ranks_json(path, plan, &reports)?;
+    }
     Ok(super::report_text(
         args,
         checkpoint,
