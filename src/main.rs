@@ -152,10 +152,10 @@ enum Command {
         /// World size (with --rank; must match the layout).
         #[arg(long)]
         world: Option<u32>,
-        /// Rendezvous host (with --rank).
+        /// Rendezvous host: where rank 0 listens (with --rank; default: MASTER_ADDR).
         #[arg(long)]
         master_addr: Option<String>,
-        /// Rendezvous port (with --rank).
+        /// Rendezvous port (with --rank; default: MASTER_PORT).
         #[arg(long)]
         master_port: Option<u16>,
         /// Skip block checksum verification of what is read.
@@ -169,6 +169,7 @@ enum Command {
         check: bool,
         /// Seconds a rank waits for a peer before failing: to join the rendezvous, to connect, or
         /// to send; with --transport tcp, also how long the other ranks get after one failed.
+        /// The one timeout of the rendezvous: waiting ranks say whom they wait for meanwhile.
         #[arg(long, default_value_t = 60.0)]
         peer_timeout: f64,
         /// Write this rank's JSON report to a file.
