@@ -6,10 +6,9 @@
 
 mod support;
 
-use std::path::Path;
 use std::process::{Command, Stdio};
 
-use support::{BIN, layout_file, run_in, s, synth_tiny};
+use support::{BIN, layout_file, s, synth_tiny};
 
 fn tempdir() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()
@@ -74,4 +73,147 @@ fn rank_without_master_address_names_the_flags_and_variables() {
          MASTER_PORT) are not given: every rank needs rank 0's address (torchrun sets \
          MASTER_ADDR and MASTER_PORT)\n"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paths
+
+/// A path that does not exist said "not a checkpoint tessera can read: no manifest.json ...";
+/// a run directory (holding steps) was refused the same way; an empty directory too.
+#[test]
+fn paths_that_are_not_checkpoints_say_what_they_are() {
+    let dir = tempdir();
+    let ckpt = synth_tiny(dir.path());
+    let run = ckpt.parent().unwrap();
+    let missing = dir.path().join("run").join("step-typo");
+    let err = failing(&["inspect", s(&missing)]);
+    assert_eq!(
+        err,
+        format!(
+            "error: opening checkpoint {0}: {0}: does not exist (nothing is stored there)\n",
+            s(&missing)
+        )
+    );
+    let url = format!("file://{}", s(&missing));
+    let err = failing(&["plan", &url, "--layout", s(&missing)]);
+    assert!(err.contains("does not exist"), "{err}");
+    assert!(!err.contains("manifest.json"), "{err}");
+
+    // A second step, older by number but later by name, to show the latest is by number.
+    let layout = layout_file(dir.path(), "dp2.json", &["fsdp", "--dp", "2"]);
+    let older = run.join("step-000001");
+    let (code, _, stderr) = run_clean(&[
+        "synth",
+        "--model",
+        "gpt-tiny",
+        "--layout",
+        s(&layout),
+        "--out",
+        s(&older),
+        "--metadata-only",
+    ]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let err = failing(&["verify", s(&missing)]);
+    assert!(
+        err.ends_with(&format!(
+            "{}: does not exist (nothing is stored there)\n",
+            s(&missing)
+        )),
+        "{err}"
+    );
+    for command in ["inspect", "verify"] {
+        let err = failing(&[command, s(run)]);
+        assert_eq!(
+            err,
+            format!(
+                "error: opening checkpoint {}: run: a run directory, not a checkpoint: it holds 2 \
+                 steps (step-000001, step-000005); the latest is step-000005 (give a step's \
+                 directory, e.g. run/step-000005)\n",
+                s(run)
+            ),
+            "{command}"
+        );
+    }
+
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    assert_eq!(
+        failing(&["inspect", s(&empty)]),
+        format!(
+            "error: opening checkpoint {0}: {0}: an empty directory, not a checkpoint\n",
+            s(&empty)
+        )
+    );
+}
+
+/// Runs `tessera <args>` for at most 30 s (a server that should have refused to start is
+/// killed, and the test fails); returns (exit code, stdout, stderr).
+fn run_bounded(args: &[&str]) -> (Option<i32>, String, String) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            let output = child.wait_with_output().unwrap();
+            panic!(
+                "tessera {args:?} still running after 30 s: {}",
+                String::from_utf8_lossy(&output.stdout)
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let output = child.wait_with_output().unwrap();
+    (
+        output.status.code(),
+        String::from_utf8(output.stdout).unwrap(),
+        String::from_utf8(output.stderr).unwrap(),
+    )
+}
+
+/// `serve --root /nonexistent` started and showed an empty catalog; a taken port said only
+/// "Address already in use".
+#[test]
+fn serve_refuses_a_missing_root_and_a_taken_port_suggests_addr() {
+    let dir = tempdir();
+    let missing = dir.path().join("no-such-catalog");
+    let (code, stdout, stderr) =
+        run_bounded(&["serve", "--root", s(&missing), "--addr", "127.0.0.1:0"]);
+    assert!(code.is_some_and(|c| c != 0), "{stdout}{stderr}");
+    assert!(stdout.is_empty(), "{stdout}");
+    assert!(
+        stderr.ends_with(&format!(
+            "error: the catalog root {} does not exist: --root takes a directory (or URL) \
+             holding <run>/<step> checkpoint directories\n",
+            s(&missing)
+        )),
+        "{stderr}"
+    );
+
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let (code, stdout, stderr) = run_bounded(&["serve", "--root", s(dir.path()), "--addr", &addr]);
+    assert!(code.is_some_and(|c| c != 0), "{stdout}{stderr}");
+    assert!(
+        stderr.ends_with(&format!(
+            "error: listening on {addr}: the address is taken (another server on that port?); \
+             pick another with --addr, e.g. --addr 127.0.0.1:0 for any free port\n"
+        )),
+        "{stderr}"
+    );
+    // The empty root was only warned about (it got as far as binding).
+    assert!(
+        stderr.contains(&format!(
+            "warning: the catalog root {} is empty: checkpoints show up as <run>/<step> \
+             directories are saved under it\n",
+            s(dir.path())
+        )),
+        "{stderr}"
+    );
+    drop(taken);
 }

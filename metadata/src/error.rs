@@ -139,6 +139,12 @@ pub enum MetadataError {
         /// The checkpoint directory.
         path: String,
     },
+    /// A location where nothing is stored: a mistyped path or prefix, or an empty directory.
+    #[error("{path}: does not exist (nothing is stored there)")]
+    NotFound {
+        /// The location as the store names it.
+        path: String,
+    },
     /// Anything else structurally wrong with metadata, with what and where.
     #[error("invalid checkpoint metadata: {what}")]
     Invalid {

@@ -43,6 +43,8 @@ pub enum Strays {
 /// error listing everything that is wrong, or a one-line summary.
 pub async fn check(location: &str, strays: Strays, retry: &storage::RetryPolicy) -> Result<String> {
     let loc = storage::open_with(location, &super::storage_options(retry))?;
+    tessera_ops::open::check_local(location)
+        .with_context(|| format!("opening checkpoint {location}"))?;
     let listing = list_dir(loc.store.as_ref(), &loc.prefix).await?;
     let native = listing.files.contains_key(native::MANIFEST_FILE)
         || listing.files.contains_key(native::METADATA_FILE)
