@@ -99,7 +99,8 @@ enum Command {
     /// Plan loading a checkpoint into a layout (or explicit per-rank requests).
     #[command(group(ArgGroup::new("target").required(true).args(["layout", "requests"])))]
     Plan {
-        /// Checkpoint directory or file:// URL.
+        /// Checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
+        /// http(s):// URL.
         checkpoint: String,
         /// Target layout JSON file.
         #[arg(long)]
@@ -110,7 +111,8 @@ enum Command {
         /// Print this rank's plan instead of the summary.
         #[arg(long)]
         rank: Option<u32>,
-        /// Output format.
+        /// Output format: text for people (a rank plan's reads, buffers and peers), json, or
+        /// arrow (Arrow IPC; rank plans only).
         #[arg(long, value_enum, default_value_t = FormatArg::Text)]
         format: FormatArg,
         /// Also print the whole-plan summary (to stderr when a rank plan goes to stdout).
@@ -125,7 +127,8 @@ enum Command {
     /// Load a checkpoint into a layout: every rank here, or one rank of a real job (--rank).
     #[command(group(ArgGroup::new("target").required(true).args(["layout", "requests"])))]
     Load {
-        /// Checkpoint directory or URL (file://, s3://, gs://, az://, http(s)://).
+        /// Checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
+        /// http(s):// URL.
         checkpoint: String,
         /// Target layout JSON file.
         #[arg(long)]
@@ -193,7 +196,8 @@ enum Command {
     },
     /// Re-save a checkpoint in another layout, or export consolidated safetensors.
     Convert {
-        /// Source checkpoint directory or URL.
+        /// Source checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
+        /// http(s):// URL.
         checkpoint: String,
         /// Target layout JSON file (native format output).
         #[arg(long)]
@@ -216,7 +220,8 @@ enum Command {
     },
     /// Show what a checkpoint holds.
     Inspect {
-        /// Checkpoint directory or file:// URL.
+        /// Checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
+        /// http(s):// URL.
         checkpoint: String,
         /// JSON output.
         #[arg(long)]
@@ -226,7 +231,8 @@ enum Command {
     },
     /// Check every block checksum of a checkpoint's data files.
     Verify {
-        /// Checkpoint directory or file:// URL.
+        /// Checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
+        /// http(s):// URL.
         checkpoint: String,
         #[command(flatten)]
         storage: StorageArgs,
@@ -339,6 +345,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader went away (`tessera inspect --json | head`): nothing left to say to it.
+        Err(err) if commands::is_broken_pipe(&err) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");
             ExitCode::FAILURE

@@ -439,6 +439,8 @@ fn plan_reads_each_dcp_byte_once() {
             s(&dir.join("layout_w3_shard0.json")),
             "--rank",
             "2",
+            "--format",
+            "json",
         ])
         .stdout,
     )

@@ -6,6 +6,7 @@
 
 mod support;
 
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 use support::{BIN, layout_file, s, synth_tiny};
@@ -216,4 +217,177 @@ fn serve_refuses_a_missing_root_and_a_taken_port_suggests_addr() {
         "{stderr}"
     );
     drop(taken);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output
+
+/// `inspect --json | head` printed "error: Broken pipe (os error 32)" once head had its lines.
+#[test]
+fn output_into_a_closed_pipe_ends_quietly() {
+    let dir = tempdir();
+    let ckpt = synth_tiny(dir.path());
+    for args in [
+        vec!["inspect", "--json", s(&ckpt)],
+        vec!["inspect", s(&ckpt)],
+    ] {
+        let mut child = Command::new(BIN)
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader closes before the first write (opening the checkpoint comes first).
+        drop(child.stdout.take());
+        let output = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8(output.stderr).unwrap();
+        assert_eq!(stderr, "", "{args:?}");
+        assert_eq!(output.status.code(), Some(0), "{args:?}");
+    }
+}
+
+/// `synth --metadata-only` printed a "written" line per data file (8,192 for a large layout)
+/// for files it never writes; a save with data still reports each file it writes.
+#[test]
+fn synth_reports_only_files_it_writes() {
+    let dir = tempdir();
+    let layout = layout_file(dir.path(), "dp4.json", &["fsdp", "--dp", "4"]);
+    let synth = |out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "synth",
+            "--model",
+            "gpt-tiny",
+            "--layout",
+            s(&layout),
+            "--out",
+            s(out),
+        ];
+        args.extend_from_slice(extra);
+        let (code, stdout, stderr) = run_clean(&args);
+        assert_eq!(code, Some(0), "{stderr}");
+        (stdout, stderr)
+    };
+    let metadata_only = dir.path().join("meta");
+    let (stdout, stderr) = synth(&metadata_only, &["--metadata-only"]);
+    assert_eq!(stderr, "");
+    assert!(stdout.contains("(gpt-tiny, metadata only)"), "{stdout}");
+    assert!(!metadata_only.join("data").exists());
+
+    let with_data = dir.path().join("data");
+    let (_, stderr) = synth(&with_data, &[]);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 4, "{stderr}");
+    for rank in 0..4 {
+        let file = format!("data/rank-{rank:05}.bin");
+        assert!(with_data.join(&file).is_file(), "{file}");
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with(&format!("  rank {rank:>5}: {file} in "))),
+            "{stderr}"
+        );
+    }
+}
+
+/// `synth` over a committed step said "invalid checkpoint metadata" although nothing is wrong
+/// with that checkpoint; it is the output location that is taken.
+#[test]
+fn synth_over_a_committed_step_says_it_is_taken() {
+    let dir = tempdir();
+    let ckpt = synth_tiny(dir.path());
+    let layout = layout_file(dir.path(), "dp2.json", &["fsdp", "--dp", "2"]);
+    let err = failing(&[
+        "synth",
+        "--model",
+        "gpt-tiny",
+        "--layout",
+        s(&layout),
+        "--out",
+        s(&ckpt),
+    ]);
+    assert_eq!(
+        err,
+        format!(
+            "error: starting checkpoint {}: step-000005 already holds a committed checkpoint \
+             (step-000005/manifest.json exists): save to another step directory, or remove this \
+             one first\n",
+            s(&ckpt)
+        )
+    );
+    assert!(!err.contains("invalid checkpoint metadata"), "{err}");
+}
+
+/// `plan --rank R` in the default text format printed the JSON rank plan. Text is now for
+/// people, and agrees with the JSON plan it describes.
+#[test]
+fn plan_rank_text_is_human_readable_and_matches_the_json() {
+    let dir = tempdir();
+    let ckpt = synth_tiny(dir.path());
+    let layout = layout_file(dir.path(), "dp3.json", &["fsdp", "--dp", "3"]);
+    let base = ["plan", s(&ckpt), "--layout", s(&layout), "--rank", "1"];
+    let (code, text, stderr) = run_clean(&base);
+    assert_eq!(code, Some(0), "{stderr}");
+    let mut json_args = base.to_vec();
+    json_args.extend_from_slice(&["--format", "json"]);
+    let (_, json, _) = run_clean(&json_args);
+    let plan = tessera_planner::RankPlan::from_json(&json).unwrap();
+    assert!(serde_json::from_str::<serde_json::Value>(&text).is_err());
+
+    let read_here = plan.pieces.iter().filter(|p| p.read.is_some()).count();
+    let human = |b: u64| tessera::human::bytes(b);
+    let head = format!(
+        "rank 1 of 3\n\
+         destinations         {} ({})\n\
+         pieces               {} ({read_here} read here, {} received)\n\
+         bytes read           {} from {} files\n\
+         bytes sent           {}\n\
+         bytes received       {}\n",
+        plan.destinations.len(),
+        human(plan.summary.bytes_needed),
+        plan.pieces.len(),
+        plan.pieces.len() - read_here,
+        human(plan.summary.bytes_read),
+        plan.files.len(),
+        human(plan.summary.bytes_sent),
+        human(plan.summary.bytes_received),
+    );
+    assert!(text.starts_with(&head), "{text}");
+    // Every file it reads, and every destination buffer by tensor name and part.
+    let section = |name: &str| {
+        let start = text.find(&format!("\n{name}\n")).expect(name) + name.len() + 2;
+        text[start..].split("\n\n").next().unwrap().to_string()
+    };
+    let reads = section("reads");
+    for file in &plan.files {
+        assert!(reads.contains(&format!("  {file}  ")), "{file}: {reads}");
+    }
+    let destinations = section("destinations");
+    assert_eq!(destinations.lines().count(), plan.destinations.len());
+    assert!(
+        destinations.lines().any(|l| l.starts_with("  model.embed_tokens.weight")
+            && l.contains("  [334..668, 0..64]  ")),
+        "{destinations}"
+    );
+    // gpt-tiny saved tp2 pp2 dp2, loaded dp3: rank 1 gets some bytes from peers.
+    assert!(plan.summary.bytes_received > 0);
+    let peers = section("peers");
+    assert!(peers.lines().all(|l| l.starts_with("  rank ")), "{peers}");
+    assert!(!peers.contains("rank 1 "), "{peers}");
+}
+
+/// `inspect`/`plan`/`verify` help said "directory or file:// URL" although every store works.
+#[test]
+fn help_names_every_location_form() {
+    for command in ["inspect", "plan", "verify", "load", "convert"] {
+        let (code, help, _) = run_clean(&[command, "--help"]);
+        assert_eq!(code, Some(0));
+        let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(
+            help.contains(
+                "a local directory, or a file://, s3://, gs://, az:// or http(s):// URL"
+            ),
+            "{command}: {help}"
+        );
+    }
 }

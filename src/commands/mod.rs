@@ -75,6 +75,17 @@ pub async fn open_for_load(location: &str, retry: &RetryPolicy) -> Result<Checkp
     Ok(tessera_ops::open::open_for_load(location, &storage_options(retry)).await?)
 }
 
+/// Whether `err` comes from writing to a pipe whose reader has closed it (`tessera inspect
+/// --json | head`). Rust ignores SIGPIPE, so such a write fails with EPIPE instead of ending the
+/// process as it would a C tool; the front end ends quietly as those do.
+pub fn is_broken_pipe(err: &anyhow::Error) -> bool {
+    err.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
 /// Reads a layout JSON file (`-` for standard input).
 pub fn read_layout(path: &str) -> Result<Layout> {
     let text = read_text(path)?;
