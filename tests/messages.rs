@@ -391,3 +391,55 @@ fn help_names_every_location_form() {
         );
     }
 }
+
+/// A DCP checkpoint's `inspect` listed tensors in the pickled dict's order and left out the
+/// non-tensor objects (optimizer param groups, a train state): now both, sorted by name.
+#[test]
+fn dcp_inspect_lists_tensors_sorted_and_the_objects() {
+    let fixtures = std::env::var_os("TESSERA_DCP_FIXTURES")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/dcp"));
+    let ckpt = fixtures.join("e_w2_fsdp2_adamw");
+    let expected: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ckpt.join("expected.json")).unwrap()).unwrap();
+    // Dot-separated parts, numbers by value: `blocks.2` before `blocks.10`.
+    let key = |name: &str| -> Vec<(Option<u64>, String)> {
+        name.split('.')
+            .map(|p| (p.parse().ok(), p.to_string()))
+            .map(|(n, p): (Option<u64>, String)| (n, if n.is_some() { String::new() } else { p }))
+            .collect()
+    };
+    let mut tensors = Vec::new();
+    let mut objects = Vec::new();
+    for (name, entry) in expected["entries"].as_object().unwrap() {
+        match entry["kind"].as_str().unwrap() {
+            "tensor" => tensors.push(name.clone()),
+            "bytes" => objects.push(name.clone()),
+            other => panic!("{other}"),
+        }
+    }
+    tensors.sort_by_key(|n| key(n));
+    objects.sort_by_key(|n| key(n));
+    assert_eq!((tensors.len(), objects.len()), (112, 14));
+
+    let (code, text, stderr) = run_clean(&["inspect", s(&ckpt)]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let sections: Vec<&str> = text.split("\n\n").collect();
+    assert_eq!(sections.len(), 3, "{text}");
+    let first_column = |section: &str, header: &str| -> Vec<String> {
+        let mut lines = section.lines();
+        assert!(lines.next().unwrap().starts_with(header), "{section}");
+        lines
+            .map(|l| l.split_whitespace().next().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(first_column(sections[1], "FQN "), tensors);
+    assert_eq!(first_column(sections[2], "OBJECT "), objects);
+    // Each object row names its file and size.
+    let step = sections[2]
+        .lines()
+        .find(|l| l.starts_with("train_state.step "))
+        .unwrap();
+    assert!(step.contains(".distcp"), "{step}");
+    assert!(step.trim_end().ends_with('B'), "{step}");
+}

@@ -106,7 +106,7 @@ pub fn rank_plan_text(plan: &RankPlan) -> String {
          bytes read           {} from {}\n\
          bytes sent           {}\n\
          bytes received       {}\n\
-         exchanges            {} groups, {} rounds\n",
+         exchanges            {}, {}\n",
         plan.rank,
         plan.world,
         plan.destinations.len(),
@@ -115,14 +115,11 @@ pub fn rank_plan_text(plan: &RankPlan) -> String {
         read_here,
         plan.pieces.len() - read_here,
         human::bytes(s.bytes_read),
-        match plan.files.len() {
-            1 => "1 file".to_string(),
-            n => format!("{n} files"),
-        },
+        count(plan.files.len(), "file"),
         human::bytes(s.bytes_sent),
         human::bytes(s.bytes_received),
-        plan.exchanges.len(),
-        rounds,
+        count(plan.exchanges.len(), "group"),
+        count(rounds, "round"),
     );
 
     // Reads by file: pieces and bytes this rank fetches from each.
@@ -249,4 +246,13 @@ pub fn summary_text(s: &PlanSummary, seconds: f64) -> String {
         human::bytes(s.mean_read_per_rank as u64),
         seconds,
     )
+}
+
+/// `1 file`, `3 files`.
+fn count(n: usize, what: &str) -> String {
+    if n == 1 {
+        format!("1 {what}")
+    } else {
+        format!("{n} {what}s")
+    }
 }
