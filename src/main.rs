@@ -348,7 +348,7 @@ fn main() -> ExitCode {
         // The reader went away (`tessera inspect --json | head`): nothing left to say to it.
         Err(err) if commands::is_broken_pipe(&err) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", commands::error_text::error_text(&err));
             ExitCode::FAILURE
         }
     }

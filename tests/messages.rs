@@ -443,3 +443,51 @@ fn dcp_inspect_lists_tensors_sorted_and_the_objects() {
     assert!(step.contains(".distcp"), "{step}");
     assert!(step.trim_end().ends_with('B'), "{step}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Storage errors
+
+/// Runs `tessera <args>` with the S3 test server's variables; returns (exit code, stderr).
+fn run_s3(server: &tessera_storage::testing::S3TestServer, args: &[&str]) -> (Option<i32>, String) {
+    let mut command = Command::new(BIN);
+    command.args(args).stdin(Stdio::null());
+    for (k, v) in server.env() {
+        command.env(k, v);
+    }
+    let output = command.output().unwrap();
+    assert!(output.stdout.is_empty(), "{}", String::from_utf8_lossy(&output.stdout));
+    (
+        output.status.code(),
+        String::from_utf8(output.stderr).unwrap(),
+    )
+}
+
+/// An S3 error repeated "Generic S3 error ... NoSuchBucket" four or five times and "after 10
+/// retries" three times in one line. Each cause is said once, the most specific first.
+#[test]
+fn a_missing_bucket_is_said_once() {
+    let dir = tempdir();
+    let server = tessera_storage::testing::S3TestServer::start(dir.path());
+    let layout = layout_file(dir.path(), "dp2.json", &["fsdp", "--dp", "2"]);
+    let location = "s3://no-such-bucket/run/step-1";
+    for args in [
+        vec!["inspect", location],
+        vec!["verify", location],
+        vec!["load", location, "--layout", s(&layout)],
+    ] {
+        let (code, err) = run_s3(&server, &args);
+        assert!(code.is_some_and(|c| c != 0), "{args:?}: {err}");
+        assert!(
+            err.starts_with(
+                "error: bucket no-such-bucket does not exist (404 NoSuchBucket)\n  while "
+            ),
+            "{args:?}: {err}"
+        );
+        // Before: NoSuchBucket five times, "Generic S3 error" four.
+        for said_once in ["NoSuchBucket", "Generic S3 error", "404 Not Found"] {
+            assert_eq!(err.matches(said_once).count(), 1, "{said_once}: {args:?}: {err}");
+        }
+        assert!(!err.contains("<?xml"), "{err}");
+        assert_eq!(err.lines().count(), 2, "{err}");
+    }
+}

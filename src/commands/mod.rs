@@ -2,6 +2,7 @@
 
 pub mod convert;
 pub mod demo;
+pub mod error_text;
 pub mod inspect;
 pub mod layout;
 pub mod load;

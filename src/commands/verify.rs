@@ -45,7 +45,9 @@ pub async fn check(location: &str, strays: Strays, retry: &storage::RetryPolicy)
     let loc = storage::open_with(location, &super::storage_options(retry))?;
     tessera_ops::open::check_local(location)
         .with_context(|| format!("opening checkpoint {location}"))?;
-    let listing = list_dir(loc.store.as_ref(), &loc.prefix).await?;
+    let listing = list_dir(loc.store.as_ref(), &loc.prefix)
+        .await
+        .with_context(|| format!("opening checkpoint {location}"))?;
     let native = listing.files.contains_key(native::MANIFEST_FILE)
         || listing.files.contains_key(native::METADATA_FILE)
         || listing.dirs.contains(native::DATA_DIR);
