@@ -491,3 +491,40 @@ fn a_missing_bucket_is_said_once() {
         assert_eq!(err.lines().count(), 2, "{err}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Layout warnings
+
+/// A megatron layout made with `--num-layers 12` loaded a 4-layer checkpoint silently (every
+/// layer on pipeline stage 0). `plan` and `load` now warn, naming the numbers; a fitting layout
+/// gets no warning.
+#[test]
+fn a_megatron_layout_for_other_layers_is_warned_about() {
+    let dir = tempdir();
+    let ckpt = synth_tiny(dir.path());
+    let preset = |layers: &str| {
+        layout_file(
+            dir.path(),
+            &format!("pp2-{layers}.json"),
+            &["megatron-gpt", "--tp", "1", "--pp", "2", "--dp", "1", "--num-layers", layers],
+        )
+    };
+    let wrong = preset("12");
+    let warning = format!(
+        "warning: layout {}: the layout's stages.num_layers is 12 but the checkpoint has 4 \
+         layers (0..3): they all go to pipeline stage 0 of 2, the others hold no layer; make the \
+         layout for 4 layers (e.g. `tessera layout megatron-gpt --num-layers 4`)\n",
+        s(&wrong)
+    );
+    for command in ["plan", "load"] {
+        let (code, stdout, stderr) = run_clean(&[command, s(&ckpt), "--layout", s(&wrong)]);
+        assert_eq!(code, Some(0), "{stderr}");
+        assert!(!stdout.is_empty());
+        assert_eq!(stderr.matches("warning: ").count(), 1, "{command}: {stderr}");
+        assert!(stderr.contains(&warning), "{command}: {stderr}");
+    }
+    let right = preset("4");
+    let (code, _, stderr) = run_clean(&["plan", s(&ckpt), "--layout", s(&right)]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(!stderr.contains("warning"), "{stderr}");
+}

@@ -341,9 +341,17 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
 
 fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> {
     Ok(match (&args.layout, &args.requests) {
-        (Some(layout), None) => super::read_layout(layout)?
-            .resolve(checkpoint.meta.tensors())
-            .with_context(|| format!("resolving layout {layout} against {}", args.checkpoint))?,
+        (Some(path), None) => {
+            let layout = super::read_layout(path)?;
+            let requests = layout
+                .resolve(checkpoint.meta.tensors())
+                .with_context(|| format!("resolving layout {path} against {}", args.checkpoint))?;
+            // Once per job: every rank of a real job resolves the same layout.
+            if args.rank.unwrap_or(0) == 0 {
+                super::warn_layout(path, &layout, checkpoint.meta.tensors());
+            }
+            requests
+        }
         (None, Some(path)) => ExplicitRequests::from_json(&super::read_text(path)?)
             .and_then(|r| r.resolve(checkpoint.meta.tensors()))
             .with_context(|| format!("reading requests {path}"))?,

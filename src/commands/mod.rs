@@ -93,6 +93,14 @@ pub fn read_layout(path: &str) -> Result<Layout> {
     Layout::from_json(&text).with_context(|| format!("reading layout {path}"))
 }
 
+/// Prints to stderr what in the layout at `path` does not fit `tensors` though it resolves
+/// ([`Layout::warnings`]: stages made for another number of layers).
+pub fn warn_layout(path: &str, layout: &Layout, tensors: &[tessera_metadata::TensorMeta]) {
+    for warning in layout.warnings(tensors) {
+        eprintln!("warning: layout {path}: {warning}");
+    }
+}
+
 /// Reads a text file, or standard input for `-`.
 pub fn read_text(path: &str) -> Result<String> {
     if path == "-" {

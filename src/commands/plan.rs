@@ -48,9 +48,14 @@ pub async fn run(args: &PlanArgs) -> Result<Vec<u8>> {
     let checkpoint = super::open(&args.checkpoint, &args.retry).await?;
     let meta = Arc::new(checkpoint.meta);
     let requests: RequestSet = match (&args.layout, &args.requests) {
-        (Some(layout), None) => super::read_layout(layout)?
-            .resolve(meta.tensors())
-            .with_context(|| format!("resolving layout {layout} against {}", args.checkpoint))?,
+        (Some(path), None) => {
+            let layout = super::read_layout(path)?;
+            let requests = layout.resolve(meta.tensors()).with_context(|| {
+                format!("resolving layout {path} against {}", args.checkpoint)
+            })?;
+            super::warn_layout(path, &layout, meta.tensors());
+            requests
+        }
         (None, Some(path)) => ExplicitRequests::from_json(&super::read_text(path)?)
             .and_then(|r| r.resolve(meta.tensors()))
             .with_context(|| format!("reading requests {path}"))?,
