@@ -114,6 +114,14 @@ fn paths_that_are_not_checkpoints_say_what_they_are() {
         "--metadata-only",
     ]);
     assert_eq!(code, Some(0), "{stderr}");
+    let err = failing(&["load", s(&missing), "--layout", s(&missing)]);
+    assert_eq!(
+        err,
+        format!(
+            "error: opening checkpoint {0}: {0}: does not exist (nothing is stored there)\n",
+            s(&missing)
+        )
+    );
     let err = failing(&["verify", s(&missing)]);
     assert!(
         err.ends_with(&format!(
@@ -365,8 +373,10 @@ fn plan_rank_text_is_human_readable_and_matches_the_json() {
     let destinations = section("destinations");
     assert_eq!(destinations.lines().count(), plan.destinations.len());
     assert!(
-        destinations.lines().any(|l| l.starts_with("  model.embed_tokens.weight")
-            && l.contains("  [334..668, 0..64]  ")),
+        destinations
+            .lines()
+            .any(|l| l.starts_with("  model.embed_tokens.weight")
+                && l.contains("  [334..668, 0..64]  ")),
         "{destinations}"
     );
     // gpt-tiny saved tp2 pp2 dp2, loaded dp3: rank 1 gets some bytes from peers.
@@ -384,9 +394,7 @@ fn help_names_every_location_form() {
         assert_eq!(code, Some(0));
         let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
         assert!(
-            help.contains(
-                "a local directory, or a file://, s3://, gs://, az:// or http(s):// URL"
-            ),
+            help.contains("a local directory, or a file://, s3://, gs://, az:// or http(s):// URL"),
             "{command}: {help}"
         );
     }
@@ -455,7 +463,11 @@ fn run_s3(server: &tessera_storage::testing::S3TestServer, args: &[&str]) -> (Op
         command.env(k, v);
     }
     let output = command.output().unwrap();
-    assert!(output.stdout.is_empty(), "{}", String::from_utf8_lossy(&output.stdout));
+    assert!(
+        output.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
     (
         output.status.code(),
         String::from_utf8(output.stderr).unwrap(),
@@ -485,7 +497,11 @@ fn a_missing_bucket_is_said_once() {
         );
         // Before: NoSuchBucket five times, "Generic S3 error" four.
         for said_once in ["NoSuchBucket", "Generic S3 error", "404 Not Found"] {
-            assert_eq!(err.matches(said_once).count(), 1, "{said_once}: {args:?}: {err}");
+            assert_eq!(
+                err.matches(said_once).count(),
+                1,
+                "{said_once}: {args:?}: {err}"
+            );
         }
         assert!(!err.contains("<?xml"), "{err}");
         assert_eq!(err.lines().count(), 2, "{err}");
@@ -506,7 +522,17 @@ fn a_megatron_layout_for_other_layers_is_warned_about() {
         layout_file(
             dir.path(),
             &format!("pp2-{layers}.json"),
-            &["megatron-gpt", "--tp", "1", "--pp", "2", "--dp", "1", "--num-layers", layers],
+            &[
+                "megatron-gpt",
+                "--tp",
+                "1",
+                "--pp",
+                "2",
+                "--dp",
+                "1",
+                "--num-layers",
+                layers,
+            ],
         )
     };
     let wrong = preset("12");
@@ -520,7 +546,11 @@ fn a_megatron_layout_for_other_layers_is_warned_about() {
         let (code, stdout, stderr) = run_clean(&[command, s(&ckpt), "--layout", s(&wrong)]);
         assert_eq!(code, Some(0), "{stderr}");
         assert!(!stdout.is_empty());
-        assert_eq!(stderr.matches("warning: ").count(), 1, "{command}: {stderr}");
+        assert_eq!(
+            stderr.matches("warning: ").count(),
+            1,
+            "{command}: {stderr}"
+        );
         assert!(stderr.contains(&warning), "{command}: {stderr}");
     }
     let right = preset("4");

@@ -42,15 +42,19 @@ fn stages_for_more_layers_than_the_checkpoint_has_are_warned_about() {
     layout.resolve(&tensors).unwrap();
     assert_eq!(
         layout.warnings(&tensors),
-        ["the layout's stages.num_layers is 12 but the checkpoint has 4 layers (0..3): they all \
+        [
+            "the layout's stages.num_layers is 12 but the checkpoint has 4 layers (0..3): they all \
           go to pipeline stage 0 of 2, the others hold no layer; make the layout for 4 layers \
-          (e.g. `tessera layout megatron-gpt --num-layers 4`)"]
+          (e.g. `tessera layout megatron-gpt --num-layers 4`)"
+        ]
     );
     assert_eq!(
         megatron(4, 12).warnings(&model(6)),
-        ["the layout's stages.num_layers is 12 but the checkpoint has 6 layers (0..5): they all \
+        [
+            "the layout's stages.num_layers is 12 but the checkpoint has 6 layers (0..5): they all \
           go to the first 2 of 4 pipeline stages, the others hold no layer; make the layout for \
-          6 layers (e.g. `tessera layout megatron-gpt --num-layers 6`)"]
+          6 layers (e.g. `tessera layout megatron-gpt --num-layers 6`)"
+        ]
     );
 }
 
@@ -72,8 +76,10 @@ fn a_layer_pattern_no_tensor_matches_is_warned_about() {
     layout.resolve(&tensors).unwrap();
     assert_eq!(
         layout.warnings(&tensors),
-        ["no tensor of the checkpoint matches the layout's stages.layer_pattern \
+        [
+            "no tensor of the checkpoint matches the layout's stages.layer_pattern \
           \"blocks\\\\.(\\\\d+)\\\\.\": every tensor goes by stages.first/last, so the pipeline \
-          stages between hold nothing"]
+          stages between hold nothing"
+        ]
     );
 }

@@ -56,7 +56,10 @@ fn store_reason(text: &str) -> Option<String> {
     };
     let code = |code: &str| text.contains(&format!("<Code>{code}</Code>"));
     if code("NoSuchBucket") || text.contains("The specified bucket does not exist") {
-        return Some(format!("{} does not exist (404 NoSuchBucket)", name("bucket")));
+        return Some(format!(
+            "{} does not exist (404 NoSuchBucket)",
+            name("bucket")
+        ));
     }
     if code("ContainerNotFound") {
         return Some(format!(
@@ -65,8 +68,14 @@ fn store_reason(text: &str) -> Option<String> {
         ));
     }
     for (code_name, meaning) in [
-        ("InvalidAccessKeyId", "the access key is not known to the store"),
-        ("SignatureDoesNotMatch", "the secret key does not match the access key"),
+        (
+            "InvalidAccessKeyId",
+            "the access key is not known to the store",
+        ),
+        (
+            "SignatureDoesNotMatch",
+            "the secret key does not match the access key",
+        ),
         ("ExpiredToken", "the session token has expired"),
         ("AccessDenied", "access denied"),
     ] {
@@ -92,6 +101,7 @@ fn bucket_of(text: &str) -> Option<String> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -237,6 +237,8 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     }
     let location =
         tessera_storage::open_with(&args.checkpoint, &super::storage_options(&args.retry))?;
+    tessera_ops::open::check_local(&args.checkpoint)
+        .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
     let checkpoint = Checkpoint::open_with(location, &open_options)
         .await
         .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
@@ -448,7 +450,11 @@ fn rendezvous_from(
     };
     for (name, value, what) in [
         ("RANK", rank, format!("--rank {rank}")),
-        ("WORLD_SIZE", world, format!("the layout's world size {world}")),
+        (
+            "WORLD_SIZE",
+            world,
+            format!("the layout's world size {world}"),
+        ),
     ] {
         if let Some(text) = var(name)
             && text.trim() != value.to_string()
@@ -456,7 +462,12 @@ fn rendezvous_from(
             bail!("{what} disagrees with {name}={text} in the environment");
         }
     }
-    Ok(RendezvousConfig::new(rank, world, master_addr, master_port)?)
+    Ok(RendezvousConfig::new(
+        rank,
+        world,
+        master_addr,
+        master_port,
+    )?)
 }
 
 async fn load_all_inproc(
@@ -1028,7 +1039,10 @@ mod tests {
             RendezvousConfig::new(2, 4, "10.0.0.1", 29500).unwrap()
         );
         let config = rendezvous_from(None, None, 2, 4, env(&vars)).unwrap();
-        assert_eq!(config, RendezvousConfig::new(2, 4, "10.0.0.9", 29500).unwrap());
+        assert_eq!(
+            config,
+            RendezvousConfig::new(2, 4, "10.0.0.9", 29500).unwrap()
+        );
 
         let bad_port = [("MASTER_ADDR", "h"), ("MASTER_PORT", "http")];
         let err = rendezvous_from(None, None, 0, 2, env(&bad_port))

@@ -50,9 +50,9 @@ pub async fn run(args: &PlanArgs) -> Result<Vec<u8>> {
     let requests: RequestSet = match (&args.layout, &args.requests) {
         (Some(path), None) => {
             let layout = super::read_layout(path)?;
-            let requests = layout.resolve(meta.tensors()).with_context(|| {
-                format!("resolving layout {path} against {}", args.checkpoint)
-            })?;
+            let requests = layout
+                .resolve(meta.tensors())
+                .with_context(|| format!("resolving layout {path} against {}", args.checkpoint))?;
             super::warn_layout(path, &layout, meta.tensors());
             requests
         }
@@ -159,11 +159,7 @@ pub fn rank_plan_text(plan: &RankPlan) -> String {
     }
     if !plan.destinations.is_empty() {
         out.push_str("\ndestinations\n");
-        let fqn = |t: u32| {
-            plan.tensors
-                .get(t as usize)
-                .map_or("?", |t| t.fqn.as_str())
-        };
+        let fqn = |t: u32| plan.tensors.get(t as usize).map_or("?", |t| t.fqn.as_str());
         let width = plan
             .destinations
             .iter()
