@@ -99,7 +99,8 @@ enum Command {
     /// Plan loading a checkpoint into a layout (or explicit per-rank requests).
     #[command(group(ArgGroup::new("target").required(true).args(["layout", "requests"])))]
     Plan {
-        /// Checkpoint directory or file:// URL.
+        /// Checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
+        /// http(s):// URL.
         checkpoint: String,
         /// Target layout JSON file.
         #[arg(long)]
@@ -110,7 +111,8 @@ enum Command {
         /// Print this rank's plan instead of the summary.
         #[arg(long)]
         rank: Option<u32>,
-        /// Output format.
+        /// Output format: text for people (a rank plan's reads, buffers and peers), json, or
+        /// arrow (Arrow IPC; rank plans only).
         #[arg(long, value_enum, default_value_t = FormatArg::Text)]
         format: FormatArg,
         /// Also print the whole-plan summary (to stderr when a rank plan goes to stdout).
@@ -125,7 +127,8 @@ enum Command {
     /// Load a checkpoint into a layout: every rank here, or one rank of a real job (--rank).
     #[command(group(ArgGroup::new("target").required(true).args(["layout", "requests"])))]
     Load {
-        /// Checkpoint directory or URL (file://, s3://, gs://, az://, http(s)://).
+        /// Checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
+        /// http(s):// URL.
         checkpoint: String,
         /// Target layout JSON file.
         #[arg(long)]
@@ -152,10 +155,10 @@ enum Command {
         /// World size (with --rank; must match the layout).
         #[arg(long)]
         world: Option<u32>,
-        /// Rendezvous host (with --rank).
+        /// Rendezvous host: where rank 0 listens (with --rank; default: MASTER_ADDR).
         #[arg(long)]
         master_addr: Option<String>,
-        /// Rendezvous port (with --rank).
+        /// Rendezvous port (with --rank; default: MASTER_PORT).
         #[arg(long)]
         master_port: Option<u16>,
         /// Skip block checksum verification of what is read.
@@ -169,6 +172,7 @@ enum Command {
         check: bool,
         /// Seconds a rank waits for a peer before failing: to join the rendezvous, to connect, or
         /// to send; with --transport tcp, also how long the other ranks get after one failed.
+        /// The one timeout of the rendezvous: waiting ranks say whom they wait for meanwhile.
         #[arg(long, default_value_t = 60.0)]
         peer_timeout: f64,
         /// Write the JSON report to a file: with --rank, that rank's report; otherwise
@@ -194,7 +198,8 @@ enum Command {
     },
     /// Re-save a checkpoint in another layout, or export consolidated safetensors.
     Convert {
-        /// Source checkpoint directory or URL.
+        /// Source checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
+        /// http(s):// URL.
         checkpoint: String,
         /// Target layout JSON file (native format output).
         #[arg(long)]
@@ -217,7 +222,8 @@ enum Command {
     },
     /// Show what a checkpoint holds.
     Inspect {
-        /// Checkpoint directory or file:// URL.
+        /// Checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
+        /// http(s):// URL.
         checkpoint: String,
         /// JSON output.
         #[arg(long)]
@@ -227,7 +233,8 @@ enum Command {
     },
     /// Check every block checksum of a checkpoint's data files.
     Verify {
-        /// Checkpoint directory or file:// URL.
+        /// Checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
+        /// http(s):// URL.
         checkpoint: String,
         #[command(flatten)]
         storage: StorageArgs,
@@ -340,8 +347,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader went away (`tessera inspect --json | head`): nothing left to say to it.
+        Err(err) if commands::is_broken_pipe(&err) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", commands::error_text::error_text(&err));
             ExitCode::FAILURE
         }
     }

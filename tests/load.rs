@@ -789,7 +789,9 @@ fn rendezvous_honours_peer_timeout_and_says_whom_it_waits_for() {
     let took = started.elapsed();
     assert!(took < std::time::Duration::from_secs(30), "took {took:?}");
     assert!(
-        err.contains("rank 0: waiting for ranks 1,2 to join (1 s of 3 s)\n"),
+        err.contains(&format!(
+            "rank 0: waiting for ranks 1,2 to join at 127.0.0.1:{port} (1 of 3 in, 1 s of 3 s)\n"
+        )),
         "{err}"
     );
     assert!(
@@ -905,7 +907,7 @@ fn a_stopped_rank_is_killed_and_reported_and_load_ends() {
     assert_eq!(status.code(), Some(1), "{stderr}");
     // Progress lines the ranks printed while waiting come first, then the report.
     assert!(
-        stderr.contains("rank 0: waiting for rank 2 to join ("),
+        stderr.contains("rank 0: waiting for rank 2 to join at 127.0.0.1:"),
         "{stderr}"
     );
     let report = &stderr[stderr.find("error: the load failed:\n").expect(&stderr)..];

@@ -139,6 +139,24 @@ pub enum MetadataError {
         /// The checkpoint directory.
         path: String,
     },
+    /// A location where nothing is stored: a mistyped path or prefix, or an empty directory.
+    #[error("{path}: does not exist (nothing is stored there)")]
+    NotFound {
+        /// The location as the store names it.
+        path: String,
+    },
+    /// A save into a location that already holds a committed checkpoint (its manifest): nothing
+    /// is wrong with that checkpoint, the save is pointed at the wrong place.
+    #[error(
+        "{prefix} already holds a committed checkpoint ({manifest} exists): save to another step \
+         directory, or remove this one first"
+    )]
+    AlreadyCommitted {
+        /// The checkpoint directory.
+        prefix: String,
+        /// Its manifest.
+        manifest: String,
+    },
     /// Anything else structurally wrong with metadata, with what and where.
     #[error("invalid checkpoint metadata: {what}")]
     Invalid {

@@ -161,7 +161,8 @@ async fn a_committed_prefix_is_not_written_again() {
         .unwrap_err();
     assert_eq!(
         err.to_string(),
-        "invalid checkpoint metadata: run/step-000004/manifest.json already exists: run/step-000004 holds a committed checkpoint"
+        "run/step-000004 already holds a committed checkpoint (run/step-000004/manifest.json \
+         exists): save to another step directory, or remove this one first"
     );
 }
 

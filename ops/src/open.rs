@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use object_store::ObjectStore;
 use tessera_loader::load::Checkpoint;
-use tessera_metadata::{OpenOptions, OpenedCheckpoint, open_any};
+use tessera_metadata::{MetadataError, OpenOptions, OpenedCheckpoint, open_any};
 use tessera_storage::StorageOptions;
 
 use crate::{OpsError, ResultExt};
@@ -37,6 +37,7 @@ pub async fn open_at_with(
     storage_options: &StorageOptions,
 ) -> Result<(Arc<dyn ObjectStore>, OpenedCheckpoint), OpsError> {
     let loc = tessera_storage::open_with(location, storage_options)?;
+    check_local(location).with_context(|| format!("opening checkpoint {location}"))?;
     let mut options = open_options();
     options.block_checksums = false;
     let opened = open_any(loc.store.as_ref(), &loc.prefix, &options)
@@ -51,7 +52,35 @@ pub async fn open_for_load(
     storage_options: &StorageOptions,
 ) -> Result<Checkpoint, OpsError> {
     let loc = tessera_storage::open_with(location, storage_options)?;
+    check_local(location).with_context(|| format!("opening checkpoint {location}"))?;
     Checkpoint::open_with(loc, &open_options())
         .await
         .with_context(|| format!("opening checkpoint {location}"))
+}
+
+/// A local location that is missing or an empty directory, said as such with the path as given.
+/// (The reader sees only an empty listing in both cases, as an object store shows a prefix that
+/// does not exist; it says [`MetadataError::NotFound`] for that, which would call an empty
+/// directory missing.)
+pub fn check_local(location: &str) -> Result<(), OpsError> {
+    let path = match location.split_once("://") {
+        None => location,
+        Some(("file", path)) => path,
+        Some(_) => return Ok(()),
+    };
+    let path = std::path::Path::new(path);
+    match std::fs::read_dir(path).map(|mut entries| entries.next().is_none()) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(MetadataError::NotFound {
+            path: path.display().to_string(),
+        }
+        .into()),
+        Ok(true) => Err(MetadataError::Unsupported {
+            path: path.display().to_string(),
+            detail: "an empty directory, not a checkpoint".to_string(),
+        }
+        .into()),
+        // A file (a single .safetensors), a full directory, or one that cannot be listed: the
+        // reader decides and says why.
+        _ => Ok(()),
+    }
 }

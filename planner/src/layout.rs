@@ -208,6 +208,84 @@ impl Layout {
         Ok(parsed)
     }
 
+    /// What in the layout does not fit `tensors` though it resolves: pipeline stages made for
+    /// another number of layers than the checkpoint has (a `megatron-gpt --num-layers 12` layout
+    /// against a 4-layer checkpoint puts every layer on the first stages and leaves the others
+    /// only the first/last tensors), or a layer pattern no tensor matches. Each warning is a
+    /// sentence naming the field and the numbers; empty when everything fits.
+    pub fn warnings(&self, tensors: &[TensorMeta]) -> Vec<String> {
+        let mut out = Vec::new();
+        let Some(stages) = &self.stages else {
+            return out;
+        };
+        // An invalid pattern is an error of `resolve`; nothing to warn about here.
+        let Ok(pattern) = Regex::new(&stages.layer_pattern) else {
+            return out;
+        };
+        let max_layer = tensors
+            .iter()
+            .filter_map(|t| layer_number(&pattern, &t.fqn))
+            .max();
+        let uses_stages = self.rules.iter().any(|rule| {
+            rule.placements
+                .iter()
+                .any(|p| Placement::parse(p) == Some(Placement::Stage))
+        });
+        if !uses_stages {
+            return out;
+        }
+        match (max_layer, stages.num_layers) {
+            (None, _) => out.push(format!(
+                "no tensor of the checkpoint matches the layout's stages.layer_pattern {:?}: \
+                 every tensor goes by stages.first/last, so the pipeline stages between hold \
+                 nothing",
+                stages.layer_pattern
+            )),
+            (Some(max), Some(num_layers)) if max + 1 < num_layers => {
+                let stage_count = self.stage_count();
+                let used = stage_count.map(|p| {
+                    // The stage of the checkpoint's last layer: the stages after it get no layer.
+                    let p = u128::from(p);
+                    ((u128::from(max) + 1) * p - 1) / u128::from(num_layers) + 1
+                });
+                out.push(format!(
+                    "the layout's stages.num_layers is {num_layers} but the checkpoint has {} \
+                     layers (0..{max}){}; make the layout for {} layers (e.g. `tessera layout \
+                     megatron-gpt --num-layers {}`)",
+                    max + 1,
+                    match (used, stage_count) {
+                        (Some(1), Some(p)) if p > 1 => format!(
+                            ": they all go to pipeline stage 0 of {p}, the others hold no layer"
+                        ),
+                        (Some(used), Some(p)) if used < u128::from(p) => format!(
+                            ": they all go to the first {used} of {p} pipeline stages, the \
+                             others hold no layer"
+                        ),
+                        _ => ": the pipeline stages are unbalanced".to_string(),
+                    },
+                    max + 1,
+                    max + 1,
+                ));
+            }
+            _ => {}
+        }
+        out
+    }
+
+    /// The size of the mesh dim a `stage(layer)` placement is on (the pipeline stages), when
+    /// the rules agree on one.
+    fn stage_count(&self) -> Option<u32> {
+        let mut sizes = self.rules.iter().flat_map(|rule| {
+            rule.placements
+                .iter()
+                .zip(&self.mesh)
+                .filter(|(p, _)| Placement::parse(p) == Some(Placement::Stage))
+                .map(|(_, dim)| dim.size)
+        });
+        let first = sizes.next()?;
+        sizes.all(|s| s == first).then_some(first)
+    }
+
     /// The box every rank needs of every tensor: rank `r`'s requests are `result.ranks[r]`.
     /// A rank whose shard of a tensor is empty still gets an (empty) request, as DTensor does.
     pub fn resolve(&self, tensors: &[TensorMeta]) -> Result<RequestSet, PlanError> {

@@ -140,6 +140,11 @@ pub struct PlanCreated {
     pub summary: PlanSummaryView,
     /// Where each rank's plan is: this path with `{rank}` replaced.
     pub rank_url: String,
+    /// What in the layout does not fit the checkpoint though it planned (pipeline stages made
+    /// for another number of layers): sentences naming the field and the numbers. Absent when
+    /// everything fits.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
 }
 
 /// What a plan is computed for.
@@ -391,6 +396,8 @@ pub(crate) struct PlanEntry {
     /// The identity of the checkpoint planned against.
     pub identity: String,
     pub plan: Plan,
+    /// [`Layout::warnings`](tessera_planner::Layout::warnings) of the layout planned for.
+    pub warnings: Vec<String>,
     weight: u32,
 }
 
@@ -403,6 +410,7 @@ impl PlanEntry {
             world: self.plan.world_size(),
             summary: self.plan.summary().into(),
             rank_url: format!("/v1/plans/{}/ranks/{{rank}}", self.id),
+            warnings: self.warnings.clone(),
         }
     }
 }
@@ -637,12 +645,17 @@ impl Plans {
                     seconds = started.elapsed().as_secs_f64(),
                     "plan computed"
                 );
+                let warnings = match &spec.target {
+                    PlanTarget::Layout(layout) => layout.warnings(opened.meta.tensors()),
+                    PlanTarget::Requests(_) => Vec::new(),
+                };
                 Ok::<_, ApiError>(Arc::new(PlanEntry {
                     id: spec.id.clone(),
                     checkpoint: spec.checkpoint.clone(),
                     identity: opened.facts.identity.clone(),
                     weight,
                     plan,
+                    warnings,
                 }))
             })
             .await

@@ -146,9 +146,94 @@ pub async fn run(location: &str, as_json: bool, retry: &RetryPolicy) -> Result<S
             )?;
         }
     }
+    // DCP metadata keeps tensors in the order of a dict torch pickled (state-dict insertion
+    // order, per rank, merged), which reads as random: sort it. Formats written in model order
+    // (native, DeepSpeed) or sorted already (safetensors) keep theirs.
+    let sorted = matches!(
+        checkpoint.details,
+        FormatDetails::Dcp(_) | FormatDetails::ByteCheckpoint(_)
+    );
     out.push('\n');
-    out.push_str(&tensor_table(meta));
+    out.push_str(&table_of_tensors(meta, sorted));
+    if !meta.objects().is_empty() {
+        out.push('\n');
+        out.push_str(&object_table(meta));
+    }
     Ok(out)
+}
+
+/// Compares names with their digit runs as numbers: `layers.2` before `layers.10`.
+fn natural_cmp(a: &str, b: &str) -> std::cmp::Ordering {
+    fn runs(s: &str) -> impl Iterator<Item = (bool, &str)> {
+        let mut rest = s;
+        std::iter::from_fn(move || {
+            let first = rest.chars().next()?;
+            let digit = first.is_ascii_digit();
+            let end = rest
+                .find(|c: char| c.is_ascii_digit() != digit)
+                .unwrap_or(rest.len());
+            let (run, tail) = rest.split_at(end);
+            rest = tail;
+            Some((digit, run))
+        })
+    }
+    let mut left = runs(a);
+    let mut right = runs(b);
+    loop {
+        let order = match (left.next(), right.next()) {
+            (None, None) => return a.cmp(b),
+            (None, Some(_)) => return std::cmp::Ordering::Less,
+            (Some(_), None) => return std::cmp::Ordering::Greater,
+            (Some((true, x)), Some((true, y))) => {
+                // By value without parsing (runs may exceed u64): fewer significant digits
+                // first, then digit by digit.
+                let (x, y) = (x.trim_start_matches('0'), y.trim_start_matches('0'));
+                x.len().cmp(&y.len()).then_with(|| x.cmp(y))
+            }
+            (Some((_, x)), Some((_, y))) => x.cmp(y),
+        };
+        if order.is_ne() {
+            return order;
+        }
+    }
+}
+
+/// The non-tensor objects (a step counter, a config, an RNG state): key, file and size, sorted
+/// by key.
+pub fn object_table(meta: &CheckpointMeta) -> String {
+    let mut objects: Vec<_> = meta.objects().iter().collect();
+    objects.sort_by(|a, b| natural_cmp(&a.key, &b.key));
+    let width = objects
+        .iter()
+        .map(|o| o.key.chars().count())
+        .max()
+        .unwrap_or(6)
+        .clamp(6, MAX_FQN_COLUMN);
+    let file_width = objects
+        .iter()
+        .filter_map(|o| meta.files().get(o.file as usize))
+        .map(|f| f.path.chars().count())
+        .max()
+        .unwrap_or(4)
+        .clamp(4, MAX_FQN_COLUMN);
+    let mut out = String::new();
+    let mut row = |key: &str, file: &str, bytes: &str| {
+        out.push_str(&human::pad_right(key, width));
+        out.push_str("  ");
+        out.push_str(&human::pad_right(file, file_width));
+        out.push_str("  ");
+        out.push_str(&human::pad_left(bytes, 12));
+        out.push('\n');
+    };
+    row("OBJECT", "FILE", "BYTES");
+    for object in objects {
+        let file = meta
+            .files()
+            .get(object.file as usize)
+            .map_or("?", |f| f.path.as_str());
+        row(&object.key, file, &human::bytes(object.length));
+    }
+    out
 }
 
 /// `written by Megatron-Core torch_dist (version …); N tensors stored reformulated
@@ -175,6 +260,16 @@ const MAX_FQN_COLUMN: usize = 96;
 /// done by hand: `format!("{:width$}")` panics ("Formatting argument out of range") for a width
 /// over u16::MAX, which a 65,536-character tensor name gave.
 pub fn tensor_table(meta: &CheckpointMeta) -> String {
+    table_of_tensors(meta, false)
+}
+
+/// [`tensor_table`], its rows in the metadata's order or sorted by name ([`natural_cmp`]).
+fn table_of_tensors(meta: &CheckpointMeta, sorted: bool) -> String {
+    let mut order: Vec<usize> = (0..meta.tensors().len()).collect();
+    if sorted {
+        let tensors = meta.tensors();
+        order.sort_by(|&a, &b| natural_cmp(&tensors[a].fqn, &tensors[b].fqn));
+    }
     let width = meta
         .tensors()
         .iter()
@@ -196,7 +291,8 @@ pub fn tensor_table(meta: &CheckpointMeta) -> String {
         out.push('\n');
     };
     row("FQN", "DTYPE", "SHAPE", "BOXES", "BYTES");
-    for (t, tensor) in meta.tensors().iter().enumerate() {
+    for t in order {
+        let tensor = &meta.tensors()[t];
         // Checked: metadata validation bounds numel × dtype size, but rendering must not rely on
         // it (it runs on whatever the reader accepted).
         let bytes = tensor
@@ -232,5 +328,38 @@ pub fn index_line(stats: &IndexStats) -> String {
             "blob index: {} torch.save blobs, from the cache directory (no header reads)",
             stats.blobs
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::natural_cmp;
+
+    #[test]
+    fn names_sort_with_numbers_by_value() {
+        let mut names = vec![
+            "optim.state.layers.10.w",
+            "layers.10.w",
+            "layers.2.w",
+            "layers.2.b",
+            "layers.02.c",
+            "layers.1.w",
+            "a99999999999999999999999.x",
+            "a100000000000000000000000.x",
+        ];
+        names.sort_by(|a, b| natural_cmp(a, b));
+        assert_eq!(
+            names,
+            [
+                "a99999999999999999999999.x",
+                "a100000000000000000000000.x",
+                "layers.1.w",
+                "layers.2.b",
+                "layers.02.c",
+                "layers.2.w",
+                "layers.10.w",
+                "optim.state.layers.10.w",
+            ]
+        );
     }
 }

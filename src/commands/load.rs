@@ -237,6 +237,8 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     }
     let location =
         tessera_storage::open_with(&args.checkpoint, &super::storage_options(&args.retry))?;
+    tessera_ops::open::check_local(&args.checkpoint)
+        .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
     let checkpoint = Checkpoint::open_with(location, &open_options)
         .await
         .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
@@ -344,9 +346,17 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
 
 fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> {
     Ok(match (&args.layout, &args.requests) {
-        (Some(layout), None) => super::read_layout(layout)?
-            .resolve(checkpoint.meta.tensors())
-            .with_context(|| format!("resolving layout {layout} against {}", args.checkpoint))?,
+        (Some(path), None) => {
+            let layout = super::read_layout(path)?;
+            let requests = layout
+                .resolve(checkpoint.meta.tensors())
+                .with_context(|| format!("resolving layout {path} against {}", args.checkpoint))?;
+            // Once per job: every rank of a real job resolves the same layout.
+            if args.rank.unwrap_or(0) == 0 {
+                super::warn_layout(path, &layout, checkpoint.meta.tensors());
+            }
+            requests
+        }
         (None, Some(path)) => ExplicitRequests::from_json(&super::read_text(path)?)
             .and_then(|r| r.resolve(checkpoint.meta.tensors()))
             .with_context(|| format!("reading requests {path}"))?,
@@ -389,29 +399,78 @@ fn rendezvous(args: &LoadArgs, rank: u32, world: u32) -> Result<RendezvousConfig
 }
 
 fn rendezvous_config(args: &LoadArgs, rank: u32, world: u32) -> Result<RendezvousConfig> {
-    match (&args.master_addr, args.master_port) {
-        (Some(addr), Some(port)) => Ok(RendezvousConfig {
-            rank,
-            world,
-            master_addr: addr.clone(),
-            master_port: port,
-            job: 0,
-        }),
-        (None, None) => {
-            let env = RendezvousConfig::from_env()?;
-            if env.rank != rank || env.world != world {
-                bail!(
-                    "--rank {rank} of {world} ranks disagrees with RANK={} WORLD_SIZE={} in the environment",
-                    env.rank,
-                    env.world
-                );
+    rendezvous_from(
+        args.master_addr.as_deref(),
+        args.master_port,
+        rank,
+        world,
+        |name| std::env::var(name).ok(),
+    )
+}
+
+/// The rendezvous of `--rank`: the master address and port each from its flag, else from
+/// torchrun's variable (`var` looks those up). `--rank` and the world are given, so only what is
+/// missing is asked for; RANK and WORLD_SIZE, when set, must agree with them (a launcher that
+/// sets them for another rank is a mistake worth stopping on).
+fn rendezvous_from(
+    master_addr: Option<&str>,
+    master_port: Option<u16>,
+    rank: u32,
+    world: u32,
+    var: impl Fn(&str) -> Option<String>,
+) -> Result<RendezvousConfig> {
+    let var = |name: &str| var(name).filter(|v| !v.trim().is_empty());
+    let addr = master_addr
+        .map(str::to_string)
+        .or_else(|| var("MASTER_ADDR").map(|v| v.trim().to_string()));
+    let port = match master_port {
+        Some(port) => Some(port),
+        None => match var("MASTER_PORT") {
+            Some(text) => Some(text.trim().parse::<u16>().map_err(|_| {
+                anyhow::anyhow!("MASTER_PORT={text:?} is not a TCP port (0 to 65535)")
+            })?),
+            None => None,
+        },
+    };
+    let missing: Vec<&str> = [
+        addr.is_none()
+            .then_some("the master address (--master-addr HOST or MASTER_ADDR)"),
+        port.is_none()
+            .then_some("the master port (--master-port PORT or MASTER_PORT)"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let (Some(master_addr), Some(master_port)) = (addr, port) else {
+        bail!(
+            "--rank {rank} joins a job of {world} ranks through rank 0, but {} not given: \
+             every rank needs rank 0's address (torchrun sets MASTER_ADDR and MASTER_PORT)",
+            match missing.as_slice() {
+                [one] => format!("{one} is"),
+                _ => format!("{} are", missing.join(" and ")),
             }
-            Ok(env)
-        }
-        _ => bail!(
-            "give both --master-addr and --master-port, or neither (then MASTER_ADDR and MASTER_PORT are used)"
+        );
+    };
+    for (name, value, what) in [
+        ("RANK", rank, format!("--rank {rank}")),
+        (
+            "WORLD_SIZE",
+            world,
+            format!("the layout's world size {world}"),
         ),
+    ] {
+        if let Some(text) = var(name)
+            && text.trim() != value.to_string()
+        {
+            bail!("{what} disagrees with {name}={text} in the environment");
+        }
     }
+    Ok(RendezvousConfig::new(
+        rank,
+        world,
+        master_addr,
+        master_port,
+    )?)
 }
 
 async fn load_all_inproc(
@@ -1008,4 +1067,78 @@ fn report_text(
         let _ = writeln!(out, "dump                 {dir}/rank-<r>.safetensors");
     }
     out
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        |name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| (*v).to_string())
+        }
+    }
+
+    #[test]
+    fn rank_without_master_says_what_is_missing() {
+        let err = rendezvous_from(None, None, 1, 3, env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "--rank 1 joins a job of 3 ranks through rank 0, but the master address \
+             (--master-addr HOST or MASTER_ADDR) and the master port (--master-port PORT or \
+             MASTER_PORT) are not given: every rank needs rank 0's address (torchrun sets \
+             MASTER_ADDR and MASTER_PORT)"
+        );
+        assert!(!err.contains("RANK is not set"), "{err}");
+
+        let err = rendezvous_from(Some("10.0.0.1"), None, 1, 3, env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("but the master port (--master-port PORT or MASTER_PORT) is not given"),
+            "{err}"
+        );
+        assert!(!err.contains("master address"), "{err}");
+    }
+
+    #[test]
+    fn flags_and_torchrun_variables_combine() {
+        // A flag wins over its variable; the other comes from the environment.
+        let vars = [("MASTER_ADDR", "10.0.0.9"), ("MASTER_PORT", "29500")];
+        let config = rendezvous_from(Some("10.0.0.1"), None, 2, 4, env(&vars)).unwrap();
+        assert_eq!(
+            config,
+            RendezvousConfig::new(2, 4, "10.0.0.1", 29500).unwrap()
+        );
+        let config = rendezvous_from(None, None, 2, 4, env(&vars)).unwrap();
+        assert_eq!(
+            config,
+            RendezvousConfig::new(2, 4, "10.0.0.9", 29500).unwrap()
+        );
+
+        let bad_port = [("MASTER_ADDR", "h"), ("MASTER_PORT", "http")];
+        let err = rendezvous_from(None, None, 0, 2, env(&bad_port))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "MASTER_PORT=\"http\" is not a TCP port (0 to 65535)");
+
+        let other_rank = [("MASTER_ADDR", "h"), ("MASTER_PORT", "1"), ("RANK", "3")];
+        let err = rendezvous_from(None, None, 1, 4, env(&other_rank))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "--rank 1 disagrees with RANK=3 in the environment");
+        let other_world = [("WORLD_SIZE", "8")];
+        let err = rendezvous_from(Some("h"), Some(1), 1, 4, env(&other_world))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "the layout's world size 4 disagrees with WORLD_SIZE=8 in the environment"
+        );
+    }
 }

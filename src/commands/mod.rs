@@ -2,6 +2,7 @@
 
 pub mod convert;
 pub mod demo;
+pub mod error_text;
 pub mod inspect;
 pub mod layout;
 pub mod load;
@@ -75,10 +76,29 @@ pub async fn open_for_load(location: &str, retry: &RetryPolicy) -> Result<Checkp
     Ok(tessera_ops::open::open_for_load(location, &storage_options(retry)).await?)
 }
 
+/// Whether `err` comes from writing to a pipe whose reader has closed it (`tessera inspect
+/// --json | head`). Rust ignores SIGPIPE, so such a write fails with EPIPE instead of ending the
+/// process as it would a C tool; the front end ends quietly as those do.
+pub fn is_broken_pipe(err: &anyhow::Error) -> bool {
+    err.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
 /// Reads a layout JSON file (`-` for standard input).
 pub fn read_layout(path: &str) -> Result<Layout> {
     let text = read_text(path)?;
     Layout::from_json(&text).with_context(|| format!("reading layout {path}"))
+}
+
+/// Prints to stderr what in the layout at `path` does not fit `tensors` though it resolves
+/// ([`Layout::warnings`]: stages made for another number of layers).
+pub fn warn_layout(path: &str, layout: &Layout, tensors: &[tessera_metadata::TensorMeta]) {
+    for warning in layout.warnings(tensors) {
+        eprintln!("warning: layout {path}: {warning}");
+    }
 }
 
 /// Reads a text file, or standard input for `-`.

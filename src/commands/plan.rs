@@ -1,18 +1,20 @@
 //! `tessera plan`: plan a checkpoint for a layout or explicit requests; print the summary or
-//! one rank's plan (JSON or Arrow IPC).
+//! one rank's plan (text, JSON or Arrow IPC).
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use tessera_planner::{ExplicitRequests, PlanOptions, PlanSummary, RequestSet, plan};
+use tessera_planner::{
+    ExplicitRequests, PlanOptions, PlanSummary, RankPlan, RequestSet, Target, plan,
+};
 
 use crate::human;
 
 /// Output format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
-    /// Human-readable text (summary) or JSON (rank plan).
+    /// Human-readable text (the summary, or a rank plan's reads, buffers and exchanges).
     Text,
     /// JSON.
     Json,
@@ -46,9 +48,14 @@ pub async fn run(args: &PlanArgs) -> Result<Vec<u8>> {
     let checkpoint = super::open(&args.checkpoint, &args.retry).await?;
     let meta = Arc::new(checkpoint.meta);
     let requests: RequestSet = match (&args.layout, &args.requests) {
-        (Some(layout), None) => super::read_layout(layout)?
-            .resolve(meta.tensors())
-            .with_context(|| format!("resolving layout {layout} against {}", args.checkpoint))?,
+        (Some(path), None) => {
+            let layout = super::read_layout(path)?;
+            let requests = layout
+                .resolve(meta.tensors())
+                .with_context(|| format!("resolving layout {path} against {}", args.checkpoint))?;
+            super::warn_layout(path, &layout, meta.tensors());
+            requests
+        }
         (None, Some(path)) => ExplicitRequests::from_json(&super::read_text(path)?)
             .and_then(|r| r.resolve(meta.tensors()))
             .with_context(|| format!("reading requests {path}"))?,
@@ -75,13 +82,141 @@ pub async fn run(args: &PlanArgs) -> Result<Vec<u8>> {
     }
     let rank_plan = plan.rank_plan(rank)?;
     Ok(match args.format {
-        Format::Text | Format::Json => {
+        Format::Text => rank_plan_text(&rank_plan).into_bytes(),
+        Format::Json => {
             let mut out = rank_plan.to_json().into_bytes();
             out.push(b'\n');
             out
         }
         Format::Arrow => rank_plan.to_arrow_ipc()?,
     })
+}
+
+/// One rank's plan for people: its totals, what it reads from each file, every destination
+/// buffer (tensor, part, size, and whether it reads the bytes itself or receives them), and
+/// its exchange partners. The whole plan, to execute or diff, is `--format json` or `arrow`.
+pub fn rank_plan_text(plan: &RankPlan) -> String {
+    use std::collections::BTreeMap;
+    use std::fmt::Write as _;
+
+    let s = &plan.summary;
+    let read_here = plan.pieces.iter().filter(|p| p.read.is_some()).count();
+    let rounds: usize = plan.exchanges.iter().map(|e| e.rounds.len()).sum();
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        "rank {} of {}\n\
+         destinations         {} ({})\n\
+         pieces               {} ({} read here, {} received)\n\
+         bytes read           {} from {}\n\
+         bytes sent           {}\n\
+         bytes received       {}\n\
+         exchanges            {}, {}\n",
+        plan.rank,
+        plan.world,
+        plan.destinations.len(),
+        human::bytes(s.bytes_needed),
+        plan.pieces.len(),
+        read_here,
+        plan.pieces.len() - read_here,
+        human::bytes(s.bytes_read),
+        count(plan.files.len(), "file"),
+        human::bytes(s.bytes_sent),
+        human::bytes(s.bytes_received),
+        count(plan.exchanges.len(), "group"),
+        count(rounds, "round"),
+    );
+
+    // Reads by file: pieces and bytes this rank fetches from each.
+    let mut by_file: BTreeMap<u32, (usize, u64)> = BTreeMap::new();
+    for piece in &plan.pieces {
+        if let Some(read) = &piece.read {
+            let entry = by_file.entry(read.file).or_default();
+            entry.0 += 1;
+            entry.1 += piece.bytes;
+        }
+    }
+    if !by_file.is_empty() {
+        out.push_str("\nreads\n");
+        for (file, (pieces, bytes)) in &by_file {
+            let name = plan.files.get(*file as usize).map_or("?", String::as_str);
+            let _ = writeln!(out, "  {name}  {pieces} pieces, {}", human::bytes(*bytes));
+        }
+    }
+
+    // Destinations: where each buffer's bytes come from (this rank's reads or peers).
+    let mut sources: Vec<(usize, Vec<u32>)> = vec![(0, Vec::new()); plan.destinations.len()];
+    for piece in &plan.pieces {
+        for place in &piece.places {
+            if let Some((own, peers)) = sources.get_mut(place.destination as usize) {
+                if piece.reader == plan.rank {
+                    *own += 1;
+                } else if !peers.contains(&piece.reader) {
+                    peers.push(piece.reader);
+                }
+            }
+        }
+    }
+    if !plan.destinations.is_empty() {
+        out.push_str("\ndestinations\n");
+        let fqn = |t: u32| plan.tensors.get(t as usize).map_or("?", |t| t.fqn.as_str());
+        let width = plan
+            .destinations
+            .iter()
+            .map(|d| fqn(d.tensor).len())
+            .max()
+            .unwrap_or(0)
+            .min(60);
+        for (destination, (own, peers)) in plan.destinations.iter().zip(&mut sources) {
+            let part = match &destination.target {
+                Target::Box(region) => region.to_string(),
+                Target::Flat { start, end } => format!("flat {start}..{end}"),
+            };
+            peers.sort_unstable();
+            let from = match (*own > 0, peers.is_empty()) {
+                (_, true) => "read here".to_string(),
+                (own, false) => format!(
+                    "{}from {} {}",
+                    if own { "read here and " } else { "" },
+                    if peers.len() == 1 { "rank" } else { "ranks" },
+                    peers
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(",")
+                ),
+            };
+            let _ = writeln!(
+                out,
+                "  {:<width$}  {part}  {}  {from}",
+                fqn(destination.tensor),
+                human::bytes(destination.bytes),
+            );
+        }
+    }
+
+    // Ring partners: bytes sent to and received from each peer over all groups.
+    let mut partners: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+    for round in plan.exchanges.iter().flat_map(|e| &e.rounds) {
+        if round.send_bytes > 0 {
+            partners.entry(round.send_to).or_default().0 += round.send_bytes;
+        }
+        if round.recv_bytes > 0 {
+            partners.entry(round.recv_from).or_default().1 += round.recv_bytes;
+        }
+    }
+    if !partners.is_empty() {
+        out.push_str("\npeers\n");
+        for (peer, (sent, received)) in &partners {
+            let _ = writeln!(
+                out,
+                "  rank {peer}  sends {}, receives {}",
+                human::bytes(*sent),
+                human::bytes(*received)
+            );
+        }
+    }
+    out
 }
 
 /// The summary as aligned text.
@@ -112,4 +247,13 @@ pub fn summary_text(s: &PlanSummary, seconds: f64) -> String {
         human::bytes(s.mean_read_per_rank as u64),
         seconds,
     )
+}
+
+/// `1 file`, `3 files`.
+fn count(n: usize, what: &str) -> String {
+    if n == 1 {
+        format!("1 {what}")
+    } else {
+        format!("{n} {what}s")
+    }
 }

@@ -3,7 +3,7 @@
 use std::io::Write as _;
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use tessera_server::{
     AppState, DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS, DEFAULT_META_CACHE_BYTES, DEFAULT_PLAN_CACHE_BYTES,
@@ -109,11 +109,18 @@ pub async fn run(args: &ServeArgs) -> Result<()> {
     config.body_timeout = std::time::Duration::from_secs(args.body_timeout_secs);
     config.max_connections = args.max_connections;
     let has_token = config.token.is_some();
+    check_local_root(&args.root)?;
     let state =
         AppState::new(config).with_context(|| format!("opening the catalog {}", args.root))?;
-    let listener = tokio::net::TcpListener::bind(&args.addr)
-        .await
-        .with_context(|| format!("listening on {}", args.addr))?;
+    let listener = match tokio::net::TcpListener::bind(&args.addr).await {
+        Ok(listener) => listener,
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => bail!(
+            "listening on {}: the address is taken (another server on that port?); pick \
+             another with --addr, e.g. --addr 127.0.0.1:0 for any free port",
+            args.addr
+        ),
+        Err(e) => return Err(e).with_context(|| format!("listening on {}", args.addr)),
+    };
     let addr = listener.local_addr().context("reading the bound address")?;
     if !has_token && !addr.ip().is_loopback() {
         eprintln!(
@@ -128,6 +135,37 @@ pub async fn run(args: &ServeArgs) -> Result<()> {
     }
     serve(listener, state, shutdown_signal()).await?;
     Ok(())
+}
+
+/// A local catalog root that is missing or not a directory is a mistyped `--root`: serving it
+/// would show an empty catalog as if all were well. An empty one is served (saves may come
+/// later) with a warning. Object-store roots are not checked: an empty prefix is a new catalog.
+fn check_local_root(root: &str) -> Result<()> {
+    let path = match root.split_once("://") {
+        None => root,
+        Some(("file", path)) => path,
+        Some(_) => return Ok(()),
+    };
+    match std::fs::read_dir(path) {
+        Ok(mut entries) => {
+            if entries.next().is_none() {
+                eprintln!(
+                    "warning: the catalog root {root} is empty: checkpoints show up as \
+                     <run>/<step> directories are saved under it"
+                );
+            }
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!(
+            "the catalog root {root} does not exist: --root takes a directory (or URL) holding \
+             <run>/<step> checkpoint directories"
+        ),
+        Err(e) if std::path::Path::new(path).is_file() => bail!(
+            "the catalog root {root} is a file, not a directory ({e}): --root takes a directory \
+             holding <run>/<step> checkpoint directories"
+        ),
+        Err(e) => Err(e).with_context(|| format!("reading the catalog root {root}")),
+    }
 }
 
 #[cfg(test)]

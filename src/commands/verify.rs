@@ -43,7 +43,11 @@ pub enum Strays {
 /// error listing everything that is wrong, or a one-line summary.
 pub async fn check(location: &str, strays: Strays, retry: &storage::RetryPolicy) -> Result<String> {
     let loc = storage::open_with(location, &super::storage_options(retry))?;
-    let listing = list_dir(loc.store.as_ref(), &loc.prefix).await?;
+    tessera_ops::open::check_local(location)
+        .with_context(|| format!("opening checkpoint {location}"))?;
+    let listing = list_dir(loc.store.as_ref(), &loc.prefix)
+        .await
+        .with_context(|| format!("opening checkpoint {location}"))?;
     let native = listing.files.contains_key(native::MANIFEST_FILE)
         || listing.files.contains_key(native::METADATA_FILE)
         || listing.dirs.contains(native::DATA_DIR);

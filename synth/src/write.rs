@@ -55,7 +55,7 @@ pub struct SynthOptions {
     pub dist_optimizer: Option<String>,
     /// Training step recorded in the manifest.
     pub step: Option<u64>,
-    /// Called after each data file is written.
+    /// Called after each data file is written (never with `metadata_only`, which writes none).
     pub progress: Option<ProgressFn>,
 }
 
@@ -128,7 +128,9 @@ pub async fn synthesize(
     while let Some((rank, written)) = stream.next().await {
         let written =
             written.map_err(|e| e.in_context(format!("writing rank {rank}'s data file")))?;
-        if let Some(progress) = &options.progress {
+        // A metadata-only save writes no data files (only their sizes go into the metadata):
+        // reporting each as written would be thousands of lines about files that do not exist.
+        if let Some(progress) = options.progress.as_ref().filter(|_| !options.metadata_only) {
             progress(&FileWritten {
                 rank,
                 path: written.path().to_string(),

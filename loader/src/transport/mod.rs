@@ -92,7 +92,8 @@ pub struct TransportOptions {
     /// to `--peer-timeout`, like `timeout`: one bound for every wait on a peer.
     pub connect_timeout: Duration,
     /// While [`TcpTransport::connect`] waits, print who waits for whom to stderr this often
-    /// (`rank 0: waiting for ranks 2,3 to join (12 s of 60 s)`); `None` keeps it silent.
+    /// (`rank 0: waiting for ranks 2,3 to join at host:port (2 of 4 in, 12 s of 60 s)`); `None`
+    /// keeps it silent.
     pub progress_every: Option<Duration>,
 }
 

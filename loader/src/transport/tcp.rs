@@ -398,8 +398,18 @@ impl Progress {
 
     /// Prints `rank R: waiting for WHAT (E s of T s)` to stderr.
     fn say(&self, rank: u32, what: &str) {
+        self.say_with(rank, what, "");
+    }
+
+    /// Prints `rank R: waiting for WHAT (NOTE, E s of T s)` to stderr.
+    fn say_with(&self, rank: u32, what: &str, note: &str) {
+        let note = if note.is_empty() {
+            String::new()
+        } else {
+            format!("{note}, ")
+        };
         eprintln!(
-            "rank {rank}: waiting for {what} ({} s of {} s)",
+            "rank {rank}: waiting for {what} ({note}{} s of {} s)",
             self.started.elapsed().as_secs(),
             self.total.as_secs_f64().round()
         );
@@ -449,7 +459,18 @@ async fn master(
     while count < world {
         tokio::select! {
             () = progress.tick() => {
-                progress.say(0, &format!("{} to join", ranks_text(&missing(&have, world))));
+                // Where they should connect and how many are in: a rank started with another
+                // address or port shows up here as the one never counted.
+                progress.say_with(
+                    0,
+                    &format!(
+                        "{} to join at {}:{}",
+                        ranks_text(&missing(&have, world)),
+                        config.master_addr,
+                        config.master_port
+                    ),
+                    &format!("{count} of {world} in"),
+                );
             }
             accepted = master.accept() => {
                 // A failed accept (a connection reset before it was taken) only loses that one.

@@ -361,12 +361,63 @@ pub async fn open_any(
             ),
         });
     }
+    // An object store lists a prefix that does not exist as empty: that is a wrong location,
+    // not a checkpoint in an unknown format.
+    if listing.files.is_empty() && listing.dirs.is_empty() {
+        return Err(MetadataError::NotFound {
+            path: prefix.to_string(),
+        });
+    }
+    // A run directory: its steps are the checkpoints, so name them rather than refuse it.
+    if let Some(detail) = run_directory_steps(prefix, &listing) {
+        return Err(MetadataError::Unsupported {
+            path: prefix.to_string(),
+            detail,
+        });
+    }
     Err(MetadataError::Unsupported {
         path: prefix.to_string(),
         detail: "not a checkpoint tessera can read: no manifest.json (tessera), .metadata \
                  (PyTorch DCP), model.safetensors.index.json or *.safetensors files"
             .to_string(),
     })
+}
+
+/// Most step names a run directory's error lists (a long run has thousands).
+const STEPS_LISTED: usize = 8;
+
+/// What to say about a directory whose folders are steps (`step-100`, `iter_0000200`, ...): it
+/// is a run, each step a checkpoint; lists them (the last [`STEPS_LISTED`] when there are many,
+/// as the latest are the likely ones wanted) and the latest. `None` when no folder is a step.
+fn run_directory_steps(prefix: &Path, listing: &Listing) -> Option<String> {
+    let mut steps: Vec<(u64, &str)> = listing
+        .dirs
+        .iter()
+        .filter_map(|name| Some((step_from_name(name)?, name.as_str())))
+        .collect();
+    steps.sort_unstable();
+    let &(_, latest) = steps.last()?;
+    let shown = &steps[steps.len().saturating_sub(STEPS_LISTED)..];
+    let names: Vec<&str> = shown.iter().map(|(_, name)| *name).collect();
+    let earlier = steps.len() - shown.len();
+    let list = if earlier > 0 {
+        format!("{earlier} earlier, then {}", names.join(", "))
+    } else {
+        names.join(", ")
+    };
+    let count = match steps.len() {
+        1 => "1 step".to_string(),
+        n => format!("{n} steps"),
+    };
+    let latest_path = if prefix.as_ref().is_empty() {
+        latest.to_string()
+    } else {
+        format!("{prefix}/{latest}")
+    };
+    Some(format!(
+        "a run directory, not a checkpoint: it holds {count} ({list}); the latest is {latest} \
+         (give a step's directory, e.g. {latest_path})"
+    ))
 }
 
 fn safetensors_opened(
@@ -416,4 +467,74 @@ async fn open_native(
             manifest: Box::new(opened.manifest),
         },
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use object_store::memory::InMemory;
+    use object_store::{ObjectStoreExt, PutPayload};
+
+    use super::*;
+
+    async fn open_error(store: &InMemory, prefix: &str) -> MetadataError {
+        open_any(store, &Path::from(prefix), &OpenOptions::default())
+            .await
+            .err()
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_prefix_with_nothing_under_it_does_not_exist() {
+        let store = InMemory::new();
+        let err = open_error(&store, "runs/typo").await;
+        assert!(
+            matches!(&err, MetadataError::NotFound { path } if path == "runs/typo"),
+            "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "runs/typo: does not exist (nothing is stored there)"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_run_directory_lists_its_steps_and_the_latest() {
+        let store = InMemory::new();
+        // Numeric order, not name order: step-900 comes before step-1000.
+        for step in ["step-1000", "step-900", "step-100"] {
+            store
+                .put(
+                    &Path::from(format!("runs/a/{step}/manifest.json")),
+                    PutPayload::from_static(b"{}"),
+                )
+                .await
+                .unwrap();
+        }
+        assert_eq!(
+            open_error(&store, "runs/a").await.to_string(),
+            "runs/a: a run directory, not a checkpoint: it holds 3 steps (step-100, step-900, \
+             step-1000); the latest is step-1000 (give a step's directory, e.g. \
+             runs/a/step-1000)"
+        );
+
+        // A long run: the latest few, and how many came before.
+        let store = InMemory::new();
+        for step in 1..=20 {
+            store
+                .put(
+                    &Path::from(format!("run/iter_{step:07}/x.pt")),
+                    PutPayload::from_static(b"x"),
+                )
+                .await
+                .unwrap();
+        }
+        assert_eq!(
+            open_error(&store, "run").await.to_string(),
+            "run: a run directory, not a checkpoint: it holds 20 steps (12 earlier, then \
+             iter_0000013, iter_0000014, iter_0000015, iter_0000016, iter_0000017, iter_0000018, \
+             iter_0000019, iter_0000020); the latest is iter_0000020 (give a step's directory, \
+             e.g. run/iter_0000020)"
+        );
+    }
 }

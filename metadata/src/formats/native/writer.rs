@@ -268,8 +268,9 @@ impl NativeWriter {
 async fn refuse_committed(store: &dyn ObjectStore, prefix: &Path) -> Result<(), MetadataError> {
     let path = prefix.clone().join(MANIFEST_FILE);
     match store.head(&path).await {
-        Ok(_) => Err(MetadataError::Invalid {
-            what: format!("{path} already exists: {prefix} holds a committed checkpoint"),
+        Ok(_) => Err(MetadataError::AlreadyCommitted {
+            prefix: prefix.to_string(),
+            manifest: path.to_string(),
         }),
         Err(object_store::Error::NotFound { .. }) => Ok(()),
         Err(e) => Err(store_error("checking", &path)(e)),
