@@ -3,8 +3,8 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use anyhow::Result;
-use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
+use anyhow::{Context, Result};
+use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use tessera::commands::{self, layout::Preset, plan::Format};
 use tessera_loader::device::DeviceSpec;
 use tessera_planner::presets::MegatronGpt;
@@ -42,7 +42,12 @@ impl StorageArgs {
 }
 
 #[derive(Parser)]
-#[command(name = "tessera", version, about = "Checkpoint resharding and loading")]
+#[command(
+    name = "tessera",
+    version,
+    about = "Checkpoint resharding and loading",
+    after_help = tessera::exit::EXIT_CODES_HELP
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -95,6 +100,10 @@ enum Command {
         /// Training step recorded in the manifest.
         #[arg(long)]
         step: Option<u64>,
+        /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
+        /// see "Machine output" in `tessera --help`).
+        #[arg(long)]
+        json: bool,
     },
     /// Plan loading a checkpoint into a layout (or explicit per-rank requests).
     #[command(group(ArgGroup::new("target").required(true).args(["layout", "requests"])))]
@@ -113,6 +122,9 @@ enum Command {
         /// Output format.
         #[arg(long, value_enum, default_value_t = FormatArg::Text)]
         format: FormatArg,
+        /// The same as --format json (one JSON document on stdout, errors included).
+        #[arg(long, conflicts_with = "format")]
+        json: bool,
         /// Also print the whole-plan summary (to stderr when a rank plan goes to stdout).
         #[arg(long)]
         summary: bool,
@@ -177,6 +189,18 @@ enum Command {
         /// No progress bar and no report on stdout.
         #[arg(long)]
         quiet: bool,
+        /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
+        /// see "Machine output" in `tessera --help`).
+        #[arg(long)]
+        json: bool,
+        /// Only tensors whose name matches this glob (`*` any run of characters, dots included;
+        /// `?` one character); repeatable. A pattern that matches no tensor is an error.
+        #[arg(long, value_name = "GLOB")]
+        include: Vec<String>,
+        /// Leave out tensors whose name matches this glob (after --include); repeatable, e.g.
+        /// `--exclude 'optim.*'` for the model weights only.
+        #[arg(long, value_name = "GLOB")]
+        exclude: Vec<String>,
         /// Fetch the plan from this tessera server (http://host:port) instead of planning here.
         #[arg(long)]
         server: Option<String>,
@@ -210,6 +234,18 @@ enum Command {
         /// dead (killed, its host gone), or two writers will mix their files.
         #[arg(long)]
         break_claim: bool,
+        /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
+        /// see "Machine output" in `tessera --help`).
+        #[arg(long)]
+        json: bool,
+        /// Only tensors whose name matches this glob (`*` any run of characters, dots included;
+        /// `?` one character); repeatable. A pattern that matches no tensor is an error.
+        #[arg(long, value_name = "GLOB")]
+        include: Vec<String>,
+        /// Leave out tensors whose name matches this glob (after --include); repeatable, e.g.
+        /// `--exclude 'optim.*'` for the model weights only.
+        #[arg(long, value_name = "GLOB")]
+        exclude: Vec<String>,
         #[command(flatten)]
         storage: StorageArgs,
     },
@@ -217,7 +253,8 @@ enum Command {
     Inspect {
         /// Checkpoint directory or file:// URL.
         checkpoint: String,
-        /// JSON output.
+        /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
+        /// see "Machine output" in `tessera --help`).
         #[arg(long)]
         json: bool,
         #[command(flatten)]
@@ -227,6 +264,10 @@ enum Command {
     Verify {
         /// Checkpoint directory or file:// URL.
         checkpoint: String,
+        /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
+        /// see "Machine output" in `tessera --help`).
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         storage: StorageArgs,
     },
@@ -279,6 +320,35 @@ enum Command {
         #[arg(long, default_value_t = tessera_server::DEFAULT_MAX_CONNECTIONS)]
         max_connections: usize,
     },
+    /// Print a shell completion script, e.g. `tessera completions bash >
+    /// ~/.local/share/bash-completion/completions/tessera`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff), e.g. `tessera man | man -l -`; with --dir, write one page per
+    /// command there (tessera.1, tessera-load.1, ...).
+    Man {
+        /// Write tessera.1 and a page per subcommand into this directory instead.
+        #[arg(long)]
+        dir: Option<std::path::PathBuf>,
+    },
+}
+
+impl Command {
+    /// Whether the command was asked for machine output (`--json`, `plan --format json`): then
+    /// an error, too, is a JSON document on stdout.
+    fn json(&self) -> bool {
+        match self {
+            Command::Synth { json, .. }
+            | Command::Load { json, .. }
+            | Command::Convert { json, .. }
+            | Command::Inspect { json, .. }
+            | Command::Verify { json, .. } => *json,
+            Command::Plan { json, format, .. } => *json || matches!(format, FormatArg::Json),
+            _ => false,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -335,12 +405,21 @@ enum FormatArg {
 }
 
 fn main() -> ExitCode {
+    // A bad command line exits with clap's code 2 here.
     let cli = Cli::parse();
+    let json = cli.command.json();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
+            // Every failure goes through here: its class picks the exit code (see `tessera
+            // --help`); with --json the error is also the JSON document on stdout.
+            let class = tessera::exit::classify(&err);
+            if json {
+                let doc = tessera::exit::error_json(&err);
+                let _ = writeln!(std::io::stdout(), "{doc:#}");
+            }
             eprintln!("error: {err:#}");
-            ExitCode::FAILURE
+            ExitCode::from(class.code())
         }
     }
 }
@@ -397,6 +476,7 @@ fn run(cli: Cli) -> Result<()> {
             no_optimizer,
             dist_optimizer_flat,
             step,
+            json,
         } => {
             let model: Model = model.parse()?;
             if no_optimizer && dist_optimizer_flat.is_some() {
@@ -423,7 +503,11 @@ fn run(cli: Cli) -> Result<()> {
                 })),
             };
             let report = runtime.block_on(commands::synth::run(&out, &layout, &options))?;
-            stdout((report + "\n").as_bytes())
+            if json {
+                stdout(format!("{:#}\n", serde_json::to_value(&report)?).as_bytes())
+            } else {
+                stdout((report.text() + "\n").as_bytes())
+            }
         }
         Command::Plan {
             checkpoint,
@@ -431,6 +515,7 @@ fn run(cli: Cli) -> Result<()> {
             requests,
             rank,
             format,
+            json,
             summary,
             no_dedup,
             storage,
@@ -441,6 +526,7 @@ fn run(cli: Cli) -> Result<()> {
                 requests,
                 rank,
                 format: match format {
+                    _ if json => Format::Json,
                     FormatArg::Text => Format::Text,
                     FormatArg::Json => Format::Json,
                     FormatArg::Arrow => Format::Arrow,
@@ -468,6 +554,9 @@ fn run(cli: Cli) -> Result<()> {
             peer_timeout,
             report_json,
             quiet,
+            json,
+            include,
+            exclude,
             server,
             checkpoint_id,
             token,
@@ -501,6 +590,8 @@ fn run(cli: Cli) -> Result<()> {
                 checkpoint_id,
                 token,
                 retry: storage.policy()?,
+                filter: commands::select::TensorFilter { include, exclude },
+                json,
             };
             let report = runtime.block_on(commands::load::run(&args))?;
             if args.quiet {
@@ -516,11 +607,15 @@ fn run(cli: Cli) -> Result<()> {
             out,
             max_shard_bytes,
             break_claim,
+            json,
+            include,
+            exclude,
             storage,
         } => {
             let options = commands::convert::ConvertOptions {
                 break_claim,
                 retry: storage.policy()?,
+                filter: commands::select::TensorFilter { include, exclude },
             };
             let report = match (format, layout) {
                 (ConvertFormat::Native, Some(layout)) => runtime.block_on(
@@ -536,7 +631,11 @@ fn run(cli: Cli) -> Result<()> {
                     anyhow::bail!("--format safetensors writes consolidated tensors; drop --layout")
                 }
             };
-            stdout(report.as_bytes())
+            if json {
+                stdout(format!("{:#}\n", serde_json::to_value(&report)?).as_bytes())
+            } else {
+                stdout(report.text().as_bytes())
+            }
         }
         Command::Inspect {
             checkpoint,
@@ -584,11 +683,34 @@ fn run(cli: Cli) -> Result<()> {
         })),
         Command::Verify {
             checkpoint,
+            json,
             storage,
-        } => stdout(
-            runtime
-                .block_on(commands::verify::run(&checkpoint, &storage.policy()?))?
-                .as_bytes(),
-        ),
+        } => {
+            let text = runtime.block_on(commands::verify::run(&checkpoint, &storage.policy()?))?;
+            if json {
+                stdout(commands::verify::json_report(&checkpoint, &text).as_bytes())
+            } else {
+                stdout(text.as_bytes())
+            }
+        }
+        Command::Completions { shell } => {
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "tessera", &mut out);
+            stdout(&out)
+        }
+        Command::Man { dir } => match dir {
+            Some(dir) => {
+                std::fs::create_dir_all(&dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+                clap_mangen::generate_to(Cli::command(), &dir)
+                    .with_context(|| format!("writing man pages into {}", dir.display()))?;
+                stdout(format!("wrote the man pages into {}\n", dir.display()).as_bytes())
+            }
+            None => {
+                let mut out = Vec::new();
+                clap_mangen::Man::new(Cli::command()).render(&mut out)?;
+                stdout(&out)
+            }
+        },
     }
 }

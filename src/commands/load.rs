@@ -101,6 +101,10 @@ pub struct LoadArgs {
     /// (`--storage-read-timeout`, `--storage-attempts`): with a store that stalls, they bound
     /// how soon the load fails (docs/retry.md).
     pub retry: tessera_storage::RetryPolicy,
+    /// Load only the tensors this takes (`--include`, `--exclude`).
+    pub filter: super::select::TensorFilter,
+    /// Print the report as one JSON document (`--json`).
+    pub json: bool,
 }
 
 /// Where rank plans come from: planned here from the checkpoint (the default, no service
@@ -248,6 +252,9 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     }
     let started = Instant::now();
     let plan = match &args.server {
+        Some(_) if !args.filter.is_everything() => bail!(
+            "--include/--exclude filter a plan made here; a server plans every tensor (drop --server)"
+        ),
         Some(server) => plan_on_server(args, server, &checkpoint).await?,
         None => {
             let requests = requests_for(args, &checkpoint)?;
@@ -305,7 +312,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
             std::fs::write(path, serde_json::to_vec(&loaded.report)?)
                 .with_context(|| format!("writing {path}"))?;
         }
-        return Ok(report_text(
+        return Ok(report(
             args,
             &checkpoint,
             &plan,
@@ -329,7 +336,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
             format!("{} processes on 127.0.0.1", args.transport.name())
         }
     };
-    Ok(report_text(
+    Ok(report(
         args,
         &checkpoint,
         &plan,
@@ -340,7 +347,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
 }
 
 fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> {
-    Ok(match (&args.layout, &args.requests) {
+    let mut requests = match (&args.layout, &args.requests) {
         (Some(layout), None) => super::read_layout(layout)?
             .resolve(checkpoint.meta.tensors())
             .with_context(|| format!("resolving layout {layout} against {}", args.checkpoint))?,
@@ -348,7 +355,10 @@ fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> 
             .and_then(|r| r.resolve(checkpoint.meta.tensors()))
             .with_context(|| format!("reading requests {path}"))?,
         _ => bail!("give exactly one of --layout or --requests"),
-    })
+    };
+    args.filter
+        .apply(&mut requests, checkpoint.meta.tensors(), &args.checkpoint)?;
+    Ok(requests)
 }
 
 /// How often a waiting rank says whom it waits for: every 5 s, more often for a short timeout
@@ -446,21 +456,33 @@ async fn load_all_inproc(
     }
     let mut reports = Vec::with_capacity(tasks.len());
     let mut failures = Vec::new();
+    let mut classes = Vec::new();
     for (rank, task) in tasks.into_iter().enumerate() {
         match task.await {
             Ok(Ok(loaded)) => {
                 finish_rank(args, &loaded)?;
                 reports.push(loaded.report);
             }
-            Ok(Err(e)) => failures.push(format!("rank {rank}: {e}")),
-            Err(e) => failures.push(format!("rank {rank}: task failed: {e}")),
+            Ok(Err(e)) => {
+                classes.push(crate::exit::classify_loader(&e));
+                failures.push(format!("rank {rank}: {e}"));
+            }
+            Err(e) => {
+                classes.push(crate::exit::ErrorClass::Other);
+                failures.push(format!("rank {rank}: task failed: {e}"));
+            }
         }
     }
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
     if !failures.is_empty() {
-        bail!("the load failed:\n  {}", failures.join("\n  "));
+        // Its own type: the exit code is that of the rank whose trouble made the others fail.
+        return Err(crate::exit::RanksFailed {
+            failures,
+            class: crate::exit::root_class(classes),
+        }
+        .into());
     }
     Ok(reports)
 }
@@ -534,6 +556,8 @@ async fn load_all_tcp(
         ])
         .arg("--report-json")
         .arg(&report);
+        // Every rank plans the same filtered requests.
+        cmd.args(args.filter.describe());
         if !args.verify {
             cmd.arg("--no-verify");
         }
@@ -571,7 +595,13 @@ async fn load_all_tcp(
         }
     }
     if !failures.is_empty() {
-        bail!("the load failed:\n  {}", failures.join("\n  "));
+        // Its own type: the exit code says a peer failed (6). The rank processes' own codes
+        // are not carried over (yet), so a bad block in one rank also reads as 6 here.
+        return Err(crate::exit::RanksFailed {
+            failures,
+            class: crate::exit::ErrorClass::PeerFailed,
+        }
+        .into());
     }
     Ok(reports)
 }
@@ -793,6 +823,46 @@ pub fn dump_names<'a>(fqns: impl Iterator<Item = &'a str>) -> Vec<String> {
         names.push(name);
     }
     names
+}
+
+/// The report printed at the end: text, or with `--json` one JSON document.
+fn report(
+    args: &LoadArgs,
+    checkpoint: &Checkpoint,
+    plan: &Planned,
+    reports: &[RankReport],
+    plan_seconds: f64,
+    kind: &str,
+) -> String {
+    if args.json {
+        report_json(args, checkpoint, plan, reports, plan_seconds, kind)
+    } else {
+        report_text(args, checkpoint, plan, reports, plan_seconds, kind)
+    }
+}
+
+/// `load --json`: the plan's totals and every rank's own report (the fields of
+/// `--report-json`), under stable names.
+fn report_json(
+    args: &LoadArgs,
+    checkpoint: &Checkpoint,
+    plan: &Planned,
+    reports: &[RankReport],
+    plan_seconds: f64,
+    kind: &str,
+) -> String {
+    let doc = serde_json::json!({
+        "checkpoint": args.checkpoint,
+        "format": checkpoint.format.name(),
+        "transport": kind,
+        "world": plan.world(),
+        "ranks_loaded": reports.len(),
+        "verified": args.verify,
+        "plan_seconds": plan_seconds,
+        "plan": plan.summary(),
+        "ranks": reports,
+    });
+    format!("{doc:#}\n")
 }
 
 fn report_text(

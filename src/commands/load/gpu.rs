@@ -129,7 +129,7 @@ pub(super) async fn run(
                 .with_context(|| format!("writing {path}"))?;
         }
         let kind = format!("{}, one rank, {}", args.transport.name(), device.label());
-        return Ok(super::report_text(
+        return Ok(super::report(
             args,
             checkpoint,
             plan,
@@ -187,7 +187,7 @@ pub(super) async fn run(
             ),
         ),
     };
-    Ok(super::report_text(
+    Ok(super::report(
         args,
         checkpoint,
         plan,
