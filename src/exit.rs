@@ -43,6 +43,18 @@ impl ErrorClass {
         }
     }
 
+    /// The class a process's exit code says (a rank process of `load --transport tcp`).
+    pub fn from_code(code: i32) -> ErrorClass {
+        match code {
+            2 => ErrorClass::Usage,
+            3 => ErrorClass::NotFound,
+            4 => ErrorClass::VerificationFailed,
+            5 => ErrorClass::Unreachable,
+            6 => ErrorClass::PeerFailed,
+            _ => ErrorClass::Other,
+        }
+    }
+
     /// The `kind` of the JSON error document.
     pub fn kind(self) -> &'static str {
         match self {
@@ -215,7 +227,6 @@ fn metadata(e: &MetadataError) -> Option<ErrorClass> {
         MetadataError::ChecksumMismatch { .. } | MetadataError::BoxChecksumMismatch { .. } => {
             Some(ErrorClass::VerificationFailed)
         }
-        MetadataError::MissingManifest { .. } => Some(ErrorClass::NotFound),
         MetadataError::Store { source, .. } => object(source),
         _ => None,
     }
@@ -252,7 +263,10 @@ pub fn error_json(error: &anyhow::Error) -> serde_json::Value {
         "code": class.code(),
         "message": format!("{error:#}"),
     });
-    if let Some(failed) = error.chain().find_map(|c| c.downcast_ref::<VerificationFailed>()) {
+    if let Some(failed) = error
+        .chain()
+        .find_map(|c| c.downcast_ref::<VerificationFailed>())
+    {
         doc["problems"] = json!(failed.problems);
     }
     json!({ "error": doc })

@@ -220,7 +220,10 @@ fn corrupted_data_is_a_checksum_error_naming_file_and_block() {
     let block = 64 * 1024;
     let start = at / block * block;
     let end = (start + block).min(bytes.len());
-    let err = fails(["load", s(&ckpt), "--layout", s(&layout)]);
+    let err = support::fails_with(
+        support::VERIFICATION_FAILED,
+        ["load", s(&ckpt), "--layout", s(&layout)],
+    );
     assert!(err.contains("checksum mismatch in "), "{err}");
     assert!(
         err.contains(&format!("data/rank-00001.bin bytes {start}..{end}")),
@@ -244,7 +247,10 @@ fn a_missing_data_file_is_named() {
     let ckpt = synth(dir.path(), &["fsdp", "--dp", "2"]);
     let layout = layout_file(dir.path(), "target.json", &["fsdp", "--dp", "1"]);
     std::fs::remove_file(ckpt.join("data/rank-00000.bin")).unwrap();
-    let err = fails(["load", s(&ckpt), "--layout", s(&layout)]);
+    let err = support::fails_with(
+        support::NOT_FOUND,
+        ["load", s(&ckpt), "--layout", s(&layout)],
+    );
     assert!(err.contains("data/rank-00000.bin is missing"), "{err}");
 }
 
@@ -434,7 +440,7 @@ fn verify_reports_a_staging_file_left_inside_a_checkpoint() {
     let ckpt = synth(dir.path(), &["fsdp", "--dp", "2"]);
     std::fs::write(ckpt.join("data/rank-00000.bin#1"), b"x").unwrap();
     assert_eq!(
-        fails(["verify", s(&ckpt)]),
+        support::fails_with(support::VERIFICATION_FAILED, ["verify", s(&ckpt)]),
         format!(
             "error: stray file data/rank-00000.bin#1: not part of the checkpoint (left by an interrupted writer? remove it)\n{}: verification failed\n",
             s(&ckpt)
@@ -765,24 +771,27 @@ fn rendezvous_honours_peer_timeout_and_says_whom_it_waits_for() {
     let layout = layout_file(dir.path(), "dp3.json", &["fsdp", "--dp", "3"]);
     let port = free_port().to_string();
     let started = std::time::Instant::now();
-    let err = fails([
-        "load",
-        s(&ckpt),
-        "--layout",
-        s(&layout),
-        "--transport",
-        "tcp",
-        "--rank",
-        "0",
-        "--world",
-        "3",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        &port,
-        "--peer-timeout",
-        "3",
-    ]);
+    let err = support::fails_with(
+        support::PEER_FAILED,
+        [
+            "load",
+            s(&ckpt),
+            "--layout",
+            s(&layout),
+            "--transport",
+            "tcp",
+            "--rank",
+            "0",
+            "--world",
+            "3",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--peer-timeout",
+            "3",
+        ],
+    );
     let took = started.elapsed();
     assert!(took < std::time::Duration::from_secs(30), "took {took:?}");
     assert!(
@@ -899,7 +908,7 @@ fn a_stopped_rank_is_killed_and_reported_and_load_ends() {
     let output = parent.wait_with_output().unwrap();
     let stderr = String::from_utf8(output.stderr).unwrap();
     eprintln!("load with rank 2 stopped ended after {took:?}:\n{stderr}");
-    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert_eq!(status.code(), Some(support::PEER_FAILED), "{stderr}");
     // Progress lines the ranks printed while waiting come first, then the report.
     assert!(
         stderr.contains("rank 0: waiting for rank 2 to join ("),
@@ -993,7 +1002,7 @@ fn a_load_from_storage_that_stalls_mid_body_fails_within_the_bound() {
         let before = server.stalled();
         let (code, stderr, took) = run_timed(env, args);
         eprintln!("{} ended after {took:?}:\n{stderr}", args.join(" "));
-        assert_eq!(code, Some(1), "{stderr}");
+        assert_eq!(code, Some(support::UNREACHABLE), "{stderr}");
         assert!(stderr.contains("error: the load failed:"), "{stderr}");
         assert!(
             stderr.contains(

@@ -92,7 +92,13 @@ fn each_class_of_failure_has_its_exit_code_and_json_kind() {
     exits_with(3, &["verify", s(&missing)]);
     let run = exits_with(
         3,
-        &["plan", s(&ckpt), "--layout", "/no/such/layout.json", "--json"],
+        &[
+            "plan",
+            s(&ckpt),
+            "--layout",
+            "/no/such/layout.json",
+            "--json",
+        ],
     );
     assert!(json_error(&run, "not_found", 3).contains("/no/such/layout.json"));
 
@@ -276,10 +282,9 @@ fn every_reporting_command_prints_one_json_document() {
     ]));
     assert_eq!(convert["format"], "safetensors");
     assert_eq!(convert["tensors"], manifest.tensors);
-    let index: Value = serde_json::from_slice(
-        &std::fs::read(out.join("model.safetensors.index.json")).unwrap(),
-    )
-    .unwrap();
+    let index: Value =
+        serde_json::from_slice(&std::fs::read(out.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
     assert_eq!(convert["tensor_bytes"], index["metadata"]["total_size"]);
     assert_eq!(convert["files"], 1);
     assert_eq!(convert["notes"], serde_json::json!([]));
@@ -370,7 +375,11 @@ fn include_and_exclude_pick_the_tensors_convert_and_load_take() {
         s(&dump),
         "--json",
     ]));
-    let embed: BTreeSet<String> = all.iter().filter(|n| n.contains("embed")).cloned().collect();
+    let embed: BTreeSet<String> = all
+        .iter()
+        .filter(|n| n.contains("embed"))
+        .cloned()
+        .collect();
     assert_eq!(load["plan"]["destinations"], embed.len());
     assert_eq!(tensor_names(&dump.join("rank-0.safetensors")), embed);
 
@@ -379,7 +388,14 @@ fn include_and_exclude_pick_the_tensors_convert_and_load_take() {
     for (flag, args) in [
         (
             "--include",
-            vec!["load", s(&ckpt), "--layout", s(&dp1), "--include", "model.layer.*"],
+            vec![
+                "load",
+                s(&ckpt),
+                "--layout",
+                s(&dp1),
+                "--include",
+                "model.layer.*",
+            ],
         ),
         (
             "--exclude",
@@ -398,8 +414,10 @@ fn include_and_exclude_pick_the_tensors_convert_and_load_take() {
         let run = exits_with(1, &args);
         let pattern = args.last().unwrap();
         assert!(
-            run.stderr
-                .contains(&format!("{flag} \"{pattern}\" matches no tensor of {}", s(&ckpt))),
+            run.stderr.contains(&format!(
+                "{flag} \"{pattern}\" matches no tensor of {}",
+                s(&ckpt)
+            )),
             "{}",
             run.stderr
         );
@@ -412,7 +430,10 @@ fn completions_and_man_page_come_from_the_command_line_definition() {
     let bash = ok(["completions", "bash"]).text();
     assert!(bash.contains("_tessera()"), "{bash}");
     for word in ["inspect", "convert", "--include", "--storage-attempts"] {
-        assert!(bash.contains(word), "{word} missing from the bash completions");
+        assert!(
+            bash.contains(word),
+            "{word} missing from the bash completions"
+        );
     }
     let zsh = ok(["completions", "zsh"]).text();
     assert!(zsh.starts_with("#compdef tessera"), "{zsh}");
@@ -420,7 +441,10 @@ fn completions_and_man_page_come_from_the_command_line_definition() {
 
     let man = ok(["man"]).text();
     assert!(man.contains(".TH tessera 1"), "{man}");
-    assert!(man.contains("Exit codes:"), "the man page lists the exit codes");
+    assert!(
+        man.contains("Exit codes:"),
+        "the man page lists the exit codes"
+    );
     let dir = tempdir();
     ok(["man", "--dir", s(dir.path())]);
     let load = std::fs::read_to_string(dir.path().join("tessera-load.1")).unwrap();

@@ -580,6 +580,7 @@ async fn load_all_tcp(
     }
     let outcomes = supervise(children, args.peer_timeout).await;
     let mut failures = Vec::new();
+    let mut classes = Vec::new();
     let mut reports = Vec::new();
     for (rank, report, outcome) in outcomes {
         match outcome {
@@ -591,15 +592,23 @@ async fn load_all_tcp(
                         .with_context(|| format!("parsing rank {rank}'s report"))?,
                 );
             }
-            RankOutcome::Failed(message) => failures.push(format!("rank {rank}: {message}")),
+            RankOutcome::Failed(message) => {
+                // Killed or vanished: to its peers, a peer that failed.
+                classes.push(crate::exit::ErrorClass::PeerFailed);
+                failures.push(format!("rank {rank}: {message}"));
+            }
+            RankOutcome::Exited(message, code) => {
+                classes.push(crate::exit::ErrorClass::from_code(code));
+                failures.push(format!("rank {rank}: {message}"));
+            }
         }
     }
     if !failures.is_empty() {
-        // Its own type: the exit code says a peer failed (6). The rank processes' own codes
-        // are not carried over (yet), so a bad block in one rank also reads as 6 here.
+        // Its own type: the exit code is that of the rank whose trouble made the others fail
+        // (each rank process exits with its own class's code).
         return Err(crate::exit::RanksFailed {
             failures,
-            class: crate::exit::ErrorClass::PeerFailed,
+            class: crate::exit::root_class(classes),
         }
         .into());
     }
@@ -611,6 +620,8 @@ enum RankOutcome {
     Succeeded,
     /// Its error, or what became of it when it left none.
     Failed(String),
+    /// Its error, and the exit code it chose (which says the class of its failure).
+    Exited(String, i32),
 }
 
 /// Waits for every rank process, all at once, reading their stderr as they go (a full pipe
@@ -683,7 +694,10 @@ async fn supervise(
         let Some((index, _rank, outcome)) = next else {
             break;
         };
-        if matches!(outcome, RankOutcome::Failed(_)) && kill_at.is_none() && !*kill_tx.borrow() {
+        if matches!(outcome, RankOutcome::Failed(_) | RankOutcome::Exited(..))
+            && kill_at.is_none()
+            && !*kill_tx.borrow()
+        {
             kill_at = Some(tokio::time::Instant::now() + grace);
         }
         outcomes[index] = Some(outcome);
@@ -731,7 +745,10 @@ fn rank_outcome(
         return RankOutcome::Failed(line);
     }
     if !message.is_empty() {
-        return RankOutcome::Failed(message.to_string());
+        return match status.code() {
+            Some(code) => RankOutcome::Exited(message.to_string(), code),
+            None => RankOutcome::Failed(message.to_string()),
+        };
     }
     #[cfg(unix)]
     {
@@ -740,10 +757,10 @@ fn rank_outcome(
             return RankOutcome::Failed(format!("killed by signal {signal}, no report"));
         }
     }
-    RankOutcome::Failed(match status.code() {
-        Some(code) => format!("exited with code {code}, no report"),
-        None => "ended without an exit code, no report".to_string(),
-    })
+    match status.code() {
+        Some(code) => RankOutcome::Exited(format!("exited with code {code}, no report"), code),
+        None => RankOutcome::Failed("ended without an exit code, no report".to_string()),
+    }
 }
 
 /// The state letter of process `pid` (`R`, `S`, `T` for stopped, ...) from `/proc`, where there
