@@ -91,7 +91,8 @@ impl TensorFilter {
 mod tests {
     use super::*;
     use tessera_metadata::DType;
-    use tessera_planner::{Request, Target, TensorBox};
+    use tessera_metadata::TensorBox;
+    use tessera_planner::{Request, Target};
 
     fn tensors(names: &[&str]) -> Vec<TensorMeta> {
         names
