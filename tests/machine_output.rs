@@ -174,6 +174,21 @@ fn each_class_of_failure_has_its_exit_code_and_json_kind() {
     assert!(run.stderr.contains(&format!("bad block in {bad_file}")));
     let run = exits_with(4, &["load", s(&ckpt), "--layout", s(&dp2)]);
     assert!(run.stderr.contains("checksum mismatch"), "{}", run.stderr);
+    // Rank processes: the rank that read the bad block exits 4, and so does the load.
+    let run = exits_with(
+        4,
+        &[
+            "load",
+            s(&ckpt),
+            "--layout",
+            s(&dp2),
+            "--transport",
+            "tcp",
+            "--peer-timeout",
+            "5",
+        ],
+    );
+    assert!(run.stderr.contains("checksum mismatch"), "{}", run.stderr);
     let out = dir.path().join("converted");
     exits_with(
         4,
@@ -382,6 +397,33 @@ fn include_and_exclude_pick_the_tensors_convert_and_load_take() {
         .collect();
     assert_eq!(load["plan"]["destinations"], embed.len());
     assert_eq!(tensor_names(&dump.join("rank-0.safetensors")), embed);
+
+    // Rank processes over TCP take the same filter: two ranks, each dump only the weights.
+    let dump = dir.path().join("dump-tcp");
+    ok([
+        "load",
+        s(&ckpt),
+        "--layout",
+        s(&dp2),
+        "--transport",
+        "tcp",
+        "--exclude",
+        "optim.*",
+        "--check",
+        "--dump",
+        s(&dump),
+    ]);
+    let weights: BTreeSet<String> = all
+        .iter()
+        .filter(|n| !n.starts_with("optim."))
+        .cloned()
+        .collect();
+    for rank in 0..2 {
+        assert_eq!(
+            tensor_names(&dump.join(format!("rank-{rank}.safetensors"))),
+            weights
+        );
+    }
 
     // A pattern that matches nothing is an error naming it, and nothing is written.
     let out = dir.path().join("nothing");
