@@ -329,4 +329,39 @@ mod tests {
         assert_eq!(classify(&plain), ErrorClass::Other);
         assert_eq!(error_json(&plain)["error"]["code"], 1);
     }
+
+    #[test]
+    fn codes_are_distinct_listed_in_the_help_and_read_back() {
+        let classes = [
+            ErrorClass::Other,
+            ErrorClass::Usage,
+            ErrorClass::NotFound,
+            ErrorClass::VerificationFailed,
+            ErrorClass::Unreachable,
+            ErrorClass::PeerFailed,
+        ];
+        let codes: std::collections::BTreeSet<u8> = classes.iter().map(|c| c.code()).collect();
+        assert_eq!(codes.len(), classes.len());
+        for class in classes {
+            assert_eq!(ErrorClass::from_code(i32::from(class.code())), class);
+            assert!(
+                EXIT_CODES_HELP.contains(&format!("\n  {}  ", class.code())),
+                "{class:?} is not in the help"
+            );
+            if class != ErrorClass::Usage {
+                assert!(EXIT_CODES_HELP.contains(class.kind()), "{class:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_rank_with_its_own_trouble_decides_a_failed_load() {
+        use ErrorClass::*;
+        assert_eq!(
+            root_class([PeerFailed, VerificationFailed, PeerFailed]),
+            VerificationFailed
+        );
+        assert_eq!(root_class([PeerFailed, PeerFailed]), PeerFailed);
+        assert_eq!(root_class([PeerFailed, Other]), Other);
+    }
 }
