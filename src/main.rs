@@ -405,8 +405,18 @@ enum FormatArg {
 }
 
 fn main() -> ExitCode {
-    // A bad command line exits with clap's code 2 here.
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            // A bad command line: clap's message on stderr and its code 2; a script that asked
+            // for --json still gets the error document (help and --version are not errors).
+            if error.use_stderr() && std::env::args().any(|a| a == "--json") {
+                let doc = tessera::exit::usage_json(&error.render().to_string());
+                let _ = writeln!(std::io::stdout(), "{doc:#}");
+            }
+            error.exit()
+        }
+    };
     let json = cli.command.json();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

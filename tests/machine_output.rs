@@ -80,9 +80,20 @@ fn each_class_of_failure_has_its_exit_code_and_json_kind() {
     let ckpt = synth_tiny(dir.path());
     let dp2 = layout_file(dir.path(), "dp2.json", &["fsdp", "--dp", "2"]);
 
-    // 2: a bad command line (clap's code), no JSON: the command line is not understood.
+    // 2: a bad command line (clap's code and message); with --json also the error document.
     let run = exits_with(2, &["load", s(&ckpt)]);
     assert!(run.stderr.contains("--layout"), "{}", run.stderr);
+    assert!(run.stdout.is_empty());
+    let run = exits_with(2, &["load", s(&ckpt), "--json"]);
+    let doc = json_doc(&run);
+    assert_eq!(doc["error"]["kind"], "usage", "{doc}");
+    assert_eq!(doc["error"]["code"], 2, "{doc}");
+    let message = doc["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("the following required arguments were not provided"),
+        "{message}"
+    );
+    assert!(run.stderr.contains(message), "{}", run.stderr);
 
     // 3: not found.
     let missing = dir.path().join("no-such-run").join("step-1");
