@@ -245,13 +245,36 @@ fn storage(e: &StorageError) -> Option<ErrorClass> {
 
 fn object(e: &object_store::Error) -> Option<ErrorClass> {
     if matches!(e, object_store::Error::NotFound { .. }) {
-        Some(ErrorClass::NotFound)
-    } else if tessera_storage::is_transient(e) {
-        // Still failing after every retry: the store is down or unreachable from here.
-        Some(ErrorClass::Unreachable)
-    } else {
-        None
+        return Some(ErrorClass::NotFound);
     }
+    if !tessera_storage::is_transient(e) {
+        return None;
+    }
+    // A `Generic` error is an answer the store gave (object_store maps only some 404s to
+    // `NotFound`: a list in a bucket that does not exist stays `Generic`) or no answer at all.
+    match http_status(e) {
+        Some(404) => Some(ErrorClass::NotFound),
+        // Refused (bad credentials, no permission, a bad request): the store answered.
+        Some(status) if (400..500).contains(&status) && status != 408 && status != 429 => None,
+        // No answer, a timeout, or 5xx still failing after every retry.
+        _ => Some(ErrorClass::Unreachable),
+    }
+}
+
+/// The HTTP status a store answered with, read from the message: object_store keeps the status
+/// of its request errors in a private type, and its message says `status code: 404 Not Found`.
+fn http_status(e: &object_store::Error) -> Option<u16> {
+    const MARK: &str = "status code: ";
+    let mut source: Option<&(dyn StdError + 'static)> = Some(e);
+    while let Some(err) = source {
+        let text = err.to_string();
+        if let Some(at) = text.find(MARK) {
+            let digits = text.get(at + MARK.len()..at + MARK.len() + 3)?;
+            return digits.parse().ok();
+        }
+        source = err.source();
+    }
+    None
 }
 
 /// The `--json` error document of a bad command line (`message`: clap's).
@@ -370,5 +393,32 @@ mod tests {
         );
         assert_eq!(root_class([PeerFailed, PeerFailed]), PeerFailed);
         assert_eq!(root_class([PeerFailed, Other]), Other);
+    }
+
+    #[test]
+    fn a_store_answer_is_told_from_no_answer_by_its_status() {
+        let generic = |message: &str| object_store::Error::Generic {
+            store: "S3",
+            source: message.to_string().into(),
+        };
+        let status = |code: &str| {
+            generic(&format!(
+                "Error performing GET http://s3/b in 5ms - Server returned non-2xx status code: {code}: <Error/>"
+            ))
+        };
+        assert_eq!(object(&status("404 Not Found")), Some(ErrorClass::NotFound));
+        assert_eq!(object(&status("403 Forbidden")), None);
+        assert_eq!(
+            object(&status("503 Service Unavailable")),
+            Some(ErrorClass::Unreachable)
+        );
+        assert_eq!(
+            object(&status("429 Too Many Requests")),
+            Some(ErrorClass::Unreachable)
+        );
+        assert_eq!(
+            object(&generic("error sending request: connection refused")),
+            Some(ErrorClass::Unreachable)
+        );
     }
 }

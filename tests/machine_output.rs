@@ -503,3 +503,42 @@ fn completions_and_man_page_come_from_the_command_line_definition() {
     let load = std::fs::read_to_string(dir.path().join("tessera-load.1")).unwrap();
     assert!(load.contains("\\-\\-include"), "{load}");
 }
+
+/// Runs `tessera <args>` with `env` added.
+fn run_with_env(env: &[(String, String)], args: &[&str]) -> support::Run {
+    let output = std::process::Command::new(support::BIN)
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    support::Run {
+        command: format!("tessera {}", args.join(" ")),
+        code: output.status.code(),
+        stdout: output.stdout,
+        stderr: String::from_utf8(output.stderr).unwrap(),
+    }
+}
+
+#[test]
+fn a_bucket_missing_on_s3_is_not_found() {
+    let dir = tempdir();
+    std::fs::create_dir_all(dir.path().join("s3")).unwrap();
+    let server = tessera_storage::testing::S3TestServer::start(dir.path().join("s3"));
+    server.create_bucket("ckpts");
+    let env = server.env();
+    for url in ["s3://no-such-bucket/run/step-000001"] {
+        for command in ["inspect", "verify"] {
+            let run = run_with_env(&env, &[command, url, "--json"]);
+            assert_eq!(
+                run.code,
+                Some(3),
+                "{}: stdout {}\nstderr {}",
+                run.command,
+                String::from_utf8_lossy(&run.stdout),
+                run.stderr
+            );
+            json_error(&run, "not_found", 3);
+        }
+    }
+}
