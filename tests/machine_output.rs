@@ -476,6 +476,27 @@ fn include_and_exclude_pick_the_tensors_convert_and_load_take() {
         );
     }
     assert!(!out.join("model.safetensors.index.json").exists());
+
+    // A plan server plans every tensor: a filter with --server is refused, not ignored.
+    let run = exits_with(
+        1,
+        &[
+            "load",
+            s(&ckpt),
+            "--layout",
+            s(&dp1),
+            "--server",
+            "http://127.0.0.1:1",
+            "--include",
+            "model.*",
+        ],
+    );
+    assert!(
+        run.stderr
+            .contains("--include/--exclude filter a plan made here; a server plans every tensor"),
+        "{}",
+        run.stderr
+    );
 }
 
 #[test]
