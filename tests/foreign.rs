@@ -260,17 +260,14 @@ fn convert_refuses_a_dcp_blob_that_fails_its_crc() {
     let blob = "bad blob in __0_0.distcp bytes 310059..334635 (tensor model.lm_head.weight chunk [0..96, 0..64]): storage crc32 ";
 
     let out = tmp.path().join("native/step-000001");
-    let err = support::fails_with(
-        support::VERIFICATION_FAILED,
-        [
-            "convert",
-            s(&dir),
-            "--layout",
-            s(&dir.join("layout_w2_shard1.json")),
-            "--out",
-            s(&out),
-        ],
-    );
+    let err = support::fails_verifying([
+        "convert",
+        s(&dir),
+        "--layout",
+        s(&dir.join("layout_w2_shard1.json")),
+        "--out",
+        s(&out),
+    ]);
     assert!(
         err.starts_with(&format!(
             "error: verifying {} before converting it (nothing was written to {}): {blob}",
@@ -289,17 +286,14 @@ fn convert_refuses_a_dcp_blob_that_fails_its_crc() {
     );
 
     let hf = tmp.path().join("hf");
-    let err = support::fails_with(
-        support::VERIFICATION_FAILED,
-        [
-            "convert",
-            s(&dir),
-            "--format",
-            "safetensors",
-            "--out",
-            s(&hf),
-        ],
-    );
+    let err = support::fails_verifying([
+        "convert",
+        s(&dir),
+        "--format",
+        "safetensors",
+        "--out",
+        s(&hf),
+    ]);
     assert!(err.contains(blob), "{err}");
     assert!(!hf.join("model.safetensors.index.json").exists());
     assert!(!hf.join("model-00001-of-00001.safetensors").exists());
@@ -315,7 +309,7 @@ fn damaged_checkpoints_fail_naming_the_file() {
     let mut bytes = std::fs::read(&distcp).unwrap();
     bytes[309355 + 1000] ^= 0x10;
     std::fs::write(&distcp, &bytes).unwrap();
-    let err = support::fails_with(support::VERIFICATION_FAILED, ["verify", s(&dir)]);
+    let err = support::fails_verifying(["verify", s(&dir)]);
     assert!(
         err.starts_with("error: bad blob in __0_0.distcp bytes 310059..334635 (tensor model.lm_head.weight chunk [0..96, 0..64]): storage crc32 "),
         "{err}"

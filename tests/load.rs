@@ -220,10 +220,7 @@ fn corrupted_data_is_a_checksum_error_naming_file_and_block() {
     let block = 64 * 1024;
     let start = at / block * block;
     let end = (start + block).min(bytes.len());
-    let err = support::fails_with(
-        support::VERIFICATION_FAILED,
-        ["load", s(&ckpt), "--layout", s(&layout)],
-    );
+    let err = support::fails_verifying(["load", s(&ckpt), "--layout", s(&layout)]);
     assert!(err.contains("checksum mismatch in "), "{err}");
     assert!(
         err.contains(&format!("data/rank-00001.bin bytes {start}..{end}")),
@@ -247,10 +244,7 @@ fn a_missing_data_file_is_named() {
     let ckpt = synth(dir.path(), &["fsdp", "--dp", "2"]);
     let layout = layout_file(dir.path(), "target.json", &["fsdp", "--dp", "1"]);
     std::fs::remove_file(ckpt.join("data/rank-00000.bin")).unwrap();
-    let err = support::fails_with(
-        support::NOT_FOUND,
-        ["load", s(&ckpt), "--layout", s(&layout)],
-    );
+    let err = support::fails_not_found(["load", s(&ckpt), "--layout", s(&layout)]);
     assert!(err.contains("data/rank-00000.bin is missing"), "{err}");
 }
 
@@ -440,7 +434,7 @@ fn verify_reports_a_staging_file_left_inside_a_checkpoint() {
     let ckpt = synth(dir.path(), &["fsdp", "--dp", "2"]);
     std::fs::write(ckpt.join("data/rank-00000.bin#1"), b"x").unwrap();
     assert_eq!(
-        support::fails_with(support::VERIFICATION_FAILED, ["verify", s(&ckpt)]),
+        support::fails_verifying(["verify", s(&ckpt)]),
         format!(
             "error: stray file data/rank-00000.bin#1: not part of the checkpoint (left by an interrupted writer? remove it)\n{}: verification failed\n",
             s(&ckpt)
@@ -771,27 +765,24 @@ fn rendezvous_honours_peer_timeout_and_says_whom_it_waits_for() {
     let layout = layout_file(dir.path(), "dp3.json", &["fsdp", "--dp", "3"]);
     let port = free_port().to_string();
     let started = std::time::Instant::now();
-    let err = support::fails_with(
-        support::PEER_FAILED,
-        [
-            "load",
-            s(&ckpt),
-            "--layout",
-            s(&layout),
-            "--transport",
-            "tcp",
-            "--rank",
-            "0",
-            "--world",
-            "3",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            &port,
-            "--peer-timeout",
-            "3",
-        ],
-    );
+    let err = support::fails_peer([
+        "load",
+        s(&ckpt),
+        "--layout",
+        s(&layout),
+        "--transport",
+        "tcp",
+        "--rank",
+        "0",
+        "--world",
+        "3",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        &port,
+        "--peer-timeout",
+        "3",
+    ]);
     let took = started.elapsed();
     assert!(took < std::time::Duration::from_secs(30), "took {took:?}");
     assert!(

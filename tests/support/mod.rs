@@ -125,6 +125,36 @@ pub const UNREACHABLE: i32 = 5;
 /// Another rank failed or timed out.
 pub const PEER_FAILED: i32 = 6;
 
+/// [`fails`] with the exit code of a verification failure (a checksum, a truncated file).
+#[track_caller]
+pub fn fails_verifying<I, S>(args: I) -> String
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    fails_with(VERIFICATION_FAILED, args)
+}
+
+/// [`fails`] with the exit code of something that does not exist.
+#[track_caller]
+pub fn fails_not_found<I, S>(args: I) -> String
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    fails_with(NOT_FOUND, args)
+}
+
+/// [`fails`] with the exit code of a peer that failed.
+#[track_caller]
+pub fn fails_peer<I, S>(args: I) -> String
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    fails_with(PEER_FAILED, args)
+}
+
 /// [`fails`] with exit code `code`.
 #[track_caller]
 pub fn fails_with<I, S>(code: i32, args: I) -> String
