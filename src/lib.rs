@@ -3,4 +3,5 @@
 //! model live in their own crates; this crate wires them to storage and to people.
 
 pub mod commands;
+pub mod exit;
 pub mod human;

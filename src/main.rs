@@ -3,8 +3,8 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use anyhow::Result;
-use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
+use anyhow::{Context, Result};
+use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use tessera::commands::{self, layout::Preset, plan::Format};
 use tessera_loader::device::DeviceSpec;
 use tessera_planner::presets::MegatronGpt;
@@ -42,7 +42,12 @@ impl StorageArgs {
 }
 
 #[derive(Parser)]
-#[command(name = "tessera", version, about = "Checkpoint resharding and loading")]
+#[command(
+    name = "tessera",
+    version,
+    about = "Checkpoint resharding and loading",
+    after_help = tessera::exit::EXIT_CODES_HELP
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -95,6 +100,10 @@ enum Command {
         /// Training step recorded in the manifest.
         #[arg(long)]
         step: Option<u64>,
+        /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
+        /// see "Machine output" in `tessera --help`).
+        #[arg(long)]
+        json: bool,
     },
     /// Plan loading a checkpoint into a layout (or explicit per-rank requests).
     #[command(group(ArgGroup::new("target").required(true).args(["layout", "requests"])))]
@@ -115,6 +124,9 @@ enum Command {
         /// arrow (Arrow IPC; rank plans only).
         #[arg(long, value_enum, default_value_t = FormatArg::Text)]
         format: FormatArg,
+        /// The same as --format json (one JSON document on stdout, errors included).
+        #[arg(long, conflicts_with = "format")]
+        json: bool,
         /// Also print the whole-plan summary (to stderr when a rank plan goes to stdout).
         #[arg(long)]
         summary: bool,
@@ -183,6 +195,18 @@ enum Command {
         /// No progress bar and no report on stdout.
         #[arg(long)]
         quiet: bool,
+        /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
+        /// see "Machine output" in `tessera --help`).
+        #[arg(long)]
+        json: bool,
+        /// Only tensors whose name matches this glob (`*` any run of characters, dots included;
+        /// `?` one character); repeatable. A pattern that matches no tensor is an error.
+        #[arg(long, value_name = "GLOB")]
+        include: Vec<String>,
+        /// Leave out tensors whose name matches this glob (after --include); repeatable, e.g.
+        /// `--exclude 'optim.*'` for the model weights only.
+        #[arg(long, value_name = "GLOB")]
+        exclude: Vec<String>,
         /// Fetch the plan from this tessera server (http://host:port) instead of planning here.
         #[arg(long)]
         server: Option<String>,
@@ -217,6 +241,18 @@ enum Command {
         /// dead (killed, its host gone), or two writers will mix their files.
         #[arg(long)]
         break_claim: bool,
+        /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
+        /// see "Machine output" in `tessera --help`).
+        #[arg(long)]
+        json: bool,
+        /// Only tensors whose name matches this glob (`*` any run of characters, dots included;
+        /// `?` one character); repeatable. A pattern that matches no tensor is an error.
+        #[arg(long, value_name = "GLOB")]
+        include: Vec<String>,
+        /// Leave out tensors whose name matches this glob (after --include); repeatable, e.g.
+        /// `--exclude 'optim.*'` for the model weights only.
+        #[arg(long, value_name = "GLOB")]
+        exclude: Vec<String>,
         #[command(flatten)]
         storage: StorageArgs,
     },
@@ -225,7 +261,8 @@ enum Command {
         /// Checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
         /// http(s):// URL.
         checkpoint: String,
-        /// JSON output.
+        /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
+        /// see "Machine output" in `tessera --help`).
         #[arg(long)]
         json: bool,
         #[command(flatten)]
@@ -236,6 +273,10 @@ enum Command {
         /// Checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
         /// http(s):// URL.
         checkpoint: String,
+        /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
+        /// see "Machine output" in `tessera --help`).
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         storage: StorageArgs,
     },
@@ -288,6 +329,35 @@ enum Command {
         #[arg(long, default_value_t = tessera_server::DEFAULT_MAX_CONNECTIONS)]
         max_connections: usize,
     },
+    /// Print a shell completion script, e.g. `tessera completions bash >
+    /// ~/.local/share/bash-completion/completions/tessera`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff), e.g. `tessera man | man -l -`; with --dir, write one page per
+    /// command there (tessera.1, tessera-load.1, ...).
+    Man {
+        /// Write tessera.1 and a page per subcommand into this directory instead.
+        #[arg(long)]
+        dir: Option<std::path::PathBuf>,
+    },
+}
+
+impl Command {
+    /// Whether the command was asked for machine output (`--json`, `plan --format json`): then
+    /// an error, too, is a JSON document on stdout.
+    fn json(&self) -> bool {
+        match self {
+            Command::Synth { json, .. }
+            | Command::Load { json, .. }
+            | Command::Convert { json, .. }
+            | Command::Inspect { json, .. }
+            | Command::Verify { json, .. } => *json,
+            Command::Plan { json, format, .. } => *json || matches!(format, FormatArg::Json),
+            _ => false,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -344,14 +414,33 @@ enum FormatArg {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            // A bad command line: clap's message on stderr and its code 2; a script that asked
+            // for --json still gets the error document (help and --version are not errors).
+            if error.use_stderr() && std::env::args().any(|a| a == "--json") {
+                let doc = tessera::exit::usage_json(&error.render().to_string());
+                let _ = writeln!(std::io::stdout(), "{doc:#}");
+            }
+            error.exit()
+        }
+    };
+    let json = cli.command.json();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         // The reader went away (`tessera inspect --json | head`): nothing left to say to it.
         Err(err) if commands::is_broken_pipe(&err) => ExitCode::SUCCESS,
         Err(err) => {
+            // Every failure goes through here: its class picks the exit code (see `tessera
+            // --help`); with --json the error is also the JSON document on stdout.
+            let class = tessera::exit::classify(&err);
+            if json {
+                let doc = tessera::exit::error_json(&err);
+                let _ = writeln!(std::io::stdout(), "{doc:#}");
+            }
             eprintln!("error: {}", commands::error_text::error_text(&err));
-            ExitCode::FAILURE
+            ExitCode::from(class.code())
         }
     }
 }
@@ -408,6 +497,7 @@ fn run(cli: Cli) -> Result<()> {
             no_optimizer,
             dist_optimizer_flat,
             step,
+            json,
         } => {
             let model: Model = model.parse()?;
             if no_optimizer && dist_optimizer_flat.is_some() {
@@ -434,7 +524,11 @@ fn run(cli: Cli) -> Result<()> {
                 })),
             };
             let report = runtime.block_on(commands::synth::run(&out, &layout, &options))?;
-            stdout((report + "\n").as_bytes())
+            if json {
+                stdout(format!("{:#}\n", serde_json::to_value(&report)?).as_bytes())
+            } else {
+                stdout((report.text() + "\n").as_bytes())
+            }
         }
         Command::Plan {
             checkpoint,
@@ -442,6 +536,7 @@ fn run(cli: Cli) -> Result<()> {
             requests,
             rank,
             format,
+            json,
             summary,
             no_dedup,
             storage,
@@ -452,6 +547,7 @@ fn run(cli: Cli) -> Result<()> {
                 requests,
                 rank,
                 format: match format {
+                    _ if json => Format::Json,
                     FormatArg::Text => Format::Text,
                     FormatArg::Json => Format::Json,
                     FormatArg::Arrow => Format::Arrow,
@@ -479,6 +575,9 @@ fn run(cli: Cli) -> Result<()> {
             peer_timeout,
             report_json,
             quiet,
+            json,
+            include,
+            exclude,
             server,
             checkpoint_id,
             token,
@@ -512,6 +611,8 @@ fn run(cli: Cli) -> Result<()> {
                 checkpoint_id,
                 token,
                 retry: storage.policy()?,
+                filter: commands::select::TensorFilter { include, exclude },
+                json,
             };
             let report = runtime.block_on(commands::load::run(&args))?;
             if args.quiet {
@@ -527,11 +628,15 @@ fn run(cli: Cli) -> Result<()> {
             out,
             max_shard_bytes,
             break_claim,
+            json,
+            include,
+            exclude,
             storage,
         } => {
             let options = commands::convert::ConvertOptions {
                 break_claim,
                 retry: storage.policy()?,
+                filter: commands::select::TensorFilter { include, exclude },
             };
             let report = match (format, layout) {
                 (ConvertFormat::Native, Some(layout)) => runtime.block_on(
@@ -547,7 +652,11 @@ fn run(cli: Cli) -> Result<()> {
                     anyhow::bail!("--format safetensors writes consolidated tensors; drop --layout")
                 }
             };
-            stdout(report.as_bytes())
+            if json {
+                stdout(format!("{:#}\n", serde_json::to_value(&report)?).as_bytes())
+            } else {
+                stdout(report.text().as_bytes())
+            }
         }
         Command::Inspect {
             checkpoint,
@@ -595,11 +704,34 @@ fn run(cli: Cli) -> Result<()> {
         })),
         Command::Verify {
             checkpoint,
+            json,
             storage,
-        } => stdout(
-            runtime
-                .block_on(commands::verify::run(&checkpoint, &storage.policy()?))?
-                .as_bytes(),
-        ),
+        } => {
+            let text = runtime.block_on(commands::verify::run(&checkpoint, &storage.policy()?))?;
+            if json {
+                stdout(commands::verify::json_report(&checkpoint, &text).as_bytes())
+            } else {
+                stdout(text.as_bytes())
+            }
+        }
+        Command::Completions { shell } => {
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "tessera", &mut out);
+            stdout(&out)
+        }
+        Command::Man { dir } => match dir {
+            Some(dir) => {
+                std::fs::create_dir_all(&dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+                clap_mangen::generate_to(Cli::command(), &dir)
+                    .with_context(|| format!("writing man pages into {}", dir.display()))?;
+                stdout(format!("wrote the man pages into {}\n", dir.display()).as_bytes())
+            }
+            None => {
+                let mut out = Vec::new();
+                clap_mangen::Man::new(Cli::command()).render(&mut out)?;
+                stdout(&out)
+            }
+        },
     }
 }

@@ -964,7 +964,7 @@ fn verify_names_the_block_holding_a_flipped_byte() {
     let (start, end) = (chunk.bytes.offset, chunk.bytes.offset + chunk.bytes.length);
 
     assert_eq!(
-        fails(["verify", s(&ckpt)]),
+        support::fails_verifying(["verify", s(&ckpt)]),
         format!(
             "error: bad block in {} bytes {a}..{b}: expected crc32c {expected:08x}, found {found:08x}\n\
              bad box: checksum mismatch in {} bytes {start}..{end} (tensor {} box {}): its metadata records crc32c {:08x}, the bytes have {:08x}\n\
@@ -987,7 +987,7 @@ fn verify_and_load_refuse_boxes_pointing_at_each_others_bytes() {
     let moved = swap_two_boxes(&ckpt);
     // The metadata is self-consistent: inspect opens it.
     ok(["inspect", s(&ckpt)]);
-    let err = fails(["verify", s(&ckpt)]);
+    let err = support::fails_verifying(["verify", s(&ckpt)]);
     for (fqn, region, file, start, end) in &moved {
         let data = std::fs::read(ckpt.join(file)).unwrap();
         let actual = crc32c(&data[*start as usize..*end as usize]);
@@ -1009,7 +1009,7 @@ fn verify_and_load_refuse_boxes_pointing_at_each_others_bytes() {
 
     // Loading the whole model reads every box whole: the load fails naming a box.
     let layout = layout_file(dir.path(), "one.json", &["fsdp", "--dp", "1"]);
-    let err = fails(["load", s(&ckpt), "--layout", s(&layout)]);
+    let err = support::fails_verifying(["load", s(&ckpt), "--layout", s(&layout)]);
     assert!(
         moved.iter().any(|(fqn, region, file, start, end)| err.contains(&format!(
             "checksum mismatch in {}/{file} bytes {start}..{end} (tensor {fqn} box {region}): its metadata records crc32c",
@@ -1039,7 +1039,7 @@ fn verify_reports_truncated_and_missing_files() {
     std::fs::write(&path, &data[..new_len as usize]).unwrap();
     std::fs::remove_file(ckpt.join(&missing.path)).unwrap();
 
-    let err = fails(["verify", s(&ckpt)]);
+    let err = support::fails_verifying(["verify", s(&ckpt)]);
     assert_eq!(
         err,
         format!(
@@ -1066,7 +1066,7 @@ fn verify_reports_appended_bytes_as_a_size_mismatch_only() {
     std::fs::write(&path, &data).unwrap();
     // The recorded bytes are intact: only the size is wrong, no block is reported corrupt.
     assert_eq!(
-        fails(["verify", s(&ckpt)]),
+        support::fails_verifying(["verify", s(&ckpt)]),
         format!(
             "error: {t}: size {actual} but the manifest says {size}\n{c}: verification failed\n",
             t = file.path,

@@ -260,7 +260,7 @@ fn convert_refuses_a_dcp_blob_that_fails_its_crc() {
     let blob = "bad blob in __0_0.distcp bytes 310059..334635 (tensor model.lm_head.weight chunk [0..96, 0..64]): storage crc32 ";
 
     let out = tmp.path().join("native/step-000001");
-    let err = fails([
+    let err = support::fails_verifying([
         "convert",
         s(&dir),
         "--layout",
@@ -292,7 +292,7 @@ fn convert_refuses_a_dcp_blob_that_fails_its_crc() {
     );
 
     let hf = tmp.path().join("hf");
-    let err = fails([
+    let err = support::fails_verifying([
         "convert",
         s(&dir),
         "--format",
@@ -315,7 +315,7 @@ fn damaged_checkpoints_fail_naming_the_file() {
     let mut bytes = std::fs::read(&distcp).unwrap();
     bytes[309355 + 1000] ^= 0x10;
     std::fs::write(&distcp, &bytes).unwrap();
-    let err = fails(["verify", s(&dir)]);
+    let err = support::fails_verifying(["verify", s(&dir)]);
     assert!(
         err.starts_with("error: bad blob in __0_0.distcp bytes 310059..334635 (tensor model.lm_head.weight chunk [0..96, 0..64]): storage crc32 "),
         "{err}"

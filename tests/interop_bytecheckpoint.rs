@@ -350,7 +350,7 @@ fn verify_passes_on_the_save_and_names_the_file_of_a_damaged_copy() {
     let at = bytes.windows(4).position(|w| w == b"rank").unwrap();
     bytes[at] = b'R';
     std::fs::write(&file, bytes).unwrap();
-    let err = fails(["verify", s(&copy)]);
+    let err = support::fails_verifying(["verify", s(&copy)]);
     assert!(
         err.contains("extra_state/extra_state_rank_1.pt")
             && err.contains("object extra_state.rank_1")

@@ -14,7 +14,7 @@ use serde_json::Value;
 use support::reference::{
     check_reference_listed, interop_fixtures, json, sha256, tensors_of, write_layout_with_catch_all,
 };
-use support::{fails, ok, s};
+use support::{ok, s};
 
 const LAYOUTS: [&str; 4] = ["w1_full", "w3_shard0", "w2_shard1", "w2x2_s0s1"];
 
@@ -161,7 +161,7 @@ fn verify_checks_every_record_and_names_a_damaged_file() {
         }
         std::fs::write(ckpt.join("global_step1").join(entry.file_name()), bytes).unwrap();
     }
-    let err = fails(["verify", s(&ckpt)]);
+    let err = support::fails_verifying(["verify", s(&ckpt)]);
     assert!(
         err.contains("bad record in global_step1/zero_pp_rank_1_mp_rank_00_optim_states.pt bytes 135104..201344 (zero_pp_rank_1_mp_rank_00_optim_states/data/3): crc32 "),
         "{err}"

@@ -217,7 +217,7 @@ fn corrupted_data_is_a_checksum_error_naming_file_and_block() {
     let at = bytes.len() / 2;
     bytes[at] ^= 0x40;
     std::fs::write(&data, &bytes).unwrap();
-    let err = fails(["load", s(&ckpt), "--layout", s(&layout)]);
+    let err = support::fails_verifying(["load", s(&ckpt), "--layout", s(&layout)]);
     assert!(err.contains("checksum mismatch in "), "{err}");
     // Whole saved boxes are checked by their own crc32c (no checksum blocks fetched for them):
     // the error names the file, the box's bytes (which hold the flipped one) and its tensor.
@@ -247,7 +247,7 @@ fn a_missing_data_file_is_named() {
     let ckpt = synth(dir.path(), &["fsdp", "--dp", "2"]);
     let layout = layout_file(dir.path(), "target.json", &["fsdp", "--dp", "1"]);
     std::fs::remove_file(ckpt.join("data/rank-00000.bin")).unwrap();
-    let err = fails(["load", s(&ckpt), "--layout", s(&layout)]);
+    let err = support::fails_not_found(["load", s(&ckpt), "--layout", s(&layout)]);
     assert!(err.contains("data/rank-00000.bin is missing"), "{err}");
 }
 
@@ -437,7 +437,7 @@ fn verify_reports_a_staging_file_left_inside_a_checkpoint() {
     let ckpt = synth(dir.path(), &["fsdp", "--dp", "2"]);
     std::fs::write(ckpt.join("data/rank-00000.bin#1"), b"x").unwrap();
     assert_eq!(
-        fails(["verify", s(&ckpt)]),
+        support::fails_verifying(["verify", s(&ckpt)]),
         format!(
             "error: stray file data/rank-00000.bin#1: not part of the checkpoint (left by an interrupted writer? remove it)\n{}: verification failed\n",
             s(&ckpt)
@@ -768,7 +768,7 @@ fn rendezvous_honours_peer_timeout_and_says_whom_it_waits_for() {
     let layout = layout_file(dir.path(), "dp3.json", &["fsdp", "--dp", "3"]);
     let port = free_port().to_string();
     let started = std::time::Instant::now();
-    let err = fails([
+    let err = support::fails_peer([
         "load",
         s(&ckpt),
         "--layout",
@@ -904,7 +904,7 @@ fn a_stopped_rank_is_killed_and_reported_and_load_ends() {
     let output = parent.wait_with_output().unwrap();
     let stderr = String::from_utf8(output.stderr).unwrap();
     eprintln!("load with rank 2 stopped ended after {took:?}:\n{stderr}");
-    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert_eq!(status.code(), Some(support::PEER_FAILED), "{stderr}");
     // Progress lines the ranks printed while waiting come first, then the report.
     assert!(
         stderr.contains("rank 0: waiting for rank 2 to join at 127.0.0.1:"),
@@ -998,7 +998,7 @@ fn a_load_from_storage_that_stalls_mid_body_fails_within_the_bound() {
         let before = server.stalled();
         let (code, stderr, took) = run_timed(env, args);
         eprintln!("{} ended after {took:?}:\n{stderr}", args.join(" "));
-        assert_eq!(code, Some(1), "{stderr}");
+        assert_eq!(code, Some(support::UNREACHABLE), "{stderr}");
         assert!(stderr.contains("error: the load failed:"), "{stderr}");
         assert!(
             stderr.contains(

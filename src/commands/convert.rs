@@ -12,6 +12,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 use futures::TryStreamExt;
 use object_store::{ObjectStoreExt, PutPayload};
+use serde::Serialize;
 use serde_json::json;
 use tessera_loader::load::{Checkpoint, LoadOptions, LoadedRank, load_rank};
 use tessera_loader::read::ReadOptions;
@@ -23,14 +24,17 @@ use tessera_ops::claim::{Claim, ClaimOptions};
 use tessera_planner::{Layout, PlanOptions, Target, assign_writers};
 use tessera_storage::{Location, RetryPolicy};
 
+use super::select::TensorFilter;
 use crate::human;
 
 /// Loads every rank of `layout` in this process.
 async fn load_all(
     checkpoint: &Checkpoint,
     layout: &Layout,
-    retry: &RetryPolicy,
+    convert: &ConvertOptions,
+    source: &str,
 ) -> Result<Vec<LoadedRank>> {
+    let retry = &convert.retry;
     let options = LoadOptions {
         read: ReadOptions {
             retry: retry.clone(),
@@ -38,7 +42,10 @@ async fn load_all(
         },
         progress: None,
     };
-    let requests = layout.resolve(checkpoint.meta.tensors())?;
+    let mut requests = layout.resolve(checkpoint.meta.tensors())?;
+    convert
+        .filter
+        .apply(&mut requests, checkpoint.meta.tensors(), source)?;
     let plan = checkpoint.plan(&requests, &PlanOptions::default())?;
     let transports = InProcTransport::mesh(plan.world_size(), TransportOptions::default());
     let mut tasks = Vec::new();
@@ -68,14 +75,65 @@ pub struct ConvertOptions {
     pub break_claim: bool,
     /// Timeouts and attempts of both checkpoints' stores.
     pub retry: RetryPolicy,
+    /// Convert only the tensors this takes (`--include`, `--exclude`).
+    pub filter: TensorFilter,
+}
+
+/// What a conversion wrote: printed as a line of text, or with `--json` as one JSON document
+/// (these field names).
+#[derive(Clone, Debug, Serialize)]
+pub struct ConvertReport {
+    /// The source checkpoint as given.
+    pub source: String,
+    /// The output location as given.
+    pub out: String,
+    /// `native` or `safetensors`.
+    pub format: &'static str,
+    /// Tensors written.
+    pub tensors: u64,
+    /// Saved boxes written (native; for safetensors one per tensor).
+    pub boxes: u64,
+    /// Data files written (native data files, or safetensors shards).
+    pub files: u64,
+    /// Bytes of tensor data written.
+    pub tensor_bytes: u64,
+    /// What was done besides (a broken claim, stale uploads removed).
+    pub notes: Vec<String>,
+}
+
+impl ConvertReport {
+    /// The report as text: the notes, then one line.
+    pub fn text(&self) -> String {
+        let mut out: String = self.notes.iter().map(|n| format!("{n}\n")).collect();
+        match self.format {
+            "safetensors" => out.push_str(&format!(
+                "exported {} to {}: {} tensors, {} in {} safetensors shard(s) + model.safetensors.index.json\n",
+                self.source,
+                self.out,
+                self.tensors,
+                human::bytes(self.tensor_bytes),
+                self.files
+            )),
+            _ => out.push_str(&format!(
+                "converted {} to {}: {} tensors, {} saved boxes in {} files, {}\n",
+                self.source,
+                self.out,
+                self.tensors,
+                self.boxes,
+                self.files,
+                human::bytes(self.tensor_bytes)
+            )),
+        }
+        out
+    }
 }
 
 /// Runs `write` holding the write claim on `out`, and drops the claim afterwards whatever the
 /// outcome. A process that dies inside `write` leaves the claim (see the module docs).
-async fn claimed<F, Fut>(out: &str, options: &ConvertOptions, write: F) -> Result<String>
+async fn claimed<F, Fut>(out: &str, options: &ConvertOptions, write: F) -> Result<ConvertReport>
 where
     F: FnOnce(Location) -> Fut,
-    Fut: std::future::Future<Output = Result<String>>,
+    Fut: std::future::Future<Output = Result<ConvertReport>>,
 {
     let target = tessera_storage::create_with(out, &super::storage_options(&options.retry))?;
     let claim = Claim::take(
@@ -88,13 +146,13 @@ where
     )
     .await
     .with_context(|| format!("claiming {out} for writing"))?;
-    let mut notes = String::new();
+    let mut notes = Vec::new();
     if let Some(holder) = &claim.broke {
-        notes.push_str(&format!("broke the write claim of {holder}\n"));
+        notes.push(format!("broke the write claim of {holder}"));
     }
     for staged in &claim.removed_staged {
-        notes.push_str(&format!(
-            "removed {staged}: an unfinished upload of an interrupted writer\n"
+        notes.push(format!(
+            "removed {staged}: an unfinished upload of an interrupted writer"
         ));
     }
     let outcome = write(target).await;
@@ -102,9 +160,11 @@ where
         .release()
         .await
         .with_context(|| format!("removing the write claim of {out}"));
-    let text = outcome?;
+    let mut report = outcome?;
     released?;
-    Ok(notes + &text)
+    notes.append(&mut report.notes);
+    report.notes = notes;
+    Ok(report)
 }
 
 /// `tessera convert CKPT --layout L --out DIR`: the checkpoint saved as layout L would save it.
@@ -113,10 +173,10 @@ pub async fn to_layout(
     layout_path: &str,
     out: &str,
     options: &ConvertOptions,
-) -> Result<String> {
+) -> Result<ConvertReport> {
     let layout = super::read_layout(layout_path)?;
     claimed(out, options, |target| {
-        to_layout_claimed(source, layout, out, target, &options.retry)
+        to_layout_claimed(source, layout, out, target, options)
     })
     .await
 }
@@ -126,12 +186,37 @@ async fn to_layout_claimed(
     layout: Layout,
     out: &str,
     target: Location,
-    retry: &RetryPolicy,
-) -> Result<String> {
-    let checkpoint = open(source, out, retry).await?;
-    let loaded = load_all(&checkpoint, &layout, retry).await?;
-    let tensors = checkpoint.meta.tensors().to_vec();
-    let holdings = layout.resolve(&tensors)?;
+    options: &ConvertOptions,
+) -> Result<ConvertReport> {
+    let checkpoint = open(source, out, &options.retry).await?;
+    let loaded = load_all(&checkpoint, &layout, options, source).await?;
+    let all = checkpoint.meta.tensors();
+    // The layout resolves against every tensor (its stages see every layer); the output then
+    // holds only the tensors the filter takes, renumbered in checkpoint order.
+    let mut holdings = layout.resolve(all)?;
+    let (tensors, holdings) = if options.filter.is_everything() {
+        (all.to_vec(), holdings)
+    } else {
+        let taken = options.filter.select(all, source)?;
+        let mut renumbered = Vec::with_capacity(all.len());
+        let mut tensors = Vec::new();
+        for (tensor, taken) in all.iter().zip(&taken) {
+            renumbered.push(taken.then(|| tensors.len() as u32));
+            if *taken {
+                tensors.push(tensor.clone());
+            }
+        }
+        for rank in &mut holdings.ranks {
+            rank.retain_mut(|r| match renumbered[r.tensor as usize] {
+                Some(t) => {
+                    r.tensor = t;
+                    true
+                }
+                None => false,
+            });
+        }
+        (tensors, holdings)
+    };
     let writes = assign_writers(&tensors, &holdings)?;
     let writer = NativeWriter::create(
         Arc::clone(&target.store),
@@ -183,13 +268,16 @@ async fn to_layout_claimed(
         .commit(files)
         .await
         .with_context(|| format!("committing {out}"))?;
-    Ok(format!(
-        "converted {source} to {out}: {} tensors, {} saved boxes in {} files, {}\n",
-        manifest.tensors,
-        manifest.chunks,
-        manifest.files.len(),
-        human::bytes(manifest.tensor_bytes)
-    ))
+    Ok(ConvertReport {
+        source: source.to_string(),
+        out: out.to_string(),
+        format: "native",
+        tensors: manifest.tensors,
+        boxes: manifest.chunks,
+        files: manifest.files.len() as u64,
+        tensor_bytes: manifest.tensor_bytes,
+        notes: Vec::new(),
+    })
 }
 
 /// Fault injection for tests: `TESSERA_FAULT_ABORT_AFTER_FILES=N` kills the process (abort, like
@@ -236,9 +324,9 @@ pub async fn to_safetensors(
     out: &str,
     max_shard_bytes: u64,
     options: &ConvertOptions,
-) -> Result<String> {
+) -> Result<ConvertReport> {
     claimed(out, options, |target| {
-        to_safetensors_claimed(source, out, max_shard_bytes, target, &options.retry)
+        to_safetensors_claimed(source, out, max_shard_bytes, target, options)
     })
     .await
 }
@@ -248,8 +336,8 @@ async fn to_safetensors_claimed(
     out: &str,
     max_shard_bytes: u64,
     target: Location,
-    retry: &RetryPolicy,
-) -> Result<String> {
+    options: &ConvertOptions,
+) -> Result<ConvertReport> {
     let local = tessera_storage::local_directory(out).is_some();
     let store = target.store.as_ref();
     if store
@@ -275,10 +363,10 @@ async fn to_safetensors_claimed(
             .await
             .with_context(|| format!("removing the stale {path}"))?;
     }
-    let checkpoint = open(source, out, retry).await?;
+    let checkpoint = open(source, out, &options.retry).await?;
     let everything =
         Layout::from_json(r#"{"mesh": [], "rules": [{"match": "*", "placements": []}]}"#)?;
-    let loaded = load_all(&checkpoint, &everything, retry).await?;
+    let loaded = load_all(&checkpoint, &everything, options, source).await?;
     let rank = &loaded[0];
     let plan = &rank.plan;
     // Group tensors (in checkpoint order) into shards.
@@ -359,11 +447,16 @@ async fn to_safetensors_claimed(
         )
         .await
         .with_context(|| format!("writing {out}/model.safetensors.index.json"))?;
-    Ok(format!(
-        "exported {source} to {out}: {} tensors, {} in {n} safetensors shard(s) + model.safetensors.index.json\n",
-        weight_map.len(),
-        human::bytes(total)
-    ))
+    Ok(ConvertReport {
+        source: source.to_string(),
+        out: out.to_string(),
+        format: "safetensors",
+        tensors: weight_map.len() as u64,
+        boxes: weight_map.len() as u64,
+        files: n as u64,
+        tensor_bytes: total,
+        notes: Vec::new(),
+    })
 }
 
 /// Opens the source in any format (native, PyTorch DCP, safetensors) and verifies all of it as

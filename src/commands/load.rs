@@ -101,6 +101,10 @@ pub struct LoadArgs {
     /// (`--storage-read-timeout`, `--storage-attempts`): with a store that stalls, they bound
     /// how soon the load fails (docs/retry.md).
     pub retry: tessera_storage::RetryPolicy,
+    /// Load only the tensors this takes (`--include`, `--exclude`).
+    pub filter: super::select::TensorFilter,
+    /// Print the report as one JSON document (`--json`).
+    pub json: bool,
 }
 
 /// Where rank plans come from: planned here from the checkpoint (the default, no service
@@ -250,6 +254,9 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     }
     let started = Instant::now();
     let plan = match &args.server {
+        Some(_) if !args.filter.is_everything() => bail!(
+            "--include/--exclude filter a plan made here; a server plans every tensor (drop --server)"
+        ),
         Some(server) => plan_on_server(args, server, &checkpoint).await?,
         None => {
             let requests = requests_for(args, &checkpoint)?;
@@ -307,7 +314,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
             std::fs::write(path, serde_json::to_vec(&loaded.report)?)
                 .with_context(|| format!("writing {path}"))?;
         }
-        return Ok(report_text(
+        return Ok(report(
             args,
             &checkpoint,
             &plan,
@@ -334,7 +341,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     if let Some(path) = &args.report_json {
         write_all_ranks_json(path, &plan, &reports)?;
     }
-    Ok(report_text(
+    Ok(report(
         args,
         &checkpoint,
         &plan,
@@ -345,7 +352,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
 }
 
 fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> {
-    Ok(match (&args.layout, &args.requests) {
+    let mut requests = match (&args.layout, &args.requests) {
         (Some(path), None) => {
             let layout = super::read_layout(path)?;
             let requests = layout
@@ -361,7 +368,10 @@ fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> 
             .and_then(|r| r.resolve(checkpoint.meta.tensors()))
             .with_context(|| format!("reading requests {path}"))?,
         _ => bail!("give exactly one of --layout or --requests"),
-    })
+    };
+    args.filter
+        .apply(&mut requests, checkpoint.meta.tensors(), &args.checkpoint)?;
+    Ok(requests)
 }
 
 /// How often a waiting rank says whom it waits for: every 5 s, more often for a short timeout
@@ -508,21 +518,33 @@ async fn load_all_inproc(
     }
     let mut reports = Vec::with_capacity(tasks.len());
     let mut failures = Vec::new();
+    let mut classes = Vec::new();
     for (rank, task) in tasks.into_iter().enumerate() {
         match task.await {
             Ok(Ok(loaded)) => {
                 finish_rank(args, &loaded)?;
                 reports.push(loaded.report);
             }
-            Ok(Err(e)) => failures.push(format!("rank {rank}: {e}")),
-            Err(e) => failures.push(format!("rank {rank}: task failed: {e}")),
+            Ok(Err(e)) => {
+                classes.push(crate::exit::classify_loader(&e));
+                failures.push(format!("rank {rank}: {e}"));
+            }
+            Err(e) => {
+                classes.push(crate::exit::ErrorClass::Other);
+                failures.push(format!("rank {rank}: task failed: {e}"));
+            }
         }
     }
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
     if !failures.is_empty() {
-        bail!("the load failed:\n  {}", failures.join("\n  "));
+        // Its own type: the exit code is that of the rank whose trouble made the others fail.
+        return Err(crate::exit::RanksFailed {
+            failures,
+            class: crate::exit::root_class(classes),
+        }
+        .into());
     }
     Ok(reports)
 }
@@ -596,6 +618,8 @@ async fn load_all_tcp(
         ])
         .arg("--report-json")
         .arg(&report);
+        // Every rank plans the same filtered requests.
+        cmd.args(args.filter.describe());
         if !args.verify {
             cmd.arg("--no-verify");
         }
@@ -618,6 +642,7 @@ async fn load_all_tcp(
     }
     let outcomes = supervise(children, args.peer_timeout).await;
     let mut failures = Vec::new();
+    let mut classes = Vec::new();
     let mut reports = Vec::new();
     for (rank, report, outcome) in outcomes {
         match outcome {
@@ -629,11 +654,25 @@ async fn load_all_tcp(
                         .with_context(|| format!("parsing rank {rank}'s report"))?,
                 );
             }
-            RankOutcome::Failed(message) => failures.push(format!("rank {rank}: {message}")),
+            RankOutcome::Failed(message) => {
+                // Killed or vanished: to its peers, a peer that failed.
+                classes.push(crate::exit::ErrorClass::PeerFailed);
+                failures.push(format!("rank {rank}: {message}"));
+            }
+            RankOutcome::Exited(message, code) => {
+                classes.push(crate::exit::ErrorClass::from_code(code));
+                failures.push(format!("rank {rank}: {message}"));
+            }
         }
     }
     if !failures.is_empty() {
-        bail!("the load failed:\n  {}", failures.join("\n  "));
+        // Its own type: the exit code is that of the rank whose trouble made the others fail
+        // (each rank process exits with its own class's code).
+        return Err(crate::exit::RanksFailed {
+            failures,
+            class: crate::exit::root_class(classes),
+        }
+        .into());
     }
     Ok(reports)
 }
@@ -643,6 +682,8 @@ enum RankOutcome {
     Succeeded,
     /// Its error, or what became of it when it left none.
     Failed(String),
+    /// Its error, and the exit code it chose (which says the class of its failure).
+    Exited(String, i32),
 }
 
 /// Waits for every rank process, all at once, reading their stderr as they go (a full pipe
@@ -715,7 +756,10 @@ async fn supervise(
         let Some((index, _rank, outcome)) = next else {
             break;
         };
-        if matches!(outcome, RankOutcome::Failed(_)) && kill_at.is_none() && !*kill_tx.borrow() {
+        if matches!(outcome, RankOutcome::Failed(_) | RankOutcome::Exited(..))
+            && kill_at.is_none()
+            && !*kill_tx.borrow()
+        {
             kill_at = Some(tokio::time::Instant::now() + grace);
         }
         outcomes[index] = Some(outcome);
@@ -763,7 +807,10 @@ fn rank_outcome(
         return RankOutcome::Failed(line);
     }
     if !message.is_empty() {
-        return RankOutcome::Failed(message.to_string());
+        return match status.code() {
+            Some(code) => RankOutcome::Exited(message.to_string(), code),
+            None => RankOutcome::Failed(message.to_string()),
+        };
     }
     #[cfg(unix)]
     {
@@ -772,10 +819,10 @@ fn rank_outcome(
             return RankOutcome::Failed(format!("killed by signal {signal}, no report"));
         }
     }
-    RankOutcome::Failed(match status.code() {
-        Some(code) => format!("exited with code {code}, no report"),
-        None => "ended without an exit code, no report".to_string(),
-    })
+    match status.code() {
+        Some(code) => RankOutcome::Exited(format!("exited with code {code}, no report"), code),
+        None => RankOutcome::Failed("ended without an exit code, no report".to_string()),
+    }
 }
 
 /// The state letter of process `pid` (`R`, `S`, `T` for stopped, ...) from `/proc`, where there
@@ -912,6 +959,47 @@ fn write_all_ranks_json(path: &str, plan: &Planned, reports: &[RankReport]) -> R
     });
     std::fs::write(path, serde_json::to_vec_pretty(&json)?)
         .with_context(|| format!("writing {path}"))
+}
+
+/// The report printed at the end: text, or with `--json` one JSON document.
+fn report(
+    args: &LoadArgs,
+    checkpoint: &Checkpoint,
+    plan: &Planned,
+    reports: &[RankReport],
+    plan_seconds: f64,
+    kind: &str,
+) -> String {
+    if args.json {
+        report_json(args, checkpoint, plan, reports, plan_seconds, kind)
+    } else {
+        report_text(args, checkpoint, plan, reports, plan_seconds, kind)
+    }
+}
+
+/// `load --json`: the plan's totals and every rank's own report (the fields of
+/// `--report-json`), under stable names.
+fn report_json(
+    args: &LoadArgs,
+    checkpoint: &Checkpoint,
+    plan: &Planned,
+    reports: &[RankReport],
+    plan_seconds: f64,
+    kind: &str,
+) -> String {
+    let doc = serde_json::json!({
+        "checkpoint": args.checkpoint,
+        "format": checkpoint.format.name(),
+        "transport": kind,
+        "world": plan.world(),
+        "ranks_loaded": reports.len(),
+        "verified": args.verify,
+        "plan_seconds": plan_seconds,
+        "plan": plan.summary(),
+        "totals": LoadTotals::new(plan, reports),
+        "ranks": reports,
+    });
+    format!("{doc:#}\n")
 }
 
 fn report_text(

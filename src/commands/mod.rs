@@ -7,6 +7,7 @@ pub mod inspect;
 pub mod layout;
 pub mod load;
 pub mod plan;
+pub mod select;
 pub mod serve;
 pub mod synth;
 pub mod verify;

@@ -10,7 +10,7 @@
 
 use std::fmt::Write;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use tessera_metadata::formats::bytecheckpoint::verify_bytecheckpoint;
 use tessera_metadata::formats::dcp::verify_dcp;
 use tessera_metadata::formats::deepspeed::verify_deepspeed;
@@ -28,6 +28,16 @@ const CONCURRENCY: usize = 16;
 /// box, blob or stray file.
 pub async fn run(location: &str, retry: &storage::RetryPolicy) -> Result<String> {
     check(location, Strays::Fail, retry).await
+}
+
+/// The error of a verification that found problems: `out`'s lines are the problems. Its own type
+/// (exit code 4, `problems` in the `--json` error) so that it is told from an unreadable
+/// checkpoint.
+fn failed(out: &str, location: &str) -> anyhow::Error {
+    anyhow::Error::new(crate::exit::VerificationFailed {
+        location: location.to_string(),
+        problems: out.lines().map(str::to_string).collect(),
+    })
 }
 
 /// What stray files under a native checkpoint mean.
@@ -78,7 +88,7 @@ pub async fn check(location: &str, strays: Strays, retry: &storage::RetryPolicy)
                 )?;
             }
             if !report.is_ok() {
-                bail!("{out}{location}: verification failed");
+                return Err(failed(&out, location));
             }
             writeln!(
                 out,
@@ -115,7 +125,7 @@ pub async fn check(location: &str, strays: Strays, retry: &storage::RetryPolicy)
                 )?;
             }
             if !report.is_ok() {
-                bail!("{out}{location}: verification failed");
+                return Err(failed(&out, location));
             }
             writeln!(
                 out,
@@ -166,7 +176,7 @@ pub async fn check(location: &str, strays: Strays, retry: &storage::RetryPolicy)
                 )?;
             }
             if !report.is_ok() {
-                bail!("{out}{location}: verification failed");
+                return Err(failed(&out, location));
             }
             writeln!(
                 out,
@@ -201,7 +211,7 @@ async fn verify_native(location: &str, loc: &storage::Location, strays: Strays) 
         )?;
     }
     if report.data_absent && !report.is_ok() {
-        bail!("{out}{location}: verification failed");
+        return Err(failed(&out, location));
     }
     if report.data_absent {
         writeln!(
@@ -231,7 +241,7 @@ async fn verify_native(location: &str, loc: &storage::Location, strays: Strays) 
         writeln!(out, "bad box: {}", b.to_error())?;
     }
     if !report.is_ok() {
-        bail!("{out}{location}: verification failed");
+        return Err(failed(&out, location));
     }
     writeln!(
         out,
@@ -240,4 +250,18 @@ async fn verify_native(location: &str, loc: &storage::Location, strays: Strays) 
         human::bytes(report.bytes_checked)
     )?;
     Ok(out)
+}
+
+/// `verify --json`: the checkpoint, `ok: true` (a failure is the error document, with its
+/// `problems`), the notes (strays, trailing bytes) and the summary line.
+pub fn json_report(location: &str, text: &str) -> String {
+    let mut lines: Vec<&str> = text.lines().collect();
+    let summary = lines.pop().unwrap_or_default();
+    let doc = serde_json::json!({
+        "checkpoint": location,
+        "ok": true,
+        "notes": lines,
+        "summary": summary,
+    });
+    format!("{doc:#}\n")
 }

@@ -105,10 +105,59 @@ where
     run
 }
 
-/// Runs `tessera <args>` and checks that it fails the way the binary reports errors: exit code 1,
-/// nothing on stdout, and a message on stderr (returned).
+/// Runs `tessera <args>` and checks that it fails the way the binary reports errors: exit code 1
+/// (an error of no more specific class), nothing on stdout, and a message on stderr (returned).
 #[track_caller]
 pub fn fails<I, S>(args: I) -> String
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    fails_with(1, args)
+}
+
+/// Exit codes of the classes of failure (`tessera --help`).
+pub const NOT_FOUND: i32 = 3;
+/// A checksum mismatch, a truncated or corrupt file.
+pub const VERIFICATION_FAILED: i32 = 4;
+/// Storage that did not answer after the retries.
+pub const UNREACHABLE: i32 = 5;
+/// Another rank failed or timed out.
+pub const PEER_FAILED: i32 = 6;
+
+/// [`fails`] with the exit code of a verification failure (a checksum, a truncated file).
+#[track_caller]
+pub fn fails_verifying<I, S>(args: I) -> String
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    fails_with(VERIFICATION_FAILED, args)
+}
+
+/// [`fails`] with the exit code of something that does not exist.
+#[track_caller]
+pub fn fails_not_found<I, S>(args: I) -> String
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    fails_with(NOT_FOUND, args)
+}
+
+/// [`fails`] with the exit code of a peer that failed.
+#[track_caller]
+pub fn fails_peer<I, S>(args: I) -> String
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    fails_with(PEER_FAILED, args)
+}
+
+/// [`fails`] with exit code `code`.
+#[track_caller]
+pub fn fails_with<I, S>(code: i32, args: I) -> String
 where
     I: IntoIterator<Item = S>,
     S: AsRef<OsStr>,
@@ -116,8 +165,8 @@ where
     let run = run_in(None, args);
     assert_eq!(
         run.code,
-        Some(1),
-        "{} should fail with exit code 1; stdout:\n{}\nstderr:\n{}",
+        Some(code),
+        "{} should fail with exit code {code}; stdout:\n{}\nstderr:\n{}",
         run.command,
         String::from_utf8_lossy(&run.stdout),
         run.stderr

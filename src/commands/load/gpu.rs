@@ -129,7 +129,7 @@ pub(super) async fn run(
                 .with_context(|| format!("writing {path}"))?;
         }
         let kind = format!("{}, one rank, {}", args.transport.name(), device.label());
-        return Ok(super::report_text(
+        return Ok(super::report(
             args,
             checkpoint,
             plan,
@@ -190,7 +190,7 @@ pub(super) async fn run(
     if let Some(path) = &args.report_json {
         super::write_all_ranks_json(path, plan, &reports)?;
     }
-    Ok(super::report_text(
+    Ok(super::report(
         args,
         checkpoint,
         plan,
