@@ -5,7 +5,7 @@
 //! need. The request itself is kept in a second, smaller cache, so that an evicted plan is
 //! recomputed when a rank asks for it rather than lost.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use moka::future::Cache;
@@ -23,6 +23,7 @@ use utoipa::ToSchema;
 use crate::catalog::{Catalog, OpenedCheckpoint};
 use crate::error::unshare;
 use crate::metrics::{CacheKind, Metrics};
+use crate::plan_views::{MeshDimView, RankColumns};
 use crate::{ApiError, CheckpointId, ServerConfig};
 
 /// Most ranks a layout may have: a million ranks is beyond any job today, and a bound keeps a
@@ -391,10 +392,22 @@ pub(crate) struct PlanEntry {
     /// The identity of the checkpoint planned against.
     pub identity: String,
     pub plan: Plan,
+    /// The mesh of the layout planned for (none for explicit requests).
+    pub mesh: Option<Vec<MeshDimView>>,
+    /// Every rank's totals, computed on first ask (loaders never need them).
+    rank_columns: OnceLock<Arc<RankColumns>>,
     weight: u32,
 }
 
 impl PlanEntry {
+    /// Every rank's totals: computed once, then shared.
+    pub(crate) fn rank_columns(&self) -> Arc<RankColumns> {
+        Arc::clone(
+            self.rank_columns
+                .get_or_init(|| Arc::new(RankColumns::of_plan(&self.plan))),
+        )
+    }
+
     pub(crate) fn created(&self) -> PlanCreated {
         PlanCreated {
             plan: self.id.clone(),
@@ -618,7 +631,10 @@ impl Plans {
                         .and_then(|r| r);
                 metrics.plan_computed(started.elapsed(), computed.is_ok());
                 let plan = computed?;
-                let weight = plan_weight(&plan, &spec.id, &spec.checkpoint);
+                // The per-rank totals computed later for a preview are counted up front.
+                let weight = plan_weight(&plan, &spec.id, &spec.checkpoint).saturating_add(
+                    u32::try_from(8 * 8 * u64::from(plan.world_size())).unwrap_or(u32::MAX),
+                );
                 if u64::from(weight) > capacity {
                     tracing::warn!(
                         plan = %spec.id,
@@ -642,6 +658,20 @@ impl Plans {
                     checkpoint: spec.checkpoint.clone(),
                     identity: opened.facts.identity.clone(),
                     weight,
+                    mesh: match &spec.target {
+                        PlanTarget::Layout(layout) => Some(
+                            layout
+                                .mesh
+                                .iter()
+                                .map(|d| MeshDimView {
+                                    name: d.name.clone(),
+                                    size: d.size,
+                                })
+                                .collect(),
+                        ),
+                        PlanTarget::Requests(_) => None,
+                    },
+                    rank_columns: OnceLock::new(),
                     plan,
                 }))
             })

@@ -20,7 +20,8 @@ use tessera_metadata::formats::native::read_latest;
 
 pub use wire::{
     CatalogProblem, CatalogResponse, CheckpointEntry, CheckpointStatus, CheckpointSummary,
-    RunEntry, SavedBox, TensorDetail, TensorEntry, TensorPage,
+    Composition, MAX_OBJECTS_LISTED, ObjectEntry, RunEntry, SavedBox, TensorDetail, TensorEntry,
+    TensorPage, TensorTotals,
 };
 
 pub(crate) use cache::OpenedCheckpoint;
@@ -154,7 +155,12 @@ impl Catalog {
         let latest = self.latest_of(resolved.run()).await.ok().flatten();
         let is_latest = latest.as_deref() == Some(resolved.step());
         match self.open(&resolved).await {
-            Ok(opened) => Ok(opened.facts.summary(&resolved, is_latest)),
+            Ok(opened) => {
+                let mut summary = opened.facts.summary(&resolved, is_latest);
+                summary.composition = Some(Composition::of(&opened.meta));
+                summary.object_list = Some(ObjectEntry::list(&opened.meta));
+                Ok(summary)
+            }
             Err(ApiError::IncompleteCheckpoint { .. }) => Ok(CheckpointSummary::incomplete(
                 CheckpointEntry::incomplete(&resolved, is_latest),
             )),
