@@ -631,10 +631,9 @@ impl Plans {
                         .and_then(|r| r);
                 metrics.plan_computed(started.elapsed(), computed.is_ok());
                 let plan = computed?;
-                // The per-rank totals computed later for a preview are counted up front.
-                let weight = plan_weight(&plan, &spec.id, &spec.checkpoint).saturating_add(
-                    u32::try_from(8 * 8 * u64::from(plan.world_size())).unwrap_or(u32::MAX),
-                );
+                // Not counted: the per-rank totals a preview may ask for later (64 bytes a rank,
+                // about 1% of the smallest plan's tables per rank, and absent for loaders).
+                let weight = plan_weight(&plan, &spec.id, &spec.checkpoint);
                 if u64::from(weight) > capacity {
                     tracing::warn!(
                         plan = %spec.id,

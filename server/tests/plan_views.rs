@@ -300,3 +300,45 @@ async fn the_built_in_ui_has_an_icon() {
         assert!(icon.text().starts_with("<svg"), "{uri}");
     }
 }
+
+/// A DCP checkpoint records no commit time: its summary gives the catalog row's (the newest
+/// file's), so the two agree; and it lists DCP's non-tensor objects.
+#[tokio::test]
+async fn foreign_summaries_have_the_catalog_rows_time_and_objects() {
+    let fixtures = std::env::var_os("TESSERA_DCP_FIXTURES").map_or_else(
+        || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/dcp"),
+        std::path::PathBuf::from,
+    );
+    let source = fixtures.join("e_w2_fsdp2_adamw");
+    assert!(source.is_dir(), "no DCP fixture at {}", source.display());
+    let dir = tempfile::TempDir::new().unwrap();
+    let target = dir.path().join("dcp/step-000050");
+    std::fs::create_dir_all(&target).unwrap();
+    for entry in std::fs::read_dir(&source).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), target.join(entry.file_name())).unwrap();
+    }
+    let state = AppState::new(ServerConfig::new(dir.path().to_str().unwrap())).unwrap();
+    let app = app(state);
+    let listing = get(&app, "/v1/checkpoints").await.json();
+    let row = &listing["checkpoints"][0];
+    assert_eq!(row["id"], "dcp/step-000050");
+    assert!(row["created"].is_string(), "{row}");
+    let summary = get(&app, "/v1/checkpoints/dcp/step-000050").await.json();
+    assert_eq!(summary["format"], "dcp");
+    assert_eq!(summary["created"], row["created"]);
+    let objects = summary["object_list"].as_array().unwrap();
+    assert_eq!(objects.len() as u64, summary["objects"].as_u64().unwrap());
+    assert!(
+        objects
+            .iter()
+            .any(|o| o["key"] == "optim.param_groups.0.lr" && o["bytes"].as_u64().unwrap() > 0),
+        "{objects:?}"
+    );
+    assert!(
+        summary["composition"]["optimizer"]["tensors"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+}

@@ -324,6 +324,8 @@ async function journey(base, page) {
   assert.equal(await page.locator("#saved-layout").innerText(), "not recorded");
   assert.match(await page.locator("#optimizer-bytes").innerText(), new RegExp(`in ${dcp.composition.optimizer.tensors} tensors$`));
   assert.equal(await page.locator("#writer").innerText(), "PyTorch DCP (version 1.0.0)");
+  // No commit time in DCP's files: the newest file's, in the one format.
+  assert.match(await page.locator("#created").innerText(), /^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$/);
   await shot(page, "checkpoint-dcp.png");
 
   // An unknown checkpoint: the 404 detail.
