@@ -183,7 +183,8 @@ async function catalogPage() {
     {
       key: "status", title: "status",
       cell: (c) => [h("span", { class: "badge " + c.status, title: c.error || "" }, c.status),
-        c.latest ? [" ", h("span", { class: "badge latest" }, "latest")] : null],
+        c.latest ? [" ", h("span", { class: "badge latest" }, "latest")] : null,
+        c.data === "absent" ? [" ", h("span", { class: "badge metadata-only", title: "no data files: plans can be previewed, nothing can be loaded" }, "metadata only")] : null],
       sort: (c) => c.status,
     },
     { key: "format", title: "format", cell: (c) => c.format || "–", sort: (c) => c.format || "" },

@@ -360,6 +360,10 @@ test("a 405B metadata-only checkpoint previewed at 2,048 ranks", { timeout: 600_
   const base = await serve(big);
   const page = await newPage();
   try {
+    // The catalog marks it metadata-only.
+    await page.goto(base + "/");
+    await page.locator('#catalog tr.ckpt-row[data-id="405b/step-000001"]').waitFor();
+    assert.match(await page.locator('#catalog tr.ckpt-row[data-id="405b/step-000001"] td').nth(3).innerText(), /^committed latest metadata only$|^committed metadata only$/);
     await page.goto(`${base}/#/ckpt/405b/step-000001`);
     await page.locator("#data-presence").waitFor();
     const sum = await (await page.request.get(`${base}/v1/checkpoints/405b/step-000001`)).json();
@@ -408,6 +412,13 @@ test("a 405B metadata-only checkpoint previewed at 2,048 ranks", { timeout: 600_
     const row = await page.locator('#rank-stats tr[data-metric="bytes_read"] td').allInnerTexts();
     assert.equal(row[3], String(reads.indexOf(max)), row.join(" | "));
     assert.ok(median[0] <= median[1023] && median[1023] <= max);
+    // The heat map's colour is the value: the busiest rank's cell darkest, the least busy lightest.
+    const minRank = reads.indexOf(Math.min(...reads));
+    assert.equal(await page.locator("#heatmap").getAttribute("data-metric"), "bytes_read");
+    assert.ok(Math.min(...reads) < max, "ranks read different amounts");
+    assert.equal(await page.locator(`#heatmap rect.heat-cell[data-rank="${reads.indexOf(max)}"]`).getAttribute("fill"), "#08306b");
+    assert.equal(await page.locator(`#heatmap rect.heat-cell[data-rank="${minRank}"]`).getAttribute("fill"), "#f7fbff");
+    assert.match(await page.locator(`#heatmap rect.heat-cell[data-rank="${minRank}"] title`).textContent(), new RegExp(`^rank ${minRank} \\(pp=\\d+ dp=\\d+ tp=\\d\\): read `));
     await page.selectOption("#heatmap-metric", "bytes_sent");
     await page.locator('#heatmap[data-metric="bytes_sent"]').waitFor();
     // Drill into the busiest rank: reads by file and its rings.
