@@ -462,11 +462,12 @@ function heatMap(mesh, values, metric, onPick) {
   const W = 1000, padL = 90, padT = 34;
   const cell = Math.max(3, Math.min(28, Math.floor(W / g.cols)));
   const rowH = Math.max(3, Math.min(28, cell * 1.5));
-  const width = padL + g.cols * cell + 10, height = padT + g.rows * rowH + 40;
+  // At least wide enough for the axis captions and the legend, however few the columns.
+  const width = Math.max(padL + g.cols * cell + 10, padL + HEAT.length * 24 + 260), height = padT + g.rows * rowH + 40;
   const { min, max } = stats(values);
   const svg = s("svg", { id: "heatmap", width, height, viewBox: `0 0 ${width} ${height}`, role: "img", "data-metric": metric.key,
     "aria-label": `${metric.title} per rank over ${meshText(mesh)}` });
-  svg.append(s("text", { x: padL, y: 14 }, `columns: ${colDims.length ? colDims.map((d) => d.name).join(" × ") : "–"} (${g.cols})`));
+  svg.append(s("text", { x: padL + 40, y: 14 }, `columns: ${colDims.length ? colDims.map((d) => d.name).join(" × ") : "–"} (${g.cols})`));
   svg.append(s("text", { x: 4, y: 14 }, `rows: ${rowDims.length ? rowDims.map((d) => d.name).join(" × ") : "–"} (${g.rows})`));
   const labelEvery = Math.ceil(g.rows / 32);
   for (let row = 0; row < g.rows; row++) {
