@@ -88,6 +88,22 @@ fn demo_serves_the_catalog_and_the_web_ui() {
     assert_eq!(status, 200);
     assert!(head.contains("content-type: text/css"), "{head}");
 
+    // The page's icon (and the /favicon.ico browsers ask for unprompted).
+    assert!(
+        page.contains(r#"<link rel="icon" href="/favicon.svg""#),
+        "{page}"
+    );
+    for icon in ["/favicon.svg", "/favicon.ico"] {
+        let (status, head, body) = get(&addr, icon);
+        assert_eq!(status, 200, "{icon}");
+        assert!(head.contains("content-type: image/svg+xml"), "{head}");
+        assert!(body.starts_with("<svg"), "{icon}: {body}");
+    }
+    // The plan preview draws from the per-rank totals and the rank overview, not rank plans.
+    for route in ["/ranks`", "/overview`"] {
+        assert!(script.contains(route), "{route}");
+    }
+
     let (status, _, catalog) = get(&addr, "/v1/checkpoints");
     assert_eq!(status, 200);
     let catalog: serde_json::Value = serde_json::from_str(&catalog).unwrap();

@@ -41,6 +41,24 @@ function fmtBytes(n) {
   while (v >= 1024 && i < units.length - 1) { v /= 1024; i++; }
   return (i === 0 ? String(v) : v.toFixed(v < 10 ? 2 : 1)) + " " + units[i];
 }
+// One timestamp format everywhere: UTC, to the second. The API gives RFC 3339 (any offset) or, for
+// old native manifests, Unix seconds as a decimal string.
+function fmtTime(t) {
+  if (t === null || t === undefined || t === "") return "–";
+  const d = /^\d+$/.test(String(t)) ? new Date(Number(t) * 1000) : new Date(t);
+  if (Number.isNaN(d.getTime())) return String(t);
+  return d.toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC");
+}
+// Large counts the way people say them: 405.9 B parameters.
+function fmtCount(n) {
+  if (n === null || n === undefined) return "–";
+  const v = Number(n);
+  for (const [d, u] of [[1e12, " T"], [1e9, " B"], [1e6, " M"], [1e3, " K"]]) {
+    if (v >= d) return (v / d).toFixed(v / d < 10 ? 2 : 1) + u;
+  }
+  return String(v);
+}
+const meshText = (mesh) => mesh.map((d) => `${d.name}=${d.size}`).join(" × ");
 const fmtInt = (n) => (n === null || n === undefined ? "–" : Number(n).toLocaleString("en-US"));
 const shapeText = (shape) => "[" + shape.join(", ") + "]";
 const enc = encodeURIComponent;
@@ -165,16 +183,39 @@ async function catalogPage() {
     {
       key: "status", title: "status",
       cell: (c) => [h("span", { class: "badge " + c.status, title: c.error || "" }, c.status),
-        c.latest ? [" ", h("span", { class: "badge latest" }, "latest")] : null],
+        c.latest ? [" ", h("span", { class: "badge latest" }, "latest")] : null,
+        c.data === "absent" ? [" ", h("span", { class: "badge metadata-only", title: "no data files: plans can be previewed, nothing can be loaded" }, "metadata only")] : null],
       sort: (c) => c.status,
     },
     { key: "format", title: "format", cell: (c) => c.format || "–", sort: (c) => c.format || "" },
     { key: "tensors", title: "tensors", num: true, cell: (c) => fmtInt(c.tensors), sort: (c) => c.tensors ?? -1 },
     { key: "size", title: "size", num: true, cell: (c) => fmtBytes(c.bytes), sort: (c) => c.bytes ?? -1 },
-    { key: "created", title: "created", cell: (c) => c.created || "–", sort: (c) => c.created || "" },
+    { key: "created", title: "created", cell: (c) => fmtTime(c.created), sort: (c) => c.created ? (/^\d+$/.test(c.created) ? Number(c.created) * 1000 : Date.parse(c.created)) : -1 },
   ];
-  const table = sortableTable(cols, cat.checkpoints, (c) => ({ class: "ckpt-row", "data-id": c.id }));
+  const rows = cat.checkpoints.map((c) => Object.assign({}, c));
+  const table = sortableTable(cols, rows, (c) => ({ class: "ckpt-row", "data-id": c.id }));
   table.id = "catalog";
+  // The listing reads no foreign metadata (DCP, safetensors, …), so their rows come without tensor
+  // counts and, in directories not named by step, without a step: fill them in from each one's
+  // summary, a few at a time, without holding up the page.
+  const missing = rows.filter((c) => c.status === "committed" && (c.tensors === null || c.tensors === undefined));
+  (async () => {
+    let next = 0;
+    const worker = async () => {
+      while (next < missing.length) {
+        const c = missing[next++];
+        try {
+          const sum = await api(ckptPath(c.run, c.name));
+          c.tensors = sum.tensors;
+          if (c.step === null || c.step === undefined) c.step = sum.step;
+          if (!c.writer) c.writer = sum.writer;
+        } catch (_) { /* the row keeps its dash; its page shows the error */ }
+      }
+    };
+    await Promise.all(Array.from({ length: Math.min(4, missing.length) }, worker));
+    if (missing.length) { table.setRows(rows); table.dataset.filled = "true"; }
+  })();
+  if (!missing.length) table.dataset.filled = "true";
   const runList = h("ul", { class: "runs" }, ...cat.runs.map((r) =>
     h("li", {}, h("strong", {}, r.run), `: ${r.checkpoints} checkpoint(s), latest `,
       latestOf[r.run] ? h("a", { class: "latest-link", href: "#/ckpt/" + latestOf[r.run].split("/").map(enc).join("/") }, latestOf[r.run]) : "none")));
@@ -196,17 +237,46 @@ async function checkpointPage(run, step) {
     api(ckptPath(run, step)),
     api(ckptPath(run, step) + "/tensors?limit=10000"),
   ]);
+  const mesh = sum.source_layout && Array.isArray(sum.source_layout.mesh) ? sum.source_layout.mesh : null;
+  const world = mesh ? mesh.reduce((a, d) => a * d.size, 1) : null;
+  const comp = sum.composition;
+  const metadataOnly = sum.data === "absent";
   const facts = h("dl", { class: "facts" },
     h("dt", {}, "status"), h("dd", {}, sum.status, sum.latest ? " (latest)" : ""),
     h("dt", {}, "format"), h("dd", {}, sum.format || "–"),
     h("dt", {}, "written by"), h("dd", { id: "writer" }, sum.writer || "–"),
     h("dt", {}, "step"), h("dd", {}, fmtInt(sum.step)),
-    h("dt", {}, "size"), h("dd", {}, `${fmtBytes(sum.bytes)} (tensor bytes ${fmtBytes(sum.tensor_bytes)})`),
+    h("dt", {}, "created"), h("dd", { id: "created" }, fmtTime(sum.created)),
+    h("dt", {}, "data"), h("dd", { id: "data-presence" }, metadataOnly
+      ? [h("span", { class: "badge metadata-only" }, "metadata only"), " no data files: plans can be previewed, nothing can be loaded"]
+      : sum.data === "present" ? "present" : "–"),
+    h("dt", {}, "saved layout"), h("dd", { id: "saved-layout" }, mesh
+      ? [h("span", { id: "saved-mesh" }, `${meshText(mesh)} (${fmtInt(world)} ranks)`), " ",
+        h("details", { class: "inline" }, h("summary", {}, "layout JSON"), h("pre", { id: "saved-layout-json" }, JSON.stringify(sum.source_layout, null, 2)))]
+      : "not recorded"),
+    h("dt", {}, "parameters"), h("dd", { id: "param-count" }, comp
+      ? `${fmtCount(comp.model.elements)} (${fmtInt(comp.model.elements)})`
+      : "–"),
+    h("dt", {}, "tensor bytes"), h("dd", { id: "bytes-split" }, comp
+      ? [h("span", { id: "model-bytes" }, `model ${fmtBytes(comp.model.bytes)} in ${fmtInt(comp.model.tensors)} tensors`), ", ",
+        h("span", { id: "optimizer-bytes" }, comp.optimizer.tensors
+          ? `optimizer state ${fmtBytes(comp.optimizer.bytes)} in ${fmtInt(comp.optimizer.tensors)} tensors`
+          : "no optimizer state")]
+      : fmtBytes(sum.tensor_bytes)),
+    h("dt", {}, "size"), h("dd", {}, `${fmtBytes(sum.bytes)} stored`),
     h("dt", {}, "tensors"), h("dd", {}, fmtInt(sum.tensors)),
     h("dt", {}, "saved boxes"), h("dd", {}, fmtInt(sum.chunks)),
     h("dt", {}, "files"), h("dd", {}, fmtInt(sum.files)),
     // What plans made from this page are bound to: a loader refuses a plan for another identity.
     h("dt", {}, "identity"), h("dd", { class: "mono", id: "identity" }, sum.identity || "–"));
+  const objectList = sum.object_list || [];
+  const objects = h("section", { id: "objects" },
+    h("h2", {}, `Non-tensor objects (${fmtInt(sum.objects || 0)})`),
+    objectList.length
+      ? h("table", { id: "object-table" }, h("thead", {}, h("tr", {}, h("th", {}, "key"), h("th", { class: "num" }, "bytes"))),
+        h("tbody", {}, ...objectList.map((o) => h("tr", { class: "object-row" }, h("td", { class: "mono" }, o.key), h("td", { class: "num" }, fmtBytes(o.bytes))))))
+      : h("p", { class: "muted", id: "no-objects" }, "This checkpoint saved no non-tensor objects."),
+    (sum.objects || 0) > objectList.length ? h("p", { class: "muted" }, `showing the first ${objectList.length}`) : null);
   const base = `#/ckpt/${enc(run)}/${enc(step)}`;
   const cols = [
     { key: "fqn", title: "fqn", cell: (t) => h("a", { class: "mono", href: `${base}/tensor/${enc(t.fqn)}` }, t.fqn), sort: (t) => t.fqn },
@@ -219,6 +289,7 @@ async function checkpointPage(run, step) {
   const table = sortableTable(cols, all, () => ({ class: "tensor-row" }));
   table.id = "tensors";
   const count = h("span", { id: "tensor-count", class: "muted" });
+  const noMatch = h("p", { id: "no-match", class: "empty", hidden: true });
   const filter = h("input", { type: "search", id: "filter", placeholder: "filter by fqn (substring or glob * ?)", size: 40, "aria-label": "filter tensors" });
   const apply = () => {
     const f = filter.value.trim();
@@ -230,6 +301,9 @@ async function checkpointPage(run, step) {
     } else keep = all.filter((t) => t.fqn.includes(f));
     table.setRows(keep);
     count.textContent = `${keep.length} of ${page.total} tensors`;
+    table.hidden = keep.length === 0;
+    noMatch.hidden = keep.length !== 0;
+    noMatch.textContent = `No tensors match “${f}”. A filter is a substring of the FQN, or a glob when it has * or ? (matched against the whole FQN).`;
   };
   filter.addEventListener("input", apply);
   apply();
@@ -240,7 +314,9 @@ async function checkpointPage(run, step) {
     h("h2", {}, "Tensors"),
     h("div", { class: "toolbar" }, filter, count),
     page.total > all.length ? h("p", { class: "muted" }, `showing the first ${all.length} tensors`) : null,
-    table);
+    noMatch,
+    table,
+    objects);
 }
 
 // ---------- tensor ----------
@@ -324,35 +400,186 @@ function megatronLayout(tp, pp, dp, numLayers, zero1) {
   };
 }
 
-// Per-rank bytes read and exchanged (sent) as grouped bars, one group per rank.
-function rankChart(ranks) {
-  const barW = 14, gap = 10, pad = 50, H = 220;
-  const groupW = 2 * barW + gap;
-  const W = Math.max(360, pad + ranks.length * groupW + 20);
-  const max = Math.max(1, ...ranks.map((r) => Math.max(r.bytes_read, r.bytes_sent)));
-  const svg = s("svg", { id: "rank-chart", width: W, height: H + 60, viewBox: `0 0 ${W} ${H + 60}`, role: "img", "aria-label": "bytes per rank" });
-  svg.append(s("line", { x1: pad, y1: H + 10, x2: W - 10, y2: H + 10, stroke: "#999" }));
-  svg.append(s("text", { x: 4, y: 20 }, fmtBytes(max)));
-  svg.append(s("text", { x: 4, y: H + 10 }, "0"));
-  ranks.forEach((r, i) => {
-    const x = pad + i * groupW;
-    const hr = (r.bytes_read / max) * (H - 10);
-    const hs = (r.bytes_sent / max) * (H - 10);
-    const g = s("g", { class: "rank-bar", "data-rank": r.rank },
-      s("rect", { class: "bar-read", x, y: H + 10 - hr, width: barW, height: Math.max(hr, 0) },
-        s("title", {}, `rank ${r.rank}: read ${fmtBytes(r.bytes_read)}`)),
-      s("rect", { class: "bar-exchanged", x: x + barW, y: H + 10 - hs, width: barW, height: Math.max(hs, 0) },
-        s("title", {}, `rank ${r.rank}: exchanged (sent) ${fmtBytes(r.bytes_sent)}, received ${fmtBytes(r.bytes_received)}`)));
-    if (ranks.length <= 64 || i % Math.ceil(ranks.length / 32) === 0) g.append(s("text", { x, y: H + 26 }, r.rank));
-    svg.append(g);
+// ----- plan preview: aggregated views that stay readable at thousands of ranks -----
+
+// The per-rank metrics of `GET /v1/plans/{plan}/ranks`, as people read them.
+const METRICS = [
+  { key: "bytes_read", title: "read", fmt: fmtBytes },
+  { key: "bytes_sent", title: "sent", fmt: fmtBytes },
+  { key: "bytes_received", title: "received", fmt: fmtBytes },
+  { key: "bytes_needed", title: "needed", fmt: fmtBytes },
+  { key: "pieces", title: "pieces", fmt: fmtInt },
+  { key: "pieces_read", title: "pieces read", fmt: fmtInt },
+  { key: "rounds", title: "rounds", fmt: fmtInt },
+];
+const BUSIEST = 10;
+const TABLE_PAGE = 100;
+
+// A rank's coordinates over the mesh (row-major, last dim fastest), e.g. "pp=1 dp=3 tp=0".
+function coordsOf(rank, mesh) {
+  const out = [];
+  let r = rank;
+  for (let i = mesh.length - 1; i >= 0; i--) { out[i] = r % mesh[i].size; r = Math.floor(r / mesh[i].size); }
+  return out;
+}
+const coordText = (rank, mesh) => coordsOf(rank, mesh).map((c, i) => `${mesh[i].name}=${c}`).join(" ");
+
+function stats(values) {
+  const sorted = Float64Array.from(values).sort();
+  const n = sorted.length;
+  const median = n % 2 ? sorted[(n - 1) / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+  let maxRank = 0;
+  values.forEach((v, i) => { if (v > values[maxRank]) maxRank = i; });
+  return { min: sorted[0], median, max: sorted[n - 1], maxRank };
+}
+
+// The mesh split into heat-map rows (the leading dims) and columns (the trailing ones), picking
+// the split whose grid is closest to four times as wide as tall, so 2,048 ranks of
+// pp16 × dp16 × tp8 draw as 16 rows of 128 cells rather than one strip.
+function gridOf(mesh) {
+  let best = null;
+  for (let k = 0; k <= mesh.length; k++) {
+    const rows = mesh.slice(0, k).reduce((a, d) => a * d.size, 1);
+    const cols = mesh.slice(k).reduce((a, d) => a * d.size, 1);
+    const score = Math.abs(Math.log((cols / rows) / 4));
+    if (!best || score < best.score) best = { k, rows, cols, score };
+  }
+  return best;
+}
+
+const HEAT = ["#f7fbff", "#deebf7", "#c6dbef", "#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c", "#08306b"];
+function heatColor(v, min, max) {
+  if (max <= min) return HEAT[4];
+  const i = Math.min(HEAT.length - 1, Math.floor(((v - min) / (max - min)) * HEAT.length));
+  return HEAT[i];
+}
+
+// The heat map of one metric over the mesh: a cell per rank, its colour the metric's value
+// between the minimum and maximum over all ranks; a click opens the rank.
+function heatMap(mesh, values, metric, onPick) {
+  const g = gridOf(mesh);
+  const rowDims = mesh.slice(0, g.k), colDims = mesh.slice(g.k);
+  const W = 1000, padL = 90, padT = 34;
+  const cell = Math.max(3, Math.min(28, Math.floor(W / g.cols)));
+  const rowH = Math.max(3, Math.min(28, cell * 1.5));
+  // At least wide enough for the axis captions and the legend, however few the columns.
+  const width = Math.max(padL + g.cols * cell + 10, padL + HEAT.length * 24 + 260), height = padT + g.rows * rowH + 40;
+  const { min, max } = stats(values);
+  const svg = s("svg", { id: "heatmap", width, height, viewBox: `0 0 ${width} ${height}`, role: "img", "data-metric": metric.key,
+    "aria-label": `${metric.title} per rank over ${meshText(mesh)}` });
+  svg.append(s("text", { x: padL + 40, y: 14 }, `columns: ${colDims.length ? colDims.map((d) => d.name).join(" × ") : "–"} (${g.cols})`));
+  svg.append(s("text", { x: 4, y: 14 }, `rows: ${rowDims.length ? rowDims.map((d) => d.name).join(" × ") : "–"} (${g.rows})`));
+  const labelEvery = Math.ceil(g.rows / 32);
+  for (let row = 0; row < g.rows; row++) {
+    if (row % labelEvery === 0) {
+      const first = row * g.cols;
+      const label = rowDims.length ? coordsOf(first, mesh).slice(0, g.k).map((c, i) => `${rowDims[i].name}${c}`).join(" ") : "";
+      svg.append(s("text", { x: 4, y: padT + row * rowH + Math.min(rowH, 12) }, label));
+    }
+  }
+  const cells = s("g", { class: "cells" });
+  values.forEach((v, rank) => {
+    const row = Math.floor(rank / g.cols), col = rank % g.cols;
+    cells.append(s("rect", { class: "heat-cell", "data-rank": rank, x: padL + col * cell, y: padT + row * rowH,
+      width: Math.max(cell - 1, 1), height: Math.max(rowH - 1, 1), fill: heatColor(v, min, max) },
+      s("title", {}, `rank ${rank} (${coordText(rank, mesh)}): ${metric.title} ${metric.fmt(v)}`)));
   });
-  svg.append(s("text", { x: pad, y: H + 50 }, "rank"));
+  cells.addEventListener("click", (ev) => {
+    const r = ev.target.getAttribute && ev.target.getAttribute("data-rank");
+    if (r !== null && r !== undefined) onPick(Number(r));
+  });
+  svg.append(cells);
+  // Legend: the scale from min to max.
+  const ly = padT + g.rows * rowH + 12;
+  HEAT.forEach((c, i) => svg.append(s("rect", { x: padL + i * 24, y: ly, width: 24, height: 10, fill: c, stroke: "#ccc" })));
+  svg.append(s("text", { x: padL + HEAT.length * 24 + 8, y: ly + 10 }, `${metric.fmt(min)} … ${metric.fmt(max)}`));
   return svg;
 }
 
-// Rank plans are fetched a few at a time; a chart of more than this many ranks is not readable.
-const MAX_CHART_RANKS = 256;
-const FETCH_PARALLEL = 8;
+// The per-rank table: sortable by any metric, a page of ranks at a time (2,048 rows at once are
+// neither readable nor quick to draw).
+function rankTable(cols, mesh, world, onPick) {
+  let order = Array.from({ length: world }, (_, i) => i);
+  let sortKey = "rank", dir = 1, page = 0;
+  const tbody = h("tbody");
+  const head = h("tr");
+  const info = h("span", { id: "rank-page", class: "muted" });
+  const prev = h("button", { type: "button", id: "rank-prev", class: "secondary" }, "← previous");
+  const next = h("button", { type: "button", id: "rank-next", class: "secondary" }, "next →");
+  const headers = [["rank", "rank"], ["coords", "coordinates"], ...METRICS.map((m) => [m.key, m.title])];
+  function sortBy(key) {
+    if (key === "coords") key = "rank";
+    if (sortKey === key) dir = -dir; else { sortKey = key; dir = key === "rank" ? 1 : -1; }
+    const col = key === "rank" ? null : cols[key];
+    order.sort((a, b) => ((col ? col[a] - col[b] : a - b) || a - b) * dir);
+    page = 0;
+    render();
+  }
+  function render() {
+    const pages = Math.max(1, Math.ceil(world / TABLE_PAGE));
+    page = Math.max(0, Math.min(page, pages - 1));
+    const lo = page * TABLE_PAGE, hi = Math.min(world, lo + TABLE_PAGE);
+    fill(tbody, ...order.slice(lo, hi).map((r) => h("tr", { class: "rank-row", "data-rank": r, onclick: () => onPick(r) },
+      h("td", { class: "num" }, h("a", { href: "javascript:void 0" }, String(r))),
+      h("td", { class: "mono" }, coordText(r, mesh)),
+      ...METRICS.map((m) => h("td", { class: "num" }, m.fmt(cols[m.key][r]))))));
+    info.textContent = `ranks ${lo + 1}–${hi} of ${world}`;
+    prev.disabled = page === 0;
+    next.disabled = page >= pages - 1;
+    head.querySelectorAll("th").forEach((th) => {
+      const k = th.getAttribute("data-col");
+      const on = k === sortKey || (k === "coords" && sortKey === "rank");
+      th.setAttribute("aria-sort", on ? (dir > 0 ? "ascending" : "descending") : "none");
+    });
+  }
+  headers.forEach(([key, title]) => head.append(h("th", { class: "sortable" + (key === "coords" ? "" : " num"), "data-col": key, scope: "col", onclick: () => sortBy(key) }, title)));
+  prev.addEventListener("click", () => { page--; render(); });
+  next.addEventListener("click", () => { page++; render(); });
+  render();
+  return h("div", {}, h("table", { id: "rank-table" }, h("thead", {}, head), tbody), h("div", { class: "toolbar" }, prev, info, next));
+}
+
+// One rank's plan, fetched when asked for: its totals, reads by data file and ring partners.
+async function showRank(planId, rank, mesh, out) {
+  fill(out, h("p", { class: "muted" }, `Loading rank ${rank}…`));
+  out.scrollIntoView({ block: "nearest" });
+  try {
+    const o = await api(`/v1/plans/${planId}/ranks/${rank}/overview`);
+    const MAX_ROUNDS = 32;
+    fill(out,
+      h("h3", { id: "rank-title" }, `Rank ${o.rank} (${coordText(o.rank, mesh)})`),
+      h("p", { id: "rank-totals" }, `needs ${fmtBytes(o.bytes_needed)} in ${fmtInt(o.destinations)} buffers of ${fmtInt(o.tensors)} tensors; reads ${fmtBytes(o.bytes_read)}, sends ${fmtBytes(o.bytes_sent)}, receives ${fmtBytes(o.bytes_received)}; ${fmtInt(o.pieces)} pieces`),
+      h("h4", {}, "Reads by file"),
+      o.reads.length
+        ? h("table", { id: "rank-reads" }, h("thead", {}, h("tr", {}, h("th", {}, "file"), h("th", { class: "num" }, "pieces"), h("th", { class: "num" }, "bytes"))),
+          h("tbody", {}, ...o.reads.map((r) => h("tr", { class: "read-row" }, h("td", { class: "mono" }, r.file), h("td", { class: "num" }, fmtInt(r.pieces)), h("td", { class: "num" }, fmtBytes(r.bytes))))))
+        : h("p", { class: "muted", id: "rank-reads" }, "This rank reads nothing from storage: its peers send it everything."),
+      h("h4", {}, "Ring exchanges"),
+      o.exchanges.length
+        ? h("ul", { id: "rank-exchanges" }, ...o.exchanges.map((e) => h("li", { class: "exchange" },
+          `group ${e.group}: ring of ${e.members.length} ranks, this rank at position ${e.position}`,
+          e.members.length <= 16 ? ` (${e.members.join(", ")})` : ` (${e.members.slice(0, 8).join(", ")}, … ${e.members[e.members.length - 1]})`,
+          e.rounds.length
+            ? h("ul", {}, ...e.rounds.slice(0, MAX_ROUNDS).map((r) => h("li", { class: "round" },
+              `round ${r.round}: send ${fmtBytes(r.send_bytes)} → rank ${r.send_to}, receive ${fmtBytes(r.recv_bytes)} ← rank ${r.recv_from}`)),
+              e.rounds.length > MAX_ROUNDS ? h("li", { class: "muted" }, `… ${e.rounds.length - MAX_ROUNDS} more rounds`) : null)
+            : h("span", { class: "muted" }, ": nothing to send or receive"))))
+        : h("p", { class: "muted", id: "rank-exchanges" }, "No exchange: no other rank needs what this rank needs."));
+  } catch (e) {
+    showError(e, out);
+  }
+}
+
+// What the CLI runs for this preview: the layout (by preset, or the JSON downloaded next to it)
+// and `tessera plan` on the checkpoint under the server's root.
+function cliCommand(checkpoint, preset) {
+  const layoutCmd = preset.kind === "fsdp"
+    ? `tessera layout fsdp --dp ${preset.dp} > layout.json`
+    : preset.kind === "megatron"
+      ? `tessera layout megatron-gpt --tp ${preset.tp} --pp ${preset.pp} --dp ${preset.dp} --num-layers ${preset.layers}${preset.zero1 ? " --zero1" : ""} > layout.json`
+      : "# layout.json: the layout JSON (Download layout JSON)";
+  return `${layoutCmd}\ntessera plan "$ROOT/${checkpoint}" --layout layout.json  # ROOT: the server's --root`;
+}
 
 async function planPage(run, step) {
   const base = `#/ckpt/${enc(run)}/${enc(step)}`;
@@ -387,10 +614,18 @@ async function planPage(run, step) {
     ev.preventDefault();
     const val = (id) => Number(document.getElementById(id).value);
     let layout;
+    let chosen;
     try {
-      if (preset.value === "fsdp") layout = fsdpLayout(val("fsdp-dp"));
-      else if (preset.value === "megatron") layout = megatronLayout(val("meg-tp"), val("meg-pp"), val("meg-dp"), val("meg-layers"), document.getElementById("meg-zero1").checked);
-      else layout = JSON.parse(json.value);
+      if (preset.value === "fsdp") {
+        chosen = { kind: "fsdp", dp: val("fsdp-dp") };
+        layout = fsdpLayout(chosen.dp);
+      } else if (preset.value === "megatron") {
+        chosen = { kind: "megatron", tp: val("meg-tp"), pp: val("meg-pp"), dp: val("meg-dp"), layers: val("meg-layers"), zero1: document.getElementById("meg-zero1").checked };
+        layout = megatronLayout(chosen.tp, chosen.pp, chosen.dp, chosen.layers, chosen.zero1);
+      } else {
+        chosen = { kind: "json" };
+        layout = JSON.parse(json.value);
+      }
     } catch (e) {
       showError(new ApiError(0, "", `the layout JSON does not parse: ${e.message}`), result);
       return;
@@ -398,7 +633,7 @@ async function planPage(run, step) {
     button.disabled = true;
     fill(result, h("p", { class: "muted" }, "Planning…"));
     try {
-      await showPlan(`${sum.run}/${sum.name}`, layout, result);
+      await showPlan(`${sum.run}/${sum.name}`, layout, result, chosen);
     } catch (e) {
       showError(e, result);
     } finally {
@@ -410,34 +645,72 @@ async function planPage(run, step) {
     form, result);
 }
 
-async function showPlan(checkpoint, layout, out) {
+async function showPlan(checkpoint, layout, out, preset) {
+  const started = performance.now();
   const created = await api("/v1/plans", {
     method: "POST",
     headers: { "Content-Type": "application/json" },
     body: JSON.stringify({ checkpoint, layout }),
   });
   const sm = created.summary;
-  const shown = Math.min(created.world, MAX_CHART_RANKS);
-  const ranks = new Array(shown);
-  let next = 0;
-  async function worker() {
-    while (next < shown) {
-      const r = next++;
-      const rp = await api(`/v1/plans/${created.plan}/ranks/${r}`);
-      ranks[r] = Object.assign({ rank: r }, rp.summary);
-    }
-  }
-  await Promise.all(Array.from({ length: Math.min(FETCH_PARALLEL, shown) }, worker));
-  fill(out, 
+  const table = await api(`/v1/plans/${created.plan}/ranks`);
+  const cols = table.ranks;
+  const world = table.world;
+  const mesh = table.mesh && table.mesh.length ? table.mesh : [{ name: "rank", size: world }];
+
+  const command = cliCommand(checkpoint, preset);
+  const copyNote = h("span", { id: "copy-note", class: "muted" });
+  const copy = h("button", { type: "button", id: "copy-cli", class: "secondary", onclick: async () => {
+    try { await navigator.clipboard.writeText(command); copyNote.textContent = "copied"; }
+    catch (_) { copyNote.textContent = "select the command below and copy it"; }
+  } }, "Copy CLI command");
+  const layoutUrl = URL.createObjectURL(new Blob([JSON.stringify(layout, null, 2) + "\n"], { type: "application/json" }));
+  const download = h("a", { id: "download-layout", class: "button secondary", href: layoutUrl, download: "layout.json" }, "Download layout JSON");
+
+  const distribution = h("table", { id: "rank-stats" },
+    h("thead", {}, h("tr", {}, ...["per rank", "min", "median", "max", "busiest rank"].map((t, i) => h("th", { class: i ? "num" : "" }, t)))),
+    h("tbody", {}, ...METRICS.map((m) => {
+      const st = stats(cols[m.key]);
+      return h("tr", { "data-metric": m.key }, h("th", { scope: "row" }, m.title),
+        h("td", { class: "num" }, m.fmt(st.min)), h("td", { class: "num" }, m.fmt(st.median)), h("td", { class: "num" }, m.fmt(st.max)),
+        h("td", { class: "num" }, String(st.maxRank)));
+    })));
+
+  const detail = h("div", { id: "rank-detail", class: "detail" }, h("p", { class: "muted" }, "Click a rank (heat map, busiest list or table) to see its reads by file and its ring partners."));
+  const pick = (r) => showRank(created.plan, r, mesh, detail);
+
+  const metricSelect = h("select", { id: "heatmap-metric", "aria-label": "heat map metric" },
+    ...METRICS.map((m) => h("option", { value: m.key }, m.title)));
+  const mapBox = h("div", { class: "scroll" });
+  const drawMap = () => fill(mapBox, heatMap(mesh, cols[metricSelect.value], METRICS.find((m) => m.key === metricSelect.value), pick));
+  metricSelect.addEventListener("change", drawMap);
+  drawMap();
+
+  const busiest = Array.from({ length: world }, (_, i) => i)
+    .sort((a, b) => cols.bytes_read[b] - cols.bytes_read[a] || cols.bytes_sent[b] - cols.bytes_sent[a] || a - b)
+    .slice(0, BUSIEST);
+  const busiestList = h("ol", { id: "busiest" }, ...busiest.map((r) => h("li", { class: "busy-rank", "data-rank": r },
+    h("a", { href: "javascript:void 0", onclick: () => pick(r) }, `rank ${r}`), ` (${coordText(r, mesh)}): read ${fmtBytes(cols.bytes_read[r])}, sent ${fmtBytes(cols.bytes_sent[r])}, received ${fmtBytes(cols.bytes_received[r])}`)));
+
+  fill(out,
     h("div", { class: "stats" },
       h("p", { id: "amplification" }, "read amplification ", h("strong", {}, sm.read_amplification.toFixed(2))),
-      h("p", {}, `${created.world} ranks, ${fmtInt(sm.pieces)} pieces, ${fmtInt(sm.exchange_groups)} exchange groups, at most ${sm.max_rounds} ring rounds`),
+      h("p", { id: "plan-shape" }, `${fmtInt(created.world)} ranks (${meshText(mesh)}), ${fmtInt(sm.pieces)} pieces, ${fmtInt(sm.exchange_groups)} exchange groups, at most ${sm.max_rounds} ring rounds`),
       h("p", {}, `bytes needed ${fmtBytes(sm.bytes_needed)} (unique ${fmtBytes(sm.unique_bytes_needed)}), read ${fmtBytes(sm.bytes_read)}, exchanged ${fmtBytes(sm.bytes_exchanged)}, max read per rank ${fmtBytes(sm.max_read_per_rank)}`),
-      h("p", { class: "muted mono" }, `plan ${created.plan}`)),
+      h("p", { class: "muted mono", id: "plan-id" }, `plan ${created.plan}`)),
+    h("div", { class: "toolbar" }, copy, download, copyNote),
+    h("pre", { id: "cli-command" }, command),
     h("h2", {}, "Per rank"),
-    h("p", { class: "legend" }, h("span", { style: "color:#2f6fde" }, "■"), " bytes read  ", h("span", { style: "color:#f59f00" }, "■"), " bytes exchanged (sent)"),
-    created.world > shown ? h("p", { class: "muted" }, `showing the first ${shown} of ${created.world} ranks`) : null,
-    rankChart(ranks));
+    distribution,
+    h("h3", {}, "Heat map over the mesh"),
+    h("div", { class: "toolbar" }, h("label", {}, "metric ", metricSelect), h("span", { class: "muted" }, "darker is more; hover a cell for its value, click it for the rank's plan")),
+    mapBox,
+    h("h3", {}, `Busiest ranks (by bytes read)`),
+    busiestList,
+    detail,
+    h("h3", {}, "All ranks"),
+    rankTable(cols, mesh, world, pick));
+  out.dataset.renderMs = String(Math.round(performance.now() - started));
 }
 
 // ---------- routing ----------

@@ -24,6 +24,7 @@ mod error;
 mod id;
 mod metrics;
 mod middleware;
+mod plan_views;
 mod plans;
 mod routes;
 mod serve;
@@ -31,7 +32,8 @@ mod state;
 
 pub use catalog::{
     CatalogProblem, CatalogResponse, CheckpointEntry, CheckpointStatus, CheckpointSummary,
-    RunEntry, SavedBox, TensorDetail, TensorEntry, TensorPage,
+    Composition, MAX_OBJECTS_LISTED, ObjectEntry, RunEntry, SavedBox, TensorDetail, TensorEntry,
+    TensorPage, TensorTotals,
 };
 pub use config::{
     DEFAULT_ADDR, DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_CATALOG_TTL,
@@ -42,6 +44,9 @@ pub use config::{
 pub use error::{ApiError, ErrorBody, ServerError};
 pub use id::CheckpointId;
 pub use metrics::MetricsSnapshot;
+pub use plan_views::{
+    ExchangeView, FileReads, MeshDimView, RankColumns, RankOverview, RankSummaries, RoundView,
+};
 pub use plans::{PlanCreated, PlanRequest, PlanRequestOptions, PlanSummaryView};
 pub use routes::{ARROW_STREAM, app, openapi};
 pub use serve::{init_logging, serve, shutdown_signal};

@@ -993,6 +993,8 @@ async fn the_openapi_document_lists_every_route() {
         ("post", "/v1/plans"),
         ("get", "/v1/plans/{plan}"),
         ("get", "/v1/plans/{plan}/ranks/{rank}"),
+        ("get", "/v1/plans/{plan}/ranks"),
+        ("get", "/v1/plans/{plan}/ranks/{rank}/overview"),
     ]
     .iter()
     .map(|(m, p)| (m.to_string(), p.to_string()))
@@ -1013,6 +1015,9 @@ async fn the_openapi_document_lists_every_route() {
         "TensorDetail",
         "PlanRequest",
         "PlanCreated",
+        "RankSummaries",
+        "RankOverview",
+        "Composition",
         "ErrorBody",
     ] {
         assert!(schemas.contains_key(name), "no schema {name}");

@@ -7,7 +7,7 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { spawn, execFileSync } from "node:child_process";
-import { mkdtempSync, mkdirSync, rmSync, writeFileSync, existsSync, symlinkSync } from "node:fs";
+import { mkdtempSync, mkdirSync, rmSync, writeFileSync, existsSync, symlinkSync, cpSync, readFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
@@ -20,6 +20,8 @@ const CHROMIUM = process.env.CHROMIUM || "/usr/bin/chromium";
 const SHOTS = process.env.SCREENSHOTS || path.join(repo, "target/webui-screenshots");
 // Every wait is bounded: a hung page fails the test instead of the suite.
 const STEP_MS = 20_000;
+// The DCP and safetensors fixtures (shared/fixtures/dcp next to the workspace).
+const FIXTURES = process.env.TESSERA_DCP_FIXTURES || path.join(repo, "../shared/fixtures/dcp");
 
 let work;
 let servers = [];
@@ -76,6 +78,12 @@ before(async () => {
   for (const step of ["step-000100", "step-000200"]) {
     tessera("synth", "--model", "gpt-tiny", "--layout", layout, "--out", path.join(work, "root/gpt", step));
   }
+  // Foreign formats read in place: a DCP save (with optimizer states) and a safetensors file,
+  // whose catalog rows get their tensor counts from their summaries.
+  assert.ok(existsSync(FIXTURES), `no DCP fixtures at ${FIXTURES} (set TESSERA_DCP_FIXTURES)`);
+  cpSync(path.join(FIXTURES, "e_w2_fsdp2_adamw"), path.join(work, "root/dcp/step-000050"), { recursive: true });
+  mkdirSync(path.join(work, "root/hf/step-000010"), { recursive: true });
+  cpSync(path.join(FIXTURES, "h_reference_full_safetensors/model.safetensors"), path.join(work, "root/hf/step-000010/model.safetensors"));
   // A save that did not finish: data but no manifest.
   mkdirSync(path.join(work, "root/gpt/step-000300/data"), { recursive: true });
   writeFileSync(path.join(work, "root/gpt/step-000300/data/rank-00000.bin"), "partial");
@@ -117,14 +125,38 @@ async function journey(base, page) {
   // Catalog: one row per checkpoint, with run, step, status and the latest marker.
   await page.goto(base + "/");
   await page.locator("#catalog tr.ckpt-row").first().waitFor();
-  const rows = await page.locator("#catalog tr.ckpt-row").allInnerTexts();
+  // Foreign rows are filled in from their summaries once they arrive.
+  await page.locator('#catalog[data-filled="true"]').waitFor();
+  const allRows = await page.locator("#catalog tr.ckpt-row").allInnerTexts();
+  const rows = allRows.filter((r) => r.startsWith("gpt"));
+  assert.equal(allRows.length, 5, allRows.join("\n"));
   assert.equal(rows.length, 3, rows.join("\n"));
   assert.match(rows[0], /gpt\s+step-000100\s+100\s+committed/);
   assert.match(rows[1], /gpt\s+step-000200\s+200\s+committed latest/);
   assert.match(rows[2], /gpt\s+step-000300\s+300\s+incomplete/);
   // Only committed checkpoints can be opened.
-  assert.equal(await page.locator("#catalog tr.ckpt-row").nth(2).locator("a").count(), 0);
+  assert.equal(await page.locator('#catalog tr.ckpt-row[data-id="gpt/step-000300"] a').count(), 0);
   assert.match(rows[1], /\tnative\t/);
+  // DCP and safetensors rows: format, step and tensor count (from their summaries).
+  for (const [id, format, step] of [["dcp/step-000050", "dcp", 50], ["hf/step-000010", "safetensors", 10]]) {
+    const sum = await api(`/v1/checkpoints/${id}`);
+    assert.ok(sum.tensors > 0, id);
+    const cells = await page.locator(`#catalog tr.ckpt-row[data-id="${id}"] td`).allInnerTexts();
+    assert.equal(cells[2], String(step), `${id}: ${cells}`);
+    assert.equal(cells[4], format, `${id}: ${cells}`);
+    assert.equal(cells[5], sum.tensors.toLocaleString("en-US"), `${id}: ${cells}`);
+  }
+  // One timestamp format for every row: native manifests and foreign listings alike.
+  const createdCells = await page.locator("#catalog tr.ckpt-row td:nth-child(8)").allInnerTexts();
+  for (const [i, c] of createdCells.entries()) {
+    assert.ok(c === "–" || /^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$/.test(c), `row ${i}: ${c}`);
+  }
+  assert.ok(createdCells.filter((c) => c !== "–").length >= 4, createdCells.join(", "));
+  // The page has an icon, and the server serves it.
+  const icon = await page.locator('link[rel="icon"]').getAttribute("href");
+  const iconAnswer = await page.request.get(base + icon);
+  assert.equal(iconAnswer.status(), 200);
+  assert.equal(iconAnswer.headers()["content-type"], "image/svg+xml");
   // The unreadable entry is named above the table, not silently dropped.
   assert.match(await page.locator("#catalog-problems").innerText(), /1 catalog entry could not be read[\s\S]*loop/);
   await shot(page, "catalog.png");
@@ -148,7 +180,24 @@ async function journey(base, page) {
   assert.equal(await page.locator("#identity").innerText(), summary.identity);
   assert.equal(summary.writer, "tessera (version 1)");
   assert.equal(await page.locator("#writer").innerText(), summary.writer);
+  // The saved layout, data presence, and the model / optimizer split.
+  assert.equal(await page.locator("#saved-mesh").innerText(), "pp=2 × dp=1 × tp=2 (4 ranks)");
+  assert.equal(await page.locator("#data-presence").innerText(), "present");
+  const comp = summary.composition;
+  assert.ok(comp.model.elements > 0 && comp.optimizer.tensors > 0, JSON.stringify(comp));
+  assert.match(await page.locator("#param-count").innerText(), new RegExp(`\\(${comp.model.elements.toLocaleString("en-US")}\\)$`));
+  assert.match(await page.locator("#model-bytes").innerText(), new RegExp(`in ${comp.model.tensors} tensors$`));
+  assert.match(await page.locator("#optimizer-bytes").innerText(), new RegExp(`^optimizer state .* in ${comp.optimizer.tensors.toLocaleString("en-US")} tensors$`));
+  assert.match(await page.locator("#created").innerText(), /^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$/);
+  assert.equal(await page.locator("#no-objects").innerText(), "This checkpoint saved no non-tensor objects.");
+  // A filter nothing matches says so instead of showing an empty table.
+  await page.fill("#filter", "no.such.tensor*");
+  await page.locator("#no-match").waitFor();
+  assert.match(await page.locator("#no-match").innerText(), /^No tensors match “no\.such\.tensor\*”/);
+  assert.equal(await page.locator("#tensors").isVisible(), false);
+  assert.equal(await page.locator("#tensor-count").innerText(), `0 of ${all.total} tensors`);
   await page.fill("#filter", "attn.qkv.weight");
+  assert.equal(await page.locator("#no-match").isVisible(), false);
   const qkv = all.tensors.filter((t) => t.fqn.includes("attn.qkv.weight"));
   assert.equal(qkv.length, 4 * 4, "4 layers × (weight + 3 optimizer states)");
   await page.waitForFunction((n) => document.querySelectorAll("#tensors tr.tensor-row").length === n, qkv.length);
@@ -195,19 +244,58 @@ async function journey(base, page) {
   await page.click("#plan-button");
   await page.locator("#amplification").waitFor();
   assert.equal(await page.locator("#amplification").innerText(), "read amplification 1.00");
-  assert.equal(await page.locator("#rank-chart g.rank-bar").count(), 4);
-  const readBars = await page.locator("#rank-chart rect.bar-read").evaluateAll((rs) => rs.map((r) => Number(r.getAttribute("height"))));
-  assert.ok(readBars.every((h) => h > 0), String(readBars));
+  // Per-rank totals, as the API gives them: one heat-map cell and one table row per rank.
+  const planId = (await page.locator("#plan-id").innerText()).replace("plan ", "");
+  const totals = await api(`/v1/plans/${planId}/ranks`);
+  assert.equal(totals.world, 4);
+  assert.deepEqual(totals.mesh, [{ name: "dp", size: 4 }]);
+  assert.equal(await page.locator("#heatmap rect.heat-cell").count(), 4);
+  assert.equal(await page.locator("#rank-table tr.rank-row").count(), 4);
+  assert.ok(totals.ranks.bytes_read.every((b) => b > 0), String(totals.ranks.bytes_read));
+  const maxRead = Math.max(...totals.ranks.bytes_read);
+  const readRow = await page.locator('#rank-stats tr[data-metric="bytes_read"] td').allInnerTexts();
+  assert.equal(readRow[3], String(totals.ranks.bytes_read.indexOf(maxRead)), readRow.join(" | "));
+  assert.equal(await page.locator("#busiest li").count(), 4);
+  assert.match(await page.locator("#busiest li").first().innerText(), new RegExp(`^rank ${totals.ranks.bytes_read.indexOf(maxRead)} \\(dp=`));
+  // Sorting the table by bytes read puts the busiest rank first.
+  await page.locator('#rank-table th[data-col="bytes_read"]').click();
+  assert.equal(await page.locator("#rank-table tr.rank-row").first().getAttribute("data-rank"), String(totals.ranks.bytes_read.indexOf(maxRead)));
+  // Drill-down into rank 2: its reads by file, as its overview gives them.
+  await page.locator('#heatmap rect.heat-cell[data-rank="2"]').click();
+  await page.locator("#rank-title").waitFor();
+  assert.equal(await page.locator("#rank-title").innerText(), "Rank 2 (dp=2)");
+  const overview = await api(`/v1/plans/${planId}/ranks/2/overview`);
+  assert.equal(await page.locator("#rank-reads tr.read-row").count(), overview.reads.length);
+  assert.ok(overview.reads.length > 0);
+  assert.equal((await page.locator("#rank-reads tr.read-row td").first().innerText()), overview.reads[0].file);
+  // The CLI command and the layout JSON of what is previewed.
+  assert.equal(await page.locator("#cli-command").innerText(),
+    'tessera layout fsdp --dp 4 > layout.json\ntessera plan "$ROOT/gpt/step-000200" --layout layout.json  # ROOT: the server\'s --root');
+  await browser.grantPermissions(["clipboard-read", "clipboard-write"], { origin: base });
+  await page.click("#copy-cli");
+  await page.waitForFunction(() => document.getElementById("copy-note").textContent === "copied");
+  assert.equal(await page.evaluate(() => navigator.clipboard.readText()), await page.locator("#cli-command").innerText());
+  const [download] = await Promise.all([page.waitForEvent("download"), page.click("#download-layout")]);
+  assert.equal(download.suggestedFilename(), "layout.json");
+  const downloaded = JSON.parse(readFileSync(await download.path(), "utf8"));
+  assert.deepEqual(downloaded, { mesh: [{ name: "dp", size: 4 }], rules: [{ match: "*", placements: ["shard(0)"] }] });
   await shot(page, "plan.png");
 
-  // Megatron preset: tp2 pp2 dp2 = 8 ranks.
+  // Megatron preset: tp2 pp2 dp2 = 8 ranks, drawn over the mesh; a rank's ring partners.
   await page.selectOption("#preset", "megatron");
   await page.fill("#meg-tp", "2");
   await page.fill("#meg-pp", "2");
   await page.fill("#meg-dp", "2");
   await page.click("#plan-button");
-  await page.waitForFunction(() => document.querySelectorAll("#rank-chart g.rank-bar").length === 8);
+  await page.waitForFunction(() => document.querySelectorAll("#heatmap rect.heat-cell").length === 8);
   assert.equal(await page.locator("#amplification").innerText(), "read amplification 1.00");
+  assert.match(await page.locator("#plan-shape").innerText(), /^8 ranks \(pp=2 × dp=2 × tp=2\)/);
+  assert.match(await page.locator("#cli-command").innerText(), /^tessera layout megatron-gpt --tp 2 --pp 2 --dp 2 --num-layers 4 > layout\.json\n/);
+  await page.locator('#rank-table tr.rank-row[data-rank="1"]').click();
+  await page.waitForFunction(() => (document.getElementById("rank-title") || {}).textContent === "Rank 1 (pp=0 dp=0 tp=1)");
+  // Rank 1's DP replica is rank 3: a ring of the two, sending to and receiving from it.
+  const rounds = await page.locator("#rank-exchanges li.round").allInnerTexts();
+  assert.ok(rounds.some((r) => /→ rank 3, receive .* ← rank 3$/.test(r)), rounds.join("\n"));
 
   // A layout the planner refuses: the server's detail is shown.
   await page.selectOption("#preset", "json");
@@ -223,6 +311,22 @@ async function journey(base, page) {
   const text = await error.innerText();
   assert.ok(text.includes("Error 422") && text.includes(body.detail), text);
   await shot(page, "plan-error.png");
+
+  // A DCP checkpoint: its non-tensor objects (optimizer param groups), model vs optimizer state,
+  // and no saved layout recorded.
+  await page.goto(`${base}/#/ckpt/dcp/step-000050`);
+  await page.locator("#object-table").waitFor();
+  const dcp = await api("/v1/checkpoints/dcp/step-000050");
+  assert.ok(dcp.object_list.length > 0 && dcp.object_list.length === dcp.objects, JSON.stringify(dcp.object_list));
+  assert.equal(await page.locator("#object-table tr.object-row").count(), dcp.objects);
+  assert.equal(await page.locator("#object-table tr.object-row td").first().innerText(), dcp.object_list[0].key);
+  assert.match(await page.locator("#objects h2").innerText(), new RegExp(`^Non-tensor objects \\(${dcp.objects}\\)$`));
+  assert.equal(await page.locator("#saved-layout").innerText(), "not recorded");
+  assert.match(await page.locator("#optimizer-bytes").innerText(), new RegExp(`in ${dcp.composition.optimizer.tensors} tensors$`));
+  assert.equal(await page.locator("#writer").innerText(), "PyTorch DCP (version 1.0.0)");
+  // No commit time in DCP's files: the newest file's, in the one format.
+  assert.match(await page.locator("#created").innerText(), /^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$/);
+  await shot(page, "checkpoint-dcp.png");
 
   // An unknown checkpoint: the 404 detail.
   await page.goto(`${base}/#/ckpt/gpt/step-009999`);
@@ -241,4 +345,94 @@ test("an empty catalog says so", { timeout: 60_000 }, async () => {
   assert.match(await page.locator("#empty-catalog").innerText(), /The catalog is empty\./);
   assert.deepEqual(page.problems, []);
   await page.close();
+});
+
+// Llama 3 405B, metadata only (5 TiB of tensors, no data files), previewed at 2,048 ranks
+// (Megatron tp8 pp16 dp16): the aggregated views, a drill-down, and how long the preview took
+// (logged, not asserted: the suite runs a debug build).
+test("a 405B metadata-only checkpoint previewed at 2,048 ranks", { timeout: 600_000 }, async () => {
+  const big = path.join(work, "big");
+  const saved = path.join(work, "l405.json");
+  writeFileSync(saved, tessera("layout", "megatron-gpt", "--tp", "8", "--pp", "16", "--dp", "64", "--num-layers", "126", "--zero1"));
+  let t = performance.now();
+  tessera("synth", "--model", "llama3-405b", "--layout", saved, "--out", path.join(big, "405b/step-000001"), "--metadata-only");
+  console.log(`# 405B metadata-only synth: ${((performance.now() - t) / 1000).toFixed(1)} s`);
+  const base = await serve(big);
+  const page = await newPage();
+  try {
+    // The catalog marks it metadata-only.
+    await page.goto(base + "/");
+    await page.locator('#catalog tr.ckpt-row[data-id="405b/step-000001"]').waitFor();
+    assert.match(await page.locator('#catalog tr.ckpt-row[data-id="405b/step-000001"] td').nth(3).innerText(), /^committed latest metadata only$|^committed metadata only$/);
+    await page.goto(`${base}/#/ckpt/405b/step-000001`);
+    await page.locator("#data-presence").waitFor();
+    const sum = await (await page.request.get(`${base}/v1/checkpoints/405b/step-000001`)).json();
+    assert.equal(sum.data, "absent");
+    assert.match(await page.locator("#data-presence").innerText(), /^metadata only\s+no data files/);
+    assert.equal(await page.locator("#saved-mesh").innerText(), "pp=16 × dp=64 × tp=8 (8,192 ranks)");
+    // 405.9 B parameters, and three f32 optimizer states each.
+    assert.ok(sum.composition.model.elements > 405e9 && sum.composition.model.elements < 406e9, JSON.stringify(sum.composition));
+    assert.match(await page.locator("#param-count").innerText(), /^405\.9 B \(405,853,388,80\d\)$/);
+    assert.match(await page.locator("#optimizer-bytes").innerText(), /^optimizer state 4\.\d+ TiB in 2,277 tensors$/);
+
+    await page.locator("#plan-link").click();
+    await page.locator("#plan-form").waitFor();
+    await page.selectOption("#preset", "megatron");
+    await page.fill("#meg-tp", "8");
+    await page.fill("#meg-pp", "16");
+    await page.fill("#meg-dp", "16");
+    assert.equal(await page.locator("#meg-layers").inputValue(), "126", "the saved layout's layer count");
+    const cells = () => document.querySelectorAll("#heatmap rect.heat-cell").length === 2048;
+    t = performance.now();
+    await page.click("#plan-button");
+    await page.waitForFunction(cells, null, { timeout: 500_000 });
+    const first = performance.now() - t;
+    // Again, the plan now cached by the server: what the page itself takes.
+    await page.evaluate(() => document.getElementById("plan-result").replaceChildren());
+    t = performance.now();
+    await page.click("#plan-button");
+    await page.waitForFunction(cells, null, { timeout: 60_000 });
+    const again = performance.now() - t;
+    console.log(`# 405B at 2,048 ranks: preview rendered in ${(first / 1000).toFixed(2)} s with planning, ${(again / 1000).toFixed(2)} s with the plan cached (page's own count: ${await page.locator("#plan-result").getAttribute("data-render-ms")} ms)`);
+    assert.match(await page.locator("#plan-shape").innerText(), /^2,048 ranks \(pp=16 × dp=16 × tp=8\)/);
+    // Readable at this size: 16 rows (pp) of 128 cells (dp × tp), one page of the table.
+    const mapText = await page.locator("#heatmap").textContent();
+    assert.match(mapText, /rows: pp \(16\)/);
+    assert.match(mapText, /columns: dp × tp \(128\)/);
+    assert.equal(await page.locator("#rank-table tr.rank-row").count(), 100);
+    assert.equal(await page.locator("#rank-page").innerText(), "ranks 1–100 of 2048");
+    await page.click("#rank-next");
+    assert.equal(await page.locator("#rank-page").innerText(), "ranks 101–200 of 2048");
+    assert.equal(await page.locator("#busiest li").count(), 10);
+    const planId = (await page.locator("#plan-id").innerText()).replace("plan ", "");
+    const totals = await (await page.request.get(`${base}/v1/plans/${planId}/ranks`)).json();
+    const reads = totals.ranks.bytes_read;
+    const max = Math.max(...reads);
+    const median = reads.slice().sort((a, b) => a - b);
+    const row = await page.locator('#rank-stats tr[data-metric="bytes_read"] td').allInnerTexts();
+    assert.equal(row[3], String(reads.indexOf(max)), row.join(" | "));
+    assert.ok(median[0] <= median[1023] && median[1023] <= max);
+    // The heat map's colour is the value: the busiest rank's cell darkest, the least busy lightest.
+    const minRank = reads.indexOf(Math.min(...reads));
+    assert.equal(await page.locator("#heatmap").getAttribute("data-metric"), "bytes_read");
+    assert.ok(Math.min(...reads) < max, "ranks read different amounts");
+    assert.equal(await page.locator(`#heatmap rect.heat-cell[data-rank="${reads.indexOf(max)}"]`).getAttribute("fill"), "#08306b");
+    assert.equal(await page.locator(`#heatmap rect.heat-cell[data-rank="${minRank}"]`).getAttribute("fill"), "#f7fbff");
+    assert.match(await page.locator(`#heatmap rect.heat-cell[data-rank="${minRank}"] title`).textContent(), new RegExp(`^rank ${minRank} \\(pp=\\d+ dp=\\d+ tp=\\d\\): read `));
+    await page.selectOption("#heatmap-metric", "bytes_sent");
+    await page.locator('#heatmap[data-metric="bytes_sent"]').waitFor();
+    // Drill into the busiest rank: reads by file and its rings.
+    await page.locator("#busiest li a").first().click();
+    await page.locator("#rank-title").waitFor({ timeout: 60_000 });
+    assert.match(await page.locator("#rank-title").innerText(), new RegExp(`^Rank ${reads.indexOf(max)} \\(pp=\\d+ dp=\\d+ tp=\\d\\)$`));
+    assert.ok(await page.locator("#rank-reads tr.read-row").count() > 0);
+    assert.ok(await page.locator("#rank-exchanges li.exchange").count() > 0);
+    await shot(page, "plan-405b-2048.png");
+    assert.deepEqual(page.problems, []);
+  } catch (e) {
+    await page.screenshot({ path: path.join(SHOTS, "failure-405b.png"), fullPage: true }).catch(() => {});
+    throw new Error(`${e.message}\npage problems: ${page.problems.join("; ")}\nview: ${(await page.locator("#view").innerText().catch(() => "?")).slice(0, 2000)}`, { cause: e });
+  } finally {
+    await page.close();
+  }
 });

@@ -146,6 +146,9 @@ impl CheckpointFacts {
             files: Some(self.files),
             block_size: self.block_size,
             source_layout: self.source_layout.clone(),
+            // Need the metadata, not just the facts: filled in by `Catalog::summary`.
+            composition: None,
+            object_list: None,
         }
     }
 }

@@ -20,7 +20,8 @@ use tessera_metadata::formats::native::read_latest;
 
 pub use wire::{
     CatalogProblem, CatalogResponse, CheckpointEntry, CheckpointStatus, CheckpointSummary,
-    RunEntry, SavedBox, TensorDetail, TensorEntry, TensorPage,
+    Composition, MAX_OBJECTS_LISTED, ObjectEntry, RunEntry, SavedBox, TensorDetail, TensorEntry,
+    TensorPage, TensorTotals,
 };
 
 pub(crate) use cache::OpenedCheckpoint;
@@ -148,13 +149,40 @@ impl Catalog {
             .await
     }
 
+    /// The modification time (RFC 3339) of the newest file directly in checkpoint `id`'s
+    /// directory, as the catalog listing takes it for formats without a recorded commit time;
+    /// none when it cannot be listed (the summary is still answered).
+    async fn newest_file_time(&self, id: &CheckpointId) -> Option<String> {
+        let listing = self
+            .store
+            .list_with_delimiter(Some(&id.prefix(&self.root)))
+            .await
+            .ok()?;
+        listing
+            .objects
+            .iter()
+            .map(|o| o.last_modified)
+            .max()
+            .map(|t| t.to_rfc3339())
+    }
+
     /// The summary of checkpoint `id`: committed (from its facts) or incomplete.
     pub(crate) async fn summary(&self, id: &CheckpointId) -> Result<CheckpointSummary, ApiError> {
         let resolved = self.resolve(id).await?;
         let latest = self.latest_of(resolved.run()).await.ok().flatten();
         let is_latest = latest.as_deref() == Some(resolved.step());
         match self.open(&resolved).await {
-            Ok(opened) => Ok(opened.facts.summary(&resolved, is_latest)),
+            Ok(opened) => {
+                let mut summary = opened.facts.summary(&resolved, is_latest);
+                summary.composition = Some(Composition::of(&opened.meta));
+                summary.object_list = Some(ObjectEntry::list(&opened.meta));
+                if summary.entry.created.is_none() {
+                    // Formats that record no commit time get the catalog row's: the newest file
+                    // directly in the directory (one listing), so a summary and its row agree.
+                    summary.entry.created = self.newest_file_time(&resolved).await;
+                }
+                Ok(summary)
+            }
             Err(ApiError::IncompleteCheckpoint { .. }) => Ok(CheckpointSummary::incomplete(
                 CheckpointEntry::incomplete(&resolved, is_latest),
             )),

@@ -137,6 +137,90 @@ pub struct CheckpointSummary {
     /// The layout the checkpoint was saved with (layout JSON), when recorded.
     #[schema(value_type = Option<Object>)]
     pub source_layout: Option<serde_json::Value>,
+    /// Tensors, elements and bytes split into model and optimizer state (committed only).
+    pub composition: Option<Composition>,
+    /// The non-tensor objects (the first [`MAX_OBJECTS_LISTED`], by key; `objects` counts
+    /// them all). Committed only.
+    pub object_list: Option<Vec<ObjectEntry>>,
+}
+
+/// Most non-tensor objects a summary lists: a checkpoint has a handful (RNG states, configs,
+/// the step), and a bound keeps a pathological one from bloating every summary.
+pub const MAX_OBJECTS_LISTED: usize = 1000;
+
+/// Tensors of one kind and their totals.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct TensorTotals {
+    /// Tensors.
+    pub tensors: u64,
+    /// Elements (for model tensors: the parameter count).
+    pub elements: u64,
+    /// Bytes, each element counted once.
+    pub bytes: u64,
+}
+
+/// A checkpoint's tensors split into model and optimizer state. Optimizer state is a tensor
+/// whose FQN starts with a segment beginning `optim` (`optim.state.…`, `optimizer.state.…`,
+/// `optimizer_state_dict.…`), which is how every format tessera reads names them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Composition {
+    /// Model tensors (parameters and buffers).
+    pub model: TensorTotals,
+    /// Optimizer state tensors.
+    pub optimizer: TensorTotals,
+}
+
+impl Composition {
+    /// The composition of `meta`'s tensors.
+    pub(crate) fn of(meta: &CheckpointMeta) -> Self {
+        let mut c = Self::default();
+        for t in meta.tensors() {
+            let part = if is_optimizer_state(&t.fqn) {
+                &mut c.optimizer
+            } else {
+                &mut c.model
+            };
+            part.tensors += 1;
+            part.elements = part
+                .elements
+                .saturating_add(t.shape.iter().product::<u64>());
+            part.bytes = part.bytes.saturating_add(t.nbytes());
+        }
+        c
+    }
+}
+
+/// Whether `fqn` names optimizer state (see [`Composition`]).
+fn is_optimizer_state(fqn: &str) -> bool {
+    fqn.split('.')
+        .next()
+        .is_some_and(|s| s.starts_with("optim"))
+}
+
+/// A non-tensor object of a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct ObjectEntry {
+    /// Flattened key (`extra.config`, `rng_state`).
+    pub key: String,
+    /// Bytes of its serialized value.
+    pub bytes: u64,
+}
+
+impl ObjectEntry {
+    /// The first [`MAX_OBJECTS_LISTED`] objects of `meta`, by key.
+    pub(crate) fn list(meta: &CheckpointMeta) -> Vec<Self> {
+        let mut objects: Vec<Self> = meta
+            .objects()
+            .iter()
+            .map(|o| Self {
+                key: o.key.clone(),
+                bytes: o.length,
+            })
+            .collect();
+        objects.sort_by(|a, b| a.key.cmp(&b.key));
+        objects.truncate(MAX_OBJECTS_LISTED);
+        objects
+    }
 }
 
 impl CheckpointSummary {
@@ -149,6 +233,8 @@ impl CheckpointSummary {
             files: None,
             block_size: None,
             source_layout: None,
+            composition: None,
+            object_list: None,
         }
     }
 }

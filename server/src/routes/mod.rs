@@ -11,6 +11,8 @@
 //! | `GET /v1/checkpoints/{run}/{step}/tensors/{fqn}` | saved boxes with files and byte ranges |
 //! | `POST /v1/plans` | plan a checkpoint for a layout or explicit requests: plan id + summary |
 //! | `GET /v1/plans/{plan}` | the same answer for a known plan |
+//! | `GET /v1/plans/{plan}/ranks` | every rank's totals in columns (bytes read, sent, received, pieces, rounds) and the mesh |
+//! | `GET /v1/plans/{plan}/ranks/{rank}/overview` | one rank's reads by file and ring partners |
 //! | `GET /v1/plans/{plan}/ranks/{rank}` | one rank's plan, JSON or (`Accept: application/vnd.apache.arrow.stream`) Arrow IPC |
 
 mod checkpoints;
@@ -62,6 +64,8 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(plans::create))
         .routes(routes!(plans::get_plan))
         .routes(routes!(plans::rank))
+        .routes(routes!(plans::ranks))
+        .routes(routes!(plans::rank_overview))
 }
 
 /// Title, version, description and the bearer security scheme.
@@ -110,6 +114,8 @@ pub fn app(state: AppState) -> Router {
             .route("/", get(ui::index))
             .route("/app.js", get(ui::app_js))
             .route("/style.css", get(ui::style_css))
+            .route("/favicon.svg", get(ui::favicon))
+            .route("/favicon.ico", get(ui::favicon))
             .fallback(not_found),
     };
     let trace = TraceLayer::new_for_http()

@@ -1,5 +1,8 @@
 //! The plan routes: create a plan (once per checkpoint + target + options), read it back, and
-//! hand each rank its own plan as JSON or Arrow IPC.
+//! hand each rank its own plan as JSON or Arrow IPC; for people, every rank's totals and one
+//! rank's plan summed up (`plan_views`).
+
+use std::sync::Arc;
 
 use axum::Json;
 use axum::body::Bytes;
@@ -12,7 +15,10 @@ use utoipa::ToSchema;
 use super::ARROW_STREAM;
 use super::checkpoints::path_error;
 use crate::plans::{check_plan_id, parse_request};
-use crate::{ApiError, AppState, ErrorBody, PlanCreated, PlanRequest, ServerConfig};
+use crate::{
+    ApiError, AppState, ErrorBody, PlanCreated, PlanRequest, RankOverview, RankSummaries,
+    ServerConfig,
+};
 
 /// One rank's plan as JSON (the planner's `RankPlan`): destinations, pieces with their file
 /// runs and placements, ring exchanges, totals.
@@ -154,12 +160,7 @@ pub(crate) async fn rank(
 ) -> Result<Response, ApiError> {
     let Path((plan, rank)) = path.map_err(path_error)?;
     check_plan_id(&plan)?;
-    let rank: u32 = rank.parse().map_err(|_| {
-        ApiError::bad_id(format!(
-            "rank {:?} is not a number",
-            crate::id::truncate(&rank)
-        ))
-    })?;
+    let rank = parse_rank(&rank)?;
     let arrow = headers
         .get_all(header::ACCEPT)
         .iter()
@@ -202,4 +203,91 @@ pub(crate) async fn rank(
         "application/json"
     };
     Ok(([(header::CONTENT_TYPE, content_type)], encoded).into_response())
+}
+
+/// Every rank's totals in one small answer (columns: entry `r` of each list is rank `r`'s), and
+/// the layout's mesh: what a preview of thousands of ranks draws from.
+#[utoipa::path(get, path = "/v1/plans/{plan}/ranks", tag = "plans",
+    params(("plan" = String, Path, description = "Plan id (32 hex digits)")),
+    responses(
+        (status = 200, description = "Per-rank totals", body = RankSummaries),
+        (status = 400, description = "Malformed plan id", body = ErrorBody),
+        (status = 401, description = "Missing or wrong token", body = ErrorBody),
+        (status = 404, description = "Unknown plan, or one made for a version of the checkpoint that was saved again since", body = ErrorBody),
+        (status = 409, description = "The plan's checkpoint cannot be read now (incomplete or invalid)", body = ErrorBody),
+        (status = 503, description = "Storage is unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
+pub(crate) async fn ranks(
+    State(state): State<AppState>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Json<RankSummaries>, ApiError> {
+    let Path(plan) = path.map_err(path_error)?;
+    check_plan_id(&plan)?;
+    let inner = &state.inner;
+    let entry = inner.plans.get(&inner.catalog, &plan).await?;
+    // One pass over every piece of the plan: off the async workers.
+    let task_entry = Arc::clone(&entry);
+    let columns = tokio::task::spawn_blocking(move || task_entry.rank_columns())
+        .await
+        .map_err(|e| ApiError::Internal {
+            detail: format!("the rank totals task failed: {e}"),
+        })?;
+    Ok(Json(RankSummaries {
+        plan: entry.id.clone(),
+        world: entry.plan.world_size(),
+        mesh: entry.mesh.clone(),
+        ranks: columns.as_ref().clone(),
+    }))
+}
+
+/// One rank's plan summed up: totals, reads by data file, and its exchange rings with the
+/// partner of every round. Small whatever the plan's size, unlike the full rank plan.
+#[utoipa::path(get, path = "/v1/plans/{plan}/ranks/{rank}/overview", tag = "plans",
+    params(
+        ("plan" = String, Path, description = "Plan id (32 hex digits)"),
+        ("rank" = u32, Path, description = "Rank, 0 to world - 1"),
+    ),
+    responses(
+        (status = 200, description = "The rank's plan, summed up", body = RankOverview),
+        (status = 400, description = "Malformed plan id or rank", body = ErrorBody),
+        (status = 401, description = "Missing or wrong token", body = ErrorBody),
+        (status = 404, description = "Unknown plan or rank, or a plan made for a version of the checkpoint that was saved again since", body = ErrorBody),
+        (status = 409, description = "The plan's checkpoint cannot be read now (incomplete or invalid)", body = ErrorBody),
+        (status = 503, description = "Storage is unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
+pub(crate) async fn rank_overview(
+    State(state): State<AppState>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Json<RankOverview>, ApiError> {
+    let Path((plan, rank)) = path.map_err(path_error)?;
+    check_plan_id(&plan)?;
+    let rank = parse_rank(&rank)?;
+    let inner = &state.inner;
+    let entry = inner.plans.get(&inner.catalog, &plan).await?;
+    let world = entry.plan.world_size();
+    if rank >= world {
+        return Err(ApiError::UnknownRank { plan, rank, world });
+    }
+    tokio::task::spawn_blocking(move || {
+        let rank_plan = entry
+            .plan
+            .rank_plan(rank)
+            .map_err(|e| ApiError::from_plan(&e, true))?;
+        Ok(Json(RankOverview::new(&entry.id, &rank_plan)))
+    })
+    .await
+    .map_err(|e| ApiError::Internal {
+        detail: format!("the rank overview task failed: {e}"),
+    })?
+}
+
+fn parse_rank(rank: &str) -> Result<u32, ApiError> {
+    rank.parse().map_err(|_| {
+        ApiError::bad_id(format!(
+            "rank {:?} is not a number",
+            crate::id::truncate(rank)
+        ))
+    })
 }

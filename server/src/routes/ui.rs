@@ -8,6 +8,7 @@ use axum::response::{Html, IntoResponse};
 const INDEX: &str = include_str!("../../../web-ui/index.html");
 const APP_JS: &str = include_str!("../../../web-ui/app.js");
 const STYLE_CSS: &str = include_str!("../../../web-ui/style.css");
+const FAVICON_SVG: &str = include_str!("../../../web-ui/favicon.svg");
 
 /// The built-in index page.
 pub(crate) async fn index() -> Html<&'static str> {
@@ -28,4 +29,9 @@ pub(crate) async fn style_css() -> impl IntoResponse {
         [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
         STYLE_CSS,
     )
+}
+
+/// The built-in web UI's icon (also answers `/favicon.ico`, which browsers ask for unprompted).
+pub(crate) async fn favicon() -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "image/svg+xml")], FAVICON_SVG)
 }
