@@ -295,7 +295,7 @@ pub fn error_json(error: &anyhow::Error) -> serde_json::Value {
     let mut doc = json!({
         "kind": class.kind(),
         "code": class.code(),
-        "message": format!("{error:#}"),
+        "message": crate::commands::error_text::error_text(error),
     });
     if let Some(failed) = error
         .chain()

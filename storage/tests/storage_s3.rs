@@ -174,7 +174,11 @@ async fn committing_an_s3_prefix_twice_is_refused() {
     )
     .await
     .expect_err("a committed prefix");
-    assert!(err.to_string().contains("already exists"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("already holds a committed checkpoint"),
+        "{err}"
+    );
 }
 
 #[tokio::test]
