@@ -9,7 +9,7 @@ mod support;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use support::{fails, layout_file, ok, s};
+use support::{fails_verifying, layout_file, ok, s};
 
 const BLOCK: u64 = 64 * 1024;
 
@@ -263,7 +263,7 @@ fn a_corrupted_byte_is_caught_by_the_box_check_and_by_the_block_check() {
     let (file, offset, len) = first_box(&ckpt, fqn);
     flip(&ckpt.join(&file), offset + 100);
     let req = rows_request(dir.path(), fqn, 10);
-    let err = support::fails_verifying(["load", s(&ckpt), "--requests", s(&req)]);
+    let err = fails_verifying(["load", s(&ckpt), "--requests", s(&req)]);
     assert!(
         err.contains(&format!(
             "checksum mismatch in {}/{file} bytes {offset}..{} (tensor {fqn} box [0..98, 0..64]): its metadata records crc32c",
@@ -274,7 +274,7 @@ fn a_corrupted_byte_is_caught_by_the_box_check_and_by_the_block_check() {
     );
     // Loading the saved layout reads it as a whole box: caught the same way.
     let saved = dir.path().join("saved.json");
-    let err = support::fails_verifying(["load", s(&ckpt), "--layout", s(&saved)]);
+    let err = fails_verifying(["load", s(&ckpt), "--layout", s(&saved)]);
     assert!(
         err.contains(&format!(
             "{file} bytes {offset}..{} (tensor {fqn} box [0..98, 0..64])",
@@ -289,7 +289,7 @@ fn a_corrupted_byte_is_caught_by_the_box_check_and_by_the_block_check() {
     let (file, offset, _) = first_box(&ckpt, fqn);
     flip(&ckpt.join(&file), offset + 100);
     let req = rows_request(dir.path(), fqn, 10);
-    let err = support::fails_verifying(["load", s(&ckpt), "--requests", s(&req)]);
+    let err = fails_verifying(["load", s(&ckpt), "--requests", s(&req)]);
     let block = (offset + 100) / BLOCK * BLOCK;
     assert!(
         err.contains(&format!(
