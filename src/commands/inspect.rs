@@ -67,13 +67,11 @@ pub async fn run(location: &str, as_json: bool, retry: &RetryPolicy) -> Result<S
             )?;
             writeln!(
                 out,
-                "{} tensors, {} saved boxes, {} objects, {} data files, {} of tensors, metadata {}",
-                meta.tensors().len(),
-                meta.chunks().len(),
-                meta.objects().len(),
-                meta.files().len(),
-                human::bytes(meta.tensor_bytes()),
-                human::bytes(dcp.stats.metadata_bytes)
+                "{}",
+                counts_line(
+                    meta,
+                    &format!("metadata {}", human::bytes(dcp.stats.metadata_bytes))
+                )
             )?;
             writeln!(out, "{}", index_line(&dcp.stats))?;
             if let Some(megatron) = &dcp.megatron {
@@ -95,14 +93,15 @@ pub async fn run(location: &str, as_json: bool, retry: &RetryPolicy) -> Result<S
             )?;
             writeln!(
                 out,
-                "{} tensors, {} saved boxes, {} objects, {} data files, {} of tensors, {} read in {} requests at open",
-                meta.tensors().len(),
-                meta.chunks().len(),
-                meta.objects().len(),
-                meta.files().len(),
-                human::bytes(meta.tensor_bytes()),
-                human::bytes(ds.bytes_read),
-                ds.requests
+                "{}",
+                counts_line(
+                    meta,
+                    &format!(
+                        "{} read in {} requests at open",
+                        human::bytes(ds.bytes_read),
+                        ds.requests
+                    )
+                )
             )?;
         }
         FormatDetails::ByteCheckpoint(bc) => {
@@ -120,13 +119,14 @@ pub async fn run(location: &str, as_json: bool, retry: &RetryPolicy) -> Result<S
             )?;
             writeln!(
                 out,
-                "{} tensors, {} saved boxes, {} objects, {} data files, {} of tensors, metadata {}",
-                meta.tensors().len(),
-                meta.chunks().len(),
-                meta.objects().len(),
-                meta.files().len(),
-                human::bytes(meta.tensor_bytes()),
-                human::bytes(bc.components.iter().map(|c| c.metadata_bytes).sum())
+                "{}",
+                counts_line(
+                    meta,
+                    &format!(
+                        "metadata {}",
+                        human::bytes(bc.components.iter().map(|c| c.metadata_bytes).sum())
+                    )
+                )
             )?;
         }
         FormatDetails::Safetensors(st) => {
@@ -250,6 +250,19 @@ fn megatron_line(megatron: &MegatronDetails) -> String {
         line.push_str(&format!("; common state in {common}"));
     }
     line
+}
+
+/// The line of counts every format's header has: tensors, saved boxes, objects, data files and
+/// tensor bytes, then what the format adds (`tail`).
+fn counts_line(meta: &CheckpointMeta, tail: &str) -> String {
+    format!(
+        "{} tensors, {} saved boxes, {} objects, {} data files, {} of tensors, {tail}",
+        meta.tensors().len(),
+        meta.chunks().len(),
+        meta.objects().len(),
+        meta.files().len(),
+        human::bytes(meta.tensor_bytes()),
+    )
 }
 
 /// Widest the FQN column gets: longer names are printed whole and push their own row's other

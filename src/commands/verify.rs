@@ -12,7 +12,7 @@ use std::fmt::Write;
 
 use anyhow::{Context, Result};
 use tessera_metadata::formats::bytecheckpoint::verify_bytecheckpoint;
-use tessera_metadata::formats::dcp::verify_dcp;
+use tessera_metadata::formats::dcp::{BadBlob, verify_dcp};
 use tessera_metadata::formats::deepspeed::verify_deepspeed;
 use tessera_metadata::formats::list_dir;
 use tessera_metadata::formats::native::{self, verify_checkpoint};
@@ -33,6 +33,23 @@ pub async fn run(location: &str, retry: &storage::RetryPolicy) -> Result<String>
 /// The error of a verification that found problems: `out`'s lines are the problems. Its own type
 /// (exit code 4, `problems` in the `--json` error) so that it is told from an unreadable
 /// checkpoint.
+/// Lists what a zip CRC-32 check found bad (`what`: blob, record), one line each, and fails the
+/// verification when there is anything.
+fn refuse_bad(out: &mut String, what: &str, bad: &[BadBlob], location: &str) -> Result<()> {
+    for bad in bad {
+        writeln!(
+            out,
+            "bad {what} in {} bytes {}..{} ({}): {}",
+            bad.file, bad.start, bad.end, bad.entry, bad.detail
+        )?;
+    }
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(failed(out, location))
+    }
+}
+
 fn failed(out: &str, location: &str) -> anyhow::Error {
     anyhow::Error::new(crate::exit::VerificationFailed {
         location: location.to_string(),
@@ -80,16 +97,7 @@ pub async fn check(location: &str, strays: Strays, retry: &storage::RetryPolicy)
                 CONCURRENCY,
             )
             .await?;
-            for bad in &report.bad {
-                writeln!(
-                    out,
-                    "bad blob in {} bytes {}..{} ({}): {}",
-                    bad.file, bad.start, bad.end, bad.entry, bad.detail
-                )?;
-            }
-            if !report.is_ok() {
-                return Err(failed(&out, location));
-            }
+            refuse_bad(&mut out, "blob", &report.bad, location)?;
             writeln!(
                 out,
                 "{location}: ok, PyTorch DCP: metadata, {} blob headers and byte ranges are consistent; \
@@ -117,16 +125,7 @@ pub async fn check(location: &str, strays: Strays, retry: &storage::RetryPolicy)
                 CONCURRENCY,
             )
             .await?;
-            for bad in &report.bad {
-                writeln!(
-                    out,
-                    "bad blob in {} bytes {}..{} ({}): {}",
-                    bad.file, bad.start, bad.end, bad.entry, bad.detail
-                )?;
-            }
-            if !report.is_ok() {
-                return Err(failed(&out, location));
-            }
+            refuse_bad(&mut out, "blob", &report.bad, location)?;
             writeln!(
                 out,
                 "{location}: ok, ByteCheckpoint: metadata, {} rebuild descriptors and byte ranges are \
@@ -168,16 +167,7 @@ pub async fn check(location: &str, strays: Strays, retry: &storage::RetryPolicy)
                 CONCURRENCY,
             )
             .await?;
-            for bad in &report.bad {
-                writeln!(
-                    out,
-                    "bad record in {} bytes {}..{} ({}): {}",
-                    bad.file, bad.start, bad.end, bad.entry, bad.detail
-                )?;
-            }
-            if !report.is_ok() {
-                return Err(failed(&out, location));
-            }
+            refuse_bad(&mut out, "record", &report.bad, location)?;
             writeln!(
                 out,
                 "{location}: ok, DeepSpeed ZeRO: {} torch.save files parse and their layout is consistent; \
