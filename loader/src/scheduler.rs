@@ -17,6 +17,14 @@
 //! [`ReadOptions::max_buffered_bytes`] requested but not yet consumed. Every part is checked
 //! against the checkpoint's block checksums before the consumer sees it.
 //!
+//! Small neighbouring parts of one file may share one request: when the gap between them is at
+//! most [`ReadOptions::coalesce_gap`] bytes, one `get_range` fetches them and the gap, and the
+//! bytes are sliced back into the parts. That trades gap bytes for requests, and it is the
+//! scheduler's own decision, counted: [`FetchStats::bytes_transferred`] is what the store
+//! returned, gaps included. (object_store's `get_ranges` is not used: its HTTP stores merge
+//! ranges less than 1 MiB apart on their own, which served a column reshard up to 4x the bytes
+//! the report counted, issue 19.)
+//!
 //! Retries follow tessera's one [`RetryPolicy`] ([`ReadOptions::retry`]): errors that
 //! [`tessera_storage::is_transient`] calls transient are retried with its jittered exponential
 //! backoff, at most `max_attempts` times per request; permanent ones (a missing file, a truncated
@@ -72,6 +80,34 @@ pub struct ReadOptions {
     /// checksum blocks: at most one partial block extra on each side of a coalesced range.
     /// Without block checksums (formats that have none) nothing is verified.
     pub verify: bool,
+    /// Largest gap in bytes between two small parts of one file that one request may span,
+    /// fetching the gap too; `None` takes the store kind's default
+    /// ([`default_coalesce_gap`]: 0 for local files, [`OBJECT_STORE_COALESCE_GAP`] for object
+    /// stores). Where the store is not known (a bare [`RangeScheduler`]) `None` means 0: no
+    /// byte is read that nobody asked for.
+    pub coalesce_gap: Option<u64>,
+}
+
+/// The default [`ReadOptions::coalesce_gap`] of object stores (S3, GCS, Azure, HTTP): 64 KiB.
+///
+/// A request costs a round trip plus the store's time to first byte; a gap costs its transfer.
+/// On the loopback S3 test server one extra request costs about as much as 0.1–0.3 MB of gap
+/// (BENCHMARKS.md, "S3: bytes served"); real object stores answer the first byte after 10–50 ms
+/// and stream 100–200 MB/s per connection, where a request is worth 1–10 MB of gap. A gap of
+/// 64 KiB is cheap everywhere (under a millisecond on any link), bounds the waste of a column
+/// slice to 64 KiB per row-run it skips, and still merges the runs of slices whose rows are short
+/// (the thousands of tiny GETs of a narrow column slice); larger gaps would read a wide column
+/// slice several times over, which is what object_store's own 1 MiB default did.
+pub const OBJECT_STORE_COALESCE_GAP: u64 = 64 * 1024;
+
+/// The default [`ReadOptions::coalesce_gap`] for a checkpoint at `location` (what the user typed):
+/// 0 for local paths and `file://` (a local read costs no round trip, so a gap is pure waste),
+/// [`OBJECT_STORE_COALESCE_GAP`] for every `scheme://` of an object store.
+pub fn default_coalesce_gap(location: &str) -> u64 {
+    match location.split_once("://") {
+        Some((scheme, _)) if !scheme.eq_ignore_ascii_case("file") => OBJECT_STORE_COALESCE_GAP,
+        _ => 0,
+    }
 }
 
 impl Default for ReadOptions {
@@ -82,6 +118,7 @@ impl Default for ReadOptions {
             max_buffered_bytes: 256 * 1024 * 1024,
             retry: RetryPolicy::default(),
             verify: true,
+            coalesce_gap: None,
         }
     }
 }
@@ -137,9 +174,12 @@ pub struct Schedule {
 /// What a [`RangeScheduler::fetch`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FetchStats {
-    /// Storage requests that succeeded (several small parts may share one; retries not
-    /// included).
+    /// Storage requests that succeeded: one `get_range` each (several small parts may share
+    /// one; retries not included).
     pub requests: u64,
+    /// Bytes the store returned for those requests: `bytes_fetched` plus the gaps that
+    /// coalescing spanned ([`ReadOptions::coalesce_gap`]). Failed attempts are not included.
+    pub bytes_transferred: u64,
     /// Parts fetched (ranges of at most the part size).
     pub parts: u64,
     /// Failed attempts that were retried.
@@ -297,12 +337,16 @@ impl<'a> RangeScheduler<'a> {
         let budget = self.options.max_buffered_bytes;
         let backoff = self.options.retry.backoff();
         let mut stats = FetchStats::default();
-        let mut tasks: JoinSet<Result<Vec<Fetched>, LoaderError>> = JoinSet::new();
-        // Which parts each task fetches (several small parts of one file go in one request).
-        let mut task_parts: HashMap<task::Id, Vec<usize>> = HashMap::new();
+        let mut tasks: JoinSet<Result<Fetched, LoaderError>> = JoinSet::new();
+        // Which parts each task fetches (several small parts of one file may go in one request)
+        // and the byte range it asks for.
+        let mut task_parts: HashMap<task::Id, (Vec<usize>, Range<u64>)> = HashMap::new();
+        let gap = self.options.coalesce_gap.unwrap_or(0);
+        // One request spans at most a part size, gaps included: the bound the part size sets.
+        let max_span = self.options.part_size.max(1);
         // One task (this one) launches requests and consumes their bytes, so a counter is all the
-        // byte budget needs: bytes are reserved when a part is requested and released when
-        // `on_part` has consumed it.
+        // byte budget needs: a request's bytes (gaps included) are reserved when it starts and
+        // released when `on_part` has consumed its parts.
         let mut reserved: u64 = 0;
         let mut next = 0;
         loop {
@@ -314,36 +358,37 @@ impl<'a> RangeScheduler<'a> {
                     break;
                 }
                 let file = self.file(part.file)?;
-                // Small parts (the rows of a column slice when nothing fills the gaps between
-                // them) ride together in one `get_ranges` call: one request and one file open
-                // instead of thousands, still reading only the bytes needed.
-                // Only ranges that are small in their own right: parts cut from a large range
-                // are part-size long and go one per request.
+                // Small parts (the rows of a column slice) ride together in one `get_range` when
+                // the gaps between them are at most `coalesce_gap`: one request instead of
+                // thousands, at the price of the gap bytes, which are counted. Only ranges that
+                // are small in their own right: parts cut from a large range are part-size long
+                // and go one per request.
                 let small = SMALL_PART.min(self.options.part_size / 4);
                 let mut group = vec![next];
-                let mut group_bytes = part.len();
+                let mut span = part.start..part.end;
                 next += 1;
                 while part.len() < small
                     && next < parts.len()
-                    && group.len() < MAX_RANGES_PER_REQUEST
+                    && group.len() < MAX_PARTS_PER_REQUEST
                     && parts[next].file == part.file
                     && parts[next].len() < small
-                    && group_bytes + parts[next].len() <= SMALL_PART
-                    && reserved.saturating_add(group_bytes + parts[next].len()) <= budget
+                    && parts[next].start >= span.end
+                    && parts[next].start - span.end <= gap
+                    && parts[next].end - span.start <= max_span
+                    && reserved.saturating_add(parts[next].end - span.start) <= budget
                 {
-                    group_bytes += parts[next].len();
+                    span.end = parts[next].end;
                     group.push(next);
                     next += 1;
                 }
-                reserved += group_bytes;
+                reserved += span.end - span.start;
                 let store = Arc::clone(&self.store);
                 let path = file.path.clone();
-                let ranges: Vec<Range<u64>> = group
-                    .iter()
-                    .map(|&i| parts[i].start..parts[i].end)
-                    .collect();
-                let handle = tasks.spawn(fetch_ranges(store, path, ranges, backoff));
-                task_parts.insert(handle.id(), group);
+                let range = span.clone();
+                let handle = tasks.spawn(async move {
+                    fetch_part(store.as_ref(), &path, range, backoff).await
+                });
+                task_parts.insert(handle.id(), (group, span));
             }
             let Some(joined) = tasks.join_next_with_id().await else {
                 break;
@@ -353,14 +398,13 @@ impl<'a> RangeScheduler<'a> {
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
                 // Only a runtime shutting down cancels a request task.
                 Err(e) => {
-                    let part = task_parts
-                        .remove(&e.id())
-                        .and_then(|g| g.first().copied())
-                        .map(|i| parts[i]);
-                    let (path, action) = match part {
-                        Some(p) => (
-                            self.file(p.file)?.path.to_string(),
-                            format!("reading bytes {}..{} of", p.start, p.end),
+                    let request = task_parts.remove(&e.id()).and_then(|(group, span)| {
+                        group.first().map(|&i| (parts[i].file, span))
+                    });
+                    let (path, action) = match request {
+                        Some((file, span)) => (
+                            self.file(file)?.path.to_string(),
+                            format!("reading bytes {}..{} of", span.start, span.end),
                         ),
                         None => (String::new(), "reading".to_string()),
                     };
@@ -372,31 +416,43 @@ impl<'a> RangeScheduler<'a> {
                     .into());
                 }
             };
-            let Some(group) = index else {
+            let Some((group, span)) = index else {
                 return Err(LoaderError::InvalidPlan {
                     detail: "a storage request finished that was never started".to_string(),
                 });
             };
             let fetched = result?;
             stats.requests += 1;
-            for (index, fetched) in group.into_iter().zip(fetched) {
+            stats.retries += u64::from(fetched.retries);
+            stats.bytes_transferred += fetched.bytes.len() as u64;
+            for index in group {
                 let part = parts[index];
                 stats.parts += 1;
-                stats.retries += u64::from(fetched.retries);
                 stats.bytes_fetched += part.len();
+                // `fetch_part` checked the length of the whole span, so every slice is in it.
+                let from = usize::try_from(part.start - span.start).unwrap_or(usize::MAX);
+                let to = usize::try_from(part.end - span.start).unwrap_or(usize::MAX);
+                let Some(bytes) = fetched.bytes.get(from..to) else {
+                    return Err(LoaderError::InvalidPlan {
+                        detail: format!(
+                            "part {}..{} lies outside its request {}..{}",
+                            part.start, part.end, span.start, span.end
+                        ),
+                    });
+                };
                 // Verified here rather than in the request task: crc32c runs at memory speed (CPU
                 // CRC instructions), far above what storage delivers, and the checksums stay
                 // borrowed.
                 let checked_by_caller = caller_checked.get(index).copied().unwrap_or(false);
                 if let (Some(checksums), false) = (self.checksums, checked_by_caller) {
                     let file = self.file(part.file)?;
-                    verify(checksums, file, part.start, &fetched.bytes)?;
+                    verify(checksums, file, part.start, bytes)?;
                     stats.bytes_verified += part.len();
                 }
-                on_part(part, &fetched.bytes)?;
-                drop(fetched);
-                reserved -= part.len();
+                on_part(part, bytes)?;
             }
+            drop(fetched);
+            reserved -= span.end - span.start;
         }
         Ok(stats)
     }
@@ -537,39 +593,10 @@ struct Fetched {
 }
 
 /// Parts smaller than this (and than a quarter of the part size) may share one request with
-/// their neighbours, up to this many bytes together.
+/// their neighbours ([`ReadOptions::coalesce_gap`]).
 const SMALL_PART: u64 = 1 << 20;
-/// At most this many ranges in one `get_ranges` request.
-const MAX_RANGES_PER_REQUEST: usize = 1024;
-
-/// Fetches `ranges` of `path` (one `get_range`, or one `get_ranges` for several), retrying
-/// transient errors; a failing multi-range request falls back to the ranges one by one, so errors
-/// name the exact range.
-async fn fetch_ranges(
-    store: Arc<dyn ObjectStore>,
-    path: Path,
-    ranges: Vec<Range<u64>>,
-    backoff: ExponentialBuilder,
-) -> Result<Vec<Fetched>, LoaderError> {
-    if ranges.len() > 1
-        && let Ok(all) = store.get_ranges(&path, &ranges).await
-        && all.len() == ranges.len()
-        && all
-            .iter()
-            .zip(&ranges)
-            .all(|(b, r)| b.len() as u64 == r.end - r.start)
-    {
-        return Ok(all
-            .into_iter()
-            .map(|bytes| Fetched { bytes, retries: 0 })
-            .collect());
-    }
-    let mut out = Vec::with_capacity(ranges.len());
-    for range in ranges {
-        out.push(fetch_part(store.as_ref(), &path, range, backoff).await?);
-    }
-    Ok(out)
-}
+/// At most this many parts share one request: bounds the bookkeeping of one request.
+const MAX_PARTS_PER_REQUEST: usize = 1024;
 
 /// How one attempt at a part failed.
 enum Attempt {
@@ -822,6 +849,90 @@ mod tests {
             .unwrap();
         assert_eq!(schedule.parts, vec![r(0, 10, 40)]);
         assert_eq!(schedule.caller_checked, vec![false]);
+    }
+
+    /// Rows of 100 bytes every 400 bytes (a quarter column slice), fetched with `gap` as the
+    /// coalescing gap: the stats, and every row's bytes as handed to the consumer.
+    async fn fetch_rows(gap: Option<u64>) -> (FetchStats, Vec<(FileRange, Vec<u8>)>) {
+        let store = store();
+        let data: Vec<u8> = (0..40_000u32).map(|i| (i % 251) as u8).collect();
+        let path = Path::from("ckpt/data/f0.bin");
+        store.put(&path, data.into()).await.unwrap();
+        let options = ReadOptions {
+            coalesce_gap: gap,
+            ..options(1 << 20, false)
+        };
+        let scheduler = RangeScheduler::new(store, files(1), None, &options);
+        let rows: Vec<FileRange> = (0..100).map(|i| r(0, i * 400, i * 400 + 100)).collect();
+        let schedule = scheduler.schedule(rows).unwrap();
+        let mut got = Vec::new();
+        let stats = scheduler
+            .fetch(&schedule.parts, |part, bytes| {
+                got.push((part, bytes.to_vec()));
+                Ok(())
+            })
+            .await
+            .unwrap();
+        got.sort();
+        for (part, bytes) in &got {
+            let want: Vec<u8> = (part.start..part.end).map(|i| (i % 251) as u8).collect();
+            assert_eq!(bytes, &want, "{part:?}");
+        }
+        assert_eq!(got.len(), 100);
+        (stats, got)
+    }
+
+    #[tokio::test]
+    async fn no_gap_fetches_exactly_the_rows_one_request_each() {
+        for gap in [None, Some(0), Some(299)] {
+            let (stats, _) = fetch_rows(gap).await;
+            assert_eq!(stats.requests, 100, "gap {gap:?}");
+            assert_eq!(stats.bytes_fetched, 100 * 100);
+            assert_eq!(stats.bytes_transferred, 100 * 100, "gap {gap:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_gap_as_wide_as_the_holes_spans_them_and_counts_them() {
+        let (stats, _) = fetch_rows(Some(300)).await;
+        // One request from the first row's start to the last row's end, gaps included.
+        assert_eq!(stats.requests, 1);
+        assert_eq!(stats.parts, 100);
+        assert_eq!(stats.bytes_fetched, 100 * 100);
+        assert_eq!(stats.bytes_transferred, 99 * 400 + 100);
+    }
+
+    #[tokio::test]
+    async fn a_request_spans_at_most_a_part_size() {
+        let store = store();
+        let path = Path::from("ckpt/data/f0.bin");
+        store.put(&path, vec![7u8; 40_000].into()).await.unwrap();
+        // Part size 4000: small parts are under 1000 bytes; a request spans at most 4000.
+        let options = ReadOptions {
+            coalesce_gap: Some(300),
+            ..options(4000, false)
+        };
+        let scheduler = RangeScheduler::new(store, files(1), None, &options);
+        let rows: Vec<FileRange> = (0..100).map(|i| r(0, i * 400, i * 400 + 100)).collect();
+        let schedule = scheduler.schedule(rows).unwrap();
+        let stats = scheduler.fetch(&schedule.parts, |_, _| Ok(())).await.unwrap();
+        // Ten rows (9 * 400 + 100 = 3700 bytes) per request.
+        assert_eq!(stats.requests, 10);
+        assert_eq!(stats.bytes_transferred, 10 * 3700);
+    }
+
+    #[test]
+    fn object_stores_span_small_gaps_local_files_none() {
+        assert_eq!(default_coalesce_gap("/data/ckpt"), 0);
+        assert_eq!(default_coalesce_gap("file:///data/ckpt"), 0);
+        assert_eq!(
+            default_coalesce_gap("s3://bucket/ckpt"),
+            OBJECT_STORE_COALESCE_GAP
+        );
+        assert_eq!(
+            default_coalesce_gap("https://host/ckpt"),
+            OBJECT_STORE_COALESCE_GAP
+        );
     }
 
     #[test]
