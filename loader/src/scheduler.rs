@@ -385,9 +385,8 @@ impl<'a> RangeScheduler<'a> {
                 let store = Arc::clone(&self.store);
                 let path = file.path.clone();
                 let range = span.clone();
-                let handle = tasks.spawn(async move {
-                    fetch_part(store.as_ref(), &path, range, backoff).await
-                });
+                let handle = tasks
+                    .spawn(async move { fetch_part(store.as_ref(), &path, range, backoff).await });
                 task_parts.insert(handle.id(), (group, span));
             }
             let Some(joined) = tasks.join_next_with_id().await else {
@@ -398,9 +397,9 @@ impl<'a> RangeScheduler<'a> {
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
                 // Only a runtime shutting down cancels a request task.
                 Err(e) => {
-                    let request = task_parts.remove(&e.id()).and_then(|(group, span)| {
-                        group.first().map(|&i| (parts[i].file, span))
-                    });
+                    let request = task_parts
+                        .remove(&e.id())
+                        .and_then(|(group, span)| group.first().map(|&i| (parts[i].file, span)));
                     let (path, action) = match request {
                         Some((file, span)) => (
                             self.file(file)?.path.to_string(),
@@ -915,7 +914,10 @@ mod tests {
         let scheduler = RangeScheduler::new(store, files(1), None, &options);
         let rows: Vec<FileRange> = (0..100).map(|i| r(0, i * 400, i * 400 + 100)).collect();
         let schedule = scheduler.schedule(rows).unwrap();
-        let stats = scheduler.fetch(&schedule.parts, |_, _| Ok(())).await.unwrap();
+        let stats = scheduler
+            .fetch(&schedule.parts, |_, _| Ok(()))
+            .await
+            .unwrap();
         // Ten rows (9 * 400 + 100 = 3700 bytes) per request.
         assert_eq!(stats.requests, 10);
         assert_eq!(stats.bytes_transferred, 10 * 3700);

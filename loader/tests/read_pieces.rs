@@ -51,9 +51,14 @@ async fn whole_load_is_exact_and_fetches_exactly_what_it_needs(store: Arc<dyn Ob
         coalesce_gap: Some(4096),
         ..options(false)
     };
-    let loaded = load(Arc::clone(&store), plan, Some(&written.checksums), &spanning)
-        .await
-        .unwrap();
+    let loaded = load(
+        Arc::clone(&store),
+        plan,
+        Some(&written.checksums),
+        &spanning,
+    )
+    .await
+    .unwrap();
     check_loaded(plan, &loaded);
     let stats = &loaded.stats;
     assert_eq!((stats.parts, stats.requests), (4, 2));
