@@ -23,8 +23,8 @@ fn tempdir() -> tempfile::TempDir {
 fn ok_with_env(env: &[(String, String)], args: &[&str]) -> String {
     let output = std::process::Command::new(support::BIN)
         .args(args)
-        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .env_remove("TESSERA_COALESCE_GAP")
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .stdin(std::process::Stdio::null())
         .output()
         .unwrap();
@@ -124,6 +124,26 @@ fn a_column_reshard_from_s3_transfers_what_the_report_says_within_the_gap_bound(
         gaps <= (exact_requests - served.get_requests) * 64 * 1024,
         "{gaps} gap bytes for {} fewer requests",
         exact_requests - served.get_requests
+    );
+
+    // The text report says the same, with the gap from the environment.
+    let mut env = server.env();
+    env.push(("TESSERA_COALESCE_GAP".to_string(), "0".to_string()));
+    server.reset_served();
+    let text = ok_with_env(&env, &["load", URL, "--layout", &target, "--no-verify"]);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("bytes transferred"))
+        .unwrap_or_else(|| panic!("no transfer line in\n{text}"));
+    assert!(
+        line.contains(&format!(
+            "in {exact_requests} requests = 1.00 x needed (0 B of gaps"
+        )),
+        "{line}"
+    );
+    assert_eq!(
+        server.served_where(|p| p.contains("/data/")).get_requests,
+        exact_requests
     );
 
     // Verified (the default): checksum blocks around the rows, and still the server's count.

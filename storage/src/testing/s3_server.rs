@@ -101,6 +101,10 @@ impl S3TestServer {
                 },
             );
             async move {
+                // As S3 answers: without TCP_NODELAY a small answer written as headers then body
+                // waits for the client's delayed ACK (tens of milliseconds a request on
+                // loopback), which made a request look 100x dearer than it is.
+                let _ = socket.set_nodelay(true);
                 // A client that goes away mid-request is not the server's problem.
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(socket), counted)
