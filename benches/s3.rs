@@ -147,7 +147,7 @@ fn main() {
         for (gap_name, gap) in [
             ("0", 0u64),
             ("64 KiB (default)", 64 << 10),
-            ("1 MiB (get_ranges)", 1 << 20),
+            ("1 MiB (get_ranges' default)", 1 << 20),
         ] {
             server.reset_served();
             let started = Instant::now();
