@@ -12,7 +12,7 @@ use tessera_metadata::{CheckpointMeta, Format, OpenOptions, open_any};
 use tessera_planner::{Plan, PlanOptions, RankPlan, RequestSet, plan};
 
 use crate::exchange::{check_buffer_sizes, check_rank, invalid, run_exchanges};
-use crate::read::{ReadOptions, ReadStats, default_coalesce_gap, read_into};
+use crate::read::{ReadOptions, ReadStats, default_coalesce_gap, exact_multi_range, read_into};
 use crate::transport::Transport;
 use crate::{LoaderError, place};
 use tessera_storage::Location;
@@ -108,6 +108,10 @@ impl Checkpoint {
         read.coalesce_gap = Some(
             read.coalesce_gap
                 .unwrap_or_else(|| default_coalesce_gap(&self.location.display)),
+        );
+        read.exact_multi_range = Some(
+            read.exact_multi_range
+                .unwrap_or_else(|| exact_multi_range(&self.location.display)),
         );
         read_into(
             Arc::clone(&self.location.store),

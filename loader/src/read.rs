@@ -35,7 +35,9 @@ use tessera_planner::{RankPiece, RankPlan, StridedRuns};
 use crate::LoaderError;
 use crate::scheduler::{FileRange, RangeScheduler, SourceFile, union_len};
 
-pub use crate::scheduler::{OBJECT_STORE_COALESCE_GAP, ReadOptions, default_coalesce_gap};
+pub use crate::scheduler::{
+    OBJECT_STORE_COALESCE_GAP, ReadOptions, default_coalesce_gap, exact_multi_range,
+};
 
 /// What [`read_pieces`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
