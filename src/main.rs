@@ -179,6 +179,12 @@ enum Command {
         /// Every rank reads all it needs itself (no exchange).
         #[arg(long)]
         no_dedup: bool,
+        /// Largest gap in bytes between two small ranges of a file that one storage request may
+        /// span, reading the gap too (fewer requests for more bytes). Default: 0 for local
+        /// files, 65536 for object stores (s3://, gs://, az://, http(s)://). The report counts
+        /// the bytes transferred, gaps included.
+        #[arg(long, env = "TESSERA_COALESCE_GAP", value_name = "BYTES")]
+        coalesce_gap: Option<u64>,
         /// Check every loaded byte against the synthetic value formula (synthetic checkpoints).
         #[arg(long)]
         check: bool,
@@ -571,6 +577,7 @@ fn run(cli: Cli) -> Result<()> {
             master_port,
             no_verify,
             no_dedup,
+            coalesce_gap,
             check,
             peer_timeout,
             report_json,
@@ -603,6 +610,7 @@ fn run(cli: Cli) -> Result<()> {
                 master_port,
                 verify: !no_verify,
                 dedup: !no_dedup,
+                coalesce_gap,
                 check,
                 report_json,
                 peer_timeout: std::time::Duration::from_secs_f64(peer_timeout),

@@ -211,6 +211,7 @@ where
         ),
         io_amplification: crate::load::ratio(read.bytes_fetched, read.bytes_needed),
         boxes_verified: read.boxes_verified,
+        bytes_transferred: read.bytes_transferred,
         requests: read.requests,
         retries: read.retries,
         bytes_sent: exchanged.bytes_sent,

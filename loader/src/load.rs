@@ -12,7 +12,7 @@ use tessera_metadata::{CheckpointMeta, Format, OpenOptions, open_any};
 use tessera_planner::{Plan, PlanOptions, RankPlan, RequestSet, plan};
 
 use crate::exchange::{check_buffer_sizes, check_rank, invalid, run_exchanges};
-use crate::read::{ReadOptions, ReadStats, read_into};
+use crate::read::{ReadOptions, ReadStats, default_coalesce_gap, exact_multi_range, read_into};
 use crate::transport::Transport;
 use crate::{LoaderError, place};
 use tessera_storage::Location;
@@ -103,13 +103,23 @@ impl Checkpoint {
         buffers: &mut [B],
     ) -> Result<ReadStats, LoaderError> {
         self.check_plan(plan)?;
+        // The gap worth spanning depends on the kind of store, which is known here.
+        let mut read = options.read.clone();
+        read.coalesce_gap = Some(
+            read.coalesce_gap
+                .unwrap_or_else(|| default_coalesce_gap(&self.location.display)),
+        );
+        read.exact_multi_range = Some(
+            read.exact_multi_range
+                .unwrap_or_else(|| exact_multi_range(&self.location.display)),
+        );
         read_into(
             Arc::clone(&self.location.store),
             &self.location.prefix,
             plan,
             self.checksums.as_deref(),
             Some(&self.meta),
-            &options.read,
+            &read,
             buffers,
             options
                 .progress
@@ -168,7 +178,12 @@ pub struct RankReport {
     /// need no checksum blocks): whole-box pieces, and small boxes of which a part was needed.
     #[serde(default)]
     pub boxes_verified: u64,
-    /// Storage requests.
+    /// Bytes the store returned: `bytes_fetched` plus the gaps between small ranges that one
+    /// request spanned ([`ReadOptions::coalesce_gap`](crate::read::ReadOptions::coalesce_gap)).
+    /// What the wire carried, counted per request, for every kind of store.
+    #[serde(default)]
+    pub bytes_transferred: u64,
+    /// Storage requests (one `get_range` each; retries not included).
     pub requests: u64,
     /// Retried storage requests.
     pub retries: u64,
@@ -248,6 +263,7 @@ pub async fn load_rank_into<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
         ),
         io_amplification: ratio(stats.bytes_fetched, stats.bytes_needed),
         boxes_verified: stats.boxes_verified,
+        bytes_transferred: stats.bytes_transferred,
         requests: stats.requests,
         retries: stats.retries,
         bytes_sent: exchanged.bytes_sent,

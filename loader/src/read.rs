@@ -35,7 +35,9 @@ use tessera_planner::{RankPiece, RankPlan, StridedRuns};
 use crate::LoaderError;
 use crate::scheduler::{FileRange, RangeScheduler, SourceFile, union_len};
 
-pub use crate::scheduler::ReadOptions;
+pub use crate::scheduler::{
+    OBJECT_STORE_COALESCE_GAP, ReadOptions, default_coalesce_gap, exact_multi_range,
+};
 
 /// What [`read_pieces`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -54,7 +56,11 @@ pub struct ReadStats {
     /// Saved boxes fetched whole and checked against their metadata row's crc32c instead of
     /// block checksums (pieces that are whole boxes, and small boxes of which a piece is a part).
     pub boxes_verified: u64,
-    /// Storage requests (small parts of one file share one; retries not included).
+    /// Bytes the store returned: `bytes_fetched` plus the gaps that requests spanning several
+    /// small parts fetched ([`ReadOptions::coalesce_gap`]).
+    pub bytes_transferred: u64,
+    /// Storage requests, one `get_range` each (small parts of one file may share one; retries
+    /// not included).
     pub requests: u64,
     /// Parts fetched (ranges of at most the part size).
     pub parts: u64,
@@ -365,6 +371,7 @@ async fn read_runs(
         },
         bytes_verified: fetched.bytes_verified,
         boxes_verified,
+        bytes_transferred: fetched.bytes_transferred,
         requests: fetched.requests,
         parts: fetched.parts,
         retries: fetched.retries,

@@ -17,6 +17,14 @@
 //! [`ReadOptions::max_buffered_bytes`] requested but not yet consumed. Every part is checked
 //! against the checkpoint's block checksums before the consumer sees it.
 //!
+//! Small neighbouring parts of one file may share one request: when the gap between them is at
+//! most [`ReadOptions::coalesce_gap`] bytes, one `get_range` fetches them and the gap, and the
+//! bytes are sliced back into the parts. That trades gap bytes for requests, and it is the
+//! scheduler's own decision, counted: [`FetchStats::bytes_transferred`] is what the store
+//! returned, gaps included. (object_store's `get_ranges` is not used: its HTTP stores merge
+//! ranges less than 1 MiB apart on their own, which served a column reshard up to 4x the bytes
+//! the report counted, issue 19.)
+//!
 //! Retries follow tessera's one [`RetryPolicy`] ([`ReadOptions::retry`]): errors that
 //! [`tessera_storage::is_transient`] calls transient are retried with its jittered exponential
 //! backoff, at most `max_attempts` times per request; permanent ones (a missing file, a truncated
@@ -72,6 +80,48 @@ pub struct ReadOptions {
     /// checksum blocks: at most one partial block extra on each side of a coalesced range.
     /// Without block checksums (formats that have none) nothing is verified.
     pub verify: bool,
+    /// Largest gap in bytes between two small parts of one file that one request may span,
+    /// fetching the gap too; `None` takes the store kind's default
+    /// ([`default_coalesce_gap`]: 0 for local files, [`OBJECT_STORE_COALESCE_GAP`] for object
+    /// stores). Where the store is not known (a bare [`RangeScheduler`]) `None` means 0: no
+    /// byte is read that nobody asked for.
+    pub coalesce_gap: Option<u64>,
+    /// Small parts that the gap keeps apart still share one `get_ranges` call (up to 1 MiB of
+    /// them): only for stores whose `get_ranges` reads exactly the ranges asked for, in one
+    /// request. Local files qualify (one open, one read per range; a request per row of a column
+    /// slice made a local gpt-small tp4 load 3x slower); object_store's HTTP stores do not
+    /// (their `get_ranges` merges ranges under 1 MiB apart and fetches the gaps, issue 19).
+    /// `None` takes the store kind's ([`exact_multi_range`]); where the store is not known (a
+    /// bare [`RangeScheduler`]) `None` means false.
+    pub exact_multi_range: Option<bool>,
+}
+
+/// The default [`ReadOptions::coalesce_gap`] of object stores (S3, GCS, Azure, HTTP): 64 KiB.
+///
+/// A request costs a round trip plus the store's time to first byte; a gap costs its transfer.
+/// Measured on the loopback S3 test server (`cargo bench --bench s3`, BENCHMARKS.md "S3"): one
+/// request 0.29 ms, one byte 5.6 ns on one connection (0.18 GB/s), so a request is worth about
+/// 50 KiB of gap; 64 KiB is that break-even, rounded to a power of two. The bound it gives: the
+/// bytes a load transfers exceed the bytes it fetches by at most 64 KiB per request saved.
+/// Stores far from the reader (cloud S3: 10–50 ms to first byte, 100–200 MB/s per connection)
+/// break even at 1–10 MB; there `--coalesce-gap` trades bytes for requests, and the report
+/// shows both.
+pub const OBJECT_STORE_COALESCE_GAP: u64 = 64 * 1024;
+
+/// The default [`ReadOptions::exact_multi_range`] for a checkpoint at `location` (what the user
+/// typed): true for local paths and `file://`, false for object stores.
+pub fn exact_multi_range(location: &str) -> bool {
+    default_coalesce_gap(location) == 0
+}
+
+/// The default [`ReadOptions::coalesce_gap`] for a checkpoint at `location` (what the user typed):
+/// 0 for local paths and `file://` (a local read costs no round trip, so a gap is pure waste),
+/// [`OBJECT_STORE_COALESCE_GAP`] for every `scheme://` of an object store.
+pub fn default_coalesce_gap(location: &str) -> u64 {
+    match location.split_once("://") {
+        Some((scheme, _)) if !scheme.eq_ignore_ascii_case("file") => OBJECT_STORE_COALESCE_GAP,
+        _ => 0,
+    }
 }
 
 impl Default for ReadOptions {
@@ -82,6 +132,8 @@ impl Default for ReadOptions {
             max_buffered_bytes: 256 * 1024 * 1024,
             retry: RetryPolicy::default(),
             verify: true,
+            coalesce_gap: None,
+            exact_multi_range: None,
         }
     }
 }
@@ -137,9 +189,12 @@ pub struct Schedule {
 /// What a [`RangeScheduler::fetch`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FetchStats {
-    /// Storage requests that succeeded (several small parts may share one; retries not
-    /// included).
+    /// Storage requests that succeeded: one `get_range` each (several small parts may share
+    /// one; retries not included).
     pub requests: u64,
+    /// Bytes the store returned for those requests: `bytes_fetched` plus the gaps that
+    /// coalescing spanned ([`ReadOptions::coalesce_gap`]). Failed attempts are not included.
+    pub bytes_transferred: u64,
     /// Parts fetched (ranges of at most the part size).
     pub parts: u64,
     /// Failed attempts that were retried.
@@ -298,11 +353,16 @@ impl<'a> RangeScheduler<'a> {
         let backoff = self.options.retry.backoff();
         let mut stats = FetchStats::default();
         let mut tasks: JoinSet<Result<Vec<Fetched>, LoaderError>> = JoinSet::new();
-        // Which parts each task fetches (several small parts of one file go in one request).
-        let mut task_parts: HashMap<task::Id, Vec<usize>> = HashMap::new();
+        // What each task fetches: spans of the file (one `get_range` each, or all in one
+        // `get_ranges` call on a store that reads ranges exactly), each with the parts it holds.
+        let mut task_parts: HashMap<task::Id, Vec<Segment>> = HashMap::new();
+        let gap = self.options.coalesce_gap.unwrap_or(0);
+        let multi_range = self.options.exact_multi_range.unwrap_or(false);
+        // One request spans at most a part size, gaps included: the bound the part size sets.
+        let max_span = self.options.part_size.max(1);
         // One task (this one) launches requests and consumes their bytes, so a counter is all the
-        // byte budget needs: bytes are reserved when a part is requested and released when
-        // `on_part` has consumed it.
+        // byte budget needs: a request's bytes (gaps included) are reserved when it starts and
+        // released when `on_part` has consumed its parts.
         let mut reserved: u64 = 0;
         let mut next = 0;
         loop {
@@ -314,36 +374,64 @@ impl<'a> RangeScheduler<'a> {
                     break;
                 }
                 let file = self.file(part.file)?;
-                // Small parts (the rows of a column slice when nothing fills the gaps between
-                // them) ride together in one `get_ranges` call: one request and one file open
-                // instead of thousands, still reading only the bytes needed.
-                // Only ranges that are small in their own right: parts cut from a large range
-                // are part-size long and go one per request.
+                // Small parts (the rows of a column slice) ride together in one `get_range` when
+                // the gaps between them are at most `coalesce_gap`: one request instead of
+                // thousands, at the price of the gap bytes, which are counted. Only ranges that
+                // are small in their own right: parts cut from a large range are part-size long
+                // and go one per request.
                 let small = SMALL_PART.min(self.options.part_size / 4);
-                let mut group = vec![next];
-                let mut group_bytes = part.len();
+                let mut segments = vec![Segment {
+                    parts: vec![next],
+                    span: part.start..part.end,
+                }];
+                let mut task_bytes = part.len();
+                let mut count = 1;
                 next += 1;
                 while part.len() < small
                     && next < parts.len()
-                    && group.len() < MAX_RANGES_PER_REQUEST
+                    && count < MAX_PARTS_PER_REQUEST
                     && parts[next].file == part.file
                     && parts[next].len() < small
-                    && group_bytes + parts[next].len() <= SMALL_PART
-                    && reserved.saturating_add(group_bytes + parts[next].len()) <= budget
                 {
-                    group_bytes += parts[next].len();
-                    group.push(next);
+                    let candidate = parts[next];
+                    let Some(last) = segments.last_mut() else {
+                        break;
+                    };
+                    let spanned = candidate.start >= last.span.end
+                        && candidate.start - last.span.end <= gap
+                        && candidate.end - last.span.start <= max_span;
+                    let added = if spanned {
+                        candidate.end - last.span.end
+                    } else {
+                        candidate.len()
+                    };
+                    if reserved.saturating_add(task_bytes + added) > budget {
+                        break;
+                    }
+                    if spanned {
+                        last.span.end = candidate.end;
+                        last.parts.push(next);
+                    } else if multi_range && task_bytes + added <= SMALL_PART {
+                        // A store that reads several ranges exactly in one call (local files:
+                        // one open, one read each) takes the small parts the gap keeps apart
+                        // together, as many as fit in SMALL_PART.
+                        segments.push(Segment {
+                            parts: vec![next],
+                            span: candidate.start..candidate.end,
+                        });
+                    } else {
+                        break;
+                    }
+                    task_bytes += added;
+                    count += 1;
                     next += 1;
                 }
-                reserved += group_bytes;
+                reserved += task_bytes;
                 let store = Arc::clone(&self.store);
                 let path = file.path.clone();
-                let ranges: Vec<Range<u64>> = group
-                    .iter()
-                    .map(|&i| parts[i].start..parts[i].end)
-                    .collect();
-                let handle = tasks.spawn(fetch_ranges(store, path, ranges, backoff));
-                task_parts.insert(handle.id(), group);
+                let spans: Vec<Range<u64>> = segments.iter().map(|s| s.span.clone()).collect();
+                let handle = tasks.spawn(fetch_spans(store, path, spans, backoff));
+                task_parts.insert(handle.id(), segments);
             }
             let Some(joined) = tasks.join_next_with_id().await else {
                 break;
@@ -353,14 +441,16 @@ impl<'a> RangeScheduler<'a> {
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
                 // Only a runtime shutting down cancels a request task.
                 Err(e) => {
-                    let part = task_parts
-                        .remove(&e.id())
-                        .and_then(|g| g.first().copied())
-                        .map(|i| parts[i]);
-                    let (path, action) = match part {
-                        Some(p) => (
-                            self.file(p.file)?.path.to_string(),
-                            format!("reading bytes {}..{} of", p.start, p.end),
+                    let request = task_parts.remove(&e.id()).and_then(|segments| {
+                        let first = segments.first()?;
+                        let last = segments.last()?;
+                        let file = parts.get(*first.parts.first()?)?.file;
+                        Some((file, first.span.start..last.span.end))
+                    });
+                    let (path, action) = match request {
+                        Some((file, span)) => (
+                            self.file(file)?.path.to_string(),
+                            format!("reading bytes {}..{} of", span.start, span.end),
                         ),
                         None => (String::new(), "reading".to_string()),
                     };
@@ -372,30 +462,44 @@ impl<'a> RangeScheduler<'a> {
                     .into());
                 }
             };
-            let Some(group) = index else {
+            let Some(segments) = index else {
                 return Err(LoaderError::InvalidPlan {
                     detail: "a storage request finished that was never started".to_string(),
                 });
             };
             let fetched = result?;
             stats.requests += 1;
-            for (index, fetched) in group.into_iter().zip(fetched) {
-                let part = parts[index];
-                stats.parts += 1;
+            for (segment, fetched) in segments.into_iter().zip(fetched) {
+                let span = segment.span;
                 stats.retries += u64::from(fetched.retries);
-                stats.bytes_fetched += part.len();
-                // Verified here rather than in the request task: crc32c runs at memory speed (CPU
-                // CRC instructions), far above what storage delivers, and the checksums stay
-                // borrowed.
-                let checked_by_caller = caller_checked.get(index).copied().unwrap_or(false);
-                if let (Some(checksums), false) = (self.checksums, checked_by_caller) {
-                    let file = self.file(part.file)?;
-                    verify(checksums, file, part.start, &fetched.bytes)?;
-                    stats.bytes_verified += part.len();
+                stats.bytes_transferred += fetched.bytes.len() as u64;
+                for index in segment.parts {
+                    let part = parts[index];
+                    stats.parts += 1;
+                    stats.bytes_fetched += part.len();
+                    // `fetch_spans` checked the length of every span, so every slice is in it.
+                    let from = usize::try_from(part.start - span.start).unwrap_or(usize::MAX);
+                    let to = usize::try_from(part.end - span.start).unwrap_or(usize::MAX);
+                    let Some(bytes) = fetched.bytes.get(from..to) else {
+                        return Err(LoaderError::InvalidPlan {
+                            detail: format!(
+                                "part {}..{} lies outside its request {}..{}",
+                                part.start, part.end, span.start, span.end
+                            ),
+                        });
+                    };
+                    // Verified here rather than in the request task: crc32c runs at memory speed
+                    // (CPU CRC instructions), far above what storage delivers, and the checksums
+                    // stay borrowed.
+                    let checked_by_caller = caller_checked.get(index).copied().unwrap_or(false);
+                    if let (Some(checksums), false) = (self.checksums, checked_by_caller) {
+                        let file = self.file(part.file)?;
+                        verify(checksums, file, part.start, bytes)?;
+                        stats.bytes_verified += part.len();
+                    }
+                    on_part(part, bytes)?;
                 }
-                on_part(part, &fetched.bytes)?;
-                drop(fetched);
-                reserved -= part.len();
+                reserved -= span.end - span.start;
             }
         }
         Ok(stats)
@@ -530,33 +634,28 @@ fn bad_block(
         })
 }
 
-/// A fetched part.
-struct Fetched {
-    bytes: Bytes,
-    retries: u32,
+/// Bytes `span` of a file, fetched as one range, holding `parts` (indices into the parts).
+struct Segment {
+    parts: Vec<usize>,
+    span: Range<u64>,
 }
 
-/// Parts smaller than this (and than a quarter of the part size) may share one request with
-/// their neighbours, up to this many bytes together.
-const SMALL_PART: u64 = 1 << 20;
-/// At most this many ranges in one `get_ranges` request.
-const MAX_RANGES_PER_REQUEST: usize = 1024;
-
-/// Fetches `ranges` of `path` (one `get_range`, or one `get_ranges` for several), retrying
-/// transient errors; a failing multi-range request falls back to the ranges one by one, so errors
-/// name the exact range.
-async fn fetch_ranges(
+/// Fetches `spans` of `path`: one `get_range` for one span; several (small ones, on a store
+/// whose `get_ranges` reads exactly the ranges asked for) in one `get_ranges` call, which falls
+/// back to the spans one by one when it fails, so that errors name the exact range and transient
+/// ones are retried.
+async fn fetch_spans(
     store: Arc<dyn ObjectStore>,
     path: Path,
-    ranges: Vec<Range<u64>>,
+    spans: Vec<Range<u64>>,
     backoff: ExponentialBuilder,
 ) -> Result<Vec<Fetched>, LoaderError> {
-    if ranges.len() > 1
-        && let Ok(all) = store.get_ranges(&path, &ranges).await
-        && all.len() == ranges.len()
+    if spans.len() > 1
+        && let Ok(all) = store.get_ranges(&path, &spans).await
+        && all.len() == spans.len()
         && all
             .iter()
-            .zip(&ranges)
+            .zip(&spans)
             .all(|(b, r)| b.len() as u64 == r.end - r.start)
     {
         return Ok(all
@@ -564,12 +663,24 @@ async fn fetch_ranges(
             .map(|bytes| Fetched { bytes, retries: 0 })
             .collect());
     }
-    let mut out = Vec::with_capacity(ranges.len());
-    for range in ranges {
-        out.push(fetch_part(store.as_ref(), &path, range, backoff).await?);
+    let mut out = Vec::with_capacity(spans.len());
+    for span in spans {
+        out.push(fetch_part(store.as_ref(), &path, span, backoff).await?);
     }
     Ok(out)
 }
+
+/// A fetched part.
+struct Fetched {
+    bytes: Bytes,
+    retries: u32,
+}
+
+/// Parts smaller than this (and than a quarter of the part size) may share one request with
+/// their neighbours ([`ReadOptions::coalesce_gap`]).
+const SMALL_PART: u64 = 1 << 20;
+/// At most this many parts share one request: bounds the bookkeeping of one request.
+const MAX_PARTS_PER_REQUEST: usize = 1024;
 
 /// How one attempt at a part failed.
 enum Attempt {
@@ -822,6 +933,124 @@ mod tests {
             .unwrap();
         assert_eq!(schedule.parts, vec![r(0, 10, 40)]);
         assert_eq!(schedule.caller_checked, vec![false]);
+    }
+
+    /// Rows of 100 bytes every 400 bytes (a quarter column slice), fetched with `gap` as the
+    /// coalescing gap: the stats, and every row's bytes as handed to the consumer.
+    async fn fetch_rows(gap: Option<u64>) -> (FetchStats, Vec<(FileRange, Vec<u8>)>) {
+        let store = store();
+        let data: Vec<u8> = (0..40_000u32).map(|i| (i % 251) as u8).collect();
+        let path = Path::from("ckpt/data/f0.bin");
+        store.put(&path, data.into()).await.unwrap();
+        let options = ReadOptions {
+            coalesce_gap: gap,
+            ..options(1 << 20, false)
+        };
+        let scheduler = RangeScheduler::new(store, files(1), None, &options);
+        let rows: Vec<FileRange> = (0..100).map(|i| r(0, i * 400, i * 400 + 100)).collect();
+        let schedule = scheduler.schedule(rows).unwrap();
+        let mut got = Vec::new();
+        let stats = scheduler
+            .fetch(&schedule.parts, |part, bytes| {
+                got.push((part, bytes.to_vec()));
+                Ok(())
+            })
+            .await
+            .unwrap();
+        got.sort();
+        for (part, bytes) in &got {
+            let want: Vec<u8> = (part.start..part.end).map(|i| (i % 251) as u8).collect();
+            assert_eq!(bytes, &want, "{part:?}");
+        }
+        assert_eq!(got.len(), 100);
+        (stats, got)
+    }
+
+    #[tokio::test]
+    async fn no_gap_fetches_exactly_the_rows_one_request_each() {
+        for gap in [None, Some(0), Some(299)] {
+            let (stats, _) = fetch_rows(gap).await;
+            assert_eq!(stats.requests, 100, "gap {gap:?}");
+            assert_eq!(stats.bytes_fetched, 100 * 100);
+            assert_eq!(stats.bytes_transferred, 100 * 100, "gap {gap:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_gap_as_wide_as_the_holes_spans_them_and_counts_them() {
+        let (stats, _) = fetch_rows(Some(300)).await;
+        // One request from the first row's start to the last row's end, gaps included.
+        assert_eq!(stats.requests, 1);
+        assert_eq!(stats.parts, 100);
+        assert_eq!(stats.bytes_fetched, 100 * 100);
+        assert_eq!(stats.bytes_transferred, 99 * 400 + 100);
+    }
+
+    #[tokio::test]
+    async fn a_store_that_reads_ranges_exactly_takes_them_in_one_call_without_the_gaps() {
+        let store = store();
+        let data: Vec<u8> = (0..40_000u32).map(|i| (i % 251) as u8).collect();
+        store
+            .put(&Path::from("ckpt/data/f0.bin"), data.into())
+            .await
+            .unwrap();
+        let options = ReadOptions {
+            exact_multi_range: Some(true),
+            ..options(1 << 20, false)
+        };
+        let scheduler = RangeScheduler::new(store, files(1), None, &options);
+        let rows: Vec<FileRange> = (0..100).map(|i| r(0, i * 400, i * 400 + 100)).collect();
+        let schedule = scheduler.schedule(rows).unwrap();
+        let mut seen = 0;
+        let stats = scheduler
+            .fetch(&schedule.parts, |part, bytes| {
+                let want: Vec<u8> = (part.start..part.end).map(|i| (i % 251) as u8).collect();
+                assert_eq!(bytes, &want[..], "{part:?}");
+                seen += 1;
+                Ok(())
+            })
+            .await
+            .unwrap();
+        assert_eq!(seen, 100);
+        assert_eq!((stats.requests, stats.parts), (1, 100));
+        assert_eq!(stats.bytes_transferred, 100 * 100);
+    }
+
+    #[tokio::test]
+    async fn a_request_spans_at_most_a_part_size() {
+        let store = store();
+        let path = Path::from("ckpt/data/f0.bin");
+        store.put(&path, vec![7u8; 40_000].into()).await.unwrap();
+        // Part size 4000: small parts are under 1000 bytes; a request spans at most 4000.
+        let options = ReadOptions {
+            coalesce_gap: Some(300),
+            ..options(4000, false)
+        };
+        let scheduler = RangeScheduler::new(store, files(1), None, &options);
+        let rows: Vec<FileRange> = (0..100).map(|i| r(0, i * 400, i * 400 + 100)).collect();
+        let schedule = scheduler.schedule(rows).unwrap();
+        let stats = scheduler
+            .fetch(&schedule.parts, |_, _| Ok(()))
+            .await
+            .unwrap();
+        // Ten rows (9 * 400 + 100 = 3700 bytes) per request.
+        assert_eq!(stats.requests, 10);
+        assert_eq!(stats.bytes_transferred, 10 * 3700);
+    }
+
+    #[test]
+    fn object_stores_span_small_gaps_local_files_none() {
+        assert!(exact_multi_range("/data/ckpt") && !exact_multi_range("s3://bucket/ckpt"));
+        assert_eq!(default_coalesce_gap("/data/ckpt"), 0);
+        assert_eq!(default_coalesce_gap("file:///data/ckpt"), 0);
+        assert_eq!(
+            default_coalesce_gap("s3://bucket/ckpt"),
+            OBJECT_STORE_COALESCE_GAP
+        );
+        assert_eq!(
+            default_coalesce_gap("https://host/ckpt"),
+            OBJECT_STORE_COALESCE_GAP
+        );
     }
 
     #[test]

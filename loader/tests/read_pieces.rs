@@ -39,10 +39,32 @@ async fn whole_load_is_exact_and_fetches_exactly_what_it_needs(store: Arc<dyn Ob
     assert_eq!(stats.retries, 0);
     // Boxes start on 4 KiB boundaries. In each file the embedding rows end exactly where the qkv
     // rows begin (49152), so the two coalesce; the padding before the bias and before the step
-    // keeps those apart: 3 parts in rank0, 1 in rank1. rank0's three small parts share one
-    // multi-range request.
+    // keeps those apart: 3 parts in rank0, 1 in rank1. No coalescing gap is set (a bare store,
+    // so 0): one request per part, no byte beyond the parts.
     assert_eq!(stats.parts, 4);
-    assert_eq!(stats.requests, 2);
+    assert_eq!(stats.requests, 4);
+    assert_eq!(stats.bytes_transferred, stats.bytes_fetched);
+
+    // A gap of 4 KiB spans the padding: rank0's three small parts share one request, which
+    // carries the padding too, and the stats say how much.
+    let spanning = ReadOptions {
+        coalesce_gap: Some(4096),
+        ..options(false)
+    };
+    let loaded = load(
+        Arc::clone(&store),
+        plan,
+        Some(&written.checksums),
+        &spanning,
+    )
+    .await
+    .unwrap();
+    check_loaded(plan, &loaded);
+    let stats = &loaded.stats;
+    assert_eq!((stats.parts, stats.requests), (4, 2));
+    assert_eq!(stats.bytes_fetched, stats.bytes_needed);
+    let padding = stats.bytes_transferred - stats.bytes_fetched;
+    assert!(padding > 0 && padding < 2 * 4096, "{stats:?}");
 }
 
 #[tokio::test]

@@ -290,7 +290,10 @@ def load(
         bytes read for the rank's pieces; 1.0 when nothing else is read) and
         ``io_amplification`` (``bytes_fetched`` / ``bytes_read``: total I/O, verification
         included, since checksum blocks around small tensors can exceed the data), with
-        ``verify_extra_bytes`` and ``boxes_verified`` (boxes checked by their own crc32c).
+        ``verify_extra_bytes`` and ``boxes_verified`` (boxes checked by their own crc32c), and
+        ``bytes_transferred``: what the store returned for the rank's ``requests``
+        (``bytes_fetched`` plus the gaps that one request spanned between small ranges; object
+        stores span gaps up to 64 KiB, local files none).
 
     Raises:
         TesseraError: unknown tensor, dtype or shape mismatch, unreadable checkpoint, storage,

@@ -82,6 +82,9 @@ pub struct LoadArgs {
     pub verify: bool,
     /// Read each shared piece once and exchange it.
     pub dedup: bool,
+    /// Largest gap one storage request may span (`--coalesce-gap`); `None`: the store kind's
+    /// default (`tessera_loader::read::default_coalesce_gap`).
+    pub coalesce_gap: Option<u64>,
     /// Check every loaded byte against the synthetic value formula.
     pub check: bool,
     /// Write the JSON report here (used by the per-rank processes of `--transport tcp`).
@@ -268,6 +271,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         read: ReadOptions {
             verify: args.verify,
             retry: args.retry.clone(),
+            coalesce_gap: args.coalesce_gap,
             ..ReadOptions::default()
         },
         progress: None,
@@ -623,6 +627,9 @@ async fn load_all_tcp(
         if !args.verify {
             cmd.arg("--no-verify");
         }
+        if let Some(gap) = args.coalesce_gap {
+            cmd.args(["--coalesce-gap", &gap.to_string()]);
+        }
         if !args.dedup {
             cmd.arg("--no-dedup");
         }
@@ -927,6 +934,13 @@ pub struct LoadTotals {
     pub read_amplification: f64,
     /// `bytes_fetched / unique_needed`: total I/O per byte needed, verification included.
     pub io_amplification: f64,
+    /// Bytes the stores returned, over all ranks: `bytes_fetched` plus the gaps that requests
+    /// spanning several small ranges carried (`--coalesce-gap`).
+    pub bytes_transferred: u64,
+    /// `bytes_transferred / unique_needed`: what the wire carried per byte needed.
+    pub transfer_amplification: f64,
+    /// Storage requests over all ranks (one ranged GET each; retries not included).
+    pub requests: u64,
     /// Bytes ranks sent each other.
     pub bytes_exchanged: u64,
 }
@@ -946,6 +960,12 @@ impl LoadTotals {
             boxes_verified: sum(|r| r.boxes_verified),
             read_amplification: tessera_loader::load::ratio(read, unique),
             io_amplification: tessera_loader::load::ratio(fetched, unique),
+            bytes_transferred: sum(|r| r.bytes_transferred),
+            transfer_amplification: tessera_loader::load::ratio(
+                sum(|r| r.bytes_transferred),
+                unique,
+            ),
+            requests: sum(|r| r.requests),
             bytes_exchanged: sum(|r| r.bytes_sent),
         }
     }
@@ -1065,6 +1085,16 @@ fn report_text(
         "total I/O            {} = {:.2} x needed (I/O amplification = bytes fetched, verification included / needed)",
         human::bytes(fetched),
         totals.io_amplification,
+    );
+    // What the store actually returned: more than fetched only where one request spanned the gap
+    // between small ranges (--coalesce-gap).
+    let _ = writeln!(
+        out,
+        "bytes transferred    {} in {} requests = {:.2} x needed ({} of gaps spanned by --coalesce-gap)",
+        human::bytes(totals.bytes_transferred),
+        totals.requests,
+        totals.transfer_amplification,
+        human::bytes(totals.bytes_transferred.saturating_sub(fetched)),
     );
     match checkpoint.format {
         Format::Native => {}

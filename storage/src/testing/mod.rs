@@ -12,4 +12,4 @@ mod s3_server;
 pub use fault::{FAULTY_STORE, FaultConfig, FaultStats, FaultyStore, InjectedFault};
 pub use http_server::{Stall, StallingHttpServer};
 pub use recording::RecordingStore;
-pub use s3_server::{ACCESS_KEY_ID, REGION, S3TestServer, SECRET_ACCESS_KEY};
+pub use s3_server::{ACCESS_KEY_ID, REGION, S3TestServer, SECRET_ACCESS_KEY, Served};

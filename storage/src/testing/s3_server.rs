@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
@@ -35,6 +36,24 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 pub struct S3TestServer {
     server: LoopbackServer,
     root: PathBuf,
+    served: Arc<ServedCounters>,
+}
+
+/// What an [`S3TestServer`] has served to GET requests since it started (or since
+/// [`S3TestServer::reset_served`]): counted at the server, so a test can hold a client's own
+/// account of its reads against what actually went over the wire.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Served {
+    /// GET requests answered (object reads, ranged or whole; listings are GETs too).
+    pub get_requests: u64,
+    /// Body bytes of those answers, by their `Content-Length`.
+    pub get_body_bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct ServedCounters {
+    /// Every GET answered: its URI path (`/bucket/key`) and body length.
+    gets: Mutex<Vec<(String, u64)>>,
 }
 
 impl S3TestServer {
@@ -52,16 +71,72 @@ impl S3TestServer {
             builder.set_auth(SimpleAuth::from_single(ACCESS_KEY_ID, SECRET_ACCESS_KEY));
             builder.build()
         };
+        let served = Arc::new(ServedCounters::default());
+        let counters = Arc::clone(&served);
         let server = LoopbackServer::start("S3 test server", SHUTDOWN_GRACE, move |socket| {
             let service = service.clone();
+            let counters = Arc::clone(&counters);
+            // Every answer passes through here on its way out: GETs are counted with the body
+            // length the server declares (and sends: hyper refuses to send a body of another
+            // length).
+            let counted = hyper::service::service_fn(
+                move |request: hyper::Request<hyper::body::Incoming>| {
+                    let service = service.clone();
+                    let counters = Arc::clone(&counters);
+                    async move {
+                        let get = (request.method() == hyper::Method::GET)
+                            .then(|| request.uri().path().to_string());
+                        let response = hyper::service::Service::call(&service, request).await?;
+                        if let Some(path) = get {
+                            let length = response
+                                .headers()
+                                .get(hyper::header::CONTENT_LENGTH)
+                                .and_then(|v| v.to_str().ok())
+                                .and_then(|v| v.parse::<u64>().ok())
+                                .unwrap_or(0);
+                            lock(&counters.gets).push((path, length));
+                        }
+                        Ok::<_, s3s::HttpError>(response)
+                    }
+                },
+            );
             async move {
+                // As S3 answers: without TCP_NODELAY a small answer written as headers then body
+                // waits for the client's delayed ACK (tens of milliseconds a request on
+                // loopback), which made a request look 100x dearer than it is.
+                let _ = socket.set_nodelay(true);
                 // A client that goes away mid-request is not the server's problem.
                 let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(socket), service)
+                    .serve_connection(TokioIo::new(socket), counted)
                     .await;
             }
         });
-        Self { server, root }
+        Self {
+            server,
+            root,
+            served,
+        }
+    }
+
+    /// What the server has served to GET requests so far (see [`Served`]).
+    pub fn served(&self) -> Served {
+        self.served_where(|_| true)
+    }
+
+    /// What the server has served to GET requests for paths (`/bucket/key`) that `keep` takes:
+    /// the data files of a checkpoint, say, without its metadata.
+    pub fn served_where(&self, keep: impl Fn(&str) -> bool) -> Served {
+        let gets = lock(&self.served.gets);
+        let kept = gets.iter().filter(|(path, _)| keep(path));
+        Served {
+            get_requests: kept.clone().count() as u64,
+            get_body_bytes: kept.map(|(_, bytes)| bytes).sum(),
+        }
+    }
+
+    /// Starts counting [`Served`] from zero again (after writing a checkpoint, say).
+    pub fn reset_served(&self) {
+        lock(&self.served.gets).clear();
     }
 
     /// The endpoint URL, `http://127.0.0.1:<port>`.
@@ -132,4 +207,9 @@ impl S3TestServer {
             .unwrap_or_else(|e| panic!("S3 test server: building a client: {e}"));
         Arc::new(store)
     }
+}
+
+/// The log of GETs, even after a panic elsewhere poisoned it (a list of numbers stays valid).
+fn lock(gets: &Mutex<Vec<(String, u64)>>) -> MutexGuard<'_, Vec<(String, u64)>> {
+    gets.lock().unwrap_or_else(PoisonError::into_inner)
 }
