@@ -14,7 +14,7 @@ use utoipa::ToSchema;
 
 use super::ARROW_STREAM;
 use super::checkpoints::path_error;
-use crate::plans::{check_plan_id, parse_request};
+use crate::plans::{PlanEntry, check_plan_id, parse_request};
 use crate::{
     ApiError, AppState, ErrorBody, PlanCreated, PlanRequest, RankOverview, RankSummaries,
     ServerConfig,
@@ -129,9 +129,7 @@ pub(crate) async fn get_plan(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Json<PlanCreated>, ApiError> {
     let Path(plan) = path.map_err(path_error)?;
-    check_plan_id(&plan)?;
-    let inner = &state.inner;
-    let entry = inner.plans.get(&inner.catalog, &plan).await?;
+    let entry = plan_entry(&state, &plan).await?;
     Ok(Json(entry.created()))
 }
 
@@ -159,8 +157,7 @@ pub(crate) async fn rank(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let Path((plan, rank)) = path.map_err(path_error)?;
-    check_plan_id(&plan)?;
-    let rank = parse_rank(&rank)?;
+    let (entry, rank) = rank_entry(&state, plan, &rank).await?;
     let arrow = headers
         .get_all(header::ACCEPT)
         .iter()
@@ -171,14 +168,8 @@ pub(crate) async fn rank(
                 .next()
                 .is_some_and(|t| t.trim() == ARROW_STREAM)
         });
-    let inner = &state.inner;
-    let entry = inner.plans.get(&inner.catalog, &plan).await?;
-    let world = entry.plan.world_size();
-    if rank >= world {
-        return Err(ApiError::UnknownRank { plan, rank, world });
-    }
     // Extracting and encoding a rank's plan walks its pieces: off the async workers.
-    let encoded = tokio::task::spawn_blocking(move || {
+    let encoded = off_workers("the rank plan task", move || {
         let rank_plan = entry
             .plan
             .rank_plan(rank)
@@ -193,10 +184,7 @@ pub(crate) async fn rank(
             })
         }
     })
-    .await
-    .map_err(|e| ApiError::Internal {
-        detail: format!("the rank plan task failed: {e}"),
-    })??;
+    .await??;
     let content_type = if arrow {
         ARROW_STREAM
     } else {
@@ -223,16 +211,10 @@ pub(crate) async fn ranks(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Json<RankSummaries>, ApiError> {
     let Path(plan) = path.map_err(path_error)?;
-    check_plan_id(&plan)?;
-    let inner = &state.inner;
-    let entry = inner.plans.get(&inner.catalog, &plan).await?;
+    let entry = plan_entry(&state, &plan).await?;
     // One pass over every piece of the plan: off the async workers.
     let task_entry = Arc::clone(&entry);
-    let columns = tokio::task::spawn_blocking(move || task_entry.rank_columns())
-        .await
-        .map_err(|e| ApiError::Internal {
-            detail: format!("the rank totals task failed: {e}"),
-        })?;
+    let columns = off_workers("the rank totals task", move || task_entry.rank_columns()).await?;
     Ok(Json(RankSummaries {
         plan: entry.id.clone(),
         world: entry.plan.world_size(),
@@ -262,25 +244,53 @@ pub(crate) async fn rank_overview(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Json<RankOverview>, ApiError> {
     let Path((plan, rank)) = path.map_err(path_error)?;
-    check_plan_id(&plan)?;
-    let rank = parse_rank(&rank)?;
-    let inner = &state.inner;
-    let entry = inner.plans.get(&inner.catalog, &plan).await?;
-    let world = entry.plan.world_size();
-    if rank >= world {
-        return Err(ApiError::UnknownRank { plan, rank, world });
-    }
-    tokio::task::spawn_blocking(move || {
+    let (entry, rank) = rank_entry(&state, plan, &rank).await?;
+    off_workers("the rank overview task", move || {
         let rank_plan = entry
             .plan
             .rank_plan(rank)
             .map_err(|e| ApiError::from_plan(&e, true))?;
         Ok(Json(RankOverview::new(&entry.id, &rank_plan)))
     })
-    .await
-    .map_err(|e| ApiError::Internal {
-        detail: format!("the rank overview task failed: {e}"),
-    })?
+    .await?
+}
+
+/// The plan `plan` names, after checking the id's form (a malformed id is 400, not 404).
+async fn plan_entry(state: &AppState, plan: &str) -> Result<Arc<PlanEntry>, ApiError> {
+    check_plan_id(plan)?;
+    let inner = &state.inner;
+    inner.plans.get(&inner.catalog, plan).await
+}
+
+/// The plan and the rank a `/v1/plans/{plan}/ranks/{rank}…` path names: the rank parsed (400)
+/// and checked against the plan's world (404) once the plan is known.
+async fn rank_entry(
+    state: &AppState,
+    plan: String,
+    rank: &str,
+) -> Result<(Arc<PlanEntry>, u32), ApiError> {
+    check_plan_id(&plan)?;
+    let rank = parse_rank(rank)?;
+    let inner = &state.inner;
+    let entry = inner.plans.get(&inner.catalog, &plan).await?;
+    let world = entry.plan.world_size();
+    if rank >= world {
+        return Err(ApiError::UnknownRank { plan, rank, world });
+    }
+    Ok((entry, rank))
+}
+
+/// Runs `work` (a walk over a plan's pieces) on the blocking pool, off the async workers; a task
+/// that did not finish is an internal error naming `what`.
+async fn off_workers<T: Send + 'static>(
+    what: &str,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::Internal {
+            detail: format!("{what} failed: {e}"),
+        })
 }
 
 fn parse_rank(rank: &str) -> Result<u32, ApiError> {
