@@ -237,12 +237,7 @@ fn verify_checks_dcp_crcs_and_safetensors_structure() {
 /// Copies a fixture into `into` (writable) and returns the copy.
 fn copy_fixture(fixture: &str, into: &Path) -> PathBuf {
     let to = into.join(fixture);
-    std::fs::create_dir_all(&to).unwrap();
-    for entry in std::fs::read_dir(fixtures().join(fixture)).unwrap() {
-        let entry = entry.unwrap();
-        let bytes = std::fs::read(entry.path()).unwrap();
-        std::fs::write(to.join(entry.file_name()), bytes).unwrap();
-    }
+    support::copy_dir_writable(&fixtures().join(fixture), &to);
     to
 }
 

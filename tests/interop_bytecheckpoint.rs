@@ -316,18 +316,7 @@ fn convert_into_safetensors_and_native_round_trips_byte_for_byte() {
 /// Copies the fixture's `ckpt/` to `into/ckpt` (writable).
 fn copy_ckpt(into: &Path) -> PathBuf {
     let to = into.join("ckpt");
-    for component in ["model", "optimizer", "extra_state"] {
-        std::fs::create_dir_all(to.join(component)).unwrap();
-        for entry in std::fs::read_dir(fixture().join("ckpt").join(component)).unwrap() {
-            let entry = entry.unwrap();
-            let target = to.join(component).join(entry.file_name());
-            std::fs::copy(entry.path(), &target).unwrap();
-            let mut perms = std::fs::metadata(&target).unwrap().permissions();
-            #[allow(clippy::permissions_set_readonly_false)]
-            perms.set_readonly(false);
-            std::fs::set_permissions(&target, perms).unwrap();
-        }
-    }
+    support::copy_dir_writable(&fixture().join("ckpt"), &to);
     to
 }
 

@@ -15,41 +15,27 @@ use support::reference::{
 use support::served::Served;
 use support::{ok, s};
 
-/// Copies directory `from` (recursively) to `to`.
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).unwrap();
-        }
-    }
-}
-
 /// A catalog root with the interop fixtures as runs: `megatron/{mcore-0.15,mcore-0.19}`,
 /// DeepSpeed's save directory as run `deepspeed` (its `latest` names `global_step1`), and a
 /// ByteCheckpoint save whole (`bytecheckpoint/fsdp-w2`) and its `model/` component on its own
 /// (`bytecheckpoint/model-only`).
 fn catalog_root(root: &Path) -> PathBuf {
     let fixtures = interop_fixtures();
-    copy_dir(
+    support::copy_dir_writable(
         &fixtures.join("megatron_core_0.15.3_tp2dp2_flat/ckpt"),
         &root.join("megatron/mcore-0.15"),
     );
-    copy_dir(
+    support::copy_dir_writable(
         &fixtures.join("megatron_core_0.19.2_tp2dp2/ckpt"),
         &root.join("megatron/mcore-0.19"),
     );
-    copy_dir(
+    support::copy_dir_writable(
         &fixtures.join("deepspeed_0.19.8_zero2_w2/ckpt"),
         &root.join("deepspeed"),
     );
     let bytecheckpoint = fixtures.join("bytecheckpoint_0.0.2_torch2.5.0_fsdp_w2/ckpt");
-    copy_dir(&bytecheckpoint, &root.join("bytecheckpoint/fsdp-w2"));
-    copy_dir(
+    support::copy_dir_writable(&bytecheckpoint, &root.join("bytecheckpoint/fsdp-w2"));
+    support::copy_dir_writable(
         &bytecheckpoint.join("model"),
         &root.join("bytecheckpoint/model-only"),
     );

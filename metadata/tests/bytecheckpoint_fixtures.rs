@@ -7,7 +7,7 @@ mod dcp_support;
 
 use std::path::{Path, PathBuf};
 
-use dcp_support::{open, read_tensor, sha256};
+use dcp_support::{copy_dir_writable, open, read_tensor, sha256};
 use serde_json::{Value, json};
 use tessera_metadata::formats::dcp::decode_object;
 use tessera_metadata::{Format, MetadataError, OpenedCheckpoint};
@@ -270,19 +270,7 @@ fn the_root_opens_as_one_checkpoint_with_namespaced_names() {
 /// Copies the fixture's `ckpt/` to `into/<name>` (writable), returning the copy.
 fn copy_ckpt(into: &Path, name: &str) -> PathBuf {
     let to = into.join(name);
-    for component in ["model", "optimizer", "extra_state"] {
-        let from = fixture().join("ckpt").join(component);
-        std::fs::create_dir_all(to.join(component)).unwrap();
-        for entry in std::fs::read_dir(&from).unwrap() {
-            let entry = entry.unwrap();
-            let target = to.join(component).join(entry.file_name());
-            std::fs::copy(entry.path(), &target).unwrap();
-            let mut perms = std::fs::metadata(&target).unwrap().permissions();
-            #[allow(clippy::permissions_set_readonly_false)]
-            perms.set_readonly(false);
-            std::fs::set_permissions(&target, perms).unwrap();
-        }
-    }
+    copy_dir_writable(&fixture().join("ckpt"), &to);
     to
 }
 

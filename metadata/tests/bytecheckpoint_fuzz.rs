@@ -8,6 +8,7 @@
 mod dcp_support;
 mod mutation_support;
 
+use dcp_support::copy_dir_writable;
 use mutation_support::{edit, mutate};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -66,14 +67,7 @@ fn read_metadata_every_way(data: &[u8]) {
 /// file replaced.
 fn model_copy(dir: &Path, metadata: Option<&[u8]>, data: Option<&[u8]>) -> PathBuf {
     let to = dir.join("model");
-    std::fs::create_dir_all(&to).unwrap();
-    for name in [".metadata", "__0_0.distcp", "__1_0.distcp"] {
-        std::fs::copy(fixture().join("model").join(name), to.join(name)).unwrap();
-        let mut perms = std::fs::metadata(to.join(name)).unwrap().permissions();
-        #[allow(clippy::permissions_set_readonly_false)]
-        perms.set_readonly(false);
-        std::fs::set_permissions(to.join(name), perms).unwrap();
-    }
+    copy_dir_writable(&fixture().join("model"), &to);
     if let Some(bytes) = metadata {
         std::fs::write(to.join(".metadata"), bytes).unwrap();
     }

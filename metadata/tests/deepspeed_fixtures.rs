@@ -9,7 +9,7 @@ mod dcp_support;
 
 use std::path::{Path, PathBuf};
 
-use dcp_support::{open, read_tensor, sha256};
+use dcp_support::{copy_dir_writable, open, read_tensor, sha256};
 use tessera_metadata::{DType, Format, MetadataError};
 
 fn fixture() -> PathBuf {
@@ -48,14 +48,7 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
 /// A writable copy of the fixture's `ckpt/`.
 fn copy_ckpt(into: &Path) -> PathBuf {
     let to = into.join("ckpt");
-    let from = fixture().join("ckpt");
-    std::fs::create_dir_all(to.join("global_step1")).unwrap();
-    std::fs::copy(from.join("latest"), to.join("latest")).unwrap();
-    for entry in std::fs::read_dir(from.join("global_step1")).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join("global_step1").join(entry.file_name());
-        std::fs::write(&target, std::fs::read(entry.path()).unwrap()).unwrap();
-    }
+    copy_dir_writable(&fixture().join("ckpt"), &to);
     to
 }
 

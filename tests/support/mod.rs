@@ -36,6 +36,22 @@ pub const MEGATRON_TP2_PP2_DP2: &[&str] = &[
     "--zero1",
 ];
 
+/// Copies directory `from` into `to` recursively, every file writable (the fixtures are
+/// read-only; tests damage their copies).
+pub fn copy_dir_writable(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir_writable(&entry.path(), &target);
+        } else {
+            // Written anew rather than `fs::copy`d: a copy keeps the read-only permission.
+            std::fs::write(&target, std::fs::read(entry.path()).unwrap()).unwrap();
+        }
+    }
+}
+
 /// The outcome of one run of the binary.
 #[derive(Debug)]
 pub struct Run {

@@ -149,19 +149,25 @@ pub fn expected(fixture: &str) -> serde_json::Value {
 
 /// Copies a fixture directory into `into` (to damage it) and returns the copy's path.
 pub fn copy_fixture(fixture: &str, into: &Path) -> PathBuf {
-    let from = fixtures().join(fixture);
     let to = into.join(fixture);
-    std::fs::create_dir_all(&to).unwrap();
-    for entry in std::fs::read_dir(&from).unwrap() {
+    copy_dir_writable(&fixtures().join(fixture), &to);
+    to
+}
+
+/// Copies directory `from` into `to` recursively, every file writable (the fixtures are
+/// read-only; tests damage their copies).
+pub fn copy_dir_writable(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
         let entry = entry.unwrap();
         let target = to.join(entry.file_name());
-        std::fs::copy(entry.path(), &target).unwrap();
-        let mut perms = std::fs::metadata(&target).unwrap().permissions();
-        #[allow(clippy::permissions_set_readonly_false)]
-        perms.set_readonly(false);
-        std::fs::set_permissions(&target, perms).unwrap();
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir_writable(&entry.path(), &target);
+        } else {
+            // Written anew rather than `fs::copy`d: a copy keeps the read-only permission.
+            std::fs::write(&target, std::fs::read(entry.path()).unwrap()).unwrap();
+        }
     }
-    to
 }
 
 /// A minimal pickle writer for building `.metadata` files the way other torch versions (and
