@@ -10,8 +10,8 @@ mod common;
 use std::sync::Arc;
 
 use common::{
-    Saved, check_group_reads, coords_of, element, flat_of, layout_for, plan_and_check, rank_plans,
-    tensors_from,
+    Saved, check_group_reads, coords_of, element, explicit_request, flat_of, layout_for,
+    plan_and_check, rank_plans, tensors_from,
 };
 use proptest::prelude::*;
 use tessera_metadata::{
@@ -248,20 +248,7 @@ proptest! {
         let mut ranks: Vec<Vec<ExplicitRequest>> = vec![Vec::new(); world];
         for (i, (t, flat, nums, copies)) in picks.iter().enumerate() {
             let tensor = &tensors[t % tensors.len()];
-            let request = if *flat {
-                let n = tensor.numel();
-                let (a, b) = (nums[0] % (n + 1), nums[1] % (n + 1));
-                ExplicitRequest::Flat { fqn: tensor.fqn.clone(), flat: [a.min(b), a.max(b)] }
-            } else {
-                let mut offsets = Vec::new();
-                let mut lengths = Vec::new();
-                for (d, &size) in tensor.shape.iter().enumerate() {
-                    let (a, b) = (nums[2 * d] % (size + 1), nums[2 * d + 1] % (size + 1));
-                    offsets.push(a.min(b));
-                    lengths.push(a.max(b) - a.min(b));
-                }
-                ExplicitRequest::Box { fqn: tensor.fqn.clone(), offsets, lengths }
-            };
+            let request = explicit_request(tensor, *flat, nums);
             // Replicas: the same request asked by one or two ranks.
             for c in 0..*copies {
                 ranks[(i + c) % world].push(request.clone());

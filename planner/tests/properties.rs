@@ -4,7 +4,8 @@
 mod common;
 
 use common::{
-    check_group_reads, execute, layout_for, plan_and_check, rank_plans, save_layout, tensors_from,
+    check_group_reads, execute, explicit_request, layout_for, plan_and_check, rank_plans,
+    save_layout, tensors_from,
 };
 use proptest::prelude::*;
 use tessera_metadata::DType;
@@ -86,20 +87,7 @@ proptest! {
         let mut ranks: Vec<Vec<ExplicitRequest>> = vec![Vec::new(); world];
         for (i, (t, flat, nums)) in picks.iter().enumerate() {
             let tensor = &tensors[t % tensors.len()];
-            let request = if *flat {
-                let n = tensor.numel();
-                let (a, b) = (nums[0] % (n + 1), nums[1] % (n + 1));
-                ExplicitRequest::Flat { fqn: tensor.fqn.clone(), flat: [a.min(b), a.max(b)] }
-            } else {
-                let mut offsets = Vec::new();
-                let mut lengths = Vec::new();
-                for (d, &size) in tensor.shape.iter().enumerate() {
-                    let (a, b) = (nums[2 * d] % (size + 1), nums[2 * d + 1] % (size + 1));
-                    offsets.push(a.min(b));
-                    lengths.push(a.max(b) - a.min(b));
-                }
-                ExplicitRequest::Box { fqn: tensor.fqn.clone(), offsets, lengths }
-            };
+            let request = explicit_request(tensor, *flat, nums);
             ranks[i % world].push(request);
         }
         let requests: RequestSet = ExplicitRequests { ranks }.resolve(&tensors).unwrap();

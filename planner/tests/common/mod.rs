@@ -10,8 +10,8 @@ use tessera_metadata::{
     row_major_strides, validate,
 };
 use tessera_planner::{
-    Layout, MeshDim, Plan, PlanOptions, RankPlan, RequestSet, Rule, Stages, Target, assign_writers,
-    plan,
+    ExplicitRequest, Layout, MeshDim, Plan, PlanOptions, RankPlan, RequestSet, Rule, Stages,
+    Target, assign_writers, plan,
 };
 
 /// A checkpoint held in memory: metadata plus the bytes of every data file.
@@ -448,4 +448,30 @@ pub fn check_group_reads(saved: &Saved, plans: &[RankPlan]) -> u64 {
     }
     let _ = saved;
     total
+}
+
+/// A request of `tensor` drawn from random numbers: the flat range between two of them when
+/// `flat`, else the box between two of them in every dimension (`nums` holds at least
+/// 2 · ndim numbers; empty ranges included).
+pub fn explicit_request(tensor: &TensorMeta, flat: bool, nums: &[u64]) -> ExplicitRequest {
+    if flat {
+        let n = tensor.numel();
+        let (a, b) = (nums[0] % (n + 1), nums[1] % (n + 1));
+        return ExplicitRequest::Flat {
+            fqn: tensor.fqn.clone(),
+            flat: [a.min(b), a.max(b)],
+        };
+    }
+    let mut offsets = Vec::new();
+    let mut lengths = Vec::new();
+    for (d, &size) in tensor.shape.iter().enumerate() {
+        let (a, b) = (nums[2 * d] % (size + 1), nums[2 * d + 1] % (size + 1));
+        offsets.push(a.min(b));
+        lengths.push(a.max(b) - a.min(b));
+    }
+    ExplicitRequest::Box {
+        fqn: tensor.fqn.clone(),
+        offsets,
+        lengths,
+    }
 }
