@@ -814,6 +814,19 @@ mod tests {
         Arc::new(object_store::memory::InMemory::new())
     }
 
+    /// 64-byte checksum blocks over a 1000-byte `data/f0.bin` (the first of [`files`]).
+    fn blocks_of_f0() -> BlockChecksums {
+        BlockChecksums::new(
+            64,
+            vec![FileBlocks {
+                path: "data/f0.bin".to_string(),
+                size: 1000,
+                crcs: vec![0; 16],
+            }],
+        )
+        .unwrap()
+    }
+
     fn options(part_size: u64, verify: bool) -> ReadOptions {
         ReadOptions {
             part_size,
@@ -855,15 +868,7 @@ mod tests {
 
     #[test]
     fn verification_extends_to_whole_blocks_and_aligns_parts() {
-        let checksums = BlockChecksums::new(
-            64,
-            vec![FileBlocks {
-                path: "data/f0.bin".to_string(),
-                size: 1000,
-                crcs: vec![0; 16],
-            }],
-        )
-        .unwrap();
+        let checksums = blocks_of_f0();
         // Part size 150 rounds down to two 64-byte blocks.
         let scheduler =
             RangeScheduler::new(store(), files(1), Some(&checksums), &options(150, true));
@@ -890,15 +895,7 @@ mod tests {
 
     #[test]
     fn caller_checked_ranges_fetch_only_their_own_bytes() {
-        let checksums = BlockChecksums::new(
-            64,
-            vec![FileBlocks {
-                path: "data/f0.bin".to_string(),
-                size: 1000,
-                crcs: vec![0; 16],
-            }],
-        )
-        .unwrap();
+        let checksums = blocks_of_f0();
         let scheduler =
             RangeScheduler::new(store(), files(1), Some(&checksums), &options(150, true));
         let schedule = scheduler
