@@ -8,6 +8,7 @@
 //! Errors are `tessera.TesseraError` with the loader's message (it names the file, tensor, rank or
 //! field).
 
+mod checkpoint;
 mod load;
 mod memory;
 mod save;
@@ -84,6 +85,8 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TesseraError", m.py().get_type::<TesseraError>())?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_class::<checkpoint::OpenedCheckpoint>()?;
+    m.add_function(wrap_pyfunction!(checkpoint::open_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(load::plan, m)?)?;
     m.add_function(wrap_pyfunction!(load::load_into, m)?)?;
     m.add_function(wrap_pyfunction!(save::save, m)?)?;

@@ -26,6 +26,7 @@ use tessera_storage as storage;
 use crate::memory::{HostMemory, first_overlap};
 use tessera_ops::coord;
 
+use crate::checkpoint::OpenedCheckpoint;
 use crate::{py_error, runtime, storage_options};
 
 /// One entry of a state dict as the Python layer describes it:
@@ -230,13 +231,13 @@ impl Progress {
 
 /// Everything one `load_into` call needs, owned (it moves into the runtime).
 struct LoadJob {
-    checkpoint: String,
+    location: String,
+    checkpoint: Arc<Checkpoint>,
     targets: Vec<TargetTuple>,
     rank: u32,
     world: u32,
     rendezvous: Rendezvous,
     server: Option<Server>,
-    storage: storage::StorageOptions,
     verify: bool,
     dedup: bool,
     timeout: Duration,
@@ -244,10 +245,7 @@ struct LoadJob {
 }
 
 async fn run_load(job: LoadJob) -> Result<RankReport> {
-    let location = storage::open_with(&job.checkpoint, &job.storage)?;
-    let checkpoint = Checkpoint::open_with(location, &tessera_ops::open::open_options())
-        .await
-        .with_context(|| format!("opening checkpoint {}", job.checkpoint))?;
+    let checkpoint = &*job.checkpoint;
     let by_name: HashMap<&str, &TensorMeta> = checkpoint
         .meta
         .tensors()
@@ -263,7 +261,7 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
     let wanted = job
         .targets
         .into_iter()
-        .map(|t| resolve_target(&by_name, &job.checkpoint, t))
+        .map(|t| resolve_target(&by_name, &job.location, t))
         .collect::<Result<Vec<_>>>()?;
     let spans: Vec<(usize, usize)> = wanted.iter().map(|w| (w.address, w.nbytes)).collect();
     if let Some((a, b)) = first_overlap(&spans) {
@@ -313,18 +311,18 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
             let ranks =
                 coord::all_gather_json(&transport, coord::TAG_REQUESTS, &mine, "requests").await?;
             let plan = rank_plan_for(
-                &checkpoint,
+                checkpoint,
                 ExplicitRequests { ranks },
                 job.rank,
                 job.dedup,
                 job.server.as_ref(),
             )
             .await?;
-            execute(&checkpoint, plan, Arc::new(transport), &options, memory).await
+            execute(checkpoint, plan, Arc::new(transport), &options, memory).await
         }
         _ => {
             let plan = rank_plan_for(
-                &checkpoint,
+                checkpoint,
                 ExplicitRequests { ranks: vec![mine] },
                 0,
                 job.dedup,
@@ -336,7 +334,7 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
                 .pop()
                 .ok_or_else(|| anyhow!("no in-process transport"))?;
             let mut report =
-                execute(&checkpoint, plan, Arc::new(transport), &options, memory).await?;
+                execute(checkpoint, plan, Arc::new(transport), &options, memory).await?;
             report.rank = job.rank;
             Ok(report)
         }
@@ -457,11 +455,11 @@ fn fqn_of(request: &ExplicitRequest) -> &str {
 
 /// Loads into caller-owned memory; returns the rank's report as JSON text.
 #[pyfunction]
-#[pyo3(signature = (checkpoint, targets, rank, world, rendezvous, server, checkpoint_id, token, storage_env, verify, dedup, timeout_s, progress))]
+#[pyo3(signature = (checkpoint, targets, rank, world, rendezvous, server, checkpoint_id, token, verify, dedup, timeout_s, progress))]
 #[allow(clippy::too_many_arguments)]
 pub fn load_into(
     py: Python<'_>,
-    checkpoint: String,
+    checkpoint: PyRef<'_, OpenedCheckpoint>,
     targets: Vec<TargetTuple>,
     rank: u32,
     world: u32,
@@ -469,7 +467,6 @@ pub fn load_into(
     server: Option<String>,
     checkpoint_id: Option<String>,
     token: Option<String>,
-    storage_env: Vec<(String, String)>,
     verify: bool,
     dedup: bool,
     timeout_s: f64,
@@ -480,10 +477,11 @@ pub fn load_into(
         Some(url) => Some(Server {
             checkpoint_id: match checkpoint_id {
                 Some(id) => id,
-                None => server_checkpoint_id(&checkpoint)
+                None => server_checkpoint_id(&checkpoint.location)
                     .ok_or_else(|| {
                         anyhow!(
-                            "cannot tell the server's id of checkpoint {checkpoint:?}: pass checkpoint_id=\"<run>/<step>\""
+                            "cannot tell the server's id of checkpoint {:?}: pass checkpoint_id=\"<run>/<step>\"",
+                            checkpoint.location
                         )
                     })
                     .map_err(py_error)?,
@@ -494,13 +492,13 @@ pub fn load_into(
         None => None,
     };
     let job = LoadJob {
-        checkpoint,
+        location: checkpoint.location.clone(),
+        checkpoint: Arc::clone(&checkpoint.checkpoint),
         targets,
         rank,
         world,
         rendezvous,
         server,
-        storage: storage_options(storage_env),
         verify,
         dedup,
         timeout: Duration::from_secs_f64(timeout_s.max(0.001)),

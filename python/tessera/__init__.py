@@ -320,8 +320,9 @@ def load(
         callback = None
     else:
         callback = progress
+    opened = _tessera.open_checkpoint(str(checkpoint), _storage_env(storage_options))
     report = _tessera.load_into(
-        str(checkpoint),
+        opened,
         targets,
         rank,
         world_size,
@@ -329,7 +330,6 @@ def load(
         server,
         checkpoint_id,
         token if token is not None else os.environ.get("TESSERA_TOKEN"),
-        _storage_env(storage_options),
         bool(verify),
         True,
         float(timeout),

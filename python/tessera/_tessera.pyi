@@ -14,8 +14,19 @@ def plan(
     dedup: bool,
     storage_env: Sequence[Tuple[str, str]],
 ) -> str: ...
+class OpenedCheckpoint:
+    @property
+    def location(self) -> str: ...
+    @property
+    def format(self) -> str: ...
+    @property
+    def step(self) -> Optional[int]: ...
+    def entries(self) -> str: ...
+    def read_objects(self, keys: Sequence[str]) -> list[bytes]: ...
+
+def open_checkpoint(checkpoint: str, storage_env: Sequence[Tuple[str, str]]) -> OpenedCheckpoint: ...
 def load_into(
-    checkpoint: str,
+    checkpoint: OpenedCheckpoint,
     targets: Sequence[
         Tuple[
             str, str, Sequence[int], Optional[Sequence[int]], Optional[int], int, int, Optional[int]
@@ -27,7 +38,6 @@ def load_into(
     server: Optional[str],
     checkpoint_id: Optional[str],
     token: Optional[str],
-    storage_env: Sequence[Tuple[str, str]],
     verify: bool,
     dedup: bool,
     timeout_s: float,

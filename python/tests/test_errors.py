@@ -127,8 +127,8 @@ def test_cuda_destinations_need_the_cuda_build_or_a_driver():
     # The native module's own check (torch, which makes CUDA tensors, is not needed to reach it).
     with pytest.raises(tessera.TesseraError, match=r"no CUDA support|CUDA driver"):
         _tessera.load_into(
-            str(fixture(C)), [_target("model.final_ln.weight", a, 0)],
-            0, 1, None, None, None, None, [], True, True, 10.0, None,
+            _tessera.open_checkpoint(str(fixture(C)), []), [_target("model.final_ln.weight", a, 0)],
+            0, 1, None, None, None, None, True, True, 10.0, None,
         )
 
 
@@ -141,7 +141,7 @@ def test_host_and_cuda_destinations_in_one_call_are_refused():
         match=r"model\.final_ln\.weight is in host memory but model\.final_ln\.bias in cuda:1",
     ):
         _tessera.load_into(
-            str(fixture(C)),
+            _tessera.open_checkpoint(str(fixture(C)), []),
             [_target("model.final_ln.weight", a, None), _target("model.final_ln.bias", b, 1)],
-            0, 1, None, None, None, None, [], True, True, 10.0, None,
+            0, 1, None, None, None, None, True, True, 10.0, None,
         )

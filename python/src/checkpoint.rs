@@ -1,0 +1,162 @@
+//! An opened checkpoint held by Python (`tessera._tessera.OpenedCheckpoint`): its metadata is read
+//! once per `tessera.load` call (or once per `StorageReader`), then the state dict is checked
+//! against it, its tensors are loaded and its non-tensor objects read, without opening it again.
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result, anyhow};
+use object_store::ObjectStoreExt;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tessera_loader::load::Checkpoint;
+use tessera_storage::StorageOptions;
+
+use crate::{py_error, runtime, storage_options};
+
+/// A checkpoint opened for loading, in any format tessera reads.
+#[pyclass(frozen, module = "tessera._tessera")]
+pub struct OpenedCheckpoint {
+    /// What the caller passed (path or URL), for messages.
+    pub location: String,
+    pub checkpoint: Arc<Checkpoint>,
+    pub storage: StorageOptions,
+}
+
+/// Opens `checkpoint` (a path or URL) once: manifest or `.metadata`, checksums, blob index.
+#[pyfunction]
+#[pyo3(signature = (checkpoint, storage_env))]
+pub fn open_checkpoint(
+    py: Python<'_>,
+    checkpoint: String,
+    storage_env: Vec<(String, String)>,
+) -> PyResult<OpenedCheckpoint> {
+    let rt = runtime()?;
+    let storage = storage_options(storage_env);
+    let opened = py
+        .detach(|| {
+            rt.block_on(async {
+                let location = tessera_storage::open_with(&checkpoint, &storage)?;
+                Checkpoint::open_with(location, &tessera_ops::open::open_options())
+                    .await
+                    .with_context(|| format!("opening checkpoint {checkpoint}"))
+            })
+        })
+        .map_err(py_error)?;
+    Ok(OpenedCheckpoint {
+        location: checkpoint,
+        checkpoint: Arc::new(opened),
+        storage,
+    })
+}
+
+#[pymethods]
+impl OpenedCheckpoint {
+    /// The path or URL it was opened from.
+    #[getter]
+    fn location(&self) -> &str {
+        &self.location
+    }
+
+    /// `native`, `dcp`, `safetensors`, ...
+    #[getter]
+    fn format(&self) -> String {
+        self.checkpoint.format.to_string()
+    }
+
+    /// The training step, when the checkpoint records one.
+    #[getter]
+    fn step(&self) -> Option<u64> {
+        self.checkpoint.step
+    }
+
+    /// What it holds, as JSON text: `{"tensors": {fqn: {"dtype", "shape"}}, "objects": [key]}`.
+    fn entries(&self) -> PyResult<String> {
+        let meta = &self.checkpoint.meta;
+        let tensors: serde_json::Map<String, serde_json::Value> = meta
+            .tensors()
+            .iter()
+            .map(|t| {
+                (
+                    t.fqn.clone(),
+                    serde_json::json!({"dtype": t.dtype.to_string(), "shape": t.shape}),
+                )
+            })
+            .collect();
+        let objects: Vec<&str> = meta.objects().iter().map(|o| o.key.as_str()).collect();
+        Ok(serde_json::json!({"tensors": tensors, "objects": objects}).to_string())
+    }
+
+    /// The stored bytes of the non-tensor objects `keys` (in that order), each checked against
+    /// its crc32c where the format records one. A key the checkpoint does not hold is an error
+    /// naming it.
+    fn read_objects<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let rt = runtime()?;
+        let read = py
+            .detach(|| rt.block_on(read_objects(&self.location, &self.checkpoint, &keys)))
+            .map_err(py_error)?;
+        Ok(read.iter().map(|b| PyBytes::new(py, b)).collect())
+    }
+}
+
+async fn read_objects(
+    location: &str,
+    checkpoint: &Checkpoint,
+    keys: &[String],
+) -> Result<Vec<bytes::Bytes>> {
+    let meta = &checkpoint.meta;
+    let mut out = Vec::with_capacity(keys.len());
+    for key in keys {
+        let Some(object) = meta.objects().iter().find(|o| &o.key == key) else {
+            return Err(anyhow!(
+                "object {key:?} is not in checkpoint {location} ({} objects)",
+                meta.objects().len()
+            ));
+        };
+        let file = meta.files().get(object.file as usize).ok_or_else(|| {
+            anyhow!(
+                "object {key}: file #{} is not in checkpoint {location}",
+                object.file
+            )
+        })?;
+        let mut path = checkpoint.location.prefix.clone();
+        for part in file.path.split('/') {
+            path = path.join(part);
+        }
+        let bytes = checkpoint
+            .location
+            .store
+            .get_range(&path, object.offset..object.offset + object.length)
+            .await
+            .with_context(|| {
+                format!(
+                    "reading object {key} (bytes {}..{} of {}) from {location}",
+                    object.offset,
+                    object.offset + object.length,
+                    file.path
+                )
+            })?;
+        if bytes.len() as u64 != object.length {
+            return Err(anyhow!(
+                "object {key}: {} returned {} bytes for a {}-byte range",
+                file.path,
+                bytes.len(),
+                object.length
+            ));
+        }
+        if let Some(expected) = object.crc32c {
+            let actual = crc32c::crc32c(&bytes);
+            if actual != expected {
+                return Err(anyhow!(
+                    "object {key} in {} of {location}: crc32c {actual:#010x} but the metadata records {expected:#010x} (corrupt)",
+                    file.path
+                ));
+            }
+        }
+        out.push(bytes);
+    }
+    Ok(out)
+}
