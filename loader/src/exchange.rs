@@ -40,24 +40,165 @@ pub struct ExchangeStats {
     pub elapsed: Duration,
 }
 
-/// A message this rank expects.
-struct Incoming {
-    group: u32,
-    round: u32,
-    from: u32,
-    tag: u64,
+/// A message this rank expects: the share `from` sends it in one round of one group.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Incoming {
+    /// The exchange group.
+    pub group: u32,
+    /// The round within the group.
+    pub round: u32,
+    /// The sending rank.
+    pub from: u32,
+    /// The transport tag ([`exchange_tag`]).
+    pub tag: u64,
     /// Indices into `plan.pieces`, in message order.
-    pieces: Vec<usize>,
-    bytes: u64,
+    pub pieces: Vec<usize>,
+    /// Bytes of the message (the pieces' wire bytes, concatenated).
+    pub bytes: u64,
 }
 
-/// A message this rank sends.
-struct Outgoing {
-    group: u32,
-    round: u32,
-    to: u32,
-    tag: u64,
-    data: Bytes,
+/// A message this rank sends: its share of one group to one peer in one round.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Outgoing {
+    /// The exchange group.
+    pub group: u32,
+    /// The round within the group.
+    pub round: u32,
+    /// The receiving rank.
+    pub to: u32,
+    /// The transport tag ([`exchange_tag`]).
+    pub tag: u64,
+    /// Indices into `plan.pieces` (pieces this rank reads), in message order.
+    pub pieces: Vec<usize>,
+    /// Bytes of the message.
+    pub bytes: u64,
+}
+
+/// Every message of a rank's ring exchanges, checked against its plan: what it sends (gathered
+/// from its destination buffers once its own pieces are placed) and what it receives. The
+/// transport-independent half of [`run_exchanges`], also driven from outside tessera's transports
+/// (the Python package passes these messages over the job's own torch process group).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExchangeMessages {
+    /// Messages to send, in plan order.
+    pub outgoing: Vec<Outgoing>,
+    /// Messages to receive, in plan order.
+    pub incoming: Vec<Incoming>,
+}
+
+impl ExchangeMessages {
+    /// The messages of `plan`'s exchanges, checked: every piece listed by the plan, every piece
+    /// sent one this rank reads, every round's bytes what it declares, and the totals what the
+    /// plan's summary says.
+    pub fn of_plan(plan: &RankPlan) -> Result<Self, LoaderError> {
+        let mut messages = ExchangeMessages::default();
+        let (mut plan_sent, mut plan_received) = (0u64, 0u64);
+        for exchange in &plan.exchanges {
+            let group = exchange.group;
+            for round in &exchange.rounds {
+                let tag = exchange_tag(group, round.round);
+                if !round.send.is_empty() {
+                    let (pieces, bytes) = round_pieces(plan, group, round, Direction::Send)?;
+                    plan_sent += bytes;
+                    messages.outgoing.push(Outgoing {
+                        group,
+                        round: round.round,
+                        to: round.send_to,
+                        tag,
+                        pieces,
+                        bytes,
+                    });
+                }
+                if !round.recv.is_empty() {
+                    let (pieces, bytes) = round_pieces(plan, group, round, Direction::Recv)?;
+                    plan_received += bytes;
+                    messages.incoming.push(Incoming {
+                        group,
+                        round: round.round,
+                        from: round.recv_from,
+                        tag,
+                        pieces,
+                        bytes,
+                    });
+                }
+            }
+        }
+        if plan_sent != plan.summary.bytes_sent || plan_received != plan.summary.bytes_received {
+            return Err(invalid(
+                plan,
+                format!(
+                    "the exchange rounds send {plan_sent} and receive {plan_received} bytes but the summary says {} and {}",
+                    plan.summary.bytes_sent, plan.summary.bytes_received
+                ),
+            ));
+        }
+        Ok(messages)
+    }
+}
+
+/// Gathers the wire bytes of `message` out of `buffers` (where this rank placed the pieces it
+/// read) into `out`, which must be exactly the message's length.
+pub fn gather_message<B: AsRef<[u8]>>(
+    plan: &RankPlan,
+    message: &Outgoing,
+    buffers: &[B],
+    out: &mut [u8],
+) -> Result<(), LoaderError> {
+    if out.len() as u64 != message.bytes {
+        return Err(invalid(
+            plan,
+            format!(
+                "group {} round {}: a {}-byte buffer for a {}-byte message to rank {}",
+                message.group,
+                message.round,
+                out.len(),
+                message.bytes,
+                message.to
+            ),
+        ));
+    }
+    let mut at = 0usize;
+    for &index in &message.pieces {
+        let wire = gather_piece(plan, index, buffers)?;
+        out[at..at + wire.len()].copy_from_slice(&wire);
+        at += wire.len();
+    }
+    Ok(())
+}
+
+/// Places a received message's pieces into `buffers`, after checking its length against what the
+/// plan expects from that peer in that round.
+pub fn place_message<B: AsMut<[u8]>>(
+    plan: &RankPlan,
+    message: &Incoming,
+    data: &[u8],
+    buffers: &mut [B],
+) -> Result<(), LoaderError> {
+    if data.len() as u64 != message.bytes {
+        return Err(LoaderError::Transport {
+            rank: plan.rank,
+            peer: message.from,
+            detail: format!(
+                "group {} round {}: expected {} bytes (pieces {:?}) but got {}",
+                message.group,
+                message.round,
+                message.bytes,
+                message
+                    .pieces
+                    .iter()
+                    .map(|&i| plan.pieces[i].id)
+                    .collect::<Vec<_>>(),
+                data.len()
+            ),
+        });
+    }
+    let mut at = 0usize;
+    for &index in &message.pieces {
+        let len = plan.pieces[index].bytes as usize;
+        place_piece(plan, index, &data[at..at + len], buffers)?;
+        at += len;
+    }
+    Ok(())
 }
 
 /// A plan error naming the rank (shared with the device ring).
@@ -188,72 +329,28 @@ pub async fn run_exchanges<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
     check_buffer_sizes(plan, buffers.iter().map(|b| b.as_ref().len() as u64))
         .map_err(|detail| invalid(plan, detail))?;
 
-    let mut outgoing: Vec<Outgoing> = Vec::new();
-    let mut incoming: Vec<Incoming> = Vec::new();
-    let (mut plan_sent, mut plan_received) = (0u64, 0u64);
-    for exchange in &plan.exchanges {
-        let group = exchange.group;
-        // A member sends the same share in every round: gather it once.
-        let mut share: Option<(Vec<u32>, Bytes)> = None;
-        for round in &exchange.rounds {
-            let tag = exchange_tag(group, round.round);
-            if !round.send.is_empty() {
-                let data = match &share {
-                    Some((ids, data)) if *ids == round.send => data.clone(),
-                    _ => {
-                        let (pieces, bytes) = round_pieces(plan, group, round, Direction::Send)?;
-                        let mut message = Vec::with_capacity(bytes as usize);
-                        for index in pieces {
-                            message.extend_from_slice(&gather_piece(plan, index, buffers)?);
-                        }
-                        let data = Bytes::from(message);
-                        share = Some((round.send.clone(), data.clone()));
-                        data
-                    }
-                };
-                if data.len() as u64 != round.send_bytes {
-                    return Err(invalid(
-                        plan,
-                        format!(
-                            "group {group} round {}: the pieces to send hold {} bytes but the round says {}",
-                            round.round,
-                            data.len(),
-                            round.send_bytes
-                        ),
-                    ));
-                }
-                plan_sent += round.send_bytes;
-                outgoing.push(Outgoing {
-                    group,
-                    round: round.round,
-                    to: round.send_to,
-                    tag,
-                    data,
-                });
+    let messages = ExchangeMessages::of_plan(plan)?;
+    // A member sends the same share in every round of a group: gather it once.
+    let mut outgoing: Vec<(&Outgoing, Bytes)> = Vec::with_capacity(messages.outgoing.len());
+    let mut last: Option<(u32, &[usize], Bytes)> = None;
+    for message in &messages.outgoing {
+        let data = match &last {
+            Some((group, pieces, data))
+                if *group == message.group && *pieces == &message.pieces[..] =>
+            {
+                data.clone()
             }
-            if !round.recv.is_empty() {
-                let (pieces, bytes) = round_pieces(plan, group, round, Direction::Recv)?;
-                plan_received += bytes;
-                incoming.push(Incoming {
-                    group,
-                    round: round.round,
-                    from: round.recv_from,
-                    tag,
-                    pieces,
-                    bytes,
-                });
+            _ => {
+                let mut out = vec![0u8; message.bytes as usize];
+                gather_message(plan, message, buffers, &mut out)?;
+                let data = Bytes::from(out);
+                last = Some((message.group, &message.pieces, data.clone()));
+                data
             }
-        }
+        };
+        outgoing.push((message, data));
     }
-    if plan_sent != plan.summary.bytes_sent || plan_received != plan.summary.bytes_received {
-        return Err(invalid(
-            plan,
-            format!(
-                "the exchange rounds send {plan_sent} and receive {plan_received} bytes but the summary says {} and {}",
-                plan.summary.bytes_sent, plan.summary.bytes_received
-            ),
-        ));
-    }
+    let incoming = &messages.incoming;
 
     let mut stats = ExchangeStats {
         messages: (outgoing.len() + incoming.len()) as u64,
@@ -264,14 +361,15 @@ pub async fn run_exchanges<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
     // peers then get everything this rank owes them and fail, if at all, naming the rank that
     // actually died rather than this one.
     let sends = async {
-        let results = futures::future::join_all(outgoing.iter().map(|message| async move {
-            transport
-                .send(message.to, message.tag, message.data.clone())
-                .await
-                .map_err(|e| in_round(e, message.group, message.round, message.tag))?;
-            Ok::<u64, LoaderError>(message.data.len() as u64)
-        }))
-        .await;
+        let results =
+            futures::future::join_all(outgoing.iter().map(|(message, data)| async move {
+                transport
+                    .send(message.to, message.tag, data.clone())
+                    .await
+                    .map_err(|e| in_round(e, message.group, message.round, message.tag))?;
+                Ok::<u64, LoaderError>(data.len() as u64)
+            }))
+            .await;
         results.into_iter().sum::<Result<u64, LoaderError>>()
     };
     let receives = async {
@@ -288,33 +386,10 @@ pub async fn run_exchanges<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
         let mut received = 0u64;
         while let Some(arrived) = pending.next().await {
             let (expect, data) = arrived?;
-            if data.len() as u64 != expect.bytes {
-                return Err(LoaderError::Transport {
-                    rank: plan.rank,
-                    peer: expect.from,
-                    detail: format!(
-                        "group {} round {}: expected {} bytes (pieces {:?}) but got {}",
-                        expect.group,
-                        expect.round,
-                        expect.bytes,
-                        expect
-                            .pieces
-                            .iter()
-                            .map(|&i| plan.pieces[i].id)
-                            .collect::<Vec<_>>(),
-                        data.len()
-                    ),
-                });
-            }
-            let mut at = 0usize;
-            for &index in &expect.pieces {
-                let len = plan.pieces[index].bytes as usize;
-                place_piece(plan, index, &data[at..at + len], buffers)?;
-                at += len;
-            }
+            place_message(plan, expect, &data, buffers)?;
             received += data.len() as u64;
         }
-        Ok(received)
+        Ok::<u64, LoaderError>(received)
     };
     let (mut sends, mut receives) = (std::pin::pin!(sends), std::pin::pin!(receives));
     let (sent, received) = match futures::future::select(sends.as_mut(), receives.as_mut()).await {
