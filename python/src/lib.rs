@@ -9,11 +9,14 @@
 //! field).
 
 mod checkpoint;
+mod group;
 mod load;
 mod memory;
 mod save;
 
+use std::future::Future;
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -46,6 +49,27 @@ fn py_error(error: anyhow::Error) -> PyErr {
     TesseraError::new_err(format!("{error:#}"))
 }
 
+/// Runs `work` on the runtime with the GIL released, checking for signals every 100 ms: Ctrl-C
+/// (`KeyboardInterrupt`) or another signal handler's exception stops the wait and is raised,
+/// dropping the work. Dropping it is safe for caller-owned memory: the loader writes into the
+/// caller's arrays only from within this future, never from tasks that outlive it.
+fn block_on<T: Send>(py: Python<'_>, work: impl Future<Output = anyhow::Result<T>> + Send) -> PyResult<T> {
+    let rt = runtime()?;
+    py.detach(|| {
+        rt.block_on(async {
+            let mut work = std::pin::pin!(work);
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    done = &mut work => return done.map_err(py_error),
+                    _ = tick.tick() => Python::attach(|py| py.check_signals())?,
+                }
+            }
+        })
+    })
+}
+
 /// Storage options from the `storage_options` mapping of the Python API.
 fn storage_options(env: Vec<(String, String)>) -> StorageOptions {
     StorageOptions {
@@ -73,6 +97,13 @@ fn inspect(
     .map_err(py_error)
 }
 
+/// tessera's name of a dtype given by any of its names (`float32`, `torch.bfloat16`, `F16`), or
+/// `None` when tessera has no such dtype.
+#[pyfunction]
+fn canonical_dtype(name: &str) -> Option<&'static str> {
+    tessera_metadata::DType::parse(name).ok().map(|d| d.name())
+}
+
 /// The package version (the crate's).
 #[pyfunction]
 fn version() -> &'static str {
@@ -87,6 +118,9 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_class::<checkpoint::OpenedCheckpoint>()?;
     m.add_function(wrap_pyfunction!(checkpoint::open_checkpoint, m)?)?;
+    m.add_class::<group::GroupLoad>()?;
+    m.add_function(wrap_pyfunction!(group::group_load, m)?)?;
+    m.add_function(wrap_pyfunction!(canonical_dtype, m)?)?;
     m.add_function(wrap_pyfunction!(load::plan, m)?)?;
     m.add_function(wrap_pyfunction!(load::load_into, m)?)?;
     m.add_function(wrap_pyfunction!(save::save, m)?)?;

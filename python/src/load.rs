@@ -27,14 +27,14 @@ use crate::memory::{HostMemory, first_overlap};
 use tessera_ops::coord;
 
 use crate::checkpoint::OpenedCheckpoint;
-use crate::{py_error, runtime, storage_options};
+use crate::{block_on, py_error, runtime, storage_options};
 
 /// One entry of a state dict as the Python layer describes it:
 /// `(fqn, dtype, shape, offsets, flat_start, address, nbytes, cuda_device)`. `offsets` is the
 /// box's start for a part of the tensor (`None`: the whole tensor); `flat_start` makes it the flat
 /// range `[flat_start, flat_start + numel)` instead; `cuda_device` is the ordinal of the CUDA
 /// device the memory is on (`None`: host memory).
-type TargetTuple = (
+pub(crate) type TargetTuple = (
     String,
     String,
     Vec<u64>,
@@ -47,10 +47,10 @@ type TargetTuple = (
 
 /// A state-dict entry, checked against the checkpoint.
 #[derive(Debug)]
-struct Wanted {
-    request: ExplicitRequest,
-    address: usize,
-    nbytes: usize,
+pub(crate) struct Wanted {
+    pub(crate) request: ExplicitRequest,
+    pub(crate) address: usize,
+    pub(crate) nbytes: usize,
 }
 
 fn shape_text(shape: &[u64]) -> String {
@@ -58,7 +58,7 @@ fn shape_text(shape: &[u64]) -> String {
 }
 
 /// Checks one entry against the checkpoint's tensor of the same name and turns it into a request.
-fn resolve_target(
+pub(crate) fn resolve_target(
     tensors: &HashMap<&str, &TensorMeta>,
     location: &str,
     target: TargetTuple,
@@ -161,15 +161,15 @@ fn resolve_target(
 type Rendezvous = Option<(String, u16)>;
 
 /// The plan server, if any: URL, checkpoint id on it, token.
-struct Server {
-    url: String,
-    checkpoint_id: String,
-    token: Option<String>,
+pub(crate) struct Server {
+    pub(crate) url: String,
+    pub(crate) checkpoint_id: String,
+    pub(crate) token: Option<String>,
 }
 
 /// Plans `requests` (every rank's) and returns rank `rank`'s plan: on the server when given,
 /// else here.
-async fn rank_plan_for(
+pub(crate) async fn rank_plan_for(
     checkpoint: &Checkpoint,
     requests: ExplicitRequests,
     rank: u32,
@@ -204,7 +204,7 @@ async fn rank_plan_for(
 }
 
 /// Throttles progress calls into Python (each takes the GIL) to a few per second.
-struct Progress {
+pub(crate) struct Progress {
     callback: Py<PyAny>,
     total: u64,
     state: Mutex<(u64, Instant)>,
@@ -227,6 +227,26 @@ impl Progress {
             }
         });
     }
+}
+
+/// Load options: verification, and progress reported to a Python callback (`None`: none).
+pub(crate) fn load_options(verify: bool, progress: Option<Py<PyAny>>, total: u64) -> LoadOptions {
+    let mut options = LoadOptions {
+        read: ReadOptions {
+            verify,
+            ..ReadOptions::default()
+        },
+        progress: None,
+    };
+    if let Some(callback) = progress {
+        let progress = Arc::new(Progress {
+            callback,
+            total,
+            state: Mutex::new((0, Instant::now())),
+        });
+        options.progress = Some(Arc::new(move |bytes| progress.advance(bytes)));
+    }
+    options
 }
 
 /// Everything one `load_into` call needs, owned (it moves into the runtime).
@@ -289,21 +309,7 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
         Some(ordinal) => Memory::Cuda { ordinal, spans },
     };
     let total: u64 = wanted.iter().map(|w| w.nbytes as u64).sum();
-    let mut options = LoadOptions {
-        read: ReadOptions {
-            verify: job.verify,
-            ..ReadOptions::default()
-        },
-        progress: None,
-    };
-    if let Some(callback) = job.progress {
-        let progress = Arc::new(Progress {
-            callback,
-            total,
-            state: Mutex::new((0, Instant::now())),
-        });
-        options.progress = Some(Arc::new(move |bytes| progress.advance(bytes)));
-    }
+    let options = load_options(job.verify, job.progress, total);
 
     match (&job.rendezvous, job.world) {
         (Some((addr, port)), world) if world > 1 => {
@@ -353,7 +359,7 @@ enum Memory {
 }
 
 /// The one device every target is on (`None`: host memory); a mix is refused.
-fn single_device(targets: &[TargetTuple]) -> Result<Option<u32>> {
+pub(crate) fn single_device(targets: &[TargetTuple]) -> Result<Option<u32>> {
     let mut devices = targets.iter().map(|t| (t.7, t.0.as_str()));
     let Some((first, first_fqn)) = devices.next() else {
         return Ok(None);
@@ -447,7 +453,7 @@ async fn load_cuda<T: Transport + 'static>(
     bail!("cuda:{ordinal}: this build of tessera has no CUDA support (the `cuda` feature)")
 }
 
-fn fqn_of(request: &ExplicitRequest) -> &str {
+pub(crate) fn fqn_of(request: &ExplicitRequest) -> &str {
     match request {
         ExplicitRequest::Box { fqn, .. } | ExplicitRequest::Flat { fqn, .. } => fqn,
     }
@@ -472,7 +478,6 @@ pub fn load_into(
     timeout_s: f64,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<String> {
-    let rt = runtime()?;
     let server = match server {
         Some(url) => Some(Server {
             checkpoint_id: match checkpoint_id {
@@ -504,11 +509,11 @@ pub fn load_into(
         timeout: Duration::from_secs_f64(timeout_s.max(0.001)),
         progress,
     };
-    py.detach(|| {
-        rt.block_on(run_load(job))
-            .and_then(|report| Ok(serde_json::to_string(&report)?))
+    // Interruptible: Ctrl-C raises KeyboardInterrupt while ranks wait or read.
+    block_on(py, async {
+        let report = run_load(job).await?;
+        Ok(serde_json::to_string(&report)?)
     })
-    .map_err(py_error)
 }
 
 /// A plan as JSON text: `{"world", "summary", "rank_plan"?}`. `layout_json` or `requests_json`

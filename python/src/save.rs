@@ -14,7 +14,7 @@ use tessera_ops::save::{HeldBox, Holdings, SaveOptions, save_rank};
 use tessera_storage::StorageOptions;
 
 use crate::memory::HostMemory;
-use crate::{py_error, runtime, storage_options};
+use crate::{block_on, storage_options};
 
 /// One held box as the Python layer describes it:
 /// `(fqn, dtype, global_shape, offsets, lengths, address, nbytes)`.
@@ -108,7 +108,6 @@ pub fn save(
     break_claim: bool,
     timeout_s: f64,
 ) -> PyResult<String> {
-    let rt = runtime()?;
     let job = SaveJob {
         path,
         boxes,
@@ -121,5 +120,5 @@ pub fn save(
         break_claim,
         timeout: Duration::from_secs_f64(timeout_s.max(0.001)),
     };
-    py.detach(|| rt.block_on(run_save(job))).map_err(py_error)
+    block_on(py, run_save(job))
 }

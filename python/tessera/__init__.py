@@ -1,40 +1,50 @@
 """tessera: load distributed checkpoints into a running job's tensors, in any layout.
 
 One call fills a rank's state dict in place from a checkpoint saved with another parallel layout
-(PyTorch DCP, safetensors, or tessera's native format; local paths or object-store URLs)::
+(PyTorch DCP, Megatron-Core, DeepSpeed, ByteCheckpoint, safetensors, or tessera's native format;
+local paths or object-store URLs), the way ``torch.distributed.checkpoint.load`` does::
 
     import tessera
-    state = model.state_dict()              # plain tensors, DTensors, NumPy arrays
-    tessera.load("s3://ckpts/run1/step-1000", state)
+    state = {"model": model.state_dict(), "optim": optim_state, "step": 0}
+    report = tessera.load(state, "s3://ckpts/run1/step-1000")
 
 Each value of the state dict says what this rank needs:
 
 * an array or tensor: the whole tensor of that name;
-* a ``torch.distributed.tensor.DTensor``: its local shard (from its placements and device mesh);
+* a ``torch.distributed.tensor.DTensor``: its local shard (every placement torch makes);
 * ``(array, offsets)`` or :class:`Box`: the box of that shape starting at ``offsets``;
 * :class:`Flat`: elements ``[start, start + array.size)`` of the tensor's row-major flattening
-  (ZeRO / FSDP1 flat parameter buffers).
+  (ZeRO / FSDP1 flat parameter buffers);
+* anything else (ints, floats, strings, lists, dicts, bytes): a non-tensor value, replaced by the
+  checkpoint's.
 
-Nothing is cast or reshaped: a dtype or shape that does not match the checkpoint is an error
-naming the tensor. Ranks load independently by default; pass ``exchange=True`` (with torchrun's
-environment, or ``master_addr``/``master_port``) to have the job read every shared byte once and
-pass it on between ranks.
+Nested dicts and lists are flattened into FQNs exactly as DCP does (``optim.state.w.exp_avg``).
+Inside a job where ``torch.distributed`` is initialized the ranks load together over the job's own
+process group: every shared byte is read once from storage and passed on with torch's
+point-to-point ops. Elsewhere each rank reads what it needs.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, MutableMapping, Optional, Sequence, Tuple, Union
+import time
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple, Union
 
+from . import _group, _objects, _state
 from . import _tessera
+from ._state import Box, Flat, Rename
 from ._tessera import TesseraError
 
 __all__ = [
     "Box",
     "Flat",
+    "LoadReport",
+    "SaveReport",
     "TesseraError",
     "inspect",
     "load",
@@ -45,141 +55,89 @@ __all__ = [
 
 __version__: str = _tessera.version()
 
-# Port offset of tessera's rendezvous from torchrun's MASTER_PORT, whose TCPStore already listens
-# there: tessera's rank 0 listens on MASTER_PORT + 1 unless TESSERA_PORT says otherwise.
+# Port offset of tessera's own rendezvous (jobs without torch.distributed) from torchrun's
+# MASTER_PORT, whose TCPStore already listens there.
 _PORT_OFFSET = 1
-
-
-@dataclass(frozen=True)
-class Box:
-    """A box of a tensor: ``array`` holds the elements at ``offsets`` (its shape is the box's)."""
-
-    array: Any
-    offsets: Sequence[int]
-
-
-@dataclass(frozen=True)
-class Flat:
-    """Elements ``[start, start + array.size)`` of a tensor's row-major flattening."""
-
-    array: Any
-    start: int
-
 
 Progress = Callable[[int, int], None]
 Target = Union[Any, Box, Flat, Tuple[Any, Sequence[int]]]
 
 
-# ---------------------------------------------------------------------------------------------
-# Memory of arrays and tensors
-# ---------------------------------------------------------------------------------------------
+class _Report:
+    """Dict-style access too (``report["bytes_read"]``), as the reports were dicts before."""
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in {f.name for f in fields(self)}:  # type: ignore[arg-type]
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]
 
 
-def _is_torch_tensor(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
+@dataclass
+class LoadReport(_Report):
+    """What one rank's :func:`load` did."""
+
+    rank: int = 0
+    #: Bytes of this rank's tensor destinations.
+    bytes_needed: int = 0
+    #: Bytes of the pieces this rank read from storage.
+    bytes_read: int = 0
+    #: Bytes requested from storage (the pieces plus checksum-block extension).
+    bytes_fetched: int = 0
+    #: Of ``bytes_fetched``, what only verification needed.
+    verify_extra_bytes: int = 0
+    #: Data fetched / bytes read (1.0: nothing outside the pieces was read).
+    read_amplification: float = 1.0
+    #: ``bytes_fetched`` / ``bytes_read``, verification included.
+    io_amplification: float = 1.0
+    #: Saved boxes verified by their own crc32c.
+    boxes_verified: int = 0
+    #: Bytes the store returned (what the wire carried).
+    bytes_transferred: int = 0
+    #: Storage requests and retried ones.
+    requests: int = 0
+    retries: int = 0
+    #: Bytes passed to and received from other ranks.
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    read_seconds: float = 0.0
+    exchange_seconds: float = 0.0
+    #: Bytes and seconds of host-to-device copies (CUDA destinations).
+    h2d_bytes: int = 0
+    h2d_seconds: float = 0.0
+    total_seconds: float = 0.0
+    #: How the ranks shared bytes: ``"process_group"`` (the job's torch group), ``"tcp"``
+    #: (tessera's own rendezvous) or ``"none"`` (each rank read what it needs).
+    exchange: str = "none"
+    #: State-dict keys loaded: tensors and non-tensor values.
+    tensors_loaded: int = 0
+    objects_loaded: int = 0
+    #: State-dict keys the checkpoint does not have (``strict=False``; left untouched).
+    missing_keys: List[str] = field(default_factory=list)
+    #: Tensors converted from the checkpoint's dtype (``cast=True``): key -> "bf16->float32".
+    cast: Dict[str, str] = field(default_factory=dict)
 
 
-def _is_dtensor(value: Any) -> bool:
-    if "torch" not in sys.modules:
-        return False
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without distributed
-        return False
-    return isinstance(value, DTensor)
+@dataclass
+class SaveReport(_Report):
+    """What :func:`save` committed: the checkpoint's manifest and this rank's part."""
 
+    checkpoint_id: str = ""
+    rank: int = 0
+    world_size: int = 1
+    #: The committed manifest (format, step, tensors, boxes, files, ...).
+    manifest: Dict[str, Any] = field(default_factory=dict)
+    #: Non-tensor values this rank saved.
+    objects: int = 0
+    total_seconds: float = 0.0
 
-def _dtype_name(array: Any) -> str:
-    if _is_torch_tensor(array):
-        return str(array.dtype).replace("torch.", "")
-    return str(getattr(array, "dtype", type(array).__name__))
-
-
-def _memory(key: str, array: Any, *, writable: bool) -> Tuple[str, list, int, int, Optional[int]]:
-    """(dtype name, shape, data address, byte length, CUDA device or None) of a C-contiguous array
-    or tensor in host memory or (torch) on a CUDA device."""
-    if _is_torch_tensor(array):
-        device: Optional[int] = None
-        if array.device.type == "cuda":
-            device = array.device.index if array.device.index is not None else array.get_device()
-        elif array.device.type != "cpu":
-            raise ValueError(f"{key}: tensor is on {array.device}; tessera loads into host or CUDA memory")
-        if not array.is_contiguous():
-            raise ValueError(f"{key}: tensor is not contiguous; pass a contiguous tensor")
-        return (
-            _dtype_name(array),
-            [int(d) for d in array.shape],
-            int(array.data_ptr()),
-            int(array.numel() * array.element_size()),
-            device,
-        )
-    interface = getattr(array, "__array_interface__", None)
-    if interface is None:
-        raise TypeError(
-            f"{key}: expected a NumPy array, a torch tensor, a DTensor, (array, offsets), "
-            f"tessera.Box or tessera.Flat; got {type(array).__name__}"
-        )
-    flags = getattr(array, "flags", None)
-    if flags is not None and not flags["C_CONTIGUOUS"]:
-        raise ValueError(f"{key}: array is not C-contiguous; pass numpy.ascontiguousarray(...)")
-    address, read_only = interface["data"]
-    if writable and read_only:
-        raise ValueError(f"{key}: array is read-only")
-    return (_dtype_name(array), [int(d) for d in array.shape], int(address), int(array.nbytes), None)
-
-
-def _dtensor_box(key: str, dtensor: Any) -> Tuple[Any, list, list]:
-    """(local tensor, global offsets, global shape) of a DTensor's shard on this rank."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    local = dtensor.to_local()
-    shape, offsets = compute_local_shape_and_global_offset(
-        dtensor.shape, dtensor.device_mesh, dtensor.placements
-    )
-    if tuple(local.shape) != tuple(shape):
-        raise ValueError(
-            f"{key}: the DTensor's local shard has shape {tuple(local.shape)} but its placements "
-            f"give {tuple(shape)}"
-        )
-    return local, [int(o) for o in offsets], [int(d) for d in dtensor.shape]
-
-
-def _flatten(state_dict: Mapping[str, Any], prefix: str = "") -> list:
-    """(fqn, value) pairs with nested dicts flattened the way DCP does (``a.b.c``)."""
-    out = []
-    for key, value in state_dict.items():
-        fqn = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.extend(_flatten(value, fqn + "."))
-        else:
-            out.append((fqn, value))
-    return out
-
-
-def _load_target(fqn: str, value: Any) -> Tuple[tuple, Any]:
-    """The native module's target tuple for one state-dict entry, and the object to keep alive."""
-    offsets: Optional[list] = None
-    flat_start: Optional[int] = None
-    array = value
-    if isinstance(value, Flat):
-        array, flat_start = value.array, int(value.start)
-    elif isinstance(value, Box):
-        array, offsets = value.array, [int(o) for o in value.offsets]
-    elif isinstance(value, tuple) and len(value) == 2:
-        array, offsets = value[0], [int(o) for o in value[1]]
-    elif _is_dtensor(value):
-        array, offsets, _shape = _dtensor_box(fqn, value)
-    dtype, shape, address, nbytes, device = _memory(fqn, array, writable=True)
-    if flat_start is not None:
-        shape = [int(nbytes // max(1, _itemsize(array)))]
-    return (fqn, dtype, shape, offsets, flat_start, address, nbytes, device), array
-
-
-def _itemsize(array: Any) -> int:
-    if _is_torch_tensor(array):
-        return int(array.element_size())
-    return int(array.itemsize)
+    def __getitem__(self, name: str) -> Any:
+        # Manifest fields by name (``report["step"]``), as save returned the manifest before.
+        if name in self.manifest:
+            return self.manifest[name]
+        return super().__getitem__(name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,105 +196,275 @@ def _progress_printer() -> Optional[Progress]:
 
 
 # ---------------------------------------------------------------------------------------------
-# API
+# Loading
 # ---------------------------------------------------------------------------------------------
+
+_FLOATS = {"f16", "bf16", "f32", "f64"}
+_INTS = {"i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64"}
+_NUMPY_NAMES = {
+    "f16": "float16", "f32": "float32", "f64": "float64", "bf16": "bfloat16", "bool": "bool",
+    "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64",
+    "u8": "uint8", "u16": "uint16", "u32": "uint32", "u64": "uint64",
+}
+
+
+def _dcp_order(state_dict: Any, checkpoint_id: Any, call: str) -> Tuple[Any, Any]:
+    """``(state_dict, checkpoint_id)``, accepting the pre-0.2 order ``(checkpoint, state_dict)``
+    with a DeprecationWarning."""
+    if isinstance(state_dict, (str, os.PathLike)) and isinstance(checkpoint_id, Mapping):
+        warnings.warn(
+            f"tessera.{call}(checkpoint, state_dict) is deprecated: call tessera.{call}(state_dict, "
+            "checkpoint_id) as torch.distributed.checkpoint does",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return checkpoint_id, state_dict
+    if checkpoint_id is None:
+        raise TypeError(f"tessera.{call}() needs checkpoint_id: the checkpoint's path or URL")
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
+    return state_dict, os.fspath(checkpoint_id) if isinstance(checkpoint_id, os.PathLike) else checkpoint_id
+
+
+def _host_like(array: Any, tessera_dtype: str) -> Any:
+    """A fresh contiguous host array of ``array``'s shape in the checkpoint's dtype."""
+    name = _NUMPY_NAMES.get(tessera_dtype)
+    if name is None:
+        raise TesseraError(f"tessera cannot stage a {tessera_dtype} tensor for a cast or a device copy")
+    if _state.is_torch_tensor(array):
+        import torch
+
+        pin = array.device.type == "cuda"
+        return torch.empty(tuple(array.shape), dtype=getattr(torch, name), pin_memory=pin)
+    import numpy as np
+
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.empty(array.shape, dtype=ml_dtypes.bfloat16)
+    return np.empty(array.shape, dtype=np.dtype(name))
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    if _state.is_torch_tensor(dst):
+        dst.copy_(src)
+    else:
+        import numpy as np
+
+        np.copyto(dst, src.astype(dst.dtype, copy=False), casting="unsafe")
+
+
+def _destination(
+    key: str, fqn: str, array: Any, stored: str, cast: bool, stage_device: bool, report: "LoadReport"
+) -> Tuple[Any, Optional[Tuple[Any, Any]]]:
+    """The array tessera fills for one tensor entry, and ``(user array, staged array)`` to copy
+    back afterwards when it is not the user's own (a cast, or device memory staged on the host)."""
+    given = _tessera.canonical_dtype(_state.dtype_name(array))
+    mismatch = given != stored
+    if mismatch:
+        if not cast:
+            raise TesseraError(
+                f"tensor {key}: the checkpoint stores {fqn} as {stored} but the array is "
+                f"{_state.dtype_name(array)}; pass cast=True to convert on load"
+            )
+        if not ((given in _FLOATS and stored in _FLOATS) or (given in _INTS and stored in _INTS)):
+            raise TesseraError(
+                f"tensor {key}: cannot cast the checkpoint's {stored} to {_state.dtype_name(array)} "
+                "(cast=True converts between floating types and between integer types)"
+            )
+        report.cast[key] = f"{stored}->{given}"
+    on_device = _state.is_torch_tensor(array) and array.device.type == "cuda"
+    if mismatch or (stage_device and on_device):
+        staged = _host_like(array, stored)
+        return staged, (array, staged)
+    return array, None
+
+
+def _missing_message(checkpoint_id: str, missing: List[Tuple[str, str]], names: List[str]) -> str:
+    parts = []
+    for key, fqn in missing[:5]:
+        text = key if key == fqn else f"{key} (renamed to {fqn})"
+        close = difflib.get_close_matches(fqn, names, n=3, cutoff=0.6)
+        if close:
+            text += f": did you mean {', '.join(close)}?"
+        parts.append(text)
+    more = f"; and {len(missing) - 5} more" if len(missing) > 5 else ""
+    return (
+        f"{len(missing)} key(s) of the state dict are not in checkpoint {checkpoint_id}: "
+        + "; ".join(parts)
+        + more
+        + " (strict=False loads the rest and reports these in missing_keys; rename= maps keys to the checkpoint's names)"
+    )
+
+
+def _progress_callback(progress: Union[bool, Progress, None]) -> Optional[Progress]:
+    if progress is True:
+        return _progress_printer()
+    if progress is False or progress is None:
+        return None
+    return progress
 
 
 def load(
-    checkpoint: str,
     state_dict: MutableMapping[str, Any],
+    checkpoint_id: Union[str, "os.PathLike[str]", None] = None,
     *,
+    process_group: Any = None,
+    strict: bool = True,
+    cast: bool = False,
+    rename: Rename = None,
+    allow_pickle: bool = False,
+    verify: bool = True,
+    exchange: Optional[bool] = None,
+    storage_options: Optional[Mapping[str, str]] = None,
     server: Optional[str] = None,
-    checkpoint_id: Optional[str] = None,
+    server_id: Optional[str] = None,
     token: Optional[str] = None,
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
-    exchange: bool = False,
     master_addr: Optional[str] = None,
     master_port: Optional[int] = None,
-    storage_options: Optional[Mapping[str, str]] = None,
-    verify: bool = True,
     progress: Union[bool, Progress] = True,
     timeout: float = 300.0,
-) -> dict:
-    """Fills the arrays and tensors of ``state_dict`` in place from ``checkpoint``.
+) -> LoadReport:
+    """Fills ``state_dict`` in place from checkpoint ``checkpoint_id``, like ``dcp.load``.
 
     Args:
-        checkpoint: a local path or ``file://``, ``s3://``, ``gs://``, ``az://``, ``http(s)://``
-            URL of a native, PyTorch DCP or safetensors checkpoint.
-        state_dict: FQN -> what this rank needs (see the module docs); nested dicts are
-            flattened with ``.`` like DCP does. Every array must be C-contiguous, writable and in
-            host memory (or, with the package's ``cuda`` build, CUDA tensors of one device), with
-            the checkpoint's dtype and the box's shape.
-        server: URL of a ``tessera serve`` that plans instead of this process.
-        checkpoint_id: the checkpoint's id on the server (default: the last two path components).
-        token: the server's bearer token (default: ``TESSERA_TOKEN``).
-        rank, world_size: this rank and the job's size (default: torchrun's ``RANK`` and
-            ``WORLD_SIZE``, else 0 and 1).
-        exchange: load as one job: every rank calls ``load`` at the same time, the ranks gather
-            each other's requests, each shared byte is read once and passed on (needs a
-            rendezvous: ``master_addr``/``master_port``, default ``MASTER_ADDR`` and
-            ``TESSERA_PORT`` or ``MASTER_PORT + 1``). Without it every rank reads what it needs.
+        state_dict: what this rank needs (see the module docs). Tensor entries are filled in
+            place (C-contiguous, writable, host memory or CUDA tensors); non-tensor values are
+            replaced by the checkpoint's. Nested dicts and lists are flattened as DCP does.
+        checkpoint_id: a local path or ``file://``, ``s3://``, ``gs://``, ``az://``,
+            ``http(s)://`` URL of a native, DCP (Megatron-Core, ByteCheckpoint), DeepSpeed or
+            safetensors checkpoint.
+        process_group: the torch process group to load over (default: the default group when
+            ``torch.distributed`` is initialized with several ranks). Its ranks read each shared
+            byte once and pass it on with torch's point-to-point ops (gloo for CPU, NCCL for
+            device memory); every rank of the group must call ``load``.
+        strict: a state-dict key the checkpoint lacks is an error naming it and near matches;
+            with ``strict=False`` it is left as it is and listed in ``missing_keys``.
+        cast: convert dtypes on the way (between float types, between integer types) where the
+            array's dtype differs from the checkpoint's; without it a mismatch is an error.
+        rename: maps state-dict keys (flattened FQNs) to the checkpoint's FQNs: a dict, or a
+            callable such as ``lambda k: k.removeprefix("module.")``.
+        allow_pickle: non-tensor values that are not plain values (ints, floats, strings,
+            lists, dicts, tuples, sets, bytes) are unpickled only with ``allow_pickle=True``,
+            which runs code from the checkpoint: for trusted checkpoints only.
+        verify: check block checksums and saved boxes' crc32c of what is read.
+        exchange: ``False`` makes every rank read what it needs on its own even inside a
+            process group; ``True`` without torch.distributed uses tessera's own TCP rendezvous
+            (``master_addr``/``master_port``, default ``MASTER_ADDR`` and ``TESSERA_PORT`` or
+            ``MASTER_PORT + 1``) for jobs that have no process group.
         storage_options: credentials and endpoints (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT``, ...)
             on top of the environment.
-        verify: check block checksums of what is read (native checkpoints).
+        server, server_id, token: a ``tessera serve`` that plans instead of the ranks, the
+            checkpoint's id there (default: the last two path components) and its bearer token
+            (default ``TESSERA_TOKEN``).
+        rank, world_size: without a process group, this rank and the job's size (default
+            torchrun's ``RANK``/``WORLD_SIZE``, else 0 and 1).
         progress: print progress on a terminal (True), nothing (False), or call
             ``progress(bytes_done, bytes_total)``.
-        timeout: seconds to wait for a peer or the rendezvous.
+        timeout: seconds to wait for a peer, a rendezvous or the exchange.
 
     Returns:
-        The rank's report: bytes needed, read and fetched, requests, retries, bytes exchanged,
-        seconds per phase, and two figures by name: ``read_amplification`` (data fetched /
-        bytes read for the rank's pieces; 1.0 when nothing else is read) and
-        ``io_amplification`` (``bytes_fetched`` / ``bytes_read``: total I/O, verification
-        included, since checksum blocks around small tensors can exceed the data), with
-        ``verify_extra_bytes`` and ``boxes_verified`` (boxes checked by their own crc32c), and
-        ``bytes_transferred``: what the store returned for the rank's ``requests``
-        (``bytes_fetched`` plus the gaps that one request spanned between small ranges; object
-        stores span gaps up to 64 KiB, local files none).
+        :class:`LoadReport` of this rank (also readable as ``report["bytes_read"]``).
 
     Raises:
-        TesseraError: unknown tensor, dtype or shape mismatch, unreadable checkpoint, storage,
-            server or peer failure. The arrays' contents are then unspecified.
-        TypeError, ValueError: a state-dict value tessera cannot write into.
+        TesseraError: a key missing (strict), a dtype or shape mismatch, an unreadable or corrupt
+            checkpoint, a storage, server or peer failure. The arrays' contents are then
+            unspecified; non-tensor values are only replaced after every tensor loaded.
+        TypeError, ValueError: a state-dict value tessera cannot write into, or a non-tensor
+            value that needs ``allow_pickle=True``.
+        KeyboardInterrupt: Ctrl-C, seen while reading and while waiting for peers.
     """
-    rank, world_size = _ranks(rank, world_size)
-    keep_alive = []
-    targets = []
-    for fqn, value in _flatten(state_dict):
-        target, array = _load_target(fqn, value)
-        targets.append(target)
-        keep_alive.append(array)
-    rendezvous = _rendezvous(master_addr, master_port) if exchange else None
-    if exchange and world_size > 1 and rendezvous is None:
-        raise ValueError(
-            "exchange=True needs a rendezvous: pass master_addr and master_port, or run under "
-            "torchrun (MASTER_ADDR, MASTER_PORT)"
+    state_dict, checkpoint_id = _dcp_order(state_dict, checkpoint_id, "load")
+    started = time.monotonic()
+    group = _group.default_group(process_group, exchange)
+    if group is not None and (rank is not None or world_size is not None):
+        raise ValueError("rank and world_size come from the process group; do not pass them with one")
+    opened = _tessera.open_checkpoint(str(checkpoint_id), _storage_env(storage_options))
+    entries = json.loads(opened.entries())
+    tensors: Dict[str, Any] = entries["tensors"]
+    objects = set(entries["objects"])
+    to_fqn = _state.renamer(rename)
+    report = LoadReport()
+
+    targets, keep_alive, copy_back, wanted_objects, missing = [], [], [], [], []
+    for key, path, value in _state.flatten(state_dict):
+        fqn = to_fqn(key)
+        if not isinstance(fqn, str):
+            raise TypeError(f"rename({key!r}) returned a {type(fqn).__name__}, not a str")
+        if _state.is_tensor_entry(value):
+            if fqn not in tensors:
+                missing.append((key, fqn))
+                continue
+            array, offsets, flat_start = _state.entry_array(key, value)
+            filled, back = _destination(key, fqn, array, tensors[fqn]["dtype"], cast, group is not None, report)
+            targets.append(_state.load_target(fqn, filled, offsets, flat_start))
+            keep_alive.append(filled)
+            if back is not None:
+                copy_back.append(back)
+        elif fqn in objects:
+            wanted_objects.append((key, fqn, path, value))
+        else:
+            missing.append((key, fqn))
+    if missing:
+        if strict:
+            raise TesseraError(_missing_message(str(checkpoint_id), missing, sorted(tensors) + sorted(objects)))
+        report.missing_keys = [key for key, _fqn in missing]
+
+    # Non-tensor values are read and decoded before any tensor is touched (a value that does not
+    # decode fails the load early) and set only after every tensor loaded.
+    stored = opened.read_objects([fqn for _k, fqn, _p, _v in wanted_objects]) if wanted_objects else []
+    decoded = [
+        (path, _objects.decode(key, data, like, allow_pickle=allow_pickle))
+        for (key, _fqn, path, like), data in zip(wanted_objects, stored)
+    ]
+
+    callback = _progress_callback(progress)
+    if group is not None:
+        raw = _group.load_over_group(
+            opened, targets, group, verify=bool(verify), server=server, server_id=server_id,
+            token=token if token is not None else os.environ.get("TESSERA_TOKEN"),
+            timeout=float(timeout), progress=callback,
         )
-    callback: Optional[Progress]
-    if progress is True:
-        callback = _progress_printer()
-    elif progress is False or progress is None:
-        callback = None
+        report.exchange = "process_group"
     else:
-        callback = progress
-    opened = _tessera.open_checkpoint(str(checkpoint), _storage_env(storage_options))
-    report = _tessera.load_into(
-        opened,
-        targets,
-        rank,
-        world_size,
-        rendezvous,
-        server,
-        checkpoint_id,
-        token if token is not None else os.environ.get("TESSERA_TOKEN"),
-        bool(verify),
-        True,
-        float(timeout),
-        callback,
-    )
+        rank, world_size = _ranks(rank, world_size)
+        rendezvous = _rendezvous(master_addr, master_port) if exchange else None
+        if exchange and world_size > 1 and rendezvous is None:
+            raise ValueError(
+                "exchange=True needs a rendezvous: initialize torch.distributed (or pass process_group), "
+                "pass master_addr and master_port, or run under torchrun (MASTER_ADDR, MASTER_PORT)"
+            )
+        raw = json.loads(
+            _tessera.load_into(
+                opened, targets, rank, world_size, rendezvous, server, server_id,
+                token if token is not None else os.environ.get("TESSERA_TOKEN"),
+                bool(verify), True, float(timeout), callback,
+            )
+        )
+        report.exchange = "tcp" if rendezvous is not None and world_size > 1 else "none"
+    for name, value in raw.items():
+        if hasattr(report, name):
+            setattr(report, name, value)
+
+    h2d_started = time.monotonic()
+    for dst, staged in copy_back:
+        _copy_into(dst, staged)
+        if _state.is_torch_tensor(dst) and dst.device.type == "cuda":
+            report.h2d_bytes += int(dst.numel() * dst.element_size())
+    if any(_state.is_torch_tensor(d) and d.device.type == "cuda" for d, _s in copy_back):
+        import torch
+
+        torch.cuda.synchronize()
+        report.h2d_seconds += time.monotonic() - h2d_started
     del keep_alive
-    return json.loads(report)
+    for path, value in decoded:
+        _state.set_element(state_dict, path, value)
+    report.tensors_loaded = len(targets)
+    report.objects_loaded = len(decoded)
+    report.total_seconds = time.monotonic() - started
+    return report
 
 
 def plan(
@@ -388,10 +516,16 @@ def inspect(checkpoint: str, *, storage_options: Optional[Mapping[str, str]] = N
     return json.loads(_tessera.inspect(str(checkpoint), _storage_env(storage_options)))
 
 
+# ---------------------------------------------------------------------------------------------
+# Saving
+# ---------------------------------------------------------------------------------------------
+
+
 def save(
     state_dict: Mapping[str, Any],
-    path: str,
+    checkpoint_id: Union[str, "os.PathLike[str]", None] = None,
     *,
+    process_group: Any = None,
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
     step: Optional[int] = None,
@@ -400,48 +534,65 @@ def save(
     storage_options: Optional[Mapping[str, str]] = None,
     break_claim: bool = False,
     timeout: float = 300.0,
-) -> dict:
-    """Saves ``state_dict`` as a tessera native checkpoint at ``path``, from every rank.
+) -> SaveReport:
+    """Saves ``state_dict`` as a tessera native checkpoint at ``checkpoint_id``, from every rank,
+    like ``dcp.save``.
 
     Every rank of the job calls ``save`` with what it holds. Values: a whole array or tensor; a
-    ``(array, offsets, global_shape)`` triple or a DTensor for a shard; ``bytes`` (saved as an
-    object). A box held by several ranks (data-parallel replicas) is written once. Each rank
-    writes its own data file; rank 0 commits (metadata, checksums, manifest last) once every rank
-    has written, and on any failure nothing is committed. With several ranks a rendezvous is
-    needed (``master_addr``/``master_port``, default ``MASTER_ADDR`` and ``TESSERA_PORT`` or
-    ``MASTER_PORT + 1``).
+    DTensor or an ``(array, offsets, global_shape)`` triple for a shard; any other value is a
+    non-tensor value (plain values: ints, floats, strings, lists, dicts, tuples, sets, None;
+    ``bytes`` and ``io.BytesIO`` are stored raw), flattened as DCP does. A box held by several
+    ranks (data-parallel replicas) is written once. Each rank writes its own data file; rank 0
+    commits (metadata, checksums, manifest last) once every rank has written, and on any failure
+    nothing is committed. With a ``process_group`` (default: the initialized default group)
+    rank and world size are the group's; the commit's rendezvous is ``master_addr``/
+    ``master_port`` (default ``MASTER_ADDR`` and ``TESSERA_PORT`` or ``MASTER_PORT + 1``).
 
-    Rank 0 takes an exclusive write claim on ``path`` (``.tessera-claim.json``) before any rank
-    writes and removes it after the commit or a failure: a second job saving into the same
-    ``path`` fails at once on every rank, naming the holder (pid, host, since when). A job killed
+    Rank 0 takes an exclusive write claim on the directory (``.tessera-claim.json``) before any
+    rank writes and removes it after the commit or a failure: a second job saving into the same
+    place fails at once on every rank, naming the holder (pid, host, since when). A job killed
     while saving leaves its claim; once that job is surely gone, ``break_claim=True`` (on every
     rank; rank 0's counts) removes it and saves anyway. Never while the other job may still run.
 
     Returns:
-        The manifest (dict).
+        :class:`SaveReport` with the committed manifest (``report["step"]`` reads its fields).
     """
+    state_dict, checkpoint_id = _dcp_order(state_dict, checkpoint_id, "save")
+    started = time.monotonic()
+    group = _group.default_group(process_group, None)
+    if group is not None:
+        import torch.distributed as dist
+
+        if rank is not None or world_size is not None:
+            raise ValueError("rank and world_size come from the process group; do not pass them with one")
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     rank, world_size = _ranks(rank, world_size)
     boxes = []
     objects = []
     keep_alive = []
-    for fqn, value in _flatten(state_dict):
-        if isinstance(value, (bytes, bytearray)):
-            objects.append((fqn, bytes(value)))
-            continue
-        if _is_dtensor(value):
-            array, offsets, shape = _dtensor_box(fqn, value)
-        elif isinstance(value, tuple) and len(value) == 3:
+    for fqn, _path, value in _state.flatten(state_dict):
+        if _state.is_dtensor(value):
+            array, offsets, shape = _state.dtensor_box(fqn, value)
+        elif (
+            isinstance(value, tuple)
+            and len(value) == 3
+            and _state.is_array(value[0])
+            and all(isinstance(v, (list, tuple)) for v in value[1:])
+        ):
             array, offsets, shape = value[0], [int(o) for o in value[1]], [int(d) for d in value[2]]
-        elif isinstance(value, (Box, Flat)) or (isinstance(value, tuple) and len(value) == 2):
+        elif isinstance(value, (Box, Flat)) or (isinstance(value, tuple) and _state.is_tensor_entry(value)):
             raise TypeError(
                 f"{fqn}: save needs the global shape of a partial tensor: pass "
                 "(array, offsets, global_shape) or a DTensor"
             )
-        else:
+        elif _state.is_array(value):
             array, offsets, shape = value, None, None
-        if _is_torch_tensor(array) and array.device.type != "cpu":
+        else:
+            objects.append((fqn, _objects.encode(fqn, value)))
+            continue
+        if _state.is_torch_tensor(array) and array.device.type != "cpu":
             array = array.detach().cpu()  # saving reads host memory: one copy per device tensor
-        dtype, lengths, address, nbytes, _device = _memory(fqn, array, writable=False)
+        dtype, lengths, address, nbytes, _device = _state.memory(fqn, array, writable=False)
         if offsets is None:
             offsets, shape = [0] * len(lengths), list(lengths)
         boxes.append((fqn, dtype, shape, offsets, lengths, address, nbytes))
@@ -453,7 +604,7 @@ def save(
             "every rank wrote: pass master_addr and master_port, or run under torchrun"
         )
     manifest = _tessera.save(
-        str(path),
+        str(checkpoint_id),
         boxes,
         objects,
         rank,
@@ -465,4 +616,11 @@ def save(
         float(timeout),
     )
     del keep_alive
-    return json.loads(manifest)
+    return SaveReport(
+        checkpoint_id=str(checkpoint_id),
+        rank=rank,
+        world_size=world_size,
+        manifest=json.loads(manifest),
+        objects=len(objects),
+        total_seconds=time.monotonic() - started,
+    )

@@ -27,7 +27,7 @@ from conftest import (
 def test_whole_tensors_match_expected(name):
     tensors = expected_tensors(name)
     state = {fqn: empty(t["dtype"], t["shape"]) for fqn, t in tensors.items()}
-    report = tessera.load(str(fixture(name)), state, progress=False)
+    report = tessera.load(state, str(fixture(name)), progress=False)
     assert report["bytes_needed"] == sum(a.nbytes for a in state.values())
     for fqn, t in tensors.items():
         assert sha256(state[fqn]) == t["sha256"], fqn
@@ -40,7 +40,7 @@ def test_every_rank_gets_torchs_bytes(name, layout):
     world = ref["world_size"]
     for rank in range(world):
         state = rank_state(ref, rank)
-        tessera.load(str(fixture(name)), state, rank=rank, world_size=world, progress=False)
+        tessera.load(state, str(fixture(name)), rank=rank, world_size=world, progress=False)
         for fqn, t in ref["tensors"].items():
             assert sha256(state[fqn][0]) == t["ranks"][rank]["sha256"], (fqn, rank)
 
@@ -49,11 +49,11 @@ def test_box_and_dataclass_forms_agree():
     name = "c_w4_dp2_tp2"
     t = expected_tensors(name)["model.layers.0.attn.qkv.weight"]
     full = empty(t["dtype"], t["shape"])
-    tessera.load(str(fixture(name)), {"model.layers.0.attn.qkv.weight": full}, progress=False)
+    tessera.load({"model.layers.0.attn.qkv.weight": full}, str(fixture(name)), progress=False)
     part = empty(t["dtype"], [5, t["shape"][1] - 3])
     tessera.load(
-        str(fixture(name)),
         {"model.layers.0.attn.qkv.weight": tessera.Box(part, [7, 3])},
+        str(fixture(name)),
         progress=False,
     )
     assert part.tobytes() == full[7:12, 3:].tobytes()
@@ -64,9 +64,9 @@ def test_flat_ranges_for_zero_buffers():
     fqn = "model.pos_emb.weight"  # 98 rows saved 25/25/25/23: the range crosses saved chunks
     t = expected_tensors(name)[fqn]
     full = empty(t["dtype"], t["shape"])
-    tessera.load(str(fixture(name)), {fqn: full}, progress=False)
+    tessera.load({fqn: full}, str(fixture(name)), progress=False)
     flat = empty(t["dtype"], [1000])
-    tessera.load(str(fixture(name)), {fqn: tessera.Flat(flat, 1500)}, progress=False)
+    tessera.load({fqn: tessera.Flat(flat, 1500)}, str(fixture(name)), progress=False)
     assert flat.tobytes() == full.reshape(-1)[1500:2500].tobytes()
 
 
@@ -75,7 +75,7 @@ def test_nested_state_dict_is_flattened_like_dcp():
     tensors = expected_tensors(name)
     t = tensors["model.lm_head.weight"]  # saved as a transposed (strided) view
     nested = {"model": {"lm_head.weight": empty(t["dtype"], t["shape"])}}
-    tessera.load(str(fixture(name)), nested, progress=False)
+    tessera.load(nested, str(fixture(name)), progress=False)
     assert sha256(nested["model"]["lm_head.weight"]) == t["sha256"]
 
 
@@ -85,7 +85,7 @@ def test_file_url_and_progress_callback():
     state = {fqn: empty(t["dtype"], t["shape"]) for fqn, t in tensors.items()}
     calls = []
     tessera.load(
-        fixture(name).resolve().as_uri(), state, progress=lambda done, total: calls.append((done, total))
+        state, fixture(name).resolve().as_uri(), progress=lambda done, total: calls.append((done, total))
     )
     total = sum(a.nbytes for a in state.values())
     assert calls and calls[-1] == (total, total)
@@ -96,7 +96,7 @@ def test_safetensors_reference_files():
     h = fixture("h_reference_full_safetensors")
     expected = expected_tensors("c_w4_dp2_tp2")
     state = {fqn: empty(t["dtype"], t["shape"]) for fqn, t in expected.items()}
-    tessera.load(str(h / "all_tensors_dcp_fqns.safetensors"), state, progress=False)
+    tessera.load(state, str(h / "all_tensors_dcp_fqns.safetensors"), progress=False)
     for fqn, t in expected.items():
         assert sha256(state[fqn]) == t["sha256"], fqn
 
@@ -106,8 +106,8 @@ def _exchange_rank(args):
     ref = reference(name, layout)
     state = rank_state(ref, rank)
     report = tessera.load(
-        str(fixture(name)),
         state,
+        str(fixture(name)),
         rank=rank,
         world_size=world,
         exchange=True,
@@ -141,7 +141,7 @@ def test_native_round_trip_through_save(tmp_path):
     name = "c_w4_dp2_tp2"
     tensors = expected_tensors(name)
     state = {fqn: empty(t["dtype"], t["shape"]) for fqn, t in tensors.items()}
-    tessera.load(str(fixture(name)), state, progress=False)
+    tessera.load(state, str(fixture(name)), progress=False)
     out = tmp_path / "run" / "step-7"
     manifest = tessera.save({**state, "extra.note": b"hello"}, str(out))
     assert manifest["step"] == 7 and manifest["tensors"] == len(tensors)
@@ -150,7 +150,7 @@ def test_native_round_trip_through_save(tmp_path):
     ref = reference(name, "w2_shard1")
     for rank in range(ref["world_size"]):
         part = rank_state(ref, rank)
-        report = tessera.load(str(out), part, rank=rank, world_size=2, progress=False)
+        report = tessera.load(part, str(out), rank=rank, world_size=2, progress=False)
         assert report["bytes_fetched"] >= report["bytes_read"]  # verified: whole checksum blocks
         for fqn, t in ref["tensors"].items():
             assert sha256(part[fqn][0]) == t["ranks"][rank]["sha256"], (fqn, rank)
@@ -165,8 +165,8 @@ def test_native_load_detects_corruption(tmp_path):
     raw[1234] ^= 0xFF
     data.write_bytes(bytes(raw))
     with pytest.raises(tessera.TesseraError, match=r"checksum"):
-        tessera.load(str(out), {"w": np.empty_like(a)}, progress=False)
-    assert tessera.load(str(out), {"w": np.empty_like(a)}, verify=False, progress=False)
+        tessera.load({"w": np.empty_like(a)}, str(out), progress=False)
+    assert tessera.load({"w": np.empty_like(a)}, str(out), verify=False, progress=False)
 
 
 def test_copied_checkpoint_loads_from_a_new_place(tmp_path):
@@ -174,7 +174,7 @@ def test_copied_checkpoint_loads_from_a_new_place(tmp_path):
     shutil.copytree(fixture("b_w4_fsdp_shard0"), dst)
     t = expected_tensors("b_w4_fsdp_shard0")["model.tiny.weight"]  # has an empty saved chunk
     a = empty(t["dtype"], t["shape"])
-    tessera.load(str(dst), {"model.tiny.weight": a}, progress=False)
+    tessera.load({"model.tiny.weight": a}, str(dst), progress=False)
     assert sha256(a) == t["sha256"]
 
 
@@ -187,7 +187,7 @@ def test_report_names_read_and_io_amplification(tmp_path):
 
     # Whole tensors: every box checked by its own crc32c, not a byte fetched beyond the data.
     state = {k: np.empty_like(v) for k, v in arrays.items()}
-    report = tessera.load(str(out), state, progress=False)
+    report = tessera.load(state, str(out), progress=False)
     assert report["boxes_verified"] == 9 and report["verify_extra_bytes"] == 0
     assert report["read_amplification"] == 1.0 and report["io_amplification"] == 1.0
     assert all((state[k] == v).all() for k, v in arrays.items())
@@ -195,7 +195,7 @@ def test_report_names_read_and_io_amplification(tmp_path):
     # 100 elements inside the big tensor: the checksum block around them is fetched, and the I/O
     # figure says how much that costs while read amplification stays 1.0.
     part = np.empty(100, np.float32)
-    report = tessera.load(str(out), {"big": tessera.Flat(part, 100_000)}, progress=False)
+    report = tessera.load({"big": tessera.Flat(part, 100_000)}, str(out), progress=False)
     assert (part == arrays["big"][100_000:100_100]).all()
     assert report["bytes_read"] == 400 and report["read_amplification"] == 1.0
     assert report["bytes_fetched"] == 400 + report["verify_extra_bytes"] >= 64 * 1024
@@ -203,7 +203,7 @@ def test_report_names_read_and_io_amplification(tmp_path):
 
     # 100 elements of a small tensor: the whole 4,000-byte box instead of a 64 KiB block.
     part = np.empty(100, np.float32)
-    report = tessera.load(str(out), {"small.3": tessera.Flat(part, 500)}, progress=False)
+    report = tessera.load({"small.3": tessera.Flat(part, 500)}, str(out), progress=False)
     assert (part == arrays["small.3"][500:600]).all()
     assert report["bytes_fetched"] == 4000 and report["boxes_verified"] == 1
     assert report["io_amplification"] == 10.0

@@ -78,7 +78,7 @@ def test_save_refuses_a_claimed_directory_until_break_claim(tmp_path):
     assert manifest["tensors"] == 1
     assert not claim.exists()  # released after the commit
     w = np.empty(4, np.float32)
-    tessera.load(str(out), {"w": w}, progress=False)
+    tessera.load({"w": w}, str(out), progress=False)
     assert np.array_equal(w, np.arange(4, dtype=np.float32))
 
 
@@ -109,10 +109,11 @@ def test_save_from_three_ranks_then_load(tmp_path):
     world, port = 3, free_port()
     with multiprocessing.get_context("spawn").Pool(world) as pool:
         manifests = pool.map(_save_rank, [(r, world, port, path) for r in range(world)])
-    assert all(m == manifests[0] for m in manifests)
+    assert all(m.manifest == manifests[0].manifest for m in manifests)
+    assert [m.rank for m in manifests] == [0, 1, 2]
     assert manifests[0]["tensors"] == 2 and manifests[0]["chunks"] == 4  # bias written once
     weight, bias = np.empty((10, 6), np.float32), np.empty(6, np.int64)
-    tessera.load(path, {"layer.weight": weight, "layer.bias": bias}, progress=False)
+    tessera.load({"layer.weight": weight, "layer.bias": bias}, path, progress=False)
     assert np.array_equal(weight, np.arange(60, dtype=np.float32).reshape(10, 6))
     assert np.array_equal(bias, np.full(6, 7))
     assert sha256(weight) == sha256(np.arange(60, dtype=np.float32).reshape(10, 6))

@@ -18,7 +18,7 @@ def test_dcp_fixture_through_s3(s3_server):
     for rank in range(ref["world_size"]):
         state = rank_state(ref, rank)
         report = tessera.load(
-            "s3://ckpts/c", state, rank=rank, world_size=3, storage_options=env, progress=False
+            state, "s3://ckpts/c", rank=rank, world_size=3, storage_options=env, progress=False
         )
         assert report["requests"] > 0
         for fqn, t in ref["tensors"].items():
@@ -30,11 +30,11 @@ def test_save_to_s3_and_load_back(s3_server):
     _root, env = s3_server
     tensors = expected_tensors("c_w4_dp2_tp2")
     state = {fqn: empty(t["dtype"], t["shape"]) for fqn, t in tensors.items()}
-    tessera.load(str(fixture("c_w4_dp2_tp2")), state, progress=False)
+    tessera.load(state, str(fixture("c_w4_dp2_tp2")), progress=False)
     manifest = tessera.save(state, "s3://ckpts/native/step-5", storage_options=env)
     assert manifest["step"] == 5
     again = {fqn: empty(t["dtype"], t["shape"]) for fqn, t in tensors.items()}
-    tessera.load("s3://ckpts/native/step-5", again, storage_options=env, progress=False)
+    tessera.load(again, "s3://ckpts/native/step-5", storage_options=env, progress=False)
     for fqn, t in tensors.items():
         assert sha256(again[fqn]) == t["sha256"], fqn
 
@@ -43,4 +43,4 @@ def test_wrong_credentials_are_an_error(s3_server):
     _root, env = s3_server
     bad = {**env, "AWS_SECRET_ACCESS_KEY": "wrong"}
     with pytest.raises(tessera.TesseraError, match=r"s3://ckpts/c"):
-        tessera.load("s3://ckpts/c", {"x": np.empty(1, np.float32)}, storage_options=bad, progress=False)
+        tessera.load({"x": np.empty(1, np.float32)}, "s3://ckpts/c", storage_options=bad, progress=False)

@@ -28,7 +28,7 @@ def test_independent_ranks_plan_on_the_server(plan_server):
     ref = reference(C, "w2_shard1")
     for rank in range(2):
         state = rank_state(ref, rank)
-        tessera.load(str(root / "fixtures" / "c"), state, rank=rank, world_size=2, server=url, progress=False)
+        tessera.load(state, str(root / "fixtures" / "c"), rank=rank, world_size=2, server=url, progress=False)
         for fqn, t in ref["tensors"].items():
             assert sha256(state[fqn][0]) == t["ranks"][rank]["sha256"], (fqn, rank)
     # Independent ranks each ask for their own one-rank plan.
@@ -40,8 +40,8 @@ def _exchange_rank(args):
     ref = reference(C, "w3_shard0")
     state = rank_state(ref, rank)
     report = tessera.load(
-        path, state, rank=rank, world_size=world, exchange=True, master_addr="127.0.0.1",
-        master_port=port, server=url, checkpoint_id="fixtures/c", progress=False, timeout=60,
+        state, path, rank=rank, world_size=world, exchange=True, master_addr="127.0.0.1",
+        master_port=port, server=url, server_id="fixtures/c", progress=False, timeout=60,
     )
     return report, {fqn: sha256(a) for fqn, (a, _) in state.items()}
 
@@ -67,6 +67,6 @@ def test_unknown_checkpoint_on_the_server(plan_server):
     shutil.copytree(fixture(C), root / "fixtures" / "c")
     with pytest.raises(tessera.TesseraError, match=r"fixtures/nope"):
         tessera.load(
-            str(fixture(C)), {"model.final_ln.weight": empty("float32", [64])},
-            server=url, checkpoint_id="fixtures/nope", progress=False,
+            {"model.final_ln.weight": empty("float32", [64])}, str(fixture(C)),
+            server=url, server_id="fixtures/nope", progress=False,
         )

@@ -25,7 +25,7 @@ def sha(t) -> str:
 def test_cpu_tensors_with_bf16():
     tensors = expected_tensors(C)
     state = {f: torch.empty(t["shape"], dtype=TORCH_DTYPES[t["dtype"]]) for f, t in tensors.items()}
-    tessera.load(str(fixture(C)), state, progress=False)
+    tessera.load(state, str(fixture(C)), progress=False)
     for f, t in tensors.items():
         assert sha(state[f].reshape(-1)) == t["sha256"], f
 
@@ -48,7 +48,7 @@ def _dtensor_rank(rank, world, port, layout, out):
             state[fqn] = distribute_tensor(full, mesh, [Shard(dim)])
         else:
             state[fqn] = distribute_tensor(full, mesh, [Replicate()])
-    tessera.load(str(fixture(C)), state, exchange=True, progress=False, timeout=60)
+    tessera.load(state, str(fixture(C)), exchange=True, progress=False, timeout=60)
     shas = {f: sha(v.to_local().reshape(-1)) for f, v in state.items()}
     dist.destroy_process_group()
     out[rank] = shas
@@ -74,7 +74,7 @@ def test_cuda_tensors_byte_for_byte():
     tensors = expected_tensors(C)
     state = {f: torch.empty(t["shape"], dtype=TORCH_DTYPES[t["dtype"]], device="cuda") for f, t in tensors.items()}
     try:
-        report = tessera.load(str(fixture(C)), state, progress=False)
+        report = tessera.load(state, str(fixture(C)), progress=False)
     except tessera.TesseraError as e:
         if "no CUDA support" in str(e):
             pytest.skip("this build of the package has no `cuda` feature (maturin develop --features cuda)")
@@ -92,4 +92,4 @@ def test_cuda_and_host_tensors_in_one_call_are_refused():
         "model.final_ln.bias": torch.empty(64),
     }
     with pytest.raises(tessera.TesseraError, match=r"model\.final_ln\.weight is in cuda:0 but model\.final_ln\.bias in host memory"):
-        tessera.load(str(fixture(C)), state, progress=False)
+        tessera.load(state, str(fixture(C)), progress=False)

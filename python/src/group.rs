@@ -1,0 +1,397 @@
+//! A load whose exchange runs over the job's own torch process group (`tessera.load` when
+//! `torch.distributed` is initialized): tessera plans, reads and places; Python moves the ring
+//! exchange's messages with torch's point-to-point ops (gloo, or NCCL), so the job needs no second
+//! rendezvous and no extra port.
+//!
+//! The steps, each a method the Python layer calls in order on every rank:
+//! 1. [`group_load`]: the rank's state-dict entries checked against the checkpoint;
+//!    [`GroupLoad::requests_json`] is what the ranks all-gather over the group.
+//! 2. [`GroupLoad::plan`]: every rank plans the whole job from every rank's requests (the planner
+//!    is deterministic, so all get the same plan) or fetches its part from a plan server; returns
+//!    the sizes of the messages to send and receive.
+//! 3. [`GroupLoad::read`]: the rank's own pieces, read (verified) straight into its arrays.
+//! 4. [`GroupLoad::gather`] fills each outgoing message buffer, Python sends and receives them,
+//!    [`GroupLoad::place`] puts each received message into the arrays.
+//! 5. [`GroupLoad::finish`]: checks that every message was placed and returns the report. A load
+//!    that did not get here is never reported as done.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
+
+use anyhow::{Result, anyhow, bail};
+use pyo3::prelude::*;
+use tessera_loader::exchange::{ExchangeMessages, gather_message, place_message};
+use tessera_loader::load::{Checkpoint, RankReport, ratio};
+use tessera_loader::read::ReadStats;
+use tessera_metadata::TensorMeta;
+use tessera_planner::{ExplicitRequest, ExplicitRequests, RankPlan};
+
+use crate::checkpoint::OpenedCheckpoint;
+use crate::load::{
+    Server, TargetTuple, Wanted, fqn_of, load_options, rank_plan_for, resolve_target,
+    single_device,
+};
+use crate::memory::{HostMemory, first_overlap};
+use crate::{block_on, py_error};
+
+/// One rank's load over a process group (see the module docs).
+#[pyclass(frozen, module = "tessera._tessera")]
+pub struct GroupLoad {
+    state: Mutex<GroupState>,
+}
+
+struct GroupState {
+    location: String,
+    checkpoint: Arc<Checkpoint>,
+    rank: u32,
+    world: u32,
+    verify: bool,
+    wanted: Vec<Wanted>,
+    buffers: Vec<HostMemory>,
+    plan: Option<RankPlan>,
+    messages: ExchangeMessages,
+    read: Option<(ReadStats, f64)>,
+    gathered: Vec<bool>,
+    placed: Vec<bool>,
+    started: Instant,
+}
+
+impl GroupLoad {
+    fn state(&self) -> MutexGuard<'_, GroupState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl GroupState {
+    fn plan(&self, step: &str) -> Result<&RankPlan> {
+        self.plan
+            .as_ref()
+            .ok_or_else(|| anyhow!("rank {}: {step} before the plan", self.rank))
+    }
+
+    fn check_read(&self, step: &str) -> Result<()> {
+        if self.read.is_none() {
+            bail!(
+                "rank {}: {step} before this rank read its own pieces",
+                self.rank
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Checks the rank's entries (host memory only: CUDA tensors go through host staging in the
+/// Python layer) against the checkpoint and prepares the load.
+#[pyfunction]
+#[pyo3(signature = (checkpoint, targets, rank, world, verify))]
+pub fn group_load(
+    checkpoint: PyRef<'_, OpenedCheckpoint>,
+    targets: Vec<TargetTuple>,
+    rank: u32,
+    world: u32,
+    verify: bool,
+) -> PyResult<GroupLoad> {
+    prepare(&checkpoint, targets, rank, world, verify)
+        .map(|state| GroupLoad {
+            state: Mutex::new(state),
+        })
+        .map_err(py_error)
+}
+
+fn prepare(
+    opened: &OpenedCheckpoint,
+    targets: Vec<TargetTuple>,
+    rank: u32,
+    world: u32,
+    verify: bool,
+) -> Result<GroupState> {
+    if world == 0 || rank >= world {
+        bail!("rank {rank} is outside a group of {world} ranks");
+    }
+    if let Some(ordinal) = single_device(&targets)? {
+        bail!(
+            "rank {rank}: a process-group load places into host memory; cuda:{ordinal} tensors are staged by the Python layer"
+        );
+    }
+    let by_name: HashMap<&str, &TensorMeta> = opened
+        .checkpoint
+        .meta
+        .tensors()
+        .iter()
+        .map(|t| (t.fqn.as_str(), t))
+        .collect();
+    let wanted = targets
+        .into_iter()
+        .map(|t| resolve_target(&by_name, &opened.location, t))
+        .collect::<Result<Vec<_>>>()?;
+    let spans: Vec<(usize, usize)> = wanted.iter().map(|w| (w.address, w.nbytes)).collect();
+    if let Some((a, b)) = first_overlap(&spans) {
+        bail!(
+            "entries {} and {} share memory; every entry needs its own array",
+            fqn_of(&wanted[a].request),
+            fqn_of(&wanted[b].request)
+        );
+    }
+    let mut buffers = Vec::with_capacity(wanted.len());
+    for w in &wanted {
+        // SAFETY: the Python layer passes the data address and byte length of a C-contiguous,
+        // writable host array it keeps referenced for as long as this GroupLoad lives (it drops
+        // the GroupLoad before releasing the arrays); overlaps were refused above.
+        #[allow(unsafe_code)]
+        let memory = unsafe { HostMemory::new(w.address, w.nbytes) }
+            .ok_or_else(|| anyhow!("tensor {}: null data address", fqn_of(&w.request)))?;
+        buffers.push(memory);
+    }
+    Ok(GroupState {
+        location: opened.location.clone(),
+        checkpoint: Arc::clone(&opened.checkpoint),
+        rank,
+        world,
+        verify,
+        wanted,
+        buffers,
+        plan: None,
+        messages: ExchangeMessages::default(),
+        read: None,
+        gathered: Vec::new(),
+        placed: Vec::new(),
+        started: Instant::now(),
+    })
+}
+
+/// The messages to send or receive: `(peer, bytes, exchange group, round)` each.
+type MessageSizes = Vec<(u32, u64, u32, u32)>;
+
+#[pymethods]
+impl GroupLoad {
+    /// This rank's requests as JSON text (what the ranks all-gather).
+    fn requests_json(&self) -> PyResult<String> {
+        let state = self.state();
+        let mine: Vec<&ExplicitRequest> = state.wanted.iter().map(|w| &w.request).collect();
+        serde_json::to_string(&mine).map_err(|e| py_error(e.into()))
+    }
+
+    /// Plans the job from every rank's requests (`all_requests[r]`: rank r's
+    /// [`GroupLoad::requests_json`]), here or on `server`. Returns `(outgoing, incoming)`: the
+    /// peer, size, exchange group and round of every message this rank sends and receives, in exchange order.
+    #[pyo3(signature = (all_requests, dedup, server=None, server_id=None, token=None))]
+    fn plan(
+        &self,
+        py: Python<'_>,
+        all_requests: Vec<String>,
+        dedup: bool,
+        server: Option<String>,
+        server_id: Option<String>,
+        token: Option<String>,
+    ) -> PyResult<(MessageSizes, MessageSizes)> {
+        let (checkpoint, rank, world, location) = {
+            let state = self.state();
+            (
+                Arc::clone(&state.checkpoint),
+                state.rank,
+                state.world,
+                state.location.clone(),
+            )
+        };
+        if all_requests.len() != world as usize {
+            return Err(py_error(anyhow!(
+                "rank {rank}: {} ranks' requests gathered for a group of {world}",
+                all_requests.len()
+            )));
+        }
+        let ranks = all_requests
+            .iter()
+            .enumerate()
+            .map(|(r, text)| {
+                serde_json::from_str::<Vec<ExplicitRequest>>(text)
+                    .map_err(|e| anyhow!("rank {r}'s requests are not valid: {e}"))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map_err(py_error)?;
+        let server = match server {
+            Some(url) => Some(Server {
+                checkpoint_id: server_id
+                    .or_else(|| tessera_loader::plan_client::server_checkpoint_id(&location))
+                    .ok_or_else(|| {
+                        py_error(anyhow!(
+                            "cannot tell the server's id of checkpoint {location:?}: pass server_id=\"<run>/<step>\""
+                        ))
+                    })?,
+                url,
+                token,
+            }),
+            None => None,
+        };
+        let plan = block_on(py, async {
+            rank_plan_for(
+                &checkpoint,
+                ExplicitRequests { ranks },
+                rank,
+                dedup,
+                server.as_ref(),
+            )
+            .await
+        })?;
+        let mut state = self.state();
+        let messages = ExchangeMessages::of_plan(&plan).map_err(|e| py_error(e.into()))?;
+        let outgoing = messages
+            .outgoing
+            .iter()
+            .map(|m| (m.to, m.bytes, m.group, m.round))
+            .collect();
+        let incoming = messages
+            .incoming
+            .iter()
+            .map(|m| (m.from, m.bytes, m.group, m.round))
+            .collect();
+        state.gathered = vec![false; messages.outgoing.len()];
+        state.placed = vec![false; messages.incoming.len()];
+        state.messages = messages;
+        // The plan's destinations are this rank's requests in order: check they are the arrays.
+        let sizes = state.buffers.iter().map(|b| b.as_ref().len() as u64);
+        if sizes.len() != plan.destinations.len()
+            || sizes.zip(&plan.destinations).any(|(len, d)| len != d.bytes)
+        {
+            return Err(py_error(anyhow!(
+                "rank {rank}: the plan's {} destinations do not match this rank's {} arrays",
+                plan.destinations.len(),
+                state.buffers.len()
+            )));
+        }
+        state.plan = Some(plan);
+        Ok((outgoing, incoming))
+    }
+
+    /// Reads this rank's own pieces, verified, straight into its arrays (interruptible).
+    #[pyo3(signature = (progress=None))]
+    fn read(&self, py: Python<'_>, progress: Option<Py<PyAny>>) -> PyResult<()> {
+        let mut state = self.state();
+        let state = &mut *state;
+        let plan = state
+            .plan
+            .as_ref()
+            .ok_or_else(|| py_error(anyhow!("rank {}: reading before the plan", state.rank)))?;
+        let total = plan
+            .pieces
+            .iter()
+            .filter(|p| p.read.is_some())
+            .map(|p| p.bytes)
+            .sum();
+        let options = load_options(state.verify, progress, total);
+        let checkpoint = Arc::clone(&state.checkpoint);
+        let started = Instant::now();
+        let buffers = &mut state.buffers;
+        let stats = block_on(py, async {
+            Ok(checkpoint.read_into(plan, &options, buffers).await?)
+        })?;
+        state.read = Some((stats, started.elapsed().as_secs_f64()));
+        Ok(())
+    }
+
+    /// Fills outgoing message `index` into `nbytes` bytes at `address` (a buffer Python then
+    /// sends).
+    fn gather(&self, index: usize, address: usize, nbytes: usize) -> PyResult<()> {
+        let mut state = self.state();
+        let state = &mut *state;
+        let result = (|| {
+            state.check_read("gathering a message")?;
+            let plan = state.plan("gathering a message")?;
+            let message = state.messages.outgoing.get(index).ok_or_else(|| {
+                anyhow!("rank {}: no outgoing message {index}", state.rank)
+            })?;
+            // SAFETY: Python passes a contiguous uint8 buffer it owns and does not touch during
+            // the call.
+            #[allow(unsafe_code)]
+            let mut out = unsafe { HostMemory::new(address, nbytes) }
+                .ok_or_else(|| anyhow!("outgoing message {index}: null address"))?;
+            gather_message(plan, message, &state.buffers, out.as_mut())?;
+            state.gathered[index] = true;
+            Ok(())
+        })();
+        result.map_err(py_error)
+    }
+
+    /// Places received message `index` (`nbytes` bytes at `address`) into the arrays.
+    fn place(&self, index: usize, address: usize, nbytes: usize) -> PyResult<()> {
+        let mut state = self.state();
+        let state = &mut *state;
+        let result = (|| {
+            let plan = state.plan.as_ref().ok_or_else(|| {
+                anyhow!("rank {}: placing a message before the plan", state.rank)
+            })?;
+            let message = state.messages.incoming.get(index).ok_or_else(|| {
+                anyhow!("rank {}: no incoming message {index}", state.rank)
+            })?;
+            // SAFETY: Python passes the received uint8 buffer, which it keeps alive for the call.
+            #[allow(unsafe_code)]
+            let data = unsafe { HostMemory::new(address, nbytes) }
+                .ok_or_else(|| anyhow!("incoming message {index}: null address"))?;
+            place_message(plan, message, data.as_ref(), &mut state.buffers)?;
+            state.placed[index] = true;
+            Ok(())
+        })();
+        result.map_err(py_error)
+    }
+
+    /// The rank's report as JSON text, once its pieces are read and every message it expects is
+    /// placed; an error naming what is missing otherwise.
+    fn finish(&self, exchange_seconds: f64) -> PyResult<String> {
+        let state = self.state();
+        let result = (|| {
+            let plan = state.plan("finishing")?;
+            state.check_read("finishing")?;
+            let Some((stats, read_seconds)) = &state.read else {
+                unreachable!("checked above")
+            };
+            if let Some(i) = state.placed.iter().position(|&p| !p) {
+                let m = &state.messages.incoming[i];
+                bail!(
+                    "rank {}: the message of group {} round {} from rank {} ({} bytes) was never placed: the load is incomplete",
+                    state.rank,
+                    m.group,
+                    m.round,
+                    m.from,
+                    m.bytes
+                );
+            }
+            if let Some(i) = state.gathered.iter().position(|&g| !g) {
+                let m = &state.messages.outgoing[i];
+                bail!(
+                    "rank {}: the message of group {} round {} to rank {} was never gathered",
+                    state.rank,
+                    m.group,
+                    m.round,
+                    m.to
+                );
+            }
+            let sent = state.messages.outgoing.iter().map(|m| m.bytes).sum();
+            let received = state.messages.incoming.iter().map(|m| m.bytes).sum();
+            let report = RankReport {
+                rank: plan.rank,
+                bytes_needed: plan.summary.bytes_needed,
+                bytes_read: stats.bytes_needed,
+                bytes_fetched: stats.bytes_fetched,
+                verify_extra_bytes: stats.verify_extra_bytes,
+                read_amplification: ratio(
+                    stats.bytes_fetched.saturating_sub(stats.verify_extra_bytes),
+                    stats.bytes_needed,
+                ),
+                io_amplification: ratio(stats.bytes_fetched, stats.bytes_needed),
+                boxes_verified: stats.boxes_verified,
+                bytes_transferred: stats.bytes_transferred,
+                requests: stats.requests,
+                retries: stats.retries,
+                bytes_sent: sent,
+                bytes_received: received,
+                read_seconds: *read_seconds,
+                exchange_seconds,
+                h2d_bytes: 0,
+                h2d_seconds: 0.0,
+                total_seconds: state.started.elapsed().as_secs_f64(),
+            };
+            Ok(serde_json::to_string(&report)?)
+        })();
+        result.map_err(py_error)
+    }
+}

@@ -1,0 +1,183 @@
+"""Loading as one job over the job's own ``torch.distributed`` process group.
+
+The ranks all-gather their requests over the group, each plans the whole job (the planner is
+deterministic: every rank gets the same plan), reads its own pieces from storage, and the ring
+exchange's messages move with torch's point-to-point ops on the same group: gloo for CPU groups,
+NCCL (messages staged in device memory) for NCCL-only groups. No second rendezvous, no extra port.
+
+Failures are agreed on: after planning and after reading, the ranks all-gather their status, so a
+rank that failed is named on every rank instead of leaving the others waiting for its messages.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from . import _tessera
+from ._tessera import TesseraError
+
+
+def default_group(process_group: Any, exchange: Optional[bool]) -> Any:
+    """The group to load over: ``process_group``, else the default group when torch.distributed
+    is initialized with more than one rank (unless ``exchange=False``), else None."""
+    if process_group is not None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("process_group was given but torch.distributed is not initialized")
+        return process_group
+    if exchange is False:
+        return None
+    import sys
+
+    if "torch" not in sys.modules:
+        return None
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    if dist.get_world_size() <= 1:
+        return None
+    return dist.group.WORLD
+
+
+def _agree(dist: Any, group: Any, world: int, rank: int, step: str, error: Optional[BaseException]) -> None:
+    """All-gathers every rank's status after ``step``; raises on every rank if any rank failed,
+    naming the first failed rank and its error."""
+    status = [None] * world
+    dist.all_gather_object(status, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    failed = [(r, s) for r, s in enumerate(status) if s is not None]
+    if error is not None:
+        raise error
+    if failed:
+        r, message = failed[0]
+        others = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+        raise TesseraError(f"rank {rank}: rank {r}{others} failed {step}: {message}")
+
+
+def _message_tags(messages: List[Tuple[int, int, int, int]]) -> List[int]:
+    """A tag per message: its index among this rank's messages with the same peer, ordered by
+    (exchange group, round). Sender and receiver both order a pair's messages that way, so tags
+    match without carrying tessera's 64-bit tags through torch's int tags."""
+    by_peer: Dict[int, List[int]] = {}
+    for i, (peer, _bytes, group, rnd) in enumerate(messages):
+        by_peer.setdefault(peer, []).append(i)
+    tags = [0] * len(messages)
+    for indices in by_peer.values():
+        for tag, i in enumerate(sorted(indices, key=lambda i: (messages[i][2], messages[i][3]))):
+            tags[i] = tag
+    return tags
+
+
+def load_over_group(
+    opened: Any,
+    targets: list,
+    group: Any,
+    *,
+    verify: bool,
+    server: Optional[str],
+    server_id: Optional[str],
+    token: Optional[str],
+    timeout: float,
+    progress: Optional[Callable[[int, int], None]],
+) -> dict:
+    """One rank's load over ``group`` (see the module docs). Returns the rank's report."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    backend = str(dist.get_backend(group)).lower()
+    # An NCCL-only group moves device memory; any group with gloo (``cpu:gloo,cuda:nccl`` too)
+    # moves host memory, where tessera placed what it read.
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    load = None
+    error: Optional[BaseException] = None
+    try:
+        load = _tessera.group_load(opened, targets, rank, world, verify)
+        mine = load.requests_json()
+    except Exception as e:  # every rank must reach the all-gather below
+        error, mine = e, "[]"
+    gathered: List[Any] = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    outgoing: List[Tuple[int, int, int, int]] = []
+    incoming: List[Tuple[int, int, int, int]] = []
+    if error is None:
+        try:
+            outgoing, incoming = load.plan(gathered, True, server, server_id, token)
+        except Exception as e:
+            error = e
+    _agree(dist, group, world, rank, "planning", error)
+
+    try:
+        load.read(progress)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:
+        error = e
+    _agree(dist, group, world, rank, "reading its pieces", error)
+
+    started = time.monotonic()
+    deadline = started + timeout
+    global_rank = lambda r: dist.get_global_rank(group, r) if group is not dist.group.WORLD else r  # noqa: E731
+    in_tags, out_tags = _message_tags(incoming), _message_tags(outgoing)
+    pending = []  # (work, kind, index, buffer)
+    # Empty messages (pieces of zero-size shards) are not sent: gloo may drop a zero-byte send.
+    for i, (peer, nbytes, _g, _r) in enumerate(incoming):
+        if nbytes == 0:
+            load.place(i, 0, 0)
+            continue
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        pending.append((dist.irecv(buffer, src=global_rank(peer), group=group, tag=in_tags[i]), "recv", i, buffer, peer))
+    for i, (peer, nbytes, _g, _r) in enumerate(outgoing):
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        load.gather(i, host.data_ptr(), nbytes)
+        if nbytes == 0:
+            continue
+        buffer = host if device.type == "cpu" else host.to(device)
+        pending.append((dist.isend(buffer, dst=global_rank(peer), group=group, tag=out_tags[i]), "send", i, buffer, peer))
+    # gloo completes point-to-point work only inside wait(), which blocks without seeing signals:
+    # a helper thread waits (placing each message as it arrives, while later ones are in flight)
+    # and this thread joins it in short steps, so Ctrl-C and the deadline are seen here.
+    outcome: Dict[str, Any] = {}
+
+    def wait_all() -> None:
+        try:
+            for work, kind, i, buffer, peer in pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{kind} with rank {peer}")
+                try:
+                    work.wait(timedelta(seconds=left))
+                except RuntimeError as e:
+                    raise TesseraError(
+                        f"rank {rank}: the exchange over the process group failed while it "
+                        f"{'received from' if kind == 'recv' else 'sent to'} rank {peer}: {e}"
+                    ) from None
+                if kind == "recv":
+                    data = buffer if buffer.device.type == "cpu" else buffer.cpu()
+                    load.place(i, data.data_ptr(), data.numel())
+        except BaseException as e:  # handed to the joining thread
+            outcome["error"] = e
+
+    waiter = threading.Thread(target=wait_all, name="tessera-exchange", daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        waiter.join(0.05)
+        if waiter.is_alive() and time.monotonic() > deadline + 5:
+            break
+    if waiter.is_alive() or isinstance(outcome.get("error"), TimeoutError):
+        raise TesseraError(
+            f"rank {rank}: the exchange over the process group timed out after {timeout:g} s "
+            f"(waiting on the messages of ranks {sorted({p for *_x, p in pending})})"
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return json.loads(load.finish(time.monotonic() - started))
+

@@ -1,0 +1,228 @@
+"""State dicts as tessera sees them: DCP's flattening (the same FQNs ``dcp.save`` writes), the
+memory of arrays, tensors and DTensors, and writing loaded values back into nested containers."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
+
+
+@dataclass(frozen=True)
+class Box:
+    """A box of a tensor: ``array`` holds the elements at ``offsets`` (its shape is the box's)."""
+
+    array: Any
+    offsets: Sequence[int]
+
+
+@dataclass(frozen=True)
+class Flat:
+    """Elements ``[start, start + array.size)`` of a tensor's row-major flattening."""
+
+    array: Any
+    start: int
+
+
+Path = Tuple[Union[str, int], ...]
+
+
+def is_torch_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def is_dtensor(value: Any) -> bool:
+    if "torch" not in sys.modules:
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return False
+    return isinstance(value, DTensor)
+
+
+def is_array(value: Any) -> bool:
+    """A NumPy array or a torch tensor (DTensors included)."""
+    return is_torch_tensor(value) or hasattr(value, "__array_interface__")
+
+
+def is_tensor_entry(value: Any) -> bool:
+    """What tessera loads as a tensor: arrays, tensors, DTensors, Box, Flat, (array, offsets)."""
+    if isinstance(value, (Box, Flat)) or is_array(value):
+        return True
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and is_array(value[0])
+        and isinstance(value[1], (list, tuple))
+        and all(isinstance(o, int) for o in value[1])
+    )
+
+
+def flatten(state_dict: Mapping[str, Any]) -> List[Tuple[str, Path, Any]]:
+    """``(fqn, path, value)`` of every leaf, flattened exactly as DCP does
+    (``torch.distributed.checkpoint._traverse.traverse_state_dict``): mappings are always entered;
+    a list is entered only when it holds a tensor or a container that does; everything else (a
+    tuple, a list of plain values, a scalar) is one leaf. The FQN joins the path with ``.``."""
+    out: List[Tuple[str, Path, Any]] = []
+
+    def terminal(value: Any) -> bool:
+        if isinstance(value, Mapping):
+            return False
+        if not isinstance(value, list):
+            return True
+        for entry in value:
+            if isinstance(entry, (Mapping, list)) and not terminal(entry):
+                return False
+            if is_tensor_entry(entry):
+                return False
+        return True
+
+    def visit(path: Path, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                visit(path + (str(key),), item)
+        elif terminal(value):
+            out.append((".".join(str(p) for p in path), path, value))
+        else:
+            for i, item in enumerate(value):
+                visit(path + (i,), item)
+
+    for key, value in state_dict.items():
+        visit((str(key),), value)
+    return out
+
+
+def set_element(root: Any, path: Path, value: Any) -> None:
+    """Puts ``value`` at ``path`` in nested dicts and lists (keys as the state dict has them)."""
+    container = root
+    for part in path[:-1]:
+        container = _child(container, part)
+    last = path[-1]
+    if isinstance(container, list):
+        container[int(last)] = value
+    else:
+        container[_key(container, last)] = value
+
+
+def _child(container: Any, part: Union[str, int]) -> Any:
+    if isinstance(container, list):
+        return container[int(part)]
+    return container[_key(container, part)]
+
+
+def _key(container: Any, part: Union[str, int]) -> Any:
+    # flatten() made every mapping key a string; find the key the mapping really uses.
+    if part in container:
+        return part
+    for key in container:
+        if str(key) == part:
+            return key
+    raise KeyError(part)
+
+
+def dtype_name(array: Any) -> str:
+    if is_torch_tensor(array):
+        return str(array.dtype).replace("torch.", "")
+    return str(getattr(array, "dtype", type(array).__name__))
+
+
+def itemsize(array: Any) -> int:
+    if is_torch_tensor(array):
+        return int(array.element_size())
+    return int(array.itemsize)
+
+
+def memory(key: str, array: Any, *, writable: bool) -> Tuple[str, list, int, int, Optional[int]]:
+    """(dtype name, shape, data address, byte length, CUDA device or None) of a C-contiguous array
+    or tensor in host memory or (torch) on a CUDA device."""
+    if is_torch_tensor(array):
+        device: Optional[int] = None
+        if array.device.type == "cuda":
+            device = array.device.index if array.device.index is not None else array.get_device()
+        elif array.device.type != "cpu":
+            raise ValueError(f"{key}: tensor is on {array.device}; tessera loads into host or CUDA memory")
+        if not array.is_contiguous():
+            raise ValueError(f"{key}: tensor is not contiguous; pass a contiguous tensor")
+        return (
+            dtype_name(array),
+            [int(d) for d in array.shape],
+            int(array.data_ptr()),
+            int(array.numel() * array.element_size()),
+            device,
+        )
+    interface = getattr(array, "__array_interface__", None)
+    if interface is None:
+        raise TypeError(
+            f"{key}: expected a NumPy array, a torch tensor, a DTensor, (array, offsets), "
+            f"tessera.Box or tessera.Flat; got {type(array).__name__}"
+        )
+    flags = getattr(array, "flags", None)
+    if flags is not None and not flags["C_CONTIGUOUS"]:
+        raise ValueError(f"{key}: array is not C-contiguous; pass numpy.ascontiguousarray(...)")
+    address, read_only = interface["data"]
+    if writable and read_only:
+        raise ValueError(f"{key}: array is read-only")
+    return (dtype_name(array), [int(d) for d in array.shape], int(address), int(array.nbytes), None)
+
+
+def dtensor_box(key: str, dtensor: Any) -> Tuple[Any, List[int], List[int]]:
+    """(local tensor, global offsets, global shape) of a DTensor's shard on this rank, from
+    torch's own chunk list (``DTensor.__create_chunk_list__``, the protocol ``dcp.save`` and
+    ``dcp.load`` plan with), so every placement torch makes (``Shard``, ``Replicate``,
+    ``_StridedShard`` of FSDP2 + TP, uneven and empty shards) lands where torch puts it."""
+    for placement in dtensor.placements:
+        if placement.is_partial():
+            raise ValueError(
+                f"{key}: the DTensor is {placement} on mesh dim {dtensor.placements.index(placement)}: "
+                "a partial (pending-reduction) value has no bytes of its own in a checkpoint; "
+                "redistribute it to Replicate() or Shard() first"
+            )
+    local = dtensor.to_local()
+    chunks = dtensor.__create_chunk_list__()
+    if len(chunks) != 1:
+        raise ValueError(f"{key}: the DTensor's local shard is {len(chunks)} boxes; tessera loads one box per entry")
+    offsets = [int(o) for o in chunks[0].offsets]
+    sizes = [int(s) for s in chunks[0].sizes]
+    if [int(d) for d in local.shape] != sizes:
+        raise ValueError(
+            f"{key}: the DTensor's local shard has shape {tuple(local.shape)} but its placements give {tuple(sizes)}"
+        )
+    return local, offsets, [int(d) for d in dtensor.shape]
+
+
+def entry_array(fqn: str, value: Any) -> Tuple[Any, Optional[List[int]], Optional[int]]:
+    """(array to fill, box offsets or None, flat start or None) of a tensor entry."""
+    if isinstance(value, Flat):
+        return value.array, None, int(value.start)
+    if isinstance(value, Box):
+        return value.array, [int(o) for o in value.offsets], None
+    if isinstance(value, tuple):
+        return value[0], [int(o) for o in value[1]], None
+    if is_dtensor(value):
+        local, offsets, _shape = dtensor_box(fqn, value)
+        return local, offsets, None
+    return value, None, None
+
+
+def load_target(fqn: str, array: Any, offsets: Optional[List[int]], flat_start: Optional[int]) -> tuple:
+    """The native module's target tuple for one array."""
+    dtype, shape, address, nbytes, device = memory(fqn, array, writable=True)
+    if flat_start is not None:
+        shape = [int(nbytes // max(1, itemsize(array)))]
+    return (fqn, dtype, shape, offsets, flat_start, address, nbytes, device)
+
+
+Rename = Union[None, Mapping[str, str], Callable[[str], str]]
+
+
+def renamer(rename: Rename) -> Callable[[str], str]:
+    if rename is None:
+        return lambda fqn: fqn
+    if callable(rename):
+        return rename
+    if isinstance(rename, Mapping):
+        mapping = dict(rename)
+        return lambda fqn: mapping.get(fqn, fqn)
+    raise TypeError(f"rename must be a dict or a callable; got {type(rename).__name__}")
