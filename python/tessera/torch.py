@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import os
 import uuid
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import json
@@ -68,7 +69,9 @@ _TORCH_DTYPES = {
 def _torch_dtype(fqn: str, name: str) -> torch.dtype:
     dtype = getattr(torch, _TORCH_DTYPES.get(name, name), None)
     if not isinstance(dtype, torch.dtype):
-        raise TesseraError(f"tensor {fqn}: dtype {name} has no torch equivalent in torch {torch.__version__}")
+        raise TesseraError(
+            f"tensor {fqn}: dtype {name} has no torch equivalent in torch {torch.__version__}"
+        )
     return dtype
 
 
@@ -80,8 +83,9 @@ class StorageReader(dcp.StorageReader):
             ``http(s)://`` URL of a native, DCP or safetensors checkpoint.
         storage_options: credentials and endpoints (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT``, ...)
             on top of the environment, as for :func:`tessera.load`.
-        verify: check what is read against the checksums the checkpoint records (native
-            checkpoints: block checksums and per-box crc32c; non-tensor objects: their crc32c).
+        verify: check tensor bytes against the checksums the checkpoint records (native
+            checkpoints: block checksums and per-box crc32c). Non-tensor objects are always
+            checked against their crc32c where the format records one.
 
     What it does:
 
@@ -119,9 +123,12 @@ class StorageReader(dcp.StorageReader):
         self.storage_options = dict(storage_options or {})
         self.verify = bool(verify)
         self.rank: Optional[int] = None
+        # The last read_data's tessera report (bytes needed, read and fetched, requests, seconds
+        # per phase), for a job that wants to log what its load cost; None before any read.
+        self.report: Optional[Dict[str, Any]] = None
         self.load_id = str(uuid.uuid4())
         self._opened: Optional[_tessera.OpenedCheckpoint] = None
-        self._tensors: Dict[str, Tuple[torch.dtype, List[int]]] = {}
+        self._tensors: Optional[Dict[str, Tuple[torch.dtype, List[int]]]] = None
 
     @property
     def checkpoint_id(self) -> str:
@@ -137,7 +144,7 @@ class StorageReader(dcp.StorageReader):
             if location != self.path:
                 self.path = location
                 self._opened = None
-                self._tensors = {}
+                self._tensors = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
@@ -195,97 +202,97 @@ class StorageReader(dcp.StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        """Loads every tensor item of ``plan`` in one tessera call, then its non-tensor items
+        (see the class docs). Returns a completed future, as ``FileSystemReader`` does."""
         opened = self._open()
-        if not self._tensors:
-            self.read_metadata()
-        tensor_items: List[Tuple[ReadItem, torch.Tensor, Optional[torch.Tensor], list, list]] = []
-        byte_items: List[ReadItem] = []
-        for item in plan.items:
-            if item.type == LoadItemType.BYTE_IO:
-                byte_items.append(item)
-                continue
-            fqn = item.storage_index.fqn
-            known = self._tensors.get(fqn)
-            if known is None:
-                raise TesseraError(
-                    f"tensor {fqn!r} is not in checkpoint {self.path} ({len(self._tensors)} tensors)"
-                )
-            chunk = item.storage_index.offset
-            if chunk is None:
-                raise TesseraError(
-                    f"tensor {fqn}: the read item names no chunk offset (checkpoint {self.path})"
-                )
-            offsets = [int(c) + int(s) for c, s in zip(chunk, item.storage_offsets)]
-            lengths = [int(n) for n in item.lengths]
-            dest = planner.resolve_tensor(item).detach()
-            if list(dest.shape) != lengths:
-                raise TesseraError(
-                    f"tensor {fqn}: the planner's destination has shape {list(dest.shape)} but the "
-                    f"read item asks for {lengths} at {offsets} (checkpoint {self.path})"
-                )
-            tensor_items.append((item, dest, None, offsets, lengths))
-
-        # Staging buffers only where the destination cannot take the bytes as they are.
-        direct = []
-        for i, (item, dest, _, offsets, lengths) in enumerate(tensor_items):
-            dtype = self._tensors[item.storage_index.fqn][0]
-            if dest.numel() == 0:
-                continue
-            if dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous():
-                direct.append(i)
-            else:
-                buffer = torch.empty(lengths, dtype=dtype)
-                tensor_items[i] = (item, dest, buffer, offsets, lengths)
-        # Two items whose destinations share memory (a planner may hand out overlapping views)
-        # would race in one load: the later one gets its own buffer.
-        direct.sort(key=lambda i: tensor_items[i][1].data_ptr())
-        end = 0
-        for i in direct:
-            item, dest, _, offsets, lengths = tensor_items[i]
-            start = dest.data_ptr()
-            if start < end:
-                dtype = self._tensors[item.storage_index.fqn][0]
-                tensor_items[i] = (item, dest, torch.empty(lengths, dtype=dtype), offsets, lengths)
-            else:
-                end = start + dest.numel() * dest.element_size()
-
-        targets = []
-        for item, dest, buffer, offsets, lengths in tensor_items:
-            into = dest if buffer is None else buffer
-            if into.numel() == 0:
-                continue
-            targets.append(
-                (
-                    item.storage_index.fqn,
-                    str(into.dtype).replace("torch.", ""),
-                    lengths,
-                    offsets,
-                    None,
-                    int(into.data_ptr()),
-                    int(into.numel() * into.element_size()),
-                    None,
-                )
-            )
+        if self._tensors is None:
+            self.read_metadata()  # DCP always calls it first; a caller driving the reader may not
+        tensors = self._tensors or {}
+        regions = [
+            self._region(tensors, item, planner)
+            for item in plan.items
+            if item.type != LoadItemType.BYTE_IO
+        ]
+        self._stage_where_needed(regions)
+        targets = [r.target() for r in regions if r.into.numel() > 0]
+        self.report = None
         if targets:
             # Each rank plans alone (rank 0 of 1): DCP gives no rendezvous to exchange over, so
             # the timeout (which bounds waiting on peers) never applies.
-            _tessera.load_into(
-                opened, targets, 0, 1, None, None, None, None, self.verify, True, _NO_PEERS_TIMEOUT_S, None
+            report = _tessera.load_into(
+                opened, targets, 0, 1, None, None, None, None,
+                self.verify, True, _NO_PEERS_TIMEOUT_S, None,
             )
-        for item, dest, buffer, _offsets, _lengths in tensor_items:
-            if buffer is not None:
-                dest.copy_(buffer)
-            planner.commit_tensor(item, dest)
+            self.report = json.loads(report)
+        for r in regions:
+            if r.into is not r.dest:
+                r.dest.copy_(r.into)  # DCP's own copy: casts, and moves to the device
+            planner.commit_tensor(r.item, r.dest)
 
+        byte_items = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
         if byte_items:
             keys = [item.storage_index.fqn for item in byte_items]
-            stored = opened.read_objects(keys)
-            for item, data in zip(byte_items, stored):
+            for item, data in zip(byte_items, opened.read_objects(keys)):
                 planner.load_bytes(item, self._object_stream(opened, item.storage_index.fqn, data))
 
         future: Future = Future()
         future.set_result(None)
         return future
+
+    def _region(
+        self, tensors: Dict[str, Tuple[torch.dtype, List[int]]], item: ReadItem, planner: LoadPlanner
+    ) -> "_Region":
+        """The global box a tensor read item asks for, and the planner's destination for it."""
+        fqn = item.storage_index.fqn
+        known = tensors.get(fqn)
+        if known is None:
+            raise TesseraError(
+                f"tensor {fqn!r} is not in checkpoint {self.path} ({len(tensors)} tensors)"
+            )
+        chunk = item.storage_index.offset
+        if chunk is None:
+            raise TesseraError(
+                f"tensor {fqn}: the read item names no saved chunk (checkpoint {self.path})"
+            )
+        offsets = [int(c) + int(s) for c, s in zip(chunk, item.storage_offsets)]
+        lengths = [int(n) for n in item.lengths]
+        dest = planner.resolve_tensor(item).detach()
+        if list(dest.shape) != lengths:
+            raise TesseraError(
+                f"tensor {fqn}: the planner's destination has shape {list(dest.shape)} but the "
+                f"read item asks for {lengths} at {offsets} (checkpoint {self.path})"
+            )
+        return _Region(item, fqn, known[0], offsets, lengths, dest, dest)
+
+    @staticmethod
+    def _stage_where_needed(regions: List["_Region"]) -> None:
+        """Points each region's ``into`` at a fresh staging tensor unless its destination can take
+        the bytes as they are: a plain, contiguous CPU tensor of the checkpoint's dtype whose
+        memory no other region's destination shares."""
+        direct = []
+        for r in regions:
+            d = r.dest
+            if (
+                type(d) is torch.Tensor  # a subclass's data_ptr need not be its elements
+                and d.device.type == "cpu"
+                and d.dtype == r.dtype
+                and d.is_contiguous()
+            ):
+                direct.append(r)
+            else:
+                r.into = torch.empty(r.lengths, dtype=r.dtype)
+        # Destinations that share memory (a planner may hand out overlapping views) would race
+        # in one load: each later one of an overlap gets its own buffer.
+        direct.sort(key=lambda r: r.dest.data_ptr())
+        end = 0
+        for r in direct:
+            if r.dest.numel() == 0:
+                continue
+            start = r.dest.data_ptr()
+            if start < end:
+                r.into = torch.empty(r.lengths, dtype=r.dtype)
+            else:
+                end = start + r.dest.numel() * r.dest.element_size()
 
     def _object_stream(self, opened: Any, key: str, data: bytes) -> io.BytesIO:
         """What ``planner.load_bytes`` (which ``torch.load``s it) needs for one stored object."""
@@ -311,6 +318,33 @@ class StorageReader(dcp.StorageReader):
 
 
 _NO_PEERS_TIMEOUT_S = 300.0
+
+
+@dataclass
+class _Region:
+    """One tensor read item: the global box it asks for, the planner's destination, and the
+    tensor tessera loads into (the destination itself, or a staging tensor copied into it)."""
+
+    item: ReadItem
+    fqn: str
+    dtype: torch.dtype
+    offsets: List[int]
+    lengths: List[int]
+    dest: torch.Tensor
+    into: torch.Tensor
+
+    def target(self) -> tuple:
+        """The native module's target tuple (see ``tessera._load_target``)."""
+        return (
+            self.fqn,
+            str(self.into.dtype).replace("torch.", ""),
+            self.lengths,
+            self.offsets,
+            None,
+            int(self.into.data_ptr()),
+            int(self.into.numel() * self.into.element_size()),
+            None,
+        )
 
 # URL schemes tessera-storage opens (storage/src): everything else is a local path.
 _SCHEMES = {"file", "s3", "gs", "az", "http", "https"}
