@@ -86,6 +86,38 @@ impl OpenedCheckpoint {
         Ok(serde_json::json!({"tensors": tensors, "objects": objects}).to_string())
     }
 
+    /// Every tensor's saved boxes, as JSON text:
+    /// `{fqn: {"dtype", "shape", "chunks": [[offsets, lengths], ...]}}` (tessera's dtype names).
+    ///
+    /// This is what a DCP `StorageReader` reports as `ChunkStorageMetadata`. DCP's planner needs
+    /// chunks that do not overlap; every format's saved boxes are that already: opening a
+    /// checkpoint validates that they are disjoint and cover the tensor, and flat-range saves
+    /// (Megatron's distributed optimizer, DeepSpeed) are modelled as boxes.
+    fn chunks(&self) -> String {
+        let meta = &self.checkpoint.meta;
+        let tensors: serde_json::Map<String, serde_json::Value> = meta
+            .tensors()
+            .iter()
+            .enumerate()
+            .map(|(index, t)| {
+                let boxes: Vec<(&[u64], &[u64])> = meta
+                    .chunks_of(index as u32)
+                    .iter()
+                    .map(|c| (&c.region.offsets[..], &c.region.lengths[..]))
+                    .collect();
+                (
+                    t.fqn.clone(),
+                    serde_json::json!({
+                        "dtype": t.dtype.to_string(),
+                        "shape": t.shape,
+                        "chunks": boxes,
+                    }),
+                )
+            })
+            .collect();
+        serde_json::Value::Object(tensors).to_string()
+    }
+
     /// The stored bytes of the non-tensor objects `keys` (in that order), each checked against
     /// its crc32c where the format records one. A key the checkpoint does not hold is an error
     /// naming it.
