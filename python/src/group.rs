@@ -29,8 +29,7 @@ use tessera_planner::{ExplicitRequest, ExplicitRequests, RankPlan};
 
 use crate::checkpoint::OpenedCheckpoint;
 use crate::load::{
-    Server, TargetTuple, Wanted, fqn_of, load_options, rank_plan_for, resolve_target,
-    single_device,
+    Server, TargetTuple, Wanted, fqn_of, load_options, rank_plan_for, resolve_target, single_device,
 };
 use crate::memory::{HostMemory, first_overlap};
 use crate::{block_on, py_error};
@@ -297,9 +296,11 @@ impl GroupLoad {
         let result = (|| {
             state.check_read("gathering a message")?;
             let plan = state.plan("gathering a message")?;
-            let message = state.messages.outgoing.get(index).ok_or_else(|| {
-                anyhow!("rank {}: no outgoing message {index}", state.rank)
-            })?;
+            let message = state
+                .messages
+                .outgoing
+                .get(index)
+                .ok_or_else(|| anyhow!("rank {}: no outgoing message {index}", state.rank))?;
             // SAFETY: Python passes a contiguous uint8 buffer it owns and does not touch during
             // the call.
             #[allow(unsafe_code)]
@@ -316,21 +317,23 @@ impl GroupLoad {
     fn place(&self, index: usize, address: usize, nbytes: usize) -> PyResult<()> {
         let mut state = self.state();
         let state = &mut *state;
-        let result = (|| {
-            let plan = state.plan.as_ref().ok_or_else(|| {
-                anyhow!("rank {}: placing a message before the plan", state.rank)
-            })?;
-            let message = state.messages.incoming.get(index).ok_or_else(|| {
-                anyhow!("rank {}: no incoming message {index}", state.rank)
-            })?;
-            // SAFETY: Python passes the received uint8 buffer, which it keeps alive for the call.
-            #[allow(unsafe_code)]
-            let data = unsafe { HostMemory::new(address, nbytes) }
-                .ok_or_else(|| anyhow!("incoming message {index}: null address"))?;
-            place_message(plan, message, data.as_ref(), &mut state.buffers)?;
-            state.placed[index] = true;
-            Ok(())
-        })();
+        let result =
+            (|| {
+                let plan = state.plan.as_ref().ok_or_else(|| {
+                    anyhow!("rank {}: placing a message before the plan", state.rank)
+                })?;
+                let message =
+                    state.messages.incoming.get(index).ok_or_else(|| {
+                        anyhow!("rank {}: no incoming message {index}", state.rank)
+                    })?;
+                // SAFETY: Python passes the received uint8 buffer, which it keeps alive for the call.
+                #[allow(unsafe_code)]
+                let data = unsafe { HostMemory::new(address, nbytes) }
+                    .ok_or_else(|| anyhow!("incoming message {index}: null address"))?;
+                place_message(plan, message, data.as_ref(), &mut state.buffers)?;
+                state.placed[index] = true;
+                Ok(())
+            })();
         result.map_err(py_error)
     }
 

@@ -53,7 +53,10 @@ fn py_error(error: anyhow::Error) -> PyErr {
 /// (`KeyboardInterrupt`) or another signal handler's exception stops the wait and is raised,
 /// dropping the work. Dropping it is safe for caller-owned memory: the loader writes into the
 /// caller's arrays only from within this future, never from tasks that outlive it.
-fn block_on<T: Send>(py: Python<'_>, work: impl Future<Output = anyhow::Result<T>> + Send) -> PyResult<T> {
+fn block_on<T: Send>(
+    py: Python<'_>,
+    work: impl Future<Output = anyhow::Result<T>> + Send,
+) -> PyResult<T> {
     let rt = runtime()?;
     py.detach(|| {
         rt.block_on(async {

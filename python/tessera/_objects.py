@@ -55,7 +55,8 @@ def is_torch_archive(data: bytes) -> bool:
 
 def decode(key: str, data: bytes, like: Any, *, allow_pickle: bool) -> Any:
     """The value of object ``key`` from its stored bytes. ``like`` is the state dict's current
-    value: ``bytes``/``bytearray``/``io.BytesIO`` get the raw bytes back in that type."""
+    value: ``bytes``/``bytearray``/``io.BytesIO`` get the raw bytes back in that type. Bytes that
+    are neither a torch.save archive nor a pickle come back as ``bytes`` (a bytes value saved raw)."""
     if isinstance(like, (bytes, bytearray)):
         return type(like)(data)
     if isinstance(like, io.BytesIO):
@@ -68,9 +69,9 @@ def decode(key: str, data: bytes, like: Any, *, allow_pickle: bool) -> Any:
             return torch.load(io.BytesIO(data), weights_only=False)
         return pickle.loads(data)
     try:
+        if not is_torch_archive(data) and data[:1] != b"\x80":
+            return bytes(data)  # neither a torch.save archive nor a pickle: raw bytes, as saved
         payload = _torch_archive_pickle(data) if is_torch_archive(data) else data
-        if payload[:1] != b"\x80":
-            raise NotPlainError("the stored bytes are not a pickle or a torch.save archive (raw bytes: give a bytes value)")
         return _PlainUnpickler(io.BytesIO(payload)).load()
     except NotPlainError as e:
         raise ValueError(

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from . import _tessera
+from . import _objects, _tessera
 from ._tessera import TesseraError
 
 __all__ = ["StorageReader"]
@@ -300,9 +300,16 @@ class StorageReader(dcp.StorageReader):
             # DCP stored the object with torch.save: hand over its bytes as FileSystemReader does.
             return io.BytesIO(data)
         if opened.format == "native":
-            # tessera.save stores a bytes value as it is: give DCP that value back.
+            # Converted from DCP: a torch.save archive, as it was. Saved by tessera.save: a plain-
+            # value pickle, or a bytes value stored as it is; DCP gets the value torch.save'd.
+            if _objects.is_torch_archive(data):
+                return io.BytesIO(data)
+            try:
+                value: Any = _objects.decode(key, data, None, allow_pickle=False)
+            except ValueError:
+                value = bytes(data)
             stream = io.BytesIO()
-            torch.save(bytes(data), stream)
+            torch.save(value, stream)
             stream.seek(0)
             return stream
         raise TesseraError(

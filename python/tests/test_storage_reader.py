@@ -61,7 +61,7 @@ def native_c(tmp_path_factory):
     """Fixture c (DCP, 4 ranks) saved again by `tessera.save` as a native checkpoint, with its
     `extra.note` bytes: same values, so c's references hold for it."""
     state = full_state("c_w4_dp2_tp2")
-    tessera.load(str(fixture("c_w4_dp2_tp2")), state, progress=False)
+    tessera.load(state, str(fixture("c_w4_dp2_tp2")), progress=False)
     path = tmp_path_factory.mktemp("native") / "c"
     tessera.save({**state, "extra.note": NOTE}, str(path))
     return path
@@ -82,7 +82,7 @@ def _placement(text: str):
     raise ValueError(f"reference placement {text!r} is not one this test builds")
 
 
-def _reader_rank(rank, world, port, layout, checkpoints, out):
+def _reader_rank(rank, world, port, layout, checkpoints, out, how="dcp"):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -107,20 +107,26 @@ def _reader_rank(rank, world, port, layout, checkpoints, out):
                 )
             for key in object_keys:
                 state[key] = None  # DCP replaces a non-tensor entry by the loaded value
-            reader = tessera.torch.StorageReader(path)
-            dcp.load(state, storage_reader=reader)
+            if how == "dcp":
+                reader = tessera.torch.StorageReader(path)
+                dcp.load(state, storage_reader=reader)
+                report = reader.report
+            else:
+                # tessera.load inside the job: one load over the job's own gloo group.
+                report = tessera.load(state, path, progress=False, timeout=60).to_dict()
             out[(name, rank)] = {
                 "sha": {fqn: sha(state[fqn].to_local()) for fqn in ref["tensors"]},
                 "objects": {key: repr(state[key]) for key in object_keys},
                 "local_bytes": local_bytes,
-                "report": reader.report,
+                "report": report,
             }
     finally:
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("how", ["dcp", "tessera"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_fixture_into_the_reference_layout(layout, native_c):
+def test_every_fixture_into_the_reference_layout(layout, how, native_c):
     """DCP fixtures a, b, c, e in place, the HF safetensors fixture, and a native conversion of c,
     each loaded by `dcp.load` with the StorageReader into the layout torch's own `dcp.load` made
     the reference with (one spawn per layout): every rank's bytes equal torch's, non-tensor
@@ -137,7 +143,7 @@ def test_every_fixture_into_the_reference_layout(layout, native_c):
     for name, _, ref_name, _ in checkpoints:
         assert reference(ref_name, layout)["world_size"] == world, name
     out = mp.Manager().dict()
-    mp.spawn(_reader_rank, args=(world, free_port(), layout, checkpoints, out), nprocs=world, join=True)
+    mp.spawn(_reader_rank, args=(world, free_port(), layout, checkpoints, out, how), nprocs=world, join=True)
 
     for name, _, ref_name, object_keys in checkpoints:
         ref = reference(ref_name, layout)
@@ -147,10 +153,20 @@ def test_every_fixture_into_the_reference_layout(layout, native_c):
                 assert got["sha"][fqn] == t["ranks"][rank]["sha256"], (name, fqn, rank)
             for key in object_keys:
                 assert got["objects"][key] == ref["non_tensors"][key]["repr"], (name, key, rank)
-            # Partial reads: what tessera read is what the rank's shards hold, no more (a DCP
-            # chunk's sub-box is read as byte runs, not as the whole torch.save blob).
             assert got["report"]["bytes_needed"] == got["local_bytes"], (name, rank)
-            assert got["report"]["bytes_read"] == got["local_bytes"], (name, rank)
+            if how == "dcp":
+                # Partial reads: what tessera read is what the rank's shards hold, no more (a DCP
+                # chunk's sub-box is read as byte runs, not as the whole torch.save blob).
+                assert got["report"]["bytes_read"] == got["local_bytes"], (name, rank)
+            else:
+                assert got["report"]["exchange"] == "process_group", (name, rank)
+                assert got["report"]["read_amplification"] == 1.0, (name, rank)
+                assert got["report"]["bytes_received"] <= got["local_bytes"], (name, rank)
+        if how == "tessera":
+            # Read once as a job: the ranks together read each byte of the targets at most once.
+            read = sum(out[(name, r)]["report"]["bytes_read"] for r in range(world))
+            needed = sum(out[(name, r)]["local_bytes"] for r in range(world))
+            assert read <= needed, (name, read, needed)
     assert ("native_c", 0) in out and len(out) == len(checkpoints) * world
 
 
@@ -255,7 +271,7 @@ def test_destinations_sharing_memory_are_loaded_in_order_not_refused():
     result is what item-by-item reading (FileSystemReader's) gives."""
     name = "c_w4_dp2_tp2"
     full = full_state(name)["model.tok_emb.weight"]  # [96, 64] float32, saved as rows 0..48, 48..96
-    tessera.load(str(fixture(name)), {"model.tok_emb.weight": full}, progress=False)
+    tessera.load({"model.tok_emb.weight": full}, str(fixture(name)), progress=False)
     buf = patterned([48, 64], torch.float32)
 
     def item(chunk_row, dest_row, rows):
@@ -308,7 +324,7 @@ def test_a_tensor_the_checkpoint_lacks_names_it_and_the_checkpoint():
 
 def test_corrupted_native_data_file_fails_verification(tmp_path):
     state = full_state("c_w4_dp2_tp2")
-    tessera.load(str(fixture("c_w4_dp2_tp2")), state, progress=False)
+    tessera.load(state, str(fixture("c_w4_dp2_tp2")), progress=False)
     path = tmp_path / "native"
     manifest = tessera.save(state, str(path))
     data_file = manifest["files"][0]["path"]
