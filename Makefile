@@ -86,13 +86,17 @@ helm-test:
 	$(PYTHON) helm/test_chart.py
 
 # The Python package (python/): built into a virtual environment with maturin and tested with
-# pytest + NumPy against the torch-written fixtures. torch-only tests skip, printing why.
+# pytest, NumPy and real PyTorch (TORCH_VERSION, CPU; its CUDA runtime wheels make it ~5 GB, a few
+# minutes the first time) against the torch-written fixtures. Only tests that need a CUDA device
+# skip, and they are counted as skipped.
+TORCH_VERSION ?= 2.15.0
 PYENV ?= target/pyenv
 PYENV_ABS = $(abspath $(PYENV))
 
 python-env:
 	@[ -x $(PYENV)/bin/python ] || python3 -m venv $(PYENV) || { echo "python-env: python3 cannot create a virtual environment: installing python3-venv with apt-get"; $(SUDO) apt-get update && $(SUDO) apt-get install -y python3-venv && python3 -m venv $(PYENV); }
-	$(PYENV)/bin/pip install -q --disable-pip-version-check 'maturin>=1.9,<2' 'numpy>=1.24' 'pytest>=8' 'ml_dtypes>=0.4'
+	@$(PYENV)/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)")' 2>/dev/null || echo "python-env: installing torch==$(TORCH_VERSION) into $(PYENV) (about 5 GB with its CUDA runtime wheels; runs on CPU)"
+	$(PYENV)/bin/pip install -q --disable-pip-version-check 'maturin>=1.9,<2' 'numpy>=1.24' 'pytest>=8' 'ml_dtypes>=0.4' 'torch==$(TORCH_VERSION)'
 
 python-test: python-env
 	$(CARGO) build --locked -p tessera-storage --features testing --example s3_test_server

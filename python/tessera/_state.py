@@ -175,7 +175,7 @@ def dtensor_box(key: str, dtensor: Any) -> Tuple[Any, List[int], List[int]]:
     for placement in dtensor.placements:
         if placement.is_partial():
             raise ValueError(
-                f"{key}: the DTensor is {placement} on mesh dim {dtensor.placements.index(placement)}: "
+                f"{key}: the DTensor is {placement!r} on mesh dim {dtensor.placements.index(placement)}: "
                 "a partial (pending-reduction) value has no bytes of its own in a checkpoint; "
                 "redistribute it to Replicate() or Shard() first"
             )

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import DCP_FIXTURES, LAYOUTS, expected_tensors, fixture, free_port, reference
 
-torch = pytest.importorskip("torch", reason="torch is not installed")
+import torch  # noqa: E402  (make python-test installs it: these tests run everywhere)
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.metadata import MetadataIndex  # noqa: E402

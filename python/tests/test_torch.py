@@ -1,4 +1,4 @@
-"""torch tensors and DTensors (runs where torch is installed; skipped with the reason elsewhere)."""
+"""torch tensors and DTensors with real torch (CPU; CUDA tests skip without a device)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from conftest import expected_tensors, fixture, free_port, reference
 
-torch = pytest.importorskip("torch", reason="torch is not installed (CI has NumPy only)")
+import torch  # noqa: E402  (make python-test installs it: these tests run everywhere)
 
 import tessera  # noqa: E402
 
