@@ -56,3 +56,34 @@ def save(
     break_claim: bool,
     timeout_s: float,
 ) -> str: ...
+
+def canonical_dtype(name: str) -> Optional[str]: ...
+
+class GroupLoad:
+    """One rank's load whose exchange the Python layer runs over a torch process group."""
+
+    def requests_json(self) -> str: ...
+    def plan(
+        self,
+        all_requests: Sequence[str],
+        dedup: bool,
+        server: Optional[str] = None,
+        server_id: Optional[str] = None,
+        token: Optional[str] = None,
+    ) -> Tuple[list[Tuple[int, int, int, int]], list[Tuple[int, int, int, int]]]: ...
+    def read(self, progress: Optional[Callable[[int, int], None]] = None) -> None: ...
+    def gather(self, index: int, address: int, nbytes: int) -> None: ...
+    def place(self, index: int, address: int, nbytes: int) -> None: ...
+    def finish(self, exchange_seconds: float) -> str: ...
+
+def group_load(
+    checkpoint: OpenedCheckpoint,
+    targets: Sequence[
+        Tuple[
+            str, str, Sequence[int], Optional[Sequence[int]], Optional[int], int, int, Optional[int]
+        ]
+    ],
+    rank: int,
+    world: int,
+    verify: bool,
+) -> GroupLoad: ...
