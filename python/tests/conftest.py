@@ -85,10 +85,30 @@ S3_SERVER = Path(
 )
 
 
+class S3Server(tuple):
+    """(root directory, client environment) of the test server, plus its own account of what it
+    served to GETs (counted at the server, not by the client)."""
+
+    proc = None
+
+    def _ask(self, line: str) -> dict:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def served(self, prefix: str = "") -> dict:
+        """``{"get_requests", "get_body_bytes"}`` for URI paths (``/bucket/key``) under ``prefix``."""
+        return self._ask(f"served {prefix}")
+
+    def reset(self) -> None:
+        self._ask("reset")
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3-compatible server on 127.0.0.1 (the loader's s3s-fs test server as a process,
-    built by `make python-test`): yields (root directory, client environment)."""
+    built by `make python-test`): yields an S3Server, which unpacks as (root directory, client
+    environment)."""
     import subprocess
 
     if not S3_SERVER.exists():
@@ -103,7 +123,9 @@ def s3_server(tmp_path_factory):
         line = proc.stdout.readline()
         if not line:
             pytest.fail(f"{S3_SERVER} exited with {proc.wait()} before serving")
-        yield root, json.loads(line)
+        server = S3Server((root, json.loads(line)))
+        server.proc = proc
+        yield server
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)

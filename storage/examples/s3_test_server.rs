@@ -2,8 +2,13 @@
 //! package's pytest suite): `s3_test_server ROOT [BUCKET...]` serves ROOT on 127.0.0.1, creates
 //! the buckets, prints the client environment as one JSON object on stdout, and serves until its
 //! standard input closes (so it never outlives the test that started it).
+//!
+//! Lines on standard input ask for the server's own account of what it served to GETs, so a test
+//! can hold a client's report against the wire: `served PREFIX` answers one JSON line
+//! `{"get_requests": N, "get_body_bytes": B}` for URI paths starting with PREFIX (`/bucket/key`;
+//! empty: all), `reset` starts counting from zero and answers `{}`.
 
-use std::io::{Read, Write};
+use std::io::{BufRead, Write};
 
 use tessera_storage::testing::S3TestServer;
 
@@ -29,8 +34,29 @@ fn main() {
     {
         std::process::exit(1);
     }
-    // Serve until the parent closes our stdin (or dies).
-    let mut sink = Vec::new();
-    let _ = std::io::stdin().read_to_end(&mut sink);
+    // Serve until the parent closes our stdin (or dies), answering its questions meanwhile.
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        let answer = match line.trim().split_once(' ').unwrap_or((line.trim(), "")) {
+            ("served", prefix) => {
+                let served = server.served_where(|path| path.starts_with(prefix));
+                serde_json::json!({
+                    "get_requests": served.get_requests,
+                    "get_body_bytes": served.get_body_bytes,
+                })
+            }
+            ("reset", _) => {
+                server.reset_served();
+                serde_json::json!({})
+            }
+            (other, _) => serde_json::json!({"error": format!("unknown command {other:?}")}),
+        };
+        if writeln!(stdout, "{answer}")
+            .and_then(|()| stdout.flush())
+            .is_err()
+        {
+            break;
+        }
+    }
     drop(server);
 }
