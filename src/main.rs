@@ -198,6 +198,11 @@ enum Command {
         /// needed) and io_amplification (bytes fetched, checksum blocks included / bytes needed).
         #[arg(long)]
         report_json: Option<String>,
+        /// Write the load's counters (bytes needed, read, requested, transferred; storage
+        /// requests and retries; bytes sent and received; seconds), one series per rank, in the
+        /// OpenMetrics text format, e.g. for a node_exporter textfile collector.
+        #[arg(long, value_name = "PATH")]
+        metrics_file: Option<String>,
         /// No progress bar and no report on stdout.
         #[arg(long)]
         quiet: bool,
@@ -581,6 +586,7 @@ fn run(cli: Cli) -> Result<()> {
             check,
             peer_timeout,
             report_json,
+            metrics_file,
             quiet,
             json,
             include,
@@ -613,6 +619,7 @@ fn run(cli: Cli) -> Result<()> {
                 coalesce_gap,
                 check,
                 report_json,
+                metrics_file,
                 peer_timeout: std::time::Duration::from_secs_f64(peer_timeout),
                 quiet,
                 server,

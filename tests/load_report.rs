@@ -300,3 +300,40 @@ fn a_corrupted_byte_is_caught_by_the_box_check_and_by_the_block_check() {
         "{err}"
     );
 }
+
+#[test]
+fn metrics_file_has_every_ranks_requested_and_transferred_bytes_as_the_json_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = synth(dir.path());
+    let saved = dir.path().join("saved.json");
+    let metrics = dir.path().join("load.prom");
+    let (_text, report) = load(
+        dir.path(),
+        &ckpt,
+        &["--layout", s(&saved), "--metrics-file", s(&metrics)],
+    );
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    assert!(text.ends_with("# EOF\n"), "{text}");
+    let ranks = report["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 4);
+    for rank in ranks {
+        let r = u(rank, "rank");
+        for (series, field) in [
+            ("tessera_load_bytes_needed_total", "bytes_needed"),
+            ("tessera_load_bytes_requested_total", "bytes_fetched"),
+            ("tessera_load_bytes_transferred_total", "bytes_transferred"),
+            ("tessera_load_storage_requests_total", "requests"),
+        ] {
+            let line = format!("{series}{{rank=\"{r}\"}} {}\n", u(rank, field));
+            assert!(text.contains(&line), "{line} not in {text}");
+        }
+        assert!(u(rank, "bytes_transferred") > 0);
+    }
+    assert!(
+        !dir.path().read_dir().unwrap().any(|e| e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .contains(".tmp-"))
+    );
+}

@@ -4,6 +4,7 @@
 
 #[cfg(feature = "cuda")]
 mod gpu;
+mod metrics;
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
@@ -89,6 +90,8 @@ pub struct LoadArgs {
     pub check: bool,
     /// Write the JSON report here (used by the per-rank processes of `--transport tcp`).
     pub report_json: Option<String>,
+    /// Write the load's counters here in the OpenMetrics text format (`--metrics-file`).
+    pub metrics_file: Option<String>,
     /// Seconds a rank waits for a peer before giving up.
     pub peer_timeout: Duration,
     /// Print the progress bar and report.
@@ -318,6 +321,9 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
             std::fs::write(path, serde_json::to_vec(&loaded.report)?)
                 .with_context(|| format!("writing {path}"))?;
         }
+        if let Some(path) = &args.metrics_file {
+            metrics::write_metrics(path, std::slice::from_ref(&loaded.report))?;
+        }
         return Ok(report(
             args,
             &checkpoint,
@@ -344,6 +350,9 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     };
     if let Some(path) = &args.report_json {
         write_all_ranks_json(path, &plan, &reports)?;
+    }
+    if let Some(path) = &args.metrics_file {
+        metrics::write_metrics(path, &reports)?;
     }
     Ok(report(
         args,

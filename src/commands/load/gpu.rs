@@ -128,6 +128,9 @@ pub(super) async fn run(
             std::fs::write(path, serde_json::to_vec(&report)?)
                 .with_context(|| format!("writing {path}"))?;
         }
+        if let Some(path) = &args.metrics_file {
+            super::metrics::write_metrics(path, std::slice::from_ref(&report))?;
+        }
         let kind = format!("{}, one rank, {}", args.transport.name(), device.label());
         return Ok(super::report(
             args,
@@ -189,6 +192,9 @@ pub(super) async fn run(
     };
     if let Some(path) = &args.report_json {
         super::write_all_ranks_json(path, plan, &reports)?;
+    }
+    if let Some(path) = &args.metrics_file {
+        super::metrics::write_metrics(path, &reports)?;
     }
     Ok(super::report(
         args,
