@@ -40,10 +40,10 @@ pub use estimate::PlanEstimate;
 pub use glob::glob_match;
 pub use layout::{Layout, MAX_REQUESTS, MAX_WORLD, MeshDim, Placement, Rule, Stages, shard_box};
 pub use plan::{Destination, Group, Piece, PieceDestination, Plan, PlanOptions, plan};
-pub use read_order::ReadOrder;
 pub use rank_plan::{
     Exchange, PiecePlacement, RankDestination, RankPiece, RankPlan, RankSummary, Round, SourceRead,
 };
+pub use read_order::ReadOrder;
 pub use request::{
     ExplicitRequest, ExplicitRequests, Request, RequestSet, Target, flat_range_to_boxes,
 };

@@ -9,7 +9,7 @@ use tessera_metadata::{TensorBox, TensorMeta, row_major_strides};
 
 use crate::request::{flat_index, global_strides};
 use crate::runs::{Side, StridedRuns};
-use crate::{Plan, PlanError, PieceDestination, Target};
+use crate::{PieceDestination, Plan, PlanError, Target};
 
 /// A destination buffer of the rank.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -4,8 +4,8 @@
 mod common;
 
 use common::{
-    check_summary, execute, explicit_request, layout_for, plan_and_check, rank_plans,
-    save_layout, storage_options, tensors_from,
+    check_summary, execute, explicit_request, layout_for, plan_and_check, rank_plans, save_layout,
+    storage_options, tensors_from,
 };
 use proptest::prelude::*;
 use tessera_metadata::DType;

@@ -148,10 +148,18 @@ fn slabs_split_a_chunk_over_its_readers_on_block_boundaries() {
     // Two 1 MiB chunks, four 256 KiB slabs each, balanced over the four ranks.
     assert_eq!(plan.summary().slabs, 8);
     for rp in &plans {
-        assert_eq!(rp.summary.bytes_read, 1024 * 512 * 4 / 4, "rank {}", rp.rank);
+        assert_eq!(
+            rp.summary.bytes_read,
+            1024 * 512 * 4 / 4,
+            "rank {}",
+            rp.rank
+        );
         assert_eq!(requests_of(rp), 2, "rank {}", rp.rank);
     }
-    assert_eq!(plans.iter().map(blocks).sum::<u64>(), 1024 * 512 * 4 / BLOCK);
+    assert_eq!(
+        plans.iter().map(blocks).sum::<u64>(),
+        1024 * 512 * 4 / BLOCK
+    );
 }
 
 /// A target that follows the storage order (Shard(0) to Shard(0)) gains nothing from slabs: the
@@ -256,5 +264,8 @@ fn small_pieces_of_a_wide_group_are_read_by_every_holder() {
     .unwrap();
     let plan = plan_and_check(&saved, &narrow, &PlanOptions::default());
     let s = plan.summary();
-    assert_eq!((s.max_rounds, s.holder_read_pieces, s.bytes_read), (7, 0, 4096));
+    assert_eq!(
+        (s.max_rounds, s.holder_read_pieces, s.bytes_read),
+        (7, 0, 4096)
+    );
 }

@@ -10,8 +10,8 @@ use tessera_metadata::{
     row_major_strides, validate,
 };
 use tessera_planner::{
-    ExplicitRequest, Layout, MeshDim, Plan, PlanOptions, RankPlan, ReadOrder, RequestSet, Rule, Stages,
-    Target, assign_writers, plan,
+    ExplicitRequest, Layout, MeshDim, Plan, PlanOptions, RankPlan, ReadOrder, RequestSet, Rule,
+    Stages, Target, assign_writers, plan,
 };
 
 /// A checkpoint held in memory: metadata plus the bytes of every data file.
@@ -493,7 +493,12 @@ pub fn holder_read_extra(plans: &[RankPlan]) -> u64 {
     let mut readers: HashMap<u32, (u64, u64)> = HashMap::new();
     for rp in plans {
         for p in rp.pieces.iter().filter(|p| p.read_by_holders) {
-            assert!(p.read.is_some(), "rank {} holds piece {} unread", rp.rank, p.id);
+            assert!(
+                p.read.is_some(),
+                "rank {} holds piece {} unread",
+                rp.rank,
+                p.id
+            );
             assert_eq!(p.reader, rp.rank);
             readers.entry(p.id).or_insert((p.bytes, 0)).1 += 1;
         }
