@@ -11,8 +11,8 @@ use rustc_hash::FxHashMap;
 use tessera_metadata::{BoxIndex, CheckpointMeta, Dims, TensorBox, TensorMeta};
 
 use crate::read_order::{
-    DEFAULT_SLAB_ALIGNMENT, DEFAULT_SLAB_BYTES, PieceCost, ReadOrder, is_row_major, slab_cuts,
-    storage_order_pays,
+    DEFAULT_SLAB_ALIGNMENT, DEFAULT_SLAB_BYTES, MIN_CHUNK_BLOCKS, PieceCost, ReadOrder,
+    is_row_major, runs_of, slab_cuts, storage_order_pays,
 };
 use crate::request::{check_target, flat_range_to_boxes};
 use crate::summary::{PlanSummary, union_volume};
@@ -622,6 +622,19 @@ fn storage_order(
     options: &PlanOptions,
 ) -> Vec<LocalPiece> {
     let esize = tensor.dtype.size();
+    // Auto: only a chunk larger than a few blocks with a piece of more than one run can gain.
+    // Checked first without allocating: at 405B scale almost every chunk fails it, and this
+    // pass must cost next to nothing there.
+    let min_bytes = MIN_CHUNK_BLOCKS.saturating_mul(options.slab_alignment.max(1));
+    let candidate = |p: &LocalPiece| {
+        let chunk = &meta.chunks()[p.chunk as usize];
+        chunk.region.numel() * esize > min_bytes
+            && runs_of(&chunk.region.lengths, &p.region.lengths).1 > 1
+    };
+    let auto = options.read_order == ReadOrder::Auto;
+    if auto && !pieces.iter().any(candidate) {
+        return pieces;
+    }
     let mut pieces = pieces;
     // Stable: pieces of one chunk keep their order (and the plan stays deterministic).
     pieces.sort_by_key(|p| p.chunk);
@@ -634,6 +647,10 @@ fn storage_order(
             of_chunk.push(next);
         }
         let chunk = &meta.chunks()[of_chunk[0].chunk as usize];
+        if auto && !of_chunk.iter().any(candidate) {
+            out.extend(of_chunk);
+            continue;
+        }
         let holders: Vec<Vec<u32>> = of_chunk
             .iter()
             .map(|p| holder_ranks(distinct, &p.holders))

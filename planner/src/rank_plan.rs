@@ -199,11 +199,13 @@ impl Plan {
             .copied()
             .filter(|i| needed.binary_search(i).is_err())
             .collect();
-        placements.extend(relays.iter().map(|&piece| PieceDestination {
-            piece,
-            destination: u32::MAX,
-        }));
-        placements.sort_unstable_by_key(|p| (p.piece, p.destination));
+        if !relays.is_empty() {
+            placements.extend(relays.iter().map(|&piece| PieceDestination {
+                piece,
+                destination: u32::MAX,
+            }));
+            placements.sort_unstable_by_key(|p| (p.piece, p.destination));
+        }
         let mut summary = RankSummary {
             bytes_needed: destinations.iter().map(|d| d.bytes).sum(),
             ..RankSummary::default()

@@ -431,7 +431,8 @@ pub fn rank_plans(plan: &Plan) -> Vec<RankPlan> {
 /// rank); returns total bytes read.
 pub fn check_group_reads(saved: &Saved, plans: &[RankPlan]) -> u64 {
     // Byte ranges per (group, reader of a holder-read piece, file), checked for overlap sorted.
-    let mut ranges: HashMap<(u32, u32, &str), Vec<(u64, u64)>> = HashMap::new();
+    type Key<'a> = (u32, u32, &'a str);
+    let mut ranges: HashMap<Key<'_>, Vec<(u64, u64)>> = HashMap::new();
     let mut total = 0;
     for rp in plans {
         for p in &rp.pieces {
