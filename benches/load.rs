@@ -5,6 +5,11 @@
 //! (a) reading the same data files sequentially end to end, and (b) the naive approach: every rank
 //! reads each saved chunk it overlaps whole and slices what it needs in memory (what DCP's reader
 //! does). `TESSERA_BENCH_MODEL=gpt-tiny` runs a small case.
+//!
+//! Then the same checkpoint loaded by columns (every matrix split over the 4 ranks along dim 1,
+//! vectors along dim 0: across the saved row order), verify on, read per request and in storage
+//! order (planner `ReadOrder`): requests, bytes fetched and time of each. `TESSERA_BENCH_LOAD`
+//! picks the cases (`tp2dp2`, `columns`, comma separated; default both).
 #![allow(missing_docs, clippy::unwrap_used)]
 
 #[path = "support/slice.rs"]
@@ -20,6 +25,7 @@ use std::time::Instant;
 
 use futures::StreamExt;
 use object_store::ObjectStoreExt;
+use tessera_loader::load::RankReport;
 use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
 use tessera_loader::place::allocate;
 use tessera_loader::read::ReadOptions;
@@ -27,7 +33,9 @@ use tessera_loader::transport::InProcTransport;
 use tessera_loader::transport::TransportOptions;
 use tessera_metadata::row_major_strides;
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
-use tessera_planner::{PlanOptions, RankPlan};
+use tessera_planner::{
+    ExplicitRequest, ExplicitRequests, PlanOptions, RankPlan, ReadOrder, RequestSet,
+};
 
 use model::bench_model;
 use synth_fsdp::synth_fsdp4;
@@ -78,10 +86,103 @@ async fn naive_rank(checkpoint: &Checkpoint, plan: &RankPlan) -> u64 {
     fetched
 }
 
+/// Every matrix split over `world` ranks along dim 1 (as `torch.chunk` does), every vector along
+/// dim 0, scalars whole.
+fn columns(checkpoint: &Checkpoint, world: u64) -> RequestSet {
+    let tensors = checkpoint.meta.tensors();
+    let ranks = (0..world)
+        .map(|r| {
+            tensors
+                .iter()
+                .map(|t| {
+                    let mut offsets = vec![0; t.shape.len()];
+                    let mut lengths = t.shape.to_vec();
+                    if !t.shape.is_empty() {
+                        let dim = usize::from(t.shape.len() >= 2);
+                        let n = t.shape[dim];
+                        let chunk = n.div_ceil(world);
+                        offsets[dim] = (r * chunk).min(n);
+                        lengths[dim] = ((r + 1) * chunk).min(n) - offsets[dim];
+                    }
+                    ExplicitRequest::Box {
+                        fqn: t.fqn.clone(),
+                        offsets,
+                        lengths,
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    ExplicitRequests { ranks }.resolve(tensors).unwrap()
+}
+
+/// Loads `plans` over in-process ranks with verify on; the reports and the wall time.
+fn load_ranks(
+    runtime: &tokio::runtime::Runtime,
+    checkpoint: &Checkpoint,
+    plans: &[RankPlan],
+) -> (Vec<RankReport>, f64) {
+    runtime.block_on(async {
+        let transports = InProcTransport::mesh(plans.len() as u32, TransportOptions::default());
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for (plan, transport) in plans.iter().cloned().zip(transports) {
+            let checkpoint = checkpoint.clone();
+            tasks.push(tokio::spawn(async move {
+                let options = LoadOptions::default();
+                load_rank(&checkpoint, plan, &transport, &options)
+                    .await
+                    .unwrap()
+                    .report
+            }));
+        }
+        let mut reports = Vec::new();
+        for t in tasks {
+            reports.push(t.await.unwrap());
+        }
+        (reports, started.elapsed().as_secs_f64())
+    })
+}
+
+/// The column case: per request vs storage order, verify on, 3 runs each.
+fn columns_case(runtime: &tokio::runtime::Runtime, checkpoint: &Checkpoint) {
+    let requests = columns(checkpoint, 4);
+    println!(
+        "| run | read order | requests | bytes fetched | io amplification | bytes exchanged | seconds |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let orders = [ReadOrder::Request, ReadOrder::Storage, ReadOrder::Auto];
+    let plans: Vec<Vec<RankPlan>> = orders
+        .iter()
+        .map(|&read_order| {
+            let options = PlanOptions {
+                read_order,
+                ..PlanOptions::default()
+            };
+            let plan = checkpoint.plan(&requests, &options).unwrap();
+            (0..4).map(|r| plan.rank_plan(r).unwrap()).collect()
+        })
+        .collect();
+    for run in 1..=3 {
+        for (order, plans) in orders.iter().zip(&plans) {
+            let (reports, s) = load_ranks(runtime, checkpoint, plans);
+            let sum = |f: fn(&RankReport) -> u64| reports.iter().map(f).sum::<u64>();
+            let (read, fetched) = (sum(|r| r.bytes_read), sum(|r| r.bytes_fetched));
+            println!(
+                "| {run} | {order:?} | {} | {fetched} | {:.3} | {} | {s:.3} |",
+                sum(|r| r.requests),
+                fetched as f64 / read as f64,
+                sum(|r| r.bytes_sent),
+            );
+        }
+    }
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
+    let cases = std::env::var("TESSERA_BENCH_LOAD").unwrap_or_else(|_| "tp2dp2,columns".into());
     let model = bench_model("gpt-small");
     let layers = model.config().num_layers;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -97,6 +198,18 @@ fn main() {
         bench.synth_seconds
     );
     let checkpoint = &bench.checkpoint;
+    // Warm the page cache for the column case too (the tp2dp2 case reads every file first).
+    let warm = checkpoint
+        .plan(&columns(checkpoint, 4), &PlanOptions::default())
+        .unwrap();
+    let warm: Vec<RankPlan> = (0..4).map(|r| warm.rank_plan(r).unwrap()).collect();
+    let _ = load_ranks(&runtime, checkpoint, &warm);
+    if cases.split(',').any(|c| c == "columns") {
+        columns_case(&runtime, checkpoint);
+    }
+    if !cases.split(',').any(|c| c == "tp2dp2") {
+        return;
+    }
     let target = megatron_gpt(MegatronGpt {
         tp: 2,
         pp: 1,

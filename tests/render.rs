@@ -111,6 +111,9 @@ proptest! {
             max_read_per_rank: counts[3],
             mean_read_per_rank: mean,
             max_rounds: counts[4],
+            bytes_relayed: 0,
+            slabs: 0,
+            holder_read_pieces: 0,
         };
         let text = summary_text(&s, seconds);
         let first = text.lines().next().unwrap().to_string();

@@ -20,7 +20,7 @@ use crate::plane::DataPlane;
 use crate::plane::ring::ring_exchange;
 use crate::staging::{CopyEngine, StagingPool, Upload, UploadStats};
 use crate::transport::{SequencedTransport, Transport};
-use crate::{LoaderError, place};
+use crate::{LoaderError, place, relay};
 
 /// How a device load exchanges pieces between ranks.
 pub trait DeviceExchange<B: DeviceMemory>: Sync {
@@ -172,13 +172,26 @@ where
     check_rank(&plan, exchange.rank(), exchange.world())?;
     check_destinations(&staging.engine().device(), &plan, &destinations)?;
     let started = Instant::now();
-    let mut host = place::allocate(&plan);
-    let read = checkpoint.read_into(&plan, options, &mut host).await?;
+    // Pieces read in storage order only to be relayed get host scratch buffers after the
+    // destinations (see `relay`); the upload below takes only the destinations.
+    let relaying = relay::with_relay_buffers(&plan);
+    let host_plan = relaying.as_ref().unwrap_or(&plan);
+    let mut host = place::allocate(host_plan);
+    let read = checkpoint.read_into(host_plan, options, &mut host).await?;
     let read_seconds = started.elapsed().as_secs_f64();
 
     let exchange_started = Instant::now();
-    let host_exchange = exchange.on_host(&plan, &mut host).await?;
+    let host_exchange = exchange.on_host(host_plan, &mut host).await?;
     let mut exchange_seconds = exchange_started.elapsed().as_secs_f64();
+    if relaying.is_some() && host_exchange.is_none() {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!(
+                "rank {}: the plan relays pieces read in storage order, which the device ring \
+                 has no buffers for: plan with read order `request`, or exchange on the host",
+                plan.rank
+            ),
+        });
+    }
 
     let uploads: Vec<Upload<'_, E::Target>> = host
         .iter()

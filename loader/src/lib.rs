@@ -20,6 +20,7 @@ pub mod place;
 pub mod plan_client;
 pub mod plane;
 pub mod read;
+pub mod relay;
 pub mod rendezvous;
 pub mod scheduler;
 pub mod staging;

@@ -14,7 +14,7 @@ use tessera_planner::{Plan, PlanOptions, RankPlan, RequestSet, plan};
 use crate::exchange::{check_buffer_sizes, check_rank, invalid, run_exchanges};
 use crate::read::{ReadOptions, ReadStats, default_coalesce_gap, exact_multi_range, read_into};
 use crate::transport::Transport;
-use crate::{LoaderError, place};
+use crate::{LoaderError, place, relay};
 use tessera_storage::Location;
 
 /// A checkpoint opened for loading, in any format tessera reads: its store, metadata and (native
@@ -129,9 +129,14 @@ impl Checkpoint {
         .await
     }
 
-    /// Plans `requests` against this checkpoint (the embedded plan source).
+    /// Plans `requests` against this checkpoint (the embedded plan source). Storage-order slabs
+    /// are cut at this checkpoint's own checksum blocks when it has them.
     pub fn plan(&self, requests: &RequestSet, options: &PlanOptions) -> Result<Plan, LoaderError> {
-        Ok(plan(&self.meta, requests, options)?)
+        let mut options = options.clone();
+        if let Some(blocks) = &self.checksums {
+            options.slab_alignment = blocks.block_size();
+        }
+        Ok(plan(&self.meta, requests, &options)?)
     }
 }
 
@@ -248,9 +253,22 @@ pub async fn load_rank_into<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
     check_buffer_sizes(plan, buffers.iter().map(|b| b.as_ref().len() as u64))
         .map_err(|detail| invalid(plan, detail))?;
     let started = Instant::now();
-    let stats = checkpoint.read_into(plan, options, buffers).await?;
-    let read_seconds = started.elapsed().as_secs_f64();
-    let exchanged = run_exchanges(transport, plan, buffers).await?;
+    // Pieces this rank reads in storage order only to pass on need somewhere to stay.
+    let (stats, read_seconds, exchanged) = match relay::with_relay_buffers(plan) {
+        None => {
+            let stats = checkpoint.read_into(plan, options, buffers).await?;
+            let read_seconds = started.elapsed().as_secs_f64();
+            let exchanged = run_exchanges(transport, plan, buffers).await?;
+            (stats, read_seconds, exchanged)
+        }
+        Some(relaying) => {
+            let mut slots = relay::slots(&relaying, buffers);
+            let stats = checkpoint.read_into(&relaying, options, &mut slots).await?;
+            let read_seconds = started.elapsed().as_secs_f64();
+            let exchanged = run_exchanges(transport, &relaying, &mut slots).await?;
+            (stats, read_seconds, exchanged)
+        }
+    };
     Ok(RankReport {
         rank: plan.rank,
         bytes_needed: plan.summary.bytes_needed,

@@ -1,5 +1,5 @@
 //! Arrow IPC form of a rank plan: one row per (piece, destination it lands in), with the source
-//! read on the piece's first row; the small per-rank context (files, tensors, destinations,
+//! read on the piece's first row (a piece the rank only relays has one row, destination null); the small per-rank context (files, tensors, destinations,
 //! group members, totals) rides in the schema metadata as JSON. Exchange rounds are not stored:
 //! they follow from the pieces' groups and readers and are rebuilt on decode.
 
@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::io::Cursor;
 use std::sync::Arc;
 
-use arrow_array::builder::{ListBuilder, UInt32Builder, UInt64Builder};
+use arrow_array::builder::{BooleanBuilder, ListBuilder, UInt32Builder, UInt64Builder};
 use arrow_array::cast::AsArray;
 use arrow_array::types::{UInt32Type, UInt64Type};
 use arrow_array::{Array, ArrayRef, RecordBatch};
@@ -128,12 +128,19 @@ impl RankPlan {
         let mut bytes = UInt64Builder::new();
         let mut group = UInt32Builder::new();
         let mut reader = UInt32Builder::new();
+        let mut by_holders = BooleanBuilder::new();
         let mut read_file = UInt32Builder::new();
         let mut read = RunsColumns::new();
         let mut destination = UInt32Builder::new();
         let mut place = RunsColumns::new();
         for p in &self.pieces {
-            for (i, placement) in p.places.iter().enumerate() {
+            // A relayed piece lands nowhere: one row with a null destination carries its read.
+            let rows: Vec<Option<&PiecePlacement>> = if p.places.is_empty() {
+                vec![None]
+            } else {
+                p.places.iter().map(Some).collect()
+            };
+            for (i, placement) in rows.into_iter().enumerate() {
                 piece.append_value(p.id);
                 tensor.append_value(p.tensor);
                 offsets.values().append_slice(&p.region.offsets);
@@ -143,11 +150,12 @@ impl RankPlan {
                 bytes.append_value(p.bytes);
                 group.append_value(p.group);
                 reader.append_value(p.reader);
+                by_holders.append_value(p.read_by_holders);
                 let source = if i == 0 { p.read.as_ref() } else { None };
                 read_file.append_option(source.map(|s| s.file));
                 read.append(source.map(|s| &s.runs));
-                destination.append_value(placement.destination);
-                place.append(Some(&placement.runs));
+                destination.append_option(placement.map(|p| p.destination));
+                place.append(placement.map(|p| &p.runs));
             }
         }
         let mut groups = BTreeMap::new();
@@ -172,10 +180,11 @@ impl RankPlan {
             Field::new("bytes", DataType::UInt64, false),
             Field::new("group", DataType::UInt32, false),
             Field::new("reader", DataType::UInt32, false),
+            Field::new("read_by_holders", DataType::Boolean, false),
             Field::new("read_file", DataType::UInt32, true),
         ];
         fields.extend(RunsColumns::fields("read"));
-        fields.push(Field::new("destination", DataType::UInt32, false));
+        fields.push(Field::new("destination", DataType::UInt32, true));
         fields.extend(RunsColumns::fields("place"));
         let metadata: std::collections::HashMap<String, String> = [(
             CONTEXT_KEY.to_string(),
@@ -192,6 +201,7 @@ impl RankPlan {
             Arc::new(bytes.finish()),
             Arc::new(group.finish()),
             Arc::new(reader.finish()),
+            Arc::new(by_holders.finish()),
             Arc::new(read_file.finish()),
         ];
         columns.extend(read.finish());
@@ -228,7 +238,7 @@ impl RankPlan {
             |g| {
                 let mut list: Vec<(u32, u32, u64)> = pieces
                     .iter()
-                    .filter(|p| p.group == g)
+                    .filter(|p| p.group == g && !p.read_by_holders)
                     .map(|p| (p.id, p.reader, p.bytes))
                     .collect();
                 list.sort_by_key(|e| (e.1, e.0));
@@ -310,19 +320,36 @@ fn decode_batch(batch: &RecordBatch, pieces: &mut Vec<RankPiece>) -> Result<(), 
     let bytes = u64_col(batch, "bytes")?;
     let group = u32_col(batch, "group")?;
     let reader = u32_col(batch, "reader")?;
+    // Absent from streams written before small pieces could be read by every holder.
+    let by_holders = match batch.column_by_name("read_by_holders") {
+        Some(c) => Some(
+            c.as_boolean_opt()
+                .ok_or_else(|| arrow_err("column read_by_holders is not boolean"))?,
+        ),
+        None => None,
+    };
     let read_file = u32_col(batch, "read_file")?;
     let destination = u32_col(batch, "destination")?;
     for row in 0..batch.num_rows() {
         let id = piece.value(row);
-        let place = runs_at(batch, "place", row)?
-            .ok_or_else(|| arrow_err(format!("row {row}: place runs are null")))?;
-        let placement = PiecePlacement {
-            destination: destination.value(row),
-            runs: place,
+        let placement = if destination.is_null(row) {
+            None
+        } else {
+            let place = runs_at(batch, "place", row)?
+                .ok_or_else(|| arrow_err(format!("row {row}: place runs are null")))?;
+            Some(PiecePlacement {
+                destination: destination.value(row),
+                runs: place,
+            })
         };
         if let Some(last) = pieces.last_mut()
             && last.id == id
         {
+            let Some(placement) = placement else {
+                return Err(arrow_err(format!(
+                    "row {row}: piece {id} has a second row without a destination"
+                )));
+            };
             last.places.push(placement);
             continue;
         }
@@ -344,7 +371,8 @@ fn decode_batch(batch: &RecordBatch, pieces: &mut Vec<RankPiece>) -> Result<(), 
             group: group.value(row),
             reader: reader.value(row),
             read,
-            places: vec![placement],
+            read_by_holders: by_holders.is_some_and(|c| c.value(row)),
+            places: placement.into_iter().collect(),
         });
     }
     Ok(())

@@ -14,6 +14,7 @@
 //! | piece | [`Piece`], [`RankPiece`] | the overlap of one saved chunk with what one or more ranks need: the unit read from storage (once) and exchanged |
 //! | byte run | [`StridedRuns`], [`RunIter`] | a contiguous stretch of bytes copied from the source (a saved chunk) to a destination, each side described by a [`Side`] (its shape and the box's offsets in it) |
 //! | group | [`Group`] | ranks that need exactly the same pieces; pieces are read once per group, by readers balanced worst-fit by bytes |
+//! | slab | [`read_order`] | a run of whole rows of a saved chunk read in file order by one rank, which relays the parts others need; chosen per chunk by a cost model ([`ReadOrder`]) |
 //! | round | [`Round`], [`Exchange`] | one step of a group's ring all-to-all: in round k a rank sends its share to the rank k after it and receives from the rank k before it |
 //! | plan | [`Plan`], [`RankPlan`] | every rank's destinations, reads, placements and rounds; [`Plan::rank_plan`] is one rank's view (JSON or Arrow IPC) |
 //! | read amplification | [`PlanSummary`] | bytes read from storage ÷ bytes the ranks need (1.00 when nothing is read twice) |
@@ -28,6 +29,7 @@ mod layout;
 mod plan;
 pub mod presets;
 mod rank_plan;
+pub mod read_order;
 mod request;
 mod runs;
 mod save;
@@ -41,6 +43,7 @@ pub use plan::{Destination, Group, Piece, PieceDestination, Plan, PlanOptions, p
 pub use rank_plan::{
     Exchange, PiecePlacement, RankDestination, RankPiece, RankPlan, RankSummary, Round, SourceRead,
 };
+pub use read_order::ReadOrder;
 pub use request::{
     ExplicitRequest, ExplicitRequests, Request, RequestSet, Target, flat_range_to_boxes,
 };

@@ -10,6 +10,10 @@ use rustc_hash::FxHashMap;
 
 use tessera_metadata::{BoxIndex, CheckpointMeta, Dims, TensorBox, TensorMeta};
 
+use crate::read_order::{
+    DEFAULT_SLAB_ALIGNMENT, DEFAULT_SLAB_BYTES, MIN_CHUNK_BLOCKS, PieceCost, ReadOrder,
+    is_row_major, runs_of, slab_cuts, storage_order_pays,
+};
 use crate::request::{check_target, flat_range_to_boxes};
 use crate::summary::{PlanSummary, union_volume};
 use crate::{PlanError, RequestSet, Target};
@@ -20,11 +24,40 @@ pub struct PlanOptions {
     /// Read a piece needed by several ranks once and exchange it (true), or have every rank read
     /// everything it needs itself (false; no exchange, more storage traffic).
     pub dedup: bool,
+    /// Read a saved chunk per request or in storage order (slabs of whole rows, relayed through
+    /// the exchange), or let the cost model choose per chunk (the default). Only with `dedup`.
+    /// See [`crate::read_order`].
+    pub read_order: ReadOrder,
+    /// Target bytes of a storage-order slab ([`DEFAULT_SLAB_BYTES`], one loader request). A
+    /// chunk gets at most one slab per rank that needs part of it, and at most one per row.
+    pub slab_bytes: u64,
+    /// File-offset alignment of slab cuts: the checksum block of the checkpoint
+    /// ([`DEFAULT_SLAB_ALIGNMENT`], the native default; the loader passes the real one when it
+    /// plans locally). Formats without checksum blocks lose nothing by it.
+    pub slab_alignment: u64,
+    /// A piece replicated over a group of at least `holder_read_min_members` ranks and at most
+    /// this many bytes (64 KiB: one checksum block, about what one request costs) is read by
+    /// every rank that needs it instead of being handed round the group's ring: a ring over m
+    /// ranks takes m − 1 rounds (511 at 512 ranks for a replicated norm), each a message per
+    /// rank, while a read this small is one request. Costs read amplification above 1.00 for
+    /// exactly those pieces. 0 turns it off.
+    pub holder_read_max_bytes: u64,
+    /// Groups at least this wide (16 ranks) read their small pieces per holder (see
+    /// `holder_read_max_bytes`). Narrower rings are few rounds, and reading once keeps read
+    /// amplification at 1.00 for the usual TP×DP layouts.
+    pub holder_read_min_members: u32,
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        Self { dedup: true }
+        Self {
+            dedup: true,
+            read_order: ReadOrder::Auto,
+            slab_bytes: DEFAULT_SLAB_BYTES,
+            slab_alignment: DEFAULT_SLAB_ALIGNMENT,
+            holder_read_max_bytes: 64 * 1024,
+            holder_read_min_members: 16,
+        }
     }
 }
 
@@ -47,13 +80,21 @@ pub struct Piece {
     pub chunk: u32,
     /// The piece in global tensor coordinates (never empty).
     pub region: TensorBox,
-    /// The group of ranks that need it.
+    /// The group of ranks that need it, plus its reader when that is a storage-order slab's
+    /// reader that does not need it (the reader relays it).
     pub group: u32,
-    /// The member that reads it from storage.
+    /// The member that reads it from storage (with `read_by_holders`, the group's first).
     pub reader: u32,
+    /// The storage-order slab it is read with (plan-wide id): the slab's pieces share one
+    /// reader and are adjacent in the file. `None` when read per request.
+    pub slab: Option<u32>,
+    /// Every rank of the group reads it itself instead of receiving it (a small piece of a
+    /// wide group, [`PlanOptions::holder_read_max_bytes`]).
+    pub read_by_holders: bool,
 }
 
-/// Ranks that need exactly the same pieces; ascending rank order. The ring runs over this order.
+/// Ranks that need exactly the same pieces (and the reader of a storage-order slab relaying them,
+/// when it needs none of them); ascending rank order. The ring runs over this order.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Group {
     /// Member ranks, ascending.
@@ -85,7 +126,7 @@ pub struct Plan {
     pub(crate) reads: Vec<Vec<u32>>,
     /// Per group: its pieces ordered by (reader, id), so a member's share is one slice.
     pub(crate) group_pieces: Vec<Vec<u32>>,
-    /// Per rank: the groups of more than one member it belongs to.
+    /// Per rank: the groups of more than one member it belongs to that exchange something.
     pub(crate) rank_groups: Vec<Vec<u32>>,
     pub(crate) summary: PlanSummary,
 }
@@ -139,7 +180,8 @@ impl Plan {
         out
     }
 
-    /// The pieces rank `rank` reads from storage.
+    /// The pieces rank `rank` reads from storage (including the pieces of its storage-order
+    /// slabs that it only relays, and small pieces every holder reads).
     pub fn reads(&self, rank: u32) -> &[u32] {
         &self.reads[rank as usize]
     }
@@ -276,6 +318,8 @@ pub(crate) struct LocalPiece {
     chunk: u32,
     region: TensorBox,
     holders: Holders,
+    /// Tensor-local storage-order slab, `u32::MAX` when read per request.
+    slab: u32,
 }
 
 /// What a worker found for one tensor.
@@ -368,6 +412,7 @@ pub fn plan(
     let mut target_count = 0u32;
     let mut memberships: Vec<(u32, u32)> = Vec::new();
     let mut unique_bytes_needed = 0u64;
+    let mut slab_count = 0u32;
     for (t, result) in found {
         let TensorPieces {
             targets,
@@ -384,7 +429,12 @@ pub fn plan(
         }
         target_count += targets.len() as u32;
         builder.pieces.reserve(pieces.len());
+        let slab_base = slab_count;
         for local in pieces {
+            let slab = (local.slab != u32::MAX).then(|| {
+                slab_count = slab_count.max(slab_base + local.slab + 1);
+                slab_base + local.slab
+            });
             let piece = builder.pieces.len() as u32;
             let group = match &local.holders {
                 Holders::Target(id) => {
@@ -409,6 +459,8 @@ pub fn plan(
                 region: local.region,
                 group,
                 reader: u32::MAX,
+                slab,
+                read_by_holders: false,
             });
         }
     }
@@ -429,6 +481,8 @@ pub fn plan(
 
     builder.finish(
         meta,
+        options,
+        slab_count,
         destinations,
         Targets {
             dest_targets,
@@ -515,6 +569,7 @@ fn tensor_pieces<'a>(
                     chunk: first_chunk + hit,
                     region,
                     holders: Holders::Target(*id),
+                    slab: u32::MAX,
                 });
             }
         }
@@ -532,11 +587,146 @@ fn tensor_pieces<'a>(
             refine_chunk(&mut pieces, first_chunk + hit as u32, items);
         }
     }
+    if options.dedup && options.read_order != ReadOrder::Request {
+        pieces = storage_order(meta, tensor, &distinct, pieces, options);
+    }
     Ok(TensorPieces {
         targets: distinct,
         pieces,
         unique_bytes: unique_elems * tensor.dtype.size(),
     })
+}
+
+/// The ranks that need a tensor-local piece, ascending.
+fn holder_ranks(distinct: &DistinctTargets<'_>, holders: &Holders) -> Vec<u32> {
+    let mut ranks: Vec<u32> = match holders {
+        Holders::Target(id) => distinct.holders(*id).iter().map(|h| h.0).collect(),
+        Holders::Cell(ids) => ids
+            .iter()
+            .flat_map(|&id| distinct.holders(id).iter().map(|h| h.0))
+            .collect(),
+    };
+    ranks.sort_unstable();
+    ranks.dedup();
+    ranks
+}
+
+/// Re-cuts the pieces of every chunk that is to be read in storage order (see
+/// [`crate::read_order`]) into slabs: each piece ∩ slab becomes a piece of that slab, and a
+/// slab's pieces come out next to each other. Other chunks' pieces stay as they are.
+fn storage_order(
+    meta: &CheckpointMeta,
+    tensor: &TensorMeta,
+    distinct: &DistinctTargets<'_>,
+    pieces: Vec<LocalPiece>,
+    options: &PlanOptions,
+) -> Vec<LocalPiece> {
+    let esize = tensor.dtype.size();
+    // Auto: only a chunk larger than a few blocks with a piece of more than one run can gain.
+    // Checked first without allocating: at 405B scale almost every chunk fails it, and this
+    // pass must cost next to nothing there.
+    let min_bytes = MIN_CHUNK_BLOCKS.saturating_mul(options.slab_alignment.max(1));
+    let candidate = |p: &LocalPiece| {
+        let chunk = &meta.chunks()[p.chunk as usize];
+        chunk.region.numel() * esize > min_bytes
+            && runs_of(&chunk.region.lengths, &p.region.lengths).1 > 1
+    };
+    let auto = options.read_order == ReadOrder::Auto;
+    if auto && !pieces.iter().any(candidate) {
+        return pieces;
+    }
+    let mut pieces = pieces;
+    // Stable: pieces of one chunk keep their order (and the plan stays deterministic).
+    pieces.sort_by_key(|p| p.chunk);
+    let mut out = Vec::with_capacity(pieces.len());
+    let mut slabs = 0u32;
+    let mut rest = pieces.into_iter().peekable();
+    while let Some(first) = rest.next() {
+        let mut of_chunk = vec![first];
+        while let Some(next) = rest.next_if(|p| p.chunk == of_chunk[0].chunk) {
+            of_chunk.push(next);
+        }
+        let chunk = &meta.chunks()[of_chunk[0].chunk as usize];
+        if auto && !of_chunk.iter().any(candidate) {
+            out.extend(of_chunk);
+            continue;
+        }
+        let holders: Vec<Vec<u32>> = of_chunk
+            .iter()
+            .map(|p| holder_ranks(distinct, &p.holders))
+            .collect();
+        let mut readers: Vec<u32> = holders.iter().flatten().copied().collect();
+        readers.sort_unstable();
+        readers.dedup();
+        let cuts = if is_row_major(chunk) {
+            slab_cuts(
+                chunk,
+                esize,
+                readers.len(),
+                options.slab_bytes,
+                options.slab_alignment,
+            )
+        } else {
+            None
+        };
+        let Some((dim, cuts)) = cuts else {
+            out.extend(of_chunk);
+            continue;
+        };
+        let chosen = match options.read_order {
+            ReadOrder::Storage => true,
+            ReadOrder::Request => false,
+            ReadOrder::Auto => {
+                let costs: Vec<PieceCost<'_>> = of_chunk
+                    .iter()
+                    .zip(&holders)
+                    .map(|(p, h)| PieceCost {
+                        region: &p.region,
+                        holders: h.len(),
+                    })
+                    .collect();
+                storage_order_pays(
+                    chunk,
+                    esize,
+                    &costs,
+                    readers.len(),
+                    &cuts,
+                    options.slab_alignment,
+                )
+            }
+        };
+        if !chosen {
+            out.extend(of_chunk);
+            continue;
+        }
+        let base = chunk.region.offsets[dim];
+        for w in cuts.windows(2) {
+            let (lo, hi) = (base + w[0], base + w[1]);
+            let before = out.len();
+            for p in &of_chunk {
+                let (start, end) = (p.region.offsets[dim].max(lo), p.region.end(dim).min(hi));
+                if start >= end {
+                    continue;
+                }
+                let mut region = p.region.clone();
+                region.offsets[dim] = start;
+                region.lengths[dim] = end - start;
+                out.push(LocalPiece {
+                    chunk: p.chunk,
+                    region,
+                    holders: match &p.holders {
+                        Holders::Target(id) => Holders::Target(*id),
+                        Holders::Cell(ids) => Holders::Cell(ids.clone()),
+                    },
+                    slab: slabs,
+                });
+            }
+            if out.len() > before {
+                slabs += 1;
+            }
+        }
+    }
+    out
 }
 
 /// Cuts the overlaps of several requests with one saved chunk into disjoint cells along every
@@ -575,6 +765,7 @@ fn refine_chunk(pieces: &mut Vec<LocalPiece>, chunk: u32, items: &[(TensorBox, u
                 chunk,
                 region: cell,
                 holders: Holders::Cell(ids),
+                slab: u32::MAX,
             });
         }
         // Odometer over the cells, last dim fastest; a 0-dim chunk has exactly one cell.
@@ -599,6 +790,13 @@ pub(crate) fn target_boxes(tensor: &TensorMeta, target: &Target) -> Vec<TensorBo
         Target::Box(b) => vec![b.clone()],
         Target::Flat { start, end } => flat_range_to_boxes(&tensor.shape, *start, *end),
     }
+}
+
+/// What the worst-fit reader assignment places: a shared piece, or a whole storage-order slab.
+#[derive(Clone, Copy)]
+enum Unit {
+    Piece(u32),
+    Slab(u32),
 }
 
 struct PieceBuilder {
@@ -637,9 +835,12 @@ impl PieceBuilder {
         g
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn finish(
         mut self,
         meta: &Arc<CheckpointMeta>,
+        options: &PlanOptions,
+        slab_count: u32,
         destinations: Vec<Vec<Destination>>,
         targets: Targets,
         unique_bytes_needed: u64,
@@ -651,58 +852,118 @@ impl PieceBuilder {
             .map(|p| p.region.numel() * tensors[p.tensor as usize].dtype.size())
             .collect();
 
-        // 3. Readers. Pieces only one rank needs are that rank's; the shared ones go, largest
-        // first, to the least-loaded member (worst-fit), which balances bytes read per rank.
+        // 3. Readers. Pieces only one rank needs are that rank's; small pieces of wide groups are
+        // read by every holder; the shared ones and the storage-order slabs (each read whole by
+        // one rank that needs part of it) go, largest first, to the least-loaded candidate
+        // (worst-fit), which balances bytes read per rank.
         let mut load = vec![0u64; self.world as usize];
-        let mut shared = Vec::new();
+        let mut slab_pieces: Vec<Vec<u32>> = vec![Vec::new(); slab_count as usize];
+        let mut units: Vec<(u64, Unit)> = Vec::new();
         for (i, p) in self.pieces.iter_mut().enumerate() {
             let members = &self.groups[p.group as usize].members;
-            if members.len() == 1 {
+            if let Some(s) = p.slab {
+                slab_pieces[s as usize].push(i as u32);
+            } else if members.len() == 1 {
                 p.reader = members[0];
                 load[members[0] as usize] += piece_bytes[i];
+            } else if piece_bytes[i] <= options.holder_read_max_bytes
+                && members.len() >= options.holder_read_min_members.max(2) as usize
+            {
+                p.reader = members[0];
+                p.read_by_holders = true;
+                for &m in members {
+                    load[m as usize] += piece_bytes[i];
+                }
             } else {
-                shared.push(i as u32);
+                units.push((piece_bytes[i], Unit::Piece(i as u32)));
             }
         }
-        // Largest first, ties by id. Pieces come in few distinct sizes (one per tensor shard
-        // shape), so bucketing by size is a linear-time sort.
-        let mut by_size: FxHashMap<u64, Vec<u32>> = FxHashMap::default();
-        for i in shared {
-            by_size.entry(piece_bytes[i as usize]).or_default().push(i);
+        for (s, pieces) in slab_pieces.iter().enumerate() {
+            let bytes = pieces.iter().map(|&i| piece_bytes[i as usize]).sum();
+            units.push((bytes, Unit::Slab(s as u32)));
+        }
+        // Largest first, ties in the order made (pieces by id, then slabs by id). Pieces come in
+        // few distinct sizes (one per tensor shard shape), so bucketing by size is a linear-time
+        // sort.
+        let mut by_size: FxHashMap<u64, Vec<Unit>> = FxHashMap::default();
+        for (bytes, unit) in units {
+            by_size.entry(bytes).or_default().push(unit);
         }
         let mut sizes: Vec<u64> = by_size.keys().copied().collect();
         sizes.sort_unstable_by(|a, b| b.cmp(a));
-        for i in sizes.iter().flat_map(|size| by_size[size].iter().copied()) {
-            let p = &mut self.pieces[i as usize];
-            let members = &self.groups[p.group as usize].members;
-            let mut reader = members[0];
-            for &m in &members[1..] {
+        let mut candidates: Vec<u32> = Vec::new();
+        let mut relayed = 0u64;
+        for (bytes, unit) in sizes
+            .iter()
+            .flat_map(|size| by_size[size].iter().map(move |&u| (*size, u)))
+        {
+            candidates.clear();
+            match unit {
+                Unit::Piece(i) => candidates.extend_from_slice(
+                    &self.groups[self.pieces[i as usize].group as usize].members,
+                ),
+                Unit::Slab(s) => {
+                    for &i in &slab_pieces[s as usize] {
+                        let g = self.pieces[i as usize].group as usize;
+                        candidates.extend_from_slice(&self.groups[g].members);
+                    }
+                    candidates.sort_unstable();
+                    candidates.dedup();
+                }
+            }
+            let mut reader = candidates[0];
+            for &m in &candidates[1..] {
                 if load[m as usize] < load[reader as usize] {
                     reader = m;
                 }
             }
-            p.reader = reader;
-            load[reader as usize] += piece_bytes[i as usize];
+            load[reader as usize] += bytes;
+            match unit {
+                Unit::Piece(i) => self.pieces[i as usize].reader = reader,
+                Unit::Slab(s) => {
+                    for &i in &slab_pieces[s as usize] {
+                        let g = self.pieces[i as usize].group;
+                        let members = &self.groups[g as usize].members;
+                        // The reader relays what it does not need itself: it joins the
+                        // piece's ring so that the exchange hands the piece on.
+                        if members.binary_search(&reader).is_err() {
+                            let with_reader: Vec<u32> =
+                                members.iter().copied().chain([reader]).collect();
+                            relayed += piece_bytes[i as usize];
+                            self.pieces[i as usize].group = self.group_of(with_reader.into_iter());
+                        }
+                        self.pieces[i as usize].reader = reader;
+                    }
+                }
+            }
         }
 
         // 4. Indexes for per-rank extraction, built in linear time: each rank's reads in id
-        // order, and each group's pieces by (reader, id) by walking the readers in rank order.
+        // order, and each group's exchanged pieces by (reader, id) by walking the readers in rank
+        // order.
         let mut reads: Vec<Vec<u32>> = vec![Vec::new(); self.world as usize];
         for (i, p) in self.pieces.iter().enumerate() {
-            reads[p.reader as usize].push(i as u32);
+            if p.read_by_holders {
+                for &m in &self.groups[p.group as usize].members {
+                    reads[m as usize].push(i as u32);
+                }
+            } else {
+                reads[p.reader as usize].push(i as u32);
+            }
         }
         let mut group_pieces: Vec<Vec<u32>> = vec![Vec::new(); self.groups.len()];
         for rank_reads in &reads {
             for &i in rank_reads {
-                let g = self.pieces[i as usize].group as usize;
-                if self.groups[g].members.len() > 1 {
+                let p = &self.pieces[i as usize];
+                let g = p.group as usize;
+                if self.groups[g].members.len() > 1 && !p.read_by_holders {
                     group_pieces[g].push(i);
                 }
             }
         }
         let mut rank_groups: Vec<Vec<u32>> = vec![Vec::new(); self.world as usize];
         for (g, group) in self.groups.iter().enumerate() {
-            if group.members.len() > 1 {
+            if group.members.len() > 1 && !group_pieces[g].is_empty() {
                 for &m in &group.members {
                     rank_groups[m as usize].push(g as u32);
                 }
@@ -715,8 +976,11 @@ impl PieceBuilder {
             &self.pieces,
             &piece_bytes,
             &self.groups,
+            &group_pieces,
             &load,
             unique_bytes_needed,
+            relayed,
+            slab_count,
         );
         Ok(Plan {
             meta: Arc::clone(meta),

@@ -9,7 +9,7 @@ use tessera_metadata::{TensorBox, TensorMeta, row_major_strides};
 
 use crate::request::{flat_index, global_strides};
 use crate::runs::{Side, StridedRuns};
-use crate::{Plan, PlanError, Target};
+use crate::{PieceDestination, Plan, PlanError, Target};
 
 /// A destination buffer of the rank.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,7 +40,8 @@ pub struct PiecePlacement {
     pub runs: StridedRuns,
 }
 
-/// A piece this rank needs: read by itself or received from its group's reader.
+/// A piece this rank needs (read by itself or received from its group's reader), or one it
+/// reads only to relay (a storage-order slab's part another rank needs; `places` is empty).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankPiece {
     /// Plan-wide piece id (names the piece on the wire).
@@ -57,7 +58,12 @@ pub struct RankPiece {
     pub reader: u32,
     /// Present when this rank is the reader.
     pub read: Option<SourceRead>,
-    /// Where it lands (one entry per destination that contains it).
+    /// Every rank that needs it reads it itself (a small piece of a wide group): it is in no
+    /// exchange round, and `reader` is this rank.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub read_by_holders: bool,
+    /// Where it lands (one entry per destination that contains it; none for a piece this rank
+    /// reads in storage order only to pass on).
     pub places: Vec<PiecePlacement>,
 }
 
@@ -119,7 +125,7 @@ pub struct RankPlan {
     pub tensors: Vec<TensorMeta>,
     /// Destination buffers, in request order.
     pub destinations: Vec<RankDestination>,
-    /// Pieces this rank needs, in piece-id order.
+    /// Pieces this rank needs or relays, in piece-id order.
     pub pieces: Vec<RankPiece>,
     /// Ring exchanges, by group id.
     pub exchanges: Vec<Exchange>,
@@ -184,7 +190,22 @@ impl Plan {
         let mut files: Vec<String> = Vec::new();
         let mut pieces: Vec<RankPiece> = Vec::new();
         let mut piece_index: HashMap<u32, usize> = HashMap::new();
-        let placements = self.placements(rank);
+        let mut placements = self.placements(rank);
+        // Pieces of this rank's storage-order slabs that it only relays land nowhere here: they
+        // are read, then sent on (an entry without placement keeps them in piece-id order).
+        let needed: Vec<u32> = placements.iter().map(|p| p.piece).collect();
+        let relays: Vec<u32> = self.reads[r]
+            .iter()
+            .copied()
+            .filter(|i| needed.binary_search(i).is_err())
+            .collect();
+        if !relays.is_empty() {
+            placements.extend(relays.iter().map(|&piece| PieceDestination {
+                piece,
+                destination: u32::MAX,
+            }));
+            placements.sort_unstable_by_key(|p| (p.piece, p.destination));
+        }
         let mut summary = RankSummary {
             bytes_needed: destinations.iter().map(|d| d.bytes).sum(),
             ..RankSummary::default()
@@ -197,7 +218,8 @@ impl Plan {
             let slot = match piece_index.get(&placement.piece) {
                 Some(&slot) => slot,
                 None => {
-                    let read = if p.reader == rank {
+                    let reads_it = p.reader == rank || p.read_by_holders;
+                    let read = if reads_it {
                         let chunk = &chunks[p.chunk as usize];
                         let src_strides = chunk.bytes.strides_for(&chunk.region.lengths);
                         let rel = chunk.region.relative_offsets(&p.region);
@@ -236,14 +258,18 @@ impl Plan {
                         region: p.region.clone(),
                         bytes: p.region.numel() * esize,
                         group: p.group,
-                        reader: p.reader,
+                        reader: if p.read_by_holders { rank } else { p.reader },
                         read,
+                        read_by_holders: p.read_by_holders,
                         places: Vec::new(),
                     });
                     piece_index.insert(placement.piece, pieces.len() - 1);
                     pieces.len() - 1
                 }
             };
+            if placement.destination == u32::MAX {
+                continue;
+            }
             let dest = &self.destinations[r][placement.destination as usize];
             let runs = place_runs(tensor, &p.region, &dest.target, &wire_strides);
             pieces[slot].places.push(PiecePlacement {

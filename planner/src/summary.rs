@@ -14,7 +14,7 @@ pub struct PlanSummary {
     pub destinations: u64,
     /// Pieces (reads from storage).
     pub pieces: u64,
-    /// Groups of more than one rank (exchange rings).
+    /// Groups that exchange something (rings of more than one rank).
     pub exchange_groups: u64,
     /// Σ over ranks of the bytes each rank ends up with (replicas counted per rank).
     pub bytes_needed: u64,
@@ -30,37 +30,56 @@ pub struct PlanSummary {
     pub max_read_per_rank: u64,
     /// Mean bytes read per rank.
     pub mean_read_per_rank: f64,
-    /// Most ring rounds of any group.
+    /// Most ring rounds of any group that exchanges something (m − 1 for m members).
     pub max_rounds: u64,
+    /// Of `bytes_read`, bytes read by a storage-order slab's reader that does not need them and
+    /// passes them on (also counted in `bytes_exchanged`).
+    #[serde(default)]
+    pub bytes_relayed: u64,
+    /// Storage-order slabs (runs of whole saved rows read in file order by one rank).
+    #[serde(default)]
+    pub slabs: u64,
+    /// Small pieces of wide groups read by every rank that needs them instead of exchanged.
+    #[serde(default)]
+    pub holder_read_pieces: u64,
 }
 
 impl PlanSummary {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn compute(
         tensors: &[TensorMeta],
         destinations: &[Vec<Destination>],
         pieces: &[Piece],
         piece_bytes: &[u64],
         groups: &[Group],
+        group_pieces: &[Vec<u32>],
         load: &[u64],
         unique_bytes_needed: u64,
+        bytes_relayed: u64,
+        slabs: u32,
     ) -> PlanSummary {
         let bytes_needed = destinations
             .iter()
             .flatten()
             .map(|d| d.target.numel() * tensors[d.tensor as usize].dtype.size())
             .sum();
-        let bytes_read: u64 = piece_bytes.iter().sum();
-        let bytes_exchanged = pieces
-            .iter()
-            .zip(piece_bytes)
-            .map(|(p, b)| b * (groups[p.group as usize].members.len() as u64 - 1))
-            .sum();
+        let (mut bytes_read, mut bytes_exchanged, mut holder_read_pieces) = (0u64, 0u64, 0u64);
+        for (p, b) in pieces.iter().zip(piece_bytes) {
+            let others = groups[p.group as usize].members.len() as u64 - 1;
+            if p.read_by_holders {
+                bytes_read += b * (others + 1);
+                holder_read_pieces += 1;
+            } else {
+                bytes_read += b;
+                bytes_exchanged += b * others;
+            }
+        }
         let ranks = destinations.len() as u32;
         PlanSummary {
             ranks,
             destinations: destinations.iter().map(|d| d.len() as u64).sum(),
             pieces: pieces.len() as u64,
-            exchange_groups: groups.iter().filter(|g| g.members.len() > 1).count() as u64,
+            exchange_groups: group_pieces.iter().filter(|g| !g.is_empty()).count() as u64,
             bytes_needed,
             unique_bytes_needed,
             bytes_read,
@@ -78,9 +97,14 @@ impl PlanSummary {
             },
             max_rounds: groups
                 .iter()
-                .map(|g| g.members.len() as u64 - 1)
+                .zip(group_pieces)
+                .filter(|(_, exchanged)| !exchanged.is_empty())
+                .map(|(g, _)| g.members.len() as u64 - 1)
                 .max()
                 .unwrap_or(0),
+            bytes_relayed,
+            slabs: u64::from(slabs),
+            holder_read_pieces,
         }
     }
 }

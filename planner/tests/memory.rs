@@ -207,7 +207,14 @@ fn estimates_bound_the_measured_peak_and_plans_count_their_bytes() {
     );
     check(
         "no-dedup dp64 tp8",
-        &measure(&mixed, &PlanOptions { dedup: false }, false),
+        &measure(
+            &mixed,
+            &PlanOptions {
+                dedup: false,
+                ..PlanOptions::default()
+            },
+            false,
+        ),
     );
     let explicit = mesh(
         &[("dp", 128), ("tp", 4)],

@@ -256,7 +256,14 @@ fn without_dedup_every_rank_reads_its_own() {
     let tensors = small_gpt(1, false);
     let saved = save_layout(tensors.clone(), &megatron(2, 1, 1, 1));
     let requests = megatron(1, 1, 4, 1).resolve(&tensors).unwrap();
-    let plan = plan_and_check(&saved, &requests, &PlanOptions { dedup: false });
+    let plan = plan_and_check(
+        &saved,
+        &requests,
+        &PlanOptions {
+            dedup: false,
+            ..PlanOptions::default()
+        },
+    );
     let s = plan.summary();
     assert_eq!(s.bytes_exchanged, 0);
     assert_eq!(s.bytes_read, 4 * total_bytes(&tensors));

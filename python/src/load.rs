@@ -197,7 +197,13 @@ pub(crate) async fn rank_plan_for(
         }
         None => {
             let set = requests.resolve(checkpoint.meta.tensors())?;
-            let plan = checkpoint.plan(&set, &PlanOptions { dedup })?;
+            let plan = checkpoint.plan(
+                &set,
+                &PlanOptions {
+                    dedup,
+                    ..PlanOptions::default()
+                },
+            )?;
             Ok(plan.rank_plan(rank)?)
         }
     }
@@ -567,7 +573,13 @@ async fn plan_json(
             .resolve(opened.meta.tensors())?,
         _ => bail!("give exactly one of layout or requests"),
     };
-    let plan = opened.plan(&set, &PlanOptions { dedup })?;
+    let plan = opened.plan(
+        &set,
+        &PlanOptions {
+            dedup,
+            ..PlanOptions::default()
+        },
+    )?;
     let mut doc = serde_json::json!({
         "world": plan.world_size(),
         "summary": plan.summary(),

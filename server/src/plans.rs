@@ -244,6 +244,7 @@ pub(crate) fn parse_request(body: &[u8]) -> Result<ParsedRequest, ApiError> {
         target,
         options: PlanOptions {
             dedup: request.options.dedup,
+            ..PlanOptions::default()
         },
     })
 }

@@ -266,7 +266,13 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         Some(server) => plan_on_server(args, server, &checkpoint).await?,
         None => {
             let requests = requests_for(args, &checkpoint)?;
-            Planned::Local(checkpoint.plan(&requests, &PlanOptions { dedup: args.dedup })?)
+            Planned::Local(checkpoint.plan(
+                &requests,
+                &PlanOptions {
+                    dedup: args.dedup,
+                    ..PlanOptions::default()
+                },
+            )?)
         }
     };
     let plan_seconds = started.elapsed().as_secs_f64();

@@ -67,6 +67,7 @@ pub async fn run(args: &PlanArgs) -> Result<Vec<u8>> {
         &requests,
         &PlanOptions {
             dedup: !args.no_dedup,
+            ..PlanOptions::default()
         },
     )?;
     let elapsed = started.elapsed().as_secs_f64();

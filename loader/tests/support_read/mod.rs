@@ -129,7 +129,15 @@ pub async fn open(store: &Arc<dyn ObjectStore>) -> Written {
 pub fn rank_plans(meta: &Arc<CheckpointMeta>, layout: &str, dedup: bool) -> Vec<RankPlan> {
     let layout = Layout::from_json(layout).unwrap();
     let requests = layout.resolve(meta.tensors()).unwrap();
-    let plan = plan(meta, &requests, &PlanOptions { dedup }).unwrap();
+    let plan = plan(
+        meta,
+        &requests,
+        &PlanOptions {
+            dedup,
+            ..PlanOptions::default()
+        },
+    )
+    .unwrap();
     (0..plan.world_size())
         .map(|r| plan.rank_plan(r).unwrap())
         .collect()
