@@ -198,6 +198,13 @@ enum Command {
         /// needed) and io_amplification (bytes fetched, checksum blocks included / bytes needed).
         #[arg(long)]
         report_json: Option<String>,
+        /// How saved chunks are read: `auto` lets the planner's cost model pick per chunk
+        /// between reading each rank's pieces where the target cuts them (`request`) and reading
+        /// a chunk in storage-order slabs whose parts other ranks need are relayed through the
+        /// exchange (`storage`: a column reshard of a row-sharded checkpoint then reads each byte
+        /// and checksum block once, in few requests). `--transport nccl` always reads by request.
+        #[arg(long, value_enum, default_value = "auto")]
+        read_order: ReadOrderArg,
         /// Write the load's counters (bytes needed, read, requested, transferred; storage
         /// requests and retries; bytes sent and received; seconds), one series per rank, in the
         /// OpenMetrics text format, e.g. for a node_exporter textfile collector.
@@ -399,6 +406,17 @@ enum PresetArgs {
     },
 }
 
+/// `--read-order`: how the pieces of a saved chunk are read (the planner's `ReadOrder`).
+#[derive(Clone, Copy, ValueEnum)]
+enum ReadOrderArg {
+    /// Per chunk, whichever the planner's cost model finds cheaper.
+    Auto,
+    /// Each rank reads the pieces it needs, whatever the target cuts.
+    Request,
+    /// Saved chunks read in storage-order slabs, the parts others need relayed.
+    Storage,
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum TransportArg {
     Inproc,
@@ -587,6 +605,7 @@ fn run(cli: Cli) -> Result<()> {
             peer_timeout,
             report_json,
             metrics_file,
+            read_order,
             quiet,
             json,
             include,
@@ -620,6 +639,11 @@ fn run(cli: Cli) -> Result<()> {
                 check,
                 report_json,
                 metrics_file,
+                read_order: match read_order {
+                    ReadOrderArg::Auto => tessera_planner::ReadOrder::Auto,
+                    ReadOrderArg::Request => tessera_planner::ReadOrder::Request,
+                    ReadOrderArg::Storage => tessera_planner::ReadOrder::Storage,
+                },
                 peer_timeout: std::time::Duration::from_secs_f64(peer_timeout),
                 quiet,
                 server,

@@ -24,6 +24,7 @@ use pyo3::prelude::*;
 use tessera_loader::exchange::{ExchangeMessages, gather_message, place_message};
 use tessera_loader::load::{Checkpoint, RankReport, ratio};
 use tessera_loader::read::ReadStats;
+use tessera_loader::relay::with_relay_buffers;
 use tessera_metadata::TensorMeta;
 use tessera_planner::{ExplicitRequest, ExplicitRequests, RankPlan};
 
@@ -47,13 +48,39 @@ struct GroupState {
     world: u32,
     verify: bool,
     wanted: Vec<Wanted>,
-    buffers: Vec<HostMemory>,
+    /// The caller's arrays, then (once planned) a scratch buffer per piece this rank reads in
+    /// storage order only to relay to others (`tessera_loader::relay`).
+    buffers: Vec<Buffer>,
     plan: Option<RankPlan>,
     messages: ExchangeMessages,
     read: Option<(ReadStats, f64)>,
     gathered: Vec<bool>,
     placed: Vec<bool>,
     started: Instant,
+}
+
+/// A destination of the load: one of the caller's arrays, or a relayed piece's scratch.
+enum Buffer {
+    Caller(HostMemory),
+    Scratch(Vec<u8>),
+}
+
+impl AsRef<[u8]> for Buffer {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            Buffer::Caller(m) => m.as_ref(),
+            Buffer::Scratch(v) => v,
+        }
+    }
+}
+
+impl AsMut<[u8]> for Buffer {
+    fn as_mut(&mut self) -> &mut [u8] {
+        match self {
+            Buffer::Caller(m) => m.as_mut(),
+            Buffer::Scratch(v) => v,
+        }
+    }
 }
 
 impl GroupLoad {
@@ -140,7 +167,7 @@ fn prepare(
         #[allow(unsafe_code)]
         let memory = unsafe { HostMemory::new(w.address, w.nbytes) }
             .ok_or_else(|| anyhow!("tensor {}: null data address", fqn_of(&w.request)))?;
-        buffers.push(memory);
+        buffers.push(Buffer::Caller(memory));
     }
     Ok(GroupState {
         location: opened.location.clone(),
@@ -233,6 +260,30 @@ impl GroupLoad {
             .await
         })?;
         let mut state = self.state();
+        // The plan's destinations are this rank's requests in order: check they are the arrays.
+        let sizes = state.buffers.iter().map(|b| b.as_ref().len() as u64);
+        if sizes.len() != plan.destinations.len()
+            || sizes.zip(&plan.destinations).any(|(len, d)| len != d.bytes)
+        {
+            return Err(py_error(anyhow!(
+                "rank {rank}: the plan's {} destinations do not match this rank's {} arrays",
+                plan.destinations.len(),
+                state.buffers.len()
+            )));
+        }
+        // Pieces read in storage order only to pass on get scratch destinations after the arrays.
+        let plan = match with_relay_buffers(&plan) {
+            Some(relaying) => {
+                let caller = state.buffers.len();
+                for dest in &relaying.destinations[caller..] {
+                    state
+                        .buffers
+                        .push(Buffer::Scratch(vec![0u8; dest.bytes as usize]));
+                }
+                relaying
+            }
+            None => plan,
+        };
         let messages = ExchangeMessages::of_plan(&plan).map_err(|e| py_error(e.into()))?;
         let outgoing = messages
             .outgoing
@@ -247,17 +298,6 @@ impl GroupLoad {
         state.gathered = vec![false; messages.outgoing.len()];
         state.placed = vec![false; messages.incoming.len()];
         state.messages = messages;
-        // The plan's destinations are this rank's requests in order: check they are the arrays.
-        let sizes = state.buffers.iter().map(|b| b.as_ref().len() as u64);
-        if sizes.len() != plan.destinations.len()
-            || sizes.zip(&plan.destinations).any(|(len, d)| len != d.bytes)
-        {
-            return Err(py_error(anyhow!(
-                "rank {rank}: the plan's {} destinations do not match this rank's {} arrays",
-                plan.destinations.len(),
-                state.buffers.len()
-            )));
-        }
         state.plan = Some(plan);
         Ok((outgoing, incoming))
     }

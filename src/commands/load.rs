@@ -29,7 +29,7 @@ use tessera_metadata::Format;
 use tessera_metadata::formats::dcp::IndexSource;
 use tessera_metadata::formats::safetensors::{self, TensorView};
 use tessera_planner::{
-    ExplicitRequests, Plan, PlanOptions, PlanSummary, RankPlan, RequestSet, Target,
+    ExplicitRequests, Plan, PlanOptions, PlanSummary, RankPlan, ReadOrder, RequestSet, Target,
 };
 use tessera_synth as synth;
 
@@ -92,6 +92,8 @@ pub struct LoadArgs {
     pub report_json: Option<String>,
     /// Write the load's counters here in the OpenMetrics text format (`--metrics-file`).
     pub metrics_file: Option<String>,
+    /// How saved chunks are read (`--read-order`).
+    pub read_order: ReadOrder,
     /// Seconds a rank waits for a peer before giving up.
     pub peer_timeout: Duration,
     /// Print the progress bar and report.
@@ -270,6 +272,12 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
                 &requests,
                 &PlanOptions {
                     dedup: args.dedup,
+                    // The device ring cannot relay pieces read in storage order.
+                    read_order: if args.transport == TransportKind::Nccl {
+                        ReadOrder::Request
+                    } else {
+                        args.read_order
+                    },
                     ..PlanOptions::default()
                 },
             )?)
