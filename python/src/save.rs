@@ -64,7 +64,8 @@ async fn run_save(job: SaveJob) -> Result<String> {
     };
     let manifest = match &job.rendezvous {
         Some((addr, port)) if job.world > 1 => {
-            let transport = connect(job.rank, job.world, &job.path, job.timeout, addr, *port).await?;
+            let transport =
+                connect(job.rank, job.world, &job.path, job.timeout, addr, *port).await?;
             let all =
                 coord::all_gather_json(&transport, coord::TAG_SAVE_BOXES, &held, "boxes").await?;
             save_rank(&job.path, &options, &all, &data, &job.objects, &transport).await?
