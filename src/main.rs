@@ -298,6 +298,24 @@ enum Command {
         #[command(flatten)]
         storage: StorageArgs,
     },
+    /// Remove what failed or killed saves left under a local root: directories with native data
+    /// files, metadata or a write claim but no manifest.json. A directory whose claim is held by
+    /// a live writer (a save in progress) is kept unless --break-claims.
+    Gc {
+        /// Storage root: a local directory (or file:// URL), searched recursively.
+        root: String,
+        /// List what would be removed; remove nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Also remove leftovers whose claim names a live writer, a writer on another host, or
+        /// is unreadable. Only when those writers are surely gone.
+        #[arg(long)]
+        break_claims: bool,
+        /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
+        /// see "Machine output" in `tessera --help`).
+        #[arg(long)]
+        json: bool,
+    },
     /// Serve the catalog and plan API of a storage root over HTTP (until Ctrl-C or SIGTERM).
     Serve {
         /// Catalog root: a local directory or URL (file://, s3://, gs://, az://, http(s)://)
@@ -371,7 +389,8 @@ impl Command {
             | Command::Load { json, .. }
             | Command::Convert { json, .. }
             | Command::Inspect { json, .. }
-            | Command::Verify { json, .. } => *json,
+            | Command::Verify { json, .. }
+            | Command::Gc { json, .. } => *json,
             Command::Plan { json, format, .. } => *json || matches!(format, FormatArg::Json),
             _ => false,
         }
@@ -751,6 +770,23 @@ fn run(cli: Cli) -> Result<()> {
                 stdout(commands::verify::json_report(&checkpoint, &text).as_bytes())
             } else {
                 stdout(text.as_bytes())
+            }
+        }
+        Command::Gc {
+            root,
+            dry_run,
+            break_claims,
+            json,
+        } => {
+            let options = commands::gc::GcOptions {
+                dry_run,
+                break_claims,
+            };
+            let report = commands::gc::run(&root, &options)?;
+            if json {
+                stdout(commands::gc::json_report(&report)?.as_bytes())
+            } else {
+                stdout(commands::gc::text_report(&report).as_bytes())
             }
         }
         Command::Completions { shell } => {

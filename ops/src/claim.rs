@@ -206,8 +206,9 @@ fn store_error(action: &str, path: &Path, source: object_store::Error) -> OpsErr
     })
 }
 
-/// The host name, for the claim body: the kernel's on Linux, `HOSTNAME` elsewhere.
-fn host_name() -> String {
+/// The host name, for the claim body: the kernel's on Linux, `HOSTNAME` elsewhere. `tessera gc`
+/// compares it with a claim's to tell whether it can check the holder's pid.
+pub fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .map(|h| h.trim().to_string())

@@ -6,9 +6,10 @@
 
 use std::time::Duration;
 
-use anyhow::{Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use pyo3::prelude::*;
-use tessera_loader::transport::{InProcTransport, TransportOptions};
+use tessera_loader::rendezvous::RendezvousConfig;
+use tessera_loader::transport::{InProcTransport, TcpTransport, TransportOptions};
 use tessera_ops::coord;
 use tessera_ops::save::{HeldBox, Holdings, SaveOptions, save_rank};
 use tessera_storage::StorageOptions;
@@ -63,7 +64,8 @@ async fn run_save(job: SaveJob) -> Result<String> {
     };
     let manifest = match &job.rendezvous {
         Some((addr, port)) if job.world > 1 => {
-            let transport = coord::connect(job.rank, job.world, addr, *port, job.timeout).await?;
+            let transport =
+                connect(job.rank, job.world, &job.path, job.timeout, addr, *port).await?;
             let all =
                 coord::all_gather_json(&transport, coord::TAG_SAVE_BOXES, &held, "boxes").await?;
             save_rank(&job.path, &options, &all, &data, &job.objects, &transport).await?
@@ -89,6 +91,25 @@ async fn run_save(job: SaveJob) -> Result<String> {
         }
     };
     Ok(serde_json::to_string(&manifest)?)
+}
+
+/// Joins the save's rendezvous. The fingerprint is the checkpoint's path: a job saving every step
+/// rendezvouses on the same port once per save, and a rank that is one save ahead or behind (its
+/// previous save failed early) is refused by rank 0, naming both, instead of writing its share of
+/// one checkpoint into another's commit.
+async fn connect(
+    rank: u32,
+    world: u32,
+    path: &str,
+    timeout: Duration,
+    addr: &str,
+    port: u16,
+) -> Result<TcpTransport> {
+    let fingerprint = (path.len() as u64) << 32 | u64::from(crc32c::crc32c(path.as_bytes()));
+    let config = RendezvousConfig::new(rank, world, addr, port)?.with_job(fingerprint);
+    TcpTransport::connect(&config, TransportOptions::with_timeout(timeout))
+        .await
+        .with_context(|| format!("rank {rank} joining the save of {path} at {addr}:{port}"))
 }
 
 /// Saves boxes (and byte objects) as a native checkpoint at `path`; returns its manifest as JSON.

@@ -44,8 +44,11 @@ __all__ = [
     "Box",
     "Flat",
     "LoadReport",
+    "SaveHandle",
     "SaveReport",
+    "StagingPool",
     "TesseraError",
+    "async_save",
     "inspect",
     "load",
     "plan",
@@ -132,6 +135,13 @@ class SaveReport(_Report):
     #: Non-tensor values this rank saved.
     objects: int = 0
     total_seconds: float = 0.0
+    #: Seconds the call waited for the previous save's persist (one save in flight per process).
+    waited_seconds: float = 0.0
+    #: Seconds the snapshot copies took, and the persist (write + commit) after them.
+    snapshot_seconds: float = 0.0
+    persist_seconds: float = 0.0
+    #: Bytes of this rank's tensors copied into the staging pool.
+    staged_bytes: int = 0
 
     def __getitem__(self, name: str) -> Any:
         # Manifest fields by name (``report["step"]``), as save returned the manifest before.
@@ -554,73 +564,20 @@ def save(
     while saving leaves its claim; once that job is surely gone, ``break_claim=True`` (on every
     rank; rank 0's counts) removes it and saves anyway. Never while the other job may still run.
 
+    ``save`` is ``async_save(...).result()``: the same snapshot into the process's staging pool,
+    then the persist, waited for here.
+
     Returns:
         :class:`SaveReport` with the committed manifest (``report["step"]`` reads its fields).
     """
     state_dict, checkpoint_id = _dcp_order(state_dict, checkpoint_id, "save")
-    started = time.monotonic()
-    group = _group.default_group(process_group, None)
-    if group is not None:
-        import torch.distributed as dist
+    handle = async_save(
+        state_dict, checkpoint_id, process_group=process_group, rank=rank, world_size=world_size,
+        step=step, master_addr=master_addr, master_port=master_port,
+        storage_options=storage_options, break_claim=break_claim, timeout=timeout,
+    )
+    return handle.result()
 
-        if rank is not None or world_size is not None:
-            raise ValueError("rank and world_size come from the process group; do not pass them with one")
-        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    rank, world_size = _ranks(rank, world_size)
-    boxes = []
-    objects = []
-    keep_alive = []
-    for fqn, _path, value in _state.flatten(state_dict):
-        if _state.is_dtensor(value):
-            array, offsets, shape = _state.dtensor_box(fqn, value)
-        elif (
-            isinstance(value, tuple)
-            and len(value) == 3
-            and _state.is_array(value[0])
-            and all(isinstance(v, (list, tuple)) for v in value[1:])
-        ):
-            array, offsets, shape = value[0], [int(o) for o in value[1]], [int(d) for d in value[2]]
-        elif isinstance(value, (Box, Flat)) or (isinstance(value, tuple) and _state.is_tensor_entry(value)):
-            raise TypeError(
-                f"{fqn}: save needs the global shape of a partial tensor: pass "
-                "(array, offsets, global_shape) or a DTensor"
-            )
-        elif _state.is_array(value):
-            array, offsets, shape = value, None, None
-        else:
-            objects.append((fqn, _objects.encode(fqn, value)))
-            continue
-        if _state.is_torch_tensor(array) and array.device.type != "cpu":
-            array = array.detach().cpu()  # saving reads host memory: one copy per device tensor
-        dtype, lengths, address, nbytes, _device = _state.memory(fqn, array, writable=False)
-        if offsets is None:
-            offsets, shape = [0] * len(lengths), list(lengths)
-        boxes.append((fqn, dtype, shape, offsets, lengths, address, nbytes))
-        keep_alive.append(array)
-    rendezvous = _rendezvous(master_addr, master_port)
-    if world_size > 1 and rendezvous is None:
-        raise ValueError(
-            f"saving from {world_size} ranks needs a rendezvous so that rank 0 can commit what "
-            "every rank wrote: pass master_addr and master_port, or run under torchrun"
-        )
-    manifest = _tessera.save(
-        str(checkpoint_id),
-        boxes,
-        objects,
-        rank,
-        world_size,
-        rendezvous,
-        step,
-        _storage_env(storage_options),
-        bool(break_claim),
-        float(timeout),
-    )
-    del keep_alive
-    return SaveReport(
-        checkpoint_id=str(checkpoint_id),
-        rank=rank,
-        world_size=world_size,
-        manifest=json.loads(manifest),
-        objects=len(objects),
-        total_seconds=time.monotonic() - started,
-    )
+
+# Last: it reads this module's helpers (SaveReport, _ranks, ...) when called.
+from ._async_save import SaveHandle, StagingPool, async_save  # noqa: E402

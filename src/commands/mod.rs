@@ -3,6 +3,7 @@
 pub mod convert;
 pub mod demo;
 pub mod error_text;
+pub mod gc;
 pub mod inspect;
 pub mod layout;
 pub mod load;

@@ -1,0 +1,479 @@
+"""Two-phase save: a fast *snapshot* of the state into host memory, then a background *persist*
+through the native save-and-commit protocol, committed atomically by rank 0 (manifest last).
+
+The training loop pays only for the snapshot, and not even for that inside the call::
+
+    handle = tessera.async_save(state, f"{root}/step-{step}")   # returns at once
+    loss.backward()                    # the snapshot copies run while the job computes ...
+    handle.wait_snapshot()             # ... and must be done before the parameters change
+    optimizer.step()
+    ...
+    handle.result()                    # SaveReport once committed, or the error
+
+Why the snapshot may overlap the next forward/backward: parameters and optimizer state do not
+change between one optimizer step and the next (the DataStates-LLM observation), so copying them
+while the job computes activations and gradients reads stable values. ``wait_snapshot()`` is the
+point after which the job may write its tensors again; call it before ``optimizer.step()`` (or
+before anything else that mutates what was passed). The checkpoint holds the values the tensors
+had when the copies ran, and the copies run between ``async_save`` and ``wait_snapshot``.
+
+**Staging pool.** Every tensor is copied into one host buffer, allocated once per process and
+reused by every save (it grows to the largest state seen). Reuse matters: a fresh allocation per
+save pays the page faults (or, pinned, the page locking) of the whole state each time, which is
+often slower than the copy itself. The pool is pinned (page-locked) when the state has CUDA
+tensors, so device-to-host copies run as asynchronous DMA on a side stream; the snapshot is done
+when an event recorded after the last copy has completed. ``pool_bytes`` (or the environment
+variable ``TESSERA_SAVE_POOL_BYTES``) bounds it: a state larger than the bound is refused at once
+with an error naming both sizes (there is no streaming fallback: a bounded pool that the state
+does not fit would have to hold training until the first part is persisted, which is the stall
+this design removes).
+
+**One save in flight.** The pool holds the snapshot until the persist has finished, so a second
+``async_save`` in the same process first waits for the previous one's persist (its own handle
+still reports its outcome). Saving every step with a persist slower than a step therefore blocks
+the loop for the difference; the report's ``waited_seconds`` says how long.
+
+**Persist and commit.** A background thread calls the native save (``tessera_ops::save``): rank 0
+claims the directory, every rank writes its share (a box replicated on several ranks is written
+once, by the holder worst-fit balancing picks), and rank 0 writes metadata, checksums and the
+manifest last once every rank reported success, then moves ``<parent>/latest`` to the step
+directory (``step-<N>`` names). A failure anywhere (a rank dies, storage fails) commits nothing
+and leaves ``latest`` where it was; every surviving rank's handle raises the error, which names
+the rank or file. The process waits for a persist in flight before it exits normally.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import tessera as _api
+
+from . import _group, _objects, _state, _tessera
+from ._state import Box, Flat
+from ._tessera import TesseraError
+
+#: Environment variable bounding the default staging pool, in bytes.
+POOL_BYTES_ENV = "TESSERA_SAVE_POOL_BYTES"
+
+# Every box starts on a 4 KiB boundary of the pool: page-aligned sources for the writer (the data
+# files are 4 KiB aligned too) and no box shares a cache line or page with the next one's copy.
+_ALIGN = 4096
+
+
+def _parse_bytes(name: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a number of bytes") from None
+    if value < 0:
+        raise ValueError(f"{name}={value} must not be negative")
+    return value
+
+
+class StagingPool:
+    """Host memory the snapshots of :func:`async_save` are copied into, allocated once and reused.
+
+    It grows to the largest state saved through it (never shrinks) up to ``max_bytes`` (``None``:
+    no bound). It is pinned (page-locked, for asynchronous device-to-host copies) from the first
+    save with CUDA tensors on. One process has one default pool (bounded by
+    ``TESSERA_SAVE_POOL_BYTES``); pass another with ``async_save(..., pool=...)``.
+    """
+
+    def __init__(self, max_bytes: Optional[int] = None) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes={max_bytes} must not be negative")
+        self.max_bytes = max_bytes
+        self._array: Any = None  # numpy uint8 view of the whole pool
+        self._tensor: Any = None  # the torch tensor owning pinned memory, when pinned
+        #: How many times the pool was (re)allocated: 1 after the first save when it is reused.
+        self.allocations = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._array is None else int(self._array.nbytes)
+
+    @property
+    def pinned(self) -> bool:
+        return self._tensor is not None
+
+    def reserve(self, nbytes: int, *, pinned: bool, bound: Optional[int], what: str) -> None:
+        """Makes the pool hold at least ``nbytes`` (pinned if asked), or raises naming the sizes."""
+        limit = self.max_bytes if bound is None else bound
+        if limit is not None and nbytes > limit:
+            raise TesseraError(
+                f"{what} needs {nbytes:,} bytes of staging memory but the save pool is bounded to "
+                f"{limit:,} bytes (pool_bytes= or {POOL_BYTES_ENV}); raise the bound, or save "
+                "fewer tensors per call"
+            )
+        if self._array is not None and self._array.nbytes >= nbytes and (self.pinned or not pinned):
+            return
+        # Growth rounds up by an eighth so that a state that grows a little (a new optimizer
+        # buffer) does not reallocate at every save.
+        size = max(nbytes + nbytes // 8, self.nbytes)
+        if limit is not None:
+            size = min(size, limit)
+        self._array = self._tensor = None  # drop the old pool before allocating the new one
+        if pinned:
+            import torch
+
+            self._tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self._array = self._tensor.numpy()
+        else:
+            import numpy as np
+
+            self._array = np.empty(size, dtype=np.uint8)
+        self.allocations += 1
+
+    def region(self, offset: int, nbytes: int, like: Any) -> Any:
+        """A view of ``[offset, offset + nbytes)`` with ``like``'s dtype and shape (a torch tensor
+        when ``like`` is one, else a NumPy array)."""
+        shape = tuple(int(d) for d in like.shape)
+        if _state.is_torch_tensor(like):
+            import torch
+
+            raw = self._tensor[offset : offset + nbytes] if self._tensor is not None else torch.from_numpy(
+                self._array[offset : offset + nbytes]
+            )
+            return raw.view(like.dtype).view(shape)
+        return self._array[offset : offset + nbytes].view(like.dtype).reshape(shape)
+
+
+_DEFAULT_POOL: Optional[StagingPool] = None
+_LOCK = threading.Lock()
+_IN_FLIGHT: Optional["SaveHandle"] = None
+
+
+def default_pool() -> StagingPool:
+    """The process's staging pool (bounded by ``TESSERA_SAVE_POOL_BYTES`` when set)."""
+    global _DEFAULT_POOL
+    if _DEFAULT_POOL is None:
+        env = os.environ.get(POOL_BYTES_ENV, "").strip()
+        _DEFAULT_POOL = StagingPool(_parse_bytes(POOL_BYTES_ENV, env) if env else None)
+    return _DEFAULT_POOL
+
+
+@dataclass
+class _Entry:
+    fqn: str
+    source: Any  # the job's tensor or array (host or CUDA), read by the snapshot
+    dtype: str
+    shape: List[int]  # the tensor's global shape
+    offsets: List[int]
+    lengths: List[int]
+    nbytes: int
+    pool_offset: int = 0
+
+
+def _entries(state_dict: Mapping[str, Any]) -> Tuple[List[_Entry], List[Tuple[str, bytes]]]:
+    """The boxes and encoded non-tensor values of a state dict; raises for what cannot be saved,
+    before anything starts."""
+    entries: List[_Entry] = []
+    objects: List[Tuple[str, bytes]] = []
+    for fqn, _path, value in _state.flatten(state_dict):
+        if _state.is_dtensor(value):
+            array, offsets, shape = _state.dtensor_box(fqn, value)
+        elif (
+            isinstance(value, tuple)
+            and len(value) == 3
+            and _state.is_array(value[0])
+            and all(isinstance(v, (list, tuple)) for v in value[1:])
+        ):
+            array, offsets, shape = value[0], [int(o) for o in value[1]], [int(d) for d in value[2]]
+        elif isinstance(value, (Box, Flat)) or (isinstance(value, tuple) and _state.is_tensor_entry(value)):
+            raise TypeError(
+                f"{fqn}: save needs the global shape of a partial tensor: pass "
+                "(array, offsets, global_shape) or a DTensor"
+            )
+        elif _state.is_array(value):
+            array, offsets, shape = value, None, None
+        else:
+            # Encoded now, in the caller's thread: a value the job changes right after the call
+            # (a step counter) is saved as it was at the call.
+            objects.append((fqn, _objects.encode(fqn, value)))
+            continue
+        if _state.is_torch_tensor(array):
+            array = array.detach()
+            if array.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"{fqn}: tensor is on {array.device}; tessera saves host or CUDA tensors")
+        elif not hasattr(array, "__array_interface__"):
+            raise TypeError(f"{fqn}: cannot save a {type(array).__name__}")
+        dtype = _state.dtype_name(array)
+        if _tessera.canonical_dtype(dtype) is None:
+            raise TypeError(f"tensor {fqn}: tessera has no dtype {dtype}")
+        lengths = [int(d) for d in array.shape]
+        if offsets is None:
+            offsets, shape = [0] * len(lengths), list(lengths)
+        nbytes = _state.itemsize(array)
+        for d in lengths:
+            nbytes *= d
+        entries.append(_Entry(fqn, array, dtype, list(shape), list(offsets), lengths, nbytes))
+    return entries, objects
+
+
+def _is_cuda(array: Any) -> bool:
+    return _state.is_torch_tensor(array) and array.device.type == "cuda"
+
+
+class SaveHandle:
+    """The future of one :func:`async_save` on this rank (like ``dcp.async_save``'s).
+
+    ``wait_snapshot()`` returns once every tensor has been copied out (the job may change them
+    after it); ``result()`` returns the :class:`SaveReport` once the checkpoint is committed, or
+    raises the error of this rank or of the commit (it names the rank or file that failed).
+    """
+
+    def __init__(self, checkpoint_id: str, rank: int, world_size: int) -> None:
+        self.checkpoint_id = checkpoint_id
+        self.rank = rank
+        self.world_size = world_size
+        self._snapshot_done = threading.Event()
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._snapshot_error: Optional[BaseException] = None
+        self._report: Any = None
+        self._thread: Optional[threading.Thread] = None
+
+    def __repr__(self) -> str:
+        state = "committed" if self._report is not None else "failed" if self._error else (
+            "persisting" if self._snapshot_done.is_set() else "snapshotting"
+        )
+        return f"<tessera.SaveHandle {self.checkpoint_id} rank {self.rank}: {state}>"
+
+    def wait_snapshot(self, timeout: Optional[float] = None) -> None:
+        """Blocks until the snapshot is taken. After it returns the job may mutate its tensors.
+
+        Raises the save's error if it failed before the snapshot was complete, and
+        ``TimeoutError`` when ``timeout`` seconds pass first."""
+        if not self._snapshot_done.wait(timeout):
+            raise TimeoutError(f"rank {self.rank}: the snapshot of {self.checkpoint_id} took longer than {timeout} s")
+        if self._snapshot_error is not None:
+            raise self._snapshot_error
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until the save is committed or failed; whether it is done (False on timeout)."""
+        return self._done.wait(timeout)
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed)."""
+        return self._done.is_set()
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        """The save's error, or None once committed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"rank {self.rank}: the save of {self.checkpoint_id} is not done after {timeout} s")
+        return self._error
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        """The :class:`SaveReport` of the committed checkpoint; raises the save's error."""
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+        return self._report
+
+
+def _fail(handle: SaveHandle, error: BaseException) -> None:
+    if isinstance(error, TesseraError):
+        message = str(error)
+        prefix = f"rank {handle.rank} saving {handle.checkpoint_id}: "
+        error = TesseraError(message if message.startswith(prefix) else prefix + message)
+    handle._error = error
+
+
+def _snapshot(pool: StagingPool, entries: List[_Entry], ready: Dict[Any, Any]) -> None:
+    """Copies every entry into its pool region; returns when the copies are complete."""
+    import numpy as np
+
+    streams: Dict[Any, Any] = {}
+    for e in entries:
+        if e.nbytes == 0:
+            continue
+        dst = pool.region(e.pool_offset, e.nbytes, e.source)
+        if _is_cuda(e.source):
+            import torch
+
+            device = e.source.device
+            stream = streams.get(device)
+            if stream is None:
+                # A side stream, so the device-to-host DMA does not queue behind (or in front of)
+                # the job's kernels; it first waits for the work the job had queued at the call.
+                stream = streams[device] = torch.cuda.Stream(device=device)
+                stream.wait_event(ready[device])
+            with torch.cuda.stream(stream):
+                dst.copy_(e.source, non_blocking=True)
+        elif _state.is_torch_tensor(dst):
+            dst.copy_(e.source)
+        else:
+            np.copyto(dst, e.source, casting="no")
+    if streams:
+        import torch
+
+        for stream in streams.values():
+            done = torch.cuda.Event()
+            done.record(stream)
+            done.synchronize()
+
+
+def _run(
+    handle: SaveHandle,
+    pool: StagingPool,
+    entries: List[_Entry],
+    objects: List[Tuple[str, bytes]],
+    ready: Dict[Any, Any],
+    native_args: Dict[str, Any],
+    started: float,
+    waited: float,
+) -> None:
+    snapshot_started = time.monotonic()
+    try:
+        _snapshot(pool, entries, ready)
+    except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
+        _fail(handle, TesseraError(f"snapshot failed: {type(e).__name__}: {e}"))
+        handle._snapshot_error = handle._error
+        handle._snapshot_done.set()
+        handle._done.set()
+        return
+    snapshot_seconds = time.monotonic() - snapshot_started
+    # The job's tensors are no longer read: drop them so the job may free or reuse them.
+    boxes = []
+    for e in entries:
+        region = pool._array[e.pool_offset : e.pool_offset + e.nbytes]
+        address = int(region.__array_interface__["data"][0])
+        boxes.append((e.fqn, e.dtype, e.shape, e.offsets, e.lengths, address, e.nbytes))
+        e.source = None
+    handle._snapshot_done.set()
+    persist_started = time.monotonic()
+    try:
+        manifest = _tessera.save(
+            native_args["path"], boxes, objects, handle.rank, handle.world_size, native_args["rendezvous"],
+            native_args["step"], native_args["storage_env"], native_args["break_claim"], native_args["timeout"],
+        )
+        import json
+
+        handle._report = _api.SaveReport(
+            checkpoint_id=handle.checkpoint_id,
+            rank=handle.rank,
+            world_size=handle.world_size,
+            manifest=json.loads(manifest),
+            objects=len(objects),
+            total_seconds=time.monotonic() - started,
+            waited_seconds=waited,
+            snapshot_seconds=snapshot_seconds,
+            persist_seconds=time.monotonic() - persist_started,
+            staged_bytes=sum(e.nbytes for e in entries),
+        )
+    except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
+        _fail(handle, e)
+    finally:
+        handle._done.set()
+
+
+def async_save(
+    state_dict: Mapping[str, Any],
+    checkpoint_id: Union[str, "os.PathLike[str]", None] = None,
+    *,
+    process_group: Any = None,
+    pool: Optional[StagingPool] = None,
+    pool_bytes: Optional[int] = None,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    step: Optional[int] = None,
+    master_addr: Optional[str] = None,
+    master_port: Optional[int] = None,
+    storage_options: Optional[Mapping[str, str]] = None,
+    break_claim: bool = False,
+    timeout: float = 300.0,
+) -> SaveHandle:
+    """Starts saving ``state_dict`` as a native checkpoint at ``checkpoint_id``; returns at once.
+
+    Takes what :func:`tessera.save` takes (every rank calls it; values, replicas, the claim and
+    ``break_claim`` as there) plus the staging ``pool`` (default: the process's) and
+    ``pool_bytes``, a bound on it for this call. The snapshot copies run in a background thread;
+    call ``handle.wait_snapshot()`` before changing any tensor passed (before the optimizer step),
+    and ``handle.result()`` for the committed :class:`SaveReport` or the error.
+
+    At most one save is in flight per process: this call first waits for the previous save's
+    persist to end (its handle keeps its outcome). Non-tensor values are encoded during the call.
+
+    Raises at once (nothing started): ``TypeError``/``ValueError`` for a value tessera cannot save,
+    ``TesseraError`` when the state does not fit the pool's bound.
+    """
+    global _IN_FLIGHT
+    state_dict, checkpoint_id = _api._dcp_order(state_dict, checkpoint_id, "async_save")
+    started = time.monotonic()
+    group = _group.default_group(process_group, None)
+    if group is not None:
+        import torch.distributed as dist
+
+        if rank is not None or world_size is not None:
+            raise ValueError("rank and world_size come from the process group; do not pass them with one")
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    rank, world_size = _api._ranks(rank, world_size)
+    rendezvous = _api._rendezvous(master_addr, master_port)
+    if world_size > 1 and rendezvous is None:
+        raise ValueError(
+            f"saving from {world_size} ranks needs a rendezvous so that rank 0 can commit what "
+            "every rank wrote: pass master_addr and master_port, or run under torchrun"
+        )
+    entries, objects = _entries(state_dict)
+    pool = pool if pool is not None else default_pool()
+    offset = 0
+    for e in entries:
+        e.pool_offset = offset
+        offset += (e.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    cuda_devices = sorted({e.source.device for e in entries if _is_cuda(e.source)}, key=str)
+
+    with _LOCK:
+        waited_from = time.monotonic()
+        previous = _IN_FLIGHT
+        if previous is not None:
+            # The pool still holds the previous snapshot until its persist ends.
+            previous.wait()
+        waited = time.monotonic() - waited_from
+        pool.reserve(
+            offset,
+            pinned=bool(cuda_devices),
+            bound=pool_bytes,
+            what=f"rank {rank}: the state to save at {checkpoint_id} ({len(entries)} tensors)",
+        )
+        ready: Dict[Any, Any] = {}
+        if cuda_devices:
+            import torch
+
+            for device in cuda_devices:
+                # Recorded on the caller's stream: the copies must see the work queued so far.
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                ready[device] = event
+        handle = SaveHandle(str(checkpoint_id), rank, world_size)
+        native_args = {
+            "path": str(checkpoint_id),
+            "rendezvous": rendezvous,
+            "step": step,
+            "storage_env": _api._storage_env(storage_options),
+            "break_claim": bool(break_claim),
+            "timeout": float(timeout),
+        }
+        # Not a daemon: a job that returns right after async_save still commits before it exits.
+        thread = threading.Thread(
+            target=_run,
+            args=(handle, pool, entries, objects, ready, native_args, started, waited),
+            name=f"tessera-save-rank{rank}",
+            daemon=False,
+        )
+        handle._thread = thread
+        _IN_FLIGHT = handle
+        thread.start()
+    return handle
+
+
+def in_flight() -> Optional[SaveHandle]:
+    """The handle of this process's save in flight (snapshot or persist), if any."""
+    handle = _IN_FLIGHT
+    return handle if handle is not None and not handle.done() else None
+
+
+__all__: Sequence[str] = ["SaveHandle", "StagingPool", "async_save", "default_pool", "in_flight"]
