@@ -433,7 +433,7 @@ async fn master(
         .await
         .map_err(|e| {
             rendezvous(format!(
-                "rank 0 could not listen on {}:{} (MASTER_ADDR:MASTER_PORT): {e}",
+                "rank 0 could not listen on {}:{} (the rendezvous address: --master-addr and --master-port; from Python master_addr and master_port, or MASTER_ADDR with TESSERA_PORT or MASTER_PORT + 1): {e}",
                 config.master_addr, config.master_port
             ))
         })?;
@@ -565,7 +565,7 @@ async fn worker(
         deadline,
         |last| {
             rendezvous(format!(
-                "rank {rank} could not reach the master {}:{} (MASTER_ADDR:MASTER_PORT) within {:?}: {last}",
+                "rank {rank} could not reach the master {}:{} (the rendezvous address) within {:?}: {last}",
                 config.master_addr, config.master_port, options.connect_timeout
             ))
         },
