@@ -164,6 +164,50 @@ pub async fn read_into<B: AsMut<[u8]>>(
     .await
 }
 
+/// [`read_into`], calling `on_complete(piece, buffers)` as soon as each piece (index into
+/// `plan.pieces`) this rank reads is wholly placed: the hook of the overlapped exchange
+/// ([`crate::exchange::read_and_exchange`]), which sends a share the moment its last piece lands.
+/// The hook gets the buffers mutably: it may place bytes that arrived from peers meanwhile, which
+/// the plan puts in regions no piece of this rank's reads touches.
+#[allow(clippy::too_many_arguments)]
+pub async fn read_into_with<B: AsMut<[u8]>>(
+    store: Arc<dyn ObjectStore>,
+    prefix: &Path,
+    plan: &RankPlan,
+    checksums: Option<&BlockChecksums>,
+    meta: Option<&CheckpointMeta>,
+    options: &ReadOptions,
+    buffers: &mut [B],
+    progress: Option<&(dyn Fn(u64) + Sync)>,
+    mut on_complete: impl FnMut(usize, &mut [B]) -> Result<(), LoaderError>,
+) -> Result<ReadStats, LoaderError> {
+    let placers = plan
+        .pieces
+        .iter()
+        .map(|p| match p.read {
+            Some(_) => crate::place::WirePlacer::new(plan, p).map(Some),
+            None => Ok(None),
+        })
+        .collect::<Result<Vec<_>, LoaderError>>()?;
+    read_runs(
+        store,
+        prefix,
+        plan,
+        checksums,
+        meta,
+        options,
+        |piece, event| match (event, &placers[piece]) {
+            (Delivery::Bytes(wire_offset, bytes), Some(placer)) => {
+                placer.place(wire_offset, bytes, buffers)
+            }
+            (Delivery::Complete, Some(_)) => on_complete(piece, buffers),
+            _ => Ok(()),
+        },
+        progress,
+    )
+    .await
+}
+
 /// What the read core hands on for a piece.
 enum Delivery<'a> {
     /// Wire bytes from this offset on.

@@ -190,3 +190,77 @@ async fn columns_of_a_row_sharded_checkpoint_are_fetched_once_in_storage_order()
         );
     }
 }
+
+/// A corrupt byte in a saved chunk that one rank reads in storage order for everyone: that rank
+/// fails verification before it sends the slab (the exchange overlaps the reads, but a share is
+/// sent only once all of its pieces are verified), so no rank reports success with the bad byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_slab_fails_every_rank_that_needs_it_and_none_succeeds() {
+    let (dir, checkpoint) = saved_by_rows().await;
+    let data = walk(dir.path())
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "bin"))
+        .max_by_key(|p| std::fs::metadata(p).unwrap().len())
+        .unwrap();
+    let mut bytes = std::fs::read(&data).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0xFF;
+    std::fs::write(&data, bytes).unwrap();
+    let plan = checkpoint
+        .plan(
+            &columns(&checkpoint),
+            &PlanOptions {
+                read_order: ReadOrder::Storage,
+                ..PlanOptions::default()
+            },
+        )
+        .unwrap();
+    let options = LoadOptions {
+        read: ReadOptions {
+            verify: true,
+            ..ReadOptions::default()
+        },
+        progress: None,
+    };
+    let mesh = InProcTransport::mesh(
+        WORLD,
+        TransportOptions::with_timeout(Duration::from_secs(10)),
+    );
+    let tasks: Vec<_> = (0..WORLD)
+        .zip(mesh)
+        .map(|(rank, transport)| {
+            let (checkpoint, options) = (checkpoint.clone(), options.clone());
+            let rank_plan = plan.rank_plan(rank).unwrap();
+            tokio::spawn(async move {
+                load_rank(&checkpoint, rank_plan, &transport, &options)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    let mut errors = Vec::new();
+    for task in tasks {
+        errors.push(task.await.unwrap());
+    }
+    assert!(errors.iter().all(Result::is_err), "{errors:?}");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.as_ref().unwrap_err().contains("checksum mismatch")),
+        "{errors:?}"
+    );
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}
