@@ -121,14 +121,28 @@ struct Opened {
 /// Opens `path` for this rank's writes: the options' store, the test layer if any, the retries
 /// on top.
 fn open_store(path: &str, options: &SaveOptions) -> Result<Opened, OpsError> {
-    let mut location = tessera_storage::create_with(path, &options.storage)?;
-    let base = match &options.store_layer {
+    let (location, retrying) =
+        open_for_writing(path, &options.storage, options.store_layer.as_ref())?;
+    Ok(Opened { location, retrying })
+}
+
+/// Opens `path` for writing a checkpoint the way every tessera writer does (`tessera.save`,
+/// `tessera convert`): the store of `storage`, wrapped by `layer` (tests) and then in
+/// [`RetryingStore`] with `storage.retry`, so transient write failures are retried alike
+/// everywhere. Returns the location (whose store is the retrying one) and the retry counter.
+pub fn open_for_writing(
+    path: &str,
+    storage: &StorageOptions,
+    layer: Option<&StoreLayer>,
+) -> Result<(Location, Arc<RetryingStore>), OpsError> {
+    let mut location = tessera_storage::create_with(path, storage)?;
+    let base = match layer {
         Some(layer) => (layer.0)(location.store.clone()),
         None => location.store.clone(),
     };
-    let retrying = Arc::new(RetryingStore::new(base, options.storage.retry.clone()));
+    let retrying = Arc::new(RetryingStore::new(base, storage.retry.clone()));
     location.store = retrying.clone();
-    Ok(Opened { location, retrying })
+    Ok((location, retrying))
 }
 
 /// What the claim's holder records as its command.
