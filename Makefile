@@ -88,7 +88,9 @@ helm-test:
 # The Python package (python/): built into a virtual environment with maturin and tested with
 # pytest, NumPy and real PyTorch (TORCH_VERSION, CPU; its CUDA runtime wheels make it ~5 GB, a few
 # minutes the first time) against the torch-written fixtures. Only tests that need a CUDA device
-# skip, and they are counted as skipped.
+# skip, and they are counted as skipped. The module is built with the test-only `fault-injection`
+# feature (TESSERA_TEST_FAULTS: the save's storage-fault tests); python-bench and release wheels
+# are built without it.
 TORCH_VERSION ?= 2.15.0
 PYENV ?= target/pyenv
 PYENV_ABS = $(abspath $(PYENV))
@@ -101,7 +103,7 @@ python-env:
 python-test: python-env
 	$(CARGO) build --locked -p tessera-storage --features testing --example s3_test_server
 	$(CARGO) build --locked --bin tessera
-	cd python && VIRTUAL_ENV=$(PYENV_ABS) $(PYENV_ABS)/bin/maturin develop --locked
+	cd python && VIRTUAL_ENV=$(PYENV_ABS) $(PYENV_ABS)/bin/maturin develop --locked --features fault-injection
 	$(SKIP_SUMMARY) "Python tests" $(SKIPS) -- timeout 900 $(PYENV)/bin/pytest -q -rs python/tests
 
 # Python-side overhead: `tessera.load` into NumPy arrays vs the CLI, same checkpoint, same run.
@@ -119,5 +121,5 @@ python-gpu-test:
 	$(PYENV_GPU)/bin/pip install -q --disable-pip-version-check 'maturin>=1.9,<2' 'numpy>=1.24' 'pytest>=8' 'ml_dtypes>=0.4'
 	$(CARGO) build --locked -p tessera-storage --features testing --example s3_test_server
 	$(CARGO) build --locked --bin tessera
-	cd python && VIRTUAL_ENV=$(abspath $(PYENV_GPU)) $(abspath $(PYENV_GPU))/bin/maturin develop --release --locked --features cuda
+	cd python && VIRTUAL_ENV=$(abspath $(PYENV_GPU)) $(abspath $(PYENV_GPU))/bin/maturin develop --release --locked --features cuda,fault-injection
 	$(PYENV_GPU)/bin/pytest -q -rs python/tests

@@ -299,6 +299,12 @@ async fn the_writer_refuses_bad_boxes_naming_tensor_and_file() {
             )
         );
     }
+    // An abandoned file frees its name, so a failed file can be written again from the start;
+    // a finished one keeps it.
+    drop(data);
+    let again = writer.data_file("rank0").unwrap();
+    again.finish().await.unwrap();
+    assert!(writer.data_file("rank0").is_err());
 
     let mut twice = tensors.clone();
     twice.push(TensorMeta::new("dup", DType::F32, vec![1]));

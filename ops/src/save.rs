@@ -15,16 +15,27 @@
 //! instead of mixing its data files into the first job's (the manifest alone is created
 //! exclusively, and it is written last). Rank 0 removes the claim after the commit or the failure,
 //! before it tells the ranks the outcome, so a job that retries at once finds it gone.
+//!
+//! Every rank writes through one store per save, opened here and wrapped in
+//! [`RetryingStore`]: a write request that fails transiently is tried again with the storage
+//! options' [`RetryPolicy`](tessera_storage::RetryPolicy), and a data file large enough to go up
+//! in parts (whose parts object_store cannot retry one by one) is written again from the start,
+//! since the rank holds its bytes. A failure that outlasts the attempts fails the save like any
+//! other. [`SaveOptions::store_layer`] wraps that store below the retries: how tests inject
+//! faults.
 
 use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::Arc;
 
 use bytes::Bytes;
+use object_store::ObjectStore;
 use serde::{Deserialize, Serialize};
 use tessera_loader::transport::Transport;
 use tessera_metadata::formats::native::{Manifest, NativeWriter, WriteOptions, WrittenFile};
 use tessera_metadata::{DType, TensorBox, TensorMeta};
 use tessera_planner::{Request, RequestSet, Target, assign_writers};
-use tessera_storage::StorageOptions;
+use tessera_storage::{GaveUp, Location, RetryingStore, StorageOptions};
 
 use crate::claim::{Claim, ClaimOptions};
 use crate::coord::{TAG_SAVE_CLAIM, TAG_SAVE_DONE, TAG_SAVE_FILES};
@@ -54,6 +65,39 @@ pub struct Holdings {
     pub objects: Vec<String>,
 }
 
+/// A wrapper put around the store a save writes through, below its retries (so what it fails is
+/// retried as a real store's failure would be). Tests inject faults with it.
+#[derive(Clone)]
+pub struct StoreLayer(Arc<WrapStore>);
+
+/// The function a [`StoreLayer`] holds.
+type WrapStore = dyn Fn(Arc<dyn ObjectStore>) -> Arc<dyn ObjectStore> + Send + Sync;
+
+impl StoreLayer {
+    /// A layer that wraps the opened store with `wrap`.
+    pub fn new(
+        wrap: impl Fn(Arc<dyn ObjectStore>) -> Arc<dyn ObjectStore> + Send + Sync + 'static,
+    ) -> Self {
+        Self(Arc::new(wrap))
+    }
+}
+
+impl fmt::Debug for StoreLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("StoreLayer(..)")
+    }
+}
+
+/// What [`save_rank`] returns on every rank once the checkpoint is committed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Saved {
+    /// The committed manifest (the same on every rank).
+    pub manifest: Manifest,
+    /// This rank's retries of failed writes: write requests tried again, plus data files written
+    /// again from the start.
+    pub write_retries: u64,
+}
+
 /// Options of [`save_rank`].
 #[derive(Clone, Debug, Default)]
 pub struct SaveOptions {
@@ -64,6 +108,41 @@ pub struct SaveOptions {
     /// Remove a stale write claim on the output first (its writer is known to be dead) and save
     /// anyway. Never while the other writer may still run: the two would mix their files.
     pub break_claim: bool,
+    /// Wraps the store this rank writes through (tests: fault injection). `None` in production.
+    pub store_layer: Option<StoreLayer>,
+}
+
+/// The store one rank of a save writes through, and its retry counter.
+struct Opened {
+    location: Location,
+    retrying: Arc<RetryingStore>,
+}
+
+/// Opens `path` for this rank's writes: the options' store, the test layer if any, the retries
+/// on top.
+fn open_store(path: &str, options: &SaveOptions) -> Result<Opened, OpsError> {
+    let (location, retrying) =
+        open_for_writing(path, &options.storage, options.store_layer.as_ref())?;
+    Ok(Opened { location, retrying })
+}
+
+/// Opens `path` for writing a checkpoint the way every tessera writer does (`tessera.save`,
+/// `tessera convert`): the store of `storage`, wrapped by `layer` (tests) and then in
+/// [`RetryingStore`] with `storage.retry`, so transient write failures are retried alike
+/// everywhere. Returns the location (whose store is the retrying one) and the retry counter.
+pub fn open_for_writing(
+    path: &str,
+    storage: &StorageOptions,
+    layer: Option<&StoreLayer>,
+) -> Result<(Location, Arc<RetryingStore>), OpsError> {
+    let mut location = tessera_storage::create_with(path, storage)?;
+    let base = match layer {
+        Some(layer) => (layer.0)(location.store.clone()),
+        None => location.store.clone(),
+    };
+    let retrying = Arc::new(RetryingStore::new(base, storage.retry.clone()));
+    location.store = retrying.clone();
+    Ok((location, retrying))
 }
 
 /// What the claim's holder records as its command.
@@ -193,8 +272,8 @@ type FileReport = Result<Option<WrittenFile>, String>;
 ///
 /// `all` is every rank's holdings (indexed by rank, the same on every rank), `data[i]` the bytes
 /// of `all[rank].boxes[i]` (row-major over the box), `objects` this rank's objects. Returns the
-/// committed manifest on every rank, or the error: this rank's own, or rank 0's verdict
-/// ([`OpsError::RanksFailed`] naming the ranks that failed).
+/// committed manifest on every rank (with this rank's write retries), or the error: this rank's
+/// own, or rank 0's verdict ([`OpsError::RanksFailed`] naming the ranks that failed).
 pub async fn save_rank<T: Transport>(
     path: &str,
     options: &SaveOptions,
@@ -202,13 +281,28 @@ pub async fn save_rank<T: Transport>(
     data: &[&[u8]],
     objects: &[(String, Vec<u8>)],
     transport: &T,
-) -> Result<Manifest, OpsError> {
+) -> Result<Saved, OpsError> {
     let (rank, world) = (transport.rank(), transport.world());
+    let opened = open_store(path, options);
     if rank != 0 {
         wait_for_claim(path, transport).await?;
-        let written = write_share(path, options, all, data, objects, rank as usize).await;
+        let written = match &opened {
+            Ok(opened) => {
+                write_share(
+                    path,
+                    options,
+                    &opened.location,
+                    all,
+                    data,
+                    objects,
+                    rank as usize,
+                )
+                .await
+            }
+            Err(e) => Err(OpsError::invalid(e.to_string())),
+        };
         let report: FileReport = match &written {
-            Ok((_, file)) => Ok(file.clone()),
+            Ok((_, file, _)) => Ok(file.clone()),
             Err(e) => Err(e.to_string()),
         };
         transport
@@ -220,12 +314,25 @@ pub async fn save_rank<T: Transport>(
                 what: "rank 0's commit outcome".to_string(),
                 source,
             })?;
-        written?;
-        return outcome.map_err(OpsError::invalid);
+        let (_, _, file_retries) = written?;
+        let manifest = outcome.map_err(OpsError::invalid)?;
+        return Ok(Saved {
+            manifest,
+            write_retries: write_retries(&opened, file_retries),
+        });
     }
 
-    let claim = claim_for_all(path, options, transport).await?;
-    let outcome = write_and_commit(path, options, all, data, objects, transport).await;
+    let (claim, opened) = claim_for_all(path, options, opened, transport).await?;
+    let outcome = write_and_commit(
+        path,
+        options,
+        &opened.location,
+        all,
+        data,
+        objects,
+        transport,
+    )
+    .await;
     // Released before the ranks hear the outcome: a job that retries the save as soon as it
     // returns must not find its own claim.
     let released = claim
@@ -239,13 +346,24 @@ pub async fn save_rank<T: Transport>(
         }),
         (outcome, _) => outcome,
     };
-    let message: Result<&Manifest, String> = outcome.as_ref().map_err(ToString::to_string);
+    let message: Result<&Manifest, String> = outcome
+        .as_ref()
+        .map(|(manifest, _)| manifest)
+        .map_err(ToString::to_string);
     let message = Bytes::from(encode(&message)?);
     for peer in 1..world {
         // A rank that already gave up cannot be told; the others still are.
         let _ = transport.send(peer, TAG_SAVE_DONE, message.clone()).await;
     }
-    outcome
+    let (manifest, file_retries) = outcome?;
+    Ok(Saved {
+        manifest,
+        write_retries: opened.retrying.retries() + file_retries,
+    })
+}
+
+fn write_retries(opened: &Result<Opened, OpsError>, file_retries: u64) -> u64 {
+    opened.as_ref().map_or(0, |o| o.retrying.retries()) + file_retries
 }
 
 /// The context of every rank's error when rank 0 could not claim `path`.
@@ -258,21 +376,21 @@ fn claim_context(path: &str) -> String {
 async fn claim_for_all<T: Transport>(
     path: &str,
     options: &SaveOptions,
+    opened: Result<Opened, OpsError>,
     transport: &T,
-) -> Result<Claim, OpsError> {
-    let taken = match tessera_storage::create_with(path, &options.storage) {
-        Ok(location) => {
-            Claim::take(
-                &location,
-                SAVE_COMMAND,
-                &ClaimOptions {
-                    break_existing: options.break_claim,
-                    how_to_break: Some(HOW_TO_BREAK.to_string()),
-                },
-            )
-            .await
-        }
-        Err(e) => Err(e.into()),
+) -> Result<(Claim, Opened), OpsError> {
+    let taken = match opened {
+        Ok(opened) => Claim::take(
+            &opened.location,
+            SAVE_COMMAND,
+            &ClaimOptions {
+                break_existing: options.break_claim,
+                how_to_break: Some(HOW_TO_BREAK.to_string()),
+            },
+        )
+        .await
+        .map(|claim| (claim, opened)),
+        Err(e) => Err(e),
     };
     let report = match &taken {
         Ok(_) => ClaimReport::Held,
@@ -295,7 +413,7 @@ async fn claim_for_all<T: Transport>(
     let message = match encode(&report) {
         Ok(message) => Bytes::from(message),
         Err(e) => {
-            if let Ok(claim) = taken {
+            if let Ok((claim, _)) = taken {
                 let _ = claim.release().await;
             }
             return Err(e);
@@ -357,12 +475,13 @@ async fn wait_for_claim<T: Transport>(path: &str, transport: &T) -> Result<(), O
 async fn write_and_commit<T: Transport>(
     path: &str,
     options: &SaveOptions,
+    location: &Location,
     all: &[Holdings],
     data: &[&[u8]],
     objects: &[(String, Vec<u8>)],
     transport: &T,
-) -> Result<Manifest, OpsError> {
-    let written = write_share(path, options, all, data, objects, 0).await;
+) -> Result<(Manifest, u64), OpsError> {
+    let written = write_share(path, options, location, all, data, objects, 0).await;
     let mut files = Vec::new();
     let mut failures = Vec::new();
     for peer in 1..transport.world() {
@@ -381,26 +500,28 @@ async fn write_and_commit<T: Transport>(
             inner: Box::new(e),
         }),
         Ok(_) if !failures.is_empty() => Err(OpsError::RanksFailed { failures }),
-        Ok((writer, file)) => {
+        Ok((writer, file, file_retries)) => {
             files.extend(file);
-            writer
+            let manifest = writer
                 .commit(files)
                 .await
-                .with_context(|| format!("committing checkpoint {path}"))
+                .with_context(|| format!("committing checkpoint {path}"))?;
+            Ok((manifest, file_retries))
         }
     }
 }
 
-/// Starts the checkpoint and writes what this rank owns; the writer (for rank 0's commit) and
-/// this rank's file, if it owns anything.
+/// Starts the checkpoint and writes what this rank owns; the writer (for rank 0's commit), this
+/// rank's file if it owns anything, and how many times the file was written again.
 async fn write_share(
     path: &str,
     options: &SaveOptions,
+    location: &Location,
     all: &[Holdings],
     data: &[&[u8]],
     objects: &[(String, Vec<u8>)],
     rank: usize,
-) -> Result<(NativeWriter, Option<WrittenFile>), OpsError> {
+) -> Result<(NativeWriter, Option<WrittenFile>, u64), OpsError> {
     let mine = all.get(rank).ok_or_else(|| {
         OpsError::invalid(format!(
             "rank {rank}: no holdings among {} ranks",
@@ -416,7 +537,6 @@ async fn write_share(
     }
     let tensors = global_tensors(all)?;
     let owned = boxes_to_write(&tensors, all, rank)?;
-    let location = tessera_storage::create_with(path, &options.storage)?;
     let writer = NativeWriter::create(
         location.store.clone(),
         location.prefix.clone(),
@@ -440,23 +560,66 @@ async fn write_share(
         .filter(|(k, _)| writers.get(k.as_str()) == Some(&rank))
         .collect();
     if owned.is_empty() && owned_objects.is_empty() {
-        return Ok((writer, None));
+        return Ok((writer, None, 0));
     }
-    let mut file = writer.data_file(&format!("rank-{rank}"))?;
-    for i in owned {
-        let b = &mine.boxes[i];
+    let boxes: Vec<(u32, &HeldBox, &[u8])> = owned
+        .iter()
+        .map(|&i| (index[mine.boxes[i].fqn.as_str()], &mine.boxes[i], data[i]))
+        .collect();
+    let name = format!("rank-{rank}");
+    // Single-request failures were already retried by the store; what reaches here transient is
+    // a part or the completion of a multipart upload, which only a new upload can redo.
+    let mut waits = options.storage.retry.waits();
+    let mut again = 0;
+    loop {
+        match write_file(&writer, &name, &boxes, &owned_objects).await {
+            Ok(file) => return Ok((writer, Some(file), again)),
+            Err(e) if !e.is_permanent() && !gave_up(&e) => match waits.next() {
+                Some(wait) => {
+                    tokio::time::sleep(wait).await;
+                    again += 1;
+                }
+                None => return Err(e),
+            },
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Writes this rank's data file `data/<name>.bin` from the start. On failure the file's writer is
+/// dropped, which frees the name for another try.
+async fn write_file(
+    writer: &NativeWriter,
+    name: &str,
+    boxes: &[(u32, &HeldBox, &[u8])],
+    objects: &[&(String, Vec<u8>)],
+) -> Result<WrittenFile, OpsError> {
+    let mut file = writer.data_file(name)?;
+    for &(tensor, b, bytes) in boxes {
         let region = TensorBox::new(b.offsets.clone(), b.lengths.clone());
-        file.write_box(index[b.fqn.as_str()], region, data[i])
+        file.write_box(tensor, region, bytes)
             .await
             .with_context(|| format!("writing tensor {} at offsets {:?}", b.fqn, b.offsets))?;
     }
-    for (key, bytes) in owned_objects {
+    for (key, bytes) in objects {
         file.write_object(key, bytes)
             .await
             .with_context(|| format!("writing object {key}"))?;
     }
-    let file = file.finish().await?;
-    Ok((writer, Some(file)))
+    Ok(file.finish().await?)
+}
+
+/// Whether `error` is a store request that [`RetryingStore`] already retried to the end: trying
+/// the whole file again would multiply its attempts, not add a chance.
+fn gave_up(error: &OpsError) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = source {
+        if e.is::<GaveUp>() {
+            return true;
+        }
+        source = e.source();
+    }
+    false
 }
 
 fn encode<V: Serialize>(value: &V) -> Result<Vec<u8>, OpsError> {

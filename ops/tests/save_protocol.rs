@@ -104,7 +104,7 @@ fn spawn_rank(
         }
         save_rank(&path, &options, &all, &data, &[], &transport)
             .await
-            .map(|m| m.step.unwrap_or(0))
+            .map(|saved| saved.manifest.step.unwrap_or(0))
     })
 }
 

@@ -12,6 +12,18 @@ use tessera_loader::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, TransportOptions};
 use tessera_ops::coord;
 use tessera_ops::save::{HeldBox, Holdings, SaveOptions, save_rank};
+
+#[cfg(feature = "fault-injection")]
+use std::sync::{Arc, Mutex};
+#[cfg(feature = "fault-injection")]
+use tessera_ops::save::StoreLayer;
+#[cfg(feature = "fault-injection")]
+use tessera_storage::testing::{FaultConfig, FaultyStore};
+
+/// Test hook: a fault specification (`write_every_nth:N`, `write_outage`,
+/// `write_outage_after:N`) for the store every save of this process writes through. Read only by
+/// builds with the `fault-injection` feature; other builds refuse to save while it is set.
+pub const TEST_FAULTS_ENV: &str = "TESSERA_TEST_FAULTS";
 use tessera_storage::StorageOptions;
 
 use crate::memory::HostMemory;
@@ -57,12 +69,14 @@ async fn run_save(job: SaveJob) -> Result<String> {
         });
     }
     let data: Vec<&[u8]> = memory.iter().map(AsRef::as_ref).collect();
+    let faults = TestFaults::from_env()?;
     let options = SaveOptions {
         step: job.step,
         storage: job.storage,
         break_claim: job.break_claim,
+        store_layer: faults.layer(),
     };
-    let manifest = match &job.rendezvous {
+    let saved = match &job.rendezvous {
         Some((addr, port)) if job.world > 1 => {
             let transport =
                 connect(job.rank, job.world, &job.path, job.timeout, addr, *port).await?;
@@ -90,7 +104,83 @@ async fn run_save(job: SaveJob) -> Result<String> {
             .await?
         }
     };
-    Ok(serde_json::to_string(&manifest)?)
+    Ok(serde_json::to_string(&serde_json::json!({
+        "manifest": saved.manifest,
+        "write_retries": saved.write_retries,
+        "injected_write_faults": faults.injected(),
+    }))?)
+}
+
+/// The faults `TESSERA_TEST_FAULTS` asks for (`fault-injection` builds), and the stores that
+/// injected them, so the report can say how many were injected.
+#[cfg(feature = "fault-injection")]
+struct TestFaults {
+    config: Option<FaultConfig>,
+    stores: Arc<Mutex<Vec<Arc<FaultyStore>>>>,
+}
+
+#[cfg(feature = "fault-injection")]
+impl TestFaults {
+    fn from_env() -> Result<Self> {
+        let config = match std::env::var(TEST_FAULTS_ENV) {
+            Ok(spec) if !spec.trim().is_empty() => Some(
+                FaultConfig::parse(&spec).map_err(|e| anyhow!("{TEST_FAULTS_ENV}={spec}: {e}"))?,
+            ),
+            _ => None,
+        };
+        Ok(Self {
+            config,
+            stores: Arc::default(),
+        })
+    }
+
+    fn layer(&self) -> Option<StoreLayer> {
+        let config = self.config.clone()?;
+        let stores = self.stores.clone();
+        Some(StoreLayer::new(move |inner| {
+            let faulty = Arc::new(FaultyStore::new(inner, config.clone()));
+            stores
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push(faulty.clone());
+            faulty
+        }))
+    }
+
+    /// Write requests failed on purpose during this save; `None` without faults.
+    fn injected(&self) -> Option<u64> {
+        self.config.as_ref()?;
+        let stores = self
+            .stores
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        Some(stores.iter().map(|s| s.injected_writes()).sum())
+    }
+}
+
+/// Without the `fault-injection` feature: no faults, and a set `TESSERA_TEST_FAULTS` is an error
+/// (a test that asks for faults must not pass against a build that cannot inject them).
+#[cfg(not(feature = "fault-injection"))]
+struct TestFaults;
+
+#[cfg(not(feature = "fault-injection"))]
+impl TestFaults {
+    fn from_env() -> Result<Self> {
+        match std::env::var(TEST_FAULTS_ENV) {
+            Ok(spec) if !spec.trim().is_empty() => bail!(
+                "{TEST_FAULTS_ENV}={spec} is set, but this build of tessera's native module has no fault injection (build it with `maturin develop --features fault-injection`, as `make python-test` does, or unset the variable)"
+            ),
+            _ => Ok(Self),
+        }
+    }
+
+    fn layer(&self) -> Option<tessera_ops::save::StoreLayer> {
+        None
+    }
+
+    fn injected(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Joins the save's rendezvous. The fingerprint is the checkpoint's path: a job saving every step
@@ -112,7 +202,8 @@ async fn connect(
         .with_context(|| format!("rank {rank} joining the save of {path} at {addr}:{port}"))
 }
 
-/// Saves boxes (and byte objects) as a native checkpoint at `path`; returns its manifest as JSON.
+/// Saves boxes (and byte objects) as a native checkpoint at `path`; returns JSON:
+/// `{"manifest": …, "write_retries": n, "injected_write_faults": n or null}`.
 #[pyfunction]
 #[pyo3(signature = (path, boxes, objects, rank, world, rendezvous, step, storage_env, break_claim, timeout_s))]
 #[allow(clippy::too_many_arguments)]

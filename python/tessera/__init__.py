@@ -142,6 +142,12 @@ class SaveReport(_Report):
     persist_seconds: float = 0.0
     #: Bytes of this rank's tensors copied into the staging pool.
     staged_bytes: int = 0
+    #: This rank's writes retried after a transient storage failure (requests tried again, plus
+    #: multipart data files written again from the start).
+    write_retries: int = 0
+    #: Write faults injected into this rank's store by ``TESSERA_TEST_FAULTS`` (test builds with
+    #: the ``fault-injection`` feature); ``None`` when no faults were asked for.
+    injected_write_faults: Optional[int] = None
 
     def __getitem__(self, name: str) -> Any:
         # Manifest fields by name (``report["step"]``), as save returned the manifest before.

@@ -37,7 +37,9 @@ the loop for the difference; the report's ``waited_seconds`` says how long.
 claims the directory, every rank writes its share (a box replicated on several ranks is written
 once, by the holder worst-fit balancing picks), and rank 0 writes metadata, checksums and the
 manifest last once every rank reported success, then moves ``<parent>/latest`` to the step
-directory (``step-<N>`` names). A failure anywhere (a rank dies, storage fails) commits nothing
+directory (``step-<N>`` names). A write that fails transiently is retried (``RetryPolicy``: a
+request up to 5 times, a multipart data file again from the start); the report's
+``write_retries`` counts them. A failure anywhere (a rank dies, storage fails) commits nothing
 and leaves ``latest`` where it was; every surviving rank's handle raises the error, which names
 the rank or file. The process waits for a persist in flight before it exits normally.
 """
@@ -347,17 +349,20 @@ def _run(
     handle._snapshot_done.set()
     persist_started = time.monotonic()
     try:
-        manifest = _tessera.save(
+        saved = _tessera.save(
             native_args["path"], boxes, objects, handle.rank, handle.world_size, native_args["rendezvous"],
             native_args["step"], native_args["storage_env"], native_args["break_claim"], native_args["timeout"],
         )
         import json
 
+        saved = json.loads(saved)
         handle._report = _api.SaveReport(
             checkpoint_id=handle.checkpoint_id,
             rank=handle.rank,
             world_size=handle.world_size,
-            manifest=json.loads(manifest),
+            manifest=saved["manifest"],
+            write_retries=saved["write_retries"],
+            injected_write_faults=saved["injected_write_faults"],
             objects=len(objects),
             total_seconds=time.monotonic() - started,
             waited_seconds=waited,

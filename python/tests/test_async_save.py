@@ -346,3 +346,69 @@ def test_a_job_killed_mid_persist_leaves_nothing_visible_and_gc_removes_it(tmp_p
     w = np.empty(16, np.float32)
     tessera.load({"w": w}, str(root / "step-1"), progress=False)
     assert np.array_equal(w, np.zeros(16, np.float32))
+
+
+# Storage faults injected into the store the save writes through (TESSERA_TEST_FAULTS; the module
+# is built with the `fault-injection` feature by `make python-test`, and a build without it
+# refuses to save while the variable is set, so these tests cannot pass without faults).
+
+FAULTS_ENV = "TESSERA_TEST_FAULTS"
+
+
+@pytest.mark.parametrize(
+    "spec, rows",
+    [
+        # One-request files (data, metadata, checksums, manifest, latest): each failed put is
+        # retried by the store.
+        ("write_every_nth:3", 64),
+        # A 12 MiB data file goes up in parts (start, two parts, completion); a failed part makes
+        # the rank write the whole file again from its snapshot.
+        ("write_every_nth:5", 12 * 2**20 // (4 * 64)),
+    ],
+    ids=["one_request_files", "multipart_file"],
+)
+def test_transient_write_faults_are_retried_and_the_save_commits(tmp_path, monkeypatch, spec, rows):
+    monkeypatch.setenv(FAULTS_ENV, spec)
+    w = torch.arange(rows * 64, dtype=torch.float32).reshape(rows, 64)
+    v = np.arange(1000, dtype=np.int64)
+    report = tessera.async_save({"w": w, "v": v, "step": 7}, str(tmp_path / "run" / "step-7")).result(timeout=120)
+    # Faults really were injected, and each cost one retry (of a request or of the whole file).
+    assert report.injected_write_faults is not None and report.injected_write_faults >= 1, report
+    assert report.write_retries == report.injected_write_faults, report
+    monkeypatch.delenv(FAULTS_ENV)
+    assert (tmp_path / "run" / "latest").read_text() == "step-7"
+    got = {"w": torch.empty(rows, 64), "v": np.empty(1000, np.int64), "step": -1}
+    tessera.load(got, str(tmp_path / "run" / "step-7"), progress=False)
+    assert torch.equal(got["w"], w) and np.array_equal(got["v"], v) and got["step"] == 7
+    verify = subprocess.run([str(TESSERA_BIN), "verify", str(tmp_path / "run" / "step-7")], capture_output=True,
+                            text=True)
+    assert verify.returncode == 0, verify.stderr
+
+
+def test_a_write_outage_commits_nothing_names_the_file_and_keeps_latest(tmp_path, monkeypatch):
+    monkeypatch.delenv(FAULTS_ENV, raising=False)
+    root = tmp_path / "run"
+    clean = tessera.save({"w": np.zeros(16, np.float32)}, str(root / "step-1"))
+    assert clean.injected_write_faults is None and clean.write_retries == 0
+    # The claim (the first write) lands; every write after it fails, past every retry.
+    monkeypatch.setenv(FAULTS_ENV, "write_outage_after:1")
+    with pytest.raises(tessera.TesseraError) as failed:
+        tessera.async_save({"w": np.ones(16, np.float32)}, str(root / "step-2")).result(timeout=60)
+    message = str(failed.value)
+    assert message.startswith(f"rank 0 saving {root}/step-2: "), message
+    assert "step-2/data/rank-0.bin" in message and "gave up after 5 attempts" in message, message
+    assert "injected transient fault" in message, message
+    assert not (root / "step-2" / "manifest.json").exists()
+    assert not (root / "step-2" / ".tessera-claim.json").exists()
+    assert (root / "latest").read_text() == "step-1"
+    monkeypatch.delenv(FAULTS_ENV)
+    w = np.empty(16, np.float32)
+    tessera.load({"w": w}, str(root / "step-1"), progress=False)
+    assert np.array_equal(w, np.zeros(16, np.float32))
+
+
+def test_an_unknown_fault_spec_is_refused_naming_the_accepted_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv(FAULTS_ENV, "every_nth:3")
+    with pytest.raises(tessera.TesseraError, match="use write_every_nth:N, write_outage or write_outage_after:N"):
+        tessera.save({"w": np.zeros(4, np.float32)}, str(tmp_path / "step-1"))
+    assert not (tmp_path / "step-1" / "manifest.json").exists()

@@ -135,7 +135,10 @@ where
     F: FnOnce(Location) -> Fut,
     Fut: std::future::Future<Output = Result<ConvertReport>>,
 {
-    let target = tessera_storage::create_with(out, &super::storage_options(&options.retry))?;
+    // Opened as tessera.save opens its output (tessera_ops::save): the same retries of transient
+    // write failures (claim, one-request files, metadata, manifest, `latest`).
+    let (target, _) =
+        tessera_ops::save::open_for_writing(out, &super::storage_options(&options.retry), None)?;
     let claim = Claim::take(
         &target,
         "tessera convert",

@@ -2,7 +2,8 @@
 //! `az://`, `http(s)://`) opens as a configured `Arc<dyn ObjectStore>` plus the checkpoint's
 //! prefix inside it ([`open`], [`create`]); every front end and the loader open storage here and
 //! nowhere else, so every store gets the same client settings (timeouts, no hidden retries) and
-//! the same [`RetryPolicy`].
+//! the same [`RetryPolicy`]. Writes that must survive transient failures go through
+//! [`RetryingStore`], the policy as a store wrapper.
 //!
 //! Test support (feature `testing`): [`testing::FaultyStore`] and [`testing::RecordingStore`]
 //! wrap any store, [`testing::S3TestServer`] serves an S3-compatible API on 127.0.0.1,
@@ -12,6 +13,7 @@ mod error;
 mod local;
 mod location;
 mod retry;
+mod retrying;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -21,3 +23,4 @@ pub use location::{
     Location, StorageOptions, create, create_with, install_tls_provider, open, open_with,
 };
 pub use retry::{RetryPolicy, is_timeout, is_transient};
+pub use retrying::{GaveUp, RETRYING_STORE, RetryingStore};

@@ -15,7 +15,7 @@
 
 use std::time::Duration;
 
-use backon::ExponentialBuilder;
+use backon::{BackoffBuilder, ExponentialBuilder};
 use object_store::{ClientConfigKey, ClientOptions, RetryConfig};
 
 /// How often and how patiently tessera retries transient failures.
@@ -63,6 +63,12 @@ impl RetryPolicy {
             .with_factor(2.0)
             .with_jitter()
             .with_max_times(self.max_attempts.max(1) as usize - 1)
+    }
+
+    /// The waits before each retry, jittered, as [`Self::backoff`] makes them: for a loop that
+    /// retries by hand (a whole file rather than one request).
+    pub fn waits(&self) -> impl Iterator<Item = Duration> + Send + use<> {
+        self.backoff().build()
     }
 
     /// The waits before each retry without jitter: what the documentation's bound adds up.

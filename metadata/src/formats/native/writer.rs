@@ -143,8 +143,10 @@ impl NativeWriter {
     }
 
     /// Opens the data file `data/<name>.bin`. `name` is ASCII letters, digits, `-`, `_` and `.`
-    /// (not first), and each name is used once per writer. The returned writer owns what it needs,
-    /// so several can be written concurrently from different tasks.
+    /// (not first), and each name is open at most once at a time per writer: a name is free again
+    /// when its [`DataFileWriter`] is dropped or aborted without finishing, so a caller that holds
+    /// the bytes can write a failed file again from the start. The returned writer owns what it
+    /// needs, so several can be written concurrently from different tasks.
     pub fn data_file(&self, name: &str) -> Result<DataFileWriter, MetadataError> {
         let valid = !name.is_empty()
             && name.len() <= 200
@@ -184,6 +186,7 @@ impl NativeWriter {
             chunks: Vec::new(),
             objects: Vec::new(),
             failed: false,
+            finished: false,
         })
     }
 
@@ -446,6 +449,27 @@ pub struct DataFileWriter {
     objects: Vec<ObjectMeta>,
     /// A store error happened mid-file; the file's content is unknown, so it cannot be finished.
     failed: bool,
+    /// `finish` succeeded: the name stays taken (the file is part of the checkpoint).
+    finished: bool,
+}
+
+impl Drop for DataFileWriter {
+    fn drop(&mut self) {
+        // An abandoned file frees its name: writing it again overwrites what this one uploaded
+        // (a new upload to the same path), and only a finished file reaches the commit.
+        if !self.finished {
+            let name = self
+                .relative
+                .strip_prefix(&format!("{DATA_DIR}/"))
+                .and_then(|n| n.strip_suffix(".bin"))
+                .unwrap_or(&self.relative);
+            self.shared
+                .names
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .remove(name);
+        }
+    }
 }
 
 impl DataFileWriter {
@@ -704,18 +728,19 @@ impl DataFileWriter {
         }
         let block_size = self.shared.options.block_size;
         let block_crcs = if data_written {
-            self.blocks.finish()
+            std::mem::replace(&mut self.blocks, BlockCrcs::new(block_size)).finish()
         } else {
             Vec::new()
         };
+        self.finished = true;
         Ok(WrittenFile {
-            path: self.relative,
+            path: self.relative.clone(),
             size: self.len,
             block_size,
             data_written,
             block_crcs,
-            chunks: self.chunks,
-            objects: self.objects,
+            chunks: std::mem::take(&mut self.chunks),
+            objects: std::mem::take(&mut self.objects),
         })
     }
 
