@@ -6,7 +6,8 @@
 //! Lines on standard input ask for the server's own account of what it served to GETs, so a test
 //! can hold a client's report against the wire: `served PREFIX` answers one JSON line
 //! `{"get_requests": N, "get_body_bytes": B}` for URI paths starting with PREFIX (`/bucket/key`;
-//! empty: all), `reset` starts counting from zero and answers `{}`.
+//! empty: all), `reset` starts counting from zero and answers `{}`, and `index` gives objects
+//! copied into ROOT by hand the ETag an upload would have (`S3TestServer::index_objects`).
 
 use std::io::{BufRead, Write};
 
@@ -44,6 +45,10 @@ fn main() {
                     "get_requests": served.get_requests,
                     "get_body_bytes": served.get_body_bytes,
                 })
+            }
+            ("index", _) => {
+                server.index_objects();
+                serde_json::json!({})
             }
             ("reset", _) => {
                 server.reset_served();

@@ -64,6 +64,7 @@ impl S3TestServer {
     /// that cannot go on.
     pub fn start(root: impl AsRef<Path>) -> Self {
         let root = root.as_ref().to_path_buf();
+        index_objects(&root);
         let fs = s3s_fs::FileSystem::new(&root)
             .unwrap_or_else(|e| panic!("S3 test server: cannot serve {}: {e:?}", root.display()));
         let service = {
@@ -132,6 +133,15 @@ impl S3TestServer {
             get_requests: kept.clone().count() as u64,
             get_body_bytes: kept.map(|(_, bytes)| bytes).sum(),
         }
+    }
+
+    /// Gives every object placed in a bucket directory by hand (not uploaded through the server)
+    /// the stored ETag an upload would have. Without one, s3s-fs computes the MD5 of the *whole*
+    /// file on every GET, ranged or not: a 500 MB data file then costs a second of hashing per
+    /// request, which made clients that issue many ranged GETs look far slower than clients that
+    /// issue few. [`S3TestServer::start`] indexes what `root` holds; call this after copying more.
+    pub fn index_objects(&self) {
+        index_objects(&self.root);
     }
 
     /// Starts counting [`Served`] from zero again (after writing a checkpoint, say).
@@ -212,4 +222,102 @@ impl S3TestServer {
 /// The log of GETs, even after a panic elsewhere poisoned it (a list of numbers stays valid).
 fn lock(gets: &Mutex<Vec<(String, u64)>>) -> MutexGuard<'_, Vec<(String, u64)>> {
     gets.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// See [`S3TestServer::index_objects`]: writes s3s-fs's per-object info file
+/// (`.bucket-<b64 bucket>.object-<b64 key>.internal.json` in `root`) with an ETag made from the
+/// file's size and modification time (opaque to clients, as ETags are) for every object that has
+/// none.
+fn index_objects(root: &Path) {
+    let Ok(buckets) = std::fs::read_dir(root) else {
+        return;
+    };
+    for bucket in buckets.flatten() {
+        let path = bucket.path();
+        let name = bucket.file_name().to_string_lossy().to_string();
+        if !path.is_dir() || name.starts_with('.') {
+            continue;
+        }
+        let mut stack = vec![path.clone()];
+        while let Some(dir) = stack.pop() {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let file = entry.path();
+                if file.is_dir() {
+                    stack.push(file);
+                    continue;
+                }
+                let Ok(relative) = file.strip_prefix(&path) else {
+                    continue;
+                };
+                let key = relative
+                    .components()
+                    .map(|c| c.as_os_str().to_string_lossy())
+                    .collect::<Vec<_>>()
+                    .join("/");
+                let info = root.join(format!(
+                    ".bucket-{}.object-{}.internal.json",
+                    base64_url(name.as_bytes()),
+                    base64_url(key.as_bytes())
+                ));
+                if info.exists() {
+                    continue;
+                }
+                let Ok(meta) = entry.metadata() else { continue };
+                let modified = meta
+                    .modified()
+                    .ok()
+                    .and_then(|m| m.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map_or(0, |d| d.as_nanos());
+                let e_tag = format!("{:x}-{modified:x}", meta.len());
+                let _ = std::fs::write(&info, serde_json::json!({ "e_tag": e_tag }).to_string());
+            }
+        }
+    }
+}
+
+/// Base64 with the URL-safe alphabet and no padding, as s3s-fs names its info files.
+fn base64_url(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &b)| n | (u32::from(b) << (16 - 8 * i)));
+        for i in 0..=chunk.len() {
+            out.push(char::from(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize]));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_url_matches_the_alphabet_s3s_fs_names_its_files_with() {
+        assert_eq!(base64_url(b"ckpts"), "Y2twdHM");
+        assert_eq!(base64_url(b"a/b"), "YS9i");
+        assert_eq!(base64_url(b"c/__0_0.distcp"), "Yy9fXzBfMC5kaXN0Y3A");
+        assert_eq!(base64_url(&[0xfb, 0xff]), "-_8");
+        assert_eq!(base64_url(b""), "");
+    }
+
+    #[test]
+    fn objects_copied_in_by_hand_get_an_info_file_once() {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("ckpts").join("c")).unwrap();
+        std::fs::write(root.path().join("ckpts").join("c").join("x.bin"), b"abc").unwrap();
+        index_objects(root.path());
+        let info = root.path().join(".bucket-Y2twdHM.object-Yy94LmJpbg.internal.json");
+        let text = std::fs::read_to_string(&info).unwrap();
+        assert!(text.starts_with("{\"e_tag\":\"3-"), "{text}");
+        std::fs::write(&info, "{\"e_tag\":\"kept\"}").unwrap();
+        index_objects(root.path());
+        assert_eq!(std::fs::read_to_string(&info).unwrap(), "{\"e_tag\":\"kept\"}");
+    }
 }
