@@ -438,21 +438,17 @@ async fn read_and_exchange<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
             .await?;
         let read_seconds = started.elapsed().as_secs_f64();
         // A message whose pieces were all empty (or none read here) never completed a piece.
-        for m in 0..left.len() {
-            if left[m] > 0 {
-                return Err(invalid(
-                    plan,
-                    format!(
-                        "group {} round {}: {} of the pieces to send to rank {} were never read",
-                        messages.outgoing[m].group,
-                        messages.outgoing[m].round,
-                        left[m],
-                        messages.outgoing[m].to
-                    ),
-                ));
-            }
+        if let Some((m, &missing)) = left.iter().enumerate().find(|(_, n)| **n > 0) {
+            let message = &messages.outgoing[m];
+            return Err(invalid(
+                plan,
+                format!(
+                    "group {} round {}: {missing} of the pieces to send to rank {} were never read",
+                    message.group, message.round, message.to
+                ),
+            ));
         }
-        drop(send_ready);
+        // Closing the channel tells the network side that nothing more will be sent.
         drop(ready);
         Ok::<_, LoaderError>((stats, read_seconds))
     };

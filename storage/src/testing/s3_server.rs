@@ -295,6 +295,7 @@ fn base64_url(bytes: &[u8]) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -313,11 +314,16 @@ mod tests {
         std::fs::create_dir_all(root.path().join("ckpts").join("c")).unwrap();
         std::fs::write(root.path().join("ckpts").join("c").join("x.bin"), b"abc").unwrap();
         index_objects(root.path());
-        let info = root.path().join(".bucket-Y2twdHM.object-Yy94LmJpbg.internal.json");
+        let info = root
+            .path()
+            .join(".bucket-Y2twdHM.object-Yy94LmJpbg.internal.json");
         let text = std::fs::read_to_string(&info).unwrap();
         assert!(text.starts_with("{\"e_tag\":\"3-"), "{text}");
         std::fs::write(&info, "{\"e_tag\":\"kept\"}").unwrap();
         index_objects(root.path());
-        assert_eq!(std::fs::read_to_string(&info).unwrap(), "{\"e_tag\":\"kept\"}");
+        assert_eq!(
+            std::fs::read_to_string(&info).unwrap(),
+            "{\"e_tag\":\"kept\"}"
+        );
     }
 }
