@@ -256,8 +256,10 @@ async fn read_loop(mut read: OwnedReadHalf, peer: u32, mailbox: Arc<Mailbox>) {
             );
             return;
         }
-        let mut data = vec![0u8; len as usize];
-        if let Err(e) = read.read_exact(&mut data).await {
+        // Read into uninitialized capacity: zero-filling a buffer the socket then overwrites
+        // cost a pass over every exchanged byte (issue 16).
+        let mut data = Vec::with_capacity(len as usize);
+        if let Err(e) = read_frame_body(&mut read, &mut data, len).await {
             mailbox.peer_gone(
                 peer,
                 format!("the connection to rank {peer} broke in the middle of a {len}-byte message (tag {tag:#x}): {e}"),
@@ -266,6 +268,25 @@ async fn read_loop(mut read: OwnedReadHalf, peer: u32, mailbox: Arc<Mailbox>) {
         }
         mailbox.deliver(peer, tag, Bytes::from(data));
     }
+}
+
+/// Appends exactly `len` bytes from `read` to `data` (which has the capacity), without zeroing
+/// them first; an end of stream before that is `UnexpectedEof`.
+async fn read_frame_body<R: AsyncRead + Unpin>(
+    read: &mut R,
+    data: &mut Vec<u8>,
+    len: u64,
+) -> std::io::Result<()> {
+    while (data.len() as u64) < len {
+        let left = len - data.len() as u64;
+        if (&mut *read).take(left).read_buf(data).await? == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!("the stream ended {left} bytes short"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn le_u64(bytes: &[u8]) -> u64 {
