@@ -337,3 +337,59 @@ fn metrics_file_has_every_ranks_requested_and_transferred_bytes_as_the_json_repo
             .contains(".tmp-"))
     );
 }
+
+/// `--read-order` reaches every rank process of `--transport tcp` (they plan on their own and must
+/// agree): forced storage order relays parts of the row-sharded chunks a column layout cuts
+/// across, request order relays nothing; both land the formula's bytes (`--check`).
+#[test]
+fn read_order_reaches_every_tcp_rank_and_changes_what_is_relayed() {
+    let dir = tempfile::tempdir().unwrap();
+    let saved = layout_file(dir.path(), "fsdp.json", &["fsdp", "--dp", "2"]);
+    let target = layout_file(
+        dir.path(),
+        "tp2.json",
+        &[
+            "megatron-gpt",
+            "--tp",
+            "2",
+            "--pp",
+            "1",
+            "--dp",
+            "1",
+            "--num-layers",
+            "4",
+        ],
+    );
+    let ckpt = dir.path().join("rows").join("step-000001");
+    ok([
+        "synth",
+        "--model",
+        "gpt-tiny",
+        "--layout",
+        s(&saved),
+        "--out",
+        s(&ckpt),
+    ]);
+    let exchanged = |order: &str| {
+        let (_text, report) = load(
+            dir.path(),
+            &ckpt,
+            &[
+                "--layout",
+                s(&target),
+                "--transport",
+                "tcp",
+                "--read-order",
+                order,
+                "--check",
+            ],
+        );
+        u(&report["totals"], "bytes_exchanged")
+    };
+    let storage = exchanged("storage");
+    let request = exchanged("request");
+    assert!(
+        storage > request,
+        "storage order relayed {storage}, request order {request}"
+    );
+}

@@ -656,6 +656,15 @@ async fn load_all_tcp(
         if !args.dedup {
             cmd.arg("--no-dedup");
         }
+        // Every rank must plan with the same read order, or their plans would not match.
+        cmd.args([
+            "--read-order",
+            match args.read_order {
+                ReadOrder::Auto => "auto",
+                ReadOrder::Request => "request",
+                ReadOrder::Storage => "storage",
+            },
+        ]);
         if args.check {
             cmd.arg("--check");
         }
