@@ -905,11 +905,6 @@ fn a_stopped_rank_is_killed_and_reported_and_load_ends() {
     let stderr = String::from_utf8(output.stderr).unwrap();
     eprintln!("load with rank 2 stopped ended after {took:?}:\n{stderr}");
     assert_eq!(status.code(), Some(support::PEER_FAILED), "{stderr}");
-    // Progress lines the ranks printed while waiting come first, then the report.
-    assert!(
-        stderr.contains("rank 0: waiting for rank 2 to join at 127.0.0.1:"),
-        "{stderr}"
-    );
     let report = &stderr[stderr.find("error: the load failed:\n").expect(&stderr)..];
     let line = |rank: u32| {
         report
@@ -925,7 +920,12 @@ fn a_stopped_rank_is_killed_and_reported_and_load_ends() {
     );
     // Rank 0 names rank 2 (missing from the rendezvous, or late with its pieces); rank 1 has its
     // own error (the master gave up, or rank 2 timed out on it).
+    // Stopped before it checked in (the usual case), the others' progress lines said whom they
+    // waited for; stopped a moment later (a busy machine), rank 0 waited for its pieces instead.
     let zero = line(0);
+    let waited_at_rendezvous = stderr.contains("rank 0: waiting for rank 2 to join at 127.0.0.1:");
+    let waited_for_pieces = zero.contains("nothing from rank 2");
+    assert!(waited_at_rendezvous || waited_for_pieces, "{stderr}");
     assert!(
         zero.contains("missing ranks [2]") || zero.contains("rank 2"),
         "{stderr}"
