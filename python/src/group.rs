@@ -30,7 +30,8 @@ use tessera_planner::{ExplicitRequest, ExplicitRequests, RankPlan};
 
 use crate::checkpoint::OpenedCheckpoint;
 use crate::load::{
-    Server, TargetTuple, Wanted, fqn_of, load_options, rank_plan_for, resolve_target, single_device,
+    Server, TargetTuple, Wanted, fqn_of, load_options, parse_read_order, rank_plan_for,
+    resolve_target, single_device,
 };
 use crate::memory::{HostMemory, first_overlap};
 use crate::{block_on, py_error};
@@ -201,7 +202,8 @@ impl GroupLoad {
     /// Plans the job from every rank's requests (`all_requests[r]`: rank r's
     /// [`GroupLoad::requests_json`]), here or on `server`. Returns `(outgoing, incoming)`: the
     /// peer, size, exchange group and round of every message this rank sends and receives, in exchange order.
-    #[pyo3(signature = (all_requests, dedup, server=None, server_id=None, token=None))]
+    #[pyo3(signature = (all_requests, dedup, server=None, server_id=None, token=None, read_order="auto"))]
+    #[allow(clippy::too_many_arguments)]
     fn plan(
         &self,
         py: Python<'_>,
@@ -210,7 +212,9 @@ impl GroupLoad {
         server: Option<String>,
         server_id: Option<String>,
         token: Option<String>,
+        read_order: &str,
     ) -> PyResult<(MessageSizes, MessageSizes)> {
+        let read_order = parse_read_order(read_order)?;
         let (checkpoint, rank, world, location) = {
             let state = self.state();
             (
@@ -255,6 +259,7 @@ impl GroupLoad {
                 ExplicitRequests { ranks },
                 rank,
                 dedup,
+                read_order,
                 server.as_ref(),
             )
             .await

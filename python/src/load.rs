@@ -20,7 +20,9 @@ use tessera_loader::plan_client::{
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
 use tessera_metadata::{DType, TensorMeta};
-use tessera_planner::{ExplicitRequest, ExplicitRequests, Layout, PlanOptions, RankPlan};
+use tessera_planner::{
+    ExplicitRequest, ExplicitRequests, Layout, PlanOptions, RankPlan, ReadOrder,
+};
 use tessera_storage as storage;
 
 use crate::memory::{HostMemory, first_overlap};
@@ -174,6 +176,7 @@ pub(crate) async fn rank_plan_for(
     requests: ExplicitRequests,
     rank: u32,
     dedup: bool,
+    read_order: ReadOrder,
     server: Option<&Server>,
 ) -> Result<RankPlan> {
     match server {
@@ -201,6 +204,7 @@ pub(crate) async fn rank_plan_for(
                 &set,
                 &PlanOptions {
                     dedup,
+                    read_order,
                     ..PlanOptions::default()
                 },
             )?;
@@ -235,6 +239,18 @@ impl Progress {
     }
 }
 
+/// The planner's read order from its Python name (`auto`, `request`, `storage`).
+pub(crate) fn parse_read_order(name: &str) -> PyResult<ReadOrder> {
+    match name {
+        "auto" => Ok(ReadOrder::Auto),
+        "request" => Ok(ReadOrder::Request),
+        "storage" => Ok(ReadOrder::Storage),
+        other => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "read_order must be \"auto\", \"request\" or \"storage\", not {other:?}"
+        ))),
+    }
+}
+
 /// Load options: verification, and progress reported to a Python callback (`None`: none).
 pub(crate) fn load_options(verify: bool, progress: Option<Py<PyAny>>, total: u64) -> LoadOptions {
     let mut options = LoadOptions {
@@ -266,6 +282,7 @@ struct LoadJob {
     server: Option<Server>,
     verify: bool,
     dedup: bool,
+    read_order: ReadOrder,
     timeout: Duration,
     progress: Option<Py<PyAny>>,
 }
@@ -327,6 +344,7 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
                 ExplicitRequests { ranks },
                 job.rank,
                 job.dedup,
+                job.read_order,
                 job.server.as_ref(),
             )
             .await?;
@@ -338,6 +356,7 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
                 ExplicitRequests { ranks: vec![mine] },
                 0,
                 job.dedup,
+                job.read_order,
                 job.server.as_ref(),
             )
             .await?;
@@ -467,7 +486,7 @@ pub(crate) fn fqn_of(request: &ExplicitRequest) -> &str {
 
 /// Loads into caller-owned memory; returns the rank's report as JSON text.
 #[pyfunction]
-#[pyo3(signature = (checkpoint, targets, rank, world, rendezvous, server, checkpoint_id, token, verify, dedup, timeout_s, progress))]
+#[pyo3(signature = (checkpoint, targets, rank, world, rendezvous, server, checkpoint_id, token, verify, dedup, timeout_s, progress, read_order="auto"))]
 #[allow(clippy::too_many_arguments)]
 pub fn load_into(
     py: Python<'_>,
@@ -483,7 +502,9 @@ pub fn load_into(
     dedup: bool,
     timeout_s: f64,
     progress: Option<Py<PyAny>>,
+    read_order: &str,
 ) -> PyResult<String> {
+    let read_order = parse_read_order(read_order)?;
     let server = match server {
         Some(url) => Some(Server {
             checkpoint_id: match checkpoint_id {
@@ -512,6 +533,7 @@ pub fn load_into(
         server,
         verify,
         dedup,
+        read_order,
         timeout: Duration::from_secs_f64(timeout_s.max(0.001)),
         progress,
     };

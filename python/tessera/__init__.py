@@ -313,6 +313,14 @@ def _missing_message(checkpoint_id: str, missing: List[Tuple[str, str]], names: 
     )
 
 
+_OBJECT_STORE_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "azure://", "abfs://", "abfss://", "http://", "https://")
+
+
+def _default_read_order(checkpoint_id: str) -> str:
+    """``auto`` for object stores, ``request`` for local paths (see ``load``'s ``read_order``)."""
+    return "auto" if checkpoint_id.lower().startswith(_OBJECT_STORE_SCHEMES) else "request"
+
+
 def _progress_callback(progress: Union[bool, Progress, None]) -> Optional[Progress]:
     if progress is True:
         return _progress_printer()
@@ -332,6 +340,7 @@ def load(
     allow_pickle: bool = False,
     verify: bool = True,
     exchange: Optional[bool] = None,
+    read_order: Optional[str] = None,
     storage_options: Optional[Mapping[str, str]] = None,
     server: Optional[str] = None,
     server_id: Optional[str] = None,
@@ -370,6 +379,13 @@ def load(
             process group; ``True`` without torch.distributed uses tessera's own TCP rendezvous
             (``master_addr``/``master_port``, default ``MASTER_ADDR`` and ``TESSERA_PORT`` or
             ``MASTER_PORT + 1``) for jobs that have no process group.
+        read_order: how saved chunks are read when ranks load together: ``"request"`` (each
+            rank reads its pieces where the target cuts them), ``"storage"`` (a chunk cut across
+            its rows is read in slabs and the parts others need are passed on), or ``"auto"``
+            (the planner's cost model per chunk). Default: ``"auto"`` for object stores (where
+            requests and bytes served cost most) and ``"request"`` for local paths (where ranged
+            reads from the page cache cost less than passing bytes over the process group:
+            BENCHMARKS.md).
         storage_options: credentials and endpoints (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT``, ...)
             on top of the environment.
         server, server_id, token: a ``tessera serve`` that plans instead of the ranks, the
@@ -437,11 +453,12 @@ def load(
     ]
 
     callback = _progress_callback(progress)
+    order = read_order if read_order is not None else _default_read_order(str(checkpoint_id))
     if group is not None:
         raw = _group.load_over_group(
             opened, targets, group, verify=bool(verify), server=server, server_id=server_id,
             token=token if token is not None else os.environ.get("TESSERA_TOKEN"),
-            timeout=float(timeout), progress=callback,
+            timeout=float(timeout), progress=callback, read_order=order,
         )
         report.exchange = "process_group"
     else:
@@ -456,7 +473,7 @@ def load(
             _tessera.load_into(
                 opened, targets, rank, world_size, rendezvous, server, server_id,
                 token if token is not None else os.environ.get("TESSERA_TOKEN"),
-                bool(verify), True, float(timeout), callback,
+                bool(verify), True, float(timeout), callback, order,
             )
         )
         report.exchange = "tcp" if rendezvous is not None and world_size > 1 else "none"

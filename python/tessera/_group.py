@@ -86,6 +86,7 @@ def load_over_group(
     token: Optional[str],
     timeout: float,
     progress: Optional[Callable[[int, int], None]],
+    read_order: str = "auto",
 ) -> dict:
     """One rank's load over ``group`` (see the module docs). Returns the rank's report."""
     import torch
@@ -110,7 +111,7 @@ def load_over_group(
     incoming: List[Tuple[int, int, int, int]] = []
     if error is None:
         try:
-            outgoing, incoming = load.plan(gathered, True, server, server_id, token)
+            outgoing, incoming = load.plan(gathered, True, server, server_id, token, read_order)
         except Exception as e:
             error = e
     _agree(dist, group, world, rank, "planning", error)

@@ -43,6 +43,7 @@ def load_into(
     dedup: bool,
     timeout_s: float,
     progress: Optional[Callable[[int, int], None]],
+    read_order: str = "auto",
 ) -> str: ...
 def save(
     path: str,
@@ -70,6 +71,7 @@ class GroupLoad:
         server: Optional[str] = None,
         server_id: Optional[str] = None,
         token: Optional[str] = None,
+        read_order: str = "auto",
     ) -> Tuple[list[Tuple[int, int, int, int]], list[Tuple[int, int, int, int]]]: ...
     def read(self, progress: Optional[Callable[[int, int], None]] = None) -> None: ...
     def gather(self, index: int, address: int, nbytes: int) -> None: ...

@@ -112,8 +112,10 @@ def _reader_rank(rank, world, port, layout, checkpoints, out, how="dcp"):
                 dcp.load(state, storage_reader=reader)
                 report = reader.report
             else:
-                # tessera.load inside the job: one load over the job's own gloo group.
-                report = tessera.load(state, path, progress=False, timeout=60).to_dict()
+                # tessera.load inside the job: one load over the job's own gloo group
+                # (`tessera:<order>` forces the planner's read order).
+                order = how.split(":")[1] if ":" in how else None
+                report = tessera.load(state, path, progress=False, timeout=60, read_order=order).to_dict()
             out[(name, rank)] = {
                 "sha": {fqn: sha(state[fqn].to_local()) for fqn in ref["tensors"]},
                 "objects": {key: repr(state[key]) for key in object_keys},
@@ -353,3 +355,29 @@ def test_checkpoint_ids_it_accepts():
     r = reader("/a")
     r.reset("/b")
     assert r.checkpoint_id == "/b"
+
+
+def test_read_order_reaches_the_process_group_plan():
+    """Forced storage order relays row chunks' columns between the ranks; request order (the
+    default for local paths) lets each rank read its own columns: both land torch's bytes."""
+    import torch.multiprocessing as mp
+
+    name, layout = "b_w4_fsdp_shard0", "w2_shard1"
+    ref = reference(name, layout)
+    world = ref["world_size"]
+    sent = {}
+    for how in ["tessera:storage", "tessera:request", "tessera"]:
+        out = mp.Manager().dict()
+        checkpoints = [(name, str(fixture(name)), name, [])]
+        mp.spawn(_reader_rank, args=(world, free_port(), layout, checkpoints, out, how), nprocs=world, join=True)
+        for rank in range(world):
+            for fqn, t in ref["tensors"].items():
+                assert out[(name, rank)]["sha"][fqn] == t["ranks"][rank]["sha256"], (how, fqn, rank)
+        sent[how] = sum(out[(name, r)]["report"]["bytes_sent"] for r in range(world))
+    assert sent["tessera:storage"] > sent["tessera:request"], sent
+    assert sent["tessera"] == sent["tessera:request"], sent  # local path: request order by default
+
+
+def test_an_unknown_read_order_is_refused():
+    with pytest.raises(ValueError, match=r'read_order must be "auto", "request" or "storage", not "sideways"'):
+        tessera.load({}, str(fixture("c_w4_dp2_tp2")), read_order="sideways", progress=False)
