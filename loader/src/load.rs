@@ -19,7 +19,7 @@ use crate::exchange::{
     place_message,
 };
 use crate::read::{
-    ReadOptions, ReadStats, default_coalesce_gap, exact_multi_range, read_into, read_into_with,
+    ReadOptions, ReadStats, default_coalesce_gap, exact_multi_range, read_into_with,
 };
 use crate::transport::Transport;
 use crate::transport::exchange_tag;
@@ -111,22 +111,8 @@ impl Checkpoint {
         options: &LoadOptions,
         buffers: &mut [B],
     ) -> Result<ReadStats, LoaderError> {
-        self.check_plan(plan)?;
-        let read = self.read_options(options);
-        read_into(
-            Arc::clone(&self.location.store),
-            &self.location.prefix,
-            plan,
-            self.checksums.as_deref(),
-            Some(&self.meta),
-            &read,
-            buffers,
-            options
-                .progress
-                .as_deref()
-                .map(|p| p as &(dyn Fn(u64) + Sync)),
-        )
-        .await
+        self.read_into_with(plan, options, buffers, |_, _| Ok(()))
+            .await
     }
 
     /// [`Checkpoint::read_into`], calling `on_complete(piece, buffers)` as each piece this rank
@@ -155,6 +141,21 @@ impl Checkpoint {
             on_complete,
         )
         .await
+    }
+
+    /// The store path of data file `file` (an index into `meta.files()`), checked like a plan's
+    /// paths: relative, inside the checkpoint.
+    pub fn file_path(&self, file: u32) -> Result<object_store::path::Path, LoaderError> {
+        let Some(data) = self.meta.files().get(file as usize) else {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "file #{file} is not one of the {} files of checkpoint {}",
+                    self.meta.files().len(),
+                    self.location.display
+                ),
+            });
+        };
+        crate::read::resolve(&self.location.prefix, &data.path)
     }
 
     /// The read options with the store kind's defaults filled in: the gap worth spanning and
@@ -307,29 +308,52 @@ pub async fn load_rank_into<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
             .await?
         }
     };
-    Ok(RankReport {
-        rank: plan.rank,
-        bytes_needed: plan.summary.bytes_needed,
-        bytes_read: stats.bytes_needed,
-        bytes_fetched: stats.bytes_fetched,
-        verify_extra_bytes: stats.verify_extra_bytes,
-        read_amplification: ratio(
-            stats.bytes_fetched.saturating_sub(stats.verify_extra_bytes),
-            stats.bytes_needed,
-        ),
-        io_amplification: ratio(stats.bytes_fetched, stats.bytes_needed),
-        boxes_verified: stats.boxes_verified,
-        bytes_transferred: stats.bytes_transferred,
-        requests: stats.requests,
-        retries: stats.retries,
-        bytes_sent: exchanged.bytes_sent,
-        bytes_received: exchanged.bytes_received,
+    let exchange_seconds = started.elapsed().as_secs_f64() - read_seconds;
+    Ok(RankReport::of_host_load(
+        plan,
+        &stats,
         read_seconds,
-        exchange_seconds: started.elapsed().as_secs_f64() - read_seconds,
-        h2d_bytes: 0,
-        h2d_seconds: 0.0,
-        total_seconds: started.elapsed().as_secs_f64(),
-    })
+        (exchanged.bytes_sent, exchanged.bytes_received),
+        exchange_seconds,
+        started.elapsed().as_secs_f64(),
+    ))
+}
+
+impl RankReport {
+    /// The report of a load into host memory: the plan's needs, the read's stats, the bytes
+    /// passed to and from peers, and the seconds of each phase (no host-to-device copy).
+    pub fn of_host_load(
+        plan: &RankPlan,
+        stats: &ReadStats,
+        read_seconds: f64,
+        (bytes_sent, bytes_received): (u64, u64),
+        exchange_seconds: f64,
+        total_seconds: f64,
+    ) -> RankReport {
+        RankReport {
+            rank: plan.rank,
+            bytes_needed: plan.summary.bytes_needed,
+            bytes_read: stats.bytes_needed,
+            bytes_fetched: stats.bytes_fetched,
+            verify_extra_bytes: stats.verify_extra_bytes,
+            read_amplification: ratio(
+                stats.bytes_fetched.saturating_sub(stats.verify_extra_bytes),
+                stats.bytes_needed,
+            ),
+            io_amplification: ratio(stats.bytes_fetched, stats.bytes_needed),
+            boxes_verified: stats.boxes_verified,
+            bytes_transferred: stats.bytes_transferred,
+            requests: stats.requests,
+            retries: stats.retries,
+            bytes_sent,
+            bytes_received,
+            read_seconds,
+            exchange_seconds,
+            h2d_bytes: 0,
+            h2d_seconds: 0.0,
+            total_seconds,
+        }
+    }
 }
 
 /// `num / den` as an amplification: 1.00 when nothing was needed (nothing read is no waste).

@@ -138,35 +138,23 @@ pub async fn read_into<B: AsMut<[u8]>>(
     buffers: &mut [B],
     progress: Option<&(dyn Fn(u64) + Sync)>,
 ) -> Result<ReadStats, LoaderError> {
-    let placers = plan
-        .pieces
-        .iter()
-        .map(|p| match p.read {
-            Some(_) => crate::place::WirePlacer::new(plan, p).map(Some),
-            None => Ok(None),
-        })
-        .collect::<Result<Vec<_>, LoaderError>>()?;
-    read_runs(
+    read_into_with(
         store,
         prefix,
         plan,
         checksums,
         meta,
         options,
-        |piece, event| match (event, &placers[piece]) {
-            (Delivery::Bytes(wire_offset, bytes), Some(placer)) => {
-                placer.place(wire_offset, bytes, buffers)
-            }
-            _ => Ok(()),
-        },
+        buffers,
         progress,
+        |_, _| Ok(()),
     )
     .await
 }
 
 /// [`read_into`], calling `on_complete(piece, buffers)` as soon as each piece (index into
 /// `plan.pieces`) this rank reads is wholly placed: the hook of the overlapped exchange
-/// ([`crate::exchange::read_and_exchange`]), which sends a share the moment its last piece lands.
+/// (`crate::load`'s overlapped exchange), which sends a share the moment its last piece lands.
 /// The hook gets the buffers mutably: it may place bytes that arrived from peers meanwhile, which
 /// the plan puts in regions no piece of this rank's reads touches.
 #[allow(clippy::too_many_arguments)]
@@ -426,7 +414,7 @@ async fn read_runs(
 /// The object path of `relative` (a `/`-separated path from the plan) under `prefix`. Plans
 /// come over the network, so `.`, `..`, empty segments and other odd segments are refused rather
 /// than allowed to point outside the checkpoint.
-fn resolve(prefix: &Path, relative: &str) -> Result<Path, LoaderError> {
+pub(crate) fn resolve(prefix: &Path, relative: &str) -> Result<Path, LoaderError> {
     let bad = |why: String| LoaderError::InvalidPlan {
         detail: format!(
             "file path {relative:?} is not a relative path inside the checkpoint ({why})"

@@ -148,16 +148,8 @@ async fn read_objects(
                 meta.objects().len()
             ));
         };
-        let file = meta.files().get(object.file as usize).ok_or_else(|| {
-            anyhow!(
-                "object {key}: file #{} is not in checkpoint {location}",
-                object.file
-            )
-        })?;
-        let mut path = checkpoint.location.prefix.clone();
-        for part in file.path.split('/') {
-            path = path.join(part);
-        }
+        let path = checkpoint.file_path(object.file)?;
+        let file = &meta.files()[object.file as usize];
         let bytes = checkpoint
             .location
             .store

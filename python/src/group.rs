@@ -22,7 +22,7 @@ use std::time::Instant;
 use anyhow::{Result, anyhow, bail};
 use pyo3::prelude::*;
 use tessera_loader::exchange::{ExchangeMessages, gather_message, place_message};
-use tessera_loader::load::{Checkpoint, RankReport, ratio};
+use tessera_loader::load::{Checkpoint, RankReport};
 use tessera_loader::read::ReadStats;
 use tessera_loader::relay::with_relay_buffers;
 use tessera_metadata::TensorMeta;
@@ -415,29 +415,14 @@ impl GroupLoad {
             }
             let sent = state.messages.outgoing.iter().map(|m| m.bytes).sum();
             let received = state.messages.incoming.iter().map(|m| m.bytes).sum();
-            let report = RankReport {
-                rank: plan.rank,
-                bytes_needed: plan.summary.bytes_needed,
-                bytes_read: stats.bytes_needed,
-                bytes_fetched: stats.bytes_fetched,
-                verify_extra_bytes: stats.verify_extra_bytes,
-                read_amplification: ratio(
-                    stats.bytes_fetched.saturating_sub(stats.verify_extra_bytes),
-                    stats.bytes_needed,
-                ),
-                io_amplification: ratio(stats.bytes_fetched, stats.bytes_needed),
-                boxes_verified: stats.boxes_verified,
-                bytes_transferred: stats.bytes_transferred,
-                requests: stats.requests,
-                retries: stats.retries,
-                bytes_sent: sent,
-                bytes_received: received,
-                read_seconds: *read_seconds,
+            let report = RankReport::of_host_load(
+                plan,
+                stats,
+                *read_seconds,
+                (sent, received),
                 exchange_seconds,
-                h2d_bytes: 0,
-                h2d_seconds: 0.0,
-                total_seconds: state.started.elapsed().as_secs_f64(),
-            };
+                state.started.elapsed().as_secs_f64(),
+            );
             Ok(serde_json::to_string(&report)?)
         })();
         result.map_err(py_error)

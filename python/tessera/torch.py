@@ -319,8 +319,9 @@ class StorageReader(dcp.StorageReader):
 
     def _open(self) -> Any:
         if self._opened is None:
-            env = [(str(k), str(v)) for k, v in self.storage_options.items()]
-            self._opened = _tessera.open_checkpoint(self.path, env)
+            from . import _storage_env
+
+            self._opened = _tessera.open_checkpoint(self.path, _storage_env(self.storage_options))
         return self._opened
 
 

@@ -254,7 +254,7 @@ async fn to_layout_claimed(
         if rank == 0 {
             // Non-tensor objects ride along in rank 0's file.
             for object in checkpoint.meta.objects() {
-                let path = object_path(&checkpoint, object.file)?;
+                let path = checkpoint.file_path(object.file)?;
                 let bytes = checkpoint
                     .location
                     .store
@@ -300,15 +300,6 @@ fn abort_if_fault_injected(files_written: usize) {
         );
         std::process::abort();
     }
-}
-
-fn object_path(checkpoint: &Checkpoint, file: u32) -> Result<object_store::path::Path> {
-    let relative = &checkpoint.meta.files()[file as usize].path;
-    let mut path = checkpoint.location.prefix.clone();
-    for part in relative.split('/') {
-        path = path.join(part);
-    }
-    Ok(path)
 }
 
 /// Suffix of a shard being written: not `.safetensors`, so no reader takes it for a shard.
