@@ -229,6 +229,7 @@ where
         retries: read.retries,
         bytes_sent: exchanged.bytes_sent,
         bytes_received: exchanged.bytes_received,
+        bytes_received_direct: exchanged.bytes_received_direct,
         read_seconds,
         exchange_seconds,
         h2d_bytes: uploaded.bytes,

@@ -34,6 +34,8 @@ pub struct ExchangeStats {
     pub bytes_sent: u64,
     /// Bytes this rank received (equals the plan's `summary.bytes_received`).
     pub bytes_received: u64,
+    /// Of `bytes_received`, the bytes copied straight out of peers' memory on this host.
+    pub bytes_received_direct: u64,
     /// Messages this rank sent plus messages it received.
     pub messages: u64,
     /// Wall time of the exchange, gathering included.
@@ -74,6 +76,9 @@ pub struct Outgoing {
     pub bytes: u64,
 }
 
+/// Exchange groups a job may have: tags keep their top two bits for the direct-copy hand-shake.
+pub const MAX_GROUPS: u32 = 1 << 30;
+
 /// Every message of a rank's ring exchanges, checked against its plan: what it sends (gathered
 /// from its destination buffers once its own pieces are placed) and what it receives. The
 /// transport-independent half of [`run_exchanges`], also driven from outside tessera's transports
@@ -95,6 +100,14 @@ impl ExchangeMessages {
         let (mut plan_sent, mut plan_received) = (0u64, 0u64);
         for exchange in &plan.exchanges {
             let group = exchange.group;
+            if group >= MAX_GROUPS {
+                return Err(invalid(
+                    plan,
+                    format!(
+                        "exchange group {group} is past the {MAX_GROUPS} groups a job's exchange tags can name"
+                    ),
+                ));
+            }
             for round in &exchange.rounds {
                 let tag = exchange_tag(group, round.round);
                 if !round.send.is_empty() {

@@ -9,6 +9,7 @@
 //! implementations are behind the `cuda` feature ([`cuda`] when enabled); host emulations of the
 //! same traits (feature `testing`) run the whole pipeline in CPU tests.
 
+pub mod cross_memory;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
@@ -16,6 +17,7 @@ pub mod device_load;
 mod error;
 pub mod exchange;
 pub mod load;
+mod overlap;
 pub mod place;
 pub mod plan_client;
 pub mod plane;

@@ -5,25 +5,18 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
-use futures::StreamExt;
-
 use serde::{Deserialize, Serialize};
 use tessera_metadata::formats::dcp::IndexStats;
 use tessera_metadata::formats::native::{BlockChecksums, Manifest};
 use tessera_metadata::{CheckpointMeta, Format, OpenOptions, open_any};
 use tessera_planner::{Plan, PlanOptions, RankPlan, RequestSet, plan};
 
-use crate::exchange::{
-    ExchangeMessages, ExchangeStats, check_buffer_sizes, check_rank, gather_message, invalid,
-    place_message,
-};
+use crate::exchange::{check_buffer_sizes, check_rank, invalid};
 use crate::read::{
     ReadOptions, ReadStats, default_coalesce_gap, exact_multi_range, read_into_with,
 };
 use crate::transport::Transport;
-use crate::transport::exchange_tag;
-use crate::{LoaderError, place, relay};
+use crate::{LoaderError, overlap, place, relay};
 use tessera_storage::Location;
 
 /// A checkpoint opened for loading, in any format tessera reads: its store, metadata and (native
@@ -240,6 +233,10 @@ pub struct RankReport {
     pub bytes_sent: u64,
     /// Bytes received from peers.
     pub bytes_received: u64,
+    /// Of `bytes_received`, the bytes this rank copied straight out of a peer's memory on this
+    /// host (one copy, no socket; see [`crate::cross_memory`]).
+    #[serde(default)]
+    pub bytes_received_direct: u64,
     /// Seconds reading and placing.
     pub read_seconds: f64,
     /// Seconds exchanging.
@@ -299,24 +296,29 @@ pub async fn load_rank_into<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
     let started = Instant::now();
     // Pieces this rank reads in storage order only to pass on need somewhere to stay.
     let (stats, read_seconds, exchanged) = match relay::with_relay_buffers(plan) {
-        None => read_and_exchange(checkpoint, plan, transport, options, buffers, started).await?,
+        None => {
+            overlap::read_and_exchange(checkpoint, plan, transport, options, buffers, started)
+                .await?
+        }
         Some(relaying) => {
             let mut slots = relay::slots(&relaying, buffers);
-            read_and_exchange(
+            overlap::read_and_exchange(
                 checkpoint, &relaying, transport, options, &mut slots, started,
             )
             .await?
         }
     };
     let exchange_seconds = started.elapsed().as_secs_f64() - read_seconds;
-    Ok(RankReport::of_host_load(
+    let mut report = RankReport::of_host_load(
         plan,
         &stats,
         read_seconds,
         (exchanged.bytes_sent, exchanged.bytes_received),
         exchange_seconds,
         started.elapsed().as_secs_f64(),
-    ))
+    );
+    report.bytes_received_direct = exchanged.bytes_received_direct;
+    Ok(report)
 }
 
 impl RankReport {
@@ -347,6 +349,7 @@ impl RankReport {
             retries: stats.retries,
             bytes_sent,
             bytes_received,
+            bytes_received_direct: 0,
             read_seconds,
             exchange_seconds,
             h2d_bytes: 0,
@@ -363,222 +366,4 @@ pub fn ratio(num: u64, den: u64) -> f64 {
     } else {
         num as f64 / den as f64
     }
-}
-
-/// Whether reads and the exchange overlap: yes unless `TESSERA_EXCHANGE_OVERLAP=0` (a switch for
-/// side-by-side measurements, and a way back should a transport misbehave under concurrency).
-fn overlap_enabled() -> bool {
-    std::env::var("TESSERA_EXCHANGE_OVERLAP").map_or(true, |v| v.trim() != "0")
-}
-
-/// Reads this rank's pieces and runs its ring exchanges at the same time: a share goes out the
-/// moment its last piece is placed and verified (ByteCheckpoint's "overlap tensor reading with
-/// transferring"), receives run from the start, and what arrives is placed between reads (the plan
-/// puts received pieces where none of this rank's reads land) or, the rest, once reading is done.
-/// The wire protocol is [`crate::exchange::run_exchanges`]'s: one message per group and round.
-///
-/// Memory: a share is gathered once per group (the same bytes go to every round's peer) and held
-/// until sent; what arrives waits at most until the read ends: at most the rank's own
-/// destination bytes. A share is sent only once every one of its pieces passed verification, so
-/// a corrupt read fails this rank before any peer sees the bytes.
-///
-/// Returns the read's stats, the seconds until the read ended, and the exchange's stats.
-async fn read_and_exchange<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
-    checkpoint: &Checkpoint,
-    plan: &RankPlan,
-    transport: &T,
-    options: &LoadOptions,
-    buffers: &mut [B],
-    started: Instant,
-) -> Result<(ReadStats, f64, ExchangeStats), LoaderError> {
-    let messages = ExchangeMessages::of_plan(plan)?;
-    if messages.outgoing.is_empty() && messages.incoming.is_empty() || !overlap_enabled() {
-        // Nothing to exchange, or the exchange after the whole read (TESSERA_EXCHANGE_OVERLAP=0).
-        let stats = checkpoint.read_into(plan, options, buffers).await?;
-        let read_seconds = started.elapsed().as_secs_f64();
-        let exchanged = crate::exchange::run_exchanges(transport, plan, buffers).await?;
-        return Ok((stats, read_seconds, exchanged));
-    }
-    // Outgoing messages by piece: how many of each message's pieces are still being read.
-    let mut left: Vec<usize> = messages.outgoing.iter().map(|m| m.pieces.len()).collect();
-    let mut by_piece: std::collections::HashMap<usize, Vec<usize>> =
-        std::collections::HashMap::new();
-    for (m, message) in messages.outgoing.iter().enumerate() {
-        for &piece in &message.pieces {
-            by_piece.entry(piece).or_default().push(m);
-        }
-    }
-    let (ready, mut to_send) = tokio::sync::mpsc::unbounded_channel::<(usize, Bytes)>();
-    let arrived: std::sync::Mutex<Vec<(usize, Bytes)>> = std::sync::Mutex::new(Vec::new());
-    let mut placed = 0usize;
-    let exchange_started = Instant::now();
-
-    let read = async {
-        // The share of a group is the same for every round's peer: gathered once.
-        let mut gathered: std::collections::HashMap<(u32, Vec<usize>), Bytes> =
-            std::collections::HashMap::new();
-        let mut send_ready = |m: usize, buffers: &[B]| -> Result<(), LoaderError> {
-            let message = &messages.outgoing[m];
-            let key = (message.group, message.pieces.clone());
-            let data = match gathered.get(&key) {
-                Some(data) => data.clone(),
-                None => {
-                    let mut out = vec![0u8; message.bytes as usize];
-                    gather_message(plan, message, buffers, &mut out)?;
-                    let data = Bytes::from(out);
-                    gathered.insert(key, data.clone());
-                    data
-                }
-            };
-            // The network side ends only after this side dropped `ready`: a closed channel
-            // means it failed, and its error is the one reported.
-            let _ = ready.send((m, data));
-            Ok(())
-        };
-        let mut place_arrived = |buffers: &mut [B]| -> Result<(), LoaderError> {
-            let pending = std::mem::take(
-                &mut *arrived
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner),
-            );
-            for (i, data) in pending {
-                place_message(plan, &messages.incoming[i], &data, buffers)?;
-                placed += 1;
-            }
-            Ok(())
-        };
-        let stats = checkpoint
-            .read_into_with(plan, options, buffers, |piece, buffers| {
-                if let Some(waiting) = by_piece.get(&piece) {
-                    for &m in waiting {
-                        left[m] -= 1;
-                        if left[m] == 0 {
-                            send_ready(m, buffers)?;
-                        }
-                    }
-                }
-                place_arrived(buffers)
-            })
-            .await?;
-        let read_seconds = started.elapsed().as_secs_f64();
-        // A message whose pieces were all empty (or none read here) never completed a piece.
-        if let Some((m, &missing)) = left.iter().enumerate().find(|(_, n)| **n > 0) {
-            let message = &messages.outgoing[m];
-            return Err(invalid(
-                plan,
-                format!(
-                    "group {} round {}: {missing} of the pieces to send to rank {} were never read",
-                    message.group, message.round, message.to
-                ),
-            ));
-        }
-        // Closing the channel tells the network side that nothing more will be sent.
-        drop(ready);
-        Ok::<_, LoaderError>((stats, read_seconds))
-    };
-
-    let network = async {
-        let mut sends = futures::stream::FuturesUnordered::new();
-        let mut receives: futures::stream::FuturesUnordered<_> = messages
-            .incoming
-            .iter()
-            .enumerate()
-            .map(|(i, expect)| async move {
-                let data = transport.recv(expect.from, expect.tag).await.map_err(|e| {
-                    e.in_context(
-                        &format!("group {} round {}", expect.group, expect.round),
-                        &format!(
-                            "group {} round {} (tag {:#x})",
-                            expect.group,
-                            expect.round,
-                            exchange_tag(expect.group, expect.round)
-                        ),
-                    )
-                })?;
-                if data.len() as u64 != expect.bytes {
-                    return Err(LoaderError::Transport {
-                        rank: plan.rank,
-                        peer: expect.from,
-                        detail: format!(
-                            "group {} round {}: expected {} bytes but got {}",
-                            expect.group,
-                            expect.round,
-                            expect.bytes,
-                            data.len()
-                        ),
-                    });
-                }
-                Ok::<_, LoaderError>((i, data))
-            })
-            .collect();
-        let (mut sent, mut received) = (0u64, 0u64);
-        let mut channel_open = true;
-        loop {
-            tokio::select! {
-                next = to_send.recv(), if channel_open => match next {
-                    Some((m, data)) => {
-                        let message = &messages.outgoing[m];
-                        sends.push(async move {
-                            let len = data.len() as u64;
-                            transport.send(message.to, message.tag, data).await.map_err(|e| {
-                                e.in_context(
-                                    &format!("group {} round {}", message.group, message.round),
-                                    &format!(
-                                        "group {} round {} (tag {:#x})",
-                                        message.group, message.round, message.tag
-                                    ),
-                                )
-                            })?;
-                            Ok::<u64, LoaderError>(len)
-                        });
-                    }
-                    None => channel_open = false,
-                },
-                Some(done) = sends.next(), if !sends.is_empty() => sent += done?,
-                Some(got) = receives.next(), if !receives.is_empty() => {
-                    let (i, data) = got?;
-                    received += data.len() as u64;
-                    arrived
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .push((i, data));
-                }
-                else => break,
-            }
-        }
-        Ok::<_, LoaderError>((sent, received))
-    };
-
-    let ((stats, read_seconds), (sent, received)) =
-        futures::future::try_join(read, network).await?;
-    // What arrived after the last read.
-    let pending = std::mem::take(
-        &mut *arrived
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner),
-    );
-    for (i, data) in pending {
-        place_message(plan, &messages.incoming[i], &data, buffers)?;
-        placed += 1;
-    }
-    if placed != messages.incoming.len() {
-        return Err(invalid(
-            plan,
-            format!(
-                "{} of the {} messages to receive were placed: the load is incomplete",
-                placed,
-                messages.incoming.len()
-            ),
-        ));
-    }
-    Ok((
-        stats,
-        read_seconds,
-        ExchangeStats {
-            bytes_sent: sent,
-            bytes_received: received,
-            messages: (messages.outgoing.len() + messages.incoming.len()) as u64,
-            elapsed: exchange_started.elapsed(),
-        },
-    ))
 }

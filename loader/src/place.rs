@@ -233,3 +233,51 @@ impl<'a> WirePlacer<'a> {
         Ok(())
     }
 }
+
+/// Where piece `plan.pieces[piece]`'s wire bytes lie once placed: its first placement's
+/// destination and byte spans there, `(offset, length)` in wire order, adjacent runs merged. A
+/// direct copy between ranks of one host reads (sender) or writes (receiver) exactly these.
+pub fn wire_spans(plan: &RankPlan, piece: usize) -> Result<(usize, Vec<(u64, u64)>), LoaderError> {
+    let Some(p) = plan.pieces.get(piece) else {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!("rank {}: piece index {piece} out of range", plan.rank),
+        });
+    };
+    // Checks every placement like a read does: the wire row-major, destinations in bounds.
+    WirePlacer::new(plan, p)?;
+    let Some(first) = p.places.first() else {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!("rank {}: piece {} lands nowhere", plan.rank, p.id),
+        });
+    };
+    let runs = &first.runs;
+    let mut spans: Vec<(u64, u64)> = Vec::new();
+    for (_, dst) in runs.iter() {
+        match spans.last_mut() {
+            Some(last) if last.0 + last.1 == dst => last.1 += runs.run_bytes,
+            _ => spans.push((dst, runs.run_bytes)),
+        }
+    }
+    Ok((first.destination as usize, spans))
+}
+
+/// Copies piece `plan.pieces[piece]` from its first placement, where a direct copy put it, into
+/// its other placements (a piece landing in several destinations).
+pub fn copy_to_other_places<B: AsMut<[u8]> + AsRef<[u8]>>(
+    plan: &RankPlan,
+    piece: usize,
+    buffers: &mut [B],
+) -> Result<(), LoaderError> {
+    let Some(p) = plan.pieces.get(piece) else {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!("rank {}: piece index {piece} out of range", plan.rank),
+        });
+    };
+    if p.places.len() < 2 {
+        return Ok(());
+    }
+    let wire = gather_piece(plan, piece, buffers)?;
+    let placer = WirePlacer::new(plan, p)?;
+    // Placing over the first placement again rewrites the same bytes; only the others change.
+    placer.place(0, &wire, buffers)
+}

@@ -105,6 +105,9 @@ class LoadReport(_Report):
     #: Bytes passed to and received from other ranks.
     bytes_sent: int = 0
     bytes_received: int = 0
+    #: Of ``bytes_received``, bytes copied straight out of a peer process's memory on this host
+    #: (no socket; ``TESSERA_CROSS_MEMORY=0`` turns it off).
+    bytes_received_direct: int = 0
     read_seconds: float = 0.0
     exchange_seconds: float = 0.0
     #: Bytes and seconds of host-to-device copies (CUDA destinations).

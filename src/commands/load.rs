@@ -975,6 +975,9 @@ pub struct LoadTotals {
     pub requests: u64,
     /// Bytes ranks sent each other.
     pub bytes_exchanged: u64,
+    /// Of `bytes_exchanged`, the bytes receivers copied straight out of their sender's memory
+    /// (ranks on one host; no socket).
+    pub bytes_exchanged_direct: u64,
 }
 
 impl LoadTotals {
@@ -999,6 +1002,7 @@ impl LoadTotals {
             ),
             requests: sum(|r| r.requests),
             bytes_exchanged: sum(|r| r.bytes_sent),
+            bytes_exchanged_direct: sum(|r| r.bytes_received_direct),
         }
     }
 }
@@ -1173,10 +1177,21 @@ fn report_text(
         };
         let _ = writeln!(out, "zip headers          {line}");
     }
+    let (exchanged, direct) = (sum(|r| r.bytes_sent), sum(|r| r.bytes_received_direct));
     let _ = writeln!(
         out,
-        "bytes exchanged      {}",
-        human::bytes(sum(|r| r.bytes_sent))
+        "bytes exchanged      {}{}",
+        human::bytes(exchanged),
+        if direct == 0 {
+            String::new()
+        } else if direct == exchanged {
+            ", all copied directly between ranks' memory".to_string()
+        } else {
+            format!(
+                ", {} copied directly between ranks' memory",
+                human::bytes(direct)
+            )
+        }
     );
     let _ = writeln!(
         out,

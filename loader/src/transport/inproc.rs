@@ -88,6 +88,10 @@ impl Transport for InProcTransport {
         };
         mailbox.recv(from, tag, self.options.timeout).await
     }
+
+    fn direct_copies(&self) -> bool {
+        true
+    }
 }
 
 impl Drop for InProcTransport {

@@ -55,6 +55,14 @@ pub trait Transport: Send + Sync {
 
     /// Receives the next message rank `from` sent under `tag`.
     fn recv(&self, from: u32, tag: u64) -> impl Future<Output = Result<Bytes, LoaderError>> + Send;
+
+    /// Whether the exchange may copy shares straight out of a peer's memory when the peer is a
+    /// process on this host ([`crate::cross_memory`]; a hand-shake over this transport checks
+    /// each pair first). Transports whose receives match any send order (TCP, in-process) say
+    /// yes; the sequenced plane, where both ends post in one agreed order, keeps to bytes.
+    fn direct_copies(&self) -> bool {
+        false
+    }
 }
 
 /// A shared transport (several tasks of one rank) is a transport.
@@ -78,6 +86,10 @@ impl<T: Transport> Transport for std::sync::Arc<T> {
 
     fn recv(&self, from: u32, tag: u64) -> impl Future<Output = Result<Bytes, LoaderError>> + Send {
         (**self).recv(from, tag)
+    }
+
+    fn direct_copies(&self) -> bool {
+        (**self).direct_copies()
     }
 }
 

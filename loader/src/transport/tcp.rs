@@ -214,6 +214,10 @@ impl Transport for TcpTransport {
     async fn recv(&self, from: u32, tag: u64) -> Result<Bytes, LoaderError> {
         self.mailbox.recv(from, tag, self.options.timeout).await
     }
+
+    fn direct_copies(&self) -> bool {
+        true
+    }
 }
 
 impl Drop for TcpTransport {
