@@ -16,7 +16,8 @@ use futures::stream::FuturesUnordered;
 use tessera_planner::{RankPlan, Round};
 
 use crate::LoaderError;
-use crate::place::{gather_piece, place_piece};
+use crate::cross_memory::{PeerMemory, ShareDescriptor, push_span};
+use crate::place::{copy_to_other_places, gather_piece, place_piece, wire_spans};
 use crate::transport::{Transport, exchange_tag};
 
 /// Puts the group and round into a transport error, which only knows the tag.
@@ -210,6 +211,100 @@ pub fn place_message<B: AsMut<[u8]>>(
         let len = plan.pieces[index].bytes as usize;
         place_piece(plan, index, &data[at..at + len], buffers)?;
         at += len;
+    }
+    Ok(())
+}
+
+/// Where the wire bytes of `message`'s pieces lie in `buffers` (where this rank placed the pieces
+/// it read), as a descriptor for a peer that copies them out of this rank's memory.
+pub fn describe_share<B: AsRef<[u8]>>(
+    plan: &RankPlan,
+    message: &Outgoing,
+    buffers: &[B],
+) -> Result<ShareDescriptor, LoaderError> {
+    let mut descriptor = ShareDescriptor {
+        pieces: Vec::with_capacity(message.pieces.len()),
+        spans: Vec::new(),
+    };
+    for &index in &message.pieces {
+        let (destination, spans) = wire_spans(plan, index)?;
+        let Some(buffer) = buffers.get(destination) else {
+            return Err(invalid(
+                plan,
+                format!(
+                    "piece {} lands in missing destination {destination}",
+                    plan.pieces[index].id
+                ),
+            ));
+        };
+        let base = buffer.as_ref().as_ptr() as u64;
+        for (offset, len) in spans {
+            push_span(&mut descriptor.spans, base + offset, len);
+        }
+        descriptor
+            .pieces
+            .push((plan.pieces[index].id, plan.pieces[index].bytes));
+    }
+    Ok(descriptor)
+}
+
+/// Checks a share descriptor against what the plan expects from its sender: the same pieces
+/// (ids and bytes) in the same order.
+pub fn check_share_descriptor(
+    plan: &RankPlan,
+    expect: &Incoming,
+    descriptor: &ShareDescriptor,
+) -> Result<(), LoaderError> {
+    let expected: Vec<(u32, u64)> = expect
+        .pieces
+        .iter()
+        .map(|&i| (plan.pieces[i].id, plan.pieces[i].bytes))
+        .collect();
+    if descriptor.pieces != expected {
+        return Err(LoaderError::Transport {
+            rank: plan.rank,
+            peer: expect.from,
+            detail: format!(
+                "group {} round {}: expected pieces {:?} but its share lists {:?} (the ranks run different plans)",
+                expect.group, expect.round, expected, descriptor.pieces
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Copies a share straight out of the sender's memory into `buffers` (where this rank places
+/// the pieces), after checking its descriptor against the plan, then into each piece's other
+/// placements.
+pub fn copy_share<B: AsMut<[u8]> + AsRef<[u8]>>(
+    plan: &RankPlan,
+    expect: &Incoming,
+    source: &PeerMemory,
+    descriptor: &ShareDescriptor,
+    buffers: &mut [B],
+) -> Result<(), LoaderError> {
+    check_share_descriptor(plan, expect, descriptor)?;
+    let mut local = Vec::new();
+    for &index in &expect.pieces {
+        let (destination, spans) = wire_spans(plan, index)?;
+        local.extend(
+            spans
+                .into_iter()
+                .map(|(offset, len)| (destination, offset, len)),
+        );
+    }
+    source
+        .copy_into(&descriptor.spans, buffers, &local)
+        .map_err(|detail| LoaderError::Transport {
+            rank: plan.rank,
+            peer: expect.from,
+            detail: format!(
+                "group {} round {}: copying its share out of its memory: {detail} (TESSERA_CROSS_MEMORY=0 sends shares over the transport instead)",
+                expect.group, expect.round
+            ),
+        })?;
+    for &index in &expect.pieces {
+        copy_to_other_places(plan, index, buffers)?;
     }
     Ok(())
 }

@@ -22,13 +22,13 @@ use tessera_planner::RankPlan;
 
 use crate::cross_memory::{
     ANSWER_TAG, Exposure, HELLO_TAG, PeerMemory, ShareDescriptor, ack_tag, declining_hello,
-    descriptor_tag, enabled, push_span,
+    descriptor_tag, enabled,
 };
 use crate::exchange::{
-    ExchangeMessages, ExchangeStats, Incoming, Outgoing, gather_message, invalid, place_message,
+    ExchangeMessages, ExchangeStats, check_share_descriptor, copy_share, describe_share,
+    gather_message, invalid, place_message,
 };
 use crate::load::{Checkpoint, LoadOptions};
-use crate::place::{copy_to_other_places, wire_spans};
 use crate::read::ReadStats;
 use crate::transport::Transport;
 use crate::{LoaderError, exchange};
@@ -139,95 +139,6 @@ fn in_message(error: LoaderError, group: u32, round: u32, tag: u64) -> LoaderErr
     )
 }
 
-/// Where the wire bytes of `message`'s pieces lie in `buffers`, as a descriptor for the peer.
-fn describe<B: AsRef<[u8]>>(
-    plan: &RankPlan,
-    message: &Outgoing,
-    buffers: &[B],
-) -> Result<ShareDescriptor, LoaderError> {
-    let mut descriptor = ShareDescriptor {
-        pieces: Vec::with_capacity(message.pieces.len()),
-        spans: Vec::new(),
-    };
-    for &index in &message.pieces {
-        let (destination, spans) = wire_spans(plan, index)?;
-        let Some(buffer) = buffers.get(destination) else {
-            return Err(invalid(
-                plan,
-                format!(
-                    "piece {} lands in missing destination {destination}",
-                    plan.pieces[index].id
-                ),
-            ));
-        };
-        let base = buffer.as_ref().as_ptr() as u64;
-        for (offset, len) in spans {
-            push_span(&mut descriptor.spans, base + offset, len);
-        }
-        descriptor
-            .pieces
-            .push((plan.pieces[index].id, plan.pieces[index].bytes));
-    }
-    Ok(descriptor)
-}
-
-/// Checks a descriptor against what the plan expects from its sender.
-fn check_descriptor(
-    plan: &RankPlan,
-    expect: &Incoming,
-    descriptor: &ShareDescriptor,
-) -> Result<(), LoaderError> {
-    let expected: Vec<(u32, u64)> = expect
-        .pieces
-        .iter()
-        .map(|&i| (plan.pieces[i].id, plan.pieces[i].bytes))
-        .collect();
-    if descriptor.pieces != expected {
-        return Err(LoaderError::Transport {
-            rank: plan.rank,
-            peer: expect.from,
-            detail: format!(
-                "group {} round {}: expected pieces {:?} but its share lists {:?} (the ranks run different plans)",
-                expect.group, expect.round, expected, descriptor.pieces
-            ),
-        });
-    }
-    Ok(())
-}
-
-/// Copies a share straight out of the sender's memory into `buffers`.
-fn copy_share<B: AsMut<[u8]> + AsRef<[u8]>>(
-    plan: &RankPlan,
-    expect: &Incoming,
-    source: &PeerMemory,
-    descriptor: &ShareDescriptor,
-    buffers: &mut [B],
-) -> Result<(), LoaderError> {
-    let mut local = Vec::new();
-    for &index in &expect.pieces {
-        let (destination, spans) = wire_spans(plan, index)?;
-        local.extend(
-            spans
-                .into_iter()
-                .map(|(offset, len)| (destination, offset, len)),
-        );
-    }
-    source
-        .copy_into(&descriptor.spans, buffers, &local)
-        .map_err(|detail| LoaderError::Transport {
-            rank: plan.rank,
-            peer: expect.from,
-            detail: format!(
-                "group {} round {}: copying its share out of its memory: {detail} (TESSERA_CROSS_MEMORY=0 sends shares over the transport instead)",
-                expect.group, expect.round
-            ),
-        })?;
-    for &index in &expect.pieces {
-        copy_to_other_places(plan, index, buffers)?;
-    }
-    Ok(())
-}
-
 /// Reads this rank's pieces and runs its ring exchanges at the same time (see the module doc).
 ///
 /// Memory: a share sent as bytes is gathered once per group (the same bytes go to every round's
@@ -293,7 +204,7 @@ pub(crate) async fn read_and_exchange<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>
                 Some(data) => data.clone(),
                 None => {
                     let data = if is_direct {
-                        Bytes::from(describe(plan, message, buffers)?.encode())
+                        Bytes::from(describe_share(plan, message, buffers)?.encode())
                     } else {
                         let mut out = vec![0u8; message.bytes as usize];
                         gather_message(plan, message, buffers, &mut out)?;
@@ -402,7 +313,7 @@ pub(crate) async fn read_and_exchange<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>
                                 detail,
                             }
                         })?;
-                        check_descriptor(plan, expect, &descriptor)?;
+                        check_share_descriptor(plan, expect, &descriptor)?;
                         return Ok::<_, LoaderError>((i, Arrival::Direct(descriptor)));
                     }
                     let data = transport

@@ -21,7 +21,11 @@ use std::time::Instant;
 
 use anyhow::{Result, anyhow, bail};
 use pyo3::prelude::*;
-use tessera_loader::exchange::{ExchangeMessages, gather_message, place_message};
+use pyo3::types::PyBytes;
+use tessera_loader::cross_memory::{Exposure, PeerMemory, ShareDescriptor};
+use tessera_loader::exchange::{
+    ExchangeMessages, copy_share, describe_share, gather_message, place_message,
+};
 use tessera_loader::load::{Checkpoint, RankReport};
 use tessera_loader::read::ReadStats;
 use tessera_loader::relay::with_relay_buffers;
@@ -58,6 +62,13 @@ struct GroupState {
     gathered: Vec<bool>,
     placed: Vec<bool>,
     started: Instant,
+    /// This rank's exchange token while peers may copy out of its arrays (see
+    /// `tessera_loader::cross_memory`); dropped (zeroed) by `close` and `finish`.
+    exposure: Option<Exposure>,
+    /// Peers whose shares this rank copies out of their memory.
+    sources: HashMap<u32, PeerMemory>,
+    /// Bytes copied that way.
+    received_direct: u64,
 }
 
 /// A destination of the load: one of the caller's arrays, or a relayed piece's scratch.
@@ -184,6 +195,9 @@ fn prepare(
         gathered: Vec::new(),
         placed: Vec::new(),
         started: Instant::now(),
+        exposure: None,
+        sources: HashMap::new(),
+        received_direct: 0,
     })
 }
 
@@ -382,10 +396,107 @@ impl GroupLoad {
         result.map_err(py_error)
     }
 
+    /// This rank's hello for direct copies: its exchange token (created now, held until
+    /// `close` or `finish`), or that it declines (`TESSERA_CROSS_MEMORY=0`).
+    fn hello<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        let mut state = self.state();
+        if !tessera_loader::cross_memory::enabled() {
+            return PyBytes::new(py, &tessera_loader::cross_memory::declining_hello());
+        }
+        let exposure = state.exposure.get_or_insert_with(Exposure::new);
+        PyBytes::new(py, &exposure.hello())
+    }
+
+    /// Whether this rank copies the shares of `peer`, whose hello is `hello`, straight out of its
+    /// memory (it offers, this rank does too, and its token reads back from here).
+    fn answer(&self, peer: u32, hello: &[u8]) -> PyResult<bool> {
+        let mut state = self.state();
+        let memory = PeerMemory::from_hello(hello)
+            .map_err(|e| py_error(anyhow!("rank {}: rank {peer}'s hello: {e}", state.rank)))?;
+        let memory = memory.filter(|m| tessera_loader::cross_memory::enabled() && m.reachable());
+        let direct = memory.is_some();
+        match memory {
+            Some(m) => state.sources.insert(peer, m),
+            None => state.sources.remove(&peer),
+        };
+        Ok(direct)
+    }
+
+    /// The descriptor of outgoing message `index` for a peer that copies it out of this rank's
+    /// memory (instead of [`GroupLoad::gather`]); the arrays must stay put until it acknowledges.
+    fn describe<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let mut state = self.state();
+        let state = &mut *state;
+        let result = (|| {
+            state.check_read("describing a message")?;
+            if state.exposure.is_none() {
+                bail!("rank {}: describing a message without a hello", state.rank);
+            }
+            let plan = state.plan("describing a message")?;
+            let message = state
+                .messages
+                .outgoing
+                .get(index)
+                .ok_or_else(|| anyhow!("rank {}: no outgoing message {index}", state.rank))?;
+            let descriptor = describe_share(plan, message, &state.buffers)?;
+            state.gathered[index] = true;
+            Ok(descriptor.encode())
+        })();
+        result.map(|d| PyBytes::new(py, &d)).map_err(py_error)
+    }
+
+    /// Copies incoming message `index` straight out of its sender's memory, as its descriptor
+    /// (`nbytes` bytes at `address`) says, into the arrays.
+    fn copy(&self, index: usize, address: usize, nbytes: usize) -> PyResult<()> {
+        let mut state = self.state();
+        let state = &mut *state;
+        let result = (|| {
+            let plan = state
+                .plan
+                .as_ref()
+                .ok_or_else(|| anyhow!("rank {}: copying a message before the plan", state.rank))?;
+            let message = state
+                .messages
+                .incoming
+                .get(index)
+                .ok_or_else(|| anyhow!("rank {}: no incoming message {index}", state.rank))?;
+            let source = state.sources.get(&message.from).ok_or_else(|| {
+                anyhow!(
+                    "rank {}: rank {} sent a share descriptor but its memory was not found readable",
+                    state.rank,
+                    message.from
+                )
+            })?;
+            // SAFETY: Python passes the received uint8 buffer, which it keeps alive for the call.
+            #[allow(unsafe_code)]
+            let data = unsafe { HostMemory::new(address, nbytes) }
+                .ok_or_else(|| anyhow!("incoming descriptor {index}: null address"))?;
+            let descriptor = ShareDescriptor::decode(data.as_ref()).map_err(|e| {
+                anyhow!(
+                    "rank {}: rank {}'s share descriptor: {e}",
+                    state.rank,
+                    message.from
+                )
+            })?;
+            copy_share(plan, message, source, &descriptor, &mut state.buffers)?;
+            state.received_direct += message.bytes;
+            state.placed[index] = true;
+            Ok(())
+        })();
+        result.map_err(py_error)
+    }
+
+    /// Ends this rank's offer of its memory: peers copying from it now fail rather than keep
+    /// bytes of arrays that may change. Called when the exchange ends, whatever its outcome.
+    fn close(&self) {
+        self.state().exposure = None;
+    }
+
     /// The rank's report as JSON text, once its pieces are read and every message it expects is
     /// placed; an error naming what is missing otherwise.
     fn finish(&self, exchange_seconds: f64) -> PyResult<String> {
-        let state = self.state();
+        let mut state = self.state();
+        state.exposure = None;
         let result = (|| {
             let plan = state.plan("finishing")?;
             state.check_read("finishing")?;
@@ -415,7 +526,7 @@ impl GroupLoad {
             }
             let sent = state.messages.outgoing.iter().map(|m| m.bytes).sum();
             let received = state.messages.incoming.iter().map(|m| m.bytes).sum();
-            let report = RankReport::of_host_load(
+            let mut report = RankReport::of_host_load(
                 plan,
                 stats,
                 *read_seconds,
@@ -423,6 +534,7 @@ impl GroupLoad {
                 exchange_seconds,
                 state.started.elapsed().as_secs_f64(),
             );
+            report.bytes_received_direct = state.received_direct;
             Ok(serde_json::to_string(&report)?)
         })();
         result.map_err(py_error)

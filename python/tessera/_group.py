@@ -75,6 +75,161 @@ def _message_tags(messages: List[Tuple[int, int, int, int]]) -> List[int]:
     return tags
 
 
+def _direct_pairs(
+    dist: Any, group: Any, world: int, rank: int, load: Any, incoming: list, outgoing: list, device: Any
+) -> Tuple[set, set]:
+    """Which peers this rank copies shares from, and which copy from it: every rank all-gathers
+    its hello (pid and exchange token, or that it declines), says which senders' memory it can
+    read, and all-gathers that too. Ranks on one host then skip the group's sockets entirely
+    (tessera_loader::cross_memory). NCCL-only groups keep to messages."""
+    if device.type != "cpu":
+        return set(), set()
+    hellos: List[Any] = [None] * world
+    dist.all_gather_object(hellos, load.hello(), group=group)
+    senders = sorted({peer for peer, nbytes, _g, _r in incoming if nbytes > 0})
+    readable = [peer for peer in senders if load.answer(peer, hellos[peer])]
+    everyone: List[Any] = [None] * world
+    dist.all_gather_object(everyone, readable, group=group)
+    receivers = {peer for peer, nbytes, _g, _r in outgoing if nbytes > 0}
+    return set(readable), {peer for peer in receivers if rank in everyone[peer]}
+
+
+def _wait_all(pending: list, rank: int, timeout: float, deadline: float) -> None:
+    """Waits for every ``(work, kind, peer, on_done)`` of ``pending``, calling ``on_done()`` as
+    each completes. gloo completes point-to-point work only inside wait(), which blocks without
+    seeing signals: a helper thread waits (so a message is placed as it arrives, while later ones
+    are in flight) and this thread joins it in short steps, so Ctrl-C and the deadline are seen
+    here."""
+    outcome: Dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            for work, kind, peer, on_done in pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{kind} with rank {peer}")
+                try:
+                    work.wait(timedelta(seconds=left))
+                except RuntimeError as e:
+                    raise TesseraError(
+                        f"rank {rank}: the exchange over the process group failed while it "
+                        f"{'received from' if kind == 'recv' else 'sent to'} rank {peer}: {e}"
+                    ) from None
+                if on_done is not None:
+                    on_done()
+        except BaseException as e:  # handed to the joining thread
+            outcome["error"] = e
+
+    waiter = threading.Thread(target=wait, name="tessera-exchange", daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        waiter.join(0.05)
+        if waiter.is_alive() and time.monotonic() > deadline + 5:
+            break
+    if waiter.is_alive() or isinstance(outcome.get("error"), TimeoutError):
+        raise TesseraError(
+            f"rank {rank}: the exchange over the process group timed out after {timeout:g} s "
+            f"(waiting on the messages of ranks {sorted({p for _w, _k, p, _d in pending})})"
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+
+
+def _exchange(
+    dist: Any, group: Any, rank: int, load: Any, device: Any, incoming: list, outgoing: list,
+    in_tags: List[int], out_tags: List[int], copy_from: set, copied_by: set,
+    global_rank: Callable[[int], int], timeout: float, deadline: float,
+) -> None:
+    """The ring's messages over the group. A message between ranks that copy directly goes in
+    three steps (each a tag of its own): the descriptor's size, the descriptor (the receiver
+    copies the share out of the sender's arrays on arrival), and the receiver's acknowledgement,
+    until which the sender keeps its arrays. Every other message is its bytes."""
+    import torch
+
+    def tag(t: int, step: int) -> int:
+        return t * 4 + step
+
+    def isend(buffer: Any, peer: int, t: int) -> Any:
+        return dist.isend(buffer, dst=global_rank(peer), group=group, tag=t)
+
+    def irecv(buffer: Any, peer: int, t: int) -> Any:
+        return dist.irecv(buffer, src=global_rank(peer), group=group, tag=t)
+
+    step1, step2, step3 = [], [], []  # (work, kind, peer, on_done)
+    sizes: Dict[int, Any] = {}
+    descriptors: Dict[int, Any] = {}
+    # Empty messages (pieces of zero-size shards) are not sent: gloo may drop a zero-byte send.
+    for i, (peer, nbytes, _g, _r) in enumerate(incoming):
+        if nbytes == 0:
+            load.place(i, 0, 0)
+        elif peer in copy_from:
+            sizes[i] = torch.zeros(1, dtype=torch.int64)
+            step1.append((irecv(sizes[i], peer, tag(in_tags[i], 1)), "recv", peer, None))
+        else:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+            def place(i: int = i, buffer: Any = buffer) -> None:
+                data = buffer if buffer.device.type == "cpu" else buffer.cpu()
+                load.place(i, data.data_ptr(), data.numel())
+
+            step1.append((irecv(buffer, peer, tag(in_tags[i], 0)), "recv", peer, place))
+    for i, (peer, nbytes, _g, _r) in enumerate(outgoing):
+        if nbytes > 0 and peer in copied_by:
+            descriptors[i] = torch.frombuffer(bytearray(load.describe(i)), dtype=torch.uint8)
+            size = torch.tensor([descriptors[i].numel()], dtype=torch.int64)
+            step1.append((isend(size, peer, tag(out_tags[i], 1)), "send", peer, None))
+            continue
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        load.gather(i, host.data_ptr(), nbytes)
+        if nbytes == 0:
+            continue
+        buffer = host if device.type == "cpu" else host.to(device)
+        step1.append((isend(buffer, peer, tag(out_tags[i], 0)), "send", peer, None))
+    _wait_all(step1, rank, timeout, deadline)
+    if not sizes and not descriptors:
+        return
+
+    for i, descriptor in descriptors.items():
+        peer = outgoing[i][0]
+        step2.append((isend(descriptor, peer, tag(out_tags[i], 2)), "send", peer, None))
+    # A failed copy is acknowledged as failed (its sender then fails at once instead of at the
+    # deadline) and raised once every acknowledgement is out.
+    failed: Dict[int, BaseException] = {}
+    for i, size in sizes.items():
+        peer = incoming[i][0]
+        buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+
+        def copy(i: int = i, buffer: Any = buffer) -> None:
+            try:
+                load.copy(i, buffer.data_ptr(), buffer.numel())
+            except Exception as e:
+                failed[i] = e
+
+        step2.append((irecv(buffer, peer, tag(in_tags[i], 2)), "recv", peer, copy))
+    _wait_all(step2, rank, timeout, deadline)
+
+    acks: Dict[int, Any] = {}
+    for i in sizes:
+        peer = incoming[i][0]
+        ack = torch.full((1,), 0 if i in failed else 1, dtype=torch.uint8)
+        step3.append((isend(ack, peer, tag(in_tags[i], 3)), "send", peer, None))
+    for i in descriptors:
+        peer = outgoing[i][0]
+        acks[i] = torch.zeros(1, dtype=torch.uint8)
+
+        def acknowledged(i: int = i, peer: int = peer) -> None:
+            if int(acks[i].item()) != 1:
+                raise TesseraError(
+                    f"rank {rank}: rank {peer} could not copy its share (message {i}) out of this "
+                    f"rank's memory; it names why"
+                )
+
+        step3.append((irecv(acks[i], peer, tag(out_tags[i], 3)), "recv", peer, acknowledged))
+    _wait_all(step3, rank, timeout, deadline)
+    if failed:
+        raise next(iter(failed.values()))
+
+
 def load_over_group(
     opened: Any,
     targets: list,
@@ -128,57 +283,15 @@ def load_over_group(
     deadline = started + timeout
     global_rank = lambda r: dist.get_global_rank(group, r) if group is not dist.group.WORLD else r  # noqa: E731
     in_tags, out_tags = _message_tags(incoming), _message_tags(outgoing)
-    pending = []  # (work, kind, index, buffer)
-    # Empty messages (pieces of zero-size shards) are not sent: gloo may drop a zero-byte send.
-    for i, (peer, nbytes, _g, _r) in enumerate(incoming):
-        if nbytes == 0:
-            load.place(i, 0, 0)
-            continue
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        pending.append((dist.irecv(buffer, src=global_rank(peer), group=group, tag=in_tags[i]), "recv", i, buffer, peer))
-    for i, (peer, nbytes, _g, _r) in enumerate(outgoing):
-        host = torch.empty(nbytes, dtype=torch.uint8)
-        load.gather(i, host.data_ptr(), nbytes)
-        if nbytes == 0:
-            continue
-        buffer = host if device.type == "cpu" else host.to(device)
-        pending.append((dist.isend(buffer, dst=global_rank(peer), group=group, tag=out_tags[i]), "send", i, buffer, peer))
-    # gloo completes point-to-point work only inside wait(), which blocks without seeing signals:
-    # a helper thread waits (placing each message as it arrives, while later ones are in flight)
-    # and this thread joins it in short steps, so Ctrl-C and the deadline are seen here.
-    outcome: Dict[str, Any] = {}
-
-    def wait_all() -> None:
-        try:
-            for work, kind, i, buffer, peer in pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{kind} with rank {peer}")
-                try:
-                    work.wait(timedelta(seconds=left))
-                except RuntimeError as e:
-                    raise TesseraError(
-                        f"rank {rank}: the exchange over the process group failed while it "
-                        f"{'received from' if kind == 'recv' else 'sent to'} rank {peer}: {e}"
-                    ) from None
-                if kind == "recv":
-                    data = buffer if buffer.device.type == "cpu" else buffer.cpu()
-                    load.place(i, data.data_ptr(), data.numel())
-        except BaseException as e:  # handed to the joining thread
-            outcome["error"] = e
-
-    waiter = threading.Thread(target=wait_all, name="tessera-exchange", daemon=True)
-    waiter.start()
-    while waiter.is_alive():
-        waiter.join(0.05)
-        if waiter.is_alive() and time.monotonic() > deadline + 5:
-            break
-    if waiter.is_alive() or isinstance(outcome.get("error"), TimeoutError):
-        raise TesseraError(
-            f"rank {rank}: the exchange over the process group timed out after {timeout:g} s "
-            f"(waiting on the messages of ranks {sorted({p for *_x, p in pending})})"
+    copy_from, copied_by = _direct_pairs(dist, group, world, rank, load, incoming, outgoing, device)
+    try:
+        _exchange(
+            dist, group, rank, load, device, incoming, outgoing, in_tags, out_tags,
+            copy_from, copied_by, global_rank, timeout, deadline,
         )
-    if "error" in outcome:
-        raise outcome["error"]
+    finally:
+        # Peers still copying out of this rank's arrays fail from here on rather than keep
+        # bytes of arrays the caller may change.
+        load.close()
     return json.loads(load.finish(time.monotonic() - started))
 

@@ -93,3 +93,49 @@ def test_cuda_and_host_tensors_in_one_call_are_refused():
     }
     with pytest.raises(tessera.TesseraError, match=r"model\.final_ln\.weight is in cuda:0 but model\.final_ln\.bias in host memory"):
         tessera.load(state, str(fixture(C)), progress=False)
+
+
+def _replicated_rank(rank, world, port, declining, out):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    if rank in declining:
+        os.environ["TESSERA_CROSS_MEMORY"] = "0"
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = expected_tensors(C)
+    state = {
+        f: distribute_tensor(torch.zeros(t["shape"], dtype=TORCH_DTYPES[t["dtype"]]), mesh, [Replicate()])
+        for f, t in tensors.items()
+    }
+    report = tessera.load(state, str(fixture(C)), progress=False, timeout=60)
+    shas = {f: sha(v.to_local().reshape(-1)) for f, v in state.items()}
+    dist.destroy_process_group()
+    out[rank] = (shas, report.bytes_received, report.bytes_received_direct, report.exchange)
+
+
+@pytest.mark.parametrize("declining", [(), (1,)], ids=["all_offer", "rank1_declines"])
+def test_replicas_over_a_gloo_group_are_copied_out_of_each_others_memory(declining):
+    """Every rank needs every tensor: each piece is read once and the others copy it straight
+    out of its reader's arrays (process_vm_readv) instead of receiving it over gloo. A rank with
+    TESSERA_CROSS_MEMORY=0 exchanges bytes over gloo with everyone; all load the same bytes."""
+    import torch.multiprocessing as mp
+
+    world = 3
+    out = mp.Manager().dict()
+    mp.spawn(_replicated_rank, args=(world, free_port(), declining, out), nprocs=world, join=True)
+    tensors = expected_tensors(C)
+    for rank in range(world):
+        shas, received, direct, exchange = out[rank]
+        assert exchange == "process_group"
+        for f, t in tensors.items():
+            assert shas[f] == t["sha256"], (f, rank)
+        assert received > 0, rank
+        if rank in declining:
+            assert direct == 0, rank
+        elif declining:
+            assert 0 < direct < received, (rank, direct, received)
+        else:
+            assert direct == received, (rank, direct, received)
