@@ -11,7 +11,8 @@ torch's `dcp.save` at world 4 as FSDP-style Shard(0) DTensors, and the same stat
 * ``tp2dp2``: a 2-D (dp 2, tp 2) mesh, Replicate on dp and Shard(1) on tp.
 
 Per layout and repetition, in this order: tessera.load from the DCP checkpoint, dcp.load from it,
-tessera.load from the native checkpoint. Destinations are allocated and written once before the
+tessera.load from the native checkpoint; after the torch job, the CLI (`tessera load --transport
+tcp`, 4 rank processes: the command's wall time, process start and planning included) from each. Destinations are allocated and written once before the
 timed call (both sides load into touched memory, so page faults are nobody's cost). Seconds: the
 slowest rank's call (every rank starts after a barrier). Bytes read from storage:
 
@@ -49,6 +50,20 @@ COLS = int(os.environ.get("COLS", "16384"))
 LAYOUTS = os.environ.get("LAYOUTS", "shard0,shard1,tp2dp2").split(",")
 # "tessera DCP exchange=False" (opt-in): every rank reads all it needs itself, no exchange.
 METHODS = os.environ.get("METHODS", "tessera DCP,dcp.load DCP,tessera native").split(",")
+# The CLI (`tessera load --transport tcp`: 4 rank processes, its own rendezvous), run after the
+# torch job on the same files; CLI="" leaves it out. TESSERA_BIN picks the binary.
+CLI_METHODS = [m for m in os.environ.get("CLI", "tessera CLI DCP,tessera CLI native").split(",") if m]
+TESSERA_BIN = os.environ.get("TESSERA_BIN", "target/release/tessera")
+
+LAYOUT_JSON = {
+    "shard0": {"mesh": [{"name": "dp", "size": 4}], "rules": [{"match": "*", "placements": ["shard(0)"]}]},
+    "shard1": {"mesh": [{"name": "dp", "size": 4}], "rules": [{"match": "*", "placements": ["shard(1)"]}]},
+    # (dp, tp) row-major, as torch's init_device_mesh numbers the ranks.
+    "tp2dp2": {
+        "mesh": [{"name": "dp", "size": 2}, {"name": "tp", "size": 2}],
+        "rules": [{"match": "*", "placements": ["replicate", "shard(1)"]}],
+    },
+}
 
 
 def names():
@@ -218,6 +233,61 @@ def worker(rank: int, port: int, data: str, repeats: int, out) -> None:
         dist.destroy_process_group()
 
 
+def safetensors_digest(path: str) -> str:
+    """sha256 of a `--dump` file's tensors in `names()` order (what `digest` hashes in the job)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        base = 8 + n
+        h = hashlib.sha256()
+        for name in names():
+            start, end = header[name]["data_offsets"]
+            f.seek(base + start)
+            h.update(f.read(end - start))
+    return h.hexdigest()
+
+
+def run_cli(method: str, layout: str, data: str, hash_it: bool) -> list:
+    """One `tessera load --transport tcp` of the 4 ranks; per rank: seconds (the command's wall
+    time, process start and planning included, the same for every rank), its report, and (first
+    repetition) the digest of what it loaded, from `--dump`."""
+    import subprocess
+
+    path = os.path.join(data, "native" if method.endswith("native") else "dcp")
+    layout_path = os.path.join(data, f"{layout}.json")
+    with open(layout_path, "w") as f:
+        json.dump(LAYOUT_JSON[layout], f)
+    report_path = os.path.join(data, "cli-report.json")
+    dump = os.path.join(data, "cli-dump")
+    cmd = [TESSERA_BIN, "load", path, "--layout", layout_path, "--transport", "tcp", "--quiet",
+           "--report-json", report_path]
+    if hash_it:
+        cmd += ["--dump", dump]
+    started = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    seconds = time.perf_counter() - started
+    with open(report_path) as f:
+        ranks = json.load(f)["ranks"]
+    results = []
+    for r in ranks:
+        result = {
+            "seconds": seconds,
+            "rchar": None,  # other processes: not measured
+            "bytes_needed": r["bytes_needed"],
+            "bytes_read": r["bytes_read"],
+            "bytes_fetched": r["bytes_fetched"],
+            "bytes_received": r["bytes_received"],
+            "read_seconds": r["read_seconds"],
+            "exchange_seconds": r["exchange_seconds"],
+        }
+        if hash_it:
+            result["sha"] = safetensors_digest(os.path.join(dump, f"rank-{r['rank']}.safetensors"))
+        results.append(result)
+    if hash_it:
+        shutil.rmtree(dump)
+    return results
+
+
 def warm(data: str) -> None:
     """Reads every checkpoint file once so that every load finds them in the page cache."""
     for root, _dirs, files in os.walk(data):
@@ -247,11 +317,17 @@ def main() -> None:
     warm(args.data)
     mp.spawn(worker, args=(free_port(), args.data, args.repeats, out), nprocs=WORLD, join=True)
     results = dict(out)
+    for layout in LAYOUTS:
+        for rep in range(args.repeats):
+            for method in CLI_METHODS:
+                for r, result in enumerate(run_cli(method, layout, args.data, hash_it=rep == 0)):
+                    results[(layout, method, rep, r)] = result
+                print(f"{layout} rep {rep} {method}: {result['seconds']:.2f} s", flush=True)
 
     rows = []
     for layout in LAYOUTS:
         shas = {}
-        for method in METHODS:
+        for method in METHODS + CLI_METHODS:
             per_rep = [[results[(layout, method, rep, r)] for r in range(WORLD)] for rep in range(args.repeats)]
             shas[method] = [per_rep[0][r]["sha"] for r in range(WORLD)]
             seconds = [max(x["seconds"] for x in ranks) for ranks in per_rep]
@@ -262,7 +338,7 @@ def main() -> None:
                 "seconds": seconds,
                 "median": statistics.median(seconds),
                 "needed": sum(x["bytes_needed"] for x in first),
-                "rchar": sum(x["rchar"] for x in first),
+                "rchar": None if first[0]["rchar"] is None else sum(x["rchar"] for x in first),
             }
             if method == "dcp.load DCP":
                 row["storage"] = sum(x["blob_bytes"] for x in first)
@@ -294,7 +370,7 @@ def main() -> None:
             split = f"{r['read_s']:.2f} / {r['exchange_s']:.2f}" if "read_s" in r else ""
             exchanged = f"{r['received']:,}" if "received" in r else ""
             print(
-                f"| {layout} | {r['method']} | {r['median']:.2f} | {runs} | {split} | {storage} | {r['rchar']:,} | "
+                f"| {layout} | {r['method']} | {r['median']:.2f} | {runs} | {split} | {storage} | {'' if r['rchar'] is None else format(r['rchar'], ',')} | "
                 f"{exchanged} | {base['median'] / r['median']:.2f}x |"
             )
         print(f"| {layout} | (bytes needed by the ranks) | | | | {base['needed']:,} | | | |")

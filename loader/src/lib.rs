@@ -16,6 +16,7 @@ pub mod device;
 pub mod device_load;
 mod error;
 pub mod exchange;
+pub mod host_memory;
 pub mod load;
 mod overlap;
 pub mod place;

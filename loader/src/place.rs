@@ -6,11 +6,12 @@ use tessera_planner::{RankPiece, RankPlan, StridedRuns};
 
 use crate::LoaderError;
 
-/// Host destination buffers of a rank, one per plan destination, zero-filled.
+/// Host destination buffers of a rank, one per plan destination, zero-filled (large ones on huge
+/// pages where the system allows: see [`crate::host_memory`]).
 pub fn allocate(plan: &RankPlan) -> Vec<Vec<u8>> {
     plan.destinations
         .iter()
-        .map(|d| vec![0u8; d.bytes as usize])
+        .map(|d| crate::host_memory::zeroed_buffer(d.bytes as usize))
         .collect()
 }
 
