@@ -156,6 +156,8 @@ pub(crate) async fn read_and_exchange<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>
     buffers: &mut [B],
     started: Instant,
 ) -> Result<(ReadStats, f64, ExchangeStats), LoaderError> {
+    // A plan for another checkpoint is refused before any peer is contacted.
+    checkpoint.check_plan(plan)?;
     let messages = ExchangeMessages::of_plan(plan)?;
     if messages.outgoing.is_empty() && messages.incoming.is_empty() || !overlap_enabled() {
         // Nothing to exchange, or the exchange after the whole read (TESSERA_EXCHANGE_OVERLAP=0).
