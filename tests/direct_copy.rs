@@ -10,12 +10,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use serde_json::Value;
-use support::{BIN, layout_file, ok, s};
+use support::{BIN, layout_file, s};
 
 /// gpt-tiny saved `fsdp --dp 2`, and a layout that replicates it over 3 ranks: with dedup every
 /// piece is read by one rank and copied by the two others.
 fn setup(dir: &Path) -> (PathBuf, PathBuf) {
-    let saved = layout_file(dir, "fsdp2.json", &["fsdp", "--dp", "2"]);
+    let ckpt = support::synth_saved_as(dir, &["fsdp", "--dp", "2"]);
     let target = layout_file(
         dir,
         "dp3.json",
@@ -31,17 +31,30 @@ fn setup(dir: &Path) -> (PathBuf, PathBuf) {
             "4",
         ],
     );
-    let ckpt = dir.join("run").join("step-000001");
-    ok([
-        "synth",
-        "--model",
-        "gpt-tiny",
-        "--layout",
-        s(&saved),
-        "--out",
-        s(&ckpt),
-    ]);
     (ckpt, target)
+}
+
+/// `tessera load <ckpt> --layout <target> --transport tcp --check`, its report to `json`, with
+/// `TESSERA_CROSS_MEMORY` set to `cross_memory` (callers add the ranks' arguments).
+fn load_command(ckpt: &Path, target: &Path, json: &Path, cross_memory: &str) -> Command {
+    let mut command = Command::new(BIN);
+    command
+        .args([
+            "load",
+            s(ckpt),
+            "--layout",
+            s(target),
+            "--transport",
+            "tcp",
+            "--check",
+            "--peer-timeout",
+            "30",
+            "--report-json",
+            s(json),
+        ])
+        .env("TESSERA_CROSS_MEMORY", cross_memory)
+        .stdin(Stdio::null());
+    command
 }
 
 fn u(v: &Value, key: &str) -> u64 {
@@ -55,22 +68,7 @@ fn u(v: &Value, key: &str) -> u64 {
 fn load_all(dir: &Path, cross_memory: &str) -> (String, Value) {
     let (ckpt, target) = setup(dir);
     let json = dir.join("report.json");
-    let out = Command::new(BIN)
-        .args([
-            "load",
-            s(&ckpt),
-            "--layout",
-            s(&target),
-            "--transport",
-            "tcp",
-            "--check",
-            "--peer-timeout",
-            "30",
-            "--report-json",
-            s(&json),
-        ])
-        .env("TESSERA_CROSS_MEMORY", cross_memory)
-        .stdin(Stdio::null())
+    let out = load_command(&ckpt, &target, &json, cross_memory)
         .output()
         .unwrap();
     let stdout = String::from_utf8(out.stdout).unwrap();
@@ -131,14 +129,9 @@ fn a_rank_that_declines_exchanges_bytes_with_the_others_and_all_load() {
     let children: Vec<_> = (0..3)
         .map(|rank| {
             let json = dir.path().join(format!("rank-{rank}.json"));
-            let child = Command::new(BIN)
+            let cross_memory = if rank == 1 { "0" } else { "1" };
+            let child = load_command(&ckpt, &target, &json, cross_memory)
                 .args([
-                    "load",
-                    s(&ckpt),
-                    "--layout",
-                    s(&target),
-                    "--transport",
-                    "tcp",
                     "--rank",
                     &rank.to_string(),
                     "--world",
@@ -147,15 +140,8 @@ fn a_rank_that_declines_exchanges_bytes_with_the_others_and_all_load() {
                     "127.0.0.1",
                     "--master-port",
                     &port,
-                    "--check",
                     "--quiet",
-                    "--peer-timeout",
-                    "30",
-                    "--report-json",
-                    s(&json),
                 ])
-                .env("TESSERA_CROSS_MEMORY", if rank == 1 { "0" } else { "1" })
-                .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()

@@ -67,18 +67,8 @@ mod cuda {
     use crate::support::{layout_file, ok, s};
 
     fn synth_tiny(dir: &Path) -> (PathBuf, PathBuf) {
-        let saved = layout_file(dir, "saved.json", &["fsdp", "--dp", "2"]);
-        let ckpt = dir.join("run").join("step-000001");
-        ok([
-            "synth",
-            "--model",
-            "gpt-tiny",
-            "--layout",
-            s(&saved),
-            "--out",
-            s(&ckpt),
-        ]);
-        (ckpt, saved)
+        let ckpt = crate::support::synth_saved_as(dir, &["fsdp", "--dp", "2"]);
+        (ckpt, dir.join("saved.json"))
     }
 
     /// Why the GPU tests cannot run here, if they cannot.

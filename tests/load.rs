@@ -32,18 +32,7 @@ fn megatron(tp: &str, pp: &str, dp: &str) -> Vec<&'static str> {
 
 /// Synthesizes gpt-tiny saved with `preset` and returns the checkpoint directory.
 fn synth(dir: &Path, preset: &[&str]) -> PathBuf {
-    let layout = layout_file(dir, "saved.json", preset);
-    let ckpt = dir.join("run").join("step-000001");
-    ok([
-        "synth",
-        "--model",
-        "gpt-tiny",
-        "--layout",
-        s(&layout),
-        "--out",
-        s(&ckpt),
-    ]);
-    ckpt
+    support::synth_saved_as(dir, preset)
 }
 
 /// Checks that `dump` holds, for every rank of `layout_path`, exactly the boxes the layout gives

@@ -16,9 +16,8 @@ const BLOCK: u64 = 64 * 1024;
 /// gpt-tiny saved as Megatron tp2 pp2 (4 files, 181 boxes, 3.38 MiB: most boxes far smaller than
 /// a 64 KiB checksum block).
 fn synth(dir: &Path) -> PathBuf {
-    let saved = layout_file(
+    support::synth_saved_as(
         dir,
-        "saved.json",
         &[
             "megatron-gpt",
             "--tp",
@@ -30,18 +29,7 @@ fn synth(dir: &Path) -> PathBuf {
             "--num-layers",
             "4",
         ],
-    );
-    let ckpt = dir.join("run").join("step-000001");
-    ok([
-        "synth",
-        "--model",
-        "gpt-tiny",
-        "--layout",
-        s(&saved),
-        "--out",
-        s(&ckpt),
-    ]);
-    ckpt
+    )
 }
 
 /// Runs `tessera load <ckpt> <extra...> --report-json` and returns (stdout, JSON report).
@@ -344,7 +332,7 @@ fn metrics_file_has_every_ranks_requested_and_transferred_bytes_as_the_json_repo
 #[test]
 fn read_order_reaches_every_tcp_rank_and_changes_what_is_relayed() {
     let dir = tempfile::tempdir().unwrap();
-    let saved = layout_file(dir.path(), "fsdp.json", &["fsdp", "--dp", "2"]);
+    let ckpt = support::synth_saved_as(dir.path(), &["fsdp", "--dp", "2"]);
     let target = layout_file(
         dir.path(),
         "tp2.json",
@@ -360,16 +348,6 @@ fn read_order_reaches_every_tcp_rank_and_changes_what_is_relayed() {
             "4",
         ],
     );
-    let ckpt = dir.path().join("rows").join("step-000001");
-    ok([
-        "synth",
-        "--model",
-        "gpt-tiny",
-        "--layout",
-        s(&saved),
-        "--out",
-        s(&ckpt),
-    ]);
     let exchanged = |order: &str| {
         let (_text, report) = load(
             dir.path(),

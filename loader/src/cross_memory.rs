@@ -88,6 +88,16 @@ impl Exposure {
         Exposure { token, value }
     }
 
+    /// The hello this process sends its peers: this exposure's ([`Exposure::hello`]) when it
+    /// offers direct copies ([`enabled`]), else [`declining_hello`].
+    pub fn offer(&self) -> Vec<u8> {
+        if enabled() {
+            self.hello()
+        } else {
+            declining_hello()
+        }
+    }
+
     /// The hello announcing this exposure to peers (pid, token address, token value).
     pub fn hello(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(4 + 1 + 1 + 4 + 8 + 16);
@@ -153,6 +163,13 @@ impl PeerMemory {
             token_addr,
             token,
         }))
+    }
+
+    /// The peer's memory if this process copies from it: the peer offers (its hello), this
+    /// process does too ([`enabled`]), and the peer's token reads back from here.
+    pub fn accept(hello: &[u8]) -> Result<Option<PeerMemory>, String> {
+        let memory = PeerMemory::from_hello(hello)?;
+        Ok(memory.filter(|m| enabled() && m.reachable()))
     }
 
     /// Whether this process can copy out of the peer's memory: its token reads back as

@@ -21,7 +21,7 @@ use crate::place::{copy_to_other_places, gather_piece, place_piece, wire_spans};
 use crate::transport::{Transport, exchange_tag};
 
 /// Puts the group and round into a transport error, which only knows the tag.
-fn in_round(error: LoaderError, group: u32, round: u32, tag: u64) -> LoaderError {
+pub(crate) fn in_round(error: LoaderError, group: u32, round: u32, tag: u64) -> LoaderError {
     error.in_context(
         &format!("group {group} round {round}"),
         &format!("group {group} round {round} (tag {tag:#x})"),

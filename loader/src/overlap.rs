@@ -21,12 +21,11 @@ use futures::stream::FuturesUnordered;
 use tessera_planner::RankPlan;
 
 use crate::cross_memory::{
-    ANSWER_TAG, Exposure, HELLO_TAG, PeerMemory, ShareDescriptor, ack_tag, declining_hello,
-    descriptor_tag, enabled,
+    ANSWER_TAG, Exposure, HELLO_TAG, PeerMemory, ShareDescriptor, ack_tag, descriptor_tag,
 };
 use crate::exchange::{
-    ExchangeMessages, ExchangeStats, check_share_descriptor, copy_share, describe_share,
-    gather_message, invalid, place_message,
+    ExchangeMessages, ExchangeStats, copy_share, describe_share, gather_message, in_round, invalid,
+    place_message,
 };
 use crate::load::{Checkpoint, LoadOptions};
 use crate::read::ReadStats;
@@ -57,14 +56,9 @@ async fn handshake<T: Transport>(
     messages: &ExchangeMessages,
     exposure: &Exposure,
 ) -> Result<DirectPeers, LoaderError> {
-    let offer = enabled();
     let send_to: BTreeSet<u32> = messages.outgoing.iter().map(|m| m.to).collect();
     let recv_from: BTreeSet<u32> = messages.incoming.iter().map(|m| m.from).collect();
-    let hello = Bytes::from(if offer {
-        exposure.hello()
-    } else {
-        declining_hello()
-    });
+    let hello = Bytes::from(exposure.offer());
     let in_handshake = |e: LoaderError| {
         e.in_context(
             "direct-copy hand-shake",
@@ -77,12 +71,11 @@ async fn handshake<T: Transport>(
     }));
     let answers = futures::future::try_join_all(recv_from.iter().map(|&peer| async move {
         let data = transport.recv(peer, HELLO_TAG).await?;
-        let memory = PeerMemory::from_hello(&data).map_err(|detail| LoaderError::Transport {
+        let memory = PeerMemory::accept(&data).map_err(|detail| LoaderError::Transport {
             rank: plan.rank,
             peer,
             detail,
         })?;
-        let memory = memory.filter(|m| offer && m.reachable());
         let answer: &'static [u8] = if memory.is_some() { &[1] } else { &[0] };
         transport
             .send(peer, ANSWER_TAG, Bytes::from_static(answer))
@@ -129,14 +122,6 @@ enum Arrival {
     Bytes(Bytes),
     /// Where its bytes lie in the sender's memory.
     Direct(ShareDescriptor),
-}
-
-/// Puts the group and round into a transport error.
-fn in_message(error: LoaderError, group: u32, round: u32, tag: u64) -> LoaderError {
-    error.in_context(
-        &format!("group {group} round {round}"),
-        &format!("group {group} round {round} (tag {tag:#x})"),
-    )
 }
 
 /// Reads this rank's pieces and runs its ring exchanges at the same time (see the module doc).
@@ -302,7 +287,7 @@ pub(crate) async fn read_and_exchange<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>
             .map(|(i, expect)| {
                 let is_direct = direct.sources.contains_key(&expect.from);
                 async move {
-                    let context = |e| in_message(e, expect.group, expect.round, expect.tag);
+                    let context = |e| in_round(e, expect.group, expect.round, expect.tag);
                     if is_direct {
                         let data = transport
                             .recv(expect.from, descriptor_tag(expect.tag))
@@ -315,7 +300,6 @@ pub(crate) async fn read_and_exchange<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>
                                 detail,
                             }
                         })?;
-                        check_share_descriptor(plan, expect, &descriptor)?;
                         return Ok::<_, LoaderError>((i, Arrival::Direct(descriptor)));
                     }
                     let data = transport
@@ -348,7 +332,7 @@ pub(crate) async fn read_and_exchange<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>
                         let message = &messages.outgoing[m];
                         sends.push(async move {
                             let context =
-                                |e| in_message(e, message.group, message.round, message.tag);
+                                |e| in_round(e, message.group, message.round, message.tag);
                             match share {
                                 Share::Bytes(data) => transport
                                     .send(message.to, message.tag, data)
@@ -388,7 +372,7 @@ pub(crate) async fn read_and_exchange<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>
                             transport
                                 .send(expect.from, ack_tag(expect.tag), Bytes::from_static(&[1]))
                                 .await
-                                .map_err(|e| in_message(e, expect.group, expect.round, expect.tag))
+                                .map_err(|e| in_round(e, expect.group, expect.round, expect.tag))
                         });
                     }
                     None => acks_open = false,

@@ -254,10 +254,7 @@ pub fn wire_spans(plan: &RankPlan, piece: usize) -> Result<(usize, Vec<(u64, u64
     let runs = &first.runs;
     let mut spans: Vec<(u64, u64)> = Vec::new();
     for (_, dst) in runs.iter() {
-        match spans.last_mut() {
-            Some(last) if last.0 + last.1 == dst => last.1 += runs.run_bytes,
-            _ => spans.push((dst, runs.run_bytes)),
-        }
+        crate::cross_memory::push_span(&mut spans, dst, runs.run_bytes);
     }
     Ok((first.destination as usize, spans))
 }

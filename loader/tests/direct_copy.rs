@@ -60,34 +60,11 @@ fn load_options() -> LoadOptions {
     }
 }
 
-/// Loads every rank over one in-process mesh, checks every destination against the formula, and
+/// Loads every rank over one in-process mesh (destinations checked against the formula) and
 /// returns the reports.
 async fn load_all(checkpoint: &Checkpoint, plans: Vec<RankPlan>) -> Vec<RankReport> {
-    let world = plans.len() as u32;
-    let mesh = InProcTransport::mesh(
-        world,
-        TransportOptions::with_timeout(Duration::from_secs(10)),
-    );
-    let tasks: Vec<_> = plans
-        .into_iter()
-        .zip(mesh)
-        .map(|(plan, transport)| {
-            let checkpoint = checkpoint.clone();
-            tokio::spawn(
-                async move { load_rank(&checkpoint, plan, &transport, &load_options()).await },
-            )
-        })
-        .collect();
     let mut reports = Vec::new();
-    for task in tasks {
-        let loaded = task.await.unwrap().unwrap();
-        for d in 0..loaded.plan.destinations.len() {
-            assert!(
-                loaded.buffers[d] == expected_destination(&loaded.plan, d),
-                "rank {} destination {d} holds the wrong bytes",
-                loaded.plan.rank
-            );
-        }
+    for loaded in load_every_rank(checkpoint, plans, &load_options()).await {
         assert_eq!(
             loaded.report.bytes_received,
             loaded.plan.summary.bytes_received

@@ -12,7 +12,7 @@ mod support_read;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support_read::{expected_destination, local_store, prefix};
+use support_read::{load_every_rank, local_store, prefix};
 use tessera_loader::load::{Checkpoint, LoadOptions, RankReport, load_rank};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::{InProcTransport, TransportOptions};
@@ -114,31 +114,8 @@ async fn load_all(checkpoint: &Checkpoint, order: ReadOrder) -> (PlanSummary, Ve
         },
         progress: None,
     };
-    let mesh = InProcTransport::mesh(
-        WORLD,
-        TransportOptions::with_timeout(Duration::from_secs(10)),
-    );
-    let tasks: Vec<_> = plans
-        .into_iter()
-        .zip(mesh)
-        .map(|(rank_plan, transport)| {
-            let (checkpoint, options) = (checkpoint.clone(), options.clone());
-            tokio::spawn(
-                async move { load_rank(&checkpoint, rank_plan, &transport, &options).await },
-            )
-        })
-        .collect();
     let mut reports = Vec::new();
-    for task in tasks {
-        let loaded = task.await.unwrap().unwrap();
-        for d in 0..loaded.plan.destinations.len() {
-            assert!(
-                loaded.buffers[d] == expected_destination(&loaded.plan, d),
-                "{order:?}: rank {} destination {d} ({}) holds the wrong bytes",
-                loaded.plan.rank,
-                loaded.plan.tensors[loaded.plan.destinations[d].tensor as usize].fqn
-            );
-        }
+    for loaded in load_every_rank(checkpoint, plans, &options).await {
         assert_eq!(loaded.report.bytes_read, loaded.plan.summary.bytes_read);
         assert_eq!(loaded.report.bytes_sent, loaded.plan.summary.bytes_sent);
         reports.push(loaded.report);

@@ -400,20 +400,16 @@ impl GroupLoad {
     /// `close` or `finish`), or that it declines (`TESSERA_CROSS_MEMORY=0`).
     fn hello<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         let mut state = self.state();
-        if !tessera_loader::cross_memory::enabled() {
-            return PyBytes::new(py, &tessera_loader::cross_memory::declining_hello());
-        }
         let exposure = state.exposure.get_or_insert_with(Exposure::new);
-        PyBytes::new(py, &exposure.hello())
+        PyBytes::new(py, &exposure.offer())
     }
 
     /// Whether this rank copies the shares of `peer`, whose hello is `hello`, straight out of its
     /// memory (it offers, this rank does too, and its token reads back from here).
     fn answer(&self, peer: u32, hello: &[u8]) -> PyResult<bool> {
         let mut state = self.state();
-        let memory = PeerMemory::from_hello(hello)
+        let memory = PeerMemory::accept(hello)
             .map_err(|e| py_error(anyhow!("rank {}: rank {peer}'s hello: {e}", state.rank)))?;
-        let memory = memory.filter(|m| tessera_loader::cross_memory::enabled() && m.reachable());
         let direct = memory.is_some();
         match memory {
             Some(m) => state.sources.insert(peer, m),

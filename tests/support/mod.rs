@@ -215,17 +215,28 @@ pub fn layout_file(dir: &Path, name: &str, preset: &[&str]) -> PathBuf {
 /// `<dir>/run/step-000005` and returns the checkpoint directory.
 pub fn synth_tiny(dir: &Path) -> PathBuf {
     let layout = layout_file(dir, "save-layout.json", MEGATRON_TP2_PP2_DP2);
-    let ckpt = dir.join("run").join("step-000005");
+    synth_gpt_tiny(&layout, &dir.join("run").join("step-000005"))
+}
+
+/// Synthesizes gpt-tiny (without optimizer states) saved with the layout `tessera layout
+/// <preset>` prints, at `<dir>/run/step-000001`, and returns the checkpoint directory.
+pub fn synth_saved_as(dir: &Path, preset: &[&str]) -> PathBuf {
+    let layout = layout_file(dir, "saved.json", preset);
+    synth_gpt_tiny(&layout, &dir.join("run").join("step-000001"))
+}
+
+/// `tessera synth --model gpt-tiny --layout <layout> --out <ckpt>`; returns `ckpt`.
+fn synth_gpt_tiny(layout: &Path, ckpt: &Path) -> PathBuf {
     ok([
         "synth",
         "--model",
         "gpt-tiny",
         "--layout",
-        s(&layout),
+        s(layout),
         "--out",
-        s(&ckpt),
+        s(ckpt),
     ]);
-    ckpt
+    ckpt.to_path_buf()
 }
 
 /// Opens a checkpoint directory with the metadata crate (independently of the binary).

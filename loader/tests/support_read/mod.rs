@@ -12,8 +12,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use tessera_loader::LoaderError;
+use tessera_loader::load::{Checkpoint, LoadOptions, LoadedRank, load_rank};
 use tessera_loader::place::{allocate, place_piece};
 use tessera_loader::read::{ReadOptions, ReadStats, read_pieces};
+use tessera_loader::transport::{InProcTransport, TransportOptions};
 use tessera_metadata::formats::native::{
     BlockChecksums, FileBlocks, NativeWriter, WriteOptions, open_checkpoint, read_block_checksums,
 };
@@ -158,6 +160,41 @@ pub const COLUMNS_TP3: &str = r#"{"mesh": [{"name": "tp", "size": 3}],
 pub const DP2_TP2: &str = r#"{"mesh": [{"name": "dp", "size": 2}, {"name": "tp", "size": 2}],
     "rules": [{"match": "*bias", "placements": ["replicate", "replicate"]},
               {"match": "*", "placements": ["replicate", "shard(1)"]}]}"#;
+
+/// Loads every rank's plan concurrently over one in-process mesh and checks every destination
+/// of every rank against the formula; returns the loaded ranks in rank order.
+pub async fn load_every_rank(
+    checkpoint: &Checkpoint,
+    plans: Vec<RankPlan>,
+    options: &LoadOptions,
+) -> Vec<LoadedRank> {
+    let mesh = InProcTransport::mesh(
+        plans.len() as u32,
+        TransportOptions::with_timeout(std::time::Duration::from_secs(10)),
+    );
+    let tasks: Vec<_> = plans
+        .into_iter()
+        .zip(mesh)
+        .map(|(plan, transport)| {
+            let (checkpoint, options) = (checkpoint.clone(), options.clone());
+            tokio::spawn(async move { load_rank(&checkpoint, plan, &transport, &options).await })
+        })
+        .collect();
+    let mut loaded = Vec::new();
+    for task in tasks {
+        let rank = task.await.unwrap().unwrap();
+        for d in 0..rank.plan.destinations.len() {
+            assert!(
+                rank.buffers[d] == expected_destination(&rank.plan, d),
+                "rank {} destination {d} ({}) holds the wrong bytes",
+                rank.plan.rank,
+                rank.plan.tensors[rank.plan.destinations[d].tensor as usize].fqn
+            );
+        }
+        loaded.push(rank);
+    }
+    loaded
+}
 
 /// The formula's bytes of destination `d` of `plan`.
 pub fn expected_destination(plan: &RankPlan, d: usize) -> Vec<u8> {
