@@ -126,6 +126,7 @@ fn run(model: tessera_synth::Model, flat: bool) {
         store: Arc::new(LocalFileSystem::new_with_prefix(dir.path()).unwrap()),
         prefix: Path::from("ckpt"),
         display: "bench".to_string(),
+        local_root: None,
     };
 
     println!(

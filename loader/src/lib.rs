@@ -22,6 +22,7 @@ mod overlap;
 pub mod place;
 pub mod plan_client;
 pub mod plane;
+mod positioned;
 pub mod read;
 pub mod relay;
 pub mod rendezvous;

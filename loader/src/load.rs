@@ -163,6 +163,9 @@ impl Checkpoint {
             read.exact_multi_range
                 .unwrap_or_else(|| exact_multi_range(&self.location.display)),
         );
+        if read.local_root.is_none() && positioned_reads_enabled() {
+            read.local_root.clone_from(&self.location.local_root);
+        }
         read
     }
 
@@ -175,6 +178,12 @@ impl Checkpoint {
         }
         Ok(plan(&self.meta, requests, &options)?)
     }
+}
+
+/// Positioned reads from local files are on unless `TESSERA_POSITIONED_READS=0` (the switch that
+/// compares them with reads through the store, e.g. in benchmarks).
+fn positioned_reads_enabled() -> bool {
+    std::env::var("TESSERA_POSITIONED_READS").map_or(true, |v| v.trim() != "0")
 }
 
 /// Options of [`load_rank`].

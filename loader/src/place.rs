@@ -259,6 +259,22 @@ pub fn wire_spans(plan: &RankPlan, piece: usize) -> Result<(usize, Vec<(u64, u64
     Ok((first.destination as usize, spans))
 }
 
+/// Where `piece`'s wire bytes land when they land as one stretch of one destination: its only
+/// placement, laid out like the wire (row-major, no gaps). `None` for anything else. The place
+/// runs must have been checked ([`WirePlacer::new`]).
+pub fn contiguous_target(piece: &RankPiece) -> Option<(usize, u64)> {
+    let [placement] = piece.places.as_slice() else {
+        return None;
+    };
+    let runs = &placement.runs;
+    let same_layout = runs
+        .counts
+        .iter()
+        .zip(runs.src_strides.iter().zip(&runs.dst_strides))
+        .all(|(&count, (src, dst))| count == 1 || src == dst);
+    same_layout.then_some((placement.destination as usize, runs.dst_offset))
+}
+
 /// Copies piece `plan.pieces[piece]` from its first placement, where a direct copy put it, into
 /// its other placements (a piece landing in several destinations).
 pub fn copy_to_other_places<B: AsMut<[u8]> + AsRef<[u8]>>(

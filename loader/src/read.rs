@@ -33,6 +33,7 @@ use tessera_metadata::{CheckpointMeta, MetadataError};
 use tessera_planner::{RankPiece, RankPlan, StridedRuns};
 
 use crate::LoaderError;
+use crate::positioned::{LocalFiles, PositionedRead};
 use crate::scheduler::{FileRange, RangeScheduler, SourceFile, union_len};
 
 pub use crate::scheduler::{
@@ -106,18 +107,23 @@ pub async fn read_pieces(
         checksums,
         meta,
         options,
-        |piece, event| match event {
-            Delivery::Bytes(wire_offset, bytes) => {
+        None,
+        |event| match event {
+            Delivery::Bytes(piece, wire_offset, bytes) => {
                 let total = plan.pieces[piece].bytes as usize;
                 let wire = wires[piece].get_or_insert_with(|| vec![0u8; total]);
                 let at = wire_offset as usize;
                 wire[at..at + bytes.len()].copy_from_slice(bytes);
                 Ok(())
             }
-            Delivery::Complete => match wires[piece].take() {
+            Delivery::Complete(piece) => match wires[piece].take() {
                 Some(wire) => on_piece(piece, &wire),
                 None => on_piece(piece, &[]),
             },
+            // Only reads with destinations are given targets for positioned reads.
+            Delivery::Positioned { .. } => Err(LoaderError::InvalidPlan {
+                detail: "a positioned read without destination buffers".to_string(),
+            }),
         },
         progress,
     )
@@ -177,6 +183,18 @@ pub async fn read_into_with<B: AsMut<[u8]>>(
             None => Ok(None),
         })
         .collect::<Result<Vec<_>, LoaderError>>()?;
+    // Where each read piece's wire bytes land as one stretch of one destination: those may be
+    // read from local files straight into it.
+    let targets: Vec<Option<(usize, u64)>> = plan
+        .pieces
+        .iter()
+        .zip(&placers)
+        .map(|(p, placer)| {
+            placer
+                .as_ref()
+                .and_then(|_| crate::place::contiguous_target(p))
+        })
+        .collect();
     read_runs(
         store,
         prefix,
@@ -184,28 +202,74 @@ pub async fn read_into_with<B: AsMut<[u8]>>(
         checksums,
         meta,
         options,
-        |piece, event| match (event, &placers[piece]) {
-            (Delivery::Bytes(wire_offset, bytes), Some(placer)) => {
-                placer.place(wire_offset, bytes, buffers)
+        Some(&targets),
+        |event| match event {
+            Delivery::Bytes(piece, wire_offset, bytes) => match &placers[piece] {
+                Some(placer) => placer.place(wire_offset, bytes, buffers),
+                None => Ok(()),
+            },
+            Delivery::Complete(piece) => match &placers[piece] {
+                Some(_) => on_complete(piece, buffers),
+                None => Ok(()),
+            },
+            Delivery::Positioned {
+                files,
+                sources,
+                reads,
+                threads,
+                crcs,
+            } => {
+                *crcs =
+                    crate::positioned::read_positioned(files, sources, reads, buffers, threads)?;
+                Ok(())
             }
-            (Delivery::Complete, Some(_)) => on_complete(piece, buffers),
-            _ => Ok(()),
         },
         progress,
     )
     .await
 }
 
-/// What the read core hands on for a piece.
+/// What the read core hands on.
 enum Delivery<'a> {
-    /// Wire bytes from this offset on.
-    Bytes(u64, &'a [u8]),
-    /// The piece's last byte has been delivered (at once for an empty piece).
-    Complete,
+    /// Wire bytes of a piece (index into the plan's pieces) from this offset on.
+    Bytes(usize, u64, &'a [u8]),
+    /// The piece's last byte has been delivered (at once for an empty piece), and verified.
+    Complete(usize),
+    /// Perform these positioned reads into the destinations and put each one's crc32c (0 where
+    /// not asked) in `crcs` ([`crate::positioned::read_positioned`]).
+    Positioned {
+        files: &'a LocalFiles,
+        sources: &'a [SourceFile],
+        reads: &'a [PositionedRead],
+        threads: usize,
+        crcs: &'a mut Vec<u32>,
+    },
 }
 
+/// A piece read by position straight into its destination.
+#[derive(Debug)]
+struct PositionedSource {
+    /// Index into the plan's pieces.
+    piece: usize,
+    /// Index into the plan's files.
+    file: u32,
+    offset: u64,
+    len: u64,
+    dest: usize,
+    dst_start: u64,
+    /// Its own box check (index into the positioned checks), when it is a whole saved box.
+    check: Option<usize>,
+}
+
+/// At most this many positioned reads go in one batch (bounds its bookkeeping; the bytes of a
+/// batch are bounded by the read options' in-flight parts).
+const MAX_POSITIONED_BATCH: usize = 1024;
+
 /// The shared read core: schedules and fetches every run of every piece this rank reads and
-/// hands each fetched run, then the piece's completion, to `deliver(piece, event)`.
+/// hands each fetched run, then the piece's completion, to `deliver`. With `targets` (per plan
+/// piece, the destination and offset its wire bytes land at as one stretch) and a local root in
+/// `options`, such pieces whose bytes are one stretch of their file are read by position
+/// straight into their destination (`Delivery::Positioned`), first, in bounded batches.
 #[allow(clippy::too_many_arguments)]
 async fn read_runs(
     store: Arc<dyn ObjectStore>,
@@ -214,7 +278,8 @@ async fn read_runs(
     checksums: Option<&BlockChecksums>,
     meta: Option<&CheckpointMeta>,
     options: &ReadOptions,
-    mut deliver: impl FnMut(usize, Delivery<'_>) -> Result<(), LoaderError>,
+    targets: Option<&[Option<(usize, u64)>]>,
+    mut deliver: impl FnMut(Delivery<'_>) -> Result<(), LoaderError>,
     progress: Option<&(dyn Fn(u64) + Sync)>,
 ) -> Result<ReadStats, LoaderError> {
     let started = Instant::now();
@@ -240,6 +305,13 @@ async fn read_runs(
     let mut checks: Vec<BoxCrc> = Vec::new();
     let mut check_of: HashMap<(u32, u64), usize> = HashMap::new();
     let mut piece_ranges: Vec<FileRange> = Vec::new();
+    let mut local = match (&options.local_root, targets) {
+        (Some(root), Some(_)) => Some(LocalFiles::new(root.clone(), files.len())),
+        _ => None,
+    };
+    let mut positioned: Vec<PositionedSource> = Vec::new();
+    // Box checks of positioned pieces: each its own, never folded from scheduled parts.
+    let mut positioned_checks: Vec<BoxCrc> = Vec::new();
     let mut pieces = 0usize;
     let mut bytes_needed = 0u64;
     for (index, piece) in plan.pieces.iter().enumerate() {
@@ -263,10 +335,38 @@ async fn read_runs(
             detail: format!("rank {}: piece {}: {why}", plan.rank, piece.id),
         })?;
         if piece.bytes == 0 {
-            deliver(index, Delivery::Complete)?;
+            deliver(Delivery::Complete(index))?;
             continue;
         }
         let file = &files[read.file as usize];
+        // Read by position when the piece's wire is one stretch of the file landing in one
+        // stretch of a destination, and its verification (if any) is its own box's crc32c.
+        let target = targets.and_then(|t| t.get(index).copied().flatten());
+        if let (Some(local), Some((dest, dst_start))) = (local.as_mut(), target)
+            && runs.is_identity()
+            && LocalFiles::readable(file)
+        {
+            let own_box = boxes
+                .as_mut()
+                .and_then(|b| b.whole_box(plan, piece, &runs, (read.file, file)));
+            if own_box.is_some() || block_checksums.is_none() {
+                local.open(read.file, file)?;
+                let check = own_box.map(|check| {
+                    positioned_checks.push(check);
+                    positioned_checks.len() - 1
+                });
+                positioned.push(PositionedSource {
+                    piece: index,
+                    file: read.file,
+                    offset: runs.src_offset,
+                    len: runs.total,
+                    dest,
+                    dst_start,
+                    check,
+                });
+                continue;
+            }
+        }
         piece_ranges.clear();
         runs.src_ranges(read.file, &mut piece_ranges);
         // A whole box is checked by its own crc32c (which also proves the metadata points it at
@@ -337,6 +437,21 @@ async fn read_runs(
     let mut waiting: Vec<Vec<usize>> = vec![Vec::new(); checks.len()];
     let mut boxes_verified = 0u64;
 
+    let mut positioned_stats = (0u64, 0u64);
+    if let Some(local) = &local {
+        positioned_stats = read_by_position(
+            local,
+            scheduler.files(),
+            options,
+            &positioned,
+            &mut positioned_checks,
+            &mut deliver,
+            progress,
+        )
+        .await?;
+        boxes_verified += positioned_checks.len() as u64;
+    }
+
     let fetched = scheduler
         .fetch_with(&schedule.parts, &schedule.caller_checked, |part, bytes| {
             let mut delivered = 0u64;
@@ -346,7 +461,7 @@ async fn read_runs(
                 let copied = source
                     .runs
                     .copy_from(part.start, bytes, |wire_offset, run| {
-                        deliver(piece, Delivery::Bytes(wire_offset, run))
+                        deliver(Delivery::Bytes(piece, wire_offset, run))
                     })?;
                 delivered += copied;
                 remaining[s] -= copied;
@@ -354,7 +469,7 @@ async fn read_runs(
                     // A piece whose box is still being checked completes when the check does.
                     match source.check {
                         Some(c) if !checks[c].done() => waiting[c].push(s),
-                        _ => deliver(piece, Delivery::Complete)?,
+                        _ => deliver(Delivery::Complete(piece))?,
                     }
                 }
             }
@@ -364,7 +479,7 @@ async fn read_runs(
                     check.finish()?;
                     boxes_verified += 1;
                     for s in std::mem::take(&mut waiting[c]) {
-                        deliver(sources[s].piece, Delivery::Complete)?;
+                        deliver(Delivery::Complete(sources[s].piece))?;
                     }
                 }
             }
@@ -392,10 +507,11 @@ async fn read_runs(
             ),
         });
     }
+    let (positioned_reads, positioned_bytes) = positioned_stats;
     Ok(ReadStats {
         pieces,
         bytes_needed,
-        bytes_fetched: schedule.bytes_fetched,
+        bytes_fetched: schedule.bytes_fetched + positioned_bytes,
         verify_extra_bytes: if scheduler.verifying() || !checks.is_empty() {
             schedule.bytes_fetched.saturating_sub(needed_union)
         } else {
@@ -403,12 +519,92 @@ async fn read_runs(
         },
         bytes_verified: fetched.bytes_verified,
         boxes_verified,
-        bytes_transferred: fetched.bytes_transferred,
-        requests: fetched.requests,
-        parts: fetched.parts,
+        bytes_transferred: fetched.bytes_transferred + positioned_bytes,
+        requests: fetched.requests + positioned_reads,
+        parts: fetched.parts + positioned_reads,
         retries: fetched.retries,
         elapsed: started.elapsed(),
     })
+}
+
+/// Reads the `positioned` pieces straight into their destinations (through `deliver`) in
+/// batches of at most the read options' in-flight parts, verifying whole boxes by their crc32c,
+/// and delivers each piece's completion as its batch ends; returns (reads, bytes). Between
+/// batches the task yields, so that an exchange sharing it (the overlapped exchange) moves on.
+async fn read_by_position(
+    local: &LocalFiles,
+    sources: &[SourceFile],
+    options: &ReadOptions,
+    positioned: &[PositionedSource],
+    checks: &mut [BoxCrc],
+    deliver: &mut impl FnMut(Delivery<'_>) -> Result<(), LoaderError>,
+    progress: Option<&(dyn Fn(u64) + Sync)>,
+) -> Result<(u64, u64), LoaderError> {
+    let part_size = options.part_size.max(1);
+    let batch_bytes = part_size.saturating_mul(options.max_in_flight.max(1) as u64);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = options.max_in_flight.clamp(1, cores);
+    // Every read (at most a part each), with the positioned piece it belongs to.
+    let mut reads: Vec<(usize, PositionedRead)> = Vec::new();
+    for (s, source) in positioned.iter().enumerate() {
+        let mut at = 0;
+        while at < source.len {
+            let len = (source.len - at).min(part_size);
+            reads.push((
+                s,
+                PositionedRead {
+                    file: source.file,
+                    offset: source.offset + at,
+                    len,
+                    dest: source.dest,
+                    dst_start: source.dst_start + at,
+                    crc: source.check.is_some(),
+                },
+            ));
+            at += len;
+        }
+    }
+    let mut left: Vec<u64> = positioned.iter().map(|p| p.len).collect();
+    let (mut count, mut total) = (0u64, 0u64);
+    let mut start = 0;
+    while start < reads.len() {
+        let mut end = start;
+        let mut bytes = 0u64;
+        while end < reads.len() && end - start < MAX_POSITIONED_BATCH && (bytes < batch_bytes) {
+            bytes += reads[end].1.len;
+            end += 1;
+        }
+        let batch: Vec<PositionedRead> = reads[start..end].iter().map(|r| r.1).collect();
+        let mut crcs = Vec::new();
+        deliver(Delivery::Positioned {
+            files: local,
+            sources,
+            reads: &batch,
+            threads,
+            crcs: &mut crcs,
+        })?;
+        for (&(s, read), &crc) in reads[start..end].iter().zip(&crcs) {
+            let source = &positioned[s];
+            if let Some(c) = source.check {
+                checks[c].add(read.offset, crc, read.len);
+            }
+            left[s] -= read.len;
+            if left[s] == 0 {
+                if let Some(c) = source.check {
+                    checks[c].finish()?;
+                }
+                deliver(Delivery::Complete(source.piece))?;
+            }
+        }
+        count += (end - start) as u64;
+        total += bytes;
+        if let Some(progress) = progress {
+            progress(bytes);
+        }
+        start = end;
+        tokio::task::yield_now().await;
+    }
+    Ok((count, total))
 }
 
 /// The object path of `relative` (a `/`-separated path from the plan) under `prefix`. Plans
@@ -588,10 +784,15 @@ impl BoxCrc {
         let (lo, hi) = (self.start.max(start), self.end.min(end));
         if lo < hi {
             let slice = &bytes[(lo - start) as usize..(hi - start) as usize];
-            self.segments.push((lo, crc32c::crc32c(slice), hi - lo));
-            self.folded += hi - lo;
+            self.add(lo, crc32c::crc32c(slice), hi - lo);
         }
         lo < hi
+    }
+
+    /// Adds the crc32c of the box's `len` bytes at file offset `offset` (read elsewhere).
+    fn add(&mut self, offset: u64, crc: u32, len: u64) {
+        self.segments.push((offset, crc, len));
+        self.folded += len;
     }
 
     /// True when every byte of the box has been folded in (parts never overlap).
@@ -726,6 +927,15 @@ impl Runs {
             total,
             sorted,
         })
+    }
+
+    /// Whether wire byte i is file byte `src_offset + i` for every byte: the piece is one stretch
+    /// of its file, in file order.
+    fn is_identity(&self) -> bool {
+        self.sorted
+            && self.src_end - self.src_offset == self.total
+            && self.dst_offset == 0
+            && self.src_strides == self.dst_strides
     }
 
     /// Appends the source byte ranges of the runs to `out`, merged where runs touch.

@@ -94,6 +94,13 @@ pub struct ReadOptions {
     /// `None` takes the store kind's ([`exact_multi_range`]); where the store is not known (a
     /// bare [`RangeScheduler`]) `None` means false.
     pub exact_multi_range: Option<bool>,
+    /// The directory on the local file system that the store's paths are relative to, when the
+    /// checkpoint is a local directory ([`tessera_storage::Location::local_root`]). Pieces whose
+    /// bytes go to one contiguous stretch of one destination are then read with positioned reads
+    /// (`pread`) straight into it: no intermediate buffer, one copy out of the page cache. `None`
+    /// reads everything through the store. [`crate::load::Checkpoint`] fills it from its location
+    /// (unless `TESSERA_POSITIONED_READS=0`).
+    pub local_root: Option<std::path::PathBuf>,
 }
 
 /// The default [`ReadOptions::coalesce_gap`] of object stores (S3, GCS, Azure, HTTP): 64 KiB.
@@ -134,6 +141,7 @@ impl Default for ReadOptions {
             verify: true,
             coalesce_gap: None,
             exact_multi_range: None,
+            local_root: None,
         }
     }
 }

@@ -38,6 +38,7 @@ async fn checkpoint() -> (tempfile::TempDir, Checkpoint) {
         store,
         prefix: prefix(),
         display: dir.path().display().to_string(),
+        local_root: Some(dir.path().to_path_buf()),
     };
     (dir, Checkpoint::open(location).await.unwrap())
 }

@@ -129,6 +129,7 @@ async fn fixture() -> (tempfile::TempDir, Checkpoint) {
         store,
         prefix: prefix(),
         display: dir.path().display().to_string(),
+        local_root: Some(dir.path().to_path_buf()),
     };
     (dir, Checkpoint::open(location).await.unwrap())
 }

@@ -392,6 +392,7 @@ async fn swapped_box_locations_fail_the_load_naming_the_box() {
         store: Arc::clone(&store),
         prefix: prefix(),
         display: PREFIX.to_string(),
+        local_root: None,
     })
     .await
     .unwrap();
@@ -430,6 +431,7 @@ async fn a_plan_without_an_identity_is_refused_naming_the_checkpoint() {
         store: Arc::clone(&store),
         prefix: prefix(),
         display: PREFIX.to_string(),
+        local_root: None,
     })
     .await
     .unwrap();

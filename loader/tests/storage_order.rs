@@ -50,6 +50,7 @@ async fn saved_by_rows() -> (tempfile::TempDir, Checkpoint) {
         store,
         prefix: prefix(),
         display,
+        local_root: Some(dir.path().to_path_buf()),
     };
     (dir, Checkpoint::open(location).await.unwrap())
 }

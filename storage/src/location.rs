@@ -50,6 +50,12 @@ pub struct Location {
     pub prefix: Path,
     /// What the user typed, for messages.
     pub display: String,
+    /// For a local location, the directory the store's paths are relative to: the object at
+    /// path `p` is the file `local_root/p`. Readers use it for positioned reads straight into
+    /// their destinations (no intermediate buffer). `None` for cloud and HTTP stores, and for a
+    /// store wrapped in something (a fault injector, a recorder) that every read must pass
+    /// through.
+    pub local_root: Option<std::path::PathBuf>,
 }
 
 /// How cloud stores are configured, on top of (or instead of) the process environment.
@@ -222,6 +228,7 @@ fn local(location: &str, root: &std::path::Path, name: &str) -> Result<Location,
         store: Arc::new(store),
         prefix: Path::from(name),
         display: location.to_string(),
+        local_root: Some(root.to_path_buf()),
     })
 }
 
@@ -381,6 +388,7 @@ fn cloud(
         store,
         prefix,
         display: location.to_string(),
+        local_root: None,
     })
 }
 

@@ -1,0 +1,349 @@
+//! Positioned reads from local files straight into destination memory: the read path's one-copy
+//! route for checkpoints in a local directory.
+//!
+//! Through `object_store`, a local read allocates a fresh buffer per request, copies the file's
+//! bytes into it out of the page cache (faulting its pages in first) and hands it on, and the
+//! placement copies it again into the destination. A piece whose wire bytes are one contiguous
+//! stretch of its file and land in one contiguous stretch of one destination (whole tensors,
+//! row slices: most pieces of most reshards) needs neither: `pread` puts the file's bytes where
+//! they belong, one copy. Pieces laid out any other way (column slices, transposes, a piece
+//! placed twice) keep the store path.
+//!
+//! The reads of a batch run on up to `threads` scoped threads (`std::thread::scope`), each into
+//! its own disjoint part of the destinations, split with `split_at_mut`: no unsafe code, and no
+//! read can outlive the buffers, because the scope joins every thread before it returns (the
+//! caller's future cannot be dropped mid-batch: the batch is synchronous). A batch is bounded by
+//! the caller (a few parts' worth), so the async runtime is held for milliseconds at a time.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+
+use crate::LoaderError;
+use crate::scheduler::SourceFile;
+
+/// One positioned read: `len` bytes of plan file `file` from `offset`, into destination `dest`
+/// from byte `dst_start`; with `crc`, the crc32c of the bytes read is returned too (a saved box
+/// checked against its metadata row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PositionedRead {
+    /// Index into the plan's files.
+    pub file: u32,
+    pub offset: u64,
+    pub len: u64,
+    /// Index into the destination buffers.
+    pub dest: usize,
+    pub dst_start: u64,
+    pub crc: bool,
+}
+
+/// The local files of a read, opened on first use.
+#[derive(Debug)]
+pub(crate) struct LocalFiles {
+    root: PathBuf,
+    opened: Vec<Option<File>>,
+}
+
+impl LocalFiles {
+    /// Files under `root` (the local store's root directory); `count` plan files.
+    pub fn new(root: PathBuf, count: usize) -> Self {
+        Self {
+            root,
+            opened: (0..count).map(|_| None).collect(),
+        }
+    }
+
+    /// Whether `source` can be read by position: its store path maps to a file name as written.
+    /// A path with a percent sign is one the store encoded (characters a file name may hold but an
+    /// object path may not), and only the store knows how it decodes it.
+    pub fn readable(source: &SourceFile) -> bool {
+        !source.path.as_ref().contains('%')
+    }
+
+    /// Opens plan file `file` (at `source`) unless it is open already. A missing file is
+    /// [`LoaderError::MissingFile`] naming its store path, as a read through the store says.
+    pub fn open(&mut self, file: u32, source: &SourceFile) -> Result<(), LoaderError> {
+        let Some(slot) = self.opened.get_mut(file as usize) else {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "file #{file} read by position but the plan lists {} files",
+                    self.opened.len()
+                ),
+            });
+        };
+        if slot.is_some() {
+            return Ok(());
+        }
+        let path = self.root.join(source.path.as_ref());
+        match File::open(&path) {
+            Ok(opened) => {
+                *slot = Some(opened);
+                Ok(())
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(LoaderError::MissingFile {
+                path: source.path.to_string(),
+            }),
+            Err(source) => Err(LoaderError::Io {
+                action: "opening",
+                path: path.display().to_string(),
+                source,
+            }),
+        }
+    }
+
+    fn file(&self, file: u32) -> Result<&File, LoaderError> {
+        self.opened
+            .get(file as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| LoaderError::InvalidPlan {
+                detail: format!("file #{file} read by position before it was opened"),
+            })
+    }
+}
+
+/// Performs `reads` (files opened in `files`, store paths in `sources` for messages) into
+/// `buffers` on up to `threads` threads and returns each read's crc32c (0 where not asked).
+/// Reads must not overlap in their destinations and must lie inside them (a plan that says
+/// otherwise is refused before anything is read).
+pub(crate) fn read_positioned<B: AsMut<[u8]>>(
+    files: &LocalFiles,
+    sources: &[SourceFile],
+    reads: &[PositionedRead],
+    buffers: &mut [B],
+    threads: usize,
+) -> Result<Vec<u32>, LoaderError> {
+    let mut targets = split_destinations(reads, buffers)?;
+    let threads = threads.clamp(1, reads.len().max(1));
+    let mut crcs = vec![0u32; reads.len()];
+    if threads == 1 {
+        for (i, target) in targets.iter_mut().enumerate() {
+            crcs[i] = read_one(files, sources, &reads[i], target)?;
+        }
+        return Ok(crcs);
+    }
+    // Thread t takes reads t, t + threads, ...: every thread walks the batch in file order, so
+    // the kernel's read-ahead sees one forward stream.
+    let mut shares: Vec<Vec<(usize, &mut [u8])>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, target) in targets.into_iter().enumerate() {
+        shares[i % threads].push((i, target));
+    }
+    let results: Vec<Result<Vec<(usize, u32)>, LoaderError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = shares
+            .into_iter()
+            .map(|share| {
+                scope.spawn(move || {
+                    share
+                        .into_iter()
+                        .map(|(i, target)| Ok((i, read_one(files, sources, &reads[i], target)?)))
+                        .collect::<Result<Vec<_>, LoaderError>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| match h.join() {
+                Ok(result) => result,
+                Err(panic) => std::panic::resume_unwind(panic),
+            })
+            .collect()
+    });
+    for result in results {
+        for (i, crc) in result? {
+            crcs[i] = crc;
+        }
+    }
+    Ok(crcs)
+}
+
+/// The destination bytes of every read (in `reads` order), as disjoint mutable slices.
+fn split_destinations<'b, B: AsMut<[u8]>>(
+    reads: &[PositionedRead],
+    buffers: &'b mut [B],
+) -> Result<Vec<&'b mut [u8]>, LoaderError> {
+    let mut order: Vec<usize> = (0..reads.len()).collect();
+    order.sort_unstable_by_key(|&i| (reads[i].dest, reads[i].dst_start));
+    let mut whole: Vec<Option<&'b mut [u8]>> =
+        buffers.iter_mut().map(|b| Some(b.as_mut())).collect();
+    let mut targets: Vec<Option<&'b mut [u8]>> = (0..reads.len()).map(|_| None).collect();
+    let mut k = 0;
+    while k < order.len() {
+        let dest = reads[order[k]].dest;
+        let Some(mut rest) = whole.get_mut(dest).and_then(Option::take) else {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!("a read lands in missing destination {dest}"),
+            });
+        };
+        let mut at = 0u64;
+        while let Some(&i) = order.get(k).filter(|&&i| reads[i].dest == dest) {
+            let read = &reads[i];
+            let bad = |why: &str| LoaderError::InvalidPlan {
+                detail: format!(
+                    "the read of file #{} bytes {}..{} {why} (destination {dest} bytes {}..{})",
+                    read.file,
+                    read.offset,
+                    read.offset.saturating_add(read.len),
+                    read.dst_start,
+                    read.dst_start.saturating_add(read.len)
+                ),
+            };
+            if read.dst_start < at {
+                return Err(bad("overlaps another piece's bytes"));
+            }
+            let skip = usize::try_from(read.dst_start - at).unwrap_or(usize::MAX);
+            let len = usize::try_from(read.len).unwrap_or(usize::MAX);
+            if skip.saturating_add(len) > rest.len() {
+                return Err(bad("reaches past its destination"));
+            }
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(skip);
+            let (target, tail) = tail.split_at_mut(len);
+            targets[i] = Some(target);
+            rest = tail;
+            at = read.dst_start + read.len;
+            k += 1;
+        }
+    }
+    Ok(targets.into_iter().flatten().collect())
+}
+
+/// Reads `read` into `target` (its exact length), retrying interrupted calls; a file that ends
+/// early is [`LoaderError::ShortRead`] naming the store path, as the store's reads say.
+fn read_one(
+    files: &LocalFiles,
+    sources: &[SourceFile],
+    read: &PositionedRead,
+    target: &mut [u8],
+) -> Result<u32, LoaderError> {
+    let file = files.file(read.file)?;
+    let path = || {
+        sources
+            .get(read.file as usize)
+            .map_or_else(|| format!("file #{}", read.file), |s| s.path.to_string())
+    };
+    let end = read.offset + read.len;
+    let mut done = 0usize;
+    while done < target.len() {
+        match file.read_at(&mut target[done..], read.offset + done as u64) {
+            Ok(0) => {
+                return Err(LoaderError::ShortRead {
+                    path: path(),
+                    start: read.offset,
+                    end,
+                    got: done as u64,
+                });
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(source) => {
+                return Err(LoaderError::Io {
+                    action: "reading",
+                    path: format!("{} bytes {}..{end}", path(), read.offset),
+                    source,
+                });
+            }
+        }
+    }
+    Ok(if read.crc { crc32c::crc32c(target) } else { 0 })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use object_store::path::Path;
+
+    fn source(name: &str) -> SourceFile {
+        SourceFile {
+            path: Path::from(name),
+            key: name.to_string(),
+        }
+    }
+
+    fn read(offset: u64, len: u64, dest: usize, dst_start: u64) -> PositionedRead {
+        PositionedRead {
+            file: 0,
+            offset,
+            len,
+            dest,
+            dst_start,
+            crc: true,
+        }
+    }
+
+    fn files_with(bytes: &[u8]) -> (tempfile::TempDir, LocalFiles, Vec<SourceFile>) {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("data"), bytes).unwrap();
+        let sources = vec![source("data")];
+        let mut files = LocalFiles::new(dir.path().to_path_buf(), 1);
+        files.open(0, &sources[0]).unwrap();
+        (dir, files, sources)
+    }
+
+    #[test]
+    fn reads_land_where_they_say_on_any_number_of_threads() {
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+        let (_dir, files, sources) = files_with(&data);
+        // Out of destination order, two destinations, gaps between targets left untouched.
+        let reads = [
+            read(1000, 500, 1, 100),
+            read(0, 10, 0, 0),
+            read(3000, 1096, 0, 20),
+            read(10, 90, 1, 0),
+        ];
+        for threads in [1, 2, 3, 8] {
+            let mut buffers = vec![vec![0xEEu8; 1200], vec![0xEEu8; 700]];
+            let crcs = read_positioned(&files, &sources, &reads, &mut buffers, threads).unwrap();
+            assert_eq!(&buffers[0][..10], &data[..10]);
+            assert!(buffers[0][10..20].iter().all(|&b| b == 0xEE));
+            assert_eq!(&buffers[0][20..1116], &data[3000..4096]);
+            assert_eq!(&buffers[1][..90], &data[10..100]);
+            assert_eq!(&buffers[1][100..600], &data[1000..1500]);
+            assert!(buffers[1][600..].iter().all(|&b| b == 0xEE));
+            assert_eq!(crcs[0], crc32c::crc32c(&data[1000..1500]));
+            assert_eq!(crcs[2], crc32c::crc32c(&data[3000..4096]));
+        }
+    }
+
+    #[test]
+    fn overlapping_or_outside_targets_are_refused_before_reading() {
+        let (_dir, files, sources) = files_with(&[1u8; 64]);
+        let mut buffers = vec![vec![0u8; 32]];
+        let overlap = [read(0, 16, 0, 0), read(16, 16, 0, 8)];
+        let e = read_positioned(&files, &sources, &overlap, &mut buffers, 2).unwrap_err();
+        assert!(e.to_string().contains("overlaps another piece"), "{e}");
+        assert!(buffers[0].iter().all(|&b| b == 0), "nothing read");
+        let outside = [read(0, 16, 0, 20)];
+        let e = read_positioned(&files, &sources, &outside, &mut buffers, 1).unwrap_err();
+        assert!(
+            e.to_string().contains("reaches past its destination"),
+            "{e}"
+        );
+        let missing = [read(0, 16, 3, 0)];
+        let e = read_positioned(&files, &sources, &missing, &mut buffers, 1).unwrap_err();
+        assert!(e.to_string().contains("missing destination 3"), "{e}");
+    }
+
+    #[test]
+    fn a_short_file_and_a_missing_file_are_named() {
+        let (dir, files, sources) = files_with(&[9u8; 100]);
+        let mut buffers = vec![vec![0u8; 64]];
+        let e =
+            read_positioned(&files, &sources, &[read(60, 64, 0, 0)], &mut buffers, 1).unwrap_err();
+        match e {
+            LoaderError::ShortRead {
+                path,
+                start,
+                end,
+                got,
+            } => assert_eq!((path.as_str(), start, end, got), ("data", 60, 124, 40)),
+            other => panic!("expected a short read, got {other}"),
+        }
+        let mut files = LocalFiles::new(dir.path().to_path_buf(), 2);
+        let e = files.open(1, &source("gone/data_1")).unwrap_err();
+        assert!(
+            matches!(&e, LoaderError::MissingFile { path } if path == "gone/data_1"),
+            "{e}"
+        );
+        assert!(!LocalFiles::readable(&source("a b%")));
+        assert!(LocalFiles::readable(&source("step-1/__0_0.distcp")));
+    }
+}

@@ -1,0 +1,183 @@
+//! Positioned reads from a local checkpoint directory: pieces whose bytes are one stretch of
+//! their file and of their destination are read with `pread` straight into the destination, not
+//! through the object store. A synthetic checkpoint saved Shard(0) by 4 ranks (native, box and
+//! block checksums) is loaded whole by one rank: every saved box lands as one stretch of its
+//! tensor. With the store swapped for an empty one the load still succeeds (so the bytes came
+//! from the files), verified box by box; corrupt and truncated files fail, naming what is wrong.
+#![allow(clippy::unwrap_used, missing_docs, clippy::result_large_err)]
+
+mod support_read;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use object_store::memory::InMemory;
+use support_read::{expected_destination, local_store, prefix};
+use tessera_loader::LoaderError;
+use tessera_loader::load::{Checkpoint, LoadOptions, LoadedRank, load_rank};
+use tessera_loader::read::ReadOptions;
+use tessera_loader::transport::{InProcTransport, TransportOptions};
+use tessera_planner::presets::fsdp;
+use tessera_planner::{Layout, PlanOptions};
+use tessera_storage::Location;
+use tessera_synth::{Model, SynthOptions, synthesize};
+
+/// One rank holding every tensor whole.
+const WHOLE: &str = r#"{"mesh": [{"name": "dp", "size": 1}],
+    "rules": [{"match": "*", "placements": ["replicate"]}]}"#;
+
+async fn saved_by_rows() -> (tempfile::TempDir, Checkpoint) {
+    let (dir, store) = local_store();
+    let options = SynthOptions {
+        model: Model::GptTiny,
+        optimizer: false,
+        metadata_only: false,
+        dist_optimizer: None,
+        step: Some(1),
+        progress: None,
+    };
+    let display = dir.path().display().to_string();
+    synthesize(
+        Arc::clone(&store),
+        &prefix(),
+        &display,
+        &fsdp(4).unwrap(),
+        &options,
+    )
+    .await
+    .unwrap();
+    let location = Location {
+        store,
+        prefix: prefix(),
+        display,
+        local_root: Some(dir.path().to_path_buf()),
+    };
+    (dir, Checkpoint::open(location).await.unwrap())
+}
+
+async fn load_whole(checkpoint: &Checkpoint, verify: bool) -> Result<LoadedRank, LoaderError> {
+    let requests = Layout::from_json(WHOLE)
+        .unwrap()
+        .resolve(checkpoint.meta.tensors())
+        .unwrap();
+    let plan = checkpoint
+        .plan(&requests, &PlanOptions::default())
+        .unwrap()
+        .rank_plan(0)
+        .unwrap();
+    let options = LoadOptions {
+        read: ReadOptions {
+            verify,
+            ..ReadOptions::default()
+        },
+        progress: None,
+    };
+    let transport =
+        InProcTransport::mesh(1, TransportOptions::with_timeout(Duration::from_secs(10)))
+            .pop()
+            .unwrap();
+    load_rank(checkpoint, plan, &transport, &options).await
+}
+
+/// The largest data file of the checkpoint on disk.
+fn largest_data_file(dir: &std::path::Path) -> std::path::PathBuf {
+    let mut files = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "bin") {
+                files.push(path);
+            }
+        }
+    }
+    files
+        .into_iter()
+        .max_by_key(|p| std::fs::metadata(p).unwrap().len())
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_boxes_come_from_the_files_verified_not_through_the_store() {
+    let (_dir, mut checkpoint) = saved_by_rows().await;
+    checkpoint.location.store = Arc::new(InMemory::new());
+    let loaded = load_whole(&checkpoint, true).await.unwrap();
+    for d in 0..loaded.plan.destinations.len() {
+        assert!(
+            loaded.buffers[d] == expected_destination(&loaded.plan, d),
+            "destination {d} holds the wrong bytes"
+        );
+    }
+    let report = &loaded.report;
+    let pieces = loaded.plan.pieces.iter().filter(|p| p.bytes > 0).count() as u64;
+    assert_eq!(
+        report.boxes_verified, pieces,
+        "every box checked by its crc32c"
+    );
+    assert_eq!(report.bytes_fetched, report.bytes_needed);
+    assert_eq!(report.bytes_transferred, report.bytes_needed);
+    assert!(report.requests >= pieces);
+
+    // Without the local root every byte goes through the (empty) store, and the load fails.
+    checkpoint.location.local_root = None;
+    let error = load_whole(&checkpoint, true).await.unwrap_err();
+    assert!(
+        matches!(&error, LoaderError::MissingFile { path } if path.ends_with(".bin")),
+        "{error}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_byte_read_by_position_fails_its_box_check() {
+    let (dir, checkpoint) = saved_by_rows().await;
+    let data = largest_data_file(dir.path());
+    let mut bytes = std::fs::read(&data).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0xFF;
+    std::fs::write(&data, bytes).unwrap();
+
+    let error = load_whole(&checkpoint, true).await.unwrap_err();
+    let message = error.to_string();
+    assert!(
+        message.contains("tensor ") && message.contains(".bin"),
+        "the error names the tensor's box and the file: {message}"
+    );
+    assert!(
+        matches!(
+            error,
+            LoaderError::Metadata(tessera_metadata::MetadataError::BoxChecksumMismatch { .. })
+        ),
+        "{message}"
+    );
+    // With verification off the same read succeeds: the check is what caught it.
+    let loaded = load_whole(&checkpoint, false).await.unwrap();
+    let wrong = (0..loaded.plan.destinations.len())
+        .filter(|&d| loaded.buffers[d] != expected_destination(&loaded.plan, d))
+        .count();
+    assert_eq!(wrong, 1, "exactly the corrupted tensor differs");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncated_file_is_a_short_read_naming_it() {
+    let (dir, checkpoint) = saved_by_rows().await;
+    let data = largest_data_file(dir.path());
+    let len = std::fs::metadata(&data).unwrap().len();
+    let file = std::fs::OpenOptions::new().write(true).open(&data).unwrap();
+    file.set_len(len / 2).unwrap();
+    drop(file);
+    let name = data.file_name().unwrap().to_str().unwrap().to_string();
+    match load_whole(&checkpoint, false).await.unwrap_err() {
+        LoaderError::ShortRead {
+            path, start, end, ..
+        } => {
+            assert!(path.ends_with(&name), "{path} names {name}");
+            assert!(
+                end > len / 2 && start < end,
+                "{start}..{end} of a {len}-byte file"
+            );
+        }
+        other => panic!("expected a short read, got {other}"),
+    }
+}
