@@ -7,6 +7,11 @@
 //! whole-blob approach of torch's `FileSystemReader`: every rank reads each `torch.save` blob it
 //! needs anything from whole (once per rank), takes the zip apart in memory and slices what it
 //! needs. `TESSERA_BENCH_MODEL=gpt-tiny` runs a small case.
+//!
+//! `TESSERA_BENCH_STORE_MBPS=1000` puts every rank behind its own storage link of that many MB/s
+//! (`tessera_storage::testing::ThrottledStore`, for both approaches): storage-bound, as on a
+//! network file system or an object store, where the bytes each approach reads set its time. The
+//! storage limit printed is the unique bytes over the ranks' links together.
 #![allow(missing_docs, clippy::unwrap_used)]
 
 #[path = "support/slice.rs"]
@@ -30,6 +35,7 @@ use tessera_metadata::formats::dcp::blob::parse_tensor_blob;
 use tessera_metadata::formats::dcp::zip::Segments;
 use tessera_planner::presets::{MegatronGpt, fsdp, megatron_gpt};
 use tessera_planner::{PlanOptions, RankPlan, Target, assign_writers};
+use tessera_storage::testing::ThrottledStore;
 use tessera_synth as synth;
 
 use dcp_writer::BlobExtent;
@@ -41,6 +47,29 @@ fn gb(bytes: u64, seconds: f64) -> f64 {
 }
 
 type Blobs = Arc<HashMap<(String, Vec<u64>), BlobExtent>>;
+
+/// The per-rank storage link of `TESSERA_BENCH_STORE_MBPS`, in bytes per second.
+fn store_link() -> Option<u64> {
+    let mbps: f64 = std::env::var("TESSERA_BENCH_STORE_MBPS")
+        .ok()?
+        .parse()
+        .unwrap();
+    Some((mbps * 1e6) as u64)
+}
+
+/// The checkpoint as one rank sees it: behind its own throttled link when one is set (every read
+/// through the store then; no positioned reads from the files).
+fn rank_checkpoint(checkpoint: &Checkpoint, link: Option<u64>) -> Checkpoint {
+    let mut checkpoint = checkpoint.clone();
+    if let Some(bytes_per_second) = link {
+        checkpoint.location.store = Arc::new(ThrottledStore::new(
+            Arc::clone(&checkpoint.location.store),
+            bytes_per_second,
+        ));
+        checkpoint.location.local_root = None;
+    }
+    checkpoint
+}
 
 /// The whole-blob reader for one rank: every saved chunk the rank needs anything from is fetched
 /// as its whole `torch.save` zip (once per rank), the zip is taken apart in memory (as
@@ -158,13 +187,14 @@ fn main() {
     let plan = checkpoint.plan(&requests, &PlanOptions::default()).unwrap();
     let rank_plans: Vec<RankPlan> = (0..4).map(|r| plan.rank_plan(r).unwrap()).collect();
 
+    let link = store_link();
     let load = |keep_rank0: bool| {
         runtime.block_on(async {
             let transports = InProcTransport::mesh(4, TransportOptions::default());
             let started = Instant::now();
             let mut tasks = Vec::new();
             for (rank, transport) in transports.into_iter().enumerate() {
-                let checkpoint = checkpoint.clone();
+                let checkpoint = rank_checkpoint(&checkpoint, link);
                 let rank_plan = rank_plans[rank].clone();
                 tasks.push(tokio::spawn(async move {
                     let loaded =
@@ -190,7 +220,7 @@ fn main() {
             let started = Instant::now();
             let mut tasks = Vec::new();
             for (rank, rank_plan) in rank_plans.iter().enumerate() {
-                let checkpoint = checkpoint.clone();
+                let checkpoint = rank_checkpoint(&checkpoint, link);
                 let rank_plan = rank_plan.clone();
                 let blobs = Arc::clone(&blobs);
                 tasks.push(tokio::spawn(async move {
@@ -222,10 +252,27 @@ fn main() {
         "plan: {needed} needed over 4 ranks, {unique} unique, {} exchanged",
         plan.summary().bytes_exchanged
     );
+    // With a link per rank, the fastest any approach can go: the unique bytes over all links.
+    let limit_s = link.map(|bps| unique as f64 / (4.0 * bps as f64));
+    if let (Some(bps), Some(limit)) = (link, limit_s) {
+        println!(
+            "storage: each rank behind its own {:.0} MB/s link; limit {limit:.3} s (unique bytes over 4 links)",
+            bps as f64 / 1e6
+        );
+    }
+    let of_limit = |s: f64| limit_s.map_or(String::new(), |l| format!(" {:.2} |", l / s));
     println!(
-        "| run | approach | bytes from storage | seconds | effective GB/s | speed vs whole-blob |"
+        "| run | approach | bytes from storage | seconds | effective GB/s | speed vs whole-blob |{}",
+        if link.is_some() {
+            " of the storage limit |"
+        } else {
+            ""
+        }
     );
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "|---|---|---|---|---|---|{}",
+        if link.is_some() { "---|" } else { "" }
+    );
     for run in 1..=3 {
         let (blob_fetched, _, blob_s) = whole_blob(false);
         let (reports, _, s) = load(false);
@@ -233,15 +280,17 @@ fn main() {
         let fetched: u64 = reports.iter().map(|r| r.bytes_fetched).sum();
         let requests: u64 = reports.iter().map(|r| r.requests).sum();
         println!(
-            "| {run} | tessera load | {fetched} (read {read} in {requests} requests, amplification {:.4}) | {s:.3} | {:.2} | {:.2}x |",
+            "| {run} | tessera load | {fetched} (read {read} in {requests} requests, amplification {:.4}) | {s:.3} | {:.2} | {:.2}x |{}",
             read as f64 / unique as f64,
             gb(unique, s),
-            blob_s / s
+            blob_s / s,
+            of_limit(s)
         );
         println!(
-            "| {run} | whole-blob reads (torch FileSystemReader-style) | {blob_fetched} (amplification {:.4}) | {blob_s:.3} | {:.2} | 1.00x |",
+            "| {run} | whole-blob reads (torch FileSystemReader-style) | {blob_fetched} (amplification {:.4}) | {blob_s:.3} | {:.2} | 1.00x |{}",
             blob_fetched as f64 / unique as f64,
-            gb(unique, blob_s)
+            gb(unique, blob_s),
+            of_limit(blob_s)
         );
     }
 }

@@ -8,8 +8,10 @@ mod http_server;
 mod loopback;
 mod recording;
 mod s3_server;
+mod throttled;
 
 pub use fault::{FAULTY_STORE, FaultConfig, FaultStats, FaultyStore, InjectedFault};
 pub use http_server::{Stall, StallingHttpServer};
 pub use recording::RecordingStore;
 pub use s3_server::{ACCESS_KEY_ID, REGION, S3TestServer, SECRET_ACCESS_KEY, Served};
+pub use throttled::ThrottledStore;
