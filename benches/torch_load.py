@@ -48,7 +48,8 @@ TENSORS = int(os.environ.get("TENSORS", "8"))
 ROWS = int(os.environ.get("ROWS", "4096"))
 COLS = int(os.environ.get("COLS", "16384"))
 LAYOUTS = os.environ.get("LAYOUTS", "shard0,shard1,tp2dp2").split(",")
-# "tessera DCP exchange=False" (opt-in): every rank reads all it needs itself, no exchange.
+# "tessera DCP exchange=False" (opt-in): every rank reads all it needs itself, no exchange;
+# "tessera DCP read_order=auto" (or native, or storage/request): another read order than the default.
 METHODS = os.environ.get("METHODS", "tessera DCP,dcp.load DCP,tessera native").split(",")
 # The CLI (`tessera load --transport tcp`: 4 rank processes, its own rendezvous), run after the
 # torch job on the same files; CLI="" leaves it out. TESSERA_BIN picks the binary.
@@ -183,9 +184,13 @@ def run_one(method: str, layout: str, meshes: dict, paths: dict, hash_it: bool) 
         dcp.load(state, checkpoint_id=paths["dcp"])
         report = {}
     else:
-        path = paths["native"] if method == "tessera native" else paths["dcp"]
+        path = paths["native"] if method.startswith("tessera native") else paths["dcp"]
         exchange = False if method.endswith("exchange=False") else None
-        report = tessera.load(state, path, progress=False, timeout=600, exchange=exchange).to_dict()
+        # "... read_order=auto" (or storage/request) overrides the default read order.
+        read_order = method.split("read_order=")[1] if "read_order=" in method else None
+        report = tessera.load(
+            state, path, progress=False, timeout=600, exchange=exchange, read_order=read_order
+        ).to_dict()
     seconds = time.perf_counter() - started
     read_syscalls = rchar() - before
     result = {
