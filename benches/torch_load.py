@@ -79,6 +79,15 @@ def rchar() -> int:
     raise RuntimeError("/proc/self/io has no rchar")
 
 
+def rss_gib() -> float:
+    """This process's resident memory now (VmRSS), GiB: a load must give back what it took."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -233,7 +242,10 @@ def worker(rank: int, port: int, data: str, repeats: int, out) -> None:
                     result = run_one(method, layout, meshes, paths, hash_it=rep == 0)
                     out[(layout, method, rep, rank)] = result
                     if rank == 0:
-                        print(f"{layout} rep {rep} {method}: {result['seconds']:.2f} s", flush=True)
+                        print(
+                            f"{layout} rep {rep} {method}: {result['seconds']:.2f} s (rank 0 RSS {rss_gib():.2f} GiB)",
+                            flush=True,
+                        )
     finally:
         dist.destroy_process_group()
 

@@ -65,33 +65,38 @@ def flatten(state_dict: Mapping[str, Any]) -> List[Tuple[str, Path, Any]]:
     (``torch.distributed.checkpoint._traverse.traverse_state_dict``): mappings are always entered;
     a list is entered only when it holds a tensor or a container that does; everything else (a
     tuple, a list of plain values, a scalar) is one leaf. The FQN joins the path with ``.``."""
+    # Module-level helpers, not nested closures: a recursive closure refers to itself through its
+    # cell, a cycle that would keep `out` (and with it every tensor of the state dict) alive until
+    # the garbage collector runs, long after the caller let go of the state dict.
     out: List[Tuple[str, Path, Any]] = []
-
-    def terminal(value: Any) -> bool:
-        if isinstance(value, Mapping):
-            return False
-        if not isinstance(value, list):
-            return True
-        for entry in value:
-            if isinstance(entry, (Mapping, list)) and not terminal(entry):
-                return False
-            if is_tensor_entry(entry):
-                return False
-        return True
-
-    def visit(path: Path, value: Any) -> None:
-        if isinstance(value, Mapping):
-            for key, item in value.items():
-                visit(path + (str(key),), item)
-        elif terminal(value):
-            out.append((".".join(str(p) for p in path), path, value))
-        else:
-            for i, item in enumerate(value):
-                visit(path + (i,), item)
-
     for key, value in state_dict.items():
-        visit((str(key),), value)
+        _visit((str(key),), value, out)
     return out
+
+
+def _terminal(value: Any) -> bool:
+    """Whether DCP's traversal stops at ``value`` (a leaf) rather than entering it."""
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    for entry in value:
+        if isinstance(entry, (Mapping, list)) and not _terminal(entry):
+            return False
+        if is_tensor_entry(entry):
+            return False
+    return True
+
+
+def _visit(path: Path, value: Any, out: List[Tuple[str, Path, Any]]) -> None:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _visit(path + (str(key),), item, out)
+    elif _terminal(value):
+        out.append((".".join(str(p) for p in path), path, value))
+    else:
+        for i, item in enumerate(value):
+            _visit(path + (i,), item, out)
 
 
 def set_element(root: Any, path: Path, value: Any) -> None:

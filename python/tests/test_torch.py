@@ -30,6 +30,30 @@ def test_cpu_tensors_with_bf16():
         assert sha(state[f].reshape(-1)) == t["sha256"], f
 
 
+def test_a_loaded_state_dict_is_freed_as_soon_as_the_caller_drops_it():
+    """tessera keeps no reference to the caller's tensors after `load` returns, not even in a
+    reference cycle that only the garbage collector would break (a recursive closure used to
+    hold every tensor of the state dict until the next collection: a job loading twice held
+    both copies)."""
+    import gc
+    import weakref
+
+    tensors = expected_tensors(C)
+    state = {f: torch.empty(t["shape"], dtype=TORCH_DTYPES[t["dtype"]]) for f, t in tensors.items()}
+    refs = [weakref.ref(v) for v in state.values()]
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        report = tessera.load(state, str(fixture(C)), progress=False)
+        assert report.bytes_read > 0
+        del state
+        alive = sum(r() is not None for r in refs)
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert alive == 0, f"{alive} of {len(refs)} tensors outlive the state dict"
+
+
 def _dtensor_rank(rank, world, port, layout, out):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
