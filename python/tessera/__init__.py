@@ -319,9 +319,12 @@ def _missing_message(checkpoint_id: str, missing: List[Tuple[str, str]], names: 
 _OBJECT_STORE_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "azure://", "abfs://", "abfss://", "http://", "https://")
 
 
-def _default_read_order(checkpoint_id: str) -> str:
-    """``auto`` for object stores, ``request`` for local paths (see ``load``'s ``read_order``)."""
-    return "auto" if checkpoint_id.lower().startswith(_OBJECT_STORE_SCHEMES) else "request"
+def _default_read_order(checkpoint_id: str, format: str, verify: bool) -> str:
+    """``auto`` for object stores and for verified native checkpoints, ``request`` for the rest on
+    local paths (see ``load``'s ``read_order``)."""
+    if checkpoint_id.lower().startswith(_OBJECT_STORE_SCHEMES):
+        return "auto"
+    return "auto" if format == "native" and verify else "request"
 
 
 def _progress_callback(progress: Union[bool, Progress, None]) -> Optional[Progress]:
@@ -386,9 +389,10 @@ def load(
             rank reads its pieces where the target cuts them), ``"storage"`` (a chunk cut across
             its rows is read in slabs and the parts others need are passed on), or ``"auto"``
             (the planner's cost model per chunk). Default: ``"auto"`` for object stores (where
-            requests and bytes served cost most) and ``"request"`` for local paths (where ranged
-            reads from the page cache cost less than passing bytes over the process group:
-            BENCHMARKS.md).
+            requests and bytes served cost most) and for native checkpoints read with ``verify``
+            (a column slice read where the target cuts it fetches whole checksum blocks of every
+            row: 4x the bytes), ``"request"`` for other local checkpoints (DCP, safetensors: ranged
+            reads from the page cache cost less than relaying bytes between ranks, BENCHMARKS.md).
         storage_options: credentials and endpoints (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT``, ...)
             on top of the environment.
         server, server_id, token: a ``tessera serve`` that plans instead of the ranks, the
@@ -456,7 +460,7 @@ def load(
     ]
 
     callback = _progress_callback(progress)
-    order = read_order if read_order is not None else _default_read_order(str(checkpoint_id))
+    order = read_order if read_order is not None else _default_read_order(str(checkpoint_id), opened.format, bool(verify))
     if group is not None:
         raw = _group.load_over_group(
             opened, targets, group, verify=bool(verify), server=server, server_id=server_id,

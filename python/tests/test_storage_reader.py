@@ -378,6 +378,23 @@ def test_read_order_reaches_the_process_group_plan():
     assert sent["tessera"] == sent["tessera:request"], sent  # local path: request order by default
 
 
+@pytest.mark.parametrize(
+    "location, format, verify, order",
+    [
+        ("s3://bucket/run/step-1", "dcp", True, "auto"),
+        ("/ckpt/step-1", "native", True, "auto"),
+        ("/ckpt/step-1", "native", False, "request"),
+        ("/ckpt/step-1", "dcp", True, "request"),
+        ("file:///ckpt/model", "safetensors", True, "request"),
+    ],
+)
+def test_the_default_read_order_follows_the_store_and_the_format(location, format, verify, order):
+    """Object stores and verified native checkpoints (whose column slices would fetch whole
+    checksum blocks of every row) read in storage order where the planner's cost model says so;
+    other local checkpoints read each rank's own pieces (BENCHMARKS.md, issue 16)."""
+    assert tessera._default_read_order(location, format, verify) == order
+
+
 def test_an_unknown_read_order_is_refused():
     with pytest.raises(ValueError, match=r'read_order must be "auto", "request" or "storage", not "sideways"'):
         tessera.load({}, str(fixture("c_w4_dp2_tp2")), read_order="sideways", progress=False)
