@@ -12,7 +12,7 @@ mod support_read;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support_read::{COLUMNS_TP3, DP2_TP2, WHOLE, expected_destination, prefix, rank_plans};
+use support_read::{COLUMNS_TP3, DP2_TP2, WHOLE, expected_destination, rank_plans};
 use tessera_loader::LoaderError;
 use tessera_loader::device_load::{DeviceExchange, OnHost, load_rank_to_device};
 use tessera_loader::load::{Checkpoint, LoadOptions};
@@ -22,7 +22,6 @@ use tessera_loader::staging::{StagingOptions, StagingPool};
 use tessera_loader::testing::{EmulatedPlane, HostCopyEngine, HostMemory};
 use tessera_loader::transport::{InProcTransport, SequencedTransport, TransportOptions};
 use tessera_planner::RankPlan;
-use tessera_storage::Location;
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -32,15 +31,7 @@ fn transport_options() -> TransportOptions {
 
 /// The fixture checkpoint on a local disk, opened as a loader would open it.
 async fn checkpoint() -> (tempfile::TempDir, Checkpoint) {
-    let (dir, store) = support_read::local_store();
-    support_read::write_checkpoint(&store).await;
-    let location = Location {
-        store,
-        prefix: prefix(),
-        display: dir.path().display().to_string(),
-        local_root: Some(dir.path().to_path_buf()),
-    };
-    (dir, Checkpoint::open(location).await.unwrap())
+    support_read::local_checkpoint().await
 }
 
 /// Small chunks and two lanes, so even this small checkpoint takes many staged copies.

@@ -21,22 +21,13 @@ use tessera_loader::exchange::ExchangeMessages;
 use tessera_loader::load::{Checkpoint, LoadOptions, RankReport, load_rank};
 use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
 use tessera_planner::{Layout, PlanOptions, RankPlan, ReadOrder};
-use tessera_storage::Location;
 
 /// Every tensor on both ranks: with dedup each piece is read by one and copied by the other.
 const REPLICATED_DP2: &str = r#"{"mesh": [{"name": "dp", "size": 2}],
     "rules": [{"match": "*", "placements": ["replicate"]}]}"#;
 
 async fn checkpoint() -> (tempfile::TempDir, Checkpoint) {
-    let (dir, store) = local_store();
-    write_checkpoint(&store).await;
-    let location = Location {
-        store,
-        prefix: prefix(),
-        display: dir.path().display().to_string(),
-        local_root: Some(dir.path().to_path_buf()),
-    };
-    (dir, Checkpoint::open(location).await.unwrap())
+    support_read::local_checkpoint().await
 }
 
 fn plans(checkpoint: &Checkpoint, layout: &str, read_order: ReadOrder) -> Vec<RankPlan> {

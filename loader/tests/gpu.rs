@@ -12,7 +12,7 @@ mod support_read;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support_read::{DP2_TP2, WHOLE, expected_destination, prefix, rank_plans};
+use support_read::{DP2_TP2, WHOLE, expected_destination, rank_plans};
 use tessera_loader::cuda::{CudaDevice, DeviceBuffer, NcclTransport, connect_nccl, probe};
 use tessera_loader::device::DeviceMemory;
 use tessera_loader::device_load::{DeviceExchange, OnHost, load_rank_to_device};
@@ -23,7 +23,6 @@ use tessera_loader::rendezvous::RendezvousConfig;
 use tessera_loader::staging::{StagingOptions, Upload};
 use tessera_loader::transport::{InProcTransport, TransportOptions, conformance};
 use tessera_planner::{RankPlan, StridedRuns};
-use tessera_storage::Location;
 
 /// Why GPU tests cannot run here, if they cannot.
 fn no_gpu() -> Option<String> {
@@ -123,15 +122,7 @@ fn staged_upload_round_trips() {
 }
 
 async fn fixture() -> (tempfile::TempDir, Checkpoint) {
-    let (dir, store) = support_read::local_store();
-    support_read::write_checkpoint(&store).await;
-    let location = Location {
-        store,
-        prefix: prefix(),
-        display: dir.path().display().to_string(),
-        local_root: Some(dir.path().to_path_buf()),
-    };
-    (dir, Checkpoint::open(location).await.unwrap())
+    support_read::local_checkpoint().await
 }
 
 fn check_on_device(device: &CudaDevice, plan: &RankPlan, buffers: &[DeviceBuffer]) {

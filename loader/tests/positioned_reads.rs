@@ -12,47 +12,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use object_store::memory::InMemory;
-use support_read::{expected_destination, local_store, prefix};
+use support_read::expected_destination;
 use tessera_loader::LoaderError;
 use tessera_loader::load::{Checkpoint, LoadOptions, LoadedRank, load_rank};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::{InProcTransport, TransportOptions};
-use tessera_planner::presets::fsdp;
 use tessera_planner::{Layout, PlanOptions};
-use tessera_storage::Location;
-use tessera_synth::{Model, SynthOptions, synthesize};
 
 /// One rank holding every tensor whole.
 const WHOLE: &str = r#"{"mesh": [{"name": "dp", "size": 1}],
     "rules": [{"match": "*", "placements": ["replicate"]}]}"#;
 
 async fn saved_by_rows() -> (tempfile::TempDir, Checkpoint) {
-    let (dir, store) = local_store();
-    let options = SynthOptions {
-        model: Model::GptTiny,
-        optimizer: false,
-        metadata_only: false,
-        dist_optimizer: None,
-        step: Some(1),
-        progress: None,
-    };
-    let display = dir.path().display().to_string();
-    synthesize(
-        Arc::clone(&store),
-        &prefix(),
-        &display,
-        &fsdp(4).unwrap(),
-        &options,
-    )
-    .await
-    .unwrap();
-    let location = Location {
-        store,
-        prefix: prefix(),
-        display,
-        local_root: Some(dir.path().to_path_buf()),
-    };
-    (dir, Checkpoint::open(location).await.unwrap())
+    support_read::synth_saved_by_rows(4).await
 }
 
 async fn load_whole(checkpoint: &Checkpoint, verify: bool) -> Result<LoadedRank, LoaderError> {

@@ -9,50 +9,21 @@
 
 mod support_read;
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use support_read::{load_every_rank, local_store, prefix};
+use support_read::load_every_rank;
 use tessera_loader::load::{Checkpoint, LoadOptions, RankReport, load_rank};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::{InProcTransport, TransportOptions};
 use tessera_metadata::formats::native::DEFAULT_BLOCK_SIZE;
-use tessera_planner::presets::fsdp;
 use tessera_planner::{
     ExplicitRequest, ExplicitRequests, PlanOptions, PlanSummary, RankPlan, ReadOrder, RequestSet,
 };
-use tessera_storage::Location;
-use tessera_synth::{Model, SynthOptions, synthesize};
 
 const WORLD: u32 = 4;
 
 async fn saved_by_rows() -> (tempfile::TempDir, Checkpoint) {
-    let (dir, store) = local_store();
-    let options = SynthOptions {
-        model: Model::GptTiny,
-        optimizer: false,
-        metadata_only: false,
-        dist_optimizer: None,
-        step: Some(1),
-        progress: None,
-    };
-    let display = dir.path().display().to_string();
-    synthesize(
-        Arc::clone(&store),
-        &prefix(),
-        &display,
-        &fsdp(WORLD).unwrap(),
-        &options,
-    )
-    .await
-    .unwrap();
-    let location = Location {
-        store,
-        prefix: prefix(),
-        display,
-        local_root: Some(dir.path().to_path_buf()),
-    };
-    (dir, Checkpoint::open(location).await.unwrap())
+    support_read::synth_saved_by_rows(WORLD).await
 }
 
 /// Every matrix split over the ranks by columns (as `torch.chunk` does), every vector by rows,

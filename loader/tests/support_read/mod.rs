@@ -43,6 +43,52 @@ pub fn local_store() -> (tempfile::TempDir, Arc<dyn ObjectStore>) {
     (dir, Arc::new(store))
 }
 
+/// The checkpoint at [`prefix`] in the local store over `dir`, opened with its local root (so
+/// pieces that allow it are read by position from the files).
+pub async fn open_local(dir: &tempfile::TempDir, store: Arc<dyn ObjectStore>) -> Checkpoint {
+    let location = tessera_storage::Location {
+        store,
+        prefix: prefix(),
+        display: dir.path().display().to_string(),
+        local_root: Some(dir.path().to_path_buf()),
+    };
+    Checkpoint::open(location).await.unwrap()
+}
+
+/// The fixture checkpoint ([`write_checkpoint`]) in a fresh local directory, opened.
+pub async fn local_checkpoint() -> (tempfile::TempDir, Checkpoint) {
+    let (dir, store) = local_store();
+    write_checkpoint(&store).await;
+    let checkpoint = open_local(&dir, store).await;
+    (dir, checkpoint)
+}
+
+/// A synthetic gpt-tiny checkpoint (native, block and box checksums) saved Shard(0) by `world`
+/// ranks (`fsdp`) in a fresh local directory, opened.
+pub async fn synth_saved_by_rows(world: u32) -> (tempfile::TempDir, Checkpoint) {
+    let (dir, store) = local_store();
+    let options = tessera_synth::SynthOptions {
+        model: tessera_synth::Model::GptTiny,
+        optimizer: false,
+        metadata_only: false,
+        dist_optimizer: None,
+        step: Some(1),
+        progress: None,
+    };
+    let display = dir.path().display().to_string();
+    tessera_synth::synthesize(
+        Arc::clone(&store),
+        &prefix(),
+        &display,
+        &tessera_planner::presets::fsdp(world).unwrap(),
+        &options,
+    )
+    .await
+    .unwrap();
+    let checkpoint = open_local(&dir, store).await;
+    (dir, checkpoint)
+}
+
 pub fn memory_store() -> Arc<dyn ObjectStore> {
     Arc::new(object_store::memory::InMemory::new())
 }
