@@ -279,6 +279,12 @@ fn main() {
         let read: u64 = reports.iter().map(|r| r.bytes_read).sum();
         let fetched: u64 = reports.iter().map(|r| r.bytes_fetched).sum();
         let requests: u64 = reports.iter().map(|r| r.requests).sum();
+        // Where the time went: every rank's reads, and what came after its last read.
+        let phases: Vec<String> = reports
+            .iter()
+            .map(|r| format!("{:.2}+{:.2}", r.read_seconds, r.exchange_seconds))
+            .collect();
+        eprintln!("run {run}: per rank read+after s: {}", phases.join(" "));
         println!(
             "| {run} | tessera load | {fetched} (read {read} in {requests} requests, amplification {:.4}) | {s:.3} | {:.2} | {:.2}x |{}",
             read as f64 / unique as f64,

@@ -161,6 +161,7 @@ fn end_to_end(device: &CudaDevice) {
                     ..ReadOptions::default()
                 },
                 progress: None,
+                ..LoadOptions::default()
             };
             let started = Instant::now();
             let loaded = runtime

@@ -165,6 +165,7 @@ fn main() {
                                 ..ReadOptions::default()
                             },
                             progress: None,
+                            ..LoadOptions::default()
                         };
                         load_rank(&checkpoint, rank_plan, &transport, &options)
                             .await

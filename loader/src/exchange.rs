@@ -7,6 +7,7 @@
 //! transports buffer what arrives before it is asked for, so no interleaving of groups and ranks
 //! can deadlock, and a rank waits at most one transport timeout for its slowest peer.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -18,7 +19,7 @@ use tessera_planner::{RankPlan, Round};
 use crate::LoaderError;
 use crate::cross_memory::{PeerMemory, ShareDescriptor, push_span};
 use crate::place::{copy_to_other_places, gather_piece, place_piece, wire_spans};
-use crate::transport::{Transport, exchange_tag};
+use crate::transport::{MAX_ROUNDS, MAX_SHARE_PARTS, Transport, share_part_tag};
 
 /// Puts the group and round into a transport error, which only knows the tag.
 pub(crate) fn in_round(error: LoaderError, group: u32, round: u32, tag: u64) -> LoaderError {
@@ -43,16 +44,18 @@ pub struct ExchangeStats {
     pub elapsed: Duration,
 }
 
-/// A message this rank expects: the share `from` sends it in one round of one group.
+/// A message this rank expects: (a part of) the share `from` sends it in one round of one group.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Incoming {
     /// The exchange group.
     pub group: u32,
     /// The round within the group.
     pub round: u32,
+    /// Which part of the round's share (0 for the first; see [`SHARE_PART_BYTES`]).
+    pub part: u32,
     /// The sending rank.
     pub from: u32,
-    /// The transport tag ([`exchange_tag`]).
+    /// The transport tag ([`share_part_tag`]).
     pub tag: u64,
     /// Indices into `plan.pieces`, in message order.
     pub pieces: Vec<usize>,
@@ -60,16 +63,18 @@ pub struct Incoming {
     pub bytes: u64,
 }
 
-/// A message this rank sends: its share of one group to one peer in one round.
+/// A message this rank sends: (a part of) its share of one group to one peer in one round.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Outgoing {
     /// The exchange group.
     pub group: u32,
     /// The round within the group.
     pub round: u32,
+    /// Which part of the round's share (0 for the first; see [`SHARE_PART_BYTES`]).
+    pub part: u32,
     /// The receiving rank.
     pub to: u32,
-    /// The transport tag ([`exchange_tag`]).
+    /// The transport tag ([`share_part_tag`]).
     pub tag: u64,
     /// Indices into `plan.pieces` (pieces this rank reads), in message order.
     pub pieces: Vec<usize>,
@@ -97,6 +102,13 @@ impl ExchangeMessages {
     /// sent one this rank reads, every round's bytes what it declares, and the totals what the
     /// plan's summary says.
     pub fn of_plan(plan: &RankPlan) -> Result<Self, LoaderError> {
+        Self::of_plan_in_parts(plan, SHARE_PART_BYTES)
+    }
+
+    /// [`Self::of_plan`] with shares cut into parts of `part_bytes` instead of
+    /// [`SHARE_PART_BYTES`]. Every rank of a load must cut with the same size: a part's tag
+    /// names its place in the share, and the receiver expects the sender's cut.
+    pub fn of_plan_in_parts(plan: &RankPlan, part_bytes: u64) -> Result<Self, LoaderError> {
         let mut messages = ExchangeMessages::default();
         let (mut plan_sent, mut plan_received) = (0u64, 0u64);
         for exchange in &plan.exchanges {
@@ -110,30 +122,44 @@ impl ExchangeMessages {
                 ));
             }
             for round in &exchange.rounds {
-                let tag = exchange_tag(group, round.round);
+                if round.round >= MAX_ROUNDS {
+                    return Err(invalid(
+                        plan,
+                        format!(
+                            "group {group} round {} is past the {MAX_ROUNDS} rounds a ring's tags can name",
+                            round.round
+                        ),
+                    ));
+                }
                 if !round.send.is_empty() {
                     let (pieces, bytes) = round_pieces(plan, group, round, Direction::Send)?;
                     plan_sent += bytes;
-                    messages.outgoing.push(Outgoing {
-                        group,
-                        round: round.round,
-                        to: round.send_to,
-                        tag,
-                        pieces,
-                        bytes,
-                    });
+                    for (part, pieces, bytes) in share_parts(plan, pieces, part_bytes) {
+                        messages.outgoing.push(Outgoing {
+                            group,
+                            round: round.round,
+                            part,
+                            to: round.send_to,
+                            tag: share_part_tag(group, round.round, part),
+                            pieces,
+                            bytes,
+                        });
+                    }
                 }
                 if !round.recv.is_empty() {
                     let (pieces, bytes) = round_pieces(plan, group, round, Direction::Recv)?;
                     plan_received += bytes;
-                    messages.incoming.push(Incoming {
-                        group,
-                        round: round.round,
-                        from: round.recv_from,
-                        tag,
-                        pieces,
-                        bytes,
-                    });
+                    for (part, pieces, bytes) in share_parts(plan, pieces, part_bytes) {
+                        messages.incoming.push(Incoming {
+                            group,
+                            round: round.round,
+                            part,
+                            from: round.recv_from,
+                            tag: share_part_tag(group, round.round, part),
+                            pieces,
+                            bytes,
+                        });
+                    }
                 }
             }
         }
@@ -148,6 +174,46 @@ impl ExchangeMessages {
         }
         Ok(messages)
     }
+}
+
+/// A share (the pieces one reader sends a peer in one round) larger than this goes in parts of
+/// about this size, cut between pieces in plan order. With the exchange beside the reads
+/// ([`crate::overlap`]) a part goes out as soon as its own pieces are read, so the peer's copy of
+/// a large share runs while the rest is still being read instead of all of it after the last
+/// read; a part this large keeps the per-message cost (a descriptor and an acknowledgement for a
+/// direct copy) negligible.
+pub const SHARE_PART_BYTES: u64 = 64 << 20;
+
+/// `pieces` (a share, in plan order) cut into consecutive parts of at least `part_bytes` each
+/// (the last may be smaller; a larger piece is a part of its own), at most [`MAX_SHARE_PARTS`]
+/// (the part size grows for a share that would need more): (part, pieces, bytes) each. Sender
+/// and receiver cut the same list the same way, so their parts and tags agree.
+fn share_parts(
+    plan: &RankPlan,
+    pieces: Vec<usize>,
+    part_bytes: u64,
+) -> Vec<(u32, Vec<usize>, u64)> {
+    let total: u64 = pieces.iter().map(|&i| plan.pieces[i].bytes).sum();
+    let part_bytes = part_bytes
+        .max(1)
+        .max(total.div_ceil(u64::from(MAX_SHARE_PARTS)));
+    if total <= part_bytes {
+        return vec![(0, pieces, total)];
+    }
+    let mut parts = Vec::new();
+    let (mut current, mut bytes) = (Vec::new(), 0u64);
+    for index in pieces {
+        current.push(index);
+        bytes += plan.pieces[index].bytes;
+        if bytes >= part_bytes {
+            parts.push((parts.len() as u32, std::mem::take(&mut current), bytes));
+            bytes = 0;
+        }
+    }
+    if !current.is_empty() {
+        parts.push((parts.len() as u32, current, bytes));
+    }
+    parts
 }
 
 /// Gathers the wire bytes of `message` out of `buffers` (where this rank placed the pieces it
@@ -432,27 +498,33 @@ pub async fn run_exchanges<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
     plan: &RankPlan,
     buffers: &mut [B],
 ) -> Result<ExchangeStats, LoaderError> {
+    let messages = ExchangeMessages::of_plan(plan)?;
+    run_exchange_messages(transport, plan, &messages, buffers).await
+}
+
+/// [`run_exchanges`] with the plan's messages already cut ([`ExchangeMessages::of_plan_in_parts`]).
+pub async fn run_exchange_messages<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
+    transport: &T,
+    plan: &RankPlan,
+    messages: &ExchangeMessages,
+    buffers: &mut [B],
+) -> Result<ExchangeStats, LoaderError> {
     let start = Instant::now();
     check_rank(plan, transport.rank(), transport.world())?;
     check_buffer_sizes(plan, buffers.iter().map(|b| b.as_ref().len() as u64))
         .map_err(|detail| invalid(plan, detail))?;
 
-    let messages = ExchangeMessages::of_plan(plan)?;
-    // A member sends the same share in every round of a group: gather it once.
+    // A member sends the same share (part) in every round of a group: gather it once.
     let mut outgoing: Vec<(&Outgoing, Bytes)> = Vec::with_capacity(messages.outgoing.len());
-    let mut last: Option<(u32, &[usize], Bytes)> = None;
+    let mut gathered: HashMap<(u32, &[usize]), Bytes> = HashMap::new();
     for message in &messages.outgoing {
-        let data = match &last {
-            Some((group, pieces, data))
-                if *group == message.group && *pieces == &message.pieces[..] =>
-            {
-                data.clone()
-            }
-            _ => {
+        let data = match gathered.get(&(message.group, &message.pieces[..])) {
+            Some(data) => data.clone(),
+            None => {
                 let mut out = vec![0u8; message.bytes as usize];
                 gather_message(plan, message, buffers, &mut out)?;
                 let data = Bytes::from(out);
-                last = Some((message.group, &message.pieces, data.clone()));
+                gathered.insert((message.group, &message.pieces), data.clone());
                 data
             }
         };

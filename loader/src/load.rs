@@ -193,12 +193,16 @@ pub struct LoadOptions {
     pub read: ReadOptions,
     /// Called with the bytes of every completed read (for a progress bar).
     pub progress: Option<Arc<dyn Fn(u64) + Send + Sync>>,
+    /// Bytes per message when a share is sent in parts (`None`:
+    /// [`crate::exchange::SHARE_PART_BYTES`]). Every rank of a load must use the same value.
+    pub share_part_bytes: Option<u64>,
 }
 
 impl std::fmt::Debug for LoadOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LoadOptions")
             .field("read", &self.read)
+            .field("share_part_bytes", &self.share_part_bytes)
             .finish_non_exhaustive()
     }
 }

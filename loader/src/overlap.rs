@@ -143,12 +143,18 @@ pub(crate) async fn read_and_exchange<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>
 ) -> Result<(ReadStats, f64, ExchangeStats), LoaderError> {
     // A plan for another checkpoint is refused before any peer is contacted.
     checkpoint.check_plan(plan)?;
-    let messages = ExchangeMessages::of_plan(plan)?;
+    let messages = ExchangeMessages::of_plan_in_parts(
+        plan,
+        options
+            .share_part_bytes
+            .unwrap_or(exchange::SHARE_PART_BYTES),
+    )?;
     if messages.outgoing.is_empty() && messages.incoming.is_empty() || !overlap_enabled() {
         // Nothing to exchange, or the exchange after the whole read (TESSERA_EXCHANGE_OVERLAP=0).
         let stats = checkpoint.read_into(plan, options, buffers).await?;
         let read_seconds = started.elapsed().as_secs_f64();
-        let exchanged = exchange::run_exchanges(transport, plan, buffers).await?;
+        let exchanged =
+            exchange::run_exchange_messages(transport, plan, &messages, buffers).await?;
         return Ok((stats, read_seconds, exchanged));
     }
     let exchange_started = Instant::now();

@@ -54,6 +54,7 @@ fn options() -> LoadOptions {
             ..ReadOptions::default()
         },
         progress: None,
+        ..LoadOptions::default()
     }
 }
 

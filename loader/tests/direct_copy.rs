@@ -49,6 +49,7 @@ fn load_options() -> LoadOptions {
     LoadOptions {
         read: options(true),
         progress: None,
+        ..LoadOptions::default()
     }
 }
 
@@ -179,4 +180,38 @@ async fn a_share_listing_other_pieces_than_the_plan_is_refused() {
     )
     .await;
     assert!(err.contains("the ranks run different plans"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shares_sent_in_parts_as_their_pieces_are_read_land_every_byte() {
+    let (_dir, checkpoint) = checkpoint().await;
+    // Parts of 8 KiB: every share of more than a piece or two goes in several messages, each
+    // offered as soon as its own pieces are read, beside the rest of the read.
+    let options = LoadOptions {
+        share_part_bytes: Some(8 * 1024),
+        ..load_options()
+    };
+    for (layout, order) in [
+        (REPLICATED_DP2, ReadOrder::Request),
+        (DP2_TP2, ReadOrder::Request),
+        (COLUMNS_TP3, ReadOrder::Storage),
+    ] {
+        let plans = plans(&checkpoint, layout, order);
+        let parts: usize = plans
+            .iter()
+            .map(|p| {
+                let cut = ExchangeMessages::of_plan_in_parts(p, 8 * 1024).unwrap();
+                cut.outgoing.len() - ExchangeMessages::of_plan(p).unwrap().outgoing.len()
+            })
+            .sum();
+        assert!(parts > 0, "{layout}: no share was cut");
+        // load_every_rank checks every destination against the formula.
+        for loaded in load_every_rank(&checkpoint, plans, &options).await {
+            assert_eq!(
+                loaded.report.bytes_received_direct, loaded.plan.summary.bytes_received,
+                "rank {}",
+                loaded.plan.rank
+            );
+        }
+    }
 }

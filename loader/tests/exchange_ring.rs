@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tessera_loader::LoaderError;
-use tessera_loader::exchange::{ExchangeStats, run_exchanges};
+use tessera_loader::exchange::{
+    ExchangeMessages, ExchangeStats, run_exchange_messages, run_exchanges,
+};
 use tessera_loader::place::{allocate, place_piece};
 use tessera_loader::plane::PlaneThread;
 use tessera_loader::plane::ring::ring_exchange;
@@ -625,4 +627,127 @@ async fn plan_for_another_rank_is_refused() {
         .await
         .unwrap_err();
     assert!(matches!(err, LoaderError::InvalidPlan { .. }), "{err}");
+}
+
+/// Shares cut into parts of at most this many bytes in the tests below: every gpt-tiny share of
+/// more than a few pieces goes in several parts.
+const SMALL_PARTS: u64 = 16 * 1024;
+
+/// Every rank's exchange with its shares cut into `SMALL_PARTS`, each rank in its own task.
+async fn exchange_in_parts_and_check<T: Transport + 'static>(mesh: Vec<T>, plans: &[RankPlan]) {
+    let tasks: Vec<_> = mesh
+        .into_iter()
+        .zip(plans.iter().cloned())
+        .map(|(transport, plan)| {
+            tokio::spawn(async move {
+                let mut buffers = prepared(&plan);
+                let messages = ExchangeMessages::of_plan_in_parts(&plan, SMALL_PARTS).unwrap();
+                let result =
+                    run_exchange_messages(&transport, &plan, &messages, &mut buffers).await;
+                (transport, plan, result, buffers)
+            })
+        })
+        .collect();
+    for task in tasks {
+        let (_transport, plan, result, buffers) = task.await.unwrap();
+        let stats = result.unwrap_or_else(|e| panic!("rank {}: {e}", plan.rank));
+        assert_eq!(stats.bytes_received, plan.summary.bytes_received);
+        check_destinations(&plan, &buffers);
+    }
+}
+
+#[test]
+fn a_share_cut_into_parts_is_cut_the_same_way_by_sender_and_receiver() {
+    for plans in [
+        tp2_to_tp2_dp2(),
+        tp2_to_pp2_dp2_tp2_zero1(),
+        tp2_to_replicated_4(),
+    ] {
+        let messages: Vec<ExchangeMessages> = plans
+            .iter()
+            .map(|p| ExchangeMessages::of_plan_in_parts(p, SMALL_PARTS).unwrap())
+            .collect();
+        let whole: Vec<ExchangeMessages> = plans
+            .iter()
+            .map(|p| ExchangeMessages::of_plan(p).unwrap())
+            .collect();
+        let mut cut = 0;
+        for (from, plan) in plans.iter().enumerate() {
+            // The parts of a share hold its pieces once each, in order, and say their bytes.
+            for out in &messages[from].outgoing {
+                assert!(out.bytes > 0);
+                let bytes: u64 = out.pieces.iter().map(|&i| plan.pieces[i].bytes).sum();
+                assert_eq!(
+                    bytes, out.bytes,
+                    "rank {from} group {} part {}",
+                    out.group, out.part
+                );
+            }
+            for share in &whole[from].outgoing {
+                let parts: Vec<_> = messages[from]
+                    .outgoing
+                    .iter()
+                    .filter(|m| (m.group, m.round, m.to) == (share.group, share.round, share.to))
+                    .collect();
+                let joined: Vec<usize> = parts.iter().flat_map(|m| m.pieces.clone()).collect();
+                assert_eq!(joined, share.pieces, "rank {from}: parts in share order");
+                let numbers: Vec<u32> = parts.iter().map(|m| m.part).collect();
+                assert_eq!(numbers, (0..parts.len() as u32).collect::<Vec<_>>());
+                cut += parts.len() - 1;
+            }
+            // What one rank sends a peer is exactly what the peer expects from it: piece ids,
+            // bytes and tags part by part.
+            for out in &messages[from].outgoing {
+                let to = out.to as usize;
+                let expect = messages[to]
+                    .incoming
+                    .iter()
+                    .find(|m| m.from as usize == from && m.tag == out.tag)
+                    .unwrap_or_else(|| panic!("rank {to} expects no message {:#x}", out.tag));
+                let ids = |plan: &RankPlan, pieces: &[usize]| -> Vec<u32> {
+                    pieces.iter().map(|&i| plan.pieces[i].id).collect()
+                };
+                assert_eq!(
+                    (expect.group, expect.round, expect.part, expect.bytes),
+                    (out.group, out.round, out.part, out.bytes)
+                );
+                assert_eq!(ids(&plans[to], &expect.pieces), ids(plan, &out.pieces));
+            }
+            let mut tags: Vec<(u32, u64)> = messages[from]
+                .outgoing
+                .iter()
+                .map(|m| (m.to, m.tag))
+                .collect();
+            let count = tags.len();
+            tags.sort_unstable();
+            tags.dedup();
+            assert_eq!(tags.len(), count, "rank {from}: two messages share a tag");
+        }
+        assert!(cut > 0, "no share was large enough to be cut");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shares_in_parts_land_every_byte_in_process() {
+    for plans in [
+        tp2_to_tp2_dp2(),
+        tp2_to_replicated_4(),
+        overlapping_flat_ranges(),
+    ] {
+        let mesh = InProcTransport::mesh(plans.len() as u32, options());
+        exchange_in_parts_and_check(mesh, &plans).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shares_in_parts_land_every_byte_over_tcp() {
+    let plans = tp2_to_pp2_dp2_tp2_zero1();
+    let mesh = tcp_mesh(plans.len() as u32).await;
+    exchange_in_parts_and_check(mesh, &plans).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shares_in_parts_land_every_byte_when_a_send_waits_for_its_receive() {
+    let plans = tp2_to_replicated_4();
+    exchange_in_parts_and_check(sequenced_mesh(plans.len() as u32), &plans).await;
 }

@@ -43,6 +43,7 @@ async fn load_whole(checkpoint: &Checkpoint, verify: bool) -> Result<LoadedRank,
             ..ReadOptions::default()
         },
         progress: None,
+        ..LoadOptions::default()
     };
     let transport =
         InProcTransport::mesh(1, TransportOptions::with_timeout(Duration::from_secs(10)))

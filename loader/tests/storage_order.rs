@@ -85,6 +85,7 @@ async fn load_all(checkpoint: &Checkpoint, order: ReadOrder) -> (PlanSummary, Ve
             ..ReadOptions::default()
         },
         progress: None,
+        ..LoadOptions::default()
     };
     let mut reports = Vec::new();
     for loaded in load_every_rank(checkpoint, plans, &options).await {
@@ -170,6 +171,7 @@ async fn a_corrupt_slab_fails_every_rank_that_needs_it_and_none_succeeds() {
             ..ReadOptions::default()
         },
         progress: None,
+        ..LoadOptions::default()
     };
     let mesh = InProcTransport::mesh(
         WORLD,

@@ -68,6 +68,7 @@ fn options() -> LoadOptions {
             ..ReadOptions::default()
         },
         progress: None,
+        ..LoadOptions::default()
     }
 }
 

@@ -259,6 +259,7 @@ pub(crate) fn load_options(verify: bool, progress: Option<Py<PyAny>>, total: u64
             ..ReadOptions::default()
         },
         progress: None,
+        ..LoadOptions::default()
     };
     if let Some(callback) = progress {
         let progress = Arc::new(Progress {

@@ -63,8 +63,9 @@ def _agree(dist: Any, group: Any, world: int, rank: int, step: str, error: Optio
 
 def _message_tags(messages: List[Tuple[int, int, int, int]]) -> List[int]:
     """A tag per message: its index among this rank's messages with the same peer, ordered by
-    (exchange group, round). Sender and receiver both order a pair's messages that way, so tags
-    match without carrying tessera's 64-bit tags through torch's int tags."""
+    (exchange group, round), the parts of one round's share in their order (a stable sort).
+    Sender and receiver both order a pair's messages that way, so tags match without carrying
+    tessera's 64-bit tags through torch's int tags."""
     by_peer: Dict[int, List[int]] = {}
     for i, (peer, _bytes, group, rnd) in enumerate(messages):
         by_peer.setdefault(peer, []).append(i)

@@ -41,6 +41,7 @@ async fn load_all(
             ..ReadOptions::default()
         },
         progress: None,
+        ..LoadOptions::default()
     };
     let mut requests = layout.resolve(checkpoint.meta.tensors())?;
     convert

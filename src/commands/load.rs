@@ -292,6 +292,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
             ..ReadOptions::default()
         },
         progress: None,
+        ..LoadOptions::default()
     };
     // One bound for every wait on a peer, rendezvous included (it had its own 300 s default).
     let transport_options = TransportOptions {

@@ -133,9 +133,24 @@ impl Default for TransportOptions {
     }
 }
 
-/// The message tag of round `round` of group `group` in the ring exchange.
+/// The message tag of round `round` of group `group` in the ring exchange (the first part of
+/// its share: [`share_part_tag`]).
 pub fn exchange_tag(group: u32, round: u32) -> u64 {
-    (u64::from(group) << 32) | u64::from(round)
+    share_part_tag(group, round, 0)
+}
+
+/// Rounds a group's ring may have (members − 1) before its tags would need the bits that number
+/// a share's parts.
+pub const MAX_ROUNDS: u32 = 1 << 20;
+
+/// Parts a share may be sent in (see [`crate::exchange::SHARE_PART_BYTES`]).
+pub const MAX_SHARE_PARTS: u32 = 1 << 12;
+
+/// The message tag of part `part` of the share of round `round` of group `group`: group in bits
+/// 32–61, part in bits 20–31, round in bits 0–19 (callers keep round < [`MAX_ROUNDS`] and part <
+/// [`MAX_SHARE_PARTS`]).
+pub fn share_part_tag(group: u32, round: u32, part: u32) -> u64 {
+    (u64::from(group) << 32) | (u64::from(part) << 20) | u64::from(round)
 }
 
 /// Checks that `peer` is another rank of the world.
