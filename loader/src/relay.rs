@@ -75,12 +75,13 @@ impl<B: AsMut<[u8]>> AsMut<[u8]> for Slot<'_, B> {
 }
 
 /// The caller's `buffers` followed by a zeroed scratch buffer for every destination `relaying`
-/// (from [`with_relay_buffers`]) added.
+/// (from [`with_relay_buffers`]) added, on huge pages where large (fresh memory, touched for the
+/// first time by the read: 512 times fewer page faults).
 pub fn slots<'a, B>(relaying: &RankPlan, buffers: &'a mut [B]) -> Vec<Slot<'a, B>> {
     let added = relaying.destinations.len().saturating_sub(buffers.len());
     let scratch = relaying.destinations[relaying.destinations.len() - added..]
         .iter()
-        .map(|d| Slot::Scratch(vec![0u8; d.bytes as usize]));
+        .map(|d| Slot::Scratch(crate::host_memory::zeroed_buffer(d.bytes as usize)));
     buffers
         .iter_mut()
         .map(Slot::Caller)
