@@ -295,15 +295,18 @@ impl GroupLoad {
             Some(relaying) => {
                 let caller = state.buffers.len();
                 for dest in &relaying.destinations[caller..] {
-                    state
-                        .buffers
-                        .push(Buffer::Scratch(vec![0u8; dest.bytes as usize]));
+                    state.buffers.push(Buffer::Scratch(
+                        tessera_loader::host_memory::zeroed_buffer(dest.bytes as usize),
+                    ));
                 }
                 relaying
             }
             None => plan,
         };
-        let messages = ExchangeMessages::of_plan(&plan).map_err(|e| py_error(e.into()))?;
+        // Whole shares, one message each: this path exchanges after the whole read, so parts
+        // (which let a share start while the rest is read) would only add messages.
+        let messages =
+            ExchangeMessages::of_plan_in_parts(&plan, u64::MAX).map_err(|e| py_error(e.into()))?;
         let outgoing = messages
             .outgoing
             .iter()
