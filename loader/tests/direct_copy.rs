@@ -9,6 +9,7 @@
 
 mod support_read;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -21,6 +22,7 @@ use tessera_loader::exchange::ExchangeMessages;
 use tessera_loader::load::{Checkpoint, LoadOptions, RankReport, load_rank};
 use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
 use tessera_planner::{Layout, PlanOptions, RankPlan, ReadOrder};
+use tessera_storage::testing::ThrottledStore;
 
 /// Every tensor on both ranks: with dedup each piece is read by one and copied by the other.
 const REPLICATED_DP2: &str = r#"{"mesh": [{"name": "dp", "size": 2}],
@@ -184,27 +186,38 @@ async fn a_share_listing_other_pieces_than_the_plan_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shares_sent_in_parts_as_their_pieces_are_read_land_every_byte() {
-    let (_dir, checkpoint) = checkpoint().await;
-    // Parts of 8 KiB: every share of more than a piece or two goes in several messages, each
-    // offered as soon as its own pieces are read, beside the rest of the read.
-    let options = LoadOptions {
-        share_part_bytes: Some(8 * 1024),
-        ..load_options()
-    };
-    for (layout, order) in [
-        (REPLICATED_DP2, ReadOrder::Request),
-        (DP2_TP2, ReadOrder::Request),
-        (COLUMNS_TP3, ReadOrder::Storage),
+    let (_dir, mut checkpoint) = checkpoint().await;
+    // Reads trickle in (4 KiB requests, one at a time, behind a 2 MB/s link, no positioned
+    // reads), so a part offered before its own pieces are read would be copied with bytes
+    // missing.
+    checkpoint.location.store = Arc::new(ThrottledStore::new(
+        Arc::clone(&checkpoint.location.store),
+        2_000_000,
+    ));
+    checkpoint.location.local_root = None;
+    let mut options = load_options();
+    options.read.part_size = 4096;
+    options.read.max_in_flight = 1;
+    // Part sizes that cut shares into parts of several pieces: a part offered before all of its
+    // pieces are read would be copied with bytes missing.
+    let mut cut = 0;
+    for (layout, order, part_bytes) in [
+        (REPLICATED_DP2, ReadOrder::Request, 64 * 1024),
+        (DP2_TP2, ReadOrder::Request, 64 * 1024),
+        (COLUMNS_TP3, ReadOrder::Storage, 24 * 1024),
     ] {
         let plans = plans(&checkpoint, layout, order);
-        let parts: usize = plans
-            .iter()
-            .map(|p| {
-                let cut = ExchangeMessages::of_plan_in_parts(p, 8 * 1024).unwrap();
-                cut.outgoing.len() - ExchangeMessages::of_plan(p).unwrap().outgoing.len()
-            })
-            .sum();
-        assert!(parts > 0, "{layout}: no share was cut");
+        let mut several = 0;
+        for plan in &plans {
+            let parts = ExchangeMessages::of_plan_in_parts(plan, part_bytes).unwrap();
+            cut += parts.outgoing.len() - ExchangeMessages::of_plan(plan).unwrap().outgoing.len();
+            several += parts.outgoing.iter().filter(|m| m.pieces.len() > 1).count();
+        }
+        assert!(several > 0, "{layout}: no part of several pieces");
+        let options = LoadOptions {
+            share_part_bytes: Some(part_bytes),
+            ..options.clone()
+        };
         // load_every_rank checks every destination against the formula.
         for loaded in load_every_rank(&checkpoint, plans, &options).await {
             assert_eq!(
@@ -214,4 +227,5 @@ async fn shares_sent_in_parts_as_their_pieces_are_read_land_every_byte() {
             );
         }
     }
+    assert!(cut > 0, "no share was cut into parts");
 }
