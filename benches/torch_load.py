@@ -243,7 +243,13 @@ def worker(rank: int, port: int, data: str, repeats: int, out) -> None:
                     out[(layout, method, rep, rank)] = result
                     if rank == 0:
                         print(
-                            f"{layout} rep {rep} {method}: {result['seconds']:.2f} s (rank 0 RSS {rss_gib():.2f} GiB)",
+                            f"{layout} rep {rep} {method}: {result['seconds']:.2f} s"
+                            + (
+                                f" (rank 0: read {result['read_seconds']:.2f} s, exchange {result['exchange_seconds']:.2f} s)"
+                                if result.get("read_seconds") is not None
+                                else ""
+                            )
+                            + f" (rank 0 RSS {rss_gib():.2f} GiB)",
                             flush=True,
                         )
     finally:

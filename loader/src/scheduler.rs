@@ -372,6 +372,15 @@ impl<'a> RangeScheduler<'a> {
         // byte budget needs: a request's bytes (gaps included) are reserved when it starts and
         // released when `on_part` has consumed its parts.
         let mut reserved: u64 = 0;
+        // Parts of a local directory's files are read by position into buffers reused from part
+        // to part (at most the parts in flight), not into a fresh allocation per request whose
+        // pages the kernel must fault in and zero: the first load of a process paid most of its
+        // store-path reads in page faults (BENCHMARKS.md, issue 16).
+        let local = self
+            .options
+            .local_root
+            .clone()
+            .map(|root| Arc::new(LocalParts::new(root, max_span)));
         let mut next = 0;
         loop {
             while next < parts.len() && tasks.len() < max_in_flight {
@@ -438,7 +447,13 @@ impl<'a> RangeScheduler<'a> {
                 let store = Arc::clone(&self.store);
                 let path = file.path.clone();
                 let spans: Vec<Range<u64>> = segments.iter().map(|s| s.span.clone()).collect();
-                let handle = tasks.spawn(fetch_spans(store, path, spans, backoff));
+                let handle = match (&local, spans.as_slice()) {
+                    // One span of a local file: read by position into a reused buffer.
+                    (Some(local), [span]) if !path.as_ref().contains('%') => {
+                        tasks.spawn(fetch_local(Arc::clone(local), path, span.clone()))
+                    }
+                    _ => tasks.spawn(fetch_spans(store, path, spans, backoff)),
+                };
                 task_parts.insert(handle.id(), segments);
             }
             let Some(joined) = tasks.join_next_with_id().await else {
@@ -678,6 +693,126 @@ async fn fetch_spans(
     Ok(out)
 }
 
+/// Local files read by position into a pool of part buffers (see [`fetch_local`]).
+struct LocalParts {
+    root: std::path::PathBuf,
+    /// Bytes of a new buffer: the largest part.
+    buffer_bytes: usize,
+    pool: std::sync::Mutex<Vec<Vec<u8>>>,
+}
+
+impl LocalParts {
+    fn new(root: std::path::PathBuf, buffer_bytes: u64) -> Self {
+        Self {
+            root,
+            buffer_bytes: usize::try_from(buffer_bytes).unwrap_or(usize::MAX),
+            pool: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A buffer of at least `len` bytes: a returned one, or a new one.
+    fn take(&self, len: usize) -> Vec<u8> {
+        let reused = self
+            .pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop();
+        match reused {
+            Some(buffer) if buffer.len() >= len => buffer,
+            _ => vec![0u8; len.max(self.buffer_bytes)],
+        }
+    }
+}
+
+/// A part read into a pooled buffer: its first `len` bytes; the buffer goes back to the pool
+/// when the last `Bytes` of it is dropped.
+struct PooledPart {
+    buffer: Vec<u8>,
+    len: usize,
+    parts: Arc<LocalParts>,
+}
+
+impl AsRef<[u8]> for PooledPart {
+    fn as_ref(&self) -> &[u8] {
+        &self.buffer[..self.len]
+    }
+}
+
+impl Drop for PooledPart {
+    fn drop(&mut self) {
+        let buffer = std::mem::take(&mut self.buffer);
+        self.parts
+            .pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(buffer);
+    }
+}
+
+/// Reads `span` of the local file at store path `path` into a pooled buffer (on a blocking
+/// thread). A missing file is [`LoaderError::MissingFile`] and a short one
+/// [`LoaderError::ShortRead`], naming the store path, as through the store.
+async fn fetch_local(
+    parts: Arc<LocalParts>,
+    path: Path,
+    span: Range<u64>,
+) -> Result<Vec<Fetched>, LoaderError> {
+    use std::os::unix::fs::FileExt;
+    let task = tokio::task::spawn_blocking(move || {
+        let len = usize::try_from(span.end - span.start).unwrap_or(usize::MAX);
+        let file = match std::fs::File::open(parts.root.join(path.as_ref())) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(LoaderError::MissingFile {
+                    path: path.to_string(),
+                });
+            }
+            Err(source) => {
+                return Err(LoaderError::Io {
+                    action: "opening",
+                    path: path.to_string(),
+                    source,
+                });
+            }
+        };
+        let mut buffer = parts.take(len);
+        let mut done = 0usize;
+        while done < len {
+            match file.read_at(&mut buffer[done..len], span.start + done as u64) {
+                Ok(0) => {
+                    return Err(LoaderError::ShortRead {
+                        path: path.to_string(),
+                        start: span.start,
+                        end: span.end,
+                        got: done as u64,
+                    });
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(source) => {
+                    return Err(LoaderError::Io {
+                        action: "reading",
+                        path: format!("{path} bytes {}..{}", span.start, span.end),
+                        source,
+                    });
+                }
+            }
+        }
+        let part = PooledPart { buffer, len, parts };
+        Ok(vec![Fetched {
+            bytes: Bytes::from_owner(part),
+            retries: 0,
+        }])
+    });
+    match task.await {
+        Ok(result) => result,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => Err(LoaderError::InvalidPlan {
+            detail: format!("a local read was cancelled: {e}"),
+        }),
+    }
+}
+
 /// A fetched part.
 struct Fetched {
     bytes: Bytes,
@@ -841,6 +976,69 @@ mod tests {
             verify,
             ..ReadOptions::default()
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn local_parts_are_read_by_position_into_reused_buffers() {
+        let dir = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::create_dir_all(dir.path().join("ckpt/data")).unwrap();
+        std::fs::write(dir.path().join("ckpt/data/f0.bin"), &data).unwrap();
+        std::fs::write(dir.path().join("ckpt/data/f1.bin"), &data[..500]).unwrap();
+        // An empty store: every byte must come from the files.
+        let options = ReadOptions {
+            local_root: Some(dir.path().to_path_buf()),
+            max_in_flight: 2,
+            ..options(1000, false)
+        };
+        let scheduler = RangeScheduler::new(store(), files(3), None, &options);
+        let schedule = scheduler.schedule(vec![r(0, 3, 9_990)]).unwrap();
+        assert_eq!(schedule.parts.len(), 10);
+        let mut got = vec![0u8; 10_000];
+        let stats = scheduler
+            .fetch(&schedule.parts, |part, bytes| {
+                got[part.start as usize..part.end as usize].copy_from_slice(bytes);
+                Ok(())
+            })
+            .await
+            .unwrap();
+        assert_eq!(&got[3..9_990], &data[3..9_990]);
+        assert_eq!(stats.bytes_transferred, 9_987);
+        let err = scheduler
+            .fetch(&[r(1, 400, 700)], |_, _| Ok(()))
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            matches!(&err, LoaderError::ShortRead { path, got: 100, .. } if path == "ckpt/data/f1.bin"),
+            "{err:?}"
+        );
+        let err = scheduler
+            .fetch(&[r(2, 0, 10)], |_, _| Ok(()))
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            matches!(&err, LoaderError::MissingFile { path } if path == "ckpt/data/f2.bin"),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn local_part_buffers_go_back_to_the_pool_and_are_reused() {
+        let parts = Arc::new(LocalParts::new(std::path::PathBuf::from("/"), 64));
+        let first = parts.take(10);
+        let address = first.as_ptr();
+        assert_eq!(first.len(), 64);
+        drop(Bytes::from_owner(PooledPart {
+            buffer: first,
+            len: 10,
+            parts: Arc::clone(&parts),
+        }));
+        let again = parts.take(64);
+        assert_eq!(again.as_ptr(), address, "the returned buffer is reused");
+        // A part larger than every pooled buffer gets a new one of its size.
+        assert_eq!(parts.take(100).len(), 100);
     }
 
     #[test]
