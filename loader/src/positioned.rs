@@ -53,15 +53,12 @@ impl LocalFiles {
         }
     }
 
-    /// Whether `source` can be read by position: its store path maps to a file name as written.
-    /// A path with a percent sign is one the store encoded (characters a file name may hold but an
-    /// object path may not), and only the store knows how it decodes it.
+    /// Whether `source` can be read by position ([`readable_path`]).
     pub fn readable(source: &SourceFile) -> bool {
-        !source.path.as_ref().contains('%')
+        readable_path(&source.path)
     }
 
-    /// Opens plan file `file` (at `source`) unless it is open already. A missing file is
-    /// [`LoaderError::MissingFile`] naming its store path, as a read through the store says.
+    /// Opens plan file `file` (at `source`) unless it is open already ([`open_local`]).
     pub fn open(&mut self, file: u32, source: &SourceFile) -> Result<(), LoaderError> {
         let Some(slot) = self.opened.get_mut(file as usize) else {
             return Err(LoaderError::InvalidPlan {
@@ -71,24 +68,10 @@ impl LocalFiles {
                 ),
             });
         };
-        if slot.is_some() {
-            return Ok(());
+        if slot.is_none() {
+            *slot = Some(open_local(&self.root, &source.path)?);
         }
-        let path = self.root.join(source.path.as_ref());
-        match File::open(&path) {
-            Ok(opened) => {
-                *slot = Some(opened);
-                Ok(())
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(LoaderError::MissingFile {
-                path: source.path.to_string(),
-            }),
-            Err(source) => Err(LoaderError::Io {
-                action: "opening",
-                path: path.display().to_string(),
-                source,
-            }),
-        }
+        Ok(())
     }
 
     fn file(&self, file: u32) -> Result<&File, LoaderError> {
@@ -205,8 +188,7 @@ fn split_destinations<'b, B: AsMut<[u8]>>(
     Ok(targets.into_iter().flatten().collect())
 }
 
-/// Reads `read` into `target` (its exact length), retrying interrupted calls; a file that ends
-/// early is [`LoaderError::ShortRead`] naming the store path, as the store's reads say.
+/// Reads `read` into `target` (its exact length) and returns its crc32c when asked.
 fn read_one(
     files: &LocalFiles,
     sources: &[SourceFile],
@@ -219,14 +201,53 @@ fn read_one(
             .get(read.file as usize)
             .map_or_else(|| format!("file #{}", read.file), |s| s.path.to_string())
     };
-    let end = read.offset + read.len;
+    read_exact_at(file, target, read.offset, path)?;
+    Ok(if read.crc { crc32c::crc32c(target) } else { 0 })
+}
+
+/// Whether the store path `path` can be read by position: it maps to a file name as written.
+/// A path with a percent sign is one the store encoded (characters a file name may hold but an
+/// object path may not), and only the store knows how it decodes it.
+pub(crate) fn readable_path(path: &object_store::path::Path) -> bool {
+    !path.as_ref().contains('%')
+}
+
+/// Opens the file at store path `path` under the local store's `root`. A missing file is
+/// [`LoaderError::MissingFile`] naming its store path, as a read through the store says.
+pub(crate) fn open_local(
+    root: &std::path::Path,
+    path: &object_store::path::Path,
+) -> Result<File, LoaderError> {
+    let local = root.join(path.as_ref());
+    File::open(&local).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => LoaderError::MissingFile {
+            path: path.to_string(),
+        },
+        _ => LoaderError::Io {
+            action: "opening",
+            path: local.display().to_string(),
+            source: e,
+        },
+    })
+}
+
+/// Fills `target` with the bytes of `file` from `offset`, retrying interrupted calls; a file that
+/// ends early is [`LoaderError::ShortRead`] naming the store path (`path()`), as the store's
+/// reads say.
+pub(crate) fn read_exact_at(
+    file: &File,
+    target: &mut [u8],
+    offset: u64,
+    path: impl Fn() -> String,
+) -> Result<(), LoaderError> {
+    let end = offset + target.len() as u64;
     let mut done = 0usize;
     while done < target.len() {
-        match file.read_at(&mut target[done..], read.offset + done as u64) {
+        match file.read_at(&mut target[done..], offset + done as u64) {
             Ok(0) => {
                 return Err(LoaderError::ShortRead {
                     path: path(),
-                    start: read.offset,
+                    start: offset,
                     end,
                     got: done as u64,
                 });
@@ -236,13 +257,13 @@ fn read_one(
             Err(source) => {
                 return Err(LoaderError::Io {
                     action: "reading",
-                    path: format!("{} bytes {}..{end}", path(), read.offset),
+                    path: format!("{} bytes {offset}..{end}", path()),
                     source,
                 });
             }
         }
     }
-    Ok(if read.crc { crc32c::crc32c(target) } else { 0 })
+    Ok(())
 }
 
 #[cfg(test)]

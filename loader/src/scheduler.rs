@@ -449,7 +449,7 @@ impl<'a> RangeScheduler<'a> {
                 let spans: Vec<Range<u64>> = segments.iter().map(|s| s.span.clone()).collect();
                 let handle = match (&local, spans.as_slice()) {
                     // One span of a local file: read by position into a reused buffer.
-                    (Some(local), [span]) if !path.as_ref().contains('%') => {
+                    (Some(local), [span]) if crate::positioned::readable_path(&path) => {
                         tasks.spawn(fetch_local(Arc::clone(local), path, span.clone()))
                     }
                     _ => tasks.spawn(fetch_spans(store, path, spans, backoff)),
@@ -757,47 +757,13 @@ async fn fetch_local(
     path: Path,
     span: Range<u64>,
 ) -> Result<Vec<Fetched>, LoaderError> {
-    use std::os::unix::fs::FileExt;
     let task = tokio::task::spawn_blocking(move || {
         let len = usize::try_from(span.end - span.start).unwrap_or(usize::MAX);
-        let file = match std::fs::File::open(parts.root.join(path.as_ref())) {
-            Ok(file) => file,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(LoaderError::MissingFile {
-                    path: path.to_string(),
-                });
-            }
-            Err(source) => {
-                return Err(LoaderError::Io {
-                    action: "opening",
-                    path: path.to_string(),
-                    source,
-                });
-            }
-        };
+        let file = crate::positioned::open_local(&parts.root, &path)?;
         let mut buffer = parts.take(len);
-        let mut done = 0usize;
-        while done < len {
-            match file.read_at(&mut buffer[done..len], span.start + done as u64) {
-                Ok(0) => {
-                    return Err(LoaderError::ShortRead {
-                        path: path.to_string(),
-                        start: span.start,
-                        end: span.end,
-                        got: done as u64,
-                    });
-                }
-                Ok(n) => done += n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(source) => {
-                    return Err(LoaderError::Io {
-                        action: "reading",
-                        path: format!("{path} bytes {}..{}", span.start, span.end),
-                        source,
-                    });
-                }
-            }
-        }
+        crate::positioned::read_exact_at(&file, &mut buffer[..len], span.start, || {
+            path.to_string()
+        })?;
         let part = PooledPart { buffer, len, parts };
         Ok(vec![Fetched {
             bytes: Bytes::from_owner(part),
