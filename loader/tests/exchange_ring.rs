@@ -206,6 +206,16 @@ async fn exchange_all<T: Transport + 'static>(
     mesh: Vec<T>,
     plans: &[RankPlan],
 ) -> Vec<RankOutcome<T>> {
+    exchange_all_in_parts(mesh, plans, None).await
+}
+
+/// [`exchange_all`] with shares cut into parts of `part_bytes` (`None`: `run_exchanges`, the
+/// default cut).
+async fn exchange_all_in_parts<T: Transport + 'static>(
+    mesh: Vec<T>,
+    plans: &[RankPlan],
+    part_bytes: Option<u64>,
+) -> Vec<RankOutcome<T>> {
     assert_eq!(mesh.len(), plans.len());
     let tasks: Vec<_> = mesh
         .into_iter()
@@ -214,7 +224,15 @@ async fn exchange_all<T: Transport + 'static>(
             tokio::spawn(async move {
                 let mut buffers = prepared(&plan);
                 let start = Instant::now();
-                let result = run_exchanges(&transport, &plan, &mut buffers).await;
+                let result = match part_bytes {
+                    None => run_exchanges(&transport, &plan, &mut buffers).await,
+                    Some(bytes) => match ExchangeMessages::of_plan_in_parts(&plan, bytes) {
+                        Ok(messages) => {
+                            run_exchange_messages(&transport, &plan, &messages, &mut buffers).await
+                        }
+                        Err(e) => Err(e),
+                    },
+                };
                 (transport, result, buffers, start.elapsed())
             })
         })
@@ -227,7 +245,18 @@ async fn exchange_all<T: Transport + 'static>(
 }
 
 async fn exchange_and_check<T: Transport + 'static>(mesh: Vec<T>, plans: &[RankPlan]) {
-    let outcomes = exchange_all(mesh, plans).await;
+    exchange_in_parts_and_check(mesh, plans, None).await;
+}
+
+/// Every rank's exchange (shares cut into parts of `part_bytes`, see [`exchange_all_in_parts`]),
+/// checked: each rank's bytes sent and received are its plan's, every destination is the
+/// formula's, every byte sent is received once.
+async fn exchange_in_parts_and_check<T: Transport + 'static>(
+    mesh: Vec<T>,
+    plans: &[RankPlan],
+    part_bytes: Option<u64>,
+) {
+    let outcomes = exchange_all_in_parts(mesh, plans, part_bytes).await;
     let (mut sent, mut received, mut messages) = (0, 0, 0);
     for ((_, result, buffers, _), plan) in outcomes.iter().zip(plans) {
         let stats = match result {
@@ -633,29 +662,6 @@ async fn plan_for_another_rank_is_refused() {
 /// more than a few pieces goes in several parts.
 const SMALL_PARTS: u64 = 16 * 1024;
 
-/// Every rank's exchange with its shares cut into `SMALL_PARTS`, each rank in its own task.
-async fn exchange_in_parts_and_check<T: Transport + 'static>(mesh: Vec<T>, plans: &[RankPlan]) {
-    let tasks: Vec<_> = mesh
-        .into_iter()
-        .zip(plans.iter().cloned())
-        .map(|(transport, plan)| {
-            tokio::spawn(async move {
-                let mut buffers = prepared(&plan);
-                let messages = ExchangeMessages::of_plan_in_parts(&plan, SMALL_PARTS).unwrap();
-                let result =
-                    run_exchange_messages(&transport, &plan, &messages, &mut buffers).await;
-                (transport, plan, result, buffers)
-            })
-        })
-        .collect();
-    for task in tasks {
-        let (_transport, plan, result, buffers) = task.await.unwrap();
-        let stats = result.unwrap_or_else(|e| panic!("rank {}: {e}", plan.rank));
-        assert_eq!(stats.bytes_received, plan.summary.bytes_received);
-        check_destinations(&plan, &buffers);
-    }
-}
-
 #[test]
 fn a_share_cut_into_parts_is_cut_the_same_way_by_sender_and_receiver() {
     for plans in [
@@ -735,7 +741,7 @@ async fn shares_in_parts_land_every_byte_in_process() {
         overlapping_flat_ranges(),
     ] {
         let mesh = InProcTransport::mesh(plans.len() as u32, options());
-        exchange_in_parts_and_check(mesh, &plans).await;
+        exchange_in_parts_and_check(mesh, &plans, Some(SMALL_PARTS)).await;
     }
 }
 
@@ -743,11 +749,16 @@ async fn shares_in_parts_land_every_byte_in_process() {
 async fn shares_in_parts_land_every_byte_over_tcp() {
     let plans = tp2_to_pp2_dp2_tp2_zero1();
     let mesh = tcp_mesh(plans.len() as u32).await;
-    exchange_in_parts_and_check(mesh, &plans).await;
+    exchange_in_parts_and_check(mesh, &plans, Some(SMALL_PARTS)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shares_in_parts_land_every_byte_when_a_send_waits_for_its_receive() {
     let plans = tp2_to_replicated_4();
-    exchange_in_parts_and_check(sequenced_mesh(plans.len() as u32), &plans).await;
+    exchange_in_parts_and_check(
+        sequenced_mesh(plans.len() as u32),
+        &plans,
+        Some(SMALL_PARTS),
+    )
+    .await;
 }
