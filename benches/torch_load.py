@@ -88,6 +88,20 @@ def rss_gib() -> float:
     return float("nan")
 
 
+def minor_faults() -> int:
+    """Page faults this process has taken so far (first touches of fresh memory among them)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def minor_faults() -> int:
+    """Page faults this process has taken so far (first touches of fresh memory among them)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -188,6 +202,7 @@ def run_one(method: str, layout: str, meshes: dict, paths: dict, hash_it: bool) 
     state = target_state(layout, meshes)
     dist.barrier()
     before = rchar()
+    faults_before = minor_faults()
     started = time.perf_counter()
     if method == "dcp.load DCP":
         dcp.load(state, checkpoint_id=paths["dcp"])
@@ -201,10 +216,13 @@ def run_one(method: str, layout: str, meshes: dict, paths: dict, hash_it: bool) 
             state, path, progress=False, timeout=600, exchange=exchange, read_order=read_order
         ).to_dict()
     seconds = time.perf_counter() - started
+    faults = minor_faults() - faults_before
     read_syscalls = rchar() - before
     result = {
         "seconds": seconds,
         "rchar": read_syscalls,
+        "faults": faults,
+        "faults": faults,
         "bytes_needed": sum(v.to_local().numel() * 4 for v in state.values()),
         "bytes_read": report.get("bytes_read"),
         "bytes_fetched": report.get("bytes_fetched"),
@@ -249,7 +267,7 @@ def worker(rank: int, port: int, data: str, repeats: int, out) -> None:
                                 if result.get("read_seconds") is not None
                                 else ""
                             )
-                            + f" (rank 0 RSS {rss_gib():.2f} GiB)",
+                            + f" (rank 0: {result['faults']} page faults, RSS {rss_gib():.2f} GiB)",
                             flush=True,
                         )
     finally:
