@@ -9,9 +9,9 @@
 //! they belong, one copy. Pieces laid out any other way (column slices, transposes, a piece
 //! placed twice) keep the store path.
 //!
-//! A large read goes through a small per-thread bounce buffer ([`read_exact_at`]): the kernel's
-//! copy out of the page cache into memory that is not in cache was measured 2.5 times slower than
-//! its copy into a cache-resident buffer followed by user space's copy on.
+//! A read whose destination does not agree with its file offset modulo 64 goes through a small
+//! per-thread bounce buffer that does ([`read_exact_at`]): the kernel's copy out of the page
+//! cache was measured at a third of its speed when they disagree.
 //!
 //! The reads of a batch run on up to `threads` scoped threads (`std::thread::scope`), each into
 //! its own disjoint part of the destinations, split with `split_at_mut`: no unsafe code, and no
@@ -235,11 +235,17 @@ pub(crate) fn open_local(
     })
 }
 
-/// Reads larger than this go through a per-thread bounce buffer of this size (see
-/// [`read_exact_at`]): small enough to stay in a core's L2 cache.
+/// A bounced read goes through a per-thread buffer of this size (see [`read_exact_at`]): small
+/// enough to stay in a core's L2 cache.
 pub(crate) const BOUNCE_BYTES: usize = 128 << 10;
 
-/// Whether large reads go through the bounce buffer: yes unless `TESSERA_BOUNCE_READS=0`
+/// The kernel copies at full speed only when destination and file offset agree modulo this.
+const COPY_ALIGNMENT: u64 = 64;
+
+/// Reads smaller than this are never bounced: a syscall costs more than their copy.
+const MIN_BOUNCED_BYTES: usize = 4096;
+
+/// Whether misaligned reads go through the bounce buffer: yes unless `TESSERA_BOUNCE_READS=0`
 /// (the switch that benchmarks both ways), read once.
 fn bounce_reads() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -254,11 +260,11 @@ thread_local! {
 /// ends early is [`LoaderError::ShortRead`] naming the store path (`path()`), as the store's
 /// reads say.
 ///
-/// A target larger than [`BOUNCE_BYTES`] is filled through a cache-resident bounce buffer: the
-/// kernel copies out of the page cache into it and user space copies on into the target. Two
-/// copies, yet measured 2.5x faster than one `pread` straight into a large target on this
-/// project's machines (BENCHMARKS.md "Reading through a bounce buffer"): the kernel's copy
-/// into memory that is not in cache runs at about 2.5 GB/s there, glibc's at several times that.
+/// Where `target` and `offset` differ modulo 64, the kernel's copy out of the page cache runs
+/// at a third of its speed on the machines we measured (2.7 vs 9.1 GB/s; BENCHMARKS.md "Reading
+/// through a bounce buffer"); glibc's copy does not care. Such a read goes through a
+/// cache-resident bounce buffer placed to agree with the file offset, and user space copies on
+/// into the target. Aligned reads go straight in: one copy.
 pub(crate) fn read_exact_at(
     file: &File,
     target: &mut [u8],
@@ -266,17 +272,22 @@ pub(crate) fn read_exact_at(
     path: impl Fn() -> String,
 ) -> Result<(), LoaderError> {
     let request = (offset, offset + target.len() as u64);
-    if target.len() <= BOUNCE_BYTES || !bounce_reads() {
+    let misaligned = (target.as_ptr() as u64).wrapping_sub(offset) % COPY_ALIGNMENT != 0;
+    if !misaligned || target.len() < MIN_BOUNCED_BYTES || !bounce_reads() {
         return pread_exact(file, target, offset, request, &path);
     }
     BOUNCE.with(|bounce| {
         let mut bounce = bounce.borrow_mut();
-        if bounce.len() < BOUNCE_BYTES {
-            bounce.resize(BOUNCE_BYTES, 0);
+        let room = BOUNCE_BYTES + COPY_ALIGNMENT as usize;
+        if bounce.len() < room {
+            bounce.resize(room, 0);
         }
         let mut at = offset;
         for chunk in target.chunks_mut(BOUNCE_BYTES) {
-            let staged = &mut bounce[..chunk.len()];
+            // Start where the staged bytes agree with the file offset modulo the alignment.
+            let base = bounce.as_ptr() as u64;
+            let skip = (at.wrapping_sub(base)) % COPY_ALIGNMENT;
+            let staged = &mut bounce[skip as usize..skip as usize + chunk.len()];
             pread_exact(file, staged, at, request, &path)?;
             chunk.copy_from_slice(staged);
             at += chunk.len() as u64;
@@ -397,45 +408,57 @@ mod tests {
         assert!(e.to_string().contains("missing destination 3"), "{e}");
     }
 
+    /// Where in `buffer` a read from file offset `offset` lands `shift` bytes off the kernel's
+    /// copy alignment (0: aligned, straight in; otherwise through the bounce buffer).
+    fn start_with_shift(buffer: &[u8], offset: u64, shift: u64) -> u64 {
+        (offset + shift).wrapping_sub(buffer.as_ptr() as u64) % COPY_ALIGNMENT
+    }
+
     #[test]
-    fn reads_larger_than_the_bounce_buffer_land_whole_and_short_ones_say_how_far_they_got() {
-        // Several bounce chunks, a partial last one, an odd file offset and destination start.
+    fn aligned_and_misaligned_reads_land_whole_and_short_ones_say_how_far_they_got() {
+        // Several bounce chunks and a partial last one, from an odd file offset.
         let len = 3 * BOUNCE_BYTES + 12_345;
         let data: Vec<u8> = (0..len + 777).map(|i| (i * 31 % 253) as u8).collect();
         let (_dir, files, sources) = files_with(&data);
-        let reads = [read(777, len as u64, 0, 3)];
-        let mut buffers = vec![vec![0xEEu8; len + 10]];
-        let crcs = read_positioned(&files, &sources, &reads, &mut buffers, 2).unwrap();
-        assert_eq!(&buffers[0][3..3 + len], &data[777..777 + len]);
-        assert!(
-            buffers[0][..3]
-                .iter()
-                .chain(&buffers[0][3 + len..])
-                .all(|&b| b == 0xEE)
-        );
-        assert_eq!(crcs[0], crc32c::crc32c(&data[777..777 + len]));
+        for shift in [0, 5, 16, 63] {
+            let mut buffers = vec![vec![0xEEu8; len + 2 * COPY_ALIGNMENT as usize]];
+            let dst = start_with_shift(&buffers[0], 777, shift);
+            let reads = [read(777, len as u64, 0, dst)];
+            let crcs = read_positioned(&files, &sources, &reads, &mut buffers, 2).unwrap();
+            let dst = dst as usize;
+            assert_eq!(
+                &buffers[0][dst..dst + len],
+                &data[777..777 + len],
+                "shift {shift}"
+            );
+            assert!(
+                buffers[0][..dst]
+                    .iter()
+                    .chain(&buffers[0][dst + len..])
+                    .all(|&b| b == 0xEE)
+            );
+            assert_eq!(crcs[0], crc32c::crc32c(&data[777..777 + len]));
+        }
         // The file ends inside the third chunk: the error names the whole request.
         let short = 2 * BOUNCE_BYTES + 100;
         let (_dir, files, sources) = files_with(&data[..short]);
-        let e = read_positioned(
-            &files,
-            &sources,
-            &[read(0, len as u64, 0, 0)],
-            &mut buffers,
-            1,
-        )
-        .unwrap_err();
-        match e {
-            LoaderError::ShortRead {
-                path,
-                start,
-                end,
-                got,
-            } => assert_eq!(
-                (path.as_str(), start, end, got),
-                ("data", 0, len as u64, short as u64)
-            ),
-            other => panic!("expected a short read, got {other}"),
+        for shift in [0, 5] {
+            let mut buffers = vec![vec![0u8; len + 2 * COPY_ALIGNMENT as usize]];
+            let dst = start_with_shift(&buffers[0], 0, shift);
+            let reads = [read(0, len as u64, 0, dst)];
+            let e = read_positioned(&files, &sources, &reads, &mut buffers, 1).unwrap_err();
+            match e {
+                LoaderError::ShortRead {
+                    path,
+                    start,
+                    end,
+                    got,
+                } => assert_eq!(
+                    (path.as_str(), start, end, got),
+                    ("data", 0, len as u64, short as u64)
+                ),
+                other => panic!("expected a short read, got {other}"),
+            }
         }
     }
 
