@@ -272,7 +272,9 @@ pub(crate) fn read_exact_at(
     path: impl Fn() -> String,
 ) -> Result<(), LoaderError> {
     let request = (offset, offset + target.len() as u64);
-    let misaligned = (target.as_ptr() as u64).wrapping_sub(offset) % COPY_ALIGNMENT != 0;
+    let misaligned = !(target.as_ptr() as u64)
+        .wrapping_sub(offset)
+        .is_multiple_of(COPY_ALIGNMENT);
     if !misaligned || target.len() < MIN_BOUNCED_BYTES || !bounce_reads() {
         return pread_exact(file, target, offset, request, &path);
     }
