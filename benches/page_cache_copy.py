@@ -6,6 +6,8 @@ that it is in the page cache). Needs NumPy. Prints, for the files under DIR:
 - `pread` straight into one large, already touched destination (16 MiB and 128 KiB requests);
 - `pread` into a 128 KiB / 256 KiB bounce buffer, then a user-space copy into the destination
   (what tessera's local reads do, `loader/src/positioned.rs`);
+- one file read straight in with the destination 0, 8, 16, 64, 512, 2048 bytes off the file
+  offset's alignment (tessera bounces only reads that are off modulo 64);
 - the first touch of 1 GiB of fresh anonymous memory against rewriting it (wall, user, sys).
 
 BENCHMARKS.md "Reading through a bounce buffer" has the numbers of this project's machines.
@@ -60,6 +62,22 @@ def main() -> None:
         fn(chunk)
         seconds = time.perf_counter() - started
         print(f"{name}: {total / 2**30:.2f} GiB in {seconds:.3f} s ({total / seconds / 1e9:.1f} GB/s)")
+
+    # One file, read straight in with the destination shifted against the file offset.
+    big = max(files, key=os.path.getsize)
+    size = min(os.path.getsize(big), 1 << 30)
+    base = dest.ctypes.data
+    fd = os.open(big, os.O_RDONLY)
+    for shift in [0, 8, 16, 64, 512, 2048]:
+        start = (-base) % 4096 + shift
+        began = time.perf_counter()
+        at = 0
+        while at < size:
+            end = min(at + (16 << 20), size)
+            at += os.preadv(fd, [memoryview(dest[start + at : start + end])], at)
+        seconds = time.perf_counter() - began
+        print(f"pread, destination {shift} bytes off the file offset's alignment: {size / seconds / 1e9:.1f} GB/s")
+    os.close(fd)
 
     for _ in range(2):
         before = resource.getrusage(resource.RUSAGE_SELF)
