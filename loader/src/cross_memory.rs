@@ -49,7 +49,7 @@ pub fn ack_tag(tag: u64) -> u64 {
 /// side-by-side measurements, and a way out should a kernel misbehave). A rank that does not
 /// offer says so in its hello, so ranks with different settings still agree on every pair.
 pub fn enabled() -> bool {
-    std::env::var("TESSERA_CROSS_MEMORY").map_or(true, |v| v.trim() != "0")
+    crate::switched_on("TESSERA_CROSS_MEMORY")
 }
 
 /// This rank's side of one exchange: the token peers check around every copy out of its memory.

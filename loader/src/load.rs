@@ -183,7 +183,7 @@ impl Checkpoint {
 /// Positioned reads from local files are on unless `TESSERA_POSITIONED_READS=0` (the switch that
 /// compares them with reads through the store, e.g. in benchmarks).
 fn positioned_reads_enabled() -> bool {
-    std::env::var("TESSERA_POSITIONED_READS").map_or(true, |v| v.trim() != "0")
+    crate::switched_on("TESSERA_POSITIONED_READS")
 }
 
 /// Options of [`load_rank`].

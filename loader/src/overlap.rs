@@ -35,7 +35,7 @@ use crate::{LoaderError, exchange};
 /// Whether reads and the exchange overlap: yes unless `TESSERA_EXCHANGE_OVERLAP=0` (a switch for
 /// side-by-side measurements, and a way back should a transport misbehave under concurrency).
 fn overlap_enabled() -> bool {
-    std::env::var("TESSERA_EXCHANGE_OVERLAP").map_or(true, |v| v.trim() != "0")
+    crate::switched_on("TESSERA_EXCHANGE_OVERLAP")
 }
 
 /// Which peers copy directly, as the hand-shake settled it.

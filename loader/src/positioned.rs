@@ -249,7 +249,7 @@ const MIN_BOUNCED_BYTES: usize = 4096;
 /// (the switch that benchmarks both ways), read once.
 fn bounce_reads() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TESSERA_BOUNCE_READS").map_or(true, |v| v.trim() != "0"))
+    *ON.get_or_init(|| crate::switched_on("TESSERA_BOUNCE_READS"))
 }
 
 thread_local! {
@@ -261,7 +261,7 @@ thread_local! {
 /// reads say.
 ///
 /// Where `target` and `offset` differ modulo 64, the kernel's copy out of the page cache runs
-/// at a third of its speed on the machines we measured (2.7 vs 9.1 GB/s; BENCHMARKS.md "Reading
+/// at a third of its speed on the machines we measured (2.5–2.7 vs 8.5–9.4 GB/s; BENCHMARKS.md "Reading
 /// through a bounce buffer"); glibc's copy does not care. Such a read goes through a
 /// cache-resident bounce buffer placed to agree with the file offset, and user space copies on
 /// into the target. Aligned reads go straight in: one copy.
@@ -410,6 +410,19 @@ mod tests {
         assert!(e.to_string().contains("missing destination 3"), "{e}");
     }
 
+    /// A ShortRead's path, start, end and bytes got; any other error fails the test.
+    fn short_read(e: LoaderError) -> (String, u64, u64, u64) {
+        match e {
+            LoaderError::ShortRead {
+                path,
+                start,
+                end,
+                got,
+            } => (path, start, end, got),
+            other => panic!("expected a short read, got {other}"),
+        }
+    }
+
     /// Where in `buffer` a read from file offset `offset` lands `shift` bytes off the kernel's
     /// copy alignment (0: aligned, straight in; otherwise through the bounce buffer).
     fn start_with_shift(buffer: &[u8], offset: u64, shift: u64) -> u64 {
@@ -449,18 +462,10 @@ mod tests {
             let dst = start_with_shift(&buffers[0], 0, shift);
             let reads = [read(0, len as u64, 0, dst)];
             let e = read_positioned(&files, &sources, &reads, &mut buffers, 1).unwrap_err();
-            match e {
-                LoaderError::ShortRead {
-                    path,
-                    start,
-                    end,
-                    got,
-                } => assert_eq!(
-                    (path.as_str(), start, end, got),
-                    ("data", 0, len as u64, short as u64)
-                ),
-                other => panic!("expected a short read, got {other}"),
-            }
+            assert_eq!(
+                short_read(e),
+                ("data".to_string(), 0, len as u64, short as u64)
+            );
         }
     }
 
@@ -470,15 +475,7 @@ mod tests {
         let mut buffers = vec![vec![0u8; 64]];
         let e =
             read_positioned(&files, &sources, &[read(60, 64, 0, 0)], &mut buffers, 1).unwrap_err();
-        match e {
-            LoaderError::ShortRead {
-                path,
-                start,
-                end,
-                got,
-            } => assert_eq!((path.as_str(), start, end, got), ("data", 60, 124, 40)),
-            other => panic!("expected a short read, got {other}"),
-        }
+        assert_eq!(short_read(e), ("data".to_string(), 60, 124, 40));
         let mut files = LocalFiles::new(dir.path().to_path_buf(), 2);
         let e = files.open(1, &source("gone/data_1")).unwrap_err();
         assert!(
