@@ -1256,6 +1256,7 @@ mod tests {
             exchanges: Vec::new(),
             summary: Default::default(),
             checkpoint_identity: None,
+            joint_checks: Vec::new(),
         };
         let progress = |_: u64| {};
         let (prefix, options) = (Path::from("x"), ReadOptions::default());

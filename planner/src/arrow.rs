@@ -19,8 +19,8 @@ use tessera_metadata::{TensorBox, TensorMeta};
 
 use crate::rank_plan::exchanges_for;
 use crate::{
-    PiecePlacement, PlanError, RankDestination, RankPiece, RankPlan, RankSummary, SourceRead,
-    StridedRuns,
+    JointCheck, PiecePlacement, PlanError, RankDestination, RankPiece, RankPlan, RankSummary,
+    SourceRead, StridedRuns,
 };
 
 const CONTEXT_KEY: &str = "tessera.rank_plan";
@@ -37,6 +37,9 @@ struct Context {
     /// The plan's checkpoint identity; absent in streams written before identities existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     checkpoint_identity: Option<String>,
+    /// Joint checks; absent in streams written before they existed (and when there are none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    joint_checks: Vec<JointCheck>,
 }
 
 fn arrow_err(e: impl std::fmt::Display) -> PlanError {
@@ -171,6 +174,7 @@ impl RankPlan {
             groups,
             summary: self.summary.clone(),
             checkpoint_identity: self.checkpoint_identity.clone(),
+            joint_checks: self.joint_checks.clone(),
         };
         let mut fields = vec![
             Field::new("piece", DataType::UInt32, false),
@@ -256,6 +260,7 @@ impl RankPlan {
             exchanges,
             summary: context.summary,
             checkpoint_identity: context.checkpoint_identity,
+            joint_checks: context.joint_checks,
         })
     }
 }

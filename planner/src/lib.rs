@@ -25,6 +25,7 @@ pub mod baseline;
 mod error;
 mod estimate;
 mod glob;
+pub mod joint;
 mod layout;
 mod plan;
 pub mod presets;
@@ -41,7 +42,8 @@ pub use glob::glob_match;
 pub use layout::{Layout, MAX_REQUESTS, MAX_WORLD, MeshDim, Placement, Rule, Stages, shard_box};
 pub use plan::{Destination, Group, Piece, PieceDestination, Plan, PlanOptions, plan};
 pub use rank_plan::{
-    Exchange, PiecePlacement, RankDestination, RankPiece, RankPlan, RankSummary, Round, SourceRead,
+    Exchange, JointCheck, PiecePlacement, RankDestination, RankPiece, RankPlan, RankSummary, Round,
+    SourceRead,
 };
 pub use read_order::ReadOrder;
 pub use request::{

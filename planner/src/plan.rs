@@ -10,6 +10,7 @@ use rustc_hash::FxHashMap;
 
 use tessera_metadata::{BoxIndex, CheckpointMeta, Dims, TensorBox, TensorMeta};
 
+use crate::joint::{JointCheckPlan, joint_checks};
 use crate::read_order::{
     DEFAULT_SLAB_ALIGNMENT, DEFAULT_SLAB_BYTES, MIN_CHUNK_BLOCKS, PieceCost, ReadOrder,
     is_row_major, runs_of, slab_cuts, storage_order_pays,
@@ -128,6 +129,10 @@ pub struct Plan {
     pub(crate) group_pieces: Vec<Vec<u32>>,
     /// Per rank: the groups of more than one member it belongs to that exchange something.
     pub(crate) rank_groups: Vec<Vec<u32>>,
+    /// Saved boxes verified jointly by the ranks reading their parts ([`crate::joint`]).
+    pub(crate) joint_checks: Vec<JointCheckPlan>,
+    /// Per rank: the joint checks it is a member of, ascending.
+    pub(crate) rank_joint_checks: Vec<Vec<u32>>,
     pub(crate) summary: PlanSummary,
 }
 
@@ -225,6 +230,13 @@ impl Plan {
             + nested(&self.reads)
             + nested(&self.group_pieces)
             + nested(&self.rank_groups)
+            + table(&self.joint_checks)
+            + self
+                .joint_checks
+                .iter()
+                .map(|c| table(&c.pieces) + table(&c.readers) + table(&c.members))
+                .sum::<u64>()
+            + nested(&self.rank_joint_checks)
     }
 
     /// Bytes of piece `piece`.
@@ -970,6 +982,14 @@ impl PieceBuilder {
             }
         }
 
+        let joint_checks = joint_checks(meta, &self.pieces, &self.groups);
+        let mut rank_joint_checks: Vec<Vec<u32>> = vec![Vec::new(); self.world as usize];
+        for (c, check) in joint_checks.iter().enumerate() {
+            for &m in &check.members {
+                rank_joint_checks[m as usize].push(c as u32);
+            }
+        }
+
         let summary = PlanSummary::compute(
             tensors,
             &destinations,
@@ -993,6 +1013,8 @@ impl PieceBuilder {
             reads,
             group_pieces,
             rank_groups,
+            joint_checks,
+            rank_joint_checks,
             summary,
         })
     }

@@ -99,6 +99,24 @@ pub struct Exchange {
     pub rounds: Vec<Round>,
 }
 
+/// A saved box this rank holds bytes of, verified jointly: the ranks that read its parts each
+/// fold theirs into one crc32c contribution and send it to every member ([`crate::joint`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JointCheck {
+    /// Plan-wide id (orders the contributions on the wire).
+    pub id: u32,
+    /// Index into [`RankPlan::tensors`].
+    pub tensor: u32,
+    /// The saved box, in global coordinates (its crc32c is in the checkpoint's metadata).
+    pub region: TensorBox,
+    /// Ranks whose pieces partition the box, ascending: each sends its fold to every member.
+    pub readers: Vec<u32>,
+    /// Ranks holding bytes of the box (readers and receivers), ascending: each checks the sum.
+    pub members: Vec<u32>,
+    /// Ids of the pieces this rank reads from the box (empty when it only receives).
+    pub pieces: Vec<u32>,
+}
+
 /// Totals for one rank.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankSummary {
@@ -138,6 +156,9 @@ pub struct RankPlan {
     /// identities.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_identity: Option<String>,
+    /// Saved boxes this rank helps verify jointly instead of by checksum blocks, by id.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub joint_checks: Vec<JointCheck>,
 }
 
 impl RankPlan {
@@ -294,6 +315,26 @@ impl Plan {
             .flat_map(|e| &e.rounds)
             .map(|round| round.send_bytes)
             .sum();
+        let joint_checks = self.rank_joint_checks[r]
+            .iter()
+            .map(|&c| {
+                let check = &self.joint_checks[c as usize];
+                let chunk = &chunks[check.chunk as usize];
+                JointCheck {
+                    id: c,
+                    tensor: local_tensor(chunk.tensor, &mut tensors),
+                    region: chunk.region.clone(),
+                    readers: check.readers.clone(),
+                    members: check.members.clone(),
+                    pieces: check
+                        .pieces
+                        .iter()
+                        .copied()
+                        .filter(|&i| self.pieces[i as usize].reader == rank)
+                        .collect(),
+                }
+            })
+            .collect();
         Ok(RankPlan {
             rank,
             world,
@@ -304,6 +345,7 @@ impl Plan {
             exchanges,
             summary,
             checkpoint_identity: meta.identity().map(str::to_string),
+            joint_checks,
         })
     }
 }

@@ -93,6 +93,7 @@ pub fn save_boxes(tensors: Vec<TensorMeta>, files: Vec<Vec<StoredBox>>) -> Saved
                 let at = (offset + local * esize) as usize;
                 data[at..at + esize as usize].copy_from_slice(&bytes);
             }
+            let stored = &data[offset as usize..(offset + span * esize) as usize];
             chunks.push(SavedChunk {
                 tensor: b.tensor,
                 region: b.region,
@@ -102,7 +103,8 @@ pub fn save_boxes(tensors: Vec<TensorMeta>, files: Vec<Vec<StoredBox>>) -> Saved
                     length: span * esize,
                     strides: b.strides,
                 },
-                crc32c: None,
+                // The box's own crc32c, as native checkpoints record it (joint checks need one).
+                crc32c: Some(crc32c::crc32c(stored)),
             });
         }
         data_files.push(DataFile {
@@ -512,6 +514,7 @@ pub fn holder_read_extra(plans: &[RankPlan]) -> u64 {
 /// a group, and what ranks end up with is what they read and received, less what slab readers
 /// only relayed.
 pub fn check_summary(saved: &Saved, plan: &Plan, plans: &[RankPlan]) {
+    check_joint_checks(saved, plans);
     let read = check_group_reads(saved, plans);
     let s = plan.summary();
     let extra = holder_read_extra(plans);
@@ -540,5 +543,103 @@ pub fn storage_options(seed: u64) -> PlanOptions {
         slab_bytes: 1 + seed % 96,
         slab_alignment: [1, 4, 8, 24, 64][(seed / 96 % 5) as usize],
         ..PlanOptions::default()
+    }
+}
+
+/// Every joint check is sound, judged from the rank plans' byte runs alone: the pieces its readers
+/// list read every byte of the saved box exactly once and nothing outside it, its readers are
+/// exactly the ranks that list pieces, every rank that places or reads a byte of the box is a
+/// member, and every member's plan carries the same check.
+pub fn check_joint_checks(saved: &Saved, plans: &[RankPlan]) {
+    use std::collections::BTreeMap;
+    let meta = &saved.meta;
+    let mut seen: BTreeMap<u32, (&tessera_planner::JointCheck, Vec<u32>)> = BTreeMap::new();
+    for rp in plans {
+        for check in &rp.joint_checks {
+            let fqn = &rp.tensors[check.tensor as usize].fqn;
+            let t = meta.tensors().iter().position(|t| &t.fqn == fqn).unwrap() as u32;
+            let chunk = meta
+                .chunks_of(t)
+                .iter()
+                .find(|c| c.region == check.region)
+                .unwrap_or_else(|| panic!("joint check {} names no saved box", check.id));
+            assert!(
+                check.members.contains(&rp.rank),
+                "rank {} not a member",
+                rp.rank
+            );
+            assert!(check.members.windows(2).all(|w| w[0] < w[1]));
+            assert!(check.readers.windows(2).all(|w| w[0] < w[1]));
+            assert!(check.readers.iter().all(|r| check.members.contains(r)));
+            assert_eq!(check.readers.contains(&rp.rank), !check.pieces.is_empty());
+            let entry = seen.entry(check.id).or_insert_with(|| (check, Vec::new()));
+            assert_eq!(
+                (&entry.0.region, &entry.0.readers, &entry.0.members),
+                (&check.region, &check.readers, &check.members),
+                "ranks disagree on joint check {}",
+                check.id
+            );
+            entry.1.push(rp.rank);
+            // This rank's pieces of the box: read by it, inside the box's bytes.
+            let file = &meta.files()[chunk.bytes.file as usize].path;
+            let (start, end) = (chunk.bytes.offset, chunk.bytes.offset + chunk.bytes.length);
+            for id in &check.pieces {
+                let piece = rp.pieces.iter().find(|p| p.id == *id).unwrap();
+                let read = piece.read.as_ref().unwrap();
+                assert_eq!(&rp.files[read.file as usize], file);
+                for (src, _) in read.runs.iter() {
+                    assert!(src >= start && src + read.runs.run_bytes <= end);
+                }
+            }
+        }
+    }
+    for (id, (check, holders)) in &seen {
+        assert_eq!(
+            &check.members, holders,
+            "joint check {id}: members without it"
+        );
+        let t_fqn = &plans[holders[0] as usize].tensors[check.tensor as usize].fqn;
+        let t = meta.tensors().iter().position(|t| &t.fqn == t_fqn).unwrap() as u32;
+        let chunk = meta
+            .chunks_of(t)
+            .iter()
+            .find(|c| c.region == check.region)
+            .unwrap();
+        let start = chunk.bytes.offset;
+        let mut count = vec![0u32; chunk.bytes.length as usize];
+        let mut readers = Vec::new();
+        for &r in &check.members {
+            let rp = &plans[r as usize];
+            let mine = rp.joint_checks.iter().find(|c| c.id == *id).unwrap();
+            if !mine.pieces.is_empty() {
+                readers.push(r);
+            }
+            for pid in &mine.pieces {
+                let piece = rp.pieces.iter().find(|p| p.id == *pid).unwrap();
+                let read = piece.read.as_ref().unwrap();
+                for (src, _) in read.runs.iter() {
+                    for b in src - start..src - start + read.runs.run_bytes {
+                        count[b as usize] += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(readers, check.readers, "joint check {id}: readers");
+        assert!(
+            count.iter().all(|&c| c == 1),
+            "joint check {id}: bytes of the box not read exactly once"
+        );
+        // Every rank holding a byte of the box takes part.
+        for rp in plans {
+            let holds = rp.pieces.iter().any(|p| {
+                &rp.tensors[p.tensor as usize].fqn == t_fqn && p.region.overlaps(&check.region)
+            });
+            assert_eq!(
+                holds,
+                check.members.contains(&rp.rank),
+                "joint check {id}: rank {}",
+                rp.rank
+            );
+        }
     }
 }

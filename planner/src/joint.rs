@@ -1,0 +1,117 @@
+//! Joint checks: verifying a saved box that several ranks read in parts, without whole checksum
+//! blocks. A column slice of a row-major box (Shard(1) of a Shard(0)-saved matrix) is one short
+//! run per row; verified by the native format's block checksums every rank fetches every block
+//! of every row: 4x the bytes at 4 ranks. But when the ranks' pieces of a box partition it (each
+//! byte read by exactly one rank), the box's own crc32c can be checked from parts: crc32c is
+//! affine over GF(2), so each reader folds the bytes it read into one 32-bit value (the crc of
+//! the box with every other byte zero, less the crc of zeros) and the XOR of the readers' folds
+//! gives the crc of the whole box. The loader exchanges the folds after reading; every rank that
+//! holds bytes of the box (its *members*: readers and the ranks they pass pieces to) checks the
+//! sum before it reports success.
+//!
+//! The planner only names the boxes and who takes part; it decides per saved chunk:
+//! - the chunk has a crc32c and is stored row-major (its bytes are one dense range);
+//! - it is read per request (a storage-order slab is read whole rows at a time, where blocks
+//!   cost nothing extra), by at least two ranks, none of its pieces read by every holder;
+//! - its pieces partition it (pairwise disjoint, volumes summing to the chunk's), checked for
+//!   chunks of at most [`MAX_PIECES`] pieces;
+//! - at least one piece is not one contiguous run of the chunk (otherwise block checks cost at
+//!   most a block at each end of each piece).
+
+use tessera_metadata::CheckpointMeta;
+
+use crate::read_order::{is_row_major, runs_of};
+use crate::{Group, Piece};
+
+/// Chunks split into more pieces than this are verified by blocks: the partition test is
+/// quadratic in the pieces, and a box cut that finely is rarely a column slice.
+pub const MAX_PIECES: usize = 256;
+
+/// A saved box verified jointly (whole-plan form).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JointCheckPlan {
+    /// Index into the checkpoint's chunks.
+    pub chunk: u32,
+    /// The pieces that partition it, ascending ids.
+    pub pieces: Vec<u32>,
+    /// Ranks reading them, ascending.
+    pub readers: Vec<u32>,
+    /// Ranks holding bytes of it (readers and every member of the pieces' groups), ascending.
+    pub members: Vec<u32>,
+}
+
+/// The joint checks of a plan's pieces (see the module doc), in chunk order.
+pub(crate) fn joint_checks(
+    meta: &CheckpointMeta,
+    pieces: &[Piece],
+    groups: &[Group],
+) -> Vec<JointCheckPlan> {
+    let chunks = meta.chunks();
+    let mut by_chunk: Vec<(u32, u32)> = pieces
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p.chunk, i as u32))
+        .collect();
+    by_chunk.sort_unstable();
+    let mut checks = Vec::new();
+    for same in by_chunk.chunk_by(|a, b| a.0 == b.0) {
+        let chunk_index = same[0].0;
+        let chunk = &chunks[chunk_index as usize];
+        let ids: Vec<u32> = same.iter().map(|&(_, i)| i).collect();
+        let members_of = |i: u32| &groups[pieces[i as usize].group as usize].members;
+        if chunk.crc32c.is_none()
+            || !is_row_major(chunk)
+            || ids.len() < 2
+            || ids.len() > MAX_PIECES
+            || ids.iter().any(|&i| {
+                let p = &pieces[i as usize];
+                p.slab.is_some() || (p.read_by_holders && members_of(i).len() > 1)
+            })
+        {
+            continue;
+        }
+        let mut readers: Vec<u32> = ids.iter().map(|&i| pieces[i as usize].reader).collect();
+        readers.sort_unstable();
+        readers.dedup();
+        if readers.len() < 2 {
+            continue;
+        }
+        let lengths = &chunk.region.lengths;
+        let strided = ids
+            .iter()
+            .any(|&i| runs_of(lengths, &pieces[i as usize].region.lengths).1 > 1);
+        if !strided || !partitions(chunk.region.numel(), pieces, &ids) {
+            continue;
+        }
+        let mut members: Vec<u32> = ids
+            .iter()
+            .flat_map(|&i| members_of(i).iter().copied())
+            .chain(readers.iter().copied())
+            .collect();
+        members.sort_unstable();
+        members.dedup();
+        checks.push(JointCheckPlan {
+            chunk: chunk_index,
+            pieces: ids,
+            readers,
+            members,
+        });
+    }
+    checks
+}
+
+/// True when the pieces `ids` (all inside one chunk of `numel` elements) are pairwise disjoint
+/// and their volumes add up to the chunk's: every element in exactly one of them.
+fn partitions(numel: u64, pieces: &[Piece], ids: &[u32]) -> bool {
+    let total: u64 = ids.iter().map(|&i| pieces[i as usize].region.numel()).sum();
+    if total != numel {
+        return false;
+    }
+    ids.iter().enumerate().all(|(k, &a)| {
+        ids[k + 1..].iter().all(|&b| {
+            !pieces[a as usize]
+                .region
+                .overlaps(&pieces[b as usize].region)
+        })
+    })
+}
