@@ -9,6 +9,7 @@
 //! implementations are behind the `cuda` feature ([`cuda`] when enabled); host emulations of the
 //! same traits (feature `testing`) run the whole pipeline in CPU tests.
 
+pub mod crc_fold;
 pub mod cross_memory;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -17,6 +18,7 @@ pub mod device_load;
 mod error;
 pub mod exchange;
 pub mod host_memory;
+pub mod joint;
 pub mod load;
 mod overlap;
 pub mod place;

@@ -136,6 +136,29 @@ impl Checkpoint {
         .await
     }
 
+    /// The step after the reads of a load whose reads fold joint checks
+    /// ([`ReadOptions::joint_checks`]): exchanges the folds with the other members and checks
+    /// every jointly read box this rank holds bytes of ([`crate::joint`]). A load reports success
+    /// only after it.
+    pub async fn verify_joint_checks<T: Transport>(
+        &self,
+        transport: &T,
+        plan: &RankPlan,
+        options: &LoadOptions,
+        stats: &ReadStats,
+    ) -> Result<(), LoaderError> {
+        // The read folded exactly when it verified against block checksums (see `read_runs`).
+        let verifying = options.read.verify && self.checksums.is_some();
+        crate::joint::verify_joint_checks(
+            transport,
+            plan,
+            Some(&self.meta),
+            verifying.then_some(stats.joint_folds.as_slice()),
+            verifying,
+        )
+        .await
+    }
+
     /// The store path of data file `file` (an index into `meta.files()`), checked like a plan's
     /// paths: relative, inside the checkpoint.
     pub fn file_path(&self, file: u32) -> Result<object_store::path::Path, LoaderError> {
@@ -170,11 +193,17 @@ impl Checkpoint {
     }
 
     /// Plans `requests` against this checkpoint (the embedded plan source). Storage-order slabs
-    /// are cut at this checkpoint's own checksum blocks when it has them.
+    /// are cut at this checkpoint's own checksum blocks when it has them. Joint checks are
+    /// planned unless `TESSERA_JOINT_CHECKS=0`.
     pub fn plan(&self, requests: &RequestSet, options: &PlanOptions) -> Result<Plan, LoaderError> {
         let mut options = options.clone();
         if let Some(blocks) = &self.checksums {
             options.slab_alignment = blocks.block_size();
+        }
+        // `TESSERA_JOINT_CHECKS=0`: verify column slices by whole checksum blocks instead (a
+        // switch for side-by-side measurements; every rank plans the same either way).
+        if !crate::switched_on("TESSERA_JOINT_CHECKS") {
+            options.joint_checks = false;
         }
         Ok(plan(&self.meta, requests, &options)?)
     }
@@ -307,6 +336,10 @@ pub async fn load_rank_into<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
     check_buffer_sizes(plan, buffers.iter().map(|b| b.as_ref().len() as u64))
         .map_err(|detail| invalid(plan, detail))?;
     let started = Instant::now();
+    // Pieces of boxes read in parts by several ranks are checked jointly after the reads.
+    let mut joint_options = options.clone();
+    joint_options.read.joint_checks = true;
+    let options = &joint_options;
     // Pieces this rank reads in storage order only to pass on need somewhere to stay.
     let (stats, read_seconds, exchanged) = match relay::with_relay_buffers(plan) {
         None => {
@@ -321,6 +354,9 @@ pub async fn load_rank_into<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
             .await?
         }
     };
+    checkpoint
+        .verify_joint_checks(transport, plan, options, &stats)
+        .await?;
     let exchange_seconds = started.elapsed().as_secs_f64() - read_seconds;
     let mut report = RankReport::of_host_load(
         plan,

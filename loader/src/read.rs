@@ -33,6 +33,7 @@ use tessera_metadata::{CheckpointMeta, MetadataError};
 use tessera_planner::{RankPiece, RankPlan, StridedRuns};
 
 use crate::LoaderError;
+use crate::joint::JointRead;
 use crate::positioned::{LocalFiles, PositionedRead};
 use crate::scheduler::{FileRange, RangeScheduler, SourceFile, union_len};
 
@@ -67,6 +68,9 @@ pub struct ReadStats {
     pub parts: u64,
     /// Failed requests that were retried.
     pub retries: u64,
+    /// This rank's folds of the saved boxes it reads in parts for joint checks
+    /// ([`crate::joint`]; only with [`ReadOptions::joint_checks`] and verification).
+    pub joint_folds: Vec<crate::joint::JointFold>,
     /// Wall time.
     pub elapsed: Duration,
 }
@@ -305,6 +309,27 @@ async fn read_runs(
     let mut checks: Vec<BoxCrc> = Vec::new();
     let mut check_of: HashMap<(u32, u64), usize> = HashMap::new();
     let mut piece_ranges: Vec<FileRange> = Vec::new();
+    // Saved boxes this rank reads a part of and verifies with the other readers after the read
+    // (joint checks): their pieces are fetched exactly, without checksum blocks, and folded.
+    let mut joint: Vec<JointRead> = Vec::new();
+    let mut joint_of: HashMap<u32, usize> = HashMap::new();
+    if let (true, Some(_), Some(meta)) = (options.joint_checks, block_checksums, meta) {
+        for check in plan.joint_checks.iter().filter(|c| !c.pieces.is_empty()) {
+            let saved = crate::joint::saved_box(meta, plan, check)?;
+            let Some(file) = plan.files.iter().position(|f| *f == saved.key) else {
+                return Err(LoaderError::InvalidPlan {
+                    detail: format!(
+                        "rank {}: joint check {}: the plan reads no part of {} ({})",
+                        plan.rank, check.id, saved.entry, saved.key
+                    ),
+                });
+            };
+            for &piece in &check.pieces {
+                joint_of.insert(piece, joint.len());
+            }
+            joint.push(JointRead::new(check.id, file as u32, saved));
+        }
+    }
     let mut local = match (&options.local_root, targets) {
         (Some(root), Some(_)) => Some(LocalFiles::new(root.clone(), files.len())),
         _ => None,
@@ -342,7 +367,8 @@ async fn read_runs(
         // Read by position when the piece's wire is one stretch of the file landing in one
         // stretch of a destination, and its verification (if any) is its own box's crc32c.
         let target = targets.and_then(|t| t.get(index).copied().flatten());
-        if let (Some(local), Some((dest, dst_start))) = (local.as_mut(), target)
+        let joint_read = joint_of.get(&piece.id).copied();
+        if let (Some(local), Some((dest, dst_start)), None) = (local.as_mut(), target, joint_read)
             && runs.is_identity()
             && LocalFiles::readable(file)
         {
@@ -369,6 +395,28 @@ async fn read_runs(
         }
         piece_ranges.clear();
         runs.src_ranges(read.file, &mut piece_ranges);
+        if let Some(j) = joint_read {
+            if joint[j].file != read.file {
+                return Err(LoaderError::InvalidPlan {
+                    detail: format!(
+                        "rank {}: piece {} of joint check {} reads another file than {}",
+                        plan.rank, piece.id, joint[j].check, joint[j].saved.key
+                    ),
+                });
+            }
+            for r in &piece_ranges {
+                joint[j].add(*r, plan.rank)?;
+            }
+            box_ranges.extend_from_slice(&piece_ranges);
+            box_needed.extend_from_slice(&piece_ranges);
+            sources.push(Source {
+                piece: index,
+                file: read.file,
+                runs,
+                check: None,
+            });
+            continue;
+        }
         // A whole box is checked by its own crc32c (which also proves the metadata points it at
         // its own bytes). A part of a box is too when fetching the whole box costs no more than
         // the checksum blocks around the part: a small tensor split over ranks otherwise costs
@@ -432,6 +480,11 @@ async fn read_runs(
             .map(|s| (s.file, s.runs.src_offset, s.runs.src_end)),
     );
     let check_index = SpanIndex::new(checks.iter().map(|c| (c.file, c.start, c.end)));
+    let mut joint_left = Vec::with_capacity(joint.len());
+    for j in &mut joint {
+        joint_left.push(j.seal(plan.rank)?);
+    }
+    let joint_index = SpanIndex::new(joint.iter().map(|j| (j.file, j.saved.start, j.saved.end)));
     let mut remaining: Vec<u64> = sources.iter().map(|s| s.runs.total).collect();
     // Per box check: the sources whose bytes are all in but whose box is not yet verified.
     let mut waiting: Vec<Vec<usize>> = vec![Vec::new(); checks.len()];
@@ -473,6 +526,9 @@ async fn read_runs(
                     }
                 }
             }
+            for j in joint_index.overlapping(part) {
+                joint[j].fold_part(part.start, bytes);
+            }
             for c in check_index.overlapping(part) {
                 let check = &mut checks[c];
                 if check.fold(part.start, bytes) && check.done() {
@@ -507,6 +563,20 @@ async fn read_runs(
             ),
         });
     }
+    for (j, want) in joint.iter().zip(&joint_left) {
+        if j.fold.bytes() != *want {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "rank {}: joint check {}: {} of the {} bytes this rank reads of {} were fetched",
+                    plan.rank,
+                    j.check,
+                    j.fold.bytes(),
+                    want,
+                    j.saved.entry
+                ),
+            });
+        }
+    }
     let (positioned_reads, positioned_bytes) = positioned_stats;
     Ok(ReadStats {
         pieces,
@@ -523,6 +593,7 @@ async fn read_runs(
         requests: fetched.requests + positioned_reads,
         parts: fetched.parts + positioned_reads,
         retries: fetched.retries,
+        joint_folds: joint.iter().map(JointRead::result).collect(),
         elapsed: started.elapsed(),
     })
 }

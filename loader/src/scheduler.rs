@@ -101,6 +101,12 @@ pub struct ReadOptions {
     /// reads everything through the store. [`crate::load::Checkpoint`] fills it from its location
     /// (unless `TESSERA_POSITIONED_READS=0`).
     pub local_root: Option<std::path::PathBuf>,
+    /// Read the pieces of the plan's joint checks (`RankPlan::joint_checks`) exactly, folding
+    /// them for the check the ranks make together after reading ([`crate::joint`]), instead of
+    /// verifying them by whole checksum blocks here. Only loads that run that step set it (the
+    /// host loads of [`crate::load`] and the Python group load); without it the pieces are
+    /// verified by blocks like any other.
+    pub joint_checks: bool,
 }
 
 /// The default [`ReadOptions::coalesce_gap`] of object stores (S3, GCS, Azure, HTTP): 64 KiB.
@@ -142,6 +148,7 @@ impl Default for ReadOptions {
             coalesce_gap: None,
             exact_multi_range: None,
             local_root: None,
+            joint_checks: false,
         }
     }
 }

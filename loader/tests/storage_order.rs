@@ -64,12 +64,17 @@ fn columns(checkpoint: &Checkpoint) -> RequestSet {
 
 /// Loads every rank concurrently over in-process transports, checks every destination against
 /// the formula, and returns the plan's summary and the ranks' reports.
-async fn load_all(checkpoint: &Checkpoint, order: ReadOrder) -> (PlanSummary, Vec<RankReport>) {
+async fn load_all(
+    checkpoint: &Checkpoint,
+    order: ReadOrder,
+    joint_checks: bool,
+) -> (PlanSummary, Vec<RankReport>) {
     let plan = checkpoint
         .plan(
             &columns(checkpoint),
             &PlanOptions {
                 read_order: order,
+                joint_checks,
                 ..PlanOptions::default()
             },
         )
@@ -101,19 +106,26 @@ async fn columns_of_a_row_sharded_checkpoint_are_fetched_once_in_storage_order()
     let (_dir, checkpoint) = saved_by_rows().await;
     let chunks = checkpoint.meta.chunks().len() as u64;
 
-    let (per_request, request_reports) = load_all(&checkpoint, ReadOrder::Request).await;
-    let (in_order, order_reports) = load_all(&checkpoint, ReadOrder::Storage).await;
+    let (per_request, request_reports) = load_all(&checkpoint, ReadOrder::Request, false).await;
+    let (in_order, order_reports) = load_all(&checkpoint, ReadOrder::Storage, true).await;
+    let (jointly, joint_reports) = load_all(&checkpoint, ReadOrder::Request, true).await;
     let unique = in_order.unique_bytes_needed;
     let fetched = |r: &[RankReport]| r.iter().map(|r| r.bytes_fetched).sum::<u64>();
     let requests = |r: &[RankReport]| r.iter().map(|r| r.requests).sum::<u64>();
 
-    // Per request: every rank fetches (the blocks or boxes around) every saved row.
+    // Per request, verified by blocks: every rank fetches (the blocks or boxes around) every
+    // saved row.
     assert_eq!(per_request.bytes_read, unique);
     assert!(
         fetched(&request_reports) > 3 * unique,
         "per request fetched {} of {unique} unique bytes",
         fetched(&request_reports)
     );
+    // Per request with joint checks (the default): each rank fetches its own columns and no
+    // more, the boxes verified by the folds of their readers.
+    assert_eq!(jointly.bytes_read, unique);
+    assert_eq!(fetched(&joint_reports), unique);
+    assert!(joint_reports.iter().all(|r| r.verify_extra_bytes == 0));
 
     // In storage order: each byte read once, and within one checksum block per slab fetched on
     // top (slab cuts are block aligned; a chunk's ends are only 4 KiB aligned, but a block
@@ -141,11 +153,9 @@ async fn columns_of_a_row_sharded_checkpoint_are_fetched_once_in_storage_order()
     }
 }
 
-/// A corrupt byte in a saved chunk that one rank reads in storage order for everyone: that rank
-/// fails verification before it sends the slab (the exchange overlaps the reads, but a share is
-/// sent only once all of its pieces are verified), so no rank reports success with the bad byte.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_corrupt_slab_fails_every_rank_that_needs_it_and_none_succeeds() {
+/// Loads the columns layout with every rank on one in-process mesh after flipping the middle
+/// byte of the largest data file; returns each rank's outcome (its error's text).
+async fn load_corrupted(order: ReadOrder) -> Vec<Result<(), String>> {
     let (dir, checkpoint) = saved_by_rows().await;
     let data = walk(dir.path())
         .into_iter()
@@ -160,7 +170,7 @@ async fn a_corrupt_slab_fails_every_rank_that_needs_it_and_none_succeeds() {
         .plan(
             &columns(&checkpoint),
             &PlanOptions {
-                read_order: ReadOrder::Storage,
+                read_order: order,
                 ..PlanOptions::default()
             },
         )
@@ -190,10 +200,19 @@ async fn a_corrupt_slab_fails_every_rank_that_needs_it_and_none_succeeds() {
             })
         })
         .collect();
-    let mut errors = Vec::new();
+    let mut outcomes = Vec::new();
     for task in tasks {
-        errors.push(task.await.unwrap());
+        outcomes.push(task.await.unwrap());
     }
+    outcomes
+}
+
+/// A corrupt byte in a saved chunk that one rank reads in storage order for everyone: that rank
+/// fails verification before it sends the slab (the exchange overlaps the reads, but a share is
+/// sent only once all of its pieces are verified), so no rank reports success with the bad byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_slab_fails_every_rank_that_needs_it_and_none_succeeds() {
+    let errors = load_corrupted(ReadOrder::Storage).await;
     assert!(errors.iter().all(Result::is_err), "{errors:?}");
     assert!(
         errors
@@ -201,6 +220,26 @@ async fn a_corrupt_slab_fails_every_rank_that_needs_it_and_none_succeeds() {
             .any(|e| e.as_ref().unwrap_err().contains("checksum mismatch")),
         "{errors:?}"
     );
+}
+
+/// The same corrupt byte read per request: the box holding it is read in column slices by all
+/// four ranks and verified jointly, no rank fetching a checksum block. The rank that read the
+/// byte cannot tell (its slice has no checksum of its own), but the folds do not add up to the
+/// box's crc32c, and every rank, each holding a part of that box, fails naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_byte_in_a_box_read_in_columns_fails_every_member_naming_the_box() {
+    let errors = load_corrupted(ReadOrder::Request).await;
+    for (rank, outcome) in errors.iter().enumerate() {
+        let error = outcome.as_ref().unwrap_err();
+        assert!(
+            error.starts_with("checksum mismatch in ")
+                && error.contains(".bin bytes ")
+                && error.contains("(tensor ")
+                && error.contains("read in parts by ranks [0, 1, 2, 3]")
+                && error.ends_with(&format!("(checked on rank {rank})")),
+            "rank {rank}: {error}"
+        );
+    }
 }
 
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {

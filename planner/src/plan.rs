@@ -47,6 +47,11 @@ pub struct PlanOptions {
     /// `holder_read_max_bytes`). Narrower rings are few rounds, and reading once keeps read
     /// amplification at 1.00 for the usual TP×DP layouts.
     pub holder_read_min_members: u32,
+    /// Name saved boxes that several ranks read in column slices (partitioned among them) as
+    /// joint checks ([`crate::joint`]): verified by their own crc32c from the readers' folds
+    /// instead of whole checksum blocks of every row. On by default; off makes every piece
+    /// verified by blocks (side-by-side measurements).
+    pub joint_checks: bool,
 }
 
 impl Default for PlanOptions {
@@ -58,6 +63,7 @@ impl Default for PlanOptions {
             slab_alignment: DEFAULT_SLAB_ALIGNMENT,
             holder_read_max_bytes: 64 * 1024,
             holder_read_min_members: 16,
+            joint_checks: true,
         }
     }
 }
@@ -982,7 +988,11 @@ impl PieceBuilder {
             }
         }
 
-        let joint_checks = joint_checks(meta, &self.pieces, &self.groups);
+        let joint_checks = if options.joint_checks {
+            joint_checks(meta, &self.pieces, &self.groups)
+        } else {
+            Vec::new()
+        };
         let mut rank_joint_checks: Vec<Vec<u32>> = vec![Vec::new(); self.world as usize];
         for (c, check) in joint_checks.iter().enumerate() {
             for &m in &check.members {

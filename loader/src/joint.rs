@@ -1,0 +1,391 @@
+//! Joint checks (`tessera_planner::joint`): a saved box read in parts by several ranks is
+//! verified by its own crc32c from the parts, not by whole checksum blocks around every part.
+//!
+//! While reading, each reader folds the bytes it reads of the box into one 32-bit value
+//! ([`crate::crc_fold`]; [`JointRead`]). After its reads, every rank sends each peer one message
+//! (tag [`JOINT_TAG`]) with its folds of the checks that peer is a member of, and receives one
+//! from every reader of the checks it is a member of; then it checks every such box: the folds'
+//! byte counts add up to the box, their XOR to its crc32c ([`verify_joint_checks`]). Every
+//! member checks, receivers of relayed pieces included, so no rank reports success holding
+//! bytes of a box that failed; a load reports success only after this step.
+//!
+//! Wire form of a message: one byte (1: the sender folded what it read; 0: it read without
+//! verifying), then per check, in ascending id, `id: u32, bytes: u64, fold: u32`, little-endian.
+
+use std::collections::{BTreeMap, HashMap};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use tessera_metadata::CheckpointMeta;
+use tessera_planner::{JointCheck, RankPlan};
+
+use crate::LoaderError;
+use crate::crc_fold::{Fold, crc_of_folds};
+use crate::scheduler::FileRange;
+use crate::transport::Transport;
+
+/// Transport tag of the folds message. Exchange tags keep their top two bits clear; the
+/// hand-shake uses [`crate::cross_memory::HELLO_TAG`] and the tag after it.
+pub const JOINT_TAG: u64 = crate::cross_memory::HELLO_TAG | 2;
+
+/// Bytes of one check in a folds message.
+const ENTRY_BYTES: usize = 4 + 8 + 4;
+
+/// One rank's fold of the bytes it read of a jointly checked box.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JointFold {
+    /// Plan-wide check id.
+    pub check: u32,
+    /// Bytes of the box folded.
+    pub bytes: u64,
+    /// The fold ([`crate::crc_fold::Fold::value`]).
+    pub fold: u32,
+}
+
+/// The saved box of a joint check, as the checkpoint's metadata records it.
+#[derive(Clone, Debug)]
+pub(crate) struct JointBox {
+    /// Its data file (as the plan names files).
+    pub key: String,
+    pub start: u64,
+    pub end: u64,
+    pub crc32c: u32,
+    /// "tensor X box [..]", for errors.
+    pub entry: String,
+}
+
+/// The box `check` names, from `meta`: an error naming the check when the metadata has no such
+/// box or no crc32c for it (a plan made from other metadata).
+pub(crate) fn saved_box(
+    meta: &CheckpointMeta,
+    plan: &RankPlan,
+    check: &JointCheck,
+) -> Result<JointBox, LoaderError> {
+    let bad = |why: &str| LoaderError::InvalidPlan {
+        detail: format!("rank {}: joint check {}: {why}", plan.rank, check.id),
+    };
+    let fqn = &plan
+        .tensors
+        .get(check.tensor as usize)
+        .ok_or_else(|| bad("its tensor index is outside the plan's tensors"))?
+        .fqn;
+    let tensor = meta
+        .tensors()
+        .iter()
+        .position(|t| &t.fqn == fqn)
+        .ok_or_else(|| bad(&format!("the checkpoint has no tensor {fqn}")))?;
+    let entry = format!("tensor {fqn} box {}", check.region);
+    let chunk = meta
+        .chunks_of(tensor as u32)
+        .iter()
+        .find(|c| c.region == check.region)
+        .ok_or_else(|| bad(&format!("the checkpoint saved no {entry}")))?;
+    let crc32c = chunk
+        .crc32c
+        .ok_or_else(|| bad(&format!("the checkpoint records no crc32c for {entry}")))?;
+    let key = meta
+        .files()
+        .get(chunk.bytes.file as usize)
+        .ok_or_else(|| bad("its box names no data file"))?
+        .path
+        .clone();
+    Ok(JointBox {
+        key,
+        start: chunk.bytes.offset,
+        end: chunk.bytes.offset + chunk.bytes.length,
+        crc32c,
+        entry,
+    })
+}
+
+/// The read side of one joint check: the ranges this rank reads of the box, and their fold.
+#[derive(Debug)]
+pub(crate) struct JointRead {
+    pub check: u32,
+    pub file: u32,
+    pub saved: JointBox,
+    /// This rank's ranges of the box, ascending and disjoint once [`JointRead::seal`]ed.
+    pub ranges: Vec<(u64, u64)>,
+    pub fold: Fold,
+}
+
+impl JointRead {
+    pub fn new(check: u32, file: u32, saved: JointBox) -> JointRead {
+        let len = saved.end - saved.start;
+        JointRead {
+            check,
+            file,
+            saved,
+            ranges: Vec::new(),
+            fold: Fold::new(len),
+        }
+    }
+
+    /// Adds a range this rank reads; it must lie inside the box.
+    pub fn add(&mut self, range: FileRange, rank: u32) -> Result<(), LoaderError> {
+        if range.start < self.saved.start || range.end > self.saved.end {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "rank {rank}: joint check {}: bytes {}..{} lie outside {} ({}..{})",
+                    self.check,
+                    range.start,
+                    range.end,
+                    self.saved.entry,
+                    self.saved.start,
+                    self.saved.end
+                ),
+            });
+        }
+        self.ranges.push((range.start, range.end));
+        Ok(())
+    }
+
+    /// Sorts the ranges; two that overlap are a plan error (a byte folded twice cancels out).
+    pub fn seal(&mut self, rank: u32) -> Result<u64, LoaderError> {
+        self.ranges.sort_unstable();
+        for w in self.ranges.windows(2) {
+            if w[1].0 < w[0].1 {
+                return Err(LoaderError::InvalidPlan {
+                    detail: format!(
+                        "rank {rank}: joint check {}: pieces overlap at bytes {}..{} of {}",
+                        self.check, w[1].0, w[0].1, self.saved.entry
+                    ),
+                });
+            }
+        }
+        Ok(self.ranges.iter().map(|r| r.1 - r.0).sum())
+    }
+
+    /// Folds what of `bytes` (fetched from file offset `at`) falls in this rank's ranges.
+    pub fn fold_part(&mut self, at: u64, bytes: &[u8]) {
+        let end = at + bytes.len() as u64;
+        let first = self.ranges.partition_point(|r| r.1 <= at);
+        let origin = self.saved.start;
+        let mut run = self.fold.run();
+        for &(start, stop) in &self.ranges[first..] {
+            if start >= end {
+                break;
+            }
+            let (s, e) = (start.max(at), stop.min(end));
+            run.add(s - origin, &bytes[(s - at) as usize..(e - at) as usize]);
+        }
+    }
+
+    pub fn result(&self) -> JointFold {
+        JointFold {
+            check: self.check,
+            bytes: self.fold.bytes(),
+            fold: self.fold.value(),
+        }
+    }
+}
+
+fn encode(folded: bool, entries: &[JointFold]) -> Bytes {
+    let mut out = BytesMut::with_capacity(1 + entries.len() * ENTRY_BYTES);
+    out.put_u8(u8::from(folded));
+    for e in entries {
+        out.put_u32_le(e.check);
+        out.put_u64_le(e.bytes);
+        out.put_u32_le(e.fold);
+    }
+    out.freeze()
+}
+
+/// Parses a folds message from `peer`, which must carry exactly the checks `expected`.
+fn decode(
+    rank: u32,
+    peer: u32,
+    data: &[u8],
+    expected: &[u32],
+) -> Result<(bool, Vec<JointFold>), LoaderError> {
+    let bad = |why: String| LoaderError::Transport {
+        rank,
+        peer,
+        detail: format!("joint checks: {why}"),
+    };
+    let Some((&flag, rest)) = data.split_first() else {
+        return Err(bad("an empty folds message".to_string()));
+    };
+    if flag > 1 || rest.len() != expected.len() * ENTRY_BYTES {
+        return Err(bad(format!(
+            "a folds message of {} bytes where {} checks take {}: the ranks' plans differ",
+            data.len(),
+            expected.len(),
+            1 + expected.len() * ENTRY_BYTES
+        )));
+    }
+    let mut entries = Vec::with_capacity(expected.len());
+    for (chunk, &want) in rest.chunks_exact(ENTRY_BYTES).zip(expected) {
+        let word = |at: usize, n: usize| -> u64 {
+            chunk[at..at + n]
+                .iter()
+                .rev()
+                .fold(0u64, |acc, &b| acc << 8 | u64::from(b))
+        };
+        let entry = JointFold {
+            check: word(0, 4) as u32,
+            bytes: word(4, 8),
+            fold: word(12, 4) as u32,
+        };
+        if entry.check != want {
+            return Err(bad(format!(
+                "folds of check {} where check {want} was expected: the ranks' plans differ",
+                entry.check
+            )));
+        }
+        entries.push(entry);
+    }
+    Ok((flag == 1, entries))
+}
+
+/// The step after a rank's reads: sends its folds to the members of its joint checks, receives
+/// the other readers' folds, and (when `verify`) checks every box it is a member of. `folds` is
+/// what this rank's read folded (`None` when it did not fold: a load without verification).
+/// Fails naming the box, its file and byte range and its readers when a box does not add up, and
+/// naming the peer when it loaded without verification while this rank verifies.
+pub async fn verify_joint_checks<T: Transport>(
+    transport: &T,
+    plan: &RankPlan,
+    meta: Option<&CheckpointMeta>,
+    folds: Option<&[JointFold]>,
+    verify: bool,
+) -> Result<(), LoaderError> {
+    if plan.joint_checks.is_empty() {
+        return Ok(());
+    }
+    let me = plan.rank;
+    let mine: HashMap<u32, JointFold> = folds
+        .unwrap_or_default()
+        .iter()
+        .map(|f| (f.check, *f))
+        .collect();
+    // What goes to each peer, and what comes from each, in ascending check id.
+    let mut outgoing: BTreeMap<u32, Vec<JointFold>> = BTreeMap::new();
+    let mut incoming: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+    let mut checks: Vec<&JointCheck> = plan.joint_checks.iter().collect();
+    checks.sort_unstable_by_key(|c| c.id);
+    for check in &checks {
+        if check.readers.contains(&me) {
+            let fold = mine.get(&check.id).copied().unwrap_or(JointFold {
+                check: check.id,
+                bytes: 0,
+                fold: 0,
+            });
+            for &m in check.members.iter().filter(|&&m| m != me) {
+                outgoing.entry(m).or_default().push(fold);
+            }
+        }
+        for &r in check.readers.iter().filter(|&&r| r != me) {
+            incoming.entry(r).or_default().push(check.id);
+        }
+    }
+    let folded = folds.is_some();
+    for (&peer, entries) in &outgoing {
+        transport
+            .send(peer, JOINT_TAG, encode(folded, entries))
+            .await
+            .map_err(|e| e.in_context("sending joint-check folds", "joint-check folds"))?;
+    }
+    let mut received: HashMap<u32, Vec<(u32, JointFold)>> = HashMap::new();
+    for (&peer, expected) in &incoming {
+        let data = transport
+            .recv(peer, JOINT_TAG)
+            .await
+            .map_err(|e| e.in_context("receiving joint-check folds", "joint-check folds"))?;
+        let (peer_folded, entries) = decode(me, peer, &data, expected)?;
+        if verify && !peer_folded {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "rank {me}: rank {peer} read its parts of saved boxes this rank checks \
+                     without verifying them; load every rank with the same verify setting"
+                ),
+            });
+        }
+        for e in entries {
+            received.entry(e.check).or_default().push((peer, e));
+        }
+    }
+    if !verify {
+        return Ok(());
+    }
+    let Some(meta) = meta else {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!(
+                "rank {me}: the plan has joint checks but no checkpoint metadata was given to verify them"
+            ),
+        });
+    };
+    if !folded && checks.iter().any(|c| c.readers.contains(&me)) {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!(
+                "rank {me}: verifying, but this rank's read did not fold its parts of the jointly checked boxes"
+            ),
+        });
+    }
+    for check in checks {
+        let saved = saved_box(meta, plan, check)?;
+        let mut parts: Vec<JointFold> = received
+            .remove(&check.id)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(_, e)| e)
+            .collect();
+        if let Some(f) = mine.get(&check.id) {
+            parts.push(*f);
+        }
+        let bytes: u64 = parts.iter().map(|p| p.bytes).sum();
+        let xor = parts.iter().fold(0u32, |acc, p| acc ^ p.fold);
+        let len = saved.end - saved.start;
+        let actual = crc_of_folds(len, xor);
+        if bytes != len || actual != saved.crc32c {
+            return Err(LoaderError::JointChecksum {
+                rank: me,
+                path: saved.key,
+                entry: saved.entry,
+                start: saved.start,
+                end: saved.end,
+                readers: check.readers.clone(),
+                bytes,
+                expected: saved.crc32c,
+                actual,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_folds_message_round_trips_and_one_for_other_checks_is_refused() {
+        let entries = [
+            JointFold {
+                check: 3,
+                bytes: 1 << 40,
+                fold: 0xDEAD_BEEF,
+            },
+            JointFold {
+                check: 9,
+                bytes: 5,
+                fold: 1,
+            },
+        ];
+        let data = encode(true, &entries);
+        assert_eq!(data.len(), 1 + 2 * ENTRY_BYTES);
+        assert_eq!(
+            decode(0, 1, &data, &[3, 9]).unwrap(),
+            (true, entries.to_vec())
+        );
+        let err = decode(0, 1, &data, &[3, 8]).unwrap_err().to_string();
+        assert!(
+            err.contains("folds of check 9 where check 8 was expected"),
+            "{err}"
+        );
+        let err = decode(0, 1, &data, &[3]).unwrap_err().to_string();
+        assert!(err.contains("rank 0: transport to rank 1 failed"), "{err}");
+        assert!(err.contains("the ranks' plans differ"), "{err}");
+        assert!(decode(0, 1, &[], &[]).is_err());
+    }
+}
