@@ -179,7 +179,9 @@ impl JointRead {
     }
 }
 
-fn encode(folded: bool, entries: &[JointFold]) -> Bytes {
+/// A rank's folds message: whether it folded (read with verification), then its folds in the
+/// order given (see the module doc for the wire form).
+pub fn encode(folded: bool, entries: &[JointFold]) -> Bytes {
     let mut out = BytesMut::with_capacity(1 + entries.len() * ENTRY_BYTES);
     out.put_u8(u8::from(folded));
     for e in entries {
@@ -190,12 +192,13 @@ fn encode(folded: bool, entries: &[JointFold]) -> Bytes {
     out.freeze()
 }
 
-/// Parses a folds message from `peer`, which must carry exactly the checks `expected`.
-fn decode(
+/// Parses a folds message from `peer`; when `expected` is given it must carry exactly those
+/// checks, in that order.
+pub fn decode(
     rank: u32,
     peer: u32,
     data: &[u8],
-    expected: &[u32],
+    expected: Option<&[u32]>,
 ) -> Result<(bool, Vec<JointFold>), LoaderError> {
     let bad = |why: String| LoaderError::Transport {
         rank,
@@ -205,16 +208,25 @@ fn decode(
     let Some((&flag, rest)) = data.split_first() else {
         return Err(bad("an empty folds message".to_string()));
     };
-    if flag > 1 || rest.len() != expected.len() * ENTRY_BYTES {
+    if flag > 1
+        || rest.len() % ENTRY_BYTES != 0
+        || expected.is_some_and(|e| rest.len() != e.len() * ENTRY_BYTES)
+    {
         return Err(bad(format!(
-            "a folds message of {} bytes where {} checks take {}: the ranks' plans differ",
+            "a folds message of {} bytes{}: the ranks' plans differ",
             data.len(),
-            expected.len(),
-            1 + expected.len() * ENTRY_BYTES
+            match expected {
+                Some(e) => format!(
+                    " where {} checks take {}",
+                    e.len(),
+                    1 + e.len() * ENTRY_BYTES
+                ),
+                None => String::new(),
+            }
         )));
     }
-    let mut entries = Vec::with_capacity(expected.len());
-    for (chunk, &want) in rest.chunks_exact(ENTRY_BYTES).zip(expected) {
+    let mut entries = Vec::with_capacity(rest.len() / ENTRY_BYTES);
+    for (i, chunk) in rest.chunks_exact(ENTRY_BYTES).enumerate() {
         let word = |at: usize, n: usize| -> u64 {
             chunk[at..at + n]
                 .iter()
@@ -226,7 +238,9 @@ fn decode(
             bytes: word(4, 8),
             fold: word(12, 4) as u32,
         };
-        if entry.check != want {
+        if let Some(&want) = expected.and_then(|e| e.get(i))
+            && entry.check != want
+        {
             return Err(bad(format!(
                 "folds of check {} where check {want} was expected: the ranks' plans differ",
                 entry.check
@@ -237,11 +251,13 @@ fn decode(
     Ok((flag == 1, entries))
 }
 
-/// The step after a rank's reads: sends its folds to the members of its joint checks, receives
-/// the other readers' folds, and (when `verify`) checks every box it is a member of. `folds` is
-/// what this rank's read folded (`None` when it did not fold: a load without verification).
-/// Fails naming the box, its file and byte range and its readers when a box does not add up, and
-/// naming the peer when it loaded without verification while this rank verifies.
+/// What each rank folded: whether it read with verification, and its folds.
+pub type FoldsByRank = HashMap<u32, (bool, Vec<JointFold>)>;
+
+/// The step after a rank's reads, over `transport`: sends its folds to the members of its joint
+/// checks, receives the other readers' folds, and (when `verify`) checks every box it is a
+/// member of ([`check_joint_boxes`]). `folds` is what this rank's read folded (`None` when it
+/// did not fold: a load without verification).
 pub async fn verify_joint_checks<T: Transport>(
     transport: &T,
     plan: &RankPlan,
@@ -278,35 +294,38 @@ pub async fn verify_joint_checks<T: Transport>(
             incoming.entry(r).or_default().push(check.id);
         }
     }
-    let folded = folds.is_some();
     for (&peer, entries) in &outgoing {
         transport
-            .send(peer, JOINT_TAG, encode(folded, entries))
+            .send(peer, JOINT_TAG, encode(folds.is_some(), entries))
             .await
             .map_err(|e| e.in_context("sending joint-check folds", "joint-check folds"))?;
     }
-    let mut received: HashMap<u32, Vec<(u32, JointFold)>> = HashMap::new();
+    let mut by_rank: FoldsByRank = HashMap::new();
+    by_rank.insert(me, (folds.is_some(), mine.into_values().collect()));
     for (&peer, expected) in &incoming {
         let data = transport
             .recv(peer, JOINT_TAG)
             .await
             .map_err(|e| e.in_context("receiving joint-check folds", "joint-check folds"))?;
-        let (peer_folded, entries) = decode(me, peer, &data, expected)?;
-        if verify && !peer_folded {
-            return Err(LoaderError::InvalidPlan {
-                detail: format!(
-                    "rank {me}: rank {peer} read its parts of saved boxes this rank checks \
-                     without verifying them; load every rank with the same verify setting"
-                ),
-            });
-        }
-        for e in entries {
-            received.entry(e.check).or_default().push((peer, e));
-        }
+        by_rank.insert(peer, decode(me, peer, &data, Some(expected))?);
     }
-    if !verify {
+    check_joint_boxes(plan, meta, &by_rank, verify)
+}
+
+/// Checks every jointly read box `plan`'s rank is a member of against the readers' folds in
+/// `by_rank` (its own included): the folds must cover the box's bytes and add up to its crc32c.
+/// Nothing is checked without `verify`. Fails naming the box, its file, byte range and readers
+/// on a mismatch, and the reader when one read without verification or sent no fold.
+pub fn check_joint_boxes(
+    plan: &RankPlan,
+    meta: Option<&CheckpointMeta>,
+    by_rank: &FoldsByRank,
+    verify: bool,
+) -> Result<(), LoaderError> {
+    if !verify || plan.joint_checks.is_empty() {
         return Ok(());
     }
+    let me = plan.rank;
     let Some(meta) = meta else {
         return Err(LoaderError::InvalidPlan {
             detail: format!(
@@ -314,26 +333,37 @@ pub async fn verify_joint_checks<T: Transport>(
             ),
         });
     };
-    if !folded && checks.iter().any(|c| c.readers.contains(&me)) {
-        return Err(LoaderError::InvalidPlan {
-            detail: format!(
-                "rank {me}: verifying, but this rank's read did not fold its parts of the jointly checked boxes"
-            ),
-        });
-    }
-    for check in checks {
+    for check in &plan.joint_checks {
         let saved = saved_box(meta, plan, check)?;
-        let mut parts: Vec<JointFold> = received
-            .remove(&check.id)
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(_, e)| e)
-            .collect();
-        if let Some(f) = mine.get(&check.id) {
-            parts.push(*f);
+        let (mut bytes, mut xor) = (0u64, 0u32);
+        for &reader in &check.readers {
+            let folded = by_rank.get(&reader).and_then(|(folded, folds)| {
+                folds
+                    .iter()
+                    .find(|f| f.check == check.id)
+                    .map(|f| (*folded, f))
+            });
+            let Some((folded, fold)) = folded else {
+                return Err(LoaderError::InvalidPlan {
+                    detail: format!(
+                        "rank {me}: no fold from rank {reader} for {} (joint check {}): the \
+                         ranks' plans differ",
+                        saved.entry, check.id
+                    ),
+                });
+            };
+            if !folded {
+                return Err(LoaderError::InvalidPlan {
+                    detail: format!(
+                        "rank {me}: rank {reader} read its part of {} without verifying it; \
+                         load every rank with the same verify setting",
+                        saved.entry
+                    ),
+                });
+            }
+            bytes += fold.bytes;
+            xor ^= fold.fold;
         }
-        let bytes: u64 = parts.iter().map(|p| p.bytes).sum();
-        let xor = parts.iter().fold(0u32, |acc, p| acc ^ p.fold);
         let len = saved.end - saved.start;
         let actual = crc_of_folds(len, xor);
         if bytes != len || actual != saved.crc32c {
@@ -375,17 +405,17 @@ mod tests {
         let data = encode(true, &entries);
         assert_eq!(data.len(), 1 + 2 * ENTRY_BYTES);
         assert_eq!(
-            decode(0, 1, &data, &[3, 9]).unwrap(),
+            decode(0, 1, &data, Some(&[3, 9])).unwrap(),
             (true, entries.to_vec())
         );
-        let err = decode(0, 1, &data, &[3, 8]).unwrap_err().to_string();
+        let err = decode(0, 1, &data, Some(&[3, 8])).unwrap_err().to_string();
         assert!(
             err.contains("folds of check 9 where check 8 was expected"),
             "{err}"
         );
-        let err = decode(0, 1, &data, &[3]).unwrap_err().to_string();
+        let err = decode(0, 1, &data, Some(&[3])).unwrap_err().to_string();
         assert!(err.contains("rank 0: transport to rank 1 failed"), "{err}");
         assert!(err.contains("the ranks' plans differ"), "{err}");
-        assert!(decode(0, 1, &[], &[]).is_err());
+        assert!(decode(0, 1, &[], None).is_err());
     }
 }

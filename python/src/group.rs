@@ -26,6 +26,7 @@ use tessera_loader::cross_memory::{Exposure, PeerMemory, ShareDescriptor};
 use tessera_loader::exchange::{
     ExchangeMessages, copy_share, describe_share, gather_message, place_message,
 };
+use tessera_loader::joint;
 use tessera_loader::load::{Checkpoint, RankReport};
 use tessera_loader::read::ReadStats;
 use tessera_loader::relay::with_relay_buffers;
@@ -69,6 +70,9 @@ struct GroupState {
     sources: HashMap<u32, PeerMemory>,
     /// Bytes copied that way.
     received_direct: u64,
+    /// Whether the boxes this rank read or received in parts were checked against every
+    /// reader's folds (`check_joint`; `tessera_loader::joint`).
+    joint_checked: bool,
 }
 
 /// A destination of the load: one of the caller's arrays, or a relayed piece's scratch.
@@ -102,6 +106,11 @@ impl GroupLoad {
 }
 
 impl GroupState {
+    /// Whether this rank's read verified (and so folded its parts of jointly checked boxes).
+    fn verifying(&self) -> bool {
+        self.verify && self.checkpoint.checksums.is_some()
+    }
+
     fn plan(&self, step: &str) -> Result<&RankPlan> {
         self.plan
             .as_ref()
@@ -198,6 +207,7 @@ fn prepare(
         exposure: None,
         sources: HashMap::new(),
         received_direct: 0,
+        joint_checked: false,
     })
 }
 
@@ -339,7 +349,9 @@ impl GroupLoad {
             .filter(|p| p.read.is_some())
             .map(|p| p.bytes)
             .sum();
-        let options = load_options(state.verify, progress, total);
+        let mut options = load_options(state.verify, progress, total);
+        // Parts of boxes several ranks read are folded here and checked by `check_joint`.
+        options.read.joint_checks = true;
         let checkpoint = Arc::clone(&state.checkpoint);
         let started = Instant::now();
         let buffers = &mut state.buffers;
@@ -347,6 +359,56 @@ impl GroupLoad {
             Ok(checkpoint.read_into(plan, &options, buffers).await?)
         })?;
         state.read = Some((stats, started.elapsed().as_secs_f64()));
+        Ok(())
+    }
+
+    /// This rank's folds of the saved boxes it read in parts (joint checks), to all-gather
+    /// over the group after the read.
+    fn joint_folds<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let state = self.state();
+        state.check_read("folding").map_err(py_error)?;
+        let folds = state
+            .read
+            .as_ref()
+            .map(|(stats, _)| stats.joint_folds.as_slice())
+            .unwrap_or_default();
+        Ok(PyBytes::new(py, &joint::encode(state.verifying(), folds)))
+    }
+
+    /// Checks every jointly read box this rank holds bytes of against every rank's folds
+    /// (`joint_folds` of ranks 0..world, in rank order). Raises naming the box, its file and
+    /// readers when the parts do not add up to its crc32c.
+    fn check_joint(&self, folds: Vec<Bound<'_, PyBytes>>) -> PyResult<()> {
+        let mut state = self.state();
+        let result = (|| {
+            let plan = state.plan("checking jointly read boxes")?;
+            state.check_read("checking jointly read boxes")?;
+            if folds.len() != state.world as usize {
+                bail!(
+                    "rank {}: folds from {} ranks, expected {}",
+                    state.rank,
+                    folds.len(),
+                    state.world
+                );
+            }
+            let mut by_rank = joint::FoldsByRank::new();
+            for (peer, data) in folds.iter().enumerate() {
+                let peer = peer as u32;
+                by_rank.insert(
+                    peer,
+                    joint::decode(state.rank, peer, data.as_bytes(), None)?,
+                );
+            }
+            joint::check_joint_boxes(
+                plan,
+                Some(&state.checkpoint.meta),
+                &by_rank,
+                state.verifying(),
+            )?;
+            Ok(())
+        })();
+        result.map_err(py_error)?;
+        state.joint_checked = true;
         Ok(())
     }
 
@@ -502,6 +564,13 @@ impl GroupLoad {
             let Some((stats, read_seconds)) = &state.read else {
                 unreachable!("checked above")
             };
+            if !plan.joint_checks.is_empty() && !state.joint_checked {
+                bail!(
+                    "rank {}: the saved boxes this rank read or received in parts were never \
+                     checked against the other readers' folds: the load is incomplete",
+                    state.rank
+                );
+            }
             if let Some(i) = state.placed.iter().position(|&p| !p) {
                 let m = &state.messages.incoming[i];
                 bail!(

@@ -320,11 +320,11 @@ _OBJECT_STORE_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "azure:/
 
 
 def _default_read_order(checkpoint_id: str, format: str, verify: bool) -> str:
-    """``auto`` for object stores and for verified native checkpoints, ``request`` for the rest on
-    local paths (see ``load``'s ``read_order``)."""
+    """``auto`` for object stores, ``request`` on local paths (see ``load``'s ``read_order``)."""
+    del format, verify  # column slices of native boxes are verified jointly, in request order too
     if checkpoint_id.lower().startswith(_OBJECT_STORE_SCHEMES):
         return "auto"
-    return "auto" if format == "native" and verify else "request"
+    return "request"
 
 
 def _progress_callback(progress: Union[bool, Progress, None]) -> Optional[Progress]:
@@ -389,10 +389,10 @@ def load(
             rank reads its pieces where the target cuts them), ``"storage"`` (a chunk cut across
             its rows is read in slabs and the parts others need are passed on), or ``"auto"``
             (the planner's cost model per chunk). Default: ``"auto"`` for object stores (where
-            requests and bytes served cost most) and for native checkpoints read with ``verify``
-            (a column slice read where the target cuts it fetches whole checksum blocks of every
-            row: 4x the bytes), ``"request"`` for other local checkpoints (DCP, safetensors: ranged
-            reads from the page cache cost less than relaying bytes between ranks, BENCHMARKS.md).
+            requests and bytes served cost most), ``"request"`` for local checkpoints (ranged reads
+            from the page cache cost less than relaying bytes between ranks, BENCHMARKS.md; a
+            native box read in column slices by several ranks is verified jointly by its own
+            crc32c from the ranks' parts, so no rank fetches whole checksum blocks of every row).
         storage_options: credentials and endpoints (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT``, ...)
             on top of the environment.
         server, server_id, token: a ``tessera serve`` that plans instead of the ranks, the

@@ -47,18 +47,23 @@ def default_group(process_group: Any, exchange: Optional[bool]) -> Any:
     return dist.group.WORLD
 
 
-def _agree(dist: Any, group: Any, world: int, rank: int, step: str, error: Optional[BaseException]) -> None:
-    """All-gathers every rank's status after ``step``; raises on every rank if any rank failed,
-    naming the first failed rank and its error."""
-    status = [None] * world
-    dist.all_gather_object(status, None if error is None else f"{type(error).__name__}: {error}", group=group)
-    failed = [(r, s) for r, s in enumerate(status) if s is not None]
+def _agree(
+    dist: Any, group: Any, world: int, rank: int, step: str, error: Optional[BaseException], payload: Any = None
+) -> List[Any]:
+    """All-gathers every rank's status after ``step`` (with ``payload``, returned in rank order
+    when every rank succeeded); raises on every rank if any rank failed, naming the first failed
+    rank and its error."""
+    status: List[Any] = [None] * world
+    mine = (None if error is None else f"{type(error).__name__}: {error}", payload)
+    dist.all_gather_object(status, mine, group=group)
+    failed = [(r, s[0]) for r, s in enumerate(status) if s[0] is not None]
     if error is not None:
         raise error
     if failed:
         r, message = failed[0]
         others = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
         raise TesseraError(f"rank {rank}: rank {r}{others} failed {step}: {message}")
+    return [s[1] for s in status]
 
 
 def _message_tags(messages: List[Tuple[int, int, int, int]]) -> List[int]:
@@ -272,13 +277,22 @@ def load_over_group(
             error = e
     _agree(dist, group, world, rank, "planning", error)
 
+    folds = b""
     try:
         load.read(progress)
+        # This rank's folds of saved boxes several ranks read in parts ride on the agreement;
+        # every rank then checks the boxes it holds bytes of before anything is exchanged.
+        folds = load.joint_folds()
     except KeyboardInterrupt:
         raise
     except Exception as e:
         error = e
-    _agree(dist, group, world, rank, "reading its pieces", error)
+    everyone = _agree(dist, group, world, rank, "reading its pieces", error, folds)
+    try:
+        load.check_joint(everyone)
+    except Exception as e:
+        error = e
+    _agree(dist, group, world, rank, "checking the saved boxes read in parts", error)
 
     started = time.monotonic()
     deadline = started + timeout

@@ -382,16 +382,16 @@ def test_read_order_reaches_the_process_group_plan():
     "location, format, verify, order",
     [
         ("s3://bucket/run/step-1", "dcp", True, "auto"),
-        ("/ckpt/step-1", "native", True, "auto"),
+        ("/ckpt/step-1", "native", True, "request"),
         ("/ckpt/step-1", "native", False, "request"),
         ("/ckpt/step-1", "dcp", True, "request"),
         ("file:///ckpt/model", "safetensors", True, "request"),
     ],
 )
 def test_the_default_read_order_follows_the_store_and_the_format(location, format, verify, order):
-    """Object stores and verified native checkpoints (whose column slices would fetch whole
-    checksum blocks of every row) read in storage order where the planner's cost model says so;
-    other local checkpoints read each rank's own pieces (BENCHMARKS.md, issue 16)."""
+    """Object stores read in storage order where the planner's cost model says so; local
+    checkpoints read each rank's own pieces (BENCHMARKS.md, issue 16), verified native ones too
+    (column slices are checked jointly, without whole checksum blocks)."""
     assert tessera._default_read_order(location, format, verify) == order
 
 
