@@ -47,9 +47,12 @@ pub(crate) fn joint_checks(
     groups: &[Group],
 ) -> Vec<JointCheckPlan> {
     let chunks = meta.chunks();
+    // Only pieces of boxes with a recorded crc32c can take part (none in a metadata-only
+    // checkpoint): filtered before the sort, which is the cost of this pass.
     let mut by_chunk: Vec<(u32, u32)> = pieces
         .iter()
         .enumerate()
+        .filter(|(_, p)| chunks[p.chunk as usize].crc32c.is_some())
         .map(|(i, p)| (p.chunk, i as u32))
         .collect();
     by_chunk.sort_unstable();
