@@ -50,32 +50,9 @@ pub enum LoaderError {
     },
     /// A saved box read in parts by several ranks (a joint check) whose parts do not add up to
     /// its crc32c: some rank read wrong bytes of it (`crate::joint`). Every rank holding bytes
-    /// of the box reports it.
-    #[error(
-        "checksum mismatch in {path} bytes {start}..{end} ({entry}), read in parts by ranks \
-         {readers:?}: expected crc32c {expected:08x}, the parts fold to {actual:08x} over {bytes} \
-         bytes (checked on rank {rank})"
-    )]
-    JointChecksum {
-        /// The rank that checked.
-        rank: u32,
-        /// The box's data file.
-        path: String,
-        /// The tensor and box.
-        entry: String,
-        /// First byte of the box in the file.
-        start: u64,
-        /// End of the box in the file.
-        end: u64,
-        /// The ranks that read its parts.
-        readers: Vec<u32>,
-        /// Bytes the readers' folds cover (the box's length when the plan is sound).
-        bytes: u64,
-        /// The crc32c the metadata records.
-        expected: u32,
-        /// What the parts fold to.
-        actual: u32,
-    },
+    /// of the box reports it. Boxed: it would make every loader `Result` carry its size.
+    #[error("{0}")]
+    JointChecksum(Box<JointMismatch>),
     /// A checkpoint location that cannot be opened, or a store request that failed (after retries
     /// for transient errors): [`StorageError::Store`](tessera_storage::StorageError::Store) names
     /// the action (`reading bytes 0..4096 of`) and the object. Boxed: it would make every loader
@@ -183,6 +160,34 @@ pub enum LoaderError {
     },
 }
 
+/// What a failed joint check found ([`LoaderError::JointChecksum`]).
+#[derive(Debug, Error)]
+#[error(
+    "checksum mismatch in {path} bytes {start}..{end} ({entry}), read in parts by ranks \
+     {readers:?}: expected crc32c {expected:08x}, the parts fold to {actual:08x} over {bytes} \
+     bytes (checked on rank {rank})"
+)]
+pub struct JointMismatch {
+    /// The rank that checked.
+    pub rank: u32,
+    /// The box's data file.
+    pub path: String,
+    /// The tensor and box.
+    pub entry: String,
+    /// First byte of the box in the file.
+    pub start: u64,
+    /// End of the box in the file.
+    pub end: u64,
+    /// The ranks that read its parts.
+    pub readers: Vec<u32>,
+    /// Bytes the readers' folds cover (the box's length when the plan is sound).
+    pub bytes: u64,
+    /// The crc32c the metadata records.
+    pub expected: u32,
+    /// What the parts fold to.
+    pub actual: u32,
+}
+
 impl From<tessera_storage::StorageError> for LoaderError {
     fn from(error: tessera_storage::StorageError) -> Self {
         LoaderError::Storage(Box::new(error))
@@ -217,7 +222,7 @@ impl LoaderError {
             | LoaderError::MissingFile { .. }
             | LoaderError::ShortRead { .. }
             | LoaderError::Checksum { .. }
-            | LoaderError::JointChecksum { .. }
+            | LoaderError::JointChecksum(_)
             | LoaderError::InvalidPlan { .. }
             | LoaderError::PlanForOtherCheckpoint { .. }
             | LoaderError::PlanWithoutIdentity { .. }

@@ -20,6 +20,7 @@ use tessera_planner::{JointCheck, RankPlan};
 
 use crate::LoaderError;
 use crate::crc_fold::{Fold, crc_of_folds};
+use crate::error::JointMismatch;
 use crate::scheduler::FileRange;
 use crate::transport::Transport;
 
@@ -367,7 +368,7 @@ pub fn check_joint_boxes(
         let len = saved.end - saved.start;
         let actual = crc_of_folds(len, xor);
         if bytes != len || actual != saved.crc32c {
-            return Err(LoaderError::JointChecksum {
+            return Err(LoaderError::JointChecksum(Box::new(JointMismatch {
                 rank: me,
                 path: saved.key,
                 entry: saved.entry,
@@ -377,7 +378,7 @@ pub fn check_joint_boxes(
                 bytes,
                 expected: saved.crc32c,
                 actual,
-            });
+            })));
         }
     }
     Ok(())

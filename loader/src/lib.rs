@@ -34,7 +34,7 @@ pub mod staging;
 pub mod testing;
 pub mod transport;
 
-pub use error::LoaderError;
+pub use error::{JointMismatch, LoaderError};
 
 /// Whether the switch in environment variable `var` is on: it is unless set to `0`. The
 /// loader's side-by-side switches (positioned reads, bounce reads, overlap, direct copies) all
