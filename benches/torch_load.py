@@ -49,7 +49,8 @@ ROWS = int(os.environ.get("ROWS", "4096"))
 COLS = int(os.environ.get("COLS", "16384"))
 LAYOUTS = os.environ.get("LAYOUTS", "shard0,shard1,tp2dp2").split(",")
 # "tessera DCP exchange=False" (opt-in): every rank reads all it needs itself, no exchange;
-# "tessera DCP read_order=auto" (or native, or storage/request): another read order than the default.
+# "tessera DCP read_order=auto" (or native, or storage/request): another read order than the default;
+# "tessera native verify=False": without verification.
 METHODS = os.environ.get("METHODS", "tessera DCP,dcp.load DCP,tessera native").split(",")
 # The CLI (`tessera load --transport tcp`: 4 rank processes, its own rendezvous), run after the
 # torch job on the same files; CLI="" leaves it out. TESSERA_BIN picks the binary.
@@ -211,9 +212,11 @@ def run_one(method: str, layout: str, meshes: dict, paths: dict, hash_it: bool) 
         path = paths["native"] if method.startswith("tessera native") else paths["dcp"]
         exchange = False if method.endswith("exchange=False") else None
         # "... read_order=auto" (or storage/request) overrides the default read order.
-        read_order = method.split("read_order=")[1] if "read_order=" in method else None
+        read_order = method.split("read_order=")[1].split()[0] if "read_order=" in method else None
+        # "... verify=False": no checksums at all (the cost of verification, side by side).
+        verify = "verify=False" not in method
         report = tessera.load(
-            state, path, progress=False, timeout=600, exchange=exchange, read_order=read_order
+            state, path, progress=False, timeout=600, exchange=exchange, read_order=read_order, verify=verify
         ).to_dict()
     seconds = time.perf_counter() - started
     faults = minor_faults() - faults_before
