@@ -546,6 +546,20 @@ pub fn storage_options(seed: u64) -> PlanOptions {
     }
 }
 
+/// The saved box a joint check of `rp` names.
+fn saved_box_of<'m>(
+    meta: &'m CheckpointMeta,
+    rp: &RankPlan,
+    check: &tessera_planner::JointCheck,
+) -> &'m SavedChunk {
+    let fqn = &rp.tensors[check.tensor as usize].fqn;
+    let t = meta.tensors().iter().position(|t| &t.fqn == fqn).unwrap() as u32;
+    meta.chunks_of(t)
+        .iter()
+        .find(|c| c.region == check.region)
+        .unwrap_or_else(|| panic!("joint check {} names no saved box", check.id))
+}
+
 /// Every joint check is sound, judged from the rank plans' byte runs alone: the pieces its readers
 /// list read every byte of the saved box exactly once and nothing outside it, its readers are
 /// exactly the ranks that list pieces, every rank that places or reads a byte of the box is a
@@ -556,13 +570,7 @@ pub fn check_joint_checks(saved: &Saved, plans: &[RankPlan]) {
     let mut seen: BTreeMap<u32, (&tessera_planner::JointCheck, Vec<u32>)> = BTreeMap::new();
     for rp in plans {
         for check in &rp.joint_checks {
-            let fqn = &rp.tensors[check.tensor as usize].fqn;
-            let t = meta.tensors().iter().position(|t| &t.fqn == fqn).unwrap() as u32;
-            let chunk = meta
-                .chunks_of(t)
-                .iter()
-                .find(|c| c.region == check.region)
-                .unwrap_or_else(|| panic!("joint check {} names no saved box", check.id));
+            let chunk = saved_box_of(meta, rp, check);
             assert!(
                 check.members.contains(&rp.rank),
                 "rank {} not a member",
@@ -598,13 +606,9 @@ pub fn check_joint_checks(saved: &Saved, plans: &[RankPlan]) {
             &check.members, holders,
             "joint check {id}: members without it"
         );
-        let t_fqn = &plans[holders[0] as usize].tensors[check.tensor as usize].fqn;
-        let t = meta.tensors().iter().position(|t| &t.fqn == t_fqn).unwrap() as u32;
-        let chunk = meta
-            .chunks_of(t)
-            .iter()
-            .find(|c| c.region == check.region)
-            .unwrap();
+        let holder = &plans[holders[0] as usize];
+        let t_fqn = &holder.tensors[check.tensor as usize].fqn;
+        let chunk = saved_box_of(meta, holder, check);
         let start = chunk.bytes.offset;
         let mut count = vec![0u32; chunk.bytes.length as usize];
         let mut readers = Vec::new();
