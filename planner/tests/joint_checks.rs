@@ -10,47 +10,11 @@ mod common;
 use std::sync::Arc;
 
 use common::{
-    Saved, StoredBox, check_joint_checks, check_summary, plan_and_check, rank_plans, save_boxes,
+    Saved, boxes_per_rank, check_joint_checks, check_summary, columns, plan_and_check, rank_plans,
+    rows, saved_by_rows,
 };
-use tessera_metadata::{CheckpointMeta, DType, TensorBox, TensorMeta};
-use tessera_planner::{ExplicitRequest, ExplicitRequests, PlanOptions, ReadOrder, RequestSet};
-
-/// A [rows, cols] f32 matrix saved Shard(0) by `world` ranks, one file each.
-fn saved_by_rows(rows: u64, cols: u64, world: u64) -> (TensorMeta, Saved) {
-    let tensor = TensorMeta::new("layers.0.weight", DType::F32, vec![rows, cols]);
-    let per = rows / world;
-    let files = (0..world)
-        .map(|r| {
-            vec![StoredBox {
-                tensor: 0,
-                region: TensorBox::new(vec![r * per, 0], vec![per, cols]),
-                strides: None,
-            }]
-        })
-        .collect();
-    (tensor.clone(), save_boxes(vec![tensor], files))
-}
-
-/// Rank r of `ranks` wants columns block `r % tp` of `tp` (ranks r and r + tp are replicas).
-fn columns(tensor: &TensorMeta, ranks: u64, tp: u64) -> RequestSet {
-    let [rows, cols] = tensor.shape[..] else {
-        unreachable!()
-    };
-    let per = cols / tp;
-    ExplicitRequests {
-        ranks: (0..ranks)
-            .map(|r| {
-                vec![ExplicitRequest::Box {
-                    fqn: tensor.fqn.clone(),
-                    offsets: vec![0, (r % tp) * per],
-                    lengths: vec![rows, per],
-                }]
-            })
-            .collect(),
-    }
-    .resolve(std::slice::from_ref(tensor))
-    .unwrap()
-}
+use tessera_metadata::{CheckpointMeta, TensorBox};
+use tessera_planner::{PlanOptions, ReadOrder, RequestSet};
 
 fn request_order() -> PlanOptions {
     PlanOptions {
@@ -118,26 +82,14 @@ fn replicas_that_receive_their_pieces_are_members_of_the_check() {
 #[test]
 fn boxes_that_blocks_verify_cheaply_or_that_no_partition_covers_get_no_check() {
     let (tensor, saved) = saved_by_rows(256, 512, 4);
-    let rows = ExplicitRequests {
-        ranks: (0..2)
-            .map(|r| {
-                vec![ExplicitRequest::Box {
-                    fqn: tensor.fqn.clone(),
-                    offsets: vec![r * 128, 0],
-                    lengths: vec![128, 512],
-                }]
-            })
-            .collect(),
-    }
-    .resolve(std::slice::from_ref(&tensor))
-    .unwrap();
+    let row_halves = rows(&tensor, 2);
     let none = |saved: &Saved, requests: &RequestSet, options: &PlanOptions| {
         let plan = plan_and_check(saved, requests, options);
         let plans = rank_plans(&plan);
         check_joint_checks(saved, &plans);
         plans.iter().all(|rp| rp.joint_checks.is_empty())
     };
-    assert!(none(&saved, &rows, &request_order()), "rows");
+    assert!(none(&saved, &row_halves, &request_order()), "rows");
     let storage = PlanOptions {
         read_order: ReadOrder::Storage,
         ..PlanOptions::default()
@@ -175,14 +127,6 @@ fn boxes_that_blocks_verify_cheaply_or_that_no_partition_covers_get_no_check() {
         "no crc"
     );
     // One rank wanting a column slice of every box: one reader per box.
-    let one = ExplicitRequests {
-        ranks: vec![vec![ExplicitRequest::Box {
-            fqn: tensor.fqn.clone(),
-            offsets: vec![0, 0],
-            lengths: vec![256, 128],
-        }]],
-    }
-    .resolve(std::slice::from_ref(&tensor))
-    .unwrap();
+    let one = boxes_per_rank(&tensor, 1, |_| (vec![0, 0], vec![256, 128]));
     assert!(none(&saved, &one, &request_order()), "one reader");
 }

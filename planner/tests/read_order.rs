@@ -7,7 +7,9 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use common::{StoredBox, check_summary, plan_and_check, rank_plans, save_boxes};
+use common::{
+    StoredBox, check_summary, columns, plan_and_check, rank_plans, rows, save_boxes, saved_by_rows,
+};
 use tessera_metadata::{DType, TensorBox, TensorMeta};
 use tessera_planner::{ExplicitRequest, ExplicitRequests, PlanOptions, RankPlan, ReadOrder};
 
@@ -50,42 +52,6 @@ fn blocks(rp: &RankPlan) -> u64 {
     touched.len() as u64
 }
 
-/// A [rows, cols] f32 matrix saved Shard(0) by `world` ranks, one file each.
-fn saved_by_rows(rows: u64, cols: u64, world: u64) -> (TensorMeta, common::Saved) {
-    let tensor = TensorMeta::new("layers.0.weight", DType::F32, vec![rows, cols]);
-    let per = rows / world;
-    let files = (0..world)
-        .map(|r| {
-            vec![StoredBox {
-                tensor: 0,
-                region: TensorBox::new(vec![r * per, 0], vec![per, cols]),
-                strides: None,
-            }]
-        })
-        .collect();
-    (tensor.clone(), save_boxes(vec![tensor], files))
-}
-
-fn column_requests(tensor: &TensorMeta, world: u64) -> tessera_planner::RequestSet {
-    let [rows, cols] = tensor.shape[..] else {
-        unreachable!()
-    };
-    let per = cols / world;
-    ExplicitRequests {
-        ranks: (0..world)
-            .map(|r| {
-                vec![ExplicitRequest::Box {
-                    fqn: tensor.fqn.clone(),
-                    offsets: vec![0, r * per],
-                    lengths: vec![rows, per],
-                }]
-            })
-            .collect(),
-    }
-    .resolve(std::slice::from_ref(tensor))
-    .unwrap()
-}
-
 /// Shard(0) at world 4 loaded as Shard(1) at world 4: per request every rank reads a 512-byte
 /// slice of each of the 1024 rows (1024 requests per rank, every 64 KiB block of the checkpoint
 /// fetched by every rank); in storage order each rank reads one saved chunk whole (one request)
@@ -93,7 +59,7 @@ fn column_requests(tensor: &TensorMeta, world: u64) -> tessera_planner::RequestS
 #[test]
 fn shard0_world4_to_shard1_world4_reads_each_chunk_once_in_order() {
     let (tensor, saved) = saved_by_rows(1024, 512, 4);
-    let requests = column_requests(&tensor, 4);
+    let requests = columns(&tensor, 4, 4);
     let total = 1024 * 512 * 4;
 
     let per_request = plan_and_check(
@@ -137,7 +103,7 @@ fn shard0_world4_to_shard1_world4_reads_each_chunk_once_in_order() {
 #[test]
 fn slabs_split_a_chunk_over_its_readers_on_block_boundaries() {
     let (tensor, saved) = saved_by_rows(1024, 512, 2);
-    let requests = column_requests(&tensor, 4);
+    let requests = columns(&tensor, 4, 4);
     let options = PlanOptions {
         slab_bytes: 256 * 1024,
         ..PlanOptions::default()
@@ -167,19 +133,7 @@ fn slabs_split_a_chunk_over_its_readers_on_block_boundaries() {
 #[test]
 fn auto_keeps_reads_that_follow_the_storage_order() {
     let (tensor, saved) = saved_by_rows(1024, 512, 4);
-    let requests = ExplicitRequests {
-        ranks: (0..4)
-            .map(|r| {
-                vec![ExplicitRequest::Box {
-                    fqn: tensor.fqn.clone(),
-                    offsets: vec![r * 256, 0],
-                    lengths: vec![256, 512],
-                }]
-            })
-            .collect(),
-    }
-    .resolve(std::slice::from_ref(&tensor))
-    .unwrap();
+    let requests = rows(&tensor, 4);
     let plan = plan_and_check(&saved, &requests, &PlanOptions::default());
     let s = plan.summary();
     assert_eq!((s.slabs, s.bytes_relayed, s.bytes_exchanged), (0, 0, 0));

@@ -10,8 +10,8 @@ use tessera_metadata::{
     row_major_strides, validate,
 };
 use tessera_planner::{
-    ExplicitRequest, Layout, MeshDim, Plan, PlanOptions, RankPlan, ReadOrder, RequestSet, Rule,
-    Stages, Target, assign_writers, plan,
+    ExplicitRequest, ExplicitRequests, Layout, MeshDim, Plan, PlanOptions, RankPlan, ReadOrder,
+    RequestSet, Rule, Stages, Target, assign_writers, plan,
 };
 
 /// A checkpoint held in memory: metadata plus the bytes of every data file.
@@ -646,4 +646,64 @@ pub fn check_joint_checks(saved: &Saved, plans: &[RankPlan]) {
             );
         }
     }
+}
+
+/// A [rows, cols] f32 matrix saved Shard(0) by `world` ranks, one file each.
+pub fn saved_by_rows(rows: u64, cols: u64, world: u64) -> (TensorMeta, Saved) {
+    let tensor = TensorMeta::new("layers.0.weight", DType::F32, vec![rows, cols]);
+    let per = rows / world;
+    let files = (0..world)
+        .map(|r| {
+            vec![StoredBox {
+                tensor: 0,
+                region: TensorBox::new(vec![r * per, 0], vec![per, cols]),
+                strides: None,
+            }]
+        })
+        .collect();
+    (tensor.clone(), save_boxes(vec![tensor], files))
+}
+
+/// Each of `ranks` ranks wants one box of the [rows, cols] `tensor`: `box_of(rank)` gives its
+/// (offsets, lengths).
+pub fn boxes_per_rank(
+    tensor: &TensorMeta,
+    ranks: u64,
+    box_of: impl Fn(u64) -> (Vec<u64>, Vec<u64>),
+) -> RequestSet {
+    ExplicitRequests {
+        ranks: (0..ranks)
+            .map(|r| {
+                let (offsets, lengths) = box_of(r);
+                vec![ExplicitRequest::Box {
+                    fqn: tensor.fqn.clone(),
+                    offsets,
+                    lengths,
+                }]
+            })
+            .collect(),
+    }
+    .resolve(std::slice::from_ref(tensor))
+    .unwrap()
+}
+
+/// Rank r of `ranks` wants column block `r % tp` of `tp` of the [rows, cols] `tensor` (ranks r and
+/// r + tp are replicas; `tp == ranks` is Shard(1)).
+pub fn columns(tensor: &TensorMeta, ranks: u64, tp: u64) -> RequestSet {
+    let [rows, cols] = tensor.shape[..] else {
+        unreachable!()
+    };
+    let per = cols / tp;
+    boxes_per_rank(tensor, ranks, |r| {
+        (vec![0, (r % tp) * per], vec![rows, per])
+    })
+}
+
+/// Rank r of `ranks` wants row block r of the [rows, cols] `tensor` (Shard(0)).
+pub fn rows(tensor: &TensorMeta, ranks: u64) -> RequestSet {
+    let [rows, cols] = tensor.shape[..] else {
+        unreachable!()
+    };
+    let per = rows / ranks;
+    boxes_per_rank(tensor, ranks, |r| (vec![r * per, 0], vec![per, cols]))
 }
