@@ -70,13 +70,11 @@ pub(crate) fn saved_box(
         .ok_or_else(|| bad("its tensor index is outside the plan's tensors"))?
         .fqn;
     let tensor = meta
-        .tensors()
-        .iter()
-        .position(|t| &t.fqn == fqn)
+        .tensor_index(fqn)
         .ok_or_else(|| bad(&format!("the checkpoint has no tensor {fqn}")))?;
     let entry = format!("tensor {fqn} box {}", check.region);
     let chunk = meta
-        .chunks_of(tensor as u32)
+        .chunks_of(tensor)
         .iter()
         .find(|c| c.region == check.region)
         .ok_or_else(|| bad(&format!("the checkpoint saved no {entry}")))?;

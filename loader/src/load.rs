@@ -136,6 +136,13 @@ impl Checkpoint {
         .await
     }
 
+    /// Whether a read of this checkpoint with `verify` checks its bytes: only when the checkpoint
+    /// has block checksums (DCP and safetensors record none). Such a read also folds its parts
+    /// of jointly checked boxes (see `read_runs`).
+    pub fn verifies(&self, verify: bool) -> bool {
+        verify && self.checksums.is_some()
+    }
+
     /// The step after the reads of a load whose reads fold joint checks
     /// ([`ReadOptions::joint_checks`]): exchanges the folds with the other members and checks
     /// every jointly read box this rank holds bytes of ([`crate::joint`]). A load reports success
@@ -147,8 +154,7 @@ impl Checkpoint {
         options: &LoadOptions,
         stats: &ReadStats,
     ) -> Result<(), LoaderError> {
-        // The read folded exactly when it verified against block checksums (see `read_runs`).
-        let verifying = options.read.verify && self.checksums.is_some();
+        let verifying = self.verifies(options.read.verify);
         crate::joint::verify_joint_checks(
             transport,
             plan,

@@ -108,7 +108,7 @@ impl GroupLoad {
 impl GroupState {
     /// Whether this rank's read verified (and so folded its parts of jointly checked boxes).
     fn verifying(&self) -> bool {
-        self.verify && self.checkpoint.checksums.is_some()
+        self.checkpoint.verifies(self.verify)
     }
 
     fn plan(&self, step: &str) -> Result<&RankPlan> {

@@ -553,7 +553,7 @@ fn saved_box_of<'m>(
     check: &tessera_planner::JointCheck,
 ) -> &'m SavedChunk {
     let fqn = &rp.tensors[check.tensor as usize].fqn;
-    let t = meta.tensors().iter().position(|t| &t.fqn == fqn).unwrap() as u32;
+    let t = meta.tensor_index(fqn).unwrap();
     meta.chunks_of(t)
         .iter()
         .find(|c| c.region == check.region)
