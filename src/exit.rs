@@ -167,11 +167,7 @@ fn classify_cause(cause: &(dyn StdError + 'static)) -> Option<ErrorClass> {
         };
     }
     if let Some(e) = cause.downcast_ref::<PlanClientError>() {
-        return match e {
-            PlanClientError::Unreachable { .. } => Some(ErrorClass::Unreachable),
-            PlanClientError::Server { status: 404, .. } => Some(ErrorClass::NotFound),
-            _ => None,
-        };
+        return plan_client(e);
     }
     if let Some(e) = cause.downcast_ref::<object_store::Error>() {
         return object(e);
@@ -187,8 +183,17 @@ fn ops(e: &OpsError) -> Option<ErrorClass> {
         OpsError::Storage(e) => storage(e),
         OpsError::Metadata(e) => metadata(e),
         OpsError::Loader(e) => loader(e),
+        OpsError::PlanClient(e) => plan_client(e),
         OpsError::RanksFailed { .. } => Some(ErrorClass::PeerFailed),
         OpsError::Context { inner, .. } => ops(inner),
+        _ => None,
+    }
+}
+
+fn plan_client(e: &PlanClientError) -> Option<ErrorClass> {
+    match e {
+        PlanClientError::Unreachable { .. } => Some(ErrorClass::Unreachable),
+        PlanClientError::Server { status: 404, .. } => Some(ErrorClass::NotFound),
         _ => None,
     }
 }

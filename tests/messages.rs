@@ -70,9 +70,9 @@ fn rank_without_master_address_names_the_flags_and_variables() {
     assert_eq!(
         err,
         "error: --rank 1 joins a job of 3 ranks through rank 0, but the master address \
-         (--master-addr HOST or MASTER_ADDR) and the master port (--master-port PORT or \
-         MASTER_PORT) are not given: every rank needs rank 0's address (torchrun sets \
-         MASTER_ADDR and MASTER_PORT)\n"
+         (--master-addr HOST or MASTER_ADDR) and the master port (--master-port PORT, \
+         TESSERA_PORT or MASTER_PORT) are not given: every rank needs rank 0's address \
+         (torchrun sets MASTER_ADDR and MASTER_PORT)\n"
     );
 }
 

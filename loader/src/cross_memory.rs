@@ -45,13 +45,6 @@ pub fn ack_tag(tag: u64) -> u64 {
     tag | 1 << 62
 }
 
-/// Whether this process offers direct copies: yes unless `TESSERA_CROSS_MEMORY=0` (a switch for
-/// side-by-side measurements, and a way out should a kernel misbehave). A rank that does not
-/// offer says so in its hello, so ranks with different settings still agree on every pair.
-pub fn enabled() -> bool {
-    crate::switched_on("TESSERA_CROSS_MEMORY")
-}
-
 /// This rank's side of one exchange: the token peers check around every copy out of its memory.
 /// Dropping it (the exchange ended, succeeded or not) zeroes the token first, so a peer still
 /// copying sees the change and fails instead of keeping bytes from released buffers.
@@ -89,9 +82,11 @@ impl Exposure {
     }
 
     /// The hello this process sends its peers: this exposure's ([`Exposure::hello`]) when it
-    /// offers direct copies ([`enabled`]), else [`declining_hello`].
-    pub fn offer(&self) -> Vec<u8> {
-        if enabled() {
+    /// offers direct copies (`enabled`: [`crate::load::LoadOptions::cross_memory`]), else
+    /// [`declining_hello`]. A rank that does not offer says so, so ranks with different
+    /// settings still agree on every pair.
+    pub fn offer(&self, enabled: bool) -> Vec<u8> {
+        if enabled {
             self.hello()
         } else {
             declining_hello()
@@ -166,10 +161,10 @@ impl PeerMemory {
     }
 
     /// The peer's memory if this process copies from it: the peer offers (its hello), this
-    /// process does too ([`enabled`]), and the peer's token reads back from here.
-    pub fn accept(hello: &[u8]) -> Result<Option<PeerMemory>, String> {
+    /// process does too (`enabled`), and the peer's token reads back from here.
+    pub fn accept(hello: &[u8], enabled: bool) -> Result<Option<PeerMemory>, String> {
         let memory = PeerMemory::from_hello(hello)?;
-        Ok(memory.filter(|m| enabled() && m.reachable()))
+        Ok(memory.filter(|m| enabled && m.reachable()))
     }
 
     /// Whether this process can copy out of the peer's memory: its token reads back as

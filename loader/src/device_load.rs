@@ -1,7 +1,10 @@
 //! One rank's load into device memory: the host pipeline of [`crate::load`] (verified reads
-//! placed into host buffers), then the upload through a pinned staging pool, with the plan's
-//! exchange either on host buffers before the upload (any [`Transport`]) or device to device
-//! after it (the grouped ring on a data plane, [`SequencedTransport`]).
+//! placed into host buffers), then the upload through a pinned staging pool. With the exchange
+//! on the host (any [`Transport`], [`OnHost`]) the host side is the whole pipeline every host
+//! load runs ([`crate::load::load_rank_into`]: reads overlapped with the ring exchange, direct
+//! copies between ranks of one host, joint checks of boxes read in parts); with the exchange on
+//! the device (the grouped ring on a data plane, [`SequencedTransport`]) the host side is this
+//! rank's own reads, and the ring runs device to device after the upload.
 //!
 //! Generic over the device: [`CopyEngine`] and [`DataPlane`] are implemented for CUDA and NCCL
 //! (feature `cuda`) and by host emulations (feature `testing`), which is how this pipeline is
@@ -14,8 +17,8 @@ use std::time::Instant;
 use tessera_planner::RankPlan;
 
 use crate::device::DeviceMemory;
-use crate::exchange::{ExchangeStats, check_buffer_sizes, check_rank, run_exchanges};
-use crate::load::{Checkpoint, LoadOptions, RankReport};
+use crate::exchange::{ExchangeStats, check_buffer_sizes, check_rank};
+use crate::load::{Checkpoint, LoadOptions, RankReport, load_rank_into};
 use crate::plane::DataPlane;
 use crate::plane::ring::ring_exchange;
 use crate::staging::{CopyEngine, StagingPool, Upload, UploadStats};
@@ -30,12 +33,16 @@ pub trait DeviceExchange<B: DeviceMemory>: Sync {
     /// Number of ranks.
     fn world(&self) -> u32;
 
-    /// Runs the exchange on the host buffers, before the upload, if this is where it happens.
-    fn on_host(
+    /// Loads what this rank has on the host before the upload into `host` (one buffer per plan
+    /// destination): the whole host pipeline when the exchange is on the host, this rank's own
+    /// reads when it runs on the device.
+    fn load_host(
         &self,
+        checkpoint: &Checkpoint,
         plan: &RankPlan,
-        buffers: &mut [Vec<u8>],
-    ) -> impl Future<Output = Result<Option<ExchangeStats>, LoaderError>> + Send;
+        options: &LoadOptions,
+        host: &mut [Vec<u8>],
+    ) -> impl Future<Output = Result<RankReport, LoaderError>> + Send;
 
     /// Runs the exchange on the device buffers, after the upload, if this is where it happens;
     /// hands the buffers back.
@@ -46,8 +53,8 @@ pub trait DeviceExchange<B: DeviceMemory>: Sync {
     ) -> impl Future<Output = Result<(Vec<B>, Option<ExchangeStats>), LoaderError>> + Send;
 }
 
-/// The exchange over any [`Transport`] (an `Arc` of one to share it), on host buffers before the
-/// upload (what the in-process and TCP transports do for device loads).
+/// The exchange over any [`Transport`] (an `Arc` or a reference of one to share it), on host
+/// buffers before the upload (what the in-process and TCP transports do for device loads).
 #[derive(Debug)]
 pub struct OnHost<T>(pub T);
 
@@ -60,12 +67,14 @@ impl<B: DeviceMemory, T: Transport> DeviceExchange<B> for OnHost<T> {
         self.0.world()
     }
 
-    async fn on_host(
+    async fn load_host(
         &self,
+        checkpoint: &Checkpoint,
         plan: &RankPlan,
-        buffers: &mut [Vec<u8>],
-    ) -> Result<Option<ExchangeStats>, LoaderError> {
-        run_exchanges(&self.0, plan, buffers).await.map(Some)
+        options: &LoadOptions,
+        host: &mut [Vec<u8>],
+    ) -> Result<RankReport, LoaderError> {
+        load_rank_into(checkpoint, plan, &self.0, options, host).await
     }
 
     async fn on_device(
@@ -91,12 +100,39 @@ where
         Transport::world(self)
     }
 
-    async fn on_host(
+    /// This rank's own reads, verified by checksum blocks: the ring moves the rest device to
+    /// device and has no channel for the folds of joint checks, nor buffers for pieces relayed
+    /// in storage order (a device ring plans in request order).
+    async fn load_host(
         &self,
-        _plan: &RankPlan,
-        _buffers: &mut [Vec<u8>],
-    ) -> Result<Option<ExchangeStats>, LoaderError> {
-        Ok(None)
+        checkpoint: &Checkpoint,
+        plan: &RankPlan,
+        options: &LoadOptions,
+        host: &mut [Vec<u8>],
+    ) -> Result<RankReport, LoaderError> {
+        if relay::with_relay_buffers(plan).is_some() {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "rank {}: the plan relays pieces read in storage order, which the device \
+                     ring has no buffers for: plan with read order `request`, or exchange on the \
+                     host",
+                    plan.rank
+                ),
+            });
+        }
+        let started = Instant::now();
+        let mut by_blocks = options.clone();
+        by_blocks.read.joint_checks = false;
+        let read = checkpoint.read_into(plan, &by_blocks, host).await?;
+        let seconds = started.elapsed().as_secs_f64();
+        Ok(RankReport::of_host_load(
+            plan,
+            &read,
+            seconds,
+            (0, 0),
+            0.0,
+            seconds,
+        ))
     }
 
     async fn on_device(
@@ -153,10 +189,10 @@ fn blocking<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// Loads one rank into `destinations` (device buffers, one per plan destination, of the plan's
-/// sizes: allocated by the loader or the caller's own, e.g. torch tensors): reads and places
-/// into host buffers, exchanges on the host or on the device as `exchange` does it, and uploads
-/// through `staging`. Fails, never returning partly loaded buffers as success, if any read,
-/// checksum, peer or copy fails.
+/// sizes: allocated by the loader or the caller's own, e.g. torch tensors): the host side as
+/// `exchange` says ([`DeviceExchange::load_host`]), the upload through `staging`, then the
+/// exchange on the device if that is where it runs. Fails, never returning partly loaded
+/// buffers as success, if any read, checksum, peer or copy fails.
 pub async fn load_rank_to_device<E, X>(
     checkpoint: &Checkpoint,
     plan: RankPlan,
@@ -172,26 +208,10 @@ where
     check_rank(&plan, exchange.rank(), exchange.world())?;
     check_destinations(&staging.engine().device(), &plan, &destinations)?;
     let started = Instant::now();
-    // Pieces read in storage order only to be relayed get host scratch buffers after the
-    // destinations (see `relay`); the upload below takes only the destinations.
-    let relaying = relay::with_relay_buffers(&plan);
-    let host_plan = relaying.as_ref().unwrap_or(&plan);
-    let mut host = place::allocate(host_plan);
-    let read = checkpoint.read_into(host_plan, options, &mut host).await?;
-    let read_seconds = started.elapsed().as_secs_f64();
-
-    let exchange_started = Instant::now();
-    let host_exchange = exchange.on_host(host_plan, &mut host).await?;
-    let mut exchange_seconds = exchange_started.elapsed().as_secs_f64();
-    if relaying.is_some() && host_exchange.is_none() {
-        return Err(LoaderError::InvalidPlan {
-            detail: format!(
-                "rank {}: the plan relays pieces read in storage order, which the device ring \
-                 has no buffers for: plan with read order `request`, or exchange on the host",
-                plan.rank
-            ),
-        });
-    }
+    let mut host = place::allocate(&plan);
+    let mut report = exchange
+        .load_host(checkpoint, &plan, options, &mut host)
+        .await?;
 
     let uploads: Vec<Upload<'_, E::Target>> = host
         .iter()
@@ -209,33 +229,16 @@ where
     let exchange_started = Instant::now();
     let plan = Arc::new(plan);
     let (buffers, device_exchange) = exchange.on_device(Arc::clone(&plan), destinations).await?;
-    exchange_seconds += exchange_started.elapsed().as_secs_f64();
-    let exchanged = device_exchange.or(host_exchange).unwrap_or_default();
+    if let Some(exchanged) = device_exchange {
+        report.bytes_sent = exchanged.bytes_sent;
+        report.bytes_received = exchanged.bytes_received;
+        report.bytes_received_direct = exchanged.bytes_received_direct;
+        report.exchange_seconds += exchange_started.elapsed().as_secs_f64();
+    }
     let plan = Arc::try_unwrap(plan).unwrap_or_else(|shared| (*shared).clone());
-    let report = RankReport {
-        rank: plan.rank,
-        bytes_needed: plan.summary.bytes_needed,
-        bytes_read: read.bytes_needed,
-        bytes_fetched: read.bytes_fetched,
-        verify_extra_bytes: read.verify_extra_bytes,
-        read_amplification: crate::load::ratio(
-            read.bytes_fetched.saturating_sub(read.verify_extra_bytes),
-            read.bytes_needed,
-        ),
-        io_amplification: crate::load::ratio(read.bytes_fetched, read.bytes_needed),
-        boxes_verified: read.boxes_verified,
-        bytes_transferred: read.bytes_transferred,
-        requests: read.requests,
-        retries: read.retries,
-        bytes_sent: exchanged.bytes_sent,
-        bytes_received: exchanged.bytes_received,
-        bytes_received_direct: exchanged.bytes_received_direct,
-        read_seconds,
-        exchange_seconds,
-        h2d_bytes: uploaded.bytes,
-        h2d_seconds: uploaded.seconds,
-        total_seconds: started.elapsed().as_secs_f64(),
-    };
+    report.h2d_bytes = uploaded.bytes;
+    report.h2d_seconds = uploaded.seconds;
+    report.total_seconds = started.elapsed().as_secs_f64();
     Ok(DeviceLoadedRank {
         plan,
         buffers,

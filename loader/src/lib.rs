@@ -35,10 +35,3 @@ pub mod testing;
 pub mod transport;
 
 pub use error::{JointMismatch, LoaderError};
-
-/// Whether the switch in environment variable `var` is on: it is unless set to `0`. The
-/// loader's side-by-side switches (positioned reads, bounce reads, overlap, direct copies) all
-/// read this way.
-pub(crate) fn switched_on(var: &str) -> bool {
-    std::env::var(var).map_or(true, |v| v.trim() != "0")
-}

@@ -192,37 +192,27 @@ impl Checkpoint {
             read.exact_multi_range
                 .unwrap_or_else(|| exact_multi_range(&self.location.display)),
         );
-        if read.local_root.is_none() && positioned_reads_enabled() {
+        if read.local_root.is_none() && read.positioned_reads {
             read.local_root.clone_from(&self.location.local_root);
         }
         read
     }
 
     /// Plans `requests` against this checkpoint (the embedded plan source). Storage-order slabs
-    /// are cut at this checkpoint's own checksum blocks when it has them. Joint checks are
-    /// planned unless `TESSERA_JOINT_CHECKS=0`.
+    /// are cut at this checkpoint's own checksum blocks when it has them.
     pub fn plan(&self, requests: &RequestSet, options: &PlanOptions) -> Result<Plan, LoaderError> {
         let mut options = options.clone();
         if let Some(blocks) = &self.checksums {
             options.slab_alignment = blocks.block_size();
         }
-        // `TESSERA_JOINT_CHECKS=0`: verify column slices by whole checksum blocks instead (a
-        // switch for side-by-side measurements; every rank plans the same either way).
-        if !crate::switched_on("TESSERA_JOINT_CHECKS") {
-            options.joint_checks = false;
-        }
         Ok(plan(&self.meta, requests, &options)?)
     }
 }
 
-/// Positioned reads from local files are on unless `TESSERA_POSITIONED_READS=0` (the switch that
-/// compares them with reads through the store, e.g. in benchmarks).
-fn positioned_reads_enabled() -> bool {
-    crate::switched_on("TESSERA_POSITIONED_READS")
-}
-
-/// Options of [`load_rank`].
-#[derive(Clone, Default)]
+/// Options of [`load_rank`]. Library code reads no environment: front ends build these (the
+/// CLI and the Python package through `tessera_ops::load`, which maps the `TESSERA_*`
+/// switches onto them).
+#[derive(Clone)]
 pub struct LoadOptions {
     /// Read scheduling and verification.
     pub read: ReadOptions,
@@ -231,6 +221,26 @@ pub struct LoadOptions {
     /// Bytes per message when a share is sent in parts (`None`:
     /// [`crate::exchange::SHARE_PART_BYTES`]). Every rank of a load must use the same value.
     pub share_part_bytes: Option<u64>,
+    /// Reads and the exchange overlap: a share goes out as soon as its pieces are read (true).
+    /// Off, the exchange starts after the whole read (a switch for side-by-side measurements,
+    /// and a way back should a transport misbehave under concurrency).
+    pub exchange_overlap: bool,
+    /// Offer and accept direct copies between ranks of one host ([`crate::cross_memory`];
+    /// true). A rank that does not offer says so in its hello, so ranks with different
+    /// settings still agree on every pair.
+    pub cross_memory: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            read: ReadOptions::default(),
+            progress: None,
+            share_part_bytes: None,
+            exchange_overlap: true,
+            cross_memory: true,
+        }
+    }
 }
 
 impl std::fmt::Debug for LoadOptions {
@@ -238,6 +248,8 @@ impl std::fmt::Debug for LoadOptions {
         f.debug_struct("LoadOptions")
             .field("read", &self.read)
             .field("share_part_bytes", &self.share_part_bytes)
+            .field("exchange_overlap", &self.exchange_overlap)
+            .field("cross_memory", &self.cross_memory)
             .finish_non_exhaustive()
     }
 }

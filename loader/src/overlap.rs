@@ -32,12 +32,6 @@ use crate::read::ReadStats;
 use crate::transport::Transport;
 use crate::{LoaderError, exchange};
 
-/// Whether reads and the exchange overlap: yes unless `TESSERA_EXCHANGE_OVERLAP=0` (a switch for
-/// side-by-side measurements, and a way back should a transport misbehave under concurrency).
-fn overlap_enabled() -> bool {
-    crate::switched_on("TESSERA_EXCHANGE_OVERLAP")
-}
-
 /// Which peers copy directly, as the hand-shake settled it.
 #[derive(Debug, Default)]
 struct DirectPeers {
@@ -55,10 +49,11 @@ async fn handshake<T: Transport>(
     plan: &RankPlan,
     messages: &ExchangeMessages,
     exposure: &Exposure,
+    cross_memory: bool,
 ) -> Result<DirectPeers, LoaderError> {
     let send_to: BTreeSet<u32> = messages.outgoing.iter().map(|m| m.to).collect();
     let recv_from: BTreeSet<u32> = messages.incoming.iter().map(|m| m.from).collect();
-    let hello = Bytes::from(exposure.offer());
+    let hello = Bytes::from(exposure.offer(cross_memory));
     let in_handshake = |e: LoaderError| {
         e.in_context(
             "direct-copy hand-shake",
@@ -71,11 +66,12 @@ async fn handshake<T: Transport>(
     }));
     let answers = futures::future::try_join_all(recv_from.iter().map(|&peer| async move {
         let data = transport.recv(peer, HELLO_TAG).await?;
-        let memory = PeerMemory::accept(&data).map_err(|detail| LoaderError::Transport {
-            rank: plan.rank,
-            peer,
-            detail,
-        })?;
+        let memory =
+            PeerMemory::accept(&data, cross_memory).map_err(|detail| LoaderError::Transport {
+                rank: plan.rank,
+                peer,
+                detail,
+            })?;
         let answer: &'static [u8] = if memory.is_some() { &[1] } else { &[0] };
         transport
             .send(peer, ANSWER_TAG, Bytes::from_static(answer))
@@ -149,8 +145,8 @@ pub(crate) async fn read_and_exchange<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>
             .share_part_bytes
             .unwrap_or(exchange::SHARE_PART_BYTES),
     )?;
-    if messages.outgoing.is_empty() && messages.incoming.is_empty() || !overlap_enabled() {
-        // Nothing to exchange, or the exchange after the whole read (TESSERA_EXCHANGE_OVERLAP=0).
+    if messages.outgoing.is_empty() && messages.incoming.is_empty() || !options.exchange_overlap {
+        // Nothing to exchange, or the exchange after the whole read (`exchange_overlap` off).
         let stats = checkpoint.read_into(plan, options, buffers).await?;
         let read_seconds = started.elapsed().as_secs_f64();
         let exchanged =
@@ -161,7 +157,7 @@ pub(crate) async fn read_and_exchange<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>
     // Declared before everything that may hold its addresses: dropped (token zeroed) last.
     let exposure = Exposure::new();
     let direct = if transport.direct_copies() {
-        handshake(transport, plan, &messages, &exposure).await?
+        handshake(transport, plan, &messages, &exposure, options.cross_memory).await?
     } else {
         DirectPeers::default()
     };

@@ -46,14 +46,18 @@ pub(crate) struct PositionedRead {
 pub(crate) struct LocalFiles {
     root: PathBuf,
     opened: Vec<Option<File>>,
+    /// Misaligned reads go through the bounce buffer ([`read_exact_at`]).
+    bounce: bool,
 }
 
 impl LocalFiles {
-    /// Files under `root` (the local store's root directory); `count` plan files.
-    pub fn new(root: PathBuf, count: usize) -> Self {
+    /// Files under `root` (the local store's root directory); `count` plan files; `bounce`:
+    /// misaligned reads go through the bounce buffer ([`read_exact_at`]).
+    pub fn new(root: PathBuf, count: usize, bounce: bool) -> Self {
         Self {
             root,
             opened: (0..count).map(|_| None).collect(),
+            bounce,
         }
     }
 
@@ -205,7 +209,7 @@ fn read_one(
             .get(read.file as usize)
             .map_or_else(|| format!("file #{}", read.file), |s| s.path.to_string())
     };
-    read_exact_at(file, target, read.offset, path)?;
+    read_exact_at(file, target, read.offset, files.bounce, path)?;
     Ok(if read.crc { crc32c::crc32c(target) } else { 0 })
 }
 
@@ -245,13 +249,6 @@ const COPY_ALIGNMENT: u64 = 64;
 /// Reads smaller than this are never bounced: a syscall costs more than their copy.
 const MIN_BOUNCED_BYTES: usize = 4096;
 
-/// Whether misaligned reads go through the bounce buffer: yes unless `TESSERA_BOUNCE_READS=0`
-/// (the switch that benchmarks both ways), read once.
-fn bounce_reads() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| crate::switched_on("TESSERA_BOUNCE_READS"))
-}
-
 thread_local! {
     static BOUNCE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -264,18 +261,20 @@ thread_local! {
 /// at a third of its speed on the machines we measured (2.5–2.7 vs 8.5–9.4 GB/s; BENCHMARKS.md "Reading
 /// through a bounce buffer"); glibc's copy does not care. Such a read goes through a
 /// cache-resident bounce buffer placed to agree with the file offset, and user space copies on
-/// into the target. Aligned reads go straight in: one copy.
+/// into the target. Aligned reads go straight in: one copy. `bounce: false` reads everything
+/// straight in ([`crate::read::ReadOptions::bounce_reads`]).
 pub(crate) fn read_exact_at(
     file: &File,
     target: &mut [u8],
     offset: u64,
+    bounce: bool,
     path: impl Fn() -> String,
 ) -> Result<(), LoaderError> {
     let request = (offset, offset + target.len() as u64);
     let misaligned = !(target.as_ptr() as u64)
         .wrapping_sub(offset)
         .is_multiple_of(COPY_ALIGNMENT);
-    if !misaligned || target.len() < MIN_BOUNCED_BYTES || !bounce_reads() {
+    if !misaligned || target.len() < MIN_BOUNCED_BYTES || !bounce {
         return pread_exact(file, target, offset, request, &path);
     }
     BOUNCE.with(|bounce| {
@@ -361,7 +360,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("data"), bytes).unwrap();
         let sources = vec![source("data")];
-        let mut files = LocalFiles::new(dir.path().to_path_buf(), 1);
+        let mut files = LocalFiles::new(dir.path().to_path_buf(), 1, true);
         files.open(0, &sources[0]).unwrap();
         (dir, files, sources)
     }
@@ -476,7 +475,7 @@ mod tests {
         let e =
             read_positioned(&files, &sources, &[read(60, 64, 0, 0)], &mut buffers, 1).unwrap_err();
         assert_eq!(short_read(e), ("data".to_string(), 60, 124, 40));
-        let mut files = LocalFiles::new(dir.path().to_path_buf(), 2);
+        let mut files = LocalFiles::new(dir.path().to_path_buf(), 2, true);
         let e = files.open(1, &source("gone/data_1")).unwrap_err();
         assert!(
             matches!(&e, LoaderError::MissingFile { path } if path == "gone/data_1"),

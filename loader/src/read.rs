@@ -331,7 +331,11 @@ async fn read_runs(
         }
     }
     let mut local = match (&options.local_root, targets) {
-        (Some(root), Some(_)) => Some(LocalFiles::new(root.clone(), files.len())),
+        (Some(root), Some(_)) => Some(LocalFiles::new(
+            root.clone(),
+            files.len(),
+            options.bounce_reads,
+        )),
         _ => None,
     };
     let mut positioned: Vec<PositionedSource> = Vec::new();

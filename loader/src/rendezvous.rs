@@ -1,6 +1,6 @@
 //! How the ranks of a job find each other: this rank, the world size, and the master (rank 0)
-//! address every rank reaches first. Read from torchrun's environment (`RANK`, `WORLD_SIZE`,
-//! `MASTER_ADDR`, `MASTER_PORT`) or given explicitly (command-line flags).
+//! address every rank reaches first. Front ends build it (from flags and torchrun's variables,
+//! by the one rule of `tessera_ops::load::rendezvous`); nothing here reads the environment.
 
 use std::fmt;
 
@@ -36,54 +36,6 @@ impl RendezvousConfig {
             world,
             master_addr: master_addr.into(),
             master_port,
-            job: 0,
-        };
-        config.check()?;
-        Ok(config)
-    }
-
-    /// Reads torchrun's `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`.
-    pub fn from_env() -> Result<Self, LoaderError> {
-        Self::from_lookup(|name| std::env::var(name).ok())
-    }
-
-    /// Like [`RendezvousConfig::from_env`], with the variables looked up through `var`.
-    pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Result<Self, LoaderError> {
-        let get = |name: &str| -> Result<String, LoaderError> {
-            match var(name) {
-                Some(value) if !value.trim().is_empty() => Ok(value.trim().to_string()),
-                Some(_) => Err(LoaderError::Rendezvous {
-                    detail: format!("environment variable {name} is empty"),
-                }),
-                None => Err(LoaderError::Rendezvous {
-                    detail: format!(
-                        "environment variable {name} is not set (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)"
-                    ),
-                }),
-            }
-        };
-        fn number<N: std::str::FromStr>(
-            name: &str,
-            value: &str,
-            what: &str,
-        ) -> Result<N, LoaderError> {
-            value.parse().map_err(|_| LoaderError::Rendezvous {
-                detail: format!("environment variable {name}={value:?} is not {what}"),
-            })
-        }
-        let rank_text = get("RANK")?;
-        let world_text = get("WORLD_SIZE")?;
-        let master_addr = get("MASTER_ADDR")?;
-        let port_text = get("MASTER_PORT")?;
-        let config = Self {
-            rank: number("RANK", &rank_text, "a rank (a non-negative integer)")?,
-            world: number(
-                "WORLD_SIZE",
-                &world_text,
-                "a world size (a positive integer)",
-            )?,
-            master_addr,
-            master_port: number("MASTER_PORT", &port_text, "a TCP port (0 to 65535)")?,
             job: 0,
         };
         config.check()?;
@@ -131,82 +83,20 @@ impl fmt::Display for RendezvousConfig {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use std::collections::HashMap;
-
     use super::*;
 
-    fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let vars: HashMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
-            .collect();
-        move |name| vars.get(name).cloned()
-    }
-
-    const TORCHRUN: [(&str, &str); 4] = [
-        ("RANK", "3"),
-        ("WORLD_SIZE", "8"),
-        ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", "29500"),
-    ];
-
     #[test]
-    fn torchrun_variables() {
-        let config = RendezvousConfig::from_lookup(lookup(&TORCHRUN)).unwrap();
-        assert_eq!(
-            config,
-            RendezvousConfig::new(3, 8, "127.0.0.1", 29500).unwrap()
-        );
-    }
-
-    #[test]
-    fn each_missing_variable_is_named() {
-        for missing in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
-            let vars: Vec<_> = TORCHRUN
-                .iter()
-                .copied()
-                .filter(|(k, _)| *k != missing)
-                .collect();
-            let err = RendezvousConfig::from_lookup(lookup(&vars))
-                .unwrap_err()
-                .to_string();
-            assert!(err.contains(missing) && err.contains("not set"), "{err}");
-        }
-    }
-
-    #[test]
-    fn invalid_values_are_named() {
-        for (name, value) in [
-            ("RANK", "-1"),
-            ("WORLD_SIZE", "eight"),
-            ("MASTER_PORT", "70000"),
-            ("MASTER_ADDR", " "),
-        ] {
-            let mut vars: Vec<_> = TORCHRUN
-                .iter()
-                .copied()
-                .filter(|(k, _)| *k != name)
-                .collect();
-            vars.push((name, value));
-            let err = RendezvousConfig::from_lookup(lookup(&vars))
-                .unwrap_err()
-                .to_string();
-            assert!(err.contains(name), "{name}={value}: {err}");
-        }
-    }
-
-    #[test]
-    fn rank_outside_world() {
-        let mut vars: Vec<_> = TORCHRUN
-            .iter()
-            .copied()
-            .filter(|(k, _)| *k != "RANK")
-            .collect();
-        vars.push(("RANK", "8"));
-        let err = RendezvousConfig::from_lookup(lookup(&vars))
-            .unwrap_err()
-            .to_string();
+    fn a_rank_outside_the_world_or_no_address_is_refused() {
+        let err = RendezvousConfig::new(8, 8, "h", 1).unwrap_err().to_string();
         assert!(err.contains("outside the world"), "{err}");
         assert!(RendezvousConfig::new(0, 0, "localhost", 1).is_err());
+        let err = RendezvousConfig::new(0, 1, " ", 1).unwrap_err().to_string();
+        assert!(err.contains("master address"), "{err}");
+        assert_eq!(
+            RendezvousConfig::new(3, 8, "127.0.0.1", 29500)
+                .unwrap()
+                .to_string(),
+            "rank 3 of 8 via 127.0.0.1:29500"
+        );
     }
 }

@@ -99,8 +99,17 @@ pub struct ReadOptions {
     /// bytes go to one contiguous stretch of one destination are then read with positioned reads
     /// (`pread`) straight into it: no intermediate buffer, one copy out of the page cache. `None`
     /// reads everything through the store. [`crate::load::Checkpoint`] fills it from its location
-    /// (unless `TESSERA_POSITIONED_READS=0`).
+    /// when [`ReadOptions::positioned_reads`] is on.
     pub local_root: Option<std::path::PathBuf>,
+    /// Read local checkpoints by position ([`ReadOptions::local_root`]; true). Off, every read
+    /// goes through the store: the side-by-side switch of benchmarks (front ends map
+    /// `TESSERA_POSITIONED_READS=0` to it).
+    pub positioned_reads: bool,
+    /// Local reads whose destination disagrees with the file offset modulo 64 go through a
+    /// cache-resident bounce buffer (true; the kernel's copy runs at a third of its speed
+    /// there, BENCHMARKS.md "Reading through a bounce buffer"). Front ends map
+    /// `TESSERA_BOUNCE_READS=0` to false.
+    pub bounce_reads: bool,
     /// Read the pieces of the plan's joint checks (`RankPlan::joint_checks`) exactly, folding
     /// them for the check the ranks make together after reading ([`crate::joint`]), instead of
     /// verifying them by whole checksum blocks here. Only loads that run that step set it (the
@@ -148,6 +157,8 @@ impl Default for ReadOptions {
             coalesce_gap: None,
             exact_multi_range: None,
             local_root: None,
+            positioned_reads: true,
+            bounce_reads: true,
             joint_checks: false,
         }
     }
@@ -387,7 +398,7 @@ impl<'a> RangeScheduler<'a> {
             .options
             .local_root
             .clone()
-            .map(|root| Arc::new(LocalParts::new(root, max_span)));
+            .map(|root| Arc::new(LocalParts::new(root, max_span, self.options.bounce_reads)));
         let mut next = 0;
         loop {
             while next < parts.len() && tasks.len() < max_in_flight {
@@ -703,15 +714,18 @@ async fn fetch_spans(
 /// Local files read by position into a pool of part buffers (see [`fetch_local`]).
 struct LocalParts {
     root: std::path::PathBuf,
+    /// Misaligned reads go through the bounce buffer ([`ReadOptions::bounce_reads`]).
+    bounce: bool,
     /// Bytes of a new buffer: the largest part.
     buffer_bytes: usize,
     pool: std::sync::Mutex<Vec<Vec<u8>>>,
 }
 
 impl LocalParts {
-    fn new(root: std::path::PathBuf, buffer_bytes: u64) -> Self {
+    fn new(root: std::path::PathBuf, buffer_bytes: u64, bounce: bool) -> Self {
         Self {
             root,
+            bounce,
             buffer_bytes: usize::try_from(buffer_bytes).unwrap_or(usize::MAX),
             pool: std::sync::Mutex::new(Vec::new()),
         }
@@ -768,7 +782,8 @@ async fn fetch_local(
         let len = usize::try_from(span.end - span.start).unwrap_or(usize::MAX);
         let file = crate::positioned::open_local(&parts.root, &path)?;
         let mut buffer = parts.take(len);
-        crate::positioned::read_exact_at(&file, &mut buffer[..len], span.start, || {
+        let bounce = parts.bounce;
+        crate::positioned::read_exact_at(&file, &mut buffer[..len], span.start, bounce, || {
             path.to_string()
         })?;
         let part = PooledPart { buffer, len, parts };
@@ -999,7 +1014,7 @@ mod tests {
 
     #[test]
     fn local_part_buffers_go_back_to_the_pool_and_are_reused() {
-        let parts = Arc::new(LocalParts::new(std::path::PathBuf::from("/"), 64));
+        let parts = Arc::new(LocalParts::new(std::path::PathBuf::from("/"), 64, true));
         let first = parts.take(10);
         let address = first.as_ptr();
         assert_eq!(first.len(), 64);

@@ -19,6 +19,9 @@ pub enum OpsError {
     /// every `Result` of this crate would carry its size).
     #[error(transparent)]
     Loader(Box<tessera_loader::LoaderError>),
+    /// The plan server could not be reached or refused a request.
+    #[error(transparent)]
+    PlanClient(#[from] tessera_loader::plan_client::PlanClientError),
     /// A message between ranks that does not decode.
     #[error("decoding {what}: {source}")]
     Message {
@@ -83,6 +86,7 @@ impl OpsError {
             OpsError::Metadata(e) => e.is_permanent(),
             OpsError::Plan(_) => true,
             OpsError::Loader(e) => e.is_permanent(),
+            OpsError::PlanClient(e) => e.is_permanent(),
             OpsError::Message { .. } | OpsError::Invalid { .. } | OpsError::Claimed { .. } => true,
             OpsError::RanksFailed { .. } => false,
             OpsError::Context { inner, .. } => inner.is_permanent(),

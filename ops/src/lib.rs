@@ -8,6 +8,8 @@
 //! - [`save`]: the multi-rank save-and-commit protocol of the native format: every rank writes
 //!   the boxes the planner's worst-fit `assign_writers` gives it, rank 0 commits (manifest last)
 //!   only after every rank reported success.
+//! - [`load`]: one rank's load (the plan source, the rendezvous rule, the options every front
+//!   end builds, host or CUDA destinations), the mirror of [`save`].
 //! - [`claim`]: the exclusive claim a writer takes on its output before writing data.
 //! - [`coord`]: the small messages ranks exchange before they load or save (an all-gather over
 //!   the job's transport).
@@ -16,6 +18,7 @@ pub mod claim;
 pub mod coord;
 pub mod describe;
 mod error;
+pub mod load;
 pub mod open;
 pub mod save;
 

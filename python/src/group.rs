@@ -35,8 +35,8 @@ use tessera_planner::{ExplicitRequest, ExplicitRequests, RankPlan};
 
 use crate::checkpoint::OpenedCheckpoint;
 use crate::load::{
-    Server, TargetTuple, Wanted, fqn_of, load_options, parse_read_order, rank_plan_for,
-    resolve_target, single_device,
+    TargetTuple, Wanted, fqn_of, load_options, parse_read_order, rank_plan_for, resolve_target,
+    single_device,
 };
 use crate::memory::{HostMemory, first_overlap};
 use crate::{block_on, py_error};
@@ -70,6 +70,8 @@ struct GroupState {
     sources: HashMap<u32, PeerMemory>,
     /// Bytes copied that way.
     received_direct: u64,
+    /// Whether this rank offers and accepts direct copies (`TESSERA_CROSS_MEMORY`).
+    cross_memory: bool,
     /// Whether the boxes this rank read or received in parts were checked against every
     /// reader's folds (`check_joint`; `tessera_loader::joint`).
     joint_checked: bool,
@@ -207,6 +209,7 @@ fn prepare(
         exposure: None,
         sources: HashMap::new(),
         received_direct: 0,
+        cross_memory: tessera_ops::load::LoadSwitches::from_env().cross_memory,
         joint_checked: false,
     })
 }
@@ -226,7 +229,7 @@ impl GroupLoad {
     /// Plans the job from every rank's requests (`all_requests[r]`: rank r's
     /// [`GroupLoad::requests_json`]), here or on `server`. Returns `(outgoing, incoming)`: the
     /// peer, size, exchange group and round of every message this rank sends and receives, in exchange order.
-    #[pyo3(signature = (all_requests, dedup, server=None, server_id=None, token=None, read_order="auto"))]
+    #[pyo3(signature = (all_requests, dedup, server=None, server_id=None, token=None, read_order=None))]
     #[allow(clippy::too_many_arguments)]
     fn plan(
         &self,
@@ -236,7 +239,7 @@ impl GroupLoad {
         server: Option<String>,
         server_id: Option<String>,
         token: Option<String>,
-        read_order: &str,
+        read_order: Option<&str>,
     ) -> PyResult<(MessageSizes, MessageSizes)> {
         let read_order = parse_read_order(read_order)?;
         let (checkpoint, rank, world, location) = {
@@ -264,7 +267,7 @@ impl GroupLoad {
             .collect::<Result<Vec<_>>>()
             .map_err(py_error)?;
         let server = match server {
-            Some(url) => Some(Server {
+            Some(url) => Some(tessera_ops::load::PlanServer {
                 checkpoint_id: server_id
                     .or_else(|| tessera_loader::plan_client::server_checkpoint_id(&location))
                     .ok_or_else(|| {
@@ -280,6 +283,7 @@ impl GroupLoad {
         let plan = block_on(py, async {
             rank_plan_for(
                 &checkpoint,
+                &location,
                 ExplicitRequests { ranks },
                 rank,
                 dedup,
@@ -465,15 +469,16 @@ impl GroupLoad {
     /// `close` or `finish`), or that it declines (`TESSERA_CROSS_MEMORY=0`).
     fn hello<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         let mut state = self.state();
+        let offers = state.cross_memory;
         let exposure = state.exposure.get_or_insert_with(Exposure::new);
-        PyBytes::new(py, &exposure.offer())
+        PyBytes::new(py, &exposure.offer(offers))
     }
 
     /// Whether this rank copies the shares of `peer`, whose hello is `hello`, straight out of its
     /// memory (it offers, this rank does too, and its token reads back from here).
     fn answer(&self, peer: u32, hello: &[u8]) -> PyResult<bool> {
         let mut state = self.state();
-        let memory = PeerMemory::accept(hello)
+        let memory = PeerMemory::accept(hello, state.cross_memory)
             .map_err(|e| py_error(anyhow!("rank {}: rank {peer}'s hello: {e}", state.rank)))?;
         let direct = memory.is_some();
         match memory {

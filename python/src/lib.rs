@@ -126,6 +126,7 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(canonical_dtype, m)?)?;
     m.add_function(wrap_pyfunction!(load::plan, m)?)?;
     m.add_function(wrap_pyfunction!(load::load_into, m)?)?;
+    m.add_function(wrap_pyfunction!(load::rendezvous_endpoint, m)?)?;
     m.add_function(wrap_pyfunction!(save::save, m)?)?;
     Ok(())
 }

@@ -13,16 +13,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use pyo3::prelude::*;
-use tessera_loader::load::{Checkpoint, LoadOptions, RankReport, load_rank_into};
-use tessera_loader::plan_client::{
-    PlanClient, PlanClientOptions, PlanTarget, server_checkpoint_id,
-};
+use tessera_loader::load::{Checkpoint, LoadOptions, RankReport};
+use tessera_loader::plan_client::{PlanTarget, server_checkpoint_id};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
 use tessera_metadata::{DType, TensorMeta};
-use tessera_planner::{
-    ExplicitRequest, ExplicitRequests, Layout, PlanOptions, RankPlan, ReadOrder,
-};
+use tessera_ops::load::{Destination, JobPlan, LoadSwitches, PlanServer, load_rank, plan_options};
+use tessera_planner::{ExplicitRequest, ExplicitRequests, Layout, RankPlan, ReadOrder};
 use tessera_storage as storage;
 
 use crate::memory::{HostMemory, first_overlap};
@@ -162,55 +159,36 @@ pub(crate) fn resolve_target(
 /// Where a job's ranks meet: rank 0's address and port.
 type Rendezvous = Option<(String, u16)>;
 
-/// The plan server, if any: URL, checkpoint id on it, token.
-pub(crate) struct Server {
-    pub(crate) url: String,
-    pub(crate) checkpoint_id: String,
-    pub(crate) token: Option<String>,
-}
-
-/// Plans `requests` (every rank's) and returns rank `rank`'s plan: on the server when given,
-/// else here.
+/// Plans `requests` (every rank's) and returns rank `rank`'s plan: on the server when given
+/// (its plan checked against the opened checkpoint's identity first), else here, in the read
+/// order given (`None`: the planner's cost model, as in every front end).
 pub(crate) async fn rank_plan_for(
     checkpoint: &Checkpoint,
+    location: &str,
     requests: ExplicitRequests,
     rank: u32,
     dedup: bool,
-    read_order: ReadOrder,
-    server: Option<&Server>,
+    read_order: Option<ReadOrder>,
+    server: Option<&PlanServer>,
 ) -> Result<RankPlan> {
-    match server {
+    let plan = match server {
         Some(server) => {
-            let client = PlanClient::new(
-                &server.url,
-                PlanClientOptions {
-                    token: server.token.clone(),
-                    dedup,
-                    ..PlanClientOptions::default()
-                },
-            )?;
-            let created = client
-                .create_plan(&server.checkpoint_id, &PlanTarget::Requests(requests))
-                .await
-                .with_context(|| format!("planning {} on {}", server.checkpoint_id, server.url))?;
-            Ok(client
-                .rank_plan(&created.plan, rank)
-                .await
-                .with_context(|| format!("fetching rank {rank}'s plan from {}", server.url))?)
+            JobPlan::on_server(
+                checkpoint,
+                location,
+                server,
+                &PlanTarget::Requests(requests),
+                dedup,
+            )
+            .await?
         }
         None => {
             let set = requests.resolve(checkpoint.meta.tensors())?;
-            let plan = checkpoint.plan(
-                &set,
-                &PlanOptions {
-                    dedup,
-                    read_order,
-                    ..PlanOptions::default()
-                },
-            )?;
-            Ok(plan.rank_plan(rank)?)
+            let options = plan_options(dedup, read_order, false, &LoadSwitches::from_env());
+            JobPlan::local(checkpoint, &set, &options)?
         }
-    }
+    };
+    Ok(plan.rank_plan(rank).await?)
 }
 
 /// Throttles progress calls into Python (each takes the GIL) to a few per second.
@@ -239,28 +217,31 @@ impl Progress {
     }
 }
 
-/// The planner's read order from its Python name (`auto`, `request`, `storage`).
-pub(crate) fn parse_read_order(name: &str) -> PyResult<ReadOrder> {
+/// The planner's read order from its Python name (`auto`, `request`, `storage`; `None`: the
+/// cost model's choice).
+pub(crate) fn parse_read_order(name: Option<&str>) -> PyResult<Option<ReadOrder>> {
     match name {
-        "auto" => Ok(ReadOrder::Auto),
-        "request" => Ok(ReadOrder::Request),
-        "storage" => Ok(ReadOrder::Storage),
-        other => Err(pyo3::exceptions::PyValueError::new_err(format!(
+        None => Ok(None),
+        Some("auto") => Ok(Some(ReadOrder::Auto)),
+        Some("request") => Ok(Some(ReadOrder::Request)),
+        Some("storage") => Ok(Some(ReadOrder::Storage)),
+        Some(other) => Err(pyo3::exceptions::PyValueError::new_err(format!(
             "read_order must be \"auto\", \"request\" or \"storage\", not {other:?}"
         ))),
     }
 }
 
-/// Load options: verification, and progress reported to a Python callback (`None`: none).
+/// Load options: verification, the environment's side-by-side switches, and progress reported
+/// to a Python callback (`None`: none).
 pub(crate) fn load_options(verify: bool, progress: Option<Py<PyAny>>, total: u64) -> LoadOptions {
     let mut options = LoadOptions {
         read: ReadOptions {
             verify,
             ..ReadOptions::default()
         },
-        progress: None,
         ..LoadOptions::default()
     };
+    LoadSwitches::from_env().apply_to_load(&mut options);
     if let Some(callback) = progress {
         let progress = Arc::new(Progress {
             callback,
@@ -280,10 +261,10 @@ struct LoadJob {
     rank: u32,
     world: u32,
     rendezvous: Rendezvous,
-    server: Option<Server>,
+    server: Option<PlanServer>,
     verify: bool,
     dedup: bool,
-    read_order: ReadOrder,
+    read_order: Option<ReadOrder>,
     timeout: Duration,
     progress: Option<Py<PyAny>>,
 }
@@ -342,6 +323,7 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
                 coord::all_gather_json(&transport, coord::TAG_REQUESTS, &mine, "requests").await?;
             let plan = rank_plan_for(
                 checkpoint,
+                &job.location,
                 ExplicitRequests { ranks },
                 job.rank,
                 job.dedup,
@@ -354,6 +336,7 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
         _ => {
             let plan = rank_plan_for(
                 checkpoint,
+                &job.location,
                 ExplicitRequests { ranks: vec![mine] },
                 0,
                 job.dedup,
@@ -404,6 +387,8 @@ pub(crate) fn single_device(targets: &[TargetTuple]) -> Result<Option<u32>> {
     Ok(first)
 }
 
+/// Loads `plan` into `memory` over `transport`: the pipeline every front end shares
+/// (`tessera_ops::load::load_rank`), host arrays or CUDA tensors alike.
 async fn execute<T: Transport + 'static>(
     checkpoint: &Checkpoint,
     plan: RankPlan,
@@ -413,36 +398,39 @@ async fn execute<T: Transport + 'static>(
 ) -> Result<RankReport> {
     let rank = transport.rank();
     match memory {
-        Memory::Host(mut buffers) => {
-            load_rank_into(checkpoint, &plan, &transport, options, &mut buffers)
-                .await
-                .with_context(|| format!("rank {rank} loading"))
-        }
+        Memory::Host(mut buffers) => load_rank(
+            checkpoint,
+            &plan,
+            &transport,
+            Destination::Host(&mut buffers),
+            options,
+        )
+        .await
+        .with_context(|| format!("rank {rank} loading")),
         Memory::Cuda { ordinal, spans } => {
-            load_cuda(checkpoint, plan, transport, options, ordinal, &spans)
+            load_cuda(checkpoint, &plan, &transport, options, ordinal, &spans)
                 .await
                 .with_context(|| format!("rank {rank} loading into cuda:{ordinal}"))
         }
     }
 }
 
-/// Loads into caller-owned CUDA memory (torch tensors' `data_ptr()`): the loader's host pipeline,
-/// then the pinned staging upload; the exchange runs on the host transport before the upload.
+/// Loads into caller-owned CUDA memory (torch tensors' `data_ptr()`): the shared pipeline into
+/// host buffers, then the pinned staging upload.
 #[cfg(feature = "cuda")]
-async fn load_cuda<T: Transport + 'static>(
+async fn load_cuda<T: Transport>(
     checkpoint: &Checkpoint,
-    plan: RankPlan,
-    transport: Arc<T>,
+    plan: &RankPlan,
+    transport: &T,
     options: &LoadOptions,
     ordinal: u32,
     spans: &[(usize, usize)],
 ) -> Result<RankReport> {
     use tessera_loader::cuda::CudaDevice;
-    use tessera_loader::device_load::{OnHost, load_rank_to_device};
-    use tessera_loader::staging::StagingOptions;
+    use tessera_ops::load::cuda::CudaDestination;
 
     let device = CudaDevice::open(ordinal)?;
-    let destinations = spans
+    let mut buffers = spans
         .iter()
         .map(|&(address, len)| {
             // SAFETY: the Python layer passes the data pointer and byte length of contiguous CUDA
@@ -454,24 +442,18 @@ async fn load_cuda<T: Transport + 'static>(
             }
         })
         .collect();
-    let mut staging = device.staging(StagingOptions::default())?;
-    let loaded = load_rank_to_device(
-        checkpoint,
-        plan,
-        &OnHost(transport),
-        &mut staging,
-        destinations,
-        options,
-    )
-    .await?;
-    Ok(loaded.report)
+    let destination = Destination::<HostMemory>::Cuda(CudaDestination {
+        device: &device,
+        buffers: &mut buffers,
+    });
+    Ok(load_rank(checkpoint, plan, transport, destination, options).await?)
 }
 
 #[cfg(not(feature = "cuda"))]
-async fn load_cuda<T: Transport + 'static>(
+async fn load_cuda<T: Transport>(
     _checkpoint: &Checkpoint,
-    _plan: RankPlan,
-    _transport: Arc<T>,
+    _plan: &RankPlan,
+    _transport: &T,
     _options: &LoadOptions,
     ordinal: u32,
     _spans: &[(usize, usize)],
@@ -485,9 +467,27 @@ pub(crate) fn fqn_of(request: &ExplicitRequest) -> &str {
     }
 }
 
+/// Rank 0's address and port for tessera's own rendezvous by the one rule every front end keeps
+/// (`tessera_ops::load::rendezvous`): the arguments, else `MASTER_ADDR` and `TESSERA_PORT` or
+/// `MASTER_PORT + 1`. `None` unless both are known.
+#[pyfunction]
+#[pyo3(signature = (master_addr, master_port))]
+pub fn rendezvous_endpoint(
+    master_addr: Option<String>,
+    master_port: Option<u16>,
+) -> PyResult<Rendezvous> {
+    let (addr, port) = tessera_ops::load::rendezvous::master(
+        master_addr.as_deref().filter(|a| !a.is_empty()),
+        master_port,
+        |name| std::env::var(name).ok(),
+    )
+    .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    Ok(addr.zip(port))
+}
+
 /// Loads into caller-owned memory; returns the rank's report as JSON text.
 #[pyfunction]
-#[pyo3(signature = (checkpoint, targets, rank, world, rendezvous, server, checkpoint_id, token, verify, dedup, timeout_s, progress, read_order="auto"))]
+#[pyo3(signature = (checkpoint, targets, rank, world, rendezvous, server, checkpoint_id, token, verify, dedup, timeout_s, progress, read_order=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn load_into(
     py: Python<'_>,
@@ -503,11 +503,11 @@ pub fn load_into(
     dedup: bool,
     timeout_s: f64,
     progress: Option<Py<PyAny>>,
-    read_order: &str,
+    read_order: Option<&str>,
 ) -> PyResult<String> {
     let read_order = parse_read_order(read_order)?;
     let server = match server {
-        Some(url) => Some(Server {
+        Some(url) => Some(PlanServer {
             checkpoint_id: match checkpoint_id {
                 Some(id) => id,
                 None => server_checkpoint_id(&checkpoint.location)
@@ -598,10 +598,7 @@ async fn plan_json(
     };
     let plan = opened.plan(
         &set,
-        &PlanOptions {
-            dedup,
-            ..PlanOptions::default()
-        },
+        &plan_options(dedup, None, false, &LoadSwitches::from_env()),
     )?;
     let mut doc = serde_json::json!({
         "world": plan.world_size(),

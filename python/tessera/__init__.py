@@ -58,10 +58,6 @@ __all__ = [
 
 __version__: str = _tessera.version()
 
-# Port offset of tessera's own rendezvous (jobs without torch.distributed) from torchrun's
-# MASTER_PORT, whose TCPStore already listens there.
-_PORT_OFFSET = 1
-
 Progress = Callable[[int, int], None]
 Target = Union[Any, Box, Flat, Tuple[Any, Sequence[int]]]
 
@@ -187,15 +183,10 @@ def _ranks(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
 def _rendezvous(
     master_addr: Optional[str], master_port: Optional[int]
 ) -> Optional[Tuple[str, int]]:
-    addr = master_addr or os.environ.get("MASTER_ADDR")
-    if master_port is None:
-        master_port = _env_int("TESSERA_PORT")
-    if master_port is None:
-        torch_port = _env_int("MASTER_PORT")
-        master_port = None if torch_port is None else torch_port + _PORT_OFFSET
-    if not addr or master_port is None:
-        return None
-    return addr, int(master_port)
+    """Rank 0's address and port for tessera's own rendezvous, by the rule every front end keeps
+    (the arguments, else ``MASTER_ADDR`` and ``TESSERA_PORT`` or ``MASTER_PORT + 1``: torch's
+    store listens on ``MASTER_PORT``); None unless both are known."""
+    return _tessera.rendezvous_endpoint(master_addr, None if master_port is None else int(master_port))
 
 
 def _storage_env(storage_options: Optional[Mapping[str, str]]) -> list:
@@ -316,17 +307,6 @@ def _missing_message(checkpoint_id: str, missing: List[Tuple[str, str]], names: 
     )
 
 
-_OBJECT_STORE_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "azure://", "abfs://", "abfss://", "http://", "https://")
-
-
-def _default_read_order(checkpoint_id: str, format: str, verify: bool) -> str:
-    """``auto`` for object stores, ``request`` on local paths (see ``load``'s ``read_order``)."""
-    del format, verify  # column slices of native boxes are verified jointly, in request order too
-    if checkpoint_id.lower().startswith(_OBJECT_STORE_SCHEMES):
-        return "auto"
-    return "request"
-
-
 def _progress_callback(progress: Union[bool, Progress, None]) -> Optional[Progress]:
     if progress is True:
         return _progress_printer()
@@ -388,11 +368,8 @@ def load(
         read_order: how saved chunks are read when ranks load together: ``"request"`` (each
             rank reads its pieces where the target cuts them), ``"storage"`` (a chunk cut across
             its rows is read in slabs and the parts others need are passed on), or ``"auto"``
-            (the planner's cost model per chunk). Default: ``"auto"`` for object stores (where
-            requests and bytes served cost most), ``"request"`` for local checkpoints (ranged reads
-            from the page cache cost less than relaying bytes between ranks, BENCHMARKS.md; a
-            native box read in column slices by several ranks is verified jointly by its own
-            crc32c from the ranks' parts, so no rank fetches whole checksum blocks of every row).
+            (the planner's cost model per chunk). Default: the cost model's choice, as in the CLI
+            (``tessera load --read-order auto``): one rule for every front end.
         storage_options: credentials and endpoints (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT``, ...)
             on top of the environment.
         server, server_id, token: a ``tessera serve`` that plans instead of the ranks, the
@@ -460,12 +437,11 @@ def load(
     ]
 
     callback = _progress_callback(progress)
-    order = read_order if read_order is not None else _default_read_order(str(checkpoint_id), opened.format, bool(verify))
     if group is not None:
         raw = _group.load_over_group(
             opened, targets, group, verify=bool(verify), server=server, server_id=server_id,
             token=token if token is not None else os.environ.get("TESSERA_TOKEN"),
-            timeout=float(timeout), progress=callback, read_order=order,
+            timeout=float(timeout), progress=callback, read_order=read_order,
         )
         report.exchange = "process_group"
     else:
@@ -480,7 +456,7 @@ def load(
             _tessera.load_into(
                 opened, targets, rank, world_size, rendezvous, server, server_id,
                 token if token is not None else os.environ.get("TESSERA_TOKEN"),
-                bool(verify), True, float(timeout), callback, order,
+                bool(verify), True, float(timeout), callback, read_order,
             )
         )
         report.exchange = "tcp" if rendezvous is not None and world_size > 1 else "none"

@@ -247,7 +247,7 @@ def load_over_group(
     token: Optional[str],
     timeout: float,
     progress: Optional[Callable[[int, int], None]],
-    read_order: str = "auto",
+    read_order: Optional[str] = None,
 ) -> dict:
     """One rank's load over ``group`` (see the module docs). Returns the rank's report."""
     import torch

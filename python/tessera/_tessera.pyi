@@ -43,8 +43,9 @@ def load_into(
     dedup: bool,
     timeout_s: float,
     progress: Optional[Callable[[int, int], None]],
-    read_order: str = "auto",
+    read_order: Optional[str] = None,
 ) -> str: ...
+def rendezvous_endpoint(master_addr: Optional[str], master_port: Optional[int]) -> Optional[Tuple[str, int]]: ...
 def save(
     path: str,
     boxes: Sequence[Tuple[str, str, Sequence[int], Sequence[int], Sequence[int], int, int]],
@@ -71,7 +72,7 @@ class GroupLoad:
         server: Optional[str] = None,
         server_id: Optional[str] = None,
         token: Optional[str] = None,
-        read_order: str = "auto",
+        read_order: Optional[str] = None,
     ) -> Tuple[list[Tuple[int, int, int, int]], list[Tuple[int, int, int, int]]]: ...
     def read(self, progress: Optional[Callable[[int, int], None]] = None) -> None: ...
     def joint_folds(self) -> bytes: ...

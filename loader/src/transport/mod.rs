@@ -93,6 +93,34 @@ impl<T: Transport> Transport for std::sync::Arc<T> {
     }
 }
 
+/// A borrowed transport is a transport (a load that does not own the job's).
+impl<T: Transport> Transport for &T {
+    fn rank(&self) -> u32 {
+        (**self).rank()
+    }
+
+    fn world(&self) -> u32 {
+        (**self).world()
+    }
+
+    fn send(
+        &self,
+        to: u32,
+        tag: u64,
+        data: Bytes,
+    ) -> impl Future<Output = Result<(), LoaderError>> + Send {
+        (**self).send(to, tag, data)
+    }
+
+    fn recv(&self, from: u32, tag: u64) -> impl Future<Output = Result<Bytes, LoaderError>> + Send {
+        (**self).recv(from, tag)
+    }
+
+    fn direct_copies(&self) -> bool {
+        (**self).direct_copies()
+    }
+}
+
 /// Options shared by the transports.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TransportOptions {

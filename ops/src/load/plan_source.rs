@@ -1,0 +1,170 @@
+//! Where a load's rank plans come from: planned here from the opened checkpoint (the default,
+//! no service needed), or a tessera server that plans once for the whole job. Either way a
+//! plan made for another version of the checkpoint is refused before any rank reads: a server's
+//! plan once, when it is created (and each rank plan again when the loader executes it).
+
+use tessera_loader::load::Checkpoint;
+use tessera_loader::plan_client::{CreatedPlan, PlanClient, PlanClientOptions, PlanTarget};
+use tessera_planner::{Plan, PlanOptions, PlanSummary, RankPlan, RequestSet};
+
+use crate::{OpsError, ResultExt};
+
+/// A tessera server that plans instead of the ranks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanServer {
+    /// Its URL (`http(s)://host:port`).
+    pub url: String,
+    /// The checkpoint's id there (`<run>/<step>`).
+    pub checkpoint_id: String,
+    /// Its bearer token.
+    pub token: Option<String>,
+}
+
+/// A job's plan: every rank's plan is taken from it.
+pub enum JobPlan {
+    /// Planned here.
+    Local(Plan),
+    /// Planned by a server; rank plans are fetched from it.
+    Server {
+        /// The client that fetches rank plans.
+        client: PlanClient,
+        /// The server's answer to the plan request.
+        created: CreatedPlan,
+    },
+}
+
+impl JobPlan {
+    /// Plans `requests` against `checkpoint` here.
+    pub fn local(
+        checkpoint: &Checkpoint,
+        requests: &RequestSet,
+        options: &PlanOptions,
+    ) -> Result<JobPlan, OpsError> {
+        Ok(JobPlan::Local(checkpoint.plan(requests, options)?))
+    }
+
+    /// Has `server` plan `target` for the checkpoint it knows as `server.checkpoint_id`, and
+    /// refuses at once (before any rank reads) a plan made for another version of the checkpoint
+    /// than the one opened here (`checkpoint`, which the user named `location`), or one that does
+    /// not say which version it is for.
+    pub async fn on_server(
+        checkpoint: &Checkpoint,
+        location: &str,
+        server: &PlanServer,
+        target: &PlanTarget,
+        dedup: bool,
+    ) -> Result<JobPlan, OpsError> {
+        let client = PlanClient::new(
+            &server.url,
+            PlanClientOptions {
+                token: server.token.clone(),
+                dedup,
+                ..PlanClientOptions::default()
+            },
+        )?;
+        let (id, url) = (&server.checkpoint_id, &server.url);
+        let created = client
+            .create_plan(id, target)
+            .await
+            .with_context(|| format!("planning {id} on {url}"))?;
+        check_identity(
+            created.checkpoint_identity.as_deref(),
+            checkpoint.meta.identity(),
+            location,
+            server,
+        )?;
+        Ok(JobPlan::Server { client, created })
+    }
+
+    /// Ranks of the job.
+    pub fn world(&self) -> u32 {
+        match self {
+            JobPlan::Local(plan) => plan.world_size(),
+            JobPlan::Server { created, .. } => created.world,
+        }
+    }
+
+    /// The plan's totals.
+    pub fn summary(&self) -> &PlanSummary {
+        match self {
+            JobPlan::Local(plan) => plan.summary(),
+            JobPlan::Server { created, .. } => &created.summary,
+        }
+    }
+
+    /// Rank `rank`'s plan.
+    pub async fn rank_plan(&self, rank: u32) -> Result<RankPlan, OpsError> {
+        Ok(match self {
+            JobPlan::Local(plan) => plan.rank_plan(rank)?,
+            JobPlan::Server { client, created } => client
+                .rank_plan(&created.plan, rank)
+                .await
+                .with_context(|| format!("fetching rank {rank}'s plan from the server"))?,
+        })
+    }
+}
+
+/// The server's plan is for the checkpoint opened here: its identity (`planned`) is the opened
+/// one's (`opened`). A server that names none cannot be checked against a checkpoint that has
+/// one, and is refused too.
+fn check_identity(
+    planned: Option<&str>,
+    opened: Option<&str>,
+    location: &str,
+    server: &PlanServer,
+) -> Result<(), OpsError> {
+    let (id, url) = (&server.checkpoint_id, &server.url);
+    match (planned, opened) {
+        (None, Some(opened)) => Err(OpsError::invalid(format!(
+            "{url} did not say which version of checkpoint {id} its plan is for (no \
+             checkpoint_identity: a server older than this client), so the plan cannot be checked \
+             against {location} (identity {opened}); upgrade the server, or load without a server"
+        ))),
+        (Some(planned), Some(opened)) if planned != opened => Err(OpsError::invalid(format!(
+            "the server's plan is for another version of checkpoint {location}: {url} planned \
+             {id} with identity {planned}, but the checkpoint opened here has identity {opened} \
+             (it was saved again, or the server's {id} is another checkpoint; check the \
+             checkpoint id and plan again)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn server() -> PlanServer {
+        PlanServer {
+            url: "http://127.0.0.1:1".to_string(),
+            checkpoint_id: "run/step-1".to_string(),
+            token: None,
+        }
+    }
+
+    #[test]
+    fn a_server_plan_for_another_version_or_no_version_is_refused() {
+        let s = server();
+        assert!(check_identity(Some("a"), Some("a"), "ck", &s).is_ok());
+        // Metadata assembled in memory has no identity: nothing to check against.
+        assert!(check_identity(Some("a"), None, "ck", &s).is_ok());
+        let other = check_identity(Some("b"), Some("a"), "ck", &s)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            other.starts_with("the server's plan is for another version of checkpoint ck")
+                && other.contains("identity b")
+                && other.contains("has identity a"),
+            "{other}"
+        );
+        let none = check_identity(None, Some("a"), "ck", &s)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            none.contains("did not say which version of checkpoint run/step-1")
+                && none.contains("(identity a)"),
+            "{none}"
+        );
+    }
+}

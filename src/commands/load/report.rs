@@ -1,0 +1,308 @@
+//! What `tessera load` reports: the text or `--json` document printed at the end, and the
+//! `--report-json` file of a load of several ranks (the totals and every rank's own report).
+
+use std::fmt::Write as _;
+
+use anyhow::{Context, Result};
+use tessera_loader::load::{Checkpoint, RankReport};
+use tessera_metadata::Format;
+use tessera_metadata::formats::dcp::IndexSource;
+use tessera_ops::load::JobPlan;
+
+use super::LoadArgs;
+use crate::human;
+
+/// The load's totals over every rank that reported, as the text report and `--report-json` (all
+/// ranks) give them.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct LoadTotals {
+    /// Ranks that reported.
+    pub ranks: usize,
+    /// Bytes of every rank's buffers.
+    pub bytes_needed: u64,
+    /// Distinct bytes of the checkpoint that the ranks need (the plan's summary).
+    pub unique_needed: u64,
+    /// Bytes of data read from storage, over all ranks.
+    pub bytes_read: u64,
+    /// Bytes fetched from storage, verification blocks included.
+    pub bytes_fetched: u64,
+    /// Of `bytes_fetched`, the bytes only verification needed (checksum blocks around the data,
+    /// the rest of boxes read whole to check their crc32c).
+    pub verify_extra_bytes: u64,
+    /// Saved boxes fetched whole and checked against their own crc32c.
+    pub boxes_verified: u64,
+    /// `bytes_read / unique_needed`: 1.00 when no byte is read twice or needlessly.
+    pub read_amplification: f64,
+    /// `bytes_fetched / unique_needed`: total I/O per byte needed, verification included.
+    pub io_amplification: f64,
+    /// Bytes the stores returned, over all ranks: `bytes_fetched` plus the gaps that requests
+    /// spanning several small ranges carried (`--coalesce-gap`).
+    pub bytes_transferred: u64,
+    /// `bytes_transferred / unique_needed`: what the wire carried per byte needed.
+    pub transfer_amplification: f64,
+    /// Storage requests over all ranks (one ranged GET each; retries not included).
+    pub requests: u64,
+    /// Bytes ranks sent each other.
+    pub bytes_exchanged: u64,
+    /// Of `bytes_exchanged`, the bytes receivers copied straight out of their sender's memory
+    /// (ranks on one host; no socket).
+    pub bytes_exchanged_direct: u64,
+}
+
+impl LoadTotals {
+    fn new(plan: &JobPlan, reports: &[RankReport]) -> Self {
+        let sum = |f: fn(&RankReport) -> u64| reports.iter().map(f).sum::<u64>();
+        let unique = plan.summary().unique_bytes_needed;
+        let (read, fetched) = (sum(|r| r.bytes_read), sum(|r| r.bytes_fetched));
+        LoadTotals {
+            ranks: reports.len(),
+            bytes_needed: sum(|r| r.bytes_needed),
+            unique_needed: unique,
+            bytes_read: read,
+            bytes_fetched: fetched,
+            verify_extra_bytes: sum(|r| r.verify_extra_bytes),
+            boxes_verified: sum(|r| r.boxes_verified),
+            read_amplification: tessera_loader::load::ratio(read, unique),
+            io_amplification: tessera_loader::load::ratio(fetched, unique),
+            bytes_transferred: sum(|r| r.bytes_transferred),
+            transfer_amplification: tessera_loader::load::ratio(
+                sum(|r| r.bytes_transferred),
+                unique,
+            ),
+            requests: sum(|r| r.requests),
+            bytes_exchanged: sum(|r| r.bytes_sent),
+            bytes_exchanged_direct: sum(|r| r.bytes_received_direct),
+        }
+    }
+}
+
+/// The `--report-json` of a load of several ranks: the totals and every rank's own report.
+pub(super) fn write_all_ranks_json(
+    path: &str,
+    plan: &JobPlan,
+    reports: &[RankReport],
+) -> Result<()> {
+    let json = serde_json::json!({
+        "totals": LoadTotals::new(plan, reports),
+        "ranks": reports,
+    });
+    std::fs::write(path, serde_json::to_vec_pretty(&json)?)
+        .with_context(|| format!("writing {path}"))
+}
+
+/// The report printed at the end: text, or with `--json` one JSON document.
+pub(super) fn report(
+    args: &LoadArgs,
+    checkpoint: &Checkpoint,
+    plan: &JobPlan,
+    reports: &[RankReport],
+    plan_seconds: f64,
+    kind: &str,
+) -> String {
+    if args.json {
+        report_json(args, checkpoint, plan, reports, plan_seconds, kind)
+    } else {
+        report_text(args, checkpoint, plan, reports, plan_seconds, kind)
+    }
+}
+
+/// `load --json`: the plan's totals and every rank's own report (the fields of
+/// `--report-json`), under stable names.
+fn report_json(
+    args: &LoadArgs,
+    checkpoint: &Checkpoint,
+    plan: &JobPlan,
+    reports: &[RankReport],
+    plan_seconds: f64,
+    kind: &str,
+) -> String {
+    let doc = serde_json::json!({
+        "checkpoint": args.checkpoint,
+        "format": checkpoint.format.name(),
+        "transport": kind,
+        "world": plan.world(),
+        "ranks_loaded": reports.len(),
+        "verified": args.verify,
+        "plan_seconds": plan_seconds,
+        "plan": plan.summary(),
+        "totals": LoadTotals::new(plan, reports),
+        "ranks": reports,
+    });
+    format!("{doc:#}\n")
+}
+
+fn report_text(
+    args: &LoadArgs,
+    checkpoint: &Checkpoint,
+    plan: &JobPlan,
+    reports: &[RankReport],
+    plan_seconds: f64,
+    kind: &str,
+) -> String {
+    let sum = |f: fn(&RankReport) -> u64| reports.iter().map(f).sum::<u64>();
+    let max = |f: fn(&RankReport) -> f64| reports.iter().map(f).fold(0.0, f64::max);
+    let needed = sum(|r| r.bytes_needed);
+    let totals = LoadTotals::new(plan, reports);
+    let (read, fetched, unique) = (
+        totals.bytes_read,
+        totals.bytes_fetched,
+        totals.unique_needed,
+    );
+    let total = max(|r| r.total_seconds);
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "loaded {} into {} of {} ranks ({kind})",
+        args.checkpoint,
+        reports.len(),
+        plan.world()
+    );
+    let _ = writeln!(
+        out,
+        "bytes needed         {} (every rank's buffers)",
+        human::bytes(needed)
+    );
+    // Two figures by name: what was read of the data (read amplification) and what the storage
+    // served in all (I/O amplification), since checksum blocks around small tensors can be several
+    // times the data they verify.
+    let _ = writeln!(
+        out,
+        "bytes read           {} of data (unique needed {}, read amplification {:.2} = data read / needed)",
+        human::bytes(read),
+        human::bytes(unique),
+        totals.read_amplification,
+    );
+    let boxes = sum(|r| r.boxes_verified);
+    // Formats without checksums (and --no-verify) fetch nothing to verify: say nothing about it.
+    let verification = if totals.verify_extra_bytes > 0 || boxes > 0 {
+        format!(
+            "{} only to verify: checksum blocks, boxes read whole; {boxes} boxes checked by their own crc32c; ",
+            human::bytes(totals.verify_extra_bytes)
+        )
+    } else {
+        String::new()
+    };
+    let _ = writeln!(
+        out,
+        "bytes fetched        {} ({verification}{} requests, {} retries)",
+        human::bytes(fetched),
+        sum(|r| r.requests),
+        sum(|r| r.retries)
+    );
+    let _ = writeln!(
+        out,
+        "total I/O            {} = {:.2} x needed (I/O amplification = bytes fetched, verification included / needed)",
+        human::bytes(fetched),
+        totals.io_amplification,
+    );
+    // What the store actually returned: more than fetched only where one request spanned the gap
+    // between small ranges (--coalesce-gap).
+    let _ = writeln!(
+        out,
+        "bytes transferred    {} in {} requests = {:.2} x needed ({} of gaps spanned by --coalesce-gap)",
+        human::bytes(totals.bytes_transferred),
+        totals.requests,
+        totals.transfer_amplification,
+        human::bytes(totals.bytes_transferred.saturating_sub(fetched)),
+    );
+    match checkpoint.format {
+        Format::Native => {}
+        Format::Dcp => {
+            let _ = writeln!(
+                out,
+                "format               PyTorch DCP, read in place without verification (DCP records no checksums of chunk bytes)"
+            );
+        }
+        Format::ByteCheckpoint => {
+            let _ = writeln!(
+                out,
+                "format               ByteCheckpoint, read in place without verification (ByteCheckpoint records no checksums of storage bytes)"
+            );
+        }
+        Format::Safetensors => {
+            let _ = writeln!(
+                out,
+                "format               safetensors, read in place without verification (safetensors records no checksums)"
+            );
+        }
+        Format::DeepSpeed => {
+            let _ = writeln!(
+                out,
+                "format               DeepSpeed ZeRO, read in place without verification (partial reads of torch.save records have no checksum)"
+            );
+        }
+    }
+    if let Some(index) = &checkpoint.index {
+        let line = match index.source {
+            IndexSource::Built => format!(
+                "{} in {} requests at open, once for {} blobs ({:.1}% on top of the bytes read)",
+                human::bytes(index.bytes_read),
+                index.requests,
+                index.blobs,
+                if read == 0 {
+                    0.0
+                } else {
+                    100.0 * index.bytes_read as f64 / read as f64
+                }
+            ),
+            IndexSource::Memory => "none read: blob index from the in-memory cache".to_string(),
+            IndexSource::Disk => "none read: blob index from the cache directory".to_string(),
+        };
+        let _ = writeln!(out, "zip headers          {line}");
+    }
+    let (exchanged, direct) = (sum(|r| r.bytes_sent), sum(|r| r.bytes_received_direct));
+    let _ = writeln!(
+        out,
+        "bytes exchanged      {}{}",
+        human::bytes(exchanged),
+        if direct == 0 {
+            String::new()
+        } else if direct == exchanged {
+            ", all copied directly between ranks' memory".to_string()
+        } else {
+            format!(
+                ", {} copied directly between ranks' memory",
+                human::bytes(direct)
+            )
+        }
+    );
+    let _ = writeln!(
+        out,
+        "time                 plan {plan_seconds:.3} s, read {:.3} s, exchange {:.3} s, total {total:.3} s (slowest rank)",
+        max(|r| r.read_seconds),
+        max(|r| r.exchange_seconds)
+    );
+    let _ = writeln!(
+        out,
+        "throughput           {:.2} GB/s of buffers filled",
+        if total > 0.0 {
+            needed as f64 / total / 1e9
+        } else {
+            0.0
+        }
+    );
+    let h2d_bytes = sum(|r| r.h2d_bytes);
+    if args.device.is_cuda() {
+        let h2d_seconds = max(|r| r.h2d_seconds);
+        let _ = writeln!(
+            out,
+            "h2d                  {} in {h2d_seconds:.3} s (slowest rank), {:.2} GB/s through pinned staging",
+            human::bytes(h2d_bytes),
+            if h2d_seconds > 0.0 {
+                h2d_bytes as f64 / h2d_seconds / 1e9
+            } else {
+                0.0
+            }
+        );
+    }
+    if args.check {
+        let _ = writeln!(
+            out,
+            "check                every byte matches the synthetic formula"
+        );
+    }
+    if let Some(dir) = &args.dump {
+        let _ = writeln!(out, "dump                 {dir}/rank-<r>.safetensors");
+    }
+    out
+}

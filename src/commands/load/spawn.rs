@@ -1,0 +1,307 @@
+//! `tessera load --transport tcp|nccl` without `--rank`: every rank as its own `tessera load
+//! --rank` process on this machine, supervised so that a rank that fails, dies or stops ends
+//! the whole load within about twice the peer timeout, each rank named with what became of it.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use tessera_loader::load::RankReport;
+use tessera_planner::ReadOrder;
+
+use super::{LoadArgs, TransportKind};
+
+/// Runs every rank as its own `tessera load --rank` process, rendezvousing on a free loopback port.
+pub(super) async fn load_all_tcp(
+    args: &LoadArgs,
+    world: u32,
+    shared_cache: Option<&std::path::Path>,
+) -> Result<Vec<RankReport>> {
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+        listener.local_addr()?.port()
+    };
+    let reports_dir = tempfile::tempdir().context("creating a report directory")?;
+    let exe = std::env::current_exe().context("locating the tessera binary")?;
+    let mut children = Vec::with_capacity(world as usize);
+    for rank in 0..world {
+        let report = reports_dir.path().join(format!("rank-{rank}.json"));
+        let mut cmd = tokio::process::Command::new(&exe);
+        cmd.arg("load").arg(&args.checkpoint);
+        if let Some(layout) = &args.layout {
+            cmd.arg("--layout").arg(layout);
+        }
+        if let Some(requests) = &args.requests {
+            cmd.arg("--requests").arg(requests);
+        }
+        if let Some(dump) = &args.dump {
+            cmd.arg("--dump").arg(dump);
+        }
+        if let Some(server) = &args.server {
+            // Every rank asks the server; it plans once (the same request gives the same plan).
+            cmd.arg("--server").arg(server);
+            if let Some(id) = &args.checkpoint_id {
+                cmd.arg("--checkpoint-id").arg(id);
+            }
+            if let Some(token) = &args.token {
+                cmd.env("TESSERA_TOKEN", token);
+            }
+        }
+        cmd.args([
+            "--transport",
+            match args.transport {
+                TransportKind::Nccl => "nccl",
+                _ => "tcp",
+            },
+            "--device",
+            &args.device.to_string(),
+            "--rank",
+            &rank.to_string(),
+            "--world",
+            &world.to_string(),
+        ])
+        .args([
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port.to_string(),
+        ])
+        .args([
+            "--peer-timeout",
+            &args.peer_timeout.as_secs_f64().to_string(),
+            "--quiet",
+        ])
+        // The same storage timeouts in every rank (flags win over the environment there too).
+        .args([
+            "--storage-read-timeout",
+            &args.retry.read_timeout.as_secs_f64().to_string(),
+            "--storage-attempts",
+            &args.retry.max_attempts.to_string(),
+        ])
+        .arg("--report-json")
+        .arg(&report);
+        // Every rank plans the same filtered requests.
+        cmd.args(args.filter.describe());
+        if !args.verify {
+            cmd.arg("--no-verify");
+        }
+        if let Some(gap) = args.coalesce_gap {
+            cmd.args(["--coalesce-gap", &gap.to_string()]);
+        }
+        if !args.dedup {
+            cmd.arg("--no-dedup");
+        }
+        // Every rank must plan with the same read order, or their plans would not match.
+        cmd.args([
+            "--read-order",
+            match args.read_order {
+                ReadOrder::Auto => "auto",
+                ReadOrder::Request => "request",
+                ReadOrder::Storage => "storage",
+            },
+        ]);
+        if args.check {
+            cmd.arg("--check");
+        }
+        if let Some(dir) = shared_cache {
+            cmd.env(crate::commands::CACHE_DIR_ENV, dir);
+        }
+        cmd.stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting rank {rank}"))?;
+        children.push((rank, report, child));
+    }
+    let outcomes = supervise(children, args.peer_timeout).await;
+    let mut failures = Vec::new();
+    let mut classes = Vec::new();
+    let mut reports = Vec::new();
+    for (rank, report, outcome) in outcomes {
+        match outcome {
+            RankOutcome::Succeeded => {
+                let text = std::fs::read(&report)
+                    .with_context(|| format!("reading rank {rank}'s report"))?;
+                reports.push(
+                    serde_json::from_slice(&text)
+                        .with_context(|| format!("parsing rank {rank}'s report"))?,
+                );
+            }
+            RankOutcome::Failed(message) => {
+                // Killed or vanished: to its peers, a peer that failed.
+                classes.push(crate::exit::ErrorClass::PeerFailed);
+                failures.push(format!("rank {rank}: {message}"));
+            }
+            RankOutcome::Exited(message, code) => {
+                classes.push(crate::exit::ErrorClass::from_code(code));
+                failures.push(format!("rank {rank}: {message}"));
+            }
+        }
+    }
+    if !failures.is_empty() {
+        // Its own type: the exit code is that of the rank whose trouble made the others fail
+        // (each rank process exits with its own class's code).
+        return Err(crate::exit::RanksFailed {
+            failures,
+            class: crate::exit::root_class(classes),
+        }
+        .into());
+    }
+    Ok(reports)
+}
+
+/// How one rank process ended.
+enum RankOutcome {
+    Succeeded,
+    /// Its error, or what became of it when it left none.
+    Failed(String),
+    /// Its error, and the exit code it chose (which says the class of its failure).
+    Exited(String, i32),
+}
+
+/// Waits for every rank process, all at once, reading their stderr as they go (a full pipe
+/// would block a rank). A rank that stops making progress (SIGSTOPped, hung in a syscall) never
+/// exits and its peers only time out on it; waiting for it would hang `load` forever. So once
+/// any rank has failed, the others get `grace` (the peer timeout: every live rank that waits on a
+/// failed one fails by itself within it) and are then killed, each reported with what became of
+/// it. The parent therefore ends within about twice the peer timeout of the first failure.
+async fn supervise(
+    mut children: Vec<(u32, std::path::PathBuf, tokio::process::Child)>,
+    grace: Duration,
+) -> Vec<(u32, std::path::PathBuf, RankOutcome)> {
+    use futures::StreamExt;
+    let (kill_tx, kill_rx) = tokio::sync::watch::channel(false);
+    let mut waits = futures::stream::FuturesUnordered::new();
+    for (index, (rank, _, child)) in children.iter_mut().enumerate() {
+        let rank = *rank;
+        let stderr = child.stderr.take();
+        let mut kill_rx = kill_rx.clone();
+        let pid = child.id();
+        waits.push(async move {
+            let read_stderr = async {
+                let mut text = String::new();
+                if let Some(pipe) = stderr {
+                    use tokio::io::AsyncBufReadExt;
+                    let mut lines = tokio::io::BufReader::new(pipe).lines();
+                    // A killed rank's pipe closes with it; a read error only loses its message.
+                    while let Ok(Some(line)) = lines.next_line().await {
+                        // Progress ("rank 0: waiting for ranks 2,3 to join") is passed on as it
+                        // comes, so that a waiting load is not silent.
+                        if line.starts_with("rank ") && line.contains(": waiting for ") {
+                            eprintln!("{line}");
+                        } else {
+                            text.push_str(&line);
+                            text.push('\n');
+                        }
+                    }
+                }
+                text
+            };
+            let wait = async {
+                tokio::select! {
+                    status = child.wait() => (status, None),
+                    _ = kill_rx.wait_for(|kill| *kill) => {
+                        // Seen before the kill: a SIGSTOPped rank shows state T.
+                        let state = pid.and_then(process_state);
+                        let _ = child.start_kill();
+                        (child.wait().await, Some(state))
+                    }
+                }
+            };
+            let (text, (status, killed)) = tokio::join!(read_stderr, wait);
+            (index, rank, rank_outcome(status, killed, &text, grace))
+        });
+    }
+    let mut outcomes: Vec<Option<RankOutcome>> = (0..waits.len()).map(|_| None).collect();
+    let mut kill_at: Option<tokio::time::Instant> = None;
+    loop {
+        let next = match kill_at {
+            Some(at) => match tokio::time::timeout_at(at, waits.next()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    let _ = kill_tx.send(true);
+                    kill_at = None;
+                    continue;
+                }
+            },
+            None => waits.next().await,
+        };
+        let Some((index, _rank, outcome)) = next else {
+            break;
+        };
+        if matches!(outcome, RankOutcome::Failed(_) | RankOutcome::Exited(..))
+            && kill_at.is_none()
+            && !*kill_tx.borrow()
+        {
+            kill_at = Some(tokio::time::Instant::now() + grace);
+        }
+        outcomes[index] = Some(outcome);
+    }
+    drop(waits);
+    children
+        .into_iter()
+        .zip(outcomes)
+        .map(|((rank, report, _), outcome)| {
+            let outcome = outcome.unwrap_or_else(|| {
+                RankOutcome::Failed("its process could not be waited for".to_string())
+            });
+            (rank, report, outcome)
+        })
+        .collect()
+}
+
+/// What became of a rank process: success, its own error message, or (when it left none) how it
+/// ended: killed by us after the grace period (and whether it was stopped then), killed by a
+/// signal from elsewhere, or an exit code.
+fn rank_outcome(
+    status: std::io::Result<std::process::ExitStatus>,
+    killed: Option<Option<char>>,
+    stderr: &str,
+    grace: Duration,
+) -> RankOutcome {
+    let status = match status {
+        Ok(status) if status.success() => return RankOutcome::Succeeded,
+        Ok(status) => status,
+        Err(e) => return RankOutcome::Failed(format!("waiting for its process failed: {e}")),
+    };
+    let message = stderr.trim().trim_start_matches("error: ");
+    if let Some(state) = killed {
+        let how = match state {
+            Some('T') | Some('t') => "stopped (SIGSTOP or a debugger)",
+            _ => "still running",
+        };
+        let mut line = format!(
+            "{how} {:.0} s after another rank failed: killed by signal 9, no report",
+            grace.as_secs_f64()
+        );
+        if !message.is_empty() {
+            line.push_str(&format!(" (it had printed: {message})"));
+        }
+        return RankOutcome::Failed(line);
+    }
+    if !message.is_empty() {
+        return match status.code() {
+            Some(code) => RankOutcome::Exited(message.to_string(), code),
+            None => RankOutcome::Failed(message.to_string()),
+        };
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(signal) = status.signal() {
+            return RankOutcome::Failed(format!("killed by signal {signal}, no report"));
+        }
+    }
+    match status.code() {
+        Some(code) => RankOutcome::Exited(format!("exited with code {code}, no report"), code),
+        None => RankOutcome::Failed("ended without an exit code, no report".to_string()),
+    }
+}
+
+/// The state letter of process `pid` (`R`, `S`, `T` for stopped, ...) from `/proc`, where there
+/// is one.
+fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) S ...": comm may hold spaces and parentheses, so look after the last ')'.
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
