@@ -20,7 +20,6 @@ pub mod exchange;
 pub mod host_memory;
 pub mod joint;
 pub mod load;
-mod overlap;
 pub mod place;
 pub mod plan_client;
 pub mod plane;

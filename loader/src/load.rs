@@ -16,7 +16,7 @@ use crate::read::{
     ReadOptions, ReadStats, default_coalesce_gap, exact_multi_range, read_into_with,
 };
 use crate::transport::Transport;
-use crate::{LoaderError, overlap, place, relay};
+use crate::{LoaderError, place, relay};
 use tessera_storage::Location;
 
 /// A checkpoint opened for loading, in any format tessera reads: its store, metadata and (native
@@ -361,12 +361,14 @@ pub async fn load_rank_into<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
     // Pieces this rank reads in storage order only to pass on need somewhere to stay.
     let (stats, read_seconds, exchanged) = match relay::with_relay_buffers(plan) {
         None => {
-            overlap::read_and_exchange(checkpoint, plan, transport, options, buffers, started)
-                .await?
+            crate::exchange::drive::read_and_exchange(
+                checkpoint, plan, transport, options, buffers, started,
+            )
+            .await?
         }
         Some(relaying) => {
             let mut slots = relay::slots(&relaying, buffers);
-            overlap::read_and_exchange(
+            crate::exchange::drive::read_and_exchange(
                 checkpoint, &relaying, transport, options, &mut slots, started,
             )
             .await?

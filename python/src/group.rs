@@ -1,17 +1,21 @@
 //! A load whose exchange runs over the job's own torch process group (`tessera.load` when
-//! `torch.distributed` is initialized): tessera plans, reads and places; Python moves the ring
-//! exchange's messages with torch's point-to-point ops (gloo, or NCCL), so the job needs no second
-//! rendezvous and no extra port.
+//! `torch.distributed` is initialized): tessera plans, reads and places; Python moves the bytes
+//! the exchange protocol asks for with torch's point-to-point ops (gloo, or NCCL), so the job
+//! needs no second rendezvous and no extra port. The protocol is the loader's own
+//! (`tessera_loader::exchange::protocol`, the one tessera's transports run): hand-shake, shares
+//! in parts, direct copies between ranks of one host and their acknowledgements are decided
+//! there, not in Python.
 //!
 //! The steps, each a method the Python layer calls in order on every rank:
 //! 1. [`group_load`]: the rank's state-dict entries checked against the checkpoint;
 //!    [`GroupLoad::requests_json`] is what the ranks all-gather over the group.
 //! 2. [`GroupLoad::plan`]: every rank plans the whole job from every rank's requests (the planner
-//!    is deterministic, so all get the same plan) or fetches its part from a plan server; returns
-//!    the sizes of the messages to send and receive.
-//! 3. [`GroupLoad::read`]: the rank's own pieces, read (verified) straight into its arrays.
-//! 4. [`GroupLoad::gather`] fills each outgoing message buffer, Python sends and receives them,
-//!    [`GroupLoad::place`] puts each received message into the arrays.
+//!    is deterministic, so all get the same plan) or fetches its part from a plan server.
+//! 3. [`GroupLoad::read`]: the rank's own pieces, read (verified) straight into its arrays; the
+//!    joint checks of boxes read in parts ([`GroupLoad::joint_folds`], [`GroupLoad::check_joint`]).
+//! 4. The exchange: [`GroupLoad::exchange_start`] hands out the first actions (send these bytes,
+//!    receive that message), [`GroupLoad::exchange_sent`] and [`GroupLoad::exchange_received`]
+//!    take completions and hand out the next, until [`GroupLoad::exchange_done`].
 //! 5. [`GroupLoad::finish`]: checks that every message was placed and returns the report. A load
 //!    that did not get here is never reported as done.
 
@@ -20,12 +24,12 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use anyhow::{Result, anyhow, bail};
+use bytes::Bytes;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use tessera_loader::cross_memory::{Exposure, PeerMemory, ShareDescriptor};
-use tessera_loader::exchange::{
-    ExchangeMessages, copy_share, describe_share, gather_message, place_message,
-};
+use tessera_loader::cross_memory::Exposure;
+use tessera_loader::exchange::protocol::{Action, ExchangeProtocol};
+use tessera_loader::exchange::{ExchangeMessages, SHARE_PART_BYTES};
 use tessera_loader::joint;
 use tessera_loader::load::{Checkpoint, RankReport};
 use tessera_loader::read::ReadStats;
@@ -38,7 +42,7 @@ use crate::load::{
     TargetTuple, Wanted, fqn_of, load_options, parse_read_order, rank_plan_for, resolve_target,
     single_device,
 };
-use crate::memory::{HostMemory, first_overlap};
+use crate::memory::{HostMemory, PyOwnedBytes, first_overlap};
 use crate::{block_on, py_error};
 
 /// One rank's load over a process group (see the module docs).
@@ -57,25 +61,37 @@ struct GroupState {
     /// The caller's arrays, then (once planned) a scratch buffer per piece this rank reads in
     /// storage order only to relay to others (`tessera_loader::relay`).
     buffers: Vec<Buffer>,
-    plan: Option<RankPlan>,
-    messages: ExchangeMessages,
+    plan: Option<Arc<RankPlan>>,
+    /// Whether the driver moves host memory, so that ranks of one host may copy directly.
+    direct: bool,
     read: Option<(ReadStats, f64)>,
-    gathered: Vec<bool>,
-    placed: Vec<bool>,
     started: Instant,
     /// This rank's exchange token while peers may copy out of its arrays (see
     /// `tessera_loader::cross_memory`); dropped (zeroed) by `close` and `finish`.
     exposure: Option<Exposure>,
-    /// Peers whose shares this rank copies out of their memory.
-    sources: HashMap<u32, PeerMemory>,
-    /// Bytes copied that way.
-    received_direct: u64,
+    /// The exchange, once started.
+    protocol: Option<ExchangeProtocol<Arc<RankPlan>>>,
+    /// The driver's operations in flight by id: what each is, and a send's bytes (kept alive
+    /// until the driver says they went out).
+    operations: HashMap<u64, Operation>,
+    next_operation: u64,
     /// Whether this rank offers and accepts direct copies (`TESSERA_CROSS_MEMORY`).
     cross_memory: bool,
     /// Whether the boxes this rank read or received in parts were checked against every
     /// reader's folds (`check_joint`; `tessera_loader::joint`).
     joint_checked: bool,
 }
+
+/// An operation the driver runs for the protocol.
+enum Operation {
+    Send { to: u32, tag: u64, _data: Bytes },
+    Recv { from: u32, tag: u64 },
+}
+
+/// An action as the Python driver takes it: `(operation id, kind, peer, pair tag, bytes,
+/// address)`; kind 0 send, 1 framed send, 2 receive (bytes -1: framed, any length); a send's
+/// bytes lie at `address` until the driver reports it sent.
+type PyAction = (u64, u8, u32, u32, i64, usize);
 
 /// A destination of the load: one of the caller's arrays, or a relayed piece's scratch.
 enum Buffer {
@@ -113,10 +129,65 @@ impl GroupState {
         self.checkpoint.verifies(self.verify)
     }
 
-    fn plan(&self, step: &str) -> Result<&RankPlan> {
+    fn plan(&self, step: &str) -> Result<&Arc<RankPlan>> {
         self.plan
             .as_ref()
             .ok_or_else(|| anyhow!("rank {}: {step} before the plan", self.rank))
+    }
+
+    fn protocol(&mut self, step: &str) -> Result<&mut ExchangeProtocol<Arc<RankPlan>>> {
+        let rank = self.rank;
+        self.protocol
+            .as_mut()
+            .ok_or_else(|| anyhow!("rank {rank}: {step} before the exchange started"))
+    }
+
+    /// `actions` as the driver takes them, each registered under a fresh operation id.
+    fn hand_out(&mut self, actions: Vec<Action>) -> Vec<PyAction> {
+        actions
+            .into_iter()
+            .map(|action| {
+                let id = self.next_operation;
+                self.next_operation += 1;
+                match action {
+                    Action::Send {
+                        to,
+                        tag,
+                        pair_tag,
+                        data,
+                        framed,
+                    } => {
+                        let out = (
+                            id,
+                            u8::from(framed),
+                            to,
+                            pair_tag,
+                            data.len() as i64,
+                            data.as_ptr() as usize,
+                        );
+                        self.operations.insert(
+                            id,
+                            Operation::Send {
+                                to,
+                                tag,
+                                _data: data,
+                            },
+                        );
+                        out
+                    }
+                    Action::Recv {
+                        from,
+                        tag,
+                        pair_tag,
+                        bytes,
+                    } => {
+                        self.operations.insert(id, Operation::Recv { from, tag });
+                        let bytes = bytes.map_or(-1, |b| i64::try_from(b).unwrap_or(i64::MAX));
+                        (id, 2, from, pair_tag, bytes, 0)
+                    }
+                }
+            })
+            .collect()
     }
 
     fn check_read(&self, step: &str) -> Result<()> {
@@ -201,21 +272,17 @@ fn prepare(
         wanted,
         buffers,
         plan: None,
-        messages: ExchangeMessages::default(),
+        direct: false,
         read: None,
-        gathered: Vec::new(),
-        placed: Vec::new(),
         started: Instant::now(),
         exposure: None,
-        sources: HashMap::new(),
-        received_direct: 0,
+        protocol: None,
+        operations: HashMap::new(),
+        next_operation: 0,
         cross_memory: tessera_ops::load::LoadSwitches::from_env().cross_memory,
         joint_checked: false,
     })
 }
-
-/// The messages to send or receive: `(peer, bytes, exchange group, round)` each.
-type MessageSizes = Vec<(u32, u64, u32, u32)>;
 
 #[pymethods]
 impl GroupLoad {
@@ -227,9 +294,9 @@ impl GroupLoad {
     }
 
     /// Plans the job from every rank's requests (`all_requests[r]`: rank r's
-    /// [`GroupLoad::requests_json`]), here or on `server`. Returns `(outgoing, incoming)`: the
-    /// peer, size, exchange group and round of every message this rank sends and receives, in exchange order.
-    #[pyo3(signature = (all_requests, dedup, server=None, server_id=None, token=None, read_order=None))]
+    /// [`GroupLoad::requests_json`]), here or on `server`. `direct`: the driver moves host
+    /// memory, so ranks of one host may copy shares straight out of each other's arrays.
+    #[pyo3(signature = (all_requests, dedup, server=None, server_id=None, token=None, read_order=None, direct=false))]
     #[allow(clippy::too_many_arguments)]
     fn plan(
         &self,
@@ -240,7 +307,8 @@ impl GroupLoad {
         server_id: Option<String>,
         token: Option<String>,
         read_order: Option<&str>,
-    ) -> PyResult<(MessageSizes, MessageSizes)> {
+        direct: bool,
+    ) -> PyResult<()> {
         let read_order = parse_read_order(read_order)?;
         let (checkpoint, rank, world, location) = {
             let state = self.state();
@@ -317,25 +385,12 @@ impl GroupLoad {
             }
             None => plan,
         };
-        // Whole shares, one message each: this path exchanges after the whole read, so parts
-        // (which let a share start while the rest is read) would only add messages.
-        let messages =
-            ExchangeMessages::of_plan_in_parts(&plan, u64::MAX).map_err(|e| py_error(e.into()))?;
-        let outgoing = messages
-            .outgoing
-            .iter()
-            .map(|m| (m.to, m.bytes, m.group, m.round))
-            .collect();
-        let incoming = messages
-            .incoming
-            .iter()
-            .map(|m| (m.from, m.bytes, m.group, m.round))
-            .collect();
-        state.gathered = vec![false; messages.outgoing.len()];
-        state.placed = vec![false; messages.incoming.len()];
-        state.messages = messages;
-        state.plan = Some(plan);
-        Ok((outgoing, incoming))
+        // Checked now, so that a plan whose exchange does not add up fails before any read.
+        ExchangeMessages::of_plan_in_parts(&plan, SHARE_PART_BYTES)
+            .map_err(|e| py_error(e.into()))?;
+        state.plan = Some(Arc::new(plan));
+        state.direct = direct;
+        Ok(())
     }
 
     /// Reads this rank's own pieces, verified, straight into its arrays (interruptible).
@@ -343,10 +398,10 @@ impl GroupLoad {
     fn read(&self, py: Python<'_>, progress: Option<Py<PyAny>>) -> PyResult<()> {
         let mut state = self.state();
         let state = &mut *state;
-        let plan = state
-            .plan
-            .as_ref()
-            .ok_or_else(|| py_error(anyhow!("rank {}: reading before the plan", state.rank)))?;
+        let plan =
+            Arc::clone(state.plan.as_ref().ok_or_else(|| {
+                py_error(anyhow!("rank {}: reading before the plan", state.rank))
+            })?);
         let total = plan
             .pieces
             .iter()
@@ -360,7 +415,7 @@ impl GroupLoad {
         let started = Instant::now();
         let buffers = &mut state.buffers;
         let stats = block_on(py, async {
-            Ok(checkpoint.read_into(plan, &options, buffers).await?)
+            Ok(checkpoint.read_into(&plan, &options, buffers).await?)
         })?;
         state.read = Some((stats, started.elapsed().as_secs_f64()));
         Ok(())
@@ -416,140 +471,110 @@ impl GroupLoad {
         Ok(())
     }
 
-    /// Fills outgoing message `index` into `nbytes` bytes at `address` (a buffer Python then
-    /// sends).
-    fn gather(&self, index: usize, address: usize, nbytes: usize) -> PyResult<()> {
+    /// Starts the exchange once this rank's pieces are read: the first actions for the driver
+    /// (the hand-shake where ranks may copy directly, the receives, the shares ready to go).
+    fn exchange_start(&self) -> PyResult<Vec<PyAction>> {
         let mut state = self.state();
         let state = &mut *state;
         let result = (|| {
-            state.check_read("gathering a message")?;
-            let plan = state.plan("gathering a message")?;
-            let message = state
-                .messages
-                .outgoing
-                .get(index)
-                .ok_or_else(|| anyhow!("rank {}: no outgoing message {index}", state.rank))?;
-            // SAFETY: Python passes a contiguous uint8 buffer it owns and does not touch during
-            // the call.
-            #[allow(unsafe_code)]
-            let mut out = unsafe { HostMemory::new(address, nbytes) }
-                .ok_or_else(|| anyhow!("outgoing message {index}: null address"))?;
-            gather_message(plan, message, &state.buffers, out.as_mut())?;
-            state.gathered[index] = true;
-            Ok(())
-        })();
-        result.map_err(py_error)
-    }
-
-    /// Places received message `index` (`nbytes` bytes at `address`) into the arrays.
-    fn place(&self, index: usize, address: usize, nbytes: usize) -> PyResult<()> {
-        let mut state = self.state();
-        let state = &mut *state;
-        let result =
-            (|| {
-                let plan = state.plan.as_ref().ok_or_else(|| {
-                    anyhow!("rank {}: placing a message before the plan", state.rank)
-                })?;
-                let message =
-                    state.messages.incoming.get(index).ok_or_else(|| {
-                        anyhow!("rank {}: no incoming message {index}", state.rank)
-                    })?;
-                // SAFETY: Python passes the received uint8 buffer, which it keeps alive for the call.
-                #[allow(unsafe_code)]
-                let data = unsafe { HostMemory::new(address, nbytes) }
-                    .ok_or_else(|| anyhow!("incoming message {index}: null address"))?;
-                place_message(plan, message, data.as_ref(), &mut state.buffers)?;
-                state.placed[index] = true;
-                Ok(())
-            })();
-        result.map_err(py_error)
-    }
-
-    /// This rank's hello for direct copies: its exchange token (created now, held until
-    /// `close` or `finish`), or that it declines (`TESSERA_CROSS_MEMORY=0`).
-    fn hello<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let mut state = self.state();
-        let offers = state.cross_memory;
-        let exposure = state.exposure.get_or_insert_with(Exposure::new);
-        PyBytes::new(py, &exposure.offer(offers))
-    }
-
-    /// Whether this rank copies the shares of `peer`, whose hello is `hello`, straight out of its
-    /// memory (it offers, this rank does too, and its token reads back from here).
-    fn answer(&self, peer: u32, hello: &[u8]) -> PyResult<bool> {
-        let mut state = self.state();
-        let memory = PeerMemory::accept(hello, state.cross_memory)
-            .map_err(|e| py_error(anyhow!("rank {}: rank {peer}'s hello: {e}", state.rank)))?;
-        let direct = memory.is_some();
-        match memory {
-            Some(m) => state.sources.insert(peer, m),
-            None => state.sources.remove(&peer),
-        };
-        Ok(direct)
-    }
-
-    /// The descriptor of outgoing message `index` for a peer that copies it out of this rank's
-    /// memory (instead of [`GroupLoad::gather`]); the arrays must stay put until it acknowledges.
-    fn describe<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyBytes>> {
-        let mut state = self.state();
-        let state = &mut *state;
-        let result = (|| {
-            state.check_read("describing a message")?;
-            if state.exposure.is_none() {
-                bail!("rank {}: describing a message without a hello", state.rank);
+            state.check_read("exchanging")?;
+            let plan = Arc::clone(state.plan("exchanging")?);
+            if state.protocol.is_some() {
+                bail!("rank {}: the exchange started twice", state.rank);
             }
-            let plan = state.plan("describing a message")?;
-            let message = state
-                .messages
-                .outgoing
-                .get(index)
-                .ok_or_else(|| anyhow!("rank {}: no outgoing message {index}", state.rank))?;
-            let descriptor = describe_share(plan, message, &state.buffers)?;
-            state.gathered[index] = true;
-            Ok(descriptor.encode())
+            let messages = ExchangeMessages::of_plan_in_parts(&plan, SHARE_PART_BYTES)?;
+            let hello = if state.direct {
+                let offers = state.cross_memory;
+                let exposure = state.exposure.get_or_insert_with(Exposure::new);
+                Some(Bytes::from(exposure.offer(offers)))
+            } else {
+                None
+            };
+            let mut protocol = ExchangeProtocol::new(plan, messages, hello, state.cross_memory);
+            let mut actions = protocol.start();
+            actions.extend(protocol.all_read(&state.buffers)?);
+            protocol.reads_done()?;
+            state.protocol = Some(protocol);
+            Ok(state.hand_out(actions))
         })();
-        result.map(|d| PyBytes::new(py, &d)).map_err(py_error)
+        result.map_err(py_error)
     }
 
-    /// Copies incoming message `index` straight out of its sender's memory, as its descriptor
-    /// (`nbytes` bytes at `address`) says, into the arrays.
-    fn copy(&self, index: usize, address: usize, nbytes: usize) -> PyResult<()> {
+    /// Operation `operation` (a send) went out: the next actions.
+    fn exchange_sent(&self, operation: u64) -> PyResult<Vec<PyAction>> {
+        let mut state = self.state();
+        let result = (|| {
+            let Some(Operation::Send { to, tag, .. }) = state.operations.remove(&operation) else {
+                bail!(
+                    "rank {}: operation {operation} is not a send in flight",
+                    state.rank
+                );
+            };
+            let actions = state.protocol("sending")?.sent(to, tag);
+            Ok(state.hand_out(actions))
+        })();
+        result.map_err(py_error)
+    }
+
+    /// Operation `operation` (a receive) got its message: `nbytes` bytes at `address` in
+    /// `buffer` (the tensor holding them, kept alive while tessera needs them). Places what
+    /// arrived and returns the next actions.
+    fn exchange_received(
+        &self,
+        operation: u64,
+        buffer: Py<PyAny>,
+        address: usize,
+        nbytes: usize,
+    ) -> PyResult<Vec<PyAction>> {
         let mut state = self.state();
         let state = &mut *state;
         let result = (|| {
-            let plan = state
-                .plan
-                .as_ref()
-                .ok_or_else(|| anyhow!("rank {}: copying a message before the plan", state.rank))?;
-            let message = state
-                .messages
-                .incoming
-                .get(index)
-                .ok_or_else(|| anyhow!("rank {}: no incoming message {index}", state.rank))?;
-            let source = state.sources.get(&message.from).ok_or_else(|| {
-                anyhow!(
-                    "rank {}: rank {} sent a share descriptor but its memory was not found readable",
-                    state.rank,
-                    message.from
-                )
-            })?;
-            // SAFETY: Python passes the received uint8 buffer, which it keeps alive for the call.
+            let Some(Operation::Recv { from, tag }) = state.operations.remove(&operation) else {
+                bail!(
+                    "rank {}: operation {operation} is not a receive in flight",
+                    state.rank
+                );
+            };
+            // SAFETY: Python passes the data address and length of the received uint8 tensor
+            // `buffer`, which nothing else touches and which the Bytes keeps referenced.
             #[allow(unsafe_code)]
-            let data = unsafe { HostMemory::new(address, nbytes) }
-                .ok_or_else(|| anyhow!("incoming descriptor {index}: null address"))?;
-            let descriptor = ShareDescriptor::decode(data.as_ref()).map_err(|e| {
-                anyhow!(
-                    "rank {}: rank {}'s share descriptor: {e}",
-                    state.rank,
-                    message.from
-                )
+            let memory = unsafe { HostMemory::new(address, nbytes) }
+                .ok_or_else(|| anyhow!("operation {operation}: null address"))?;
+            let data = Bytes::from_owner(PyOwnedBytes::new(buffer, memory));
+            let protocol = state.protocol.as_mut().ok_or_else(|| {
+                anyhow!("rank {}: receiving before the exchange started", state.rank)
             })?;
-            copy_share(plan, message, source, &descriptor, &mut state.buffers)?;
-            state.received_direct += message.bytes;
-            state.placed[index] = true;
-            Ok(())
+            let mut actions = protocol.received(from, tag, data)?;
+            actions.extend(protocol.pump(&mut state.buffers)?);
+            Ok(state.hand_out(actions))
         })();
         result.map_err(py_error)
+    }
+
+    /// Whether the exchange is over (every share placed and delivered).
+    fn exchange_done(&self) -> bool {
+        self.state().protocol.as_ref().is_some_and(|p| p.is_done())
+    }
+
+    /// The ranks the exchange still waits on.
+    fn exchange_waiting_on(&self) -> Vec<u32> {
+        self.state()
+            .protocol
+            .as_ref()
+            .map(|p| p.waiting_on())
+            .unwrap_or_default()
+    }
+
+    /// What this rank says before it fails (negative acknowledgements of the direct shares it
+    /// did not copy, so that their senders fail at once).
+    fn exchange_farewell(&self) -> Vec<PyAction> {
+        let mut state = self.state();
+        let actions = state
+            .protocol
+            .as_mut()
+            .map(|p| p.farewell())
+            .unwrap_or_default();
+        state.hand_out(actions)
     }
 
     /// Ends this rank's offer of its memory: peers copying from it now fail rather than keep
@@ -576,29 +601,21 @@ impl GroupLoad {
                     state.rank
                 );
             }
-            if let Some(i) = state.placed.iter().position(|&p| !p) {
-                let m = &state.messages.incoming[i];
+            let Some(protocol) = state.protocol.as_ref() else {
                 bail!(
-                    "rank {}: the message of group {} round {} from rank {} ({} bytes) was never placed: the load is incomplete",
+                    "rank {}: the exchange never started: the load is incomplete",
+                    state.rank
+                );
+            };
+            if !protocol.is_done() {
+                bail!(
+                    "rank {}: the exchange is unfinished (still waiting on ranks {:?}): the load is incomplete",
                     state.rank,
-                    m.group,
-                    m.round,
-                    m.from,
-                    m.bytes
+                    protocol.waiting_on()
                 );
             }
-            if let Some(i) = state.gathered.iter().position(|&g| !g) {
-                let m = &state.messages.outgoing[i];
-                bail!(
-                    "rank {}: the message of group {} round {} to rank {} was never gathered",
-                    state.rank,
-                    m.group,
-                    m.round,
-                    m.to
-                );
-            }
-            let sent = state.messages.outgoing.iter().map(|m| m.bytes).sum();
-            let received = state.messages.incoming.iter().map(|m| m.bytes).sum();
+            let exchanged = protocol.stats();
+            let (sent, received) = (exchanged.bytes_sent, exchanged.bytes_received);
             let mut report = RankReport::of_host_load(
                 plan,
                 stats,
@@ -607,7 +624,7 @@ impl GroupLoad {
                 exchange_seconds,
                 state.started.elapsed().as_secs_f64(),
             );
-            report.bytes_received_direct = state.received_direct;
+            report.bytes_received_direct = exchanged.bytes_received_direct;
             Ok(serde_json::to_string(&report)?)
         })();
         result.map_err(py_error)

@@ -54,6 +54,29 @@ impl AsRef<[u8]> for HostMemory {
     }
 }
 
+/// Bytes of a Python object (a received tensor) that tessera reads after the call that handed
+/// them over: the object stays referenced for as long as the bytes are.
+pub struct PyOwnedBytes {
+    _owner: pyo3::Py<pyo3::PyAny>,
+    memory: HostMemory,
+}
+
+impl PyOwnedBytes {
+    /// `memory` (which `owner` holds) with `owner` kept alive.
+    pub fn new(owner: pyo3::Py<pyo3::PyAny>, memory: HostMemory) -> Self {
+        Self {
+            _owner: owner,
+            memory,
+        }
+    }
+}
+
+impl AsRef<[u8]> for PyOwnedBytes {
+    fn as_ref(&self) -> &[u8] {
+        self.memory.as_ref()
+    }
+}
+
 /// Ranges `[address, address + len)` that overlap, as indices into `spans`: two targets sharing
 /// memory would be written twice and race.
 pub fn first_overlap(spans: &[(usize, usize)]) -> Option<(usize, usize)> {

@@ -12,6 +12,7 @@ rank that failed is named on every rank instead of leaving the others waiting fo
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 from datetime import timedelta
@@ -66,174 +67,138 @@ def _agree(
     return [s[1] for s in status]
 
 
-def _message_tags(messages: List[Tuple[int, int, int, int]]) -> List[int]:
-    """A tag per message: its index among this rank's messages with the same peer, ordered by
-    (exchange group, round), the parts of one round's share in their order (a stable sort).
-    Sender and receiver both order a pair's messages that way, so tags match without carrying
-    tessera's 64-bit tags through torch's int tags."""
-    by_peer: Dict[int, List[int]] = {}
-    for i, (peer, _bytes, group, rnd) in enumerate(messages):
-        by_peer.setdefault(peer, []).append(i)
-    tags = [0] * len(messages)
-    for indices in by_peer.values():
-        for tag, i in enumerate(sorted(indices, key=lambda i: (messages[i][2], messages[i][3]))):
-            tags[i] = tag
-    return tags
+# Kinds of the actions the exchange protocol hands this driver (see `_tessera.GroupLoad`).
+_SEND, _SEND_FRAMED, _RECV = 0, 1, 2
 
 
-def _direct_pairs(
-    dist: Any, group: Any, world: int, rank: int, load: Any, incoming: list, outgoing: list, device: Any
-) -> Tuple[set, set]:
-    """Which peers this rank copies shares from, and which copy from it: every rank all-gathers
-    its hello (pid and exchange token, or that it declines), says which senders' memory it can
-    read, and all-gathers that too. Ranks on one host then skip the group's sockets entirely
-    (tessera_loader::cross_memory). NCCL-only groups keep to messages."""
-    if device.type != "cpu":
-        return set(), set()
-    hellos: List[Any] = [None] * world
-    dist.all_gather_object(hellos, load.hello(), group=group)
-    senders = sorted({peer for peer, nbytes, _g, _r in incoming if nbytes > 0})
-    readable = [peer for peer in senders if load.answer(peer, hellos[peer])]
-    everyone: List[Any] = [None] * world
-    dist.all_gather_object(everyone, readable, group=group)
-    receivers = {peer for peer, nbytes, _g, _r in outgoing if nbytes > 0}
-    return set(readable), {peer for peer in receivers if rank in everyone[peer]}
+def _host_view(address: int, nbytes: int) -> Any:
+    """A uint8 tensor over ``nbytes`` bytes of tessera's memory at ``address`` (no copy): the
+    bytes of a message the protocol keeps alive until it hears the message went out."""
+    import ctypes
 
-
-def _wait_all(pending: list, rank: int, timeout: float, deadline: float) -> None:
-    """Waits for every ``(work, kind, peer, on_done)`` of ``pending``, calling ``on_done()`` as
-    each completes. gloo completes point-to-point work only inside wait(), which blocks without
-    seeing signals: a helper thread waits (so a message is placed as it arrives, while later ones
-    are in flight) and this thread joins it in short steps, so Ctrl-C and the deadline are seen
-    here."""
-    outcome: Dict[str, Any] = {}
-
-    def wait() -> None:
-        try:
-            for work, kind, peer, on_done in pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{kind} with rank {peer}")
-                try:
-                    work.wait(timedelta(seconds=left))
-                except RuntimeError as e:
-                    raise TesseraError(
-                        f"rank {rank}: the exchange over the process group failed while it "
-                        f"{'received from' if kind == 'recv' else 'sent to'} rank {peer}: {e}"
-                    ) from None
-                if on_done is not None:
-                    on_done()
-        except BaseException as e:  # handed to the joining thread
-            outcome["error"] = e
-
-    waiter = threading.Thread(target=wait, name="tessera-exchange", daemon=True)
-    waiter.start()
-    while waiter.is_alive():
-        waiter.join(0.05)
-        if waiter.is_alive() and time.monotonic() > deadline + 5:
-            break
-    if waiter.is_alive() or isinstance(outcome.get("error"), TimeoutError):
-        raise TesseraError(
-            f"rank {rank}: the exchange over the process group timed out after {timeout:g} s "
-            f"(waiting on the messages of ranks {sorted({p for _w, _k, p, _d in pending})})"
-        )
-    if "error" in outcome:
-        raise outcome["error"]
-
-
-def _exchange(
-    dist: Any, group: Any, rank: int, load: Any, device: Any, incoming: list, outgoing: list,
-    in_tags: List[int], out_tags: List[int], copy_from: set, copied_by: set,
-    global_rank: Callable[[int], int], timeout: float, deadline: float,
-) -> None:
-    """The ring's messages over the group. A message between ranks that copy directly goes in
-    three steps (each a tag of its own): the descriptor's size, the descriptor (the receiver
-    copies the share out of the sender's arrays on arrival), and the receiver's acknowledgement,
-    until which the sender keeps its arrays. Every other message is its bytes."""
     import torch
 
-    def tag(t: int, step: int) -> int:
-        return t * 4 + step
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
 
-    def isend(buffer: Any, peer: int, t: int) -> Any:
-        return dist.isend(buffer, dst=global_rank(peer), group=group, tag=t)
 
-    def irecv(buffer: Any, peer: int, t: int) -> Any:
-        return dist.irecv(buffer, src=global_rank(peer), group=group, tag=t)
+def _drive(
+    load: Any, dist: Any, group: Any, rank: int, device: Any, global_rank: Callable[[int], int],
+    timeout: float, deadline: float,
+) -> None:
+    """Moves the bytes the exchange protocol asks for with torch's point-to-point ops on
+    ``group`` and tells it what completed, until it says the exchange is over. The protocol
+    (tessera_loader::exchange::protocol, the same one tessera's own transports run) decides
+    every message: what to send to whom, what to receive, hand-shakes, direct copies and their
+    acknowledgements. A framed message (whose receiver does not know its length) goes as its
+    8-byte length under the pair tag + 1, then its bytes.
 
-    step1, step2, step3 = [], [], []  # (work, kind, peer, on_done)
-    sizes: Dict[int, Any] = {}
-    descriptors: Dict[int, Any] = {}
-    # Empty messages (pieces of zero-size shards) are not sent: gloo may drop a zero-byte send.
-    for i, (peer, nbytes, _g, _r) in enumerate(incoming):
+    gloo completes point-to-point work only inside ``wait()``, which blocks without seeing
+    signals: a helper thread per operation in flight waits for it (waiting in any fixed order
+    could deadlock: a hand-shake's answer comes only after the peer saw this rank's hello) and
+    hands its completion to this thread, which takes them in short steps so that Ctrl-C and the
+    deadline are seen here."""
+    import torch
+
+    completions: "queue.Queue[Tuple[Any, Optional[BaseException]]]" = queue.Queue()
+
+    def wait(work: Any, peer: int, kind: str, done: Any, _keep: Any) -> None:
+        try:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{kind} with rank {peer}")
+            work.wait(timedelta(seconds=left))
+        except TimeoutError as e:
+            completions.put((None, e))
+            return
+        except RuntimeError as e:
+            completions.put((None, TesseraError(
+                f"rank {rank}: the exchange over the process group failed while it "
+                f"{'received from' if kind == 'recv' else 'sent to'} rank {peer}: {e}"
+            )))
+            return
+        completions.put((done, None))
+
+    def wait_for(peer: int, work: Any, kind: str, done: Any, keep: Any) -> None:
+        threading.Thread(
+            target=wait, args=(work, peer, kind, done, keep), name=f"tessera-exchange-{peer}", daemon=True
+        ).start()
+
+    def isend(buffer: Any, peer: int, tag: int) -> Any:
+        return dist.isend(buffer, dst=global_rank(peer), group=group, tag=tag)
+
+    def irecv(buffer: Any, peer: int, tag: int) -> Any:
+        return dist.irecv(buffer, src=global_rank(peer), group=group, tag=tag)
+
+    def receive(op: int, peer: int, tag: int, nbytes: int) -> None:
+        # Empty messages (pieces of zero-size shards) are not sent: gloo may drop a zero-byte send.
         if nbytes == 0:
-            load.place(i, 0, 0)
-        elif peer in copy_from:
-            sizes[i] = torch.zeros(1, dtype=torch.int64)
-            step1.append((irecv(sizes[i], peer, tag(in_tags[i], 1)), "recv", peer, None))
-        else:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            completions.put((("received", op, None), None))
+            return
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        wait_for(peer, irecv(buffer, peer, tag), "recv", ("received", op, buffer), buffer)
 
-            def place(i: int = i, buffer: Any = buffer) -> None:
-                data = buffer if buffer.device.type == "cpu" else buffer.cpu()
-                load.place(i, data.data_ptr(), data.numel())
+    def post(actions: List[Tuple[int, int, int, int, int, int]]) -> None:
+        for op, kind, peer, tag, nbytes, address in actions:
+            if kind == _RECV:
+                if nbytes < 0:
+                    size = torch.zeros(1, dtype=torch.int64)
+                    wait_for(peer, irecv(size, peer, tag + 1), "recv", ("size", op, peer, tag, size), size)
+                else:
+                    receive(op, peer, tag, nbytes)
+                continue
+            if kind == _SEND_FRAMED:
+                size = torch.tensor([nbytes], dtype=torch.int64)
+                wait_for(peer, isend(size, peer, tag + 1), "send", None, size)
+            if nbytes == 0:
+                completions.put((("sent", op), None))
+                continue
+            data = _host_view(address, nbytes)
+            buffer = data if device.type == "cpu" else data.to(device)
+            wait_for(peer, isend(buffer, peer, tag), "send", ("sent", op), buffer)
 
-            step1.append((irecv(buffer, peer, tag(in_tags[i], 0)), "recv", peer, place))
-    for i, (peer, nbytes, _g, _r) in enumerate(outgoing):
-        if nbytes > 0 and peer in copied_by:
-            descriptors[i] = torch.frombuffer(bytearray(load.describe(i)), dtype=torch.uint8)
-            size = torch.tensor([descriptors[i].numel()], dtype=torch.int64)
-            step1.append((isend(size, peer, tag(out_tags[i], 1)), "send", peer, None))
-            continue
-        host = torch.empty(nbytes, dtype=torch.uint8)
-        load.gather(i, host.data_ptr(), nbytes)
-        if nbytes == 0:
-            continue
-        buffer = host if device.type == "cpu" else host.to(device)
-        step1.append((isend(buffer, peer, tag(out_tags[i], 0)), "send", peer, None))
-    _wait_all(step1, rank, timeout, deadline)
-    if not sizes and not descriptors:
-        return
-
-    for i, descriptor in descriptors.items():
-        peer = outgoing[i][0]
-        step2.append((isend(descriptor, peer, tag(out_tags[i], 2)), "send", peer, None))
-    # A failed copy is acknowledged as failed (its sender then fails at once instead of at the
-    # deadline) and raised once every acknowledgement is out.
-    failed: Dict[int, BaseException] = {}
-    for i, size in sizes.items():
-        peer = incoming[i][0]
-        buffer = torch.empty(int(size.item()), dtype=torch.uint8)
-
-        def copy(i: int = i, buffer: Any = buffer) -> None:
+    try:
+        post(load.exchange_start())
+        while not load.exchange_done():
             try:
-                load.copy(i, buffer.data_ptr(), buffer.numel())
-            except Exception as e:
-                failed[i] = e
-
-        step2.append((irecv(buffer, peer, tag(in_tags[i], 2)), "recv", peer, copy))
-    _wait_all(step2, rank, timeout, deadline)
-
-    acks: Dict[int, Any] = {}
-    for i in sizes:
-        peer = incoming[i][0]
-        ack = torch.full((1,), 0 if i in failed else 1, dtype=torch.uint8)
-        step3.append((isend(ack, peer, tag(in_tags[i], 3)), "send", peer, None))
-    for i in descriptors:
-        peer = outgoing[i][0]
-        acks[i] = torch.zeros(1, dtype=torch.uint8)
-
-        def acknowledged(i: int = i, peer: int = peer) -> None:
-            if int(acks[i].item()) != 1:
+                done, error = completions.get(timeout=0.05)
+            except queue.Empty:
+                if time.monotonic() > deadline + 5:
+                    error, done = TimeoutError("no completion"), None
+                else:
+                    continue
+            if isinstance(error, TimeoutError):
                 raise TesseraError(
-                    f"rank {rank}: rank {peer} could not copy its share (message {i}) out of this "
-                    f"rank's memory; it names why"
+                    f"rank {rank}: the exchange over the process group timed out after {timeout:g} s "
+                    f"(waiting on the messages of ranks {load.exchange_waiting_on()})"
                 )
-
-        step3.append((irecv(acks[i], peer, tag(out_tags[i], 3)), "recv", peer, acknowledged))
-    _wait_all(step3, rank, timeout, deadline)
-    if failed:
-        raise next(iter(failed.values()))
+            if error is not None:
+                raise error
+            if done is None:
+                continue
+            if done[0] == "sent":
+                post(load.exchange_sent(done[1]))
+            elif done[0] == "size":
+                _kind, op, peer, tag, size = done
+                receive(op, peer, tag, int(size.item()))
+            else:
+                _kind, op, buffer = done
+                if buffer is None:
+                    post(load.exchange_received(op, None, 0, 0))
+                else:
+                    data = buffer if buffer.device.type == "cpu" else buffer.cpu()
+                    post(load.exchange_received(op, data, data.data_ptr(), data.numel()))
+    except BaseException:
+        # Peers whose shares this rank did not copy hear so now, and fail at once naming it.
+        try:
+            works = [
+                dist.isend(_host_view(address, nbytes).clone(), dst=global_rank(peer), group=group, tag=tag)
+                for _op, _kind, peer, tag, nbytes, address in load.exchange_farewell()
+            ]
+            for work in works:
+                work.wait(timedelta(seconds=2))
+        except Exception:  # the failure being raised is the one to report
+            pass
+        raise
 
 
 def load_over_group(
@@ -268,11 +233,10 @@ def load_over_group(
         error, mine = e, "[]"
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)
-    outgoing: List[Tuple[int, int, int, int]] = []
-    incoming: List[Tuple[int, int, int, int]] = []
     if error is None:
         try:
-            outgoing, incoming = load.plan(gathered, True, server, server_id, token, read_order)
+            # Direct copies between ranks of one host where the group moves host memory.
+            load.plan(gathered, True, server, server_id, token, read_order, device.type == "cpu")
         except Exception as e:
             error = e
     _agree(dist, group, world, rank, "planning", error)
@@ -297,13 +261,8 @@ def load_over_group(
     started = time.monotonic()
     deadline = started + timeout
     global_rank = lambda r: dist.get_global_rank(group, r) if group is not dist.group.WORLD else r  # noqa: E731
-    in_tags, out_tags = _message_tags(incoming), _message_tags(outgoing)
-    copy_from, copied_by = _direct_pairs(dist, group, world, rank, load, incoming, outgoing, device)
     try:
-        _exchange(
-            dist, group, rank, load, device, incoming, outgoing, in_tags, out_tags,
-            copy_from, copied_by, global_rank, timeout, deadline,
-        )
+        _drive(load, dist, group, rank, device, global_rank, timeout, deadline)
     finally:
         # Peers still copying out of this rank's arrays fail from here on rather than keep
         # bytes of arrays the caller may change.

@@ -357,42 +357,34 @@ def test_checkpoint_ids_it_accepts():
     assert r.checkpoint_id == "/b"
 
 
-def test_read_order_reaches_the_process_group_plan():
-    """Forced storage order relays row chunks' columns between the ranks; request order (the
-    default for local paths) lets each rank read its own columns: both land torch's bytes."""
+def _order_rank(rank, world, port, name, layout, how, out):
+    _reader_rank(rank, world, port, layout, [(name, str(fixture(name)), name, [])], out, how)
+
+
+def _torch_job_reports(name, layout, how):
     import torch.multiprocessing as mp
 
+    world = reference(name, layout)["world_size"]
+    out = mp.Manager().dict()
+    mp.spawn(_order_rank, args=(world, free_port(), name, layout, how, out), nprocs=world, join=True)
+    return [out[(name, rank)] for rank in range(world)]
+
+
+def test_read_order_reaches_the_process_group_plan():
+    """Forced storage order relays row chunks' columns between the ranks; request order lets
+    each rank read its own columns; the default is the planner's cost model (`auto`), as in
+    every front end: all land torch's bytes."""
     name, layout = "b_w4_fsdp_shard0", "w2_shard1"
     ref = reference(name, layout)
-    world = ref["world_size"]
     sent = {}
-    for how in ["tessera:storage", "tessera:request", "tessera"]:
-        out = mp.Manager().dict()
-        checkpoints = [(name, str(fixture(name)), name, [])]
-        mp.spawn(_reader_rank, args=(world, free_port(), layout, checkpoints, out, how), nprocs=world, join=True)
-        for rank in range(world):
+    for how in ["tessera:storage", "tessera:request", "tessera:auto", "tessera"]:
+        ranks = _torch_job_reports(name, layout, how)
+        for rank, got in enumerate(ranks):
             for fqn, t in ref["tensors"].items():
-                assert out[(name, rank)]["sha"][fqn] == t["ranks"][rank]["sha256"], (how, fqn, rank)
-        sent[how] = sum(out[(name, r)]["report"]["bytes_sent"] for r in range(world))
+                assert got["sha"][fqn] == t["ranks"][rank]["sha256"], (how, fqn, rank)
+        sent[how] = sum(got["report"]["bytes_sent"] for got in ranks)
     assert sent["tessera:storage"] > sent["tessera:request"], sent
-    assert sent["tessera"] == sent["tessera:request"], sent  # local path: request order by default
-
-
-@pytest.mark.parametrize(
-    "location, format, verify, order",
-    [
-        ("s3://bucket/run/step-1", "dcp", True, "auto"),
-        ("/ckpt/step-1", "native", True, "request"),
-        ("/ckpt/step-1", "native", False, "request"),
-        ("/ckpt/step-1", "dcp", True, "request"),
-        ("file:///ckpt/model", "safetensors", True, "request"),
-    ],
-)
-def test_the_default_read_order_follows_the_store_and_the_format(location, format, verify, order):
-    """Object stores read in storage order where the planner's cost model says so; local
-    checkpoints read each rank's own pieces (BENCHMARKS.md, issue 16), verified native ones too
-    (column slices are checked jointly, without whole checksum blocks)."""
-    assert tessera._default_read_order(location, format, verify) == order
+    assert sent["tessera"] == sent["tessera:auto"], sent
 
 
 def test_an_unknown_read_order_is_refused():

@@ -7,13 +7,11 @@
 //! transports buffer what arrives before it is asked for, so no interleaving of groups and ranks
 //! can deadlock, and a rank waits at most one transport timeout for its slowest peer.
 
-use std::collections::HashMap;
+pub(crate) mod drive;
+pub mod protocol;
+
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use futures::StreamExt;
-use futures::future::Either;
-use futures::stream::FuturesUnordered;
 use tessera_planner::{RankPlan, Round};
 
 use crate::LoaderError;
@@ -488,7 +486,8 @@ pub(crate) fn round_pieces(
 }
 
 /// Runs every ring exchange of `plan` over `transport`, placing what arrives into `buffers` (one
-/// per plan destination, as from [`crate::place::allocate`]).
+/// per plan destination, as from [`crate::place::allocate`]): the exchange protocol
+/// ([`protocol`]) with every share sent as bytes.
 ///
 /// Precondition: every piece this rank reads (`read.is_some()`) is already placed in `buffers`;
 /// what this rank sends is gathered back out of them. Sizes are checked against the plan before
@@ -509,85 +508,10 @@ pub async fn run_exchange_messages<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
     messages: &ExchangeMessages,
     buffers: &mut [B],
 ) -> Result<ExchangeStats, LoaderError> {
-    let start = Instant::now();
     check_rank(plan, transport.rank(), transport.world())?;
     check_buffer_sizes(plan, buffers.iter().map(|b| b.as_ref().len() as u64))
         .map_err(|detail| invalid(plan, detail))?;
-
-    // A member sends the same share (part) in every round of a group: gather it once.
-    let mut outgoing: Vec<(&Outgoing, Bytes)> = Vec::with_capacity(messages.outgoing.len());
-    let mut gathered: HashMap<(u32, &[usize]), Bytes> = HashMap::new();
-    for message in &messages.outgoing {
-        let data = match gathered.get(&(message.group, &message.pieces[..])) {
-            Some(data) => data.clone(),
-            None => {
-                let mut out = vec![0u8; message.bytes as usize];
-                gather_message(plan, message, buffers, &mut out)?;
-                let data = Bytes::from(out);
-                gathered.insert((message.group, &message.pieces), data.clone());
-                data
-            }
-        };
-        outgoing.push((message, data));
-    }
-    let incoming = &messages.incoming;
-
-    let mut stats = ExchangeStats {
-        messages: (outgoing.len() + incoming.len()) as u64,
-        ..ExchangeStats::default()
-    };
-    // Every send runs to completion, even after a receive failed: peers buffer what arrives, so
-    // this costs at most one transport timeout per send (a dead peer fails at once), and live
-    // peers then get everything this rank owes them and fail, if at all, naming the rank that
-    // actually died rather than this one.
-    let sends = async {
-        let results =
-            futures::future::join_all(outgoing.iter().map(|(message, data)| async move {
-                transport
-                    .send(message.to, message.tag, data.clone())
-                    .await
-                    .map_err(|e| in_round(e, message.group, message.round, message.tag))?;
-                Ok::<u64, LoaderError>(data.len() as u64)
-            }))
-            .await;
-        results.into_iter().sum::<Result<u64, LoaderError>>()
-    };
-    let receives = async {
-        let mut pending: FuturesUnordered<_> = incoming
-            .iter()
-            .map(|expect| async move {
-                let data = transport
-                    .recv(expect.from, expect.tag)
-                    .await
-                    .map_err(|e| in_round(e, expect.group, expect.round, expect.tag))?;
-                Ok::<_, LoaderError>((expect, data))
-            })
-            .collect();
-        let mut received = 0u64;
-        while let Some(arrived) = pending.next().await {
-            let (expect, data) = arrived?;
-            place_message(plan, expect, &data, buffers)?;
-            received += data.len() as u64;
-        }
-        Ok::<u64, LoaderError>(received)
-    };
-    let (mut sends, mut receives) = (std::pin::pin!(sends), std::pin::pin!(receives));
-    let (sent, received) = match futures::future::select(sends.as_mut(), receives.as_mut()).await {
-        // Sends done first. A failed one means a peer misses this rank's share (the exchange is
-        // lost either way): report it without waiting for the receives.
-        Either::Left((sent, _)) => {
-            let sent = sent?;
-            (sent, receives.await?)
-        }
-        // A failed receive is reported once the sends are done.
-        Either::Right((received, _)) => {
-            let sent = sends.await;
-            let received = received?;
-            (sent?, received)
-        }
-    };
-    stats.bytes_sent = sent;
-    stats.bytes_received = received;
-    stats.elapsed = start.elapsed();
+    let protocol = protocol::ExchangeProtocol::new(plan, messages.clone(), None, false);
+    let (_, _, stats) = drive::drive(transport, protocol, buffers, None, Instant::now()).await?;
     Ok(stats)
 }
