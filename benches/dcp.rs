@@ -28,11 +28,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use object_store::ObjectStoreExt;
-use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
-use tessera_loader::place::allocate;
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::exchange::place::allocate;
+use tessera_loader::load::{LoadOptions, load_rank};
 use tessera_loader::transport::{InProcTransport, TransportOptions};
-use tessera_metadata::formats::dcp::blob::parse_tensor_blob;
-use tessera_metadata::formats::dcp::zip::Segments;
+use tessera_metadata::formats::torch::blob::parse_tensor_blob;
+use tessera_metadata::formats::torch::zip::Segments;
 use tessera_planner::presets::{MegatronGpt, fsdp, megatron_gpt};
 use tessera_planner::{PlanOptions, RankPlan, Target, assign_writers};
 use tessera_storage::testing::ThrottledStore;

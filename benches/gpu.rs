@@ -22,11 +22,11 @@ mod model;
 
 use std::time::Instant;
 
-use tessera_loader::cuda::CudaDevice;
-use tessera_loader::device_load::{OnHost, load_rank_to_device};
+use tessera_loader::device::cuda::CudaDevice;
+use tessera_loader::device::load::{OnHost, load_rank_to_device};
+use tessera_loader::device::staging::{StagingOptions, Upload};
 use tessera_loader::load::LoadOptions;
 use tessera_loader::read::ReadOptions;
-use tessera_loader::staging::{StagingOptions, Upload};
 use tessera_loader::transport::{InProcTransport, TransportOptions};
 use tessera_planner::presets::fsdp;
 use tessera_planner::{PlanOptions, Target};

@@ -25,9 +25,10 @@ use std::time::Instant;
 
 use futures::StreamExt;
 use object_store::ObjectStoreExt;
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::exchange::place::allocate;
 use tessera_loader::load::RankReport;
-use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
-use tessera_loader::place::allocate;
+use tessera_loader::load::{LoadOptions, load_rank};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::InProcTransport;
 use tessera_loader::transport::TransportOptions;

@@ -22,7 +22,8 @@ use std::time::Instant;
 
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
-use tessera_loader::load::{Checkpoint, LoadOptions, RankReport, load_rank};
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::load::{LoadOptions, RankReport, load_rank};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::{InProcTransport, TransportOptions};
 use tessera_planner::presets::{MegatronGpt, fsdp, megatron_gpt};

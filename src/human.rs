@@ -1,19 +1,8 @@
 //! Human-readable numbers for reports.
 
-/// `1.50 GiB`, `512 B`.
+/// `1.50 GiB`, `512 B` (binary units, indicatif's formatting).
 pub fn bytes(n: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut value = n as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{n} B")
-    } else {
-        format!("{value:.2} {}", UNITS[unit])
-    }
+    indicatif::HumanBytes(n).to_string()
 }
 
 /// `[4096, 128]`.

@@ -61,7 +61,7 @@ fn device_cuda_without_the_feature_says_how_to_rebuild() {
 mod cuda {
     use std::path::{Path, PathBuf};
 
-    use tessera_loader::cuda::{CudaDevice, probe};
+    use tessera_loader::device::cuda::{CudaDevice, probe};
 
     use super::*;
     use crate::support::{layout_file, ok, s};

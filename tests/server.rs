@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use object_store::ObjectStoreExt;
-use tessera_loader::load::Checkpoint;
+use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::plan_client::{
     PlanClient, PlanClientError, PlanClientOptions, PlanTarget, fetch_rank_plan,
 };

@@ -9,7 +9,8 @@ use std::path::Path as FsPath;
 
 use serde_json::{Value, json};
 use tessera_loader::LoaderError;
-use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::load::{LoadOptions, load_rank};
 use tessera_loader::transport::{InProcTransport, TransportOptions};
 use tessera_planner::{Layout, RankPlan};
 use tessera_server::ServerConfig;

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use tessera_loader::place::copy_runs;
+use tessera_loader::exchange::place::copy_runs;
 use tessera_metadata::{CheckpointMeta, row_major_strides};
 use tessera_planner::{RankPiece, RankPlan, Side, StridedRuns, Target};
 

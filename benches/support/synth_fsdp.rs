@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use tessera_loader::load::Checkpoint;
+use tessera_loader::checkpoint::Checkpoint;
 use tessera_metadata::formats::native::Manifest;
 use tessera_planner::presets::fsdp;
 use tessera_synth::Model;

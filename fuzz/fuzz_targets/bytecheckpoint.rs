@@ -5,9 +5,9 @@
 
 use libfuzzer_sys::fuzz_target;
 use tessera_metadata::formats::bytecheckpoint::{is_bytecheckpoint_metadata, parse_bc_fields};
-use tessera_metadata::formats::dcp::blob::parse_tensor_descriptor;
+use tessera_metadata::formats::torch::blob::parse_tensor_descriptor;
 use tessera_metadata::formats::dcp::parse_metadata;
-use tessera_metadata::formats::dcp::pickle::Limits;
+use tessera_metadata::formats::torch::pickle::Limits;
 
 fuzz_target!(|data: &[u8]| {
     let _ = is_bytecheckpoint_metadata(data);

@@ -6,7 +6,7 @@
 use libfuzzer_sys::fuzz_target;
 use tessera_metadata::formats::dcp::megatron::{parse_config, reformulations};
 use tessera_metadata::formats::dcp::parse_metadata;
-use tessera_metadata::formats::dcp::pickle::Limits;
+use tessera_metadata::formats::torch::pickle::Limits;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(metadata) = parse_metadata(data, "fuzz", &Limits::METADATA) {

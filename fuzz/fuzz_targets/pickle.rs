@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tessera_metadata::formats::dcp::pickle::{Limits, unpickle};
+use tessera_metadata::formats::torch::pickle::{Limits, unpickle};
 use tessera_metadata::formats::dcp::{decode_pickle, parse_metadata};
 
 fuzz_target!(|data: &[u8]| {

@@ -4,9 +4,9 @@
 
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
-use tessera_metadata::formats::dcp::blob::parse_tensor_blob;
+use tessera_metadata::formats::torch::blob::parse_tensor_blob;
 use tessera_metadata::formats::dcp::decode_object;
-use tessera_metadata::formats::dcp::zip::{Segments, ZipError, read_archive};
+use tessera_metadata::formats::torch::zip::{Segments, ZipError, read_archive};
 
 fuzz_target!(|data: &[u8]| {
     let _ = read_archive(data);

@@ -49,7 +49,7 @@ pub enum LoaderError {
         actual: u32,
     },
     /// A saved box read in parts by several ranks (a joint check) whose parts do not add up to
-    /// its crc32c: some rank read wrong bytes of it (`crate::joint`). Every rank holding bytes
+    /// its crc32c: some rank read wrong bytes of it (`crate::verify::joint`). Every rank holding bytes
     /// of the box reports it. Boxed: it would make every loader `Result` carry its size.
     #[error("{0}")]
     JointChecksum(Box<JointMismatch>),

@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use tessera_loader::LoaderError;
-use tessera_loader::cuda::{CudaDevice, probe};
+use tessera_loader::device::cuda::{CudaDevice, probe};
 
 /// `Some(reason)` when this machine has libcuda, so the no-CUDA path cannot be observed here.
 fn skip() -> Option<&'static str> {

@@ -14,12 +14,13 @@ use std::time::Duration;
 
 use support_read::{COLUMNS_TP3, DP2_TP2, WHOLE, expected_destination, rank_plans};
 use tessera_loader::LoaderError;
-use tessera_loader::device_load::{DeviceExchange, OnHost, load_rank_to_device};
-use tessera_loader::load::{Checkpoint, LoadOptions};
-use tessera_loader::plane::PlaneThread;
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::device::load::{DeviceExchange, OnHost, load_rank_to_device};
+use tessera_loader::device::staging::{StagingOptions, StagingPool};
+use tessera_loader::load::LoadOptions;
 use tessera_loader::read::ReadOptions;
-use tessera_loader::staging::{StagingOptions, StagingPool};
 use tessera_loader::testing::{EmulatedPlane, HostCopyEngine, HostMemory};
+use tessera_loader::transport::plane::PlaneThread;
 use tessera_loader::transport::{InProcTransport, SequencedTransport, TransportOptions};
 use tessera_planner::RankPlan;
 

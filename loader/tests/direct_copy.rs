@@ -15,11 +15,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use support_read::*;
 use tessera_loader::LoaderError;
-use tessera_loader::cross_memory::{
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::exchange::ExchangeMessages;
+use tessera_loader::exchange::direct::{
     ANSWER_TAG, Exposure, HELLO_TAG, ShareDescriptor, descriptor_tag,
 };
-use tessera_loader::exchange::ExchangeMessages;
-use tessera_loader::load::{Checkpoint, LoadOptions, RankReport, load_rank};
+use tessera_loader::load::{LoadOptions, RankReport, load_rank};
 use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
 use tessera_planner::{Layout, PlanOptions, RankPlan, ReadOrder};
 use tessera_storage::testing::ThrottledStore;

@@ -11,11 +11,12 @@ use std::collections::{HashMap, VecDeque};
 
 use bytes::Bytes;
 use support_read::*;
-use tessera_loader::cross_memory::Exposure;
+use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::exchange::ExchangeMessages;
+use tessera_loader::exchange::direct::Exposure;
 use tessera_loader::exchange::protocol::{Action, ExchangeProtocol};
-use tessera_loader::load::{Checkpoint, LoadOptions};
-use tessera_loader::{place, relay};
+use tessera_loader::exchange::{place, relay};
+use tessera_loader::load::LoadOptions;
 use tessera_planner::{Layout, PlanOptions, RankPlan, ReadOrder};
 
 /// Every tensor on every rank of 3: with dedup each piece is read by one and sent to the others.
@@ -315,7 +316,7 @@ async fn a_share_or_answer_nobody_asked_for_fails_naming_the_peer() {
     let err = protocol
         .received(
             expect.from,
-            tessera_loader::cross_memory::ANSWER_TAG,
+            tessera_loader::exchange::direct::ANSWER_TAG,
             Bytes::from_static(&[1]),
         )
         .unwrap_err()

@@ -14,14 +14,14 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tessera_loader::LoaderError;
+use tessera_loader::exchange::place::{allocate, place_piece};
 use tessera_loader::exchange::{
     ExchangeMessages, ExchangeStats, run_exchange_messages, run_exchanges,
 };
-use tessera_loader::place::{allocate, place_piece};
-use tessera_loader::plane::PlaneThread;
-use tessera_loader::plane::ring::ring_exchange;
-use tessera_loader::rendezvous::RendezvousConfig;
 use tessera_loader::testing::{EmulatedPlane, HostMemory};
+use tessera_loader::transport::plane::PlaneThread;
+use tessera_loader::transport::plane::ring::ring_exchange;
+use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{
     InProcTransport, SequencedTransport, TcpTransport, Transport, TransportOptions,
 };

@@ -13,14 +13,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use support_read::{DP2_TP2, WHOLE, expected_destination, rank_plans};
-use tessera_loader::cuda::{CudaDevice, DeviceBuffer, NcclTransport, connect_nccl, probe};
+use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::device::DeviceMemory;
-use tessera_loader::device_load::{DeviceExchange, OnHost, load_rank_to_device};
-use tessera_loader::load::{Checkpoint, LoadOptions};
-use tessera_loader::place::copy_runs;
-use tessera_loader::plane::{DataPlane, PlaneOp};
-use tessera_loader::rendezvous::RendezvousConfig;
-use tessera_loader::staging::{StagingOptions, Upload};
+use tessera_loader::device::cuda::{CudaDevice, DeviceBuffer, NcclTransport, connect_nccl, probe};
+use tessera_loader::device::load::{DeviceExchange, OnHost, load_rank_to_device};
+use tessera_loader::device::staging::{StagingOptions, Upload};
+use tessera_loader::exchange::place::copy_runs;
+use tessera_loader::load::LoadOptions;
+use tessera_loader::transport::plane::{DataPlane, PlaneOp};
+use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TransportOptions, conformance};
 use tessera_planner::{RankPlan, StridedRuns};
 

@@ -359,7 +359,8 @@ async fn a_byte_budget_below_one_part_still_completes_one_part_at_a_time() {
 /// other box's bytes.
 #[tokio::test]
 async fn swapped_box_locations_fail_the_load_naming_the_box() {
-    use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
+    use tessera_loader::checkpoint::Checkpoint;
+    use tessera_loader::load::{LoadOptions, load_rank};
     use tessera_loader::transport::{InProcTransport, TransportOptions};
     use tessera_metadata::TensorBox;
 
@@ -422,7 +423,8 @@ async fn swapped_box_locations_fail_the_load_naming_the_box() {
 /// nothing ties its offsets to these files. The same plan with its identity loads.
 #[tokio::test]
 async fn a_plan_without_an_identity_is_refused_naming_the_checkpoint() {
-    use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
+    use tessera_loader::checkpoint::Checkpoint;
+    use tessera_loader::load::{LoadOptions, load_rank};
     use tessera_loader::transport::{InProcTransport, TransportOptions};
 
     let store = memory_store();

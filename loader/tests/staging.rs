@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tessera_loader::LoaderError;
 use tessera_loader::device::DeviceMemory;
-use tessera_loader::staging::{StagingOptions, StagingPool, Upload};
+use tessera_loader::device::staging::{StagingOptions, StagingPool, Upload};
 use tessera_loader::testing::{HostCopyEngine, HostMemory};
 
 fn bytes(seed: u64, len: usize) -> Vec<u8> {

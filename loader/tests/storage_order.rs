@@ -12,7 +12,8 @@ mod support_read;
 use std::time::Duration;
 
 use support_read::load_every_rank;
-use tessera_loader::load::{Checkpoint, LoadOptions, RankReport, load_rank};
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::load::{LoadOptions, RankReport, load_rank};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::{InProcTransport, TransportOptions};
 use tessera_metadata::formats::native::DEFAULT_BLOCK_SIZE;

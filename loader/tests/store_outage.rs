@@ -13,7 +13,7 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use tessera_loader::LoaderError;
 use tessera_loader::read::ReadOptions;
-use tessera_loader::scheduler::{FileRange, RangeScheduler, SourceFile};
+use tessera_loader::read::scheduler::{FileRange, RangeScheduler, SourceFile};
 use tessera_storage::testing::{FaultConfig, FaultyStore, S3TestServer};
 use tessera_storage::{RetryPolicy, StorageError};
 

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 
 use support_read::{COLUMNS_TP3, DP2_TP2, PREFIX, expected_destination, rank_plans};
 use tessera_loader::LoaderError;
-use tessera_loader::load::{Checkpoint, LoadOptions, LoadedRank, load_rank};
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::load::{LoadOptions, LoadedRank, load_rank};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::{InProcTransport, TransportOptions};
 use tessera_planner::RankPlan;

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use tessera_loader::rendezvous::RendezvousConfig;
+use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, TransportOptions, conformance};
 use tessera_loader::transport_conformance_tests;
 

@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use tessera_loader::LoaderError;
 use tessera_loader::device::DeviceMemory;
-use tessera_loader::plane::{DataPlane, PlaneOp, PlaneThread};
-use tessera_loader::rendezvous::RendezvousConfig;
 use tessera_loader::testing::{EmulatedPlane, HostMemory};
+use tessera_loader::transport::plane::{DataPlane, PlaneOp, PlaneThread};
+use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{
     InProcTransport, SequencedTransport, TcpTransport, TransportOptions, conformance,
 };

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tessera_loader::LoaderError;
-use tessera_loader::rendezvous::RendezvousConfig;
+use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{TcpTransport, Transport, TransportOptions, conformance};
 use tokio::io::AsyncWriteExt;
 

@@ -15,9 +15,9 @@ use std::sync::OnceLock;
 
 use proptest::prelude::*;
 use tessera_metadata::formats::bytecheckpoint::{is_bytecheckpoint_metadata, parse_bc_fields};
-use tessera_metadata::formats::dcp::blob::parse_tensor_descriptor;
 use tessera_metadata::formats::dcp::parse_metadata;
-use tessera_metadata::formats::dcp::pickle::Limits;
+use tessera_metadata::formats::torch::blob::parse_tensor_descriptor;
+use tessera_metadata::formats::torch::pickle::Limits;
 
 fn fixture() -> PathBuf {
     std::env::var_os("TESSERA_INTEROP_FIXTURES")

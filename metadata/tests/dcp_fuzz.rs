@@ -15,10 +15,10 @@ use bytes::Bytes;
 use dcp_support::fixtures;
 use proptest::prelude::*;
 use proptest::sample::Index;
-use tessera_metadata::formats::dcp::blob::parse_tensor_blob;
-use tessera_metadata::formats::dcp::pickle::{Limits, unpickle};
-use tessera_metadata::formats::dcp::zip::{Segments, ZipError, read_archive};
 use tessera_metadata::formats::dcp::{decode_object, decode_pickle, parse_metadata};
+use tessera_metadata::formats::torch::blob::parse_tensor_blob;
+use tessera_metadata::formats::torch::pickle::{Limits, unpickle};
+use tessera_metadata::formats::torch::zip::{Segments, ZipError, read_archive};
 
 struct Samples {
     metadata: Vec<Vec<u8>>,

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use dcp_support::{ChunkSpec, MetadataStyle, TensorSpec, dcp_metadata};
 use tessera_metadata::formats::dcp::parse_metadata;
-use tessera_metadata::formats::dcp::pickle::Limits;
+use tessera_metadata::formats::torch::pickle::Limits;
 
 #[test]
 #[ignore = "timing; run in release"]

@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 use proptest::prelude::*;
 use tessera_metadata::formats::dcp::megatron::{Reformulation, parse_config, reformulations};
 use tessera_metadata::formats::dcp::parse_metadata;
-use tessera_metadata::formats::dcp::pickle::Limits;
+use tessera_metadata::formats::torch::pickle::Limits;
 
 fn fixture() -> PathBuf {
     std::env::var_os("TESSERA_INTEROP_FIXTURES")

@@ -9,7 +9,7 @@ use futures::future::try_join_all;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tessera_loader::LoaderError;
-use tessera_loader::rendezvous::RendezvousConfig;
+use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{TcpTransport, Transport, TransportOptions};
 
 use crate::{OpsError, ResultExt};

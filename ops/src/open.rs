@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use object_store::ObjectStore;
-use tessera_loader::load::Checkpoint;
+use tessera_loader::checkpoint::Checkpoint;
 use tessera_metadata::{MetadataError, OpenOptions, OpenedCheckpoint, open_any};
 use tessera_storage::StorageOptions;
 
@@ -63,10 +63,8 @@ pub async fn open_for_load(
 /// does not exist; it says [`MetadataError::NotFound`] for that, which would call an empty
 /// directory missing.)
 pub fn check_local(location: &str) -> Result<(), OpsError> {
-    let path = match location.split_once("://") {
-        None => location,
-        Some(("file", path)) => path,
-        Some(_) => return Ok(()),
+    let Some(path) = tessera_storage::local_path(location) else {
+        return Ok(());
     };
     let path = std::path::Path::new(path);
     match std::fs::read_dir(path).map(|mut entries| entries.next().is_none()) {

@@ -8,7 +8,7 @@ use anyhow::{Context, Result, anyhow};
 use object_store::ObjectStoreExt;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use tessera_loader::load::Checkpoint;
+use tessera_loader::checkpoint::Checkpoint;
 use tessera_storage::StorageOptions;
 
 use crate::{py_error, runtime, storage_options};

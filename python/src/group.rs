@@ -27,13 +27,14 @@ use anyhow::{Result, anyhow, bail};
 use bytes::Bytes;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use tessera_loader::cross_memory::Exposure;
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::exchange::direct::Exposure;
 use tessera_loader::exchange::protocol::{Action, ExchangeProtocol};
+use tessera_loader::exchange::relay::with_relay_buffers;
 use tessera_loader::exchange::{ExchangeMessages, SHARE_PART_BYTES};
-use tessera_loader::joint;
-use tessera_loader::load::{Checkpoint, RankReport};
+use tessera_loader::load::RankReport;
 use tessera_loader::read::ReadStats;
-use tessera_loader::relay::with_relay_buffers;
+use tessera_loader::verify::joint;
 use tessera_metadata::TensorMeta;
 use tessera_planner::{ExplicitRequest, ExplicitRequests, RankPlan};
 
@@ -59,7 +60,7 @@ struct GroupState {
     verify: bool,
     wanted: Vec<Wanted>,
     /// The caller's arrays, then (once planned) a scratch buffer per piece this rank reads in
-    /// storage order only to relay to others (`tessera_loader::relay`).
+    /// storage order only to relay to others (`tessera_loader::exchange::relay`).
     buffers: Vec<Buffer>,
     plan: Option<Arc<RankPlan>>,
     /// Whether the driver moves host memory, so that ranks of one host may copy directly.
@@ -67,7 +68,7 @@ struct GroupState {
     read: Option<(ReadStats, f64)>,
     started: Instant,
     /// This rank's exchange token while peers may copy out of its arrays (see
-    /// `tessera_loader::cross_memory`); dropped (zeroed) by `close` and `finish`.
+    /// `tessera_loader::exchange::direct`); dropped (zeroed) by `close` and `finish`.
     exposure: Option<Exposure>,
     /// The exchange, once started.
     protocol: Option<ExchangeProtocol<Arc<RankPlan>>>,
@@ -78,7 +79,7 @@ struct GroupState {
     /// Whether this rank offers and accepts direct copies (`TESSERA_CROSS_MEMORY`).
     cross_memory: bool,
     /// Whether the boxes this rank read or received in parts were checked against every
-    /// reader's folds (`check_joint`; `tessera_loader::joint`).
+    /// reader's folds (`check_joint`; `tessera_loader::verify::joint`).
     joint_checked: bool,
 }
 
@@ -378,7 +379,7 @@ impl GroupLoad {
                 let caller = state.buffers.len();
                 for dest in &relaying.destinations[caller..] {
                     state.buffers.push(Buffer::Scratch(
-                        tessera_loader::host_memory::zeroed_buffer(dest.bytes as usize),
+                        tessera_loader::load::host_memory::zeroed_buffer(dest.bytes as usize),
                     ));
                 }
                 relaying

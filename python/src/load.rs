@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use pyo3::prelude::*;
-use tessera_loader::load::{Checkpoint, LoadOptions, RankReport};
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::load::{LoadOptions, RankReport};
 use tessera_loader::plan_client::{PlanTarget, server_checkpoint_id};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
@@ -426,7 +427,7 @@ async fn load_cuda<T: Transport>(
     ordinal: u32,
     spans: &[(usize, usize)],
 ) -> Result<RankReport> {
-    use tessera_loader::cuda::CudaDevice;
+    use tessera_loader::device::cuda::CudaDevice;
     use tessera_ops::load::cuda::CudaDestination;
 
     let device = CudaDevice::open(ordinal)?;

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use pyo3::prelude::*;
-use tessera_loader::rendezvous::RendezvousConfig;
+use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, TransportOptions};
 use tessera_ops::coord;
 use tessera_ops::save::{HeldBox, Holdings, SaveOptions, save_rank};

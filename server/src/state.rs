@@ -145,9 +145,5 @@ impl AppState {
 
 /// The local directory a root names, when it is local (no scheme, or `file://`).
 fn local_dir(root: &str) -> Option<PathBuf> {
-    match root.split_once("://") {
-        None => Some(PathBuf::from(root)),
-        Some(("file", rest)) => Some(PathBuf::from(rest)),
-        Some(_) => None,
-    }
+    tessera_storage::local_path(root).map(PathBuf::from)
 }

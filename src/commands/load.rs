@@ -19,12 +19,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
+use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::device::{CUDA_BUILT, DeviceSpec, cuda_not_built};
-use tessera_loader::load::{Checkpoint, LoadOptions, RankReport};
-use tessera_loader::place;
+use tessera_loader::exchange::place;
+use tessera_loader::load::{LoadOptions, RankReport};
 use tessera_loader::plan_client::{PlanTarget, server_checkpoint_id};
 use tessera_loader::read::ReadOptions;
-use tessera_loader::rendezvous::RendezvousConfig;
+use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
 use tessera_ops::load::{Destination, JobPlan, LoadSwitches, PlanServer, plan_options};
 use tessera_planner::{ExplicitRequests, RankPlan, ReadOrder, RequestSet};
@@ -147,7 +148,7 @@ fn check_device(args: &LoadArgs) -> Result<()> {
     // No driver: say so now, not after opening and planning the checkpoint.
     #[cfg(feature = "cuda")]
     if args.device.is_cuda() {
-        tessera_loader::cuda::probe::driver()?;
+        tessera_loader::device::cuda::probe::driver()?;
     }
     if args.transport == TransportKind::Nccl {
         if !CUDA_BUILT {
@@ -323,7 +324,7 @@ enum RankMemory {
     Host,
     /// A CUDA device (`--device cuda[:N]`).
     #[cfg(feature = "cuda")]
-    Cuda(tessera_loader::cuda::CudaDevice),
+    Cuda(tessera_loader::device::cuda::CudaDevice),
 }
 
 impl RankMemory {

@@ -16,7 +16,7 @@ pub mod verify;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use tessera_loader::load::Checkpoint;
+use tessera_loader::checkpoint::Checkpoint;
 use tessera_metadata::OpenedCheckpoint;
 use tessera_planner::Layout;
 use tessera_storage::{RetryPolicy, StorageOptions};

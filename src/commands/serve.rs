@@ -141,10 +141,8 @@ pub async fn run(args: &ServeArgs) -> Result<()> {
 /// would show an empty catalog as if all were well. An empty one is served (saves may come
 /// later) with a warning. Object-store roots are not checked: an empty prefix is a new catalog.
 fn check_local_root(root: &str) -> Result<()> {
-    let path = match root.split_once("://") {
-        None => root,
-        Some(("file", path)) => path,
-        Some(_) => return Ok(()),
+    let Some(path) = tessera_storage::local_path(root) else {
+        return Ok(());
     };
     match std::fs::read_dir(path) {
         Ok(mut entries) => {

@@ -58,6 +58,44 @@ pub struct Location {
     pub local_root: Option<std::path::PathBuf>,
 }
 
+/// What kind of store a location names: the one place that tells a local path from an object
+/// store (front ends and readers ask this instead of looking at the URL themselves).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LocationKind {
+    /// A local path or `file://` URL.
+    Local,
+    /// An object store or HTTP server (`s3://`, `gs://`, `az://`, `http(s)://`; any other
+    /// `scheme://` counts as remote too, though opening it fails).
+    Remote,
+}
+
+impl LocationKind {
+    /// The kind of `location` (what the user typed).
+    pub fn of(location: &str) -> LocationKind {
+        match parse(location) {
+            Ok(Parsed::Local(_)) => LocationKind::Local,
+            Ok(Parsed::Cloud { .. }) => LocationKind::Remote,
+            Err(_) if location.contains("://") => LocationKind::Remote,
+            Err(_) => LocationKind::Local,
+        }
+    }
+}
+
+/// The path a local location names as typed, `file://` stripped; `None` for a remote one.
+pub fn local_path(location: &str) -> Option<&str> {
+    match LocationKind::of(location) {
+        LocationKind::Local => Some(location.strip_prefix("file://").unwrap_or(location)),
+        LocationKind::Remote => None,
+    }
+}
+
+impl Location {
+    /// The kind of store this location is in (as the user named it).
+    pub fn kind(&self) -> LocationKind {
+        LocationKind::of(&self.display)
+    }
+}
+
 /// How cloud stores are configured, on top of (or instead of) the process environment.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StorageOptions {
@@ -484,4 +522,29 @@ fn truthy(value: &str) -> bool {
         value.to_ascii_lowercase().as_str(),
         "1" | "true" | "on" | "yes" | "y"
     )
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_paths_and_file_urls_are_local_every_scheme_else_remote() {
+        for local in ["/ckpt/step-1", "run/step-1", "file:///ckpt/x", "./a:b"] {
+            assert_eq!(LocationKind::of(local), LocationKind::Local, "{local}");
+        }
+        for remote in [
+            "s3://b/run",
+            "gs://b/x",
+            "az://c/x",
+            "https://h/x",
+            "ftp://h/x",
+        ] {
+            assert_eq!(LocationKind::of(remote), LocationKind::Remote, "{remote}");
+        }
+        assert_eq!(local_path("file:///ckpt/x"), Some("/ckpt/x"));
+        assert_eq!(local_path("run/step-1"), Some("run/step-1"));
+        assert_eq!(local_path("s3://b/run"), None);
+    }
 }

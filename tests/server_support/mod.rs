@@ -8,7 +8,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use serde_json::Value;
-use tessera_loader::load::{Checkpoint, LoadOptions, load_rank};
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::load::{LoadOptions, load_rank};
 use tessera_loader::transport::{InProcTransport, TransportOptions};
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
 use tessera_planner::{Layout, RankPlan, Target};

@@ -23,8 +23,9 @@ use tessera_planner::RankPlan;
 use super::protocol::{Action, ExchangeProtocol};
 use super::{ExchangeStats, in_round, invalid};
 use crate::LoaderError;
-use crate::cross_memory::{ANSWER_TAG, HELLO_TAG, ack_tag, descriptor_tag};
-use crate::load::{Checkpoint, LoadOptions};
+use crate::checkpoint::Checkpoint;
+use crate::exchange::direct::{ANSWER_TAG, HELLO_TAG, ack_tag, descriptor_tag};
+use crate::load::LoadOptions;
 use crate::read::ReadStats;
 use crate::transport::Transport;
 
@@ -296,7 +297,7 @@ pub(crate) async fn read_and_exchange<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>
         options.share_part_bytes.unwrap_or(super::SHARE_PART_BYTES),
     )?;
     // Declared before everything that may hold its addresses: dropped (token zeroed) last.
-    let exposure = crate::cross_memory::Exposure::new();
+    let exposure = crate::exchange::direct::Exposure::new();
     let hello = transport
         .direct_copies()
         .then(|| Bytes::from(exposure.offer(options.cross_memory)));

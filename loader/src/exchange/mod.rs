@@ -7,16 +7,19 @@
 //! transports buffer what arrives before it is asked for, so no interleaving of groups and ranks
 //! can deadlock, and a rank waits at most one transport timeout for its slowest peer.
 
+pub mod direct;
 pub(crate) mod drive;
+pub mod place;
 pub mod protocol;
+pub mod relay;
 
 use std::time::{Duration, Instant};
 
 use tessera_planner::{RankPlan, Round};
 
 use crate::LoaderError;
-use crate::cross_memory::{PeerMemory, ShareDescriptor, push_span};
-use crate::place::{copy_to_other_places, gather_piece, place_piece, wire_spans};
+use crate::exchange::direct::{PeerMemory, ShareDescriptor, push_span};
+use crate::exchange::place::{copy_to_other_places, gather_piece, place_piece, wire_spans};
 use crate::transport::{MAX_ROUNDS, MAX_SHARE_PARTS, Transport, share_part_tag};
 
 /// Puts the group and round into a transport error, which only knows the tag.
@@ -176,7 +179,7 @@ impl ExchangeMessages {
 
 /// A share (the pieces one reader sends a peer in one round) larger than this goes in parts of
 /// about this size, cut between pieces in plan order. With the exchange beside the reads
-/// ([`crate::overlap`]) a part goes out as soon as its own pieces are read, so the peer's copy of
+/// (`exchange::drive`) a part goes out as soon as its own pieces are read, so the peer's copy of
 /// a large share runs while the rest is still being read instead of all of it after the last
 /// read; a part this large keeps the per-message cost (a descriptor and an acknowledgement for a
 /// direct copy) negligible.
@@ -486,7 +489,7 @@ pub(crate) fn round_pieces(
 }
 
 /// Runs every ring exchange of `plan` over `transport`, placing what arrives into `buffers` (one
-/// per plan destination, as from [`crate::place::allocate`]): the exchange protocol
+/// per plan destination, as from [`crate::exchange::place::allocate`]): the exchange protocol
 /// ([`protocol`]) with every share sent as bytes.
 ///
 /// Precondition: every piece this rank reads (`read.is_some()`) is already placed in `buffers`;

@@ -1,7 +1,7 @@
 //! The exchange protocol, written once, as a state machine without I/O of its own: events go in
 //! (a piece read and verified, a message arrived, a message went out), actions come out (send
 //! these bytes, receive that message). Drivers move the bytes: the async driver over any
-//! [`crate::transport::Transport`] ([`super::drive`]), overlapped with the reads, and the Python
+//! [`crate::transport::Transport`] (`exchange::drive`), overlapped with the reads, and the Python
 //! package's loop over the job's `torch.distributed` point-to-point ops. Parts, direct copies,
 //! relays and the acknowledgements then work the same on every path.
 //!
@@ -34,7 +34,7 @@ use bytes::Bytes;
 use tessera_planner::RankPlan;
 
 use crate::LoaderError;
-use crate::cross_memory::{
+use crate::exchange::direct::{
     ANSWER_TAG, HELLO_TAG, PeerMemory, ShareDescriptor, ack_tag, descriptor_tag,
 };
 use crate::exchange::{
@@ -137,7 +137,7 @@ pub struct ExchangeProtocol<P: Deref<Target = RankPlan>> {
 
 impl<P: Deref<Target = RankPlan>> ExchangeProtocol<P> {
     /// The exchange of `plan` cut into `messages`. `hello` is this rank's hello
-    /// ([`crate::cross_memory::Exposure::offer`]) when the driver can copy between processes of
+    /// ([`crate::exchange::direct::Exposure::offer`]) when the driver can copy between processes of
     /// one host, `None` when it cannot (then no hand-shake runs and every share goes as bytes);
     /// `accept_direct` whether this rank copies out of peers that offer.
     pub fn new(

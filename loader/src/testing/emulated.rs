@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 use tessera_planner::StridedRuns;
 
 use crate::LoaderError;
+use crate::device::staging::CopyEngine;
 use crate::device::{DeviceMemory, check_span};
-use crate::place::copy_runs;
-use crate::plane::{DataPlane, PlaneOp, check_runs};
-use crate::staging::CopyEngine;
+use crate::exchange::place::copy_runs;
+use crate::transport::plane::{DataPlane, PlaneOp, check_runs};
 
 const DEVICE: &str = "emulated";
 

@@ -2,7 +2,7 @@
 //! in-process ([`InProcTransport`], for tests and single-process runs), over TCP
 //! ([`TcpTransport`]), and over a data plane with NCCL's rendezvous semantics
 //! ([`SequencedTransport`]: NCCL on GPUs, an emulated plane in CPU tests), with one conformance
-//! suite ([`conformance`]) that every implementation passes.
+//! suite (`conformance`, feature `testing`) that every implementation passes.
 //!
 //! Semantics every implementation keeps:
 //! - Messages are matched by `(from, tag)`; several messages with the same `(from, tag)` arrive in
@@ -15,8 +15,11 @@
 //!   earlier is left to deliver. A dead rank makes the others fail fast instead of hanging.
 //! - Sending to yourself, or to or from a rank outside the world, is an error.
 
+#[cfg(feature = "testing")]
 pub mod conformance;
 mod inproc;
+pub mod plane;
+pub mod rendezvous;
 mod sequenced;
 mod tcp;
 
@@ -57,7 +60,7 @@ pub trait Transport: Send + Sync {
     fn recv(&self, from: u32, tag: u64) -> impl Future<Output = Result<Bytes, LoaderError>> + Send;
 
     /// Whether the exchange may copy shares straight out of a peer's memory when the peer is a
-    /// process on this host ([`crate::cross_memory`]; a hand-shake over this transport checks
+    /// process on this host ([`crate::exchange::direct`]; a hand-shake over this transport checks
     /// each pair first). Transports whose receives match any send order (TCP, in-process) say
     /// yes; the sequenced plane, where both ends post in one agreed order, keeps to bytes.
     fn direct_copies(&self) -> bool {

@@ -26,7 +26,7 @@
 //!
 //! The control transport carries only small control messages (TCP for NCCL, in-process for the
 //! CPU tests). Bulk exchanges should not come this way: the plan's ring has a grouped fast path
-//! on the data plane ([`crate::plane::ring`]), and it must not run while transfers of this
+//! on the data plane ([`crate::transport::plane::ring`]), and it must not run while transfers of this
 //! transport are in flight (both share the plane's thread and communicator).
 //!
 //! ```text
@@ -40,14 +40,14 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use bytes::Bytes;
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use super::{Mailbox, Transport, TransportOptions, check_peer};
 use crate::LoaderError;
 use crate::device::DeviceMemory;
-use crate::plane::{DataPlane, PlaneOp, PlaneThread};
+use crate::transport::plane::{DataPlane, PlaneOp, PlaneThread};
 
 const TAG_REQUEST: u64 = 1;
 const TAG_SEQUENCE: u64 = 2;
@@ -91,104 +91,78 @@ enum Notice {
     Reject { id: u64, reason: String },
 }
 
-fn put_u32(out: &mut Vec<u8>, v: u32) {
-    out.extend_from_slice(&v.to_le_bytes());
-}
-
-fn put_u64(out: &mut Vec<u8>, v: u64) {
-    out.extend_from_slice(&v.to_le_bytes());
-}
-
-/// Reads little-endian integers off the front of a message.
-struct Reader<'a>(&'a [u8]);
-
-impl Reader<'_> {
-    fn take<const N: usize>(&mut self) -> Option<[u8; N]> {
-        let (head, rest) = self.0.split_first_chunk::<N>()?;
-        self.0 = rest;
-        Some(*head)
-    }
-    fn u8(&mut self) -> Option<u8> {
-        self.take::<1>().map(|b| b[0])
-    }
-    fn u32(&mut self) -> Option<u32> {
-        self.take::<4>().map(u32::from_le_bytes)
-    }
-    fn u64(&mut self) -> Option<u64> {
-        self.take::<8>().map(u64::from_le_bytes)
-    }
-    fn text(self) -> String {
-        String::from_utf8_lossy(self.0).into_owned()
-    }
-}
-
 fn encode_request(id: u64, to: u32, tag: u64, len: u64) -> Bytes {
-    let mut out = Vec::with_capacity(28);
-    put_u64(&mut out, id);
-    put_u32(&mut out, to);
-    put_u64(&mut out, tag);
-    put_u64(&mut out, len);
-    Bytes::from(out)
+    let mut out = BytesMut::with_capacity(28);
+    out.put_u64_le(id);
+    out.put_u32_le(to);
+    out.put_u64_le(tag);
+    out.put_u64_le(len);
+    out.freeze()
 }
 
-fn decode_request(bytes: &[u8]) -> Option<(u64, u32, u64, u64)> {
-    let mut r = Reader(bytes);
-    let out = (r.u64()?, r.u32()?, r.u64()?, r.u64()?);
-    r.0.is_empty().then_some(out)
+// Untrusted lengths: `try_get_*` (never the panicking `get_*`) read off the front.
+fn decode_request(mut bytes: &[u8]) -> Option<(u64, u32, u64, u64)> {
+    let out = (
+        bytes.try_get_u64_le().ok()?,
+        bytes.try_get_u32_le().ok()?,
+        bytes.try_get_u64_le().ok()?,
+        bytes.try_get_u64_le().ok()?,
+    );
+    bytes.is_empty().then_some(out)
 }
 
 fn encode_notice(notice: &Notice) -> Bytes {
-    let mut out = Vec::with_capacity(41);
+    let mut out = BytesMut::with_capacity(41);
     match notice {
         Notice::Order(o) => {
-            out.push(ORDER);
-            put_u64(&mut out, o.seq);
-            put_u32(&mut out, o.from);
-            put_u32(&mut out, o.to);
-            put_u64(&mut out, o.tag);
-            put_u64(&mut out, o.len);
-            put_u64(&mut out, o.id);
+            out.put_u8(ORDER);
+            out.put_u64_le(o.seq);
+            out.put_u32_le(o.from);
+            out.put_u32_le(o.to);
+            out.put_u64_le(o.tag);
+            out.put_u64_le(o.len);
+            out.put_u64_le(o.id);
         }
         Notice::Gone { rank, reason } => {
-            out.push(GONE);
-            put_u32(&mut out, *rank);
-            out.extend_from_slice(reason.as_bytes());
+            out.put_u8(GONE);
+            out.put_u32_le(*rank);
+            out.put_slice(reason.as_bytes());
         }
         Notice::Reject { id, reason } => {
-            out.push(REJECT);
-            put_u64(&mut out, *id);
-            out.extend_from_slice(reason.as_bytes());
+            out.put_u8(REJECT);
+            out.put_u64_le(*id);
+            out.put_slice(reason.as_bytes());
         }
     }
-    Bytes::from(out)
+    out.freeze()
 }
 
-fn decode_notice(bytes: &[u8]) -> Option<Notice> {
-    let mut r = Reader(bytes);
-    match r.u8()? {
+fn decode_notice(mut bytes: &[u8]) -> Option<Notice> {
+    let text = |rest: &[u8]| String::from_utf8_lossy(rest).into_owned();
+    match bytes.try_get_u8().ok()? {
         ORDER => {
             let order = Order {
-                seq: r.u64()?,
-                from: r.u32()?,
-                to: r.u32()?,
-                tag: r.u64()?,
-                len: r.u64()?,
-                id: r.u64()?,
+                seq: bytes.try_get_u64_le().ok()?,
+                from: bytes.try_get_u32_le().ok()?,
+                to: bytes.try_get_u32_le().ok()?,
+                tag: bytes.try_get_u64_le().ok()?,
+                len: bytes.try_get_u64_le().ok()?,
+                id: bytes.try_get_u64_le().ok()?,
             };
-            r.0.is_empty().then_some(Notice::Order(order))
+            bytes.is_empty().then_some(Notice::Order(order))
         }
         GONE => {
-            let rank = r.u32()?;
+            let rank = bytes.try_get_u32_le().ok()?;
             Some(Notice::Gone {
                 rank,
-                reason: r.text(),
+                reason: text(bytes),
             })
         }
         REJECT => {
-            let id = r.u64()?;
+            let id = bytes.try_get_u64_le().ok()?;
             Some(Notice::Reject {
                 id,
-                reason: r.text(),
+                reason: text(bytes),
             })
         }
         _ => None,

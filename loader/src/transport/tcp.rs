@@ -41,7 +41,7 @@ use tokio::time::Instant;
 
 use super::{Mailbox, Transport, TransportOptions, check_peer};
 use crate::LoaderError;
-use crate::rendezvous::RendezvousConfig;
+use crate::transport::rendezvous::RendezvousConfig;
 
 /// 2: the hello carries the job fingerprint.
 const VERSION: u32 = 2;

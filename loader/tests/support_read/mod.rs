@@ -12,8 +12,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use tessera_loader::LoaderError;
-use tessera_loader::load::{Checkpoint, LoadOptions, LoadedRank, load_rank};
-use tessera_loader::place::{allocate, place_piece};
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::exchange::place::{allocate, place_piece};
+use tessera_loader::load::{LoadOptions, LoadedRank, load_rank};
 use tessera_loader::read::{ReadOptions, ReadStats, read_pieces};
 use tessera_loader::transport::{InProcTransport, TransportOptions};
 use tessera_metadata::formats::native::{

@@ -7,6 +7,7 @@ pub mod dcp;
 pub mod deepspeed;
 pub mod native;
 pub mod safetensors;
+pub mod torch;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;

@@ -4,10 +4,11 @@
 //! the exchange runs device to device after the upload instead. Only the device buffers, the
 //! staging upload and the NCCL plane are CUDA's own.
 
-use tessera_loader::cuda::{CudaDevice, DeviceBuffer, NcclTransport};
-use tessera_loader::device_load::{DeviceExchange, load_rank_to_device};
-use tessera_loader::load::{Checkpoint, LoadOptions, RankReport};
-use tessera_loader::staging::StagingOptions;
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::device::cuda::{CudaDevice, DeviceBuffer, NcclTransport};
+use tessera_loader::device::load::{DeviceExchange, load_rank_to_device};
+use tessera_loader::device::staging::StagingOptions;
+use tessera_loader::load::{LoadOptions, RankReport};
 use tessera_planner::RankPlan;
 
 use crate::{OpsError, ResultExt};

@@ -22,7 +22,8 @@ pub mod switches;
 pub use plan_source::{JobPlan, PlanServer};
 pub use switches::LoadSwitches;
 
-use tessera_loader::load::{Checkpoint, LoadOptions, RankReport, load_rank_into};
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::load::{LoadOptions, RankReport, load_rank_into};
 use tessera_loader::transport::Transport;
 use tessera_planner::{PlanOptions, RankPlan, ReadOrder};
 
@@ -81,7 +82,7 @@ where
         }
         #[cfg(feature = "cuda")]
         Destination::Cuda(cuda) => {
-            let exchange = tessera_loader::device_load::OnHost(transport);
+            let exchange = tessera_loader::device::load::OnHost(transport);
             cuda.load(checkpoint, plan, &exchange, options).await
         }
     }

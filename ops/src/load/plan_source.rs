@@ -3,7 +3,7 @@
 //! plan made for another version of the checkpoint is refused before any rank reads: a server's
 //! plan once, when it is created (and each rank plan again when the loader executes it).
 
-use tessera_loader::load::Checkpoint;
+use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::plan_client::{CreatedPlan, PlanClient, PlanClientOptions, PlanTarget};
 use tessera_planner::{Plan, PlanOptions, PlanSummary, RankPlan, RequestSet};
 

@@ -9,7 +9,7 @@
 //! unless told otherwise. Front ends pass their environment in (`lookup`); nothing here reads
 //! it.
 
-use tessera_loader::rendezvous::RendezvousConfig;
+use tessera_loader::transport::rendezvous::RendezvousConfig;
 
 use crate::OpsError;
 

@@ -4,10 +4,11 @@
 //! (`tessera_ops::load::load_rank` into a CUDA destination).
 
 use anyhow::{Context, Result, bail};
-use tessera_loader::cuda::{CudaDevice, DeviceBuffer, connect_nccl};
+use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::device::DeviceSpec;
-use tessera_loader::load::{Checkpoint, LoadOptions, RankReport};
-use tessera_loader::rendezvous::RendezvousConfig;
+use tessera_loader::device::cuda::{CudaDevice, DeviceBuffer, connect_nccl};
+use tessera_loader::load::{LoadOptions, RankReport};
+use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{Transport, TransportOptions};
 use tessera_ops::load::Destination;
 use tessera_ops::load::cuda::{CudaDestination, load_rank_nccl};

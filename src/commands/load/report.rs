@@ -4,7 +4,8 @@
 use std::fmt::Write as _;
 
 use anyhow::{Context, Result};
-use tessera_loader::load::{Checkpoint, RankReport};
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::load::RankReport;
 use tessera_metadata::Format;
 use tessera_metadata::formats::dcp::IndexSource;
 use tessera_ops::load::JobPlan;

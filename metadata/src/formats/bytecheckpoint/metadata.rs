@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::MetadataError;
-use crate::formats::dcp::pickle::{Limits, Pickle, Value, unpickle};
+use crate::formats::torch::pickle::{Limits, Pickle, Value, unpickle};
 
 /// The module ByteCheckpoint's `Metadata` class lives in; its name is the first string of every
 /// `.metadata` it pickles, which is how a ByteCheckpoint directory is told from a torch DCP one.

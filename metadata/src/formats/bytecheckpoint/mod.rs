@@ -51,12 +51,12 @@ use std::collections::{BTreeMap, HashMap};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 
-use crate::formats::dcp::blob::{TensorBlob, TensorDescriptor, parse_tensor_descriptor};
-use crate::formats::dcp::pickle::Limits;
 use crate::formats::dcp::{
     DcpMetadata, DcpOptions, METADATA_FILE, StorageInfo, check_range, parse_metadata,
 };
 use crate::formats::native::{read_whole, resolve, store_error};
+use crate::formats::torch::blob::{TensorBlob, TensorDescriptor, parse_tensor_descriptor};
+use crate::formats::torch::pickle::Limits;
 use crate::formats::{Format, Listing, list_dir};
 use crate::identity::IdentityHasher;
 use crate::{

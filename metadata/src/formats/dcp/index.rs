@@ -15,9 +15,9 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 use serde::{Deserialize, Serialize};
 
-use super::blob::{TensorBlob, parse_tensor_blob};
-use super::zip::{Segments, ZipError};
 use crate::MetadataError;
+use crate::formats::torch::blob::{TensorBlob, parse_tensor_blob};
+use crate::formats::torch::zip::{Segments, ZipError};
 
 /// Bytes read from the start of every blob: the `data.pkl` local header and pickle (~250 bytes),
 /// and the local headers up to `data/0`'s (torch pads member data to 64 bytes, so it starts near

@@ -29,7 +29,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::metadata::{DcpMetadata, DcpTensor};
-use super::pickle::{Pickle, Value};
+use crate::formats::torch::pickle::{Pickle, Value};
 use crate::formats::{Listing, Writer};
 use crate::{MetadataError, TensorBox};
 

@@ -1,4 +1,4 @@
-//! The DCP `.metadata` pickle read into plain structs: what [`super::pickle`] executed, given the
+//! The DCP `.metadata` pickle read into plain structs: what [`crate::formats::torch::pickle`] executed, given the
 //! meaning torch 2.1–2.15 (and Megatron-Core) give it. Classes are matched by name, not module
 //! (`TensorProperties` moved between modules in 2.3); unknown keys and classes are ignored. The
 //! root may be a `Metadata` subclass with extra fields (matched by its fields); what
@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 
-use super::pickle::{Limits, Pickle, Value, unpickle};
+use crate::formats::torch::pickle::{Limits, Pickle, Value, unpickle};
 use crate::{DType, MetadataError};
 
 /// Where one entry's blob lies: `_StorageInfo`.

@@ -23,14 +23,11 @@
 //! chunk bytes tessera could check a partial read against, so loads read without verification;
 //! [`verify_dcp`] checks the zip CRC-32 of every member.
 
-pub mod blob;
 mod index;
 pub mod megatron;
 pub mod metadata;
 mod object;
-pub mod pickle;
 mod verify;
-pub mod zip;
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -48,7 +45,8 @@ use crate::{
     TensorMeta, flat_range_chunks, row_major_strides, validate,
 };
 
-pub use blob::{PickledTensor, TensorBlob, pickled_tensor};
+use crate::formats::torch::blob::TensorBlob;
+use crate::formats::torch::pickle;
 pub use index::{HEAD_BYTES, IndexCache, IndexSource, IndexStats, TAIL_BYTES};
 pub use megatron::{MegatronConfig, MegatronDetails, Reformulation};
 pub use metadata::{DcpChunk, DcpMetadata, DcpObject, DcpTensor, StorageInfo, parse_metadata};

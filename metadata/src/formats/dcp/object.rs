@@ -5,9 +5,9 @@
 use bytes::Bytes;
 use serde_json::{Map, Number, Value as Json};
 
-use super::pickle::{Limits, Obj, Pickle, Value, unpickle};
-use super::zip::{self, Segments};
 use crate::MetadataError;
+use crate::formats::torch::pickle::{Limits, Obj, Pickle, Value, unpickle};
+use crate::formats::torch::zip::{self, Segments};
 
 /// Deepest nesting decoded (Python's own recursion limit).
 const MAX_DEPTH: usize = 1000;

@@ -5,9 +5,9 @@ use futures::StreamExt;
 use object_store::path::Path;
 use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt};
 
-use super::zip::read_archive;
 use super::{ChunkBlob, DcpDetails};
 use crate::formats::native::{resolve, store_error};
+use crate::formats::torch::zip::read_archive;
 use crate::{CheckpointMeta, DataFile, MetadataError, ObjectMeta};
 
 /// A blob whose bytes do not match what its zip directory records.

@@ -35,8 +35,8 @@ use object_store::ObjectStore;
 use object_store::path::Path;
 use serde_json::Value as Json;
 
-use crate::formats::dcp::{PickledTensor, TensorBlob};
 use crate::formats::native::{read_whole, resolve};
+use crate::formats::torch::blob::{PickledTensor, TensorBlob};
 use crate::formats::{Format, Listing, list_dir};
 use crate::identity::IdentityHasher;
 use crate::{
@@ -336,7 +336,7 @@ fn numel(shape: &[u64]) -> Result<u64, MetadataError> {
 fn decode<T>(
     file: &TorchFile,
     what: &'static str,
-    parse: fn(&crate::formats::dcp::pickle::Pickle) -> Result<T, String>,
+    parse: fn(&crate::formats::torch::pickle::Pickle) -> Result<T, String>,
 ) -> Result<T, MetadataError> {
     states::load(&file.pkl)
         .and_then(|p| parse(&p))

@@ -7,8 +7,9 @@
 
 use serde_json::Value as Json;
 
-use crate::formats::dcp::pickle::{Limits, Obj, Pickle, Value, unpickle};
-use crate::formats::dcp::{PickledTensor, pickled_tensor, value_to_json};
+use crate::formats::dcp::value_to_json;
+use crate::formats::torch::blob::{PickledTensor, pickled_tensor};
+use crate::formats::torch::pickle::{Limits, Obj, Pickle, Value, unpickle};
 
 /// Caps of the VM for a DeepSpeed `data.pkl`. The model states of a large model list every
 /// parameter twice (module state dict, `param_shapes`), about 200 bytes each: 64 MiB is room for
@@ -376,7 +377,7 @@ fn base_state(p: &Pickle, base: &Value, out: &mut OptimStates) -> Result<(), Str
 /// `data.pkl`, model or optimizer states, every tensor's storage record present and long enough):
 /// the entry point of the fuzz target and the mutation tests. Never panics.
 pub fn parse_states_file(bytes: &[u8]) -> Result<(), String> {
-    use crate::formats::dcp::zip::{self, Segments};
+    use crate::formats::torch::zip::{self, Segments};
     let seg = Segments::whole(bytes::Bytes::copy_from_slice(bytes));
     let dir = zip::read_directory(&seg).map_err(|e| e.to_string())?;
     let Some((pkl, prefix)) = dir.torch_data_pkl() else {

@@ -12,8 +12,8 @@ use object_store::{ObjectStore, ObjectStoreExt};
 
 use super::states::LIMITS;
 use crate::MetadataError;
-use crate::formats::dcp::zip::{self, Segments, ZipError};
 use crate::formats::native::store_error;
+use crate::formats::torch::zip::{self, Segments, ZipError};
 
 /// Bytes read from the end of a file first: the central directory of about 200 records (an
 /// optimizer states file has a handful; a model states file one per module tensor) fits, larger

@@ -7,7 +7,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::OnceLock;
 
 use crate::LoaderError;
-use crate::plane::panic_text;
+use crate::transport::plane::panic_text;
 
 /// What the driver probe found.
 #[derive(Clone, Debug, PartialEq, Eq)]

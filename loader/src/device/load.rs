@@ -16,14 +16,16 @@ use std::time::Instant;
 
 use tessera_planner::RankPlan;
 
+use crate::LoaderError;
+use crate::checkpoint::Checkpoint;
 use crate::device::DeviceMemory;
+use crate::device::staging::{CopyEngine, StagingPool, Upload, UploadStats};
 use crate::exchange::{ExchangeStats, check_buffer_sizes, check_rank};
-use crate::load::{Checkpoint, LoadOptions, RankReport, load_rank_into};
-use crate::plane::DataPlane;
-use crate::plane::ring::ring_exchange;
-use crate::staging::{CopyEngine, StagingPool, Upload, UploadStats};
+use crate::exchange::{place, relay};
+use crate::load::{LoadOptions, RankReport, load_rank_into};
+use crate::transport::plane::DataPlane;
+use crate::transport::plane::ring::ring_exchange;
 use crate::transport::{SequencedTransport, Transport};
-use crate::{LoaderError, place, relay};
 
 /// How a device load exchanges pieces between ranks.
 pub trait DeviceExchange<B: DeviceMemory>: Sync {

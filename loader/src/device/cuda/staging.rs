@@ -8,10 +8,10 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream, PinnedHostSlice, result
 use super::device::{CudaDevice, DeviceBuffer};
 use super::driver_error;
 use crate::LoaderError;
+use crate::device::staging::CopyEngine;
 use crate::device::{DeviceMemory, check_span};
-use crate::staging::CopyEngine;
 
-/// Host-to-device copies of one device on a stream of their own (see [`crate::staging`]).
+/// Host-to-device copies of one device on a stream of their own (see [`crate::device::staging`]).
 pub struct CudaCopyEngine {
     label: String,
     ctx: Arc<CudaContext>,

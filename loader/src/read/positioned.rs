@@ -24,7 +24,7 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
 use crate::LoaderError;
-use crate::scheduler::SourceFile;
+use crate::read::scheduler::SourceFile;
 
 /// One positioned read: `len` bytes of plan file `file` from `offset`, into destination `dest`
 /// from byte `dst_start`; with `crc`, the crc32c of the bytes read is returned too (a saved box

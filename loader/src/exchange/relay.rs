@@ -81,7 +81,7 @@ pub fn slots<'a, B>(relaying: &RankPlan, buffers: &'a mut [B]) -> Vec<Slot<'a, B
     let added = relaying.destinations.len().saturating_sub(buffers.len());
     let scratch = relaying.destinations[relaying.destinations.len() - added..]
         .iter()
-        .map(|d| Slot::Scratch(crate::host_memory::zeroed_buffer(d.bytes as usize)));
+        .map(|d| Slot::Scratch(crate::load::host_memory::zeroed_buffer(d.bytes as usize)));
     buffers
         .iter_mut()
         .map(Slot::Caller)

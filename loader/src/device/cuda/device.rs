@@ -9,8 +9,8 @@ use tessera_planner::RankPlan;
 use super::staging::CudaCopyEngine;
 use super::{driver_error, probe};
 use crate::LoaderError;
+use crate::device::staging::{StagingOptions, StagingPool};
 use crate::device::{DeviceMemory, check_span};
-use crate::staging::{StagingOptions, StagingPool};
 
 /// One CUDA device (its primary context, shared with torch and anything else in the process) and
 /// a stream of its own for the loader's copies.

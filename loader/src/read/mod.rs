@@ -32,12 +32,15 @@ use tessera_metadata::formats::native::BlockChecksums;
 use tessera_metadata::{CheckpointMeta, MetadataError};
 use tessera_planner::{RankPiece, RankPlan, StridedRuns};
 
-use crate::LoaderError;
-use crate::joint::JointRead;
-use crate::positioned::{LocalFiles, PositionedRead};
-use crate::scheduler::{FileRange, RangeScheduler, SourceFile, union_len};
+pub(crate) mod positioned;
+pub mod scheduler;
 
-pub use crate::scheduler::{
+use crate::LoaderError;
+use crate::read::positioned::{LocalFiles, PositionedRead};
+use crate::read::scheduler::{FileRange, RangeScheduler, SourceFile, union_len};
+use crate::verify::joint::JointRead;
+
+pub use crate::read::scheduler::{
     OBJECT_STORE_COALESCE_GAP, ReadOptions, default_coalesce_gap, exact_multi_range,
 };
 
@@ -69,8 +72,8 @@ pub struct ReadStats {
     /// Failed requests that were retried.
     pub retries: u64,
     /// This rank's folds of the saved boxes it reads in parts for joint checks
-    /// ([`crate::joint`]; only with [`ReadOptions::joint_checks`] and verification).
-    pub joint_folds: Vec<crate::joint::JointFold>,
+    /// ([`crate::verify::joint`]; only with [`ReadOptions::joint_checks`] and verification).
+    pub joint_folds: Vec<crate::verify::joint::JointFold>,
     /// Wall time.
     pub elapsed: Duration,
 }
@@ -183,7 +186,7 @@ pub async fn read_into_with<B: AsMut<[u8]>>(
         .pieces
         .iter()
         .map(|p| match p.read {
-            Some(_) => crate::place::WirePlacer::new(plan, p).map(Some),
+            Some(_) => crate::exchange::place::WirePlacer::new(plan, p).map(Some),
             None => Ok(None),
         })
         .collect::<Result<Vec<_>, LoaderError>>()?;
@@ -196,7 +199,7 @@ pub async fn read_into_with<B: AsMut<[u8]>>(
         .map(|(p, placer)| {
             placer
                 .as_ref()
-                .and_then(|_| crate::place::contiguous_target(p))
+                .and_then(|_| crate::exchange::place::contiguous_target(p))
         })
         .collect();
     read_runs(
@@ -223,8 +226,9 @@ pub async fn read_into_with<B: AsMut<[u8]>>(
                 threads,
                 crcs,
             } => {
-                *crcs =
-                    crate::positioned::read_positioned(files, sources, reads, buffers, threads)?;
+                *crcs = crate::read::positioned::read_positioned(
+                    files, sources, reads, buffers, threads,
+                )?;
                 Ok(())
             }
         },
@@ -240,7 +244,7 @@ enum Delivery<'a> {
     /// The piece's last byte has been delivered (at once for an empty piece), and verified.
     Complete(usize),
     /// Perform these positioned reads into the destinations and put each one's crc32c (0 where
-    /// not asked) in `crcs` ([`crate::positioned::read_positioned`]).
+    /// not asked) in `crcs` ([`crate::read::positioned::read_positioned`]).
     Positioned {
         files: &'a LocalFiles,
         sources: &'a [SourceFile],
@@ -315,7 +319,7 @@ async fn read_runs(
     let mut joint_of: HashMap<u32, usize> = HashMap::new();
     if let (true, Some(_), Some(meta)) = (options.joint_checks, block_checksums, meta) {
         for check in plan.joint_checks.iter().filter(|c| !c.pieces.is_empty()) {
-            let saved = crate::joint::saved_box(meta, plan, check)?;
+            let saved = crate::verify::joint::saved_box(meta, plan, check)?;
             let Some(file) = plan.files.iter().position(|f| *f == saved.key) else {
                 return Err(LoaderError::InvalidPlan {
                     detail: format!(

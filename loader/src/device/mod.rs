@@ -2,6 +2,11 @@
 //! (`cuda`, `cuda:N`). Parsing is always available, so a build without the `cuda` feature can
 //! still say what was asked for and why it cannot do it.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod load;
+pub mod staging;
+
 use std::fmt;
 use std::str::FromStr;
 

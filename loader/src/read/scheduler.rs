@@ -98,7 +98,7 @@ pub struct ReadOptions {
     /// checkpoint is a local directory ([`tessera_storage::Location::local_root`]). Pieces whose
     /// bytes go to one contiguous stretch of one destination are then read with positioned reads
     /// (`pread`) straight into it: no intermediate buffer, one copy out of the page cache. `None`
-    /// reads everything through the store. [`crate::load::Checkpoint`] fills it from its location
+    /// reads everything through the store. [`crate::checkpoint::Checkpoint`] fills it from its location
     /// when [`ReadOptions::positioned_reads`] is on.
     pub local_root: Option<std::path::PathBuf>,
     /// Read local checkpoints by position ([`ReadOptions::local_root`]; true). Off, every read
@@ -111,7 +111,7 @@ pub struct ReadOptions {
     /// `TESSERA_BOUNCE_READS=0` to false.
     pub bounce_reads: bool,
     /// Read the pieces of the plan's joint checks (`RankPlan::joint_checks`) exactly, folding
-    /// them for the check the ranks make together after reading ([`crate::joint`]), instead of
+    /// them for the check the ranks make together after reading ([`crate::verify::joint`]), instead of
     /// verifying them by whole checksum blocks here. Only loads that run that step set it (the
     /// host loads of [`crate::load`] and the Python group load); without it the pieces are
     /// verified by blocks like any other.
@@ -140,9 +140,9 @@ pub fn exact_multi_range(location: &str) -> bool {
 /// 0 for local paths and `file://` (a local read costs no round trip, so a gap is pure waste),
 /// [`OBJECT_STORE_COALESCE_GAP`] for every `scheme://` of an object store.
 pub fn default_coalesce_gap(location: &str) -> u64 {
-    match location.split_once("://") {
-        Some((scheme, _)) if !scheme.eq_ignore_ascii_case("file") => OBJECT_STORE_COALESCE_GAP,
-        _ => 0,
+    match tessera_storage::LocationKind::of(location) {
+        tessera_storage::LocationKind::Local => 0,
+        tessera_storage::LocationKind::Remote => OBJECT_STORE_COALESCE_GAP,
     }
 }
 
@@ -467,7 +467,7 @@ impl<'a> RangeScheduler<'a> {
                 let spans: Vec<Range<u64>> = segments.iter().map(|s| s.span.clone()).collect();
                 let handle = match (&local, spans.as_slice()) {
                     // One span of a local file: read by position into a reused buffer.
-                    (Some(local), [span]) if crate::positioned::readable_path(&path) => {
+                    (Some(local), [span]) if crate::read::positioned::readable_path(&path) => {
                         tasks.spawn(fetch_local(Arc::clone(local), path, span.clone()))
                     }
                     _ => tasks.spawn(fetch_spans(store, path, spans, backoff)),
@@ -780,12 +780,16 @@ async fn fetch_local(
 ) -> Result<Vec<Fetched>, LoaderError> {
     let task = tokio::task::spawn_blocking(move || {
         let len = usize::try_from(span.end - span.start).unwrap_or(usize::MAX);
-        let file = crate::positioned::open_local(&parts.root, &path)?;
+        let file = crate::read::positioned::open_local(&parts.root, &path)?;
         let mut buffer = parts.take(len);
         let bounce = parts.bounce;
-        crate::positioned::read_exact_at(&file, &mut buffer[..len], span.start, bounce, || {
-            path.to_string()
-        })?;
+        crate::read::positioned::read_exact_at(
+            &file,
+            &mut buffer[..len],
+            span.start,
+            bounce,
+            || path.to_string(),
+        )?;
         let part = PooledPart { buffer, len, parts };
         Ok(vec![Fetched {
             bytes: Bytes::from_owner(part),

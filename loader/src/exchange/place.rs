@@ -7,11 +7,11 @@ use tessera_planner::{RankPiece, RankPlan, StridedRuns};
 use crate::LoaderError;
 
 /// Host destination buffers of a rank, one per plan destination, zero-filled (large ones on huge
-/// pages where the system allows: see [`crate::host_memory`]).
+/// pages where the system allows: see [`crate::load::host_memory`]).
 pub fn allocate(plan: &RankPlan) -> Vec<Vec<u8>> {
     plan.destinations
         .iter()
-        .map(|d| crate::host_memory::zeroed_buffer(d.bytes as usize))
+        .map(|d| crate::load::host_memory::zeroed_buffer(d.bytes as usize))
         .collect()
 }
 
@@ -254,7 +254,7 @@ pub fn wire_spans(plan: &RankPlan, piece: usize) -> Result<(usize, Vec<(u64, u64
     let runs = &first.runs;
     let mut spans: Vec<(u64, u64)> = Vec::new();
     for (_, dst) in runs.iter() {
-        crate::cross_memory::push_span(&mut spans, dst, runs.run_bytes);
+        crate::exchange::direct::push_span(&mut spans, dst, runs.run_bytes);
     }
     Ok((first.destination as usize, spans))
 }

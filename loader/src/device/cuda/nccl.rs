@@ -17,8 +17,8 @@ use super::device::{CudaDevice, DeviceBuffer};
 use super::{driver_error, probe};
 use crate::LoaderError;
 use crate::device::{DeviceMemory, check_span};
-use crate::plane::{DataPlane, PlaneOp, PlaneThread, check_runs};
-use crate::rendezvous::RendezvousConfig;
+use crate::transport::plane::{DataPlane, PlaneOp, PlaneThread, check_runs};
+use crate::transport::rendezvous::RendezvousConfig;
 use crate::transport::{SequencedTransport, TcpTransport, Transport, TransportOptions};
 
 /// The NCCL transport: TCP for control, NCCL for data.

@@ -2,7 +2,7 @@
 //! verified by its own crc32c from the parts, not by whole checksum blocks around every part.
 //!
 //! While reading, each reader folds the bytes it reads of the box into one 32-bit value
-//! ([`crate::crc_fold`]; [`JointRead`]). After its reads, every rank sends each peer one message
+//! ([`crate::verify::crc_fold`]; [`JointRead`]). After its reads, every rank sends each peer one message
 //! (tag [`JOINT_TAG`]) with its folds of the checks that peer is a member of, and receives one
 //! from every reader of the checks it is a member of; then it checks every such box: the folds'
 //! byte counts add up to the box, their XOR to its crc32c ([`verify_joint_checks`]). Every
@@ -19,14 +19,14 @@ use tessera_metadata::CheckpointMeta;
 use tessera_planner::{JointCheck, RankPlan};
 
 use crate::LoaderError;
-use crate::crc_fold::{Fold, crc_of_folds};
 use crate::error::JointMismatch;
-use crate::scheduler::FileRange;
+use crate::read::scheduler::FileRange;
 use crate::transport::Transport;
+use crate::verify::crc_fold::{Fold, crc_of_folds};
 
 /// Transport tag of the folds message. Exchange tags keep their top two bits clear; the
-/// hand-shake uses [`crate::cross_memory::HELLO_TAG`] and the tag after it.
-pub const JOINT_TAG: u64 = crate::cross_memory::HELLO_TAG | 2;
+/// hand-shake uses [`crate::exchange::direct::HELLO_TAG`] and the tag after it.
+pub const JOINT_TAG: u64 = crate::exchange::direct::HELLO_TAG | 2;
 
 /// Bytes of one check in a folds message.
 const ENTRY_BYTES: usize = 4 + 8 + 4;
@@ -38,7 +38,7 @@ pub struct JointFold {
     pub check: u32,
     /// Bytes of the box folded.
     pub bytes: u64,
-    /// The fold ([`crate::crc_fold::Fold::value`]).
+    /// The fold ([`crate::verify::crc_fold::Fold::value`]).
     pub fold: u32,
 }
 

@@ -1,0 +1,209 @@
+//! A checkpoint opened for loading, in any format tessera reads, and what a load asks of it:
+//! the plan checked against its identity, its pieces read (verified) into a rank's buffers, the
+//! joint checks of boxes read in parts, and the embedded plan source (planning from its
+//! metadata, no service needed).
+
+use std::sync::Arc;
+
+use tessera_metadata::formats::dcp::IndexStats;
+use tessera_metadata::formats::native::{BlockChecksums, Manifest};
+use tessera_metadata::{CheckpointMeta, Format, OpenOptions, open_any};
+use tessera_planner::{Plan, PlanOptions, RankPlan, RequestSet, plan};
+use tessera_storage::Location;
+
+use crate::LoaderError;
+use crate::load::LoadOptions;
+use crate::read::{
+    ReadOptions, ReadStats, default_coalesce_gap, exact_multi_range, read_into_with,
+};
+use crate::transport::Transport;
+
+/// A checkpoint opened for loading, in any format tessera reads: its store, metadata and (native
+/// checkpoints with data) block checksums. DCP and safetensors checkpoints record no checksums a
+/// partial read could be checked against, so they load unverified (`checksums` is `None`).
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    /// Where it lives; `location.prefix` is the root its data file paths are relative to (for a
+    /// single safetensors file, the folder holding it).
+    pub location: Location,
+    /// Its format.
+    pub format: Format,
+    /// Its manifest (native checkpoints only).
+    pub manifest: Option<Manifest>,
+    /// Training step, when known.
+    pub step: Option<u64>,
+    /// Whether its data files are there (a native metadata-only checkpoint has none).
+    pub has_data: bool,
+    /// Its global metadata.
+    pub meta: Arc<CheckpointMeta>,
+    /// Block checksums of its data files (native checkpoints with data only).
+    pub checksums: Option<Arc<BlockChecksums>>,
+    /// DCP: how the per-blob zip index was obtained and what its header reads cost.
+    pub index: Option<IndexStats>,
+}
+
+impl Checkpoint {
+    /// Opens a checkpoint in any format ([`open_any`]) with default options: native (manifest,
+    /// verified metadata, block checksums), DCP, or safetensors.
+    pub async fn open(location: Location) -> Result<Checkpoint, LoaderError> {
+        Checkpoint::open_with(location, &OpenOptions::default()).await
+    }
+
+    /// [`Checkpoint::open`] with options (e.g. a cache directory for DCP blob indexes).
+    pub async fn open_with(
+        mut location: Location,
+        options: &OpenOptions,
+    ) -> Result<Checkpoint, LoaderError> {
+        let opened = open_any(location.store.as_ref(), &location.prefix, options).await?;
+        location.prefix = opened.root.clone();
+        Ok(Checkpoint {
+            location,
+            format: opened.format,
+            manifest: opened.manifest().cloned(),
+            step: opened.step,
+            has_data: opened.has_data,
+            index: opened.dcp().map(|d| d.stats.clone()),
+            meta: Arc::new(opened.meta),
+            checksums: opened.block_checksums.map(Arc::new),
+        })
+    }
+
+    /// Refuses a plan made for another checkpoint: one whose recorded identity differs from this
+    /// checkpoint's ([`LoaderError::PlanForOtherCheckpoint`], naming the checkpoint and both
+    /// identities). A plan without an identity against a checkpoint that has one (a server or
+    /// plan file older than identities) is refused too ([`LoaderError::PlanWithoutIdentity`]):
+    /// nothing would tie its offsets to these files. Only metadata assembled in memory, which
+    /// has no identity, loads plans unchecked.
+    pub fn check_plan(&self, plan: &RankPlan) -> Result<(), LoaderError> {
+        match (plan.checkpoint_identity.as_deref(), self.meta.identity()) {
+            (None, Some(opened)) => Err(LoaderError::PlanWithoutIdentity {
+                rank: plan.rank,
+                checkpoint: self.location.display.clone(),
+                checkpoint_identity: opened.to_string(),
+            }),
+            (Some(planned), Some(opened)) if planned != opened => {
+                Err(LoaderError::PlanForOtherCheckpoint {
+                    rank: plan.rank,
+                    checkpoint: self.location.display.clone(),
+                    plan_identity: planned.to_string(),
+                    checkpoint_identity: opened.to_string(),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Reads the pieces `plan` has this rank read, verified when the checkpoint has block
+    /// checksums (and whole saved boxes against their own crc32c), straight into `buffers` (one per
+    /// plan destination), reporting progress as `options` says. A plan made for another checkpoint
+    /// is refused first ([`Checkpoint::check_plan`]): every load path reads through here.
+    pub async fn read_into<B: AsMut<[u8]>>(
+        &self,
+        plan: &RankPlan,
+        options: &LoadOptions,
+        buffers: &mut [B],
+    ) -> Result<ReadStats, LoaderError> {
+        self.read_into_with(plan, options, buffers, |_, _| Ok(()))
+            .await
+    }
+
+    /// [`Checkpoint::read_into`], calling `on_complete(piece, buffers)` as each piece this rank
+    /// reads is wholly placed and verified (the overlapped exchange's hook).
+    pub async fn read_into_with<B: AsMut<[u8]>>(
+        &self,
+        plan: &RankPlan,
+        options: &LoadOptions,
+        buffers: &mut [B],
+        on_complete: impl FnMut(usize, &mut [B]) -> Result<(), LoaderError>,
+    ) -> Result<ReadStats, LoaderError> {
+        self.check_plan(plan)?;
+        let read = self.read_options(options);
+        read_into_with(
+            Arc::clone(&self.location.store),
+            &self.location.prefix,
+            plan,
+            self.checksums.as_deref(),
+            Some(&self.meta),
+            &read,
+            buffers,
+            options
+                .progress
+                .as_deref()
+                .map(|p| p as &(dyn Fn(u64) + Sync)),
+            on_complete,
+        )
+        .await
+    }
+
+    /// Whether a read of this checkpoint with `verify` checks its bytes: only when the checkpoint
+    /// has block checksums (DCP and safetensors record none). Such a read also folds its parts
+    /// of jointly checked boxes (see `read_runs`).
+    pub fn verifies(&self, verify: bool) -> bool {
+        verify && self.checksums.is_some()
+    }
+
+    /// The step after the reads of a load whose reads fold joint checks
+    /// ([`ReadOptions::joint_checks`]): exchanges the folds with the other members and checks
+    /// every jointly read box this rank holds bytes of ([`crate::verify::joint`]). A load reports success
+    /// only after it.
+    pub async fn verify_joint_checks<T: Transport>(
+        &self,
+        transport: &T,
+        plan: &RankPlan,
+        options: &LoadOptions,
+        stats: &ReadStats,
+    ) -> Result<(), LoaderError> {
+        let verifying = self.verifies(options.read.verify);
+        crate::verify::joint::verify_joint_checks(
+            transport,
+            plan,
+            Some(&self.meta),
+            verifying.then_some(stats.joint_folds.as_slice()),
+            verifying,
+        )
+        .await
+    }
+
+    /// The store path of data file `file` (an index into `meta.files()`), checked like a plan's
+    /// paths: relative, inside the checkpoint.
+    pub fn file_path(&self, file: u32) -> Result<object_store::path::Path, LoaderError> {
+        let Some(data) = self.meta.files().get(file as usize) else {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "file #{file} is not one of the {} files of checkpoint {}",
+                    self.meta.files().len(),
+                    self.location.display
+                ),
+            });
+        };
+        crate::read::resolve(&self.location.prefix, &data.path)
+    }
+
+    /// The read options with the store kind's defaults filled in: the gap worth spanning and
+    /// whether ranged reads of one file may share a call depend on the kind of store.
+    fn read_options(&self, options: &LoadOptions) -> ReadOptions {
+        let mut read = options.read.clone();
+        read.coalesce_gap = Some(
+            read.coalesce_gap
+                .unwrap_or_else(|| default_coalesce_gap(&self.location.display)),
+        );
+        read.exact_multi_range = Some(
+            read.exact_multi_range
+                .unwrap_or_else(|| exact_multi_range(&self.location.display)),
+        );
+        if read.local_root.is_none() && read.positioned_reads {
+            read.local_root.clone_from(&self.location.local_root);
+        }
+        read
+    }
+
+    /// Plans `requests` against this checkpoint (the embedded plan source). Storage-order slabs
+    /// are cut at this checkpoint's own checksum blocks when it has them.
+    pub fn plan(&self, requests: &RequestSet, options: &PlanOptions) -> Result<Plan, LoaderError> {
+        let mut options = options.clone();
+        if let Some(blocks) = &self.checksums {
+            options.slab_alignment = blocks.block_size();
+        }
+        Ok(plan(&self.meta, requests, &options)?)
+    }
+}
