@@ -11,8 +11,9 @@
 //!    [`GroupLoad::requests_json`] is what the ranks all-gather over the group.
 //! 2. [`GroupLoad::plan`]: every rank plans the whole job from every rank's requests (the planner
 //!    is deterministic, so all get the same plan) or fetches its part from a plan server.
-//! 3. [`GroupLoad::read`]: the rank's own pieces, read (verified) straight into its arrays; the
-//!    joint checks of boxes read in parts ([`GroupLoad::joint_folds`], [`GroupLoad::check_joint`]).
+//! 3. [`GroupLoad::read`]: the rank's own pieces, read (verified) straight into its arrays; it
+//!    returns the rank's folds of boxes read in parts, which the ranks all-gather with their
+//!    status and check ([`GroupLoad::check_joint`]).
 //! 4. The exchange: [`GroupLoad::exchange_start`] hands out the first actions (send these bytes,
 //!    receive that message), [`GroupLoad::exchange_sent`] and [`GroupLoad::exchange_received`]
 //!    take completions and hand out the next, until [`GroupLoad::exchange_done`].
@@ -395,8 +396,14 @@ impl GroupLoad {
     }
 
     /// Reads this rank's own pieces, verified, straight into its arrays (interruptible).
+    /// Returns this rank's folds of the saved boxes it read in parts (joint checks), to
+    /// all-gather over the group.
     #[pyo3(signature = (progress=None))]
-    fn read(&self, py: Python<'_>, progress: Option<Py<PyAny>>) -> PyResult<()> {
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let mut state = self.state();
         let state = &mut *state;
         let plan =
@@ -418,25 +425,13 @@ impl GroupLoad {
         let stats = block_on(py, async {
             Ok(checkpoint.read_into(&plan, &options, buffers).await?)
         })?;
+        let folds = joint::encode(state.verifying(), &stats.joint_folds);
         state.read = Some((stats, started.elapsed().as_secs_f64()));
-        Ok(())
-    }
-
-    /// This rank's folds of the saved boxes it read in parts (joint checks), to all-gather
-    /// over the group after the read.
-    fn joint_folds<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let state = self.state();
-        state.check_read("folding").map_err(py_error)?;
-        let folds = state
-            .read
-            .as_ref()
-            .map(|(stats, _)| stats.joint_folds.as_slice())
-            .unwrap_or_default();
-        Ok(PyBytes::new(py, &joint::encode(state.verifying(), folds)))
+        Ok(PyBytes::new(py, &folds))
     }
 
     /// Checks every jointly read box this rank holds bytes of against every rank's folds
-    /// (`joint_folds` of ranks 0..world, in rank order). Raises naming the box, its file and
+    /// (what `read` returned on ranks 0..world, in rank order). Raises naming the box, its file and
     /// readers when the parts do not add up to its crc32c.
     fn check_joint(&self, folds: Vec<Bound<'_, PyBytes>>) -> PyResult<()> {
         let mut state = self.state();

@@ -1,12 +1,17 @@
 """Loading as one job over the job's own ``torch.distributed`` process group.
 
 The ranks all-gather their requests over the group, each plans the whole job (the planner is
-deterministic: every rank gets the same plan), reads its own pieces from storage, and the ring
-exchange's messages move with torch's point-to-point ops on the same group: gloo for CPU groups,
-NCCL (messages staged in device memory) for NCCL-only groups. No second rendezvous, no extra port.
+deterministic: every rank gets the same plan) and reads its own pieces from storage; then the
+exchange protocol (tessera_loader::exchange::protocol, the one tessera's own transports run)
+says which messages to send and receive, and `_drive` moves them with torch's point-to-point
+ops on the same group: gloo for CPU groups, NCCL (messages staged in device memory) for
+NCCL-only groups. No second rendezvous, no extra port; three collectives before the first byte
+of the exchange moves (the requests; the status and the folds of boxes read in parts after
+planning and reading; the status after checking those boxes).
 
-Failures are agreed on: after planning and after reading, the ranks all-gather their status, so a
-rank that failed is named on every rank instead of leaving the others waiting for its messages.
+Failures are agreed on: after planning and reading, and after checking the boxes read in parts,
+the ranks all-gather their status, so a rank that failed is named on every rank instead of
+leaving the others waiting for its messages.
 """
 
 from __future__ import annotations
@@ -118,10 +123,14 @@ def _drive(
             return
         completions.put((done, None))
 
+    waiters: List[threading.Thread] = []
+
     def wait_for(peer: int, work: Any, kind: str, done: Any, keep: Any) -> None:
-        threading.Thread(
+        waiter = threading.Thread(
             target=wait, args=(work, peer, kind, done, keep), name=f"tessera-exchange-{peer}", daemon=True
-        ).start()
+        )
+        waiter.start()
+        waiters.append(waiter)
 
     def isend(buffer: Any, peer: int, tag: int) -> Any:
         return dist.isend(buffer, dst=global_rank(peer), group=group, tag=tag)
@@ -187,6 +196,11 @@ def _drive(
                 else:
                     data = buffer if buffer.device.type == "cpu" else buffer.cpu()
                     post(load.exchange_received(op, data, data.data_ptr(), data.numel()))
+        # Every operation posted has completed (the protocol heard of each that mattered; a
+        # framed length went before its message): let their waiters return before the caller
+        # may tear the group down under them.
+        for waiter in waiters:
+            waiter.join(max(0.0, deadline - time.monotonic()) + 1)
     except BaseException:
         # Peers whose shares this rank did not copy hear so now, and fail at once naming it.
         try:
@@ -233,25 +247,20 @@ def load_over_group(
         error, mine = e, "[]"
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)
+    folds = b""
     if error is None:
         try:
             # Direct copies between ranks of one host where the group moves host memory.
             load.plan(gathered, True, server, server_id, token, read_order, device.type == "cpu")
+            # This rank's folds of saved boxes several ranks read in parts ride on the agreement
+            # (one for planning and reading: a rank that failed to plan is named there too);
+            # every rank then checks the boxes it holds bytes of before anything is exchanged.
+            folds = load.read(progress)
+        except KeyboardInterrupt:
+            raise
         except Exception as e:
             error = e
-    _agree(dist, group, world, rank, "planning", error)
-
-    folds = b""
-    try:
-        load.read(progress)
-        # This rank's folds of saved boxes several ranks read in parts ride on the agreement;
-        # every rank then checks the boxes it holds bytes of before anything is exchanged.
-        folds = load.joint_folds()
-    except KeyboardInterrupt:
-        raise
-    except Exception as e:
-        error = e
-    everyone = _agree(dist, group, world, rank, "reading its pieces", error, folds)
+    everyone = _agree(dist, group, world, rank, "planning or reading its pieces", error, folds)
     try:
         load.check_joint(everyone)
     except Exception as e:
