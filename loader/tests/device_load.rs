@@ -15,7 +15,7 @@ use std::time::Duration;
 use support_read::{COLUMNS_TP3, DP2_TP2, WHOLE, expected_destination, rank_plans};
 use tessera_loader::LoaderError;
 use tessera_loader::checkpoint::Checkpoint;
-use tessera_loader::device::load::{DeviceExchange, OnHost, load_rank_to_device};
+use tessera_loader::device::load::{DeviceExchange, DeviceLoadedRank, OnHost, load_rank_to_device};
 use tessera_loader::device::staging::{StagingOptions, StagingPool};
 use tessera_loader::load::LoadOptions;
 use tessera_loader::read::ReadOptions;
@@ -218,35 +218,13 @@ async fn a_column_reshard_into_device_memory_uses_joint_checks_and_direct_copies
         plans.iter().any(|p| !p.joint_checks.is_empty()),
         "the plan has no joint checks"
     );
-    let world = plans.len() as u32;
-    let mesh = InProcTransport::mesh(world, transport_options());
-    let tasks: Vec<_> = plans
-        .iter()
-        .cloned()
-        .zip(mesh)
-        .map(|(plan, transport)| {
-            let checkpoint = checkpoint.clone();
-            tokio::spawn(async move {
-                let mut pool = staging();
-                let dests = destinations(&plan);
-                load_rank_to_device(
-                    &checkpoint,
-                    plan,
-                    &OnHost(transport),
-                    &mut pool,
-                    dests,
-                    &options(),
-                )
-                .await
-            })
-        })
-        .collect();
     let mut direct = 0;
-    for (task, plan) in tasks.into_iter().zip(&plans) {
-        let loaded = task
-            .await
-            .unwrap()
-            .unwrap_or_else(|e| panic!("rank {}: {e}", plan.rank));
+    for (loaded, plan) in load_on_host(&checkpoint, &plans)
+        .await
+        .into_iter()
+        .zip(&plans)
+    {
+        let loaded = loaded.unwrap_or_else(|e| panic!("rank {}: {e}", plan.rank));
         for (d, buffer) in loaded.buffers.iter().enumerate() {
             assert!(
                 buffer.to_vec() == expected_destination(plan, d),
@@ -304,32 +282,11 @@ async fn a_corrupt_byte_in_a_column_read_box_fails_the_device_load() {
     bytes[(chunk.bytes.offset + chunk.bytes.length / 2) as usize] ^= 0xFF;
     std::fs::write(&path, bytes).unwrap();
 
-    let world = plans.len() as u32;
-    let mesh = InProcTransport::mesh(world, transport_options());
-    let tasks: Vec<_> = plans
-        .iter()
-        .cloned()
-        .zip(mesh)
-        .map(|(plan, transport)| {
-            let checkpoint = checkpoint.clone();
-            tokio::spawn(async move {
-                let mut pool = staging();
-                let dests = destinations(&plan);
-                load_rank_to_device(
-                    &checkpoint,
-                    plan,
-                    &OnHost(transport),
-                    &mut pool,
-                    dests,
-                    &options(),
-                )
-                .await
-                .map(|_| ())
-            })
-        })
-        .collect();
-    for (task, plan) in tasks.into_iter().zip(&plans) {
-        let outcome = task.await.unwrap();
+    for (outcome, plan) in load_on_host(&checkpoint, &plans)
+        .await
+        .into_iter()
+        .zip(&plans)
+    {
         if !check.members.contains(&plan.rank) {
             continue;
         }
@@ -341,6 +298,35 @@ async fn a_corrupt_byte_in_a_column_read_box_fails_the_device_load() {
         );
         assert!(error.to_string().contains(fqn.as_str()), "{error}");
     }
+}
+
+/// Loads every rank of `plans` at once into emulated device memory, the exchange on the host over
+/// one in-process mesh; returns each rank's outcome in rank order.
+async fn load_on_host(
+    checkpoint: &Checkpoint,
+    plans: &[RankPlan],
+) -> Vec<Result<DeviceLoadedRank<HostMemory>, LoaderError>> {
+    let mesh = InProcTransport::mesh(plans.len() as u32, transport_options());
+    let tasks: Vec<_> = plans
+        .iter()
+        .cloned()
+        .zip(mesh)
+        .map(|(plan, transport)| {
+            let checkpoint = checkpoint.clone();
+            tokio::spawn(async move {
+                let mut pool = staging();
+                let dests = destinations(&plan);
+                let exchange = OnHost(transport);
+                load_rank_to_device(&checkpoint, plan, &exchange, &mut pool, dests, &options())
+                    .await
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for task in tasks {
+        outcomes.push(task.await.unwrap());
+    }
+    outcomes
 }
 
 /// Two data-parallel replicas of a tp=2 column split of every matrix; vectors and scalars whole.

@@ -22,7 +22,7 @@ use tessera_loader::exchange::direct::{
 };
 use tessera_loader::load::{LoadOptions, RankReport, load_rank};
 use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
-use tessera_planner::{Layout, PlanOptions, RankPlan, ReadOrder};
+use tessera_planner::{RankPlan, ReadOrder};
 use tessera_storage::testing::ThrottledStore;
 
 /// Every tensor on both ranks: with dedup each piece is read by one and copied by the other.
@@ -31,21 +31,6 @@ const REPLICATED_DP2: &str = r#"{"mesh": [{"name": "dp", "size": 2}],
 
 async fn checkpoint() -> (tempfile::TempDir, Checkpoint) {
     support_read::local_checkpoint().await
-}
-
-fn plans(checkpoint: &Checkpoint, layout: &str, read_order: ReadOrder) -> Vec<RankPlan> {
-    let requests = Layout::from_json(layout)
-        .unwrap()
-        .resolve(checkpoint.meta.tensors())
-        .unwrap();
-    let options = PlanOptions {
-        read_order,
-        ..PlanOptions::default()
-    };
-    let plan = checkpoint.plan(&requests, &options).unwrap();
-    (0..plan.world_size())
-        .map(|r| plan.rank_plan(r).unwrap())
-        .collect()
 }
 
 fn load_options() -> LoadOptions {
@@ -79,7 +64,7 @@ async fn ranks_copy_column_pieces_and_relays_straight_out_of_each_others_buffers
         (DP2_TP2, ReadOrder::Request),
         (COLUMNS_TP3, ReadOrder::Storage),
     ] {
-        let reports = load_all(&checkpoint, plans(&checkpoint, layout, order)).await;
+        let reports = load_all(&checkpoint, plans_in_read_order(&checkpoint, layout, order)).await;
         let received: u64 = reports.iter().map(|r| r.bytes_received).sum();
         assert!(received > 0, "{order:?}: the plan exchanges nothing");
         for report in &reports {
@@ -100,7 +85,7 @@ async fn against_a_hand_played_rank_0(
     end_exchange: bool,
 ) -> String {
     let (_dir, checkpoint) = checkpoint().await;
-    let plans = plans(&checkpoint, REPLICATED_DP2, ReadOrder::Request);
+    let plans = plans_in_read_order(&checkpoint, REPLICATED_DP2, ReadOrder::Request);
     let mut mesh =
         InProcTransport::mesh(2, TransportOptions::with_timeout(Duration::from_secs(10)));
     let rank1 = mesh.pop().unwrap();
@@ -207,7 +192,7 @@ async fn shares_sent_in_parts_as_their_pieces_are_read_land_every_byte() {
         (DP2_TP2, ReadOrder::Request, 64 * 1024),
         (COLUMNS_TP3, ReadOrder::Storage, 24 * 1024),
     ] {
-        let plans = plans(&checkpoint, layout, order);
+        let plans = plans_in_read_order(&checkpoint, layout, order);
         let mut several = 0;
         for plan in &plans {
             let parts = ExchangeMessages::of_plan_in_parts(plan, part_bytes).unwrap();

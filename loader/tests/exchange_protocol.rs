@@ -17,26 +17,11 @@ use tessera_loader::exchange::direct::Exposure;
 use tessera_loader::exchange::protocol::{Action, ExchangeProtocol};
 use tessera_loader::exchange::{place, relay};
 use tessera_loader::load::LoadOptions;
-use tessera_planner::{Layout, PlanOptions, RankPlan, ReadOrder};
+use tessera_planner::{RankPlan, ReadOrder};
 
 /// Every tensor on every rank of 3: with dedup each piece is read by one and sent to the others.
 const REPLICATED_DP3: &str = r#"{"mesh": [{"name": "dp", "size": 3}],
     "rules": [{"match": "*", "placements": ["replicate"]}]}"#;
-
-fn plans(checkpoint: &Checkpoint, layout: &str, read_order: ReadOrder) -> Vec<RankPlan> {
-    let requests = Layout::from_json(layout)
-        .unwrap()
-        .resolve(checkpoint.meta.tensors())
-        .unwrap();
-    let options = PlanOptions {
-        read_order,
-        ..PlanOptions::default()
-    };
-    let plan = checkpoint.plan(&requests, &options).unwrap();
-    (0..plan.world_size())
-        .map(|r| plan.rank_plan(r).unwrap())
-        .collect()
-}
 
 /// A message in flight between two ranks as a pair-tag driver sees it.
 struct Wire {
@@ -219,7 +204,7 @@ async fn a_pair_tag_driver_lands_every_byte_with_and_without_direct_copies() {
         (DP2_TP2, ReadOrder::Request),
         (COLUMNS_TP3, ReadOrder::Storage),
     ] {
-        let plans = plans(&checkpoint, layout, order);
+        let plans = plans_in_read_order(&checkpoint, layout, order);
         // Pieces read in storage order only to pass on get scratch buffers after the
         // destinations, as every driver gives them.
         let relaying: Vec<RankPlan> = plans
@@ -258,7 +243,7 @@ async fn pair_tags_and_framing_agree_between_sender_and_receiver() {
     // Every send's pair tag is a receive the peer posted with the same framing, whatever the
     // order the plan lists the pair's messages in (several groups and rounds per pair).
     let (_dir, checkpoint) = local_checkpoint().await;
-    let plans = plans(&checkpoint, DP2_TP2, ReadOrder::Request);
+    let plans = plans_in_read_order(&checkpoint, DP2_TP2, ReadOrder::Request);
     let (mut sends, mut receives) = (Vec::new(), Vec::new());
     for (rank, plan) in plans.iter().enumerate() {
         let mut buffers = place::allocate(plan);
@@ -297,7 +282,7 @@ async fn pair_tags_and_framing_agree_between_sender_and_receiver() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_share_or_answer_nobody_asked_for_fails_naming_the_peer() {
     let (_dir, checkpoint) = local_checkpoint().await;
-    let plans = plans(&checkpoint, REPLICATED_DP3, ReadOrder::Request);
+    let plans = plans_in_read_order(&checkpoint, REPLICATED_DP3, ReadOrder::Request);
     let plan = &plans[0];
     let messages = ExchangeMessages::of_plan(plan).unwrap();
     let expect = messages.incoming[0].clone();

@@ -68,61 +68,44 @@ pub trait Transport: Send + Sync {
     }
 }
 
-/// A shared transport (several tasks of one rank) is a transport.
-impl<T: Transport> Transport for std::sync::Arc<T> {
-    fn rank(&self) -> u32 {
-        (**self).rank()
-    }
+/// A transport shared by several tasks of one rank (`Arc`), or borrowed by a load that does not
+/// own the job's (`&`), is a transport.
+macro_rules! forward_transport {
+    ($($outer:ty),*) => {$(
+        impl<T: Transport> Transport for $outer {
+            fn rank(&self) -> u32 {
+                (**self).rank()
+            }
 
-    fn world(&self) -> u32 {
-        (**self).world()
-    }
+            fn world(&self) -> u32 {
+                (**self).world()
+            }
 
-    fn send(
-        &self,
-        to: u32,
-        tag: u64,
-        data: Bytes,
-    ) -> impl Future<Output = Result<(), LoaderError>> + Send {
-        (**self).send(to, tag, data)
-    }
+            fn send(
+                &self,
+                to: u32,
+                tag: u64,
+                data: Bytes,
+            ) -> impl Future<Output = Result<(), LoaderError>> + Send {
+                (**self).send(to, tag, data)
+            }
 
-    fn recv(&self, from: u32, tag: u64) -> impl Future<Output = Result<Bytes, LoaderError>> + Send {
-        (**self).recv(from, tag)
-    }
+            fn recv(
+                &self,
+                from: u32,
+                tag: u64,
+            ) -> impl Future<Output = Result<Bytes, LoaderError>> + Send {
+                (**self).recv(from, tag)
+            }
 
-    fn direct_copies(&self) -> bool {
-        (**self).direct_copies()
-    }
+            fn direct_copies(&self) -> bool {
+                (**self).direct_copies()
+            }
+        }
+    )*};
 }
 
-/// A borrowed transport is a transport (a load that does not own the job's).
-impl<T: Transport> Transport for &T {
-    fn rank(&self) -> u32 {
-        (**self).rank()
-    }
-
-    fn world(&self) -> u32 {
-        (**self).world()
-    }
-
-    fn send(
-        &self,
-        to: u32,
-        tag: u64,
-        data: Bytes,
-    ) -> impl Future<Output = Result<(), LoaderError>> + Send {
-        (**self).send(to, tag, data)
-    }
-
-    fn recv(&self, from: u32, tag: u64) -> impl Future<Output = Result<Bytes, LoaderError>> + Send {
-        (**self).recv(from, tag)
-    }
-
-    fn direct_copies(&self) -> bool {
-        (**self).direct_copies()
-    }
-}
+forward_transport!(std::sync::Arc<T>, &T);
 
 /// Options shared by the transports.
 #[derive(Clone, Debug, PartialEq, Eq)]

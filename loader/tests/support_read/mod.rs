@@ -192,6 +192,27 @@ pub fn rank_plans(meta: &Arc<CheckpointMeta>, layout: &str, dedup: bool) -> Vec<
         .collect()
 }
 
+/// Every rank's plan for `layout` (JSON) against `checkpoint` (its own checksum blocks) in
+/// `read_order`.
+pub fn plans_in_read_order(
+    checkpoint: &Checkpoint,
+    layout: &str,
+    read_order: tessera_planner::ReadOrder,
+) -> Vec<RankPlan> {
+    let requests = Layout::from_json(layout)
+        .unwrap()
+        .resolve(checkpoint.meta.tensors())
+        .unwrap();
+    let options = PlanOptions {
+        read_order,
+        ..PlanOptions::default()
+    };
+    let plan = checkpoint.plan(&requests, &options).unwrap();
+    (0..plan.world_size())
+        .map(|r| plan.rank_plan(r).unwrap())
+        .collect()
+}
+
 /// One rank that reads everything.
 pub const WHOLE: &str = r#"{"mesh": [{"name": "dp", "size": 1}],
     "rules": [{"match": "*", "placements": ["replicate"]}]}"#;
