@@ -66,9 +66,14 @@ fn destinations(plan: &RankPlan) -> Vec<HostMemory> {
         .collect()
 }
 
-/// Loads every rank of `plans` concurrently, rank `r` exchanging through `exchanges[r]`, and
-/// checks every rank's device buffers against the formula and its report against its plan.
-async fn load_all<X>(checkpoint: &Checkpoint, plans: &[RankPlan], exchanges: Vec<X>)
+/// Loads every rank of `plans` at once into emulated device memory, rank `r` exchanging through
+/// `exchanges[r]`; returns each rank's outcome in rank order. Every exchange lives until all ranks
+/// are done (a transport dropped early is a peer that died).
+async fn load_ranks<X>(
+    checkpoint: &Checkpoint,
+    plans: &[RankPlan],
+    exchanges: Vec<X>,
+) -> Vec<Result<DeviceLoadedRank<HostMemory>, LoaderError>>
 where
     X: DeviceExchange<HostMemory> + Send + 'static,
 {
@@ -92,7 +97,17 @@ where
     for task in tasks {
         outcomes.push(task.await.unwrap());
     }
-    for ((loaded, _), plan) in outcomes.into_iter().zip(plans) {
+    outcomes.into_iter().map(|(loaded, _)| loaded).collect()
+}
+
+/// Loads every rank of `plans` concurrently, rank `r` exchanging through `exchanges[r]`, and
+/// checks every rank's device buffers against the formula and its report against its plan.
+async fn load_all<X>(checkpoint: &Checkpoint, plans: &[RankPlan], exchanges: Vec<X>)
+where
+    X: DeviceExchange<HostMemory> + Send + 'static,
+{
+    let outcomes = load_ranks(checkpoint, plans, exchanges).await;
+    for (loaded, plan) in outcomes.into_iter().zip(plans) {
         let loaded = loaded.unwrap_or_else(|e| panic!("rank {}: {e}", plan.rank));
         assert_eq!(&loaded.plan, plan);
         for (d, buffer) in loaded.buffers.iter().enumerate() {
@@ -300,33 +315,13 @@ async fn a_corrupt_byte_in_a_column_read_box_fails_the_device_load() {
     }
 }
 
-/// Loads every rank of `plans` at once into emulated device memory, the exchange on the host over
-/// one in-process mesh; returns each rank's outcome in rank order.
+/// [`load_ranks`] with the exchange on the host over one in-process mesh.
 async fn load_on_host(
     checkpoint: &Checkpoint,
     plans: &[RankPlan],
 ) -> Vec<Result<DeviceLoadedRank<HostMemory>, LoaderError>> {
     let mesh = InProcTransport::mesh(plans.len() as u32, transport_options());
-    let tasks: Vec<_> = plans
-        .iter()
-        .cloned()
-        .zip(mesh)
-        .map(|(plan, transport)| {
-            let checkpoint = checkpoint.clone();
-            tokio::spawn(async move {
-                let mut pool = staging();
-                let dests = destinations(&plan);
-                let exchange = OnHost(transport);
-                load_rank_to_device(&checkpoint, plan, &exchange, &mut pool, dests, &options())
-                    .await
-            })
-        })
-        .collect();
-    let mut outcomes = Vec::new();
-    for task in tasks {
-        outcomes.push(task.await.unwrap());
-    }
-    outcomes
+    load_ranks(checkpoint, plans, mesh.into_iter().map(OnHost).collect()).await
 }
 
 /// Two data-parallel replicas of a tp=2 column split of every matrix; vectors and scalars whole.
