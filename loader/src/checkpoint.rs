@@ -198,9 +198,11 @@ impl Checkpoint {
     }
 
     /// Plans `requests` against this checkpoint (the embedded plan source). Storage-order slabs
-    /// are cut at this checkpoint's own checksum blocks when it has them.
+    /// are cut at this checkpoint's own checksum blocks when it has them, and the read order's
+    /// cost model prices a request as its store does (local files or an object store).
     pub fn plan(&self, requests: &RequestSet, options: &PlanOptions) -> Result<Plan, LoaderError> {
         let mut options = options.clone();
+        options.local_reads = self.location.kind() == tessera_storage::LocationKind::Local;
         if let Some(blocks) = &self.checksums {
             options.slab_alignment = blocks.block_size();
         }

@@ -12,8 +12,9 @@ use tessera_metadata::{BoxIndex, CheckpointMeta, Dims, TensorBox, TensorMeta};
 
 use crate::joint::{JointCheckPlan, joint_checks};
 use crate::read_order::{
-    DEFAULT_SLAB_ALIGNMENT, DEFAULT_SLAB_BYTES, MIN_CHUNK_BLOCKS, PieceCost, ReadOrder,
-    is_row_major, runs_of, slab_cuts, storage_order_pays,
+    DEFAULT_SLAB_ALIGNMENT, DEFAULT_SLAB_BYTES, LOCAL_REQUEST_COST_BYTES, MIN_CHUNK_BLOCKS,
+    PieceCost, REQUEST_COST_BYTES, ReadOrder, RequestPricing, is_row_major, runs_of, slab_cuts,
+    storage_order_pays,
 };
 use crate::request::{check_target, flat_range_to_boxes};
 use crate::summary::{PlanSummary, union_volume};
@@ -52,6 +53,11 @@ pub struct PlanOptions {
     /// instead of whole checksum blocks of every row. On by default; off makes every piece
     /// verified by blocks (side-by-side measurements).
     pub joint_checks: bool,
+    /// The ranks read the checkpoint from local files: a request costs the storage-order cost
+    /// model [`LOCAL_REQUEST_COST_BYTES`] instead of an object store's [`REQUEST_COST_BYTES`]
+    /// (false). The loader sets it from the checkpoint's location when it plans, the server
+    /// from its catalog's.
+    pub local_reads: bool,
 }
 
 impl Default for PlanOptions {
@@ -64,6 +70,7 @@ impl Default for PlanOptions {
             holder_read_max_bytes: 64 * 1024,
             holder_read_min_members: 16,
             joint_checks: true,
+            local_reads: false,
         }
     }
 }
@@ -703,14 +710,20 @@ fn storage_order(
                         holders: h.len(),
                     })
                     .collect();
-                storage_order_pays(
-                    chunk,
-                    esize,
-                    &costs,
-                    readers.len(),
-                    &cuts,
-                    options.slab_alignment,
-                )
+                // A box checked jointly is fetched per request exactly, without checksum
+                // blocks (its pieces partition it among its readers).
+                let exact = options.joint_checks && chunk.crc32c.is_some() && readers.len() > 1;
+                let request_cost = if options.local_reads {
+                    LOCAL_REQUEST_COST_BYTES
+                } else {
+                    REQUEST_COST_BYTES
+                };
+                let pricing = RequestPricing {
+                    alignment: options.slab_alignment,
+                    request_cost,
+                    exact,
+                };
+                storage_order_pays(chunk, esize, &costs, readers.len(), &cuts, pricing)
             }
         };
         if !chosen {

@@ -49,6 +49,14 @@ pub enum ReadOrder {
 /// chosen only where it wins even on a local disk.
 pub const REQUEST_COST_BYTES: u64 = 64 * 1024;
 
+/// What one request costs when the ranks read local files (`PlanOptions::local_reads`): 8 KiB.
+/// From the page cache a ranged read is a positioned read plus the loader's per-range work;
+/// measured in a 4-rank torch job (BENCHMARKS.md, issues 16 and 31): column slices of 16 KiB per
+/// row load 2.7x faster per request (0.63 s) than in storage order (1.69 s), slices of 0.5–2.8 KiB
+/// 1.75x slower (1.12 vs 0.64 s), about 3 µs per request against ~2.5 GB/s of copying, which puts
+/// the break-even near 8 KiB of transfer per request.
+pub const LOCAL_REQUEST_COST_BYTES: u64 = 8 * 1024;
+
 /// What a relayed byte costs (read by a rank that does not need it and passed on through the
 /// exchange), relative to a byte read from storage: 2. A relayed byte is read once like any
 /// other, then crosses the exchange once more (measured over TCP loopback at about the speed
@@ -156,6 +164,18 @@ fn fetched(run_bytes: u64, count: u64, span: u64, alignment: u64) -> u64 {
         .max(run_bytes * count)
 }
 
+/// How the cost model prices reading one chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RequestPricing {
+    /// The checksum block fetched around each run read per request (`slab_alignment`).
+    pub alignment: u64,
+    /// What one request costs, in bytes of transfer ([`REQUEST_COST_BYTES`], or
+    /// [`LOCAL_REQUEST_COST_BYTES`] for local files).
+    pub request_cost: u64,
+    /// The chunk is checked jointly: its pieces are fetched exactly, no checksum blocks.
+    pub exact: bool,
+}
+
 /// One piece of a chunk as the cost model sees it: its region and how many ranks need it.
 pub(crate) struct PieceCost<'a> {
     pub region: &'a TensorBox,
@@ -166,9 +186,11 @@ pub(crate) struct PieceCost<'a> {
 /// read by one of the `readers` ranks that need part of the chunk each) is cheaper than reading
 /// its `pieces` per request. Costs are in bytes of storage transfer:
 ///
-/// - per request: `requests × REQUEST_COST_BYTES + bytes fetched`, where every piece takes one
-///   request per contiguous run and fetches the checksum blocks around each run
-///   (`slab_alignment`), shared by the runs of one piece;
+/// - per request: `requests × request_cost + bytes fetched` (`request_cost`:
+///   [`REQUEST_COST_BYTES`], or [`LOCAL_REQUEST_COST_BYTES`] for local files), where every piece
+///   takes one request per contiguous run and fetches the checksum blocks around each run
+///   (`slab_alignment`), shared by the runs of one piece, unless the chunk is checked jointly
+///   (`exact`: its pieces are fetched as they are, their bytes only);
 /// - storage order: one request per slab (per `MAX_REQUEST_BYTES` of it), the blocks of the
 ///   slabs, and `EXCHANGE_COST_PER_BYTE` for every byte expected to be relayed: a piece needed by
 ///   h of the r ranks is read by a rank that does not need it with probability (r − h) / r.
@@ -181,8 +203,13 @@ pub(crate) fn storage_order_pays(
     pieces: &[PieceCost<'_>],
     readers: usize,
     cuts: &[u64],
-    alignment: u64,
+    pricing: RequestPricing,
 ) -> bool {
+    let RequestPricing {
+        alignment,
+        request_cost,
+        exact,
+    } = pricing;
     let lengths = &chunk.region.lengths;
     let chunk_bytes = chunk.region.numel() * esize;
     let needed: u64 = pieces.iter().map(|p| p.region.numel() * esize).sum();
@@ -209,10 +236,14 @@ pub(crate) fn storage_order_pays(
             * esize
             + run_bytes;
         requests += count + bytes / MAX_REQUEST_BYTES;
-        fetched_bytes += fetched(run_bytes, count, span, alignment);
+        fetched_bytes += if exact {
+            bytes
+        } else {
+            fetched(run_bytes, count, span, alignment)
+        };
         relayed += bytes / readers as u64 * (readers - p.holders.min(readers)) as u64;
     }
-    let request_cost = requests.saturating_mul(REQUEST_COST_BYTES) + fetched_bytes;
+    let per_request = requests.saturating_mul(request_cost) + fetched_bytes;
 
     let rows = cuts.last().copied().unwrap_or(0).max(1);
     let row_bytes = chunk_bytes / rows;
@@ -223,10 +254,10 @@ pub(crate) fn storage_order_pays(
         storage_requests += 1 + slab / MAX_REQUEST_BYTES;
         storage_fetched += fetched(slab, 1, slab, alignment);
     }
-    let storage_cost = storage_requests.saturating_mul(REQUEST_COST_BYTES)
+    let storage_cost = storage_requests.saturating_mul(request_cost)
         + storage_fetched
         + relayed.saturating_mul(EXCHANGE_COST_PER_BYTE);
-    storage_cost < request_cost
+    storage_cost < per_request
 }
 
 #[cfg(test)]
@@ -283,13 +314,89 @@ mod tests {
             .iter()
             .map(|region| PieceCost { region, holders: 1 })
             .collect();
-        assert!(storage_order_pays(&c, 4, &costs, 4, &cuts, 64 * 1024));
+        assert!(storage_order_pays(
+            &c,
+            4,
+            &costs,
+            4,
+            &cuts,
+            pricing(REQUEST_COST_BYTES, false)
+        ));
         let whole = [PieceCost {
             region: &c.region,
             holders: 1,
         }];
-        assert!(!storage_order_pays(&c, 4, &whole, 4, &cuts, 64 * 1024));
+        assert!(!storage_order_pays(
+            &c,
+            4,
+            &whole,
+            4,
+            &cuts,
+            pricing(REQUEST_COST_BYTES, false)
+        ));
         // Pieces that leave part of the chunk unread never pay: a slab would not be contiguous.
-        assert!(!storage_order_pays(&c, 4, &costs[..3], 4, &cuts, 64 * 1024));
+        assert!(!storage_order_pays(
+            &c,
+            4,
+            &costs[..3],
+            4,
+            &cuts,
+            pricing(REQUEST_COST_BYTES, false)
+        ));
+    }
+
+    fn pricing(request_cost: u64, exact: bool) -> RequestPricing {
+        RequestPricing {
+            alignment: 64 * 1024,
+            request_cost,
+            exact,
+        }
+    }
+
+    /// Column slices of a 4-rank Shard(1) load of one saved matrix whose rows are `row_bytes`.
+    fn column_reshard_pays(rows: u64, row_bytes: u64, request_cost: u64, exact: bool) -> bool {
+        let cols = row_bytes / 4;
+        let c = chunk(vec![0, 0], vec![rows, cols], 0);
+        let (_, cuts) = slab_cuts(&c, 4, 4, DEFAULT_SLAB_BYTES, DEFAULT_SLAB_ALIGNMENT).unwrap();
+        let columns: Vec<TensorBox> = (0..4)
+            .map(|i| TensorBox::new(vec![0, i * cols / 4], vec![rows, cols / 4]))
+            .collect();
+        let costs: Vec<PieceCost<'_>> = columns
+            .iter()
+            .map(|region| PieceCost { region, holders: 1 })
+            .collect();
+        storage_order_pays(&c, 4, &costs, 4, &cuts, pricing(request_cost, exact))
+    }
+
+    #[test]
+    fn local_column_slices_of_a_jointly_checked_box_are_read_per_request_when_rows_are_wide() {
+        // The measured cases (LOCAL_REQUEST_COST_BYTES): 16 KiB slices per row read per request,
+        // 0.5–2.8 KiB slices in storage order.
+        assert!(!column_reshard_pays(
+            4096,
+            64 * 1024,
+            LOCAL_REQUEST_COST_BYTES,
+            true
+        ));
+        assert!(column_reshard_pays(
+            4096,
+            4 * 1024,
+            LOCAL_REQUEST_COST_BYTES,
+            true
+        ));
+        // Object stores: a request costs a round trip, storage order wins for both.
+        assert!(column_reshard_pays(
+            4096,
+            64 * 1024,
+            REQUEST_COST_BYTES,
+            true
+        ));
+        // Without joint checks request order fetches the checksum blocks of every row.
+        assert!(column_reshard_pays(
+            4096,
+            64 * 1024,
+            LOCAL_REQUEST_COST_BYTES,
+            false
+        ));
     }
 }

@@ -106,8 +106,11 @@ pub(crate) async fn create(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<PlanCreated>, ApiError> {
     let body = body.map_err(|e| body_error(e, state.config()))?;
-    let request = parse_request(&body)?;
+    let mut request = parse_request(&body)?;
     let inner = &state.inner;
+    // The ranks read what this catalog holds: local files when its root is local, so the read
+    // order's cost model prices a request as a loader planning from the same files would.
+    request.options.local_reads = inner.local_root.is_some();
     let entry = inner.plans.create(&inner.catalog, request).await?;
     Ok(Json(entry.created()))
 }
