@@ -203,6 +203,7 @@ impl Checkpoint {
     pub fn plan(&self, requests: &RequestSet, options: &PlanOptions) -> Result<Plan, LoaderError> {
         let mut options = options.clone();
         options.local_reads = self.location.kind() == tessera_storage::LocationKind::Local;
+        options.block_checksums = self.checksums.is_some();
         if let Some(blocks) = &self.checksums {
             options.slab_alignment = blocks.block_size();
         }

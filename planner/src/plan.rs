@@ -58,6 +58,10 @@ pub struct PlanOptions {
     /// (false). The loader sets it from the checkpoint's location when it plans, the server
     /// from its catalog's.
     pub local_reads: bool,
+    /// The checkpoint has block checksums that reads per request widen to (true; the loader
+    /// says false for formats that record none, DCP and safetensors): the cost model then
+    /// counts the blocks around each run.
+    pub block_checksums: bool,
 }
 
 impl Default for PlanOptions {
@@ -71,6 +75,7 @@ impl Default for PlanOptions {
             holder_read_min_members: 16,
             joint_checks: true,
             local_reads: false,
+            block_checksums: true,
         }
     }
 }
@@ -710,9 +715,11 @@ fn storage_order(
                         holders: h.len(),
                     })
                     .collect();
-                // A box checked jointly is fetched per request exactly, without checksum
-                // blocks (its pieces partition it among its readers).
-                let exact = options.joint_checks && chunk.crc32c.is_some() && readers.len() > 1;
+                // Per request, pieces are fetched exactly (no checksum block around them) where
+                // the checkpoint has no block checksums, or the box is checked jointly (its
+                // pieces partition it among its readers).
+                let exact = !options.block_checksums
+                    || options.joint_checks && chunk.crc32c.is_some() && readers.len() > 1;
                 let request_cost = if options.local_reads {
                     LOCAL_REQUEST_COST_BYTES
                 } else {

@@ -321,7 +321,9 @@ pub(crate) struct PlanSpec {
 }
 
 impl PlanSpec {
-    pub(crate) fn new(request: ParsedRequest, opened: &OpenedCheckpoint) -> Self {
+    pub(crate) fn new(mut request: ParsedRequest, opened: &OpenedCheckpoint) -> Self {
+        // Only native checkpoints have block checksums that reads per request widen to.
+        request.options.block_checksums = opened.facts.format == tessera_metadata::Format::Native;
         let canonical = request.target.canonical();
         let id = plan_id(
             &opened.id,
