@@ -1,11 +1,19 @@
 //! The ring all-to-all of a rank plan: every member of a group hands the pieces it read for the
 //! group to every other member, one peer per round (round k: send to member i + k, receive from
-//! member i − k). One message per round carries the sender's whole share, the concatenation of
-//! its pieces' wire bytes in the order the round lists them; the tag names the group and round.
+//! member i − k). A round's share is the concatenation of its pieces' wire bytes in the order the
+//! round lists them, sent whole or, when large, in parts ([`SHARE_PART_BYTES`]); the tag names
+//! the group, round and part.
 //!
-//! All of a rank's sends are started together with all of its receives, whatever the group:
-//! transports buffer what arrives before it is asked for, so no interleaving of groups and ranks
-//! can deadlock, and a rank waits at most one transport timeout for its slowest peer.
+//! This module holds the messages ([`ExchangeMessages`]: which pieces go to whom, checked against
+//! the plan) and how bytes get in and out of a rank's buffers ([`place`], [`relay`] scratch for
+//! pieces read only to pass on, [`direct`] copies out of a peer's memory on one host). What is
+//! sent when is [`protocol`], a state machine without I/O that every path drives: the async
+//! driver over a `Transport` (`drive`, beside the reads) and the Python package over a torch
+//! process group.
+//!
+//! All of a rank's receives are posted at once, whatever the group: transports buffer what
+//! arrives before it is asked for, so no interleaving of groups and ranks can deadlock, and a rank
+//! waits at most one transport timeout for its slowest peer.
 
 pub mod direct;
 pub(crate) mod drive;

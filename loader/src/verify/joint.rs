@@ -2,7 +2,7 @@
 //! verified by its own crc32c from the parts, not by whole checksum blocks around every part.
 //!
 //! While reading, each reader folds the bytes it reads of the box into one 32-bit value
-//! ([`crate::verify::crc_fold`]; [`JointRead`]). After its reads, every rank sends each peer one message
+//! ([`crate::verify::crc_fold`]; `JointRead`). After its reads, every rank sends each peer one message
 //! (tag [`JOINT_TAG`]) with its folds of the checks that peer is a member of, and receives one
 //! from every reader of the checks it is a member of; then it checks every such box: the folds'
 //! byte counts add up to the box, their XOR to its crc32c ([`verify_joint_checks`]). Every
