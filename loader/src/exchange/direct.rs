@@ -18,6 +18,8 @@
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use bytes::{Buf, BufMut};
+
 const HELLO_MAGIC: &[u8; 4] = b"TSCH";
 const SHARE_MAGIC: &[u8; 4] = b"TSCS";
 const VERSION: u8 = 1;
@@ -96,13 +98,13 @@ impl Exposure {
     /// The hello announcing this exposure to peers (pid, token address, token value).
     pub fn hello(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(4 + 1 + 1 + 4 + 8 + 16);
-        out.extend_from_slice(HELLO_MAGIC);
-        out.push(VERSION);
-        out.push(1);
-        out.extend_from_slice(&std::process::id().to_le_bytes());
-        out.extend_from_slice(&(self.token.as_ptr() as u64).to_le_bytes());
-        out.extend_from_slice(&self.value[0].to_le_bytes());
-        out.extend_from_slice(&self.value[1].to_le_bytes());
+        out.put_slice(HELLO_MAGIC);
+        out.put_u8(VERSION);
+        out.put_u8(1);
+        out.put_u32_le(std::process::id());
+        out.put_u64_le(self.token.as_ptr() as u64);
+        out.put_u64_le(self.value[0]);
+        out.put_u64_le(self.value[1]);
         out
     }
 }
@@ -127,9 +129,9 @@ impl Drop for Exposure {
 /// The hello of a rank that does not offer direct copies.
 pub fn declining_hello() -> Vec<u8> {
     let mut out = Vec::with_capacity(6);
-    out.extend_from_slice(HELLO_MAGIC);
-    out.push(VERSION);
-    out.push(0);
+    out.put_slice(HELLO_MAGIC);
+    out.put_u8(VERSION);
+    out.put_u8(0);
     out
 }
 
@@ -261,17 +263,17 @@ impl ShareDescriptor {
     /// Encodes it for the transport.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(16 + self.pieces.len() * 12 + self.spans.len() * 16);
-        out.extend_from_slice(SHARE_MAGIC);
-        out.push(VERSION);
-        out.extend_from_slice(&(self.pieces.len() as u64).to_le_bytes());
+        out.put_slice(SHARE_MAGIC);
+        out.put_u8(VERSION);
+        out.put_u64_le(self.pieces.len() as u64);
         for &(id, bytes) in &self.pieces {
-            out.extend_from_slice(&id.to_le_bytes());
-            out.extend_from_slice(&bytes.to_le_bytes());
+            out.put_u32_le(id);
+            out.put_u64_le(bytes);
         }
-        out.extend_from_slice(&(self.spans.len() as u64).to_le_bytes());
+        out.put_u64_le(self.spans.len() as u64);
         for &(addr, len) in &self.spans {
-            out.extend_from_slice(&addr.to_le_bytes());
-            out.extend_from_slice(&len.to_le_bytes());
+            out.put_u64_le(addr);
+            out.put_u64_le(len);
         }
         out
     }
@@ -306,63 +308,65 @@ pub fn push_span(spans: &mut Vec<(u64, u64)>, addr: u64, len: u64) {
     }
 }
 
-/// Little-endian reader of the hand-shake's messages, with errors naming what it reads.
+/// Little-endian reader of the hand-shake's messages (`bytes::Buf` over the untrusted bytes,
+/// `try_get_*` only), with errors naming what it reads and where it ran out.
 struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
+    rest: &'a [u8],
+    len: usize,
     what: &'static str,
 }
 
 impl<'a> Reader<'a> {
     fn new(bytes: &'a [u8], what: &'static str) -> Self {
-        Reader { bytes, at: 0, what }
+        Reader {
+            rest: bytes,
+            len: bytes.len(),
+            what,
+        }
     }
 
-    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
-        let Some(slice) = self.bytes.get(self.at..self.at + n) else {
-            return Err(format!(
-                "a {}-byte {} ends early (byte {} of {})",
-                self.bytes.len(),
-                self.what,
-                self.at + n,
-                self.bytes.len()
-            ));
-        };
-        self.at += n;
-        Ok(slice)
+    /// The error of a read of `n` more bytes than are left.
+    fn short(&self, n: usize) -> String {
+        format!(
+            "a {}-byte {} ends early (byte {} of {})",
+            self.len,
+            self.what,
+            self.len - self.rest.remaining() + n,
+            self.len
+        )
     }
 
     fn magic(&mut self, magic: &[u8; 4]) -> Result<(), String> {
-        let got = self.take(5)?;
+        if self.rest.remaining() < 5 {
+            return Err(self.short(5));
+        }
+        let got = &self.rest[..5];
         if &got[..4] != magic || got[4] != VERSION {
             return Err(format!(
                 "not a version-{VERSION} {} (it starts {got:02x?})",
                 self.what
             ));
         }
+        self.rest.advance(5);
         Ok(())
     }
 
     fn u8(&mut self) -> Result<u8, String> {
-        Ok(self.take(1)?[0])
+        self.rest.try_get_u8().map_err(|_| self.short(1))
     }
 
     fn u32(&mut self) -> Result<u32, String> {
-        let mut b = [0u8; 4];
-        b.copy_from_slice(self.take(4)?);
-        Ok(u32::from_le_bytes(b))
+        self.rest.try_get_u32_le().map_err(|_| self.short(4))
     }
 
     fn u64(&mut self) -> Result<u64, String> {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(self.take(8)?);
-        Ok(u64::from_le_bytes(b))
+        self.rest.try_get_u64_le().map_err(|_| self.short(8))
     }
 
     /// A count of entries of `entry` bytes each, checked against what is left.
     fn len(&mut self, entry: usize) -> Result<usize, String> {
         let n = self.u64()?;
-        let left = (self.bytes.len() - self.at) / entry;
+        let left = self.rest.remaining() / entry;
         if n > left as u64 {
             return Err(format!(
                 "a {} lists {n} entries but holds at most {left}",
@@ -373,11 +377,11 @@ impl<'a> Reader<'a> {
     }
 
     fn end(&self) -> Result<(), String> {
-        if self.at != self.bytes.len() {
+        if self.rest.has_remaining() {
             return Err(format!(
                 "a {} has {} bytes after its end",
                 self.what,
-                self.bytes.len() - self.at
+                self.rest.remaining()
             ));
         }
         Ok(())
