@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use backon::{ExponentialBuilder, Retryable};
-use bytes::Bytes;
+use bytes::{Buf, BufMut, Bytes};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use tessera_storage::RetryPolicy;
@@ -161,8 +161,9 @@ impl TcpTransport {
             }
             writer.broken = Some("a send was abandoned mid-message".to_string());
             let mut header = [0u8; 16];
-            header[..8].copy_from_slice(&tag.to_le_bytes());
-            header[8..].copy_from_slice(&(data.len() as u64).to_le_bytes());
+            let mut at = &mut header[..];
+            at.put_u64_le(tag);
+            at.put_u64_le(data.len() as u64);
             let written = if data.len() < COALESCE_BELOW {
                 let mut frame = Vec::with_capacity(16 + data.len());
                 frame.extend_from_slice(&header);
@@ -252,7 +253,8 @@ async fn read_loop(mut read: OwnedReadHalf, peer: u32, mailbox: Arc<Mailbox>) {
             mailbox.peer_gone(peer, reason);
             return;
         }
-        let (tag, len) = (le_u64(&header[..8]), le_u64(&header[8..]));
+        let mut fields = &header[..];
+        let (tag, len) = (fields.get_u64_le(), fields.get_u64_le());
         if len > MAX_FRAME {
             mailbox.peer_gone(
                 peer,
@@ -293,12 +295,6 @@ async fn read_frame_body<R: AsyncRead + Unpin>(
     Ok(())
 }
 
-fn le_u64(bytes: &[u8]) -> u64 {
-    let mut b = [0u8; 8];
-    b.copy_from_slice(&bytes[..8]);
-    u64::from_le_bytes(b)
-}
-
 /// A per-process value that tells this job's connections from stale ones (a previous job on the
 /// same ports).
 fn new_session(port: u16) -> u64 {
@@ -329,8 +325,8 @@ async fn read_addr<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<Option<So
 
 fn put_addr(out: &mut Vec<u8>, addr: &SocketAddr) {
     let text = addr.to_string();
-    out.extend_from_slice(&(text.len() as u16).to_le_bytes());
-    out.extend_from_slice(text.as_bytes());
+    out.put_u16_le(text.len() as u16);
+    out.put_slice(text.as_bytes());
 }
 
 /// What a rank said when checking in with the master.
@@ -558,10 +554,10 @@ async fn master(
         table[hello.rank as usize] = hello.addr;
     }
     let mut message = Vec::new();
-    message.extend_from_slice(TABLE);
-    message.extend_from_slice(&VERSION.to_le_bytes());
-    message.extend_from_slice(&session.to_le_bytes());
-    message.extend_from_slice(&world.to_le_bytes());
+    message.put_slice(TABLE);
+    message.put_u32_le(VERSION);
+    message.put_u64_le(session);
+    message.put_u32_le(world);
     for addr in &table {
         put_addr(&mut message, addr);
     }
@@ -616,11 +612,11 @@ async fn worker(
         .map_err(|e| rendezvous(format!("rank {rank}: its listener has no address: {e}")))?;
 
     let mut hello = Vec::new();
-    hello.extend_from_slice(HELLO);
-    hello.extend_from_slice(&VERSION.to_le_bytes());
-    hello.extend_from_slice(&rank.to_le_bytes());
-    hello.extend_from_slice(&world.to_le_bytes());
-    hello.extend_from_slice(&config.job.to_le_bytes());
+    hello.put_slice(HELLO);
+    hello.put_u32_le(VERSION);
+    hello.put_u32_le(rank);
+    hello.put_u32_le(world);
+    hello.put_u64_le(config.job);
     put_addr(&mut hello, &own);
     let talk = async {
         stream.write_all(&hello).await?;
@@ -770,12 +766,12 @@ async fn build_mesh(
         };
         let mut stream = connect_retrying(addr, deadline, fail).await?;
         let mut shake = Vec::with_capacity(28);
-        shake.extend_from_slice(SHAKE);
-        shake.extend_from_slice(&VERSION.to_le_bytes());
-        shake.extend_from_slice(&session.to_le_bytes());
-        shake.extend_from_slice(&rank.to_le_bytes());
-        shake.extend_from_slice(&peer.to_le_bytes());
-        shake.extend_from_slice(&world.to_le_bytes());
+        shake.put_slice(SHAKE);
+        shake.put_u32_le(VERSION);
+        shake.put_u64_le(session);
+        shake.put_u32_le(rank);
+        shake.put_u32_le(peer);
+        shake.put_u32_le(world);
         let talk = async {
             stream.write_all(&shake).await?;
             let ok = read_magic(&mut stream, ACK).await? && stream.read_u32_le().await? == peer;
@@ -817,8 +813,8 @@ async fn build_mesh(
                         return Err(rendezvous(format!("rank {rank}: rank {} connected twice", shake.from)));
                     }
                     let mut ack = Vec::with_capacity(8);
-                    ack.extend_from_slice(ACK);
-                    ack.extend_from_slice(&rank.to_le_bytes());
+                    ack.put_slice(ACK);
+                    ack.put_u32_le(rank);
                     if shake.stream.write_all(&ack).await.is_err() {
                         continue;
                     }
