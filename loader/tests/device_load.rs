@@ -100,6 +100,17 @@ where
     outcomes.into_iter().map(|(loaded, _)| loaded).collect()
 }
 
+/// Every device buffer of `loaded` holds the formula's bytes of its destination.
+fn check_device_buffers(loaded: &DeviceLoadedRank<HostMemory>, plan: &RankPlan) {
+    for (d, buffer) in loaded.buffers.iter().enumerate() {
+        assert!(
+            buffer.to_vec() == expected_destination(plan, d),
+            "rank {} destination {d}: wrong bytes on the device",
+            plan.rank
+        );
+    }
+}
+
 /// Loads every rank of `plans` concurrently, rank `r` exchanging through `exchanges[r]`, and
 /// checks every rank's device buffers against the formula and its report against its plan.
 async fn load_all<X>(checkpoint: &Checkpoint, plans: &[RankPlan], exchanges: Vec<X>)
@@ -110,13 +121,7 @@ where
     for (loaded, plan) in outcomes.into_iter().zip(plans) {
         let loaded = loaded.unwrap_or_else(|e| panic!("rank {}: {e}", plan.rank));
         assert_eq!(&loaded.plan, plan);
-        for (d, buffer) in loaded.buffers.iter().enumerate() {
-            assert!(
-                buffer.to_vec() == expected_destination(plan, d),
-                "rank {} destination {d}: wrong bytes on the device",
-                plan.rank
-            );
-        }
+        check_device_buffers(&loaded, plan);
         let report = &loaded.report;
         assert_eq!(report.rank, plan.rank);
         assert_eq!(report.bytes_needed, plan.summary.bytes_needed);
@@ -240,13 +245,7 @@ async fn a_column_reshard_into_device_memory_uses_joint_checks_and_direct_copies
         .zip(&plans)
     {
         let loaded = loaded.unwrap_or_else(|e| panic!("rank {}: {e}", plan.rank));
-        for (d, buffer) in loaded.buffers.iter().enumerate() {
-            assert!(
-                buffer.to_vec() == expected_destination(plan, d),
-                "rank {} destination {d}: wrong bytes on the device",
-                plan.rank
-            );
-        }
+        check_device_buffers(&loaded, plan);
         let report = &loaded.report;
         assert_eq!(report.verify_extra_bytes, 0, "rank {}", plan.rank);
         assert_eq!(
