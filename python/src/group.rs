@@ -64,6 +64,9 @@ struct GroupState {
     /// storage order only to relay to others (`tessera_loader::exchange::relay`).
     buffers: Vec<Buffer>,
     plan: Option<Arc<RankPlan>>,
+    /// The plan's exchange messages, cut (and checked) when planned; the protocol takes them
+    /// when the exchange starts.
+    messages: Option<ExchangeMessages>,
     /// Whether the driver moves host memory, so that ranks of one host may copy directly.
     direct: bool,
     read: Option<(ReadStats, f64)>,
@@ -279,6 +282,7 @@ fn prepare(
         wanted,
         buffers,
         plan: None,
+        messages: None,
         direct: false,
         read: None,
         started: Instant::now(),
@@ -392,8 +396,10 @@ impl GroupLoad {
             }
             None => plan,
         };
-        // Checked now, so that a plan whose exchange does not add up fails before any read.
-        ExchangeMessages::of_plan_in_parts(&plan, WHOLE_SHARES).map_err(|e| py_error(e.into()))?;
+        // Cut now, so that a plan whose exchange does not add up fails before any read.
+        let messages = ExchangeMessages::of_plan_in_parts(&plan, WHOLE_SHARES)
+            .map_err(|e| py_error(e.into()))?;
+        state.messages = Some(messages);
         state.plan = Some(Arc::new(plan));
         state.direct = direct;
         Ok(())
@@ -479,10 +485,9 @@ impl GroupLoad {
         let result = (|| {
             state.check_read("exchanging")?;
             let plan = Arc::clone(state.plan("exchanging")?);
-            if state.protocol.is_some() {
+            let Some(messages) = state.messages.take() else {
                 bail!("rank {}: the exchange started twice", state.rank);
-            }
-            let messages = ExchangeMessages::of_plan_in_parts(&plan, WHOLE_SHARES)?;
+            };
             let hello = if state.direct {
                 let offers = state.cross_memory;
                 let exposure = state.exposure.get_or_insert_with(Exposure::new);
