@@ -235,14 +235,11 @@ pub(crate) fn parse_read_order(name: Option<&str>) -> PyResult<Option<ReadOrder>
 /// Load options: verification, the environment's side-by-side switches, and progress reported
 /// to a Python callback (`None`: none).
 pub(crate) fn load_options(verify: bool, progress: Option<Py<PyAny>>, total: u64) -> LoadOptions {
-    let mut options = LoadOptions {
-        read: ReadOptions {
-            verify,
-            ..ReadOptions::default()
-        },
-        ..LoadOptions::default()
+    let read = ReadOptions {
+        verify,
+        ..ReadOptions::default()
     };
-    LoadSwitches::from_env().apply_to_load(&mut options);
+    let mut options = tessera_ops::load::load_options(read, &LoadSwitches::from_env());
     if let Some(callback) = progress {
         let progress = Arc::new(Progress {
             callback,

@@ -163,17 +163,13 @@ fn check_device(args: &LoadArgs) -> Result<()> {
 
 /// The load's options from the flags and the environment's side-by-side switches.
 fn load_options(args: &LoadArgs, switches: &LoadSwitches) -> LoadOptions {
-    let mut options = LoadOptions {
-        read: ReadOptions {
-            verify: args.verify,
-            retry: args.retry.clone(),
-            coalesce_gap: args.coalesce_gap,
-            ..ReadOptions::default()
-        },
-        ..LoadOptions::default()
+    let read = ReadOptions {
+        verify: args.verify,
+        retry: args.retry.clone(),
+        coalesce_gap: args.coalesce_gap,
+        ..ReadOptions::default()
     };
-    switches.apply_to_load(&mut options);
-    options
+    tessera_ops::load::load_options(read, switches)
 }
 
 /// Runs the command; returns the report text.

@@ -8,7 +8,7 @@
 //! - [`LoadSwitches`] ([`switches`]): the `TESSERA_*` side-by-side switches, read by the front
 //!   ends and applied to [`LoadOptions`] and [`PlanOptions`]; the library crates read no
 //!   environment.
-//! - [`plan_options`]: the planner options of every load, the read order included: the
+//! - [`load_options`] and [`plan_options`]: the loader's and the planner's options of every load, the read order included: the
 //!   planner's cost model decides it ([`ReadOrder::Auto`]) unless the user names one.
 //! - [`load_rank`]: one rank's load into host buffers or, with the `cuda` feature, CUDA memory
 //!   ([`Destination`]): the same pipeline (reads overlapped with the ring exchange, direct
@@ -24,6 +24,7 @@ pub use switches::LoadSwitches;
 
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::load::{LoadOptions, RankReport, load_rank_into};
+use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::Transport;
 use tessera_planner::{PlanOptions, RankPlan, ReadOrder};
 
@@ -49,6 +50,17 @@ pub fn plan_options(
         ..PlanOptions::default()
     };
     switches.apply_to_plan(&mut options);
+    options
+}
+
+/// The load options of every front end: its read options (`read`: verification, retries, the
+/// coalescing gap) with the switches applied.
+pub fn load_options(read: ReadOptions, switches: &LoadSwitches) -> LoadOptions {
+    let mut options = LoadOptions {
+        read,
+        ..LoadOptions::default()
+    };
+    switches.apply_to_load(&mut options);
     options
 }
 
