@@ -227,6 +227,64 @@ async fn load_server_refuses_the_plan_of_another_checkpoint_under_the_same_id() 
     );
 }
 
+/// A plan server that lies about the same checkpoint: its identity is right (it passes the
+/// identity check) but a rank plan reads another data file of the checkpoint. The loader checks
+/// every piece against the metadata it opened and refuses, naming the rank and the piece, before
+/// reading anything (the campaign's `load --server` exited 0 with wrong bytes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_reading_another_file_of_the_same_checkpoint_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("catalog");
+    let ckpt = root.join(ID);
+    write_tiny(&ckpt, &layout_a()).await;
+    let server = RunningServer::start(ServerConfig::new(root.to_str().unwrap())).await;
+    let (status, created) = server
+        .post_plan(&plan_body(&megatron(2, 1, 1, false)))
+        .await;
+    assert_eq!(status, 200, "{created}");
+    let plans = rank_plans(&server, created["plan"].as_str().unwrap(), 2).await;
+    let checkpoint = Checkpoint::open(storage::open(ckpt.to_str().unwrap()).unwrap())
+        .await
+        .unwrap();
+    // Honest plans load the right bytes.
+    load_and_check(&checkpoint, plans.clone()).await;
+
+    let mut lying = plans;
+    let rank0 = &mut lying[0];
+    // Rank 0 reads part of every data file: two of its file names swapped.
+    assert!(rank0.files.len() >= 2, "{:?}", rank0.files);
+    rank0.files.swap(0, 1);
+    let (other, swapped) = (rank0.files[0].clone(), rank0.files[1].clone());
+    let mut transports = InProcTransport::mesh(2, TransportOptions::default());
+    let error = load_rank(
+        &checkpoint,
+        lying.remove(0),
+        &transports.remove(0),
+        &LoadOptions::default(),
+    )
+    .await
+    .unwrap_err();
+    let message = error.to_string();
+    assert!(
+        matches!(
+            error,
+            LoaderError::Plan(tessera_planner::PlanError::DisagreesWithCheckpoint { rank: 0, .. })
+        ),
+        "{message}"
+    );
+    for needle in [
+        "rank 0: the plan disagrees with the checkpoint's own metadata: piece ",
+        other.as_str(),
+        "no saved box of the tensor holds it",
+        "nothing was read",
+    ] {
+        assert!(
+            message.contains(needle),
+            "{needle:?} not in {message} (swapped {swapped})"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_checkpoint_is_409_read_once_and_fixing_it_clears_the_failure() {
     let dir = tempfile::tempdir().unwrap();

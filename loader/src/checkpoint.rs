@@ -74,7 +74,17 @@ impl Checkpoint {
     /// plan file older than identities) is refused too ([`LoaderError::PlanWithoutIdentity`]):
     /// nothing would tie its offsets to these files. Only metadata assembled in memory, which
     /// has no identity, loads plans unchecked.
+    ///
+    /// A plan of this version is then checked piece by piece against the metadata opened here
+    /// ([`RankPlan::check_against`]): a plan that reads another file or offset of the same
+    /// checkpoint, or places a piece elsewhere, is refused before anything is read.
     pub fn check_plan(&self, plan: &RankPlan) -> Result<(), LoaderError> {
+        self.check_plan_identity(plan)?;
+        Ok(plan.check_against(&self.meta)?)
+    }
+
+    /// The identity half of [`Checkpoint::check_plan`].
+    fn check_plan_identity(&self, plan: &RankPlan) -> Result<(), LoaderError> {
         match (plan.checkpoint_identity.as_deref(), self.meta.identity()) {
             (None, Some(opened)) => Err(LoaderError::PlanWithoutIdentity {
                 rank: plan.rank,

@@ -154,6 +154,19 @@ pub enum PlanError {
         /// World size.
         world: u32,
     },
+    /// A rank plan that disagrees with the metadata of the checkpoint it is executed against
+    /// ([`RankPlan::check_against`](crate::RankPlan::check_against)): executing it would read
+    /// or place bytes that are not the ones it names.
+    #[error(
+        "rank {rank}: the plan disagrees with the checkpoint's own metadata: {detail}; nothing \
+         was read (a plan server or plan file that does not match this checkpoint: plan it again)"
+    )]
+    DisagreesWithCheckpoint {
+        /// The rank whose plan it is.
+        rank: u32,
+        /// The first disagreement: the piece, tensor, destination or file.
+        detail: String,
+    },
     /// A mesh (or explicit request list) with more ranks than a plan may have: checked before
     /// anything per rank is allocated, so that a typo cannot wrap the rank count or exhaust memory.
     #[error("{field} gives {ranks} ranks, more than the {limit} a plan may have")]

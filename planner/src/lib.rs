@@ -30,6 +30,7 @@ mod layout;
 mod plan;
 pub mod presets;
 mod rank_plan;
+mod rank_plan_check;
 pub mod read_order;
 mod request;
 mod runs;

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
-use tessera_metadata::{TensorBox, TensorMeta, row_major_strides};
+use tessera_metadata::{SavedChunk, TensorBox, TensorMeta, row_major_strides};
 
 use crate::request::{flat_index, global_strides};
 use crate::runs::{Side, StridedRuns};
@@ -242,31 +242,11 @@ impl Plan {
                     let reads_it = p.reader == rank || p.read_by_holders;
                     let read = if reads_it {
                         let chunk = &chunks[p.chunk as usize];
-                        let src_strides = chunk.bytes.strides_for(&chunk.region.lengths);
-                        let rel = chunk.region.relative_offsets(&p.region);
-                        let origin = chunk.bytes.offset
-                            + esize
-                                * rel
-                                    .iter()
-                                    .zip(&src_strides)
-                                    .map(|(o, s)| o * s)
-                                    .sum::<u64>();
                         let file = *file_ids.entry(chunk.bytes.file).or_insert_with(|| {
                             files.push(meta.files()[chunk.bytes.file as usize].path.clone());
                             files.len() as u32 - 1
                         });
-                        let runs = StridedRuns::new(
-                            esize,
-                            &p.region.lengths,
-                            Side {
-                                origin,
-                                strides: &src_strides,
-                            },
-                            Side {
-                                origin: 0,
-                                strides: &wire_strides,
-                            },
-                        );
+                        let runs = source_runs(chunk, &p.region, esize);
                         summary.bytes_read += runs.total_bytes();
                         Some(SourceRead { file, runs })
                     } else {
@@ -348,6 +328,32 @@ impl Plan {
             joint_checks,
         })
     }
+}
+
+/// Runs from the file holding saved box `chunk` into the wire buffer (row-major) of its part
+/// `region`, elements of `esize` bytes.
+pub(crate) fn source_runs(chunk: &SavedChunk, region: &TensorBox, esize: u64) -> StridedRuns {
+    let src_strides = chunk.bytes.strides_for(&chunk.region.lengths);
+    let rel = chunk.region.relative_offsets(region);
+    let origin = chunk.bytes.offset
+        + esize
+            * rel
+                .iter()
+                .zip(&src_strides)
+                .map(|(o, s)| o * s)
+                .sum::<u64>();
+    StridedRuns::new(
+        esize,
+        &region.lengths,
+        Side {
+            origin,
+            strides: &src_strides,
+        },
+        Side {
+            origin: 0,
+            strides: &row_major_strides(&region.lengths),
+        },
+    )
 }
 
 /// Runs from a piece's wire buffer (row-major over `region`) into a destination buffer.

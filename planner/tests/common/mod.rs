@@ -172,6 +172,9 @@ pub fn plan_and_check(saved: &Saved, requests: &RequestSet, options: &PlanOption
         .collect();
     let buffers = execute(&rank_plans, saved);
     for (r, rp) in rank_plans.iter().enumerate() {
+        // What a loader checks before executing it: the plan agrees with the metadata.
+        rp.check_against(&saved.meta)
+            .unwrap_or_else(|e| panic!("rank {r}'s honest plan refused: {e}"));
         for (d, dest) in rp.destinations.iter().enumerate() {
             let tensor = &rp.tensors[dest.tensor as usize];
             let global = saved.meta.tensor_index(&tensor.fqn).unwrap();

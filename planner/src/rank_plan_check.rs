@@ -1,0 +1,195 @@
+//! Checking a rank plan against the checkpoint metadata the loader opened itself: a plan that
+//! came over the network (a plan server, a plan file) is only trusted as far as it agrees with
+//! what the planner would have derived from that metadata. The identity check ties a plan to a
+//! version of the checkpoint; this ties every piece to it: the tensor it names (dtype, shape), the
+//! saved box its bytes come from (file, offset, strides, length), and where it lands. A server
+//! that swaps one data file for another of the same checkpoint passes the identity check and is
+//! refused here.
+
+use std::collections::HashMap;
+
+use tessera_metadata::{BoxIndex, CheckpointMeta, TensorBox, TensorMeta, row_major_strides};
+
+use crate::rank_plan::{place_runs, source_runs};
+use crate::request::{flat_index, global_strides};
+use crate::{PlanError, RankPlan, Target};
+
+/// Above this many saved boxes a tensor's boxes are looked up through an index instead of a scan.
+const INDEX_ABOVE: usize = 32;
+
+impl RankPlan {
+    /// Refuses a plan that disagrees with `meta`, the metadata of the checkpoint it is executed
+    /// against: a tensor whose dtype or shape differs, a destination outside its tensor, a piece
+    /// outside its tensor or whose bytes, source file, offsets or strides are not those of a
+    /// saved box holding it, a placement that does not put the piece where its tensor coordinates
+    /// say. The error names the rank and the piece. Pure, and linear in the plan (each piece's
+    /// saved box is looked up through an index for tensors saved in many boxes).
+    pub fn check_against(&self, meta: &CheckpointMeta) -> Result<(), PlanError> {
+        let bad = |detail: String| PlanError::DisagreesWithCheckpoint {
+            rank: self.rank,
+            detail,
+        };
+        // The plan's tensors, as indices into the opened metadata.
+        let mut by_name: HashMap<&str, u32> = HashMap::with_capacity(meta.tensors().len());
+        for (i, t) in meta.tensors().iter().enumerate() {
+            by_name.insert(t.fqn.as_str(), i as u32);
+        }
+        let mut opened = Vec::with_capacity(self.tensors.len());
+        for t in &self.tensors {
+            let Some(&index) = by_name.get(t.fqn.as_str()) else {
+                return Err(bad(format!("tensor {} is not in the checkpoint", t.fqn)));
+            };
+            let there = &meta.tensors()[index as usize];
+            if there.dtype != t.dtype || there.shape != t.shape {
+                return Err(bad(format!(
+                    "tensor {} is {} {:?} in the plan but {} {:?} in the checkpoint",
+                    t.fqn, t.dtype, t.shape, there.dtype, there.shape
+                )));
+            }
+            opened.push(index);
+        }
+        let tensor_of = |local: u32, what: &str| -> Result<(&TensorMeta, u32), PlanError> {
+            match opened.get(local as usize) {
+                Some(&index) => Ok((&self.tensors[local as usize], index)),
+                None => Err(bad(format!(
+                    "{what} names tensor #{local} but the plan lists {} tensors",
+                    self.tensors.len()
+                ))),
+            }
+        };
+        for (d, dest) in self.destinations.iter().enumerate() {
+            let (tensor, _) = tensor_of(dest.tensor, &format!("destination {d}"))?;
+            let within = match &dest.target {
+                Target::Box(b) => inside(b, &tensor.shape),
+                Target::Flat { start, end } => start <= end && *end <= tensor.numel(),
+            };
+            if !within || dest.bytes != dest.target.numel() * tensor.dtype.size() {
+                return Err(bad(format!(
+                    "destination {d} ({} bytes of tensor {}, {:?}) is not a part of the tensor \
+                     {:?} of that size",
+                    dest.bytes, tensor.fqn, dest.target, tensor.shape
+                )));
+            }
+        }
+        let mut indexes: HashMap<u32, BoxIndex> = HashMap::new();
+        let mut candidates: Vec<u32> = Vec::new();
+        for piece in &self.pieces {
+            let (tensor, index) = tensor_of(piece.tensor, &format!("piece {}", piece.id))?;
+            let esize = tensor.dtype.size();
+            let piece_bad = |detail: String| {
+                bad(format!(
+                    "piece {} ({} {:?}+{:?}): {detail}",
+                    piece.id, tensor.fqn, piece.region.offsets, piece.region.lengths
+                ))
+            };
+            if !inside(&piece.region, &tensor.shape) {
+                return Err(piece_bad(format!(
+                    "outside the tensor's shape {:?}",
+                    tensor.shape
+                )));
+            }
+            if piece.bytes != piece.region.numel() * esize {
+                return Err(piece_bad(format!(
+                    "{} bytes where the box holds {}",
+                    piece.bytes,
+                    piece.region.numel() * esize
+                )));
+            }
+            if let Some(read) = &piece.read {
+                let Some(file) = self.files.get(read.file as usize) else {
+                    return Err(piece_bad(format!(
+                        "reads file #{} but the plan lists {} files",
+                        read.file,
+                        self.files.len()
+                    )));
+                };
+                let chunks = meta.chunks_of(index);
+                candidates.clear();
+                if chunks.len() > INDEX_ABOVE {
+                    indexes
+                        .entry(index)
+                        .or_insert_with(|| {
+                            BoxIndex::build(chunks.iter().map(|c| c.region.clone()).collect())
+                        })
+                        .query(&piece.region, &mut candidates);
+                } else {
+                    candidates.extend(0..chunks.len() as u32);
+                }
+                let matches = candidates.iter().any(|&c| {
+                    let chunk = &chunks[c as usize];
+                    chunk.region.contains(&piece.region)
+                        && meta
+                            .files()
+                            .get(chunk.bytes.file as usize)
+                            .is_some_and(|f| f.path == *file)
+                        && source_runs(chunk, &piece.region, esize) == read.runs
+                });
+                if !matches {
+                    return Err(piece_bad(format!(
+                        "no saved box of the tensor holds it at the bytes the plan reads ({file} \
+                         from byte {}, {} runs of {} bytes)",
+                        read.runs.src_offset,
+                        read.runs.num_runs(),
+                        read.runs.run_bytes
+                    )));
+                }
+            }
+            let wire = row_major_strides(&piece.region.lengths);
+            for place in &piece.places {
+                let Some(dest) = self.destinations.get(place.destination as usize) else {
+                    return Err(piece_bad(format!(
+                        "lands in destination {} but the plan has {}",
+                        place.destination,
+                        self.destinations.len()
+                    )));
+                };
+                let holds = dest.tensor == piece.tensor
+                    && match &dest.target {
+                        Target::Box(b) => b.contains(&piece.region),
+                        Target::Flat { start, end } => {
+                            // An empty piece lands nowhere.
+                            flat_span(&piece.region, &tensor.shape)
+                                .is_none_or(|(first, last)| *start <= first && last < *end)
+                        }
+                    };
+                if !holds || place_runs(tensor, &piece.region, &dest.target, &wire) != place.runs {
+                    return Err(piece_bad(format!(
+                        "its placement in destination {} ({:?} of tensor #{}) is not where the \
+                         piece lies in it",
+                        place.destination, dest.target, dest.tensor
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `b` is a box of a tensor of `shape` (same dims, inside it).
+fn inside(b: &TensorBox, shape: &[u64]) -> bool {
+    b.ndim() == shape.len()
+        && b.offsets
+            .iter()
+            .zip(&b.lengths)
+            .zip(shape)
+            .all(|((o, l), s)| o.checked_add(*l).is_some_and(|end| end <= *s))
+}
+
+/// The first and last element of a non-empty box in the tensor's row-major flattening (every
+/// element of the box lies between them).
+fn flat_span(b: &TensorBox, shape: &[u64]) -> Option<(u64, u64)> {
+    if b.is_empty() {
+        return None;
+    }
+    let strides = global_strides(shape);
+    let last: Vec<u64> = b
+        .offsets
+        .iter()
+        .zip(&b.lengths)
+        .map(|(o, l)| o + l - 1)
+        .collect();
+    Some((
+        flat_index(&b.offsets, &strides),
+        flat_index(&last, &strides),
+    ))
+}
