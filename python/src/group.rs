@@ -45,12 +45,15 @@ use crate::load::{
     single_device,
 };
 use crate::memory::{HostMemory, PyOwnedBytes, first_overlap};
-use crate::{block_on, py_error};
+use crate::{Cancel, block_on_cancellable, py_error};
 
 /// One rank's load over a process group (see the module docs).
 #[pyclass(frozen, module = "tessera._tessera")]
 pub struct GroupLoad {
     state: Mutex<GroupState>,
+    /// Set by `cancel` from the failure agreement's thread while `plan` or `read` runs (which
+    /// hold `state`): another rank failed, so this one stops within 100 ms.
+    cancel: Cancel,
 }
 
 struct GroupState {
@@ -225,6 +228,7 @@ pub fn group_load(
     prepare(&checkpoint, targets, rank, world, verify)
         .map(|state| GroupLoad {
             state: Mutex::new(state),
+            cancel: Cancel::default(),
         })
         .map_err(py_error)
 }
@@ -359,7 +363,7 @@ impl GroupLoad {
             }),
             None => None,
         };
-        let plan = block_on(py, async {
+        let plan = block_on_cancellable(py, Some(&self.cancel), async {
             rank_plan_for(
                 &checkpoint,
                 &location,
@@ -432,7 +436,7 @@ impl GroupLoad {
         let checkpoint = Arc::clone(&state.checkpoint);
         let started = Instant::now();
         let buffers = &mut state.buffers;
-        let stats = block_on(py, async {
+        let stats = block_on_cancellable(py, Some(&self.cancel), async {
             Ok(checkpoint.read_into(&plan, &options, buffers).await?)
         })?;
         let folds = joint::encode(state.verifying(), &stats.joint_folds);
@@ -580,6 +584,13 @@ impl GroupLoad {
             .map(|p| p.farewell())
             .unwrap_or_default();
         state.hand_out(actions)
+    }
+
+    /// Stops this rank's planning or reading within 100 ms, raising `reason`: another rank of the
+    /// job failed (the failure agreement calls this from its own thread; `plan` and `read` hold
+    /// the state's lock, this does not take it).
+    fn cancel(&self, reason: String) {
+        self.cancel.cancel(reason);
     }
 
     /// Ends this rank's offer of its memory: peers copying from it now fail rather than keep

@@ -57,6 +57,39 @@ fn block_on<T: Send>(
     py: Python<'_>,
     work: impl Future<Output = anyhow::Result<T>> + Send,
 ) -> PyResult<T> {
+    block_on_cancellable(py, None, work)
+}
+
+/// A reason to stop a wait, set from another thread (the process-group load's failure
+/// agreement: another rank failed, so this rank's read is abandoned within 100 ms).
+#[derive(Default)]
+pub(crate) struct Cancel(std::sync::Mutex<Option<String>>);
+
+impl Cancel {
+    /// Stops the wait, for `reason` (the first reason given is kept).
+    pub(crate) fn cancel(&self, reason: String) {
+        let mut slot = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        slot.get_or_insert(reason);
+    }
+
+    /// The reason, once cancelled.
+    pub(crate) fn reason(&self) -> Option<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+}
+
+/// [`block_on`], also stopping (with `TesseraError(reason)`) as soon as `cancel` is set.
+fn block_on_cancellable<T: Send>(
+    py: Python<'_>,
+    cancel: Option<&Cancel>,
+    work: impl Future<Output = anyhow::Result<T>> + Send,
+) -> PyResult<T> {
     let rt = runtime()?;
     py.detach(|| {
         rt.block_on(async {
@@ -66,7 +99,12 @@ fn block_on<T: Send>(
             loop {
                 tokio::select! {
                     done = &mut work => return done.map_err(py_error),
-                    _ = tick.tick() => Python::attach(|py| py.check_signals())?,
+                    _ = tick.tick() => {
+                        Python::attach(|py| py.check_signals())?;
+                        if let Some(reason) = cancel.and_then(Cancel::reason) {
+                            return Err(py_error(anyhow::anyhow!(reason)));
+                        }
+                    }
                 }
             }
         })

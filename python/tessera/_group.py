@@ -1,17 +1,17 @@
 """Loading as one job over the job's own ``torch.distributed`` process group.
 
-The ranks all-gather their requests over the group, each plans the whole job (the planner is
+The ranks gather their requests through the job's store, each plans the whole job (the planner is
 deterministic: every rank gets the same plan) and reads its own pieces from storage; then the
 exchange protocol (tessera_loader::exchange::protocol, the one tessera's own transports run)
 says which messages to send and receive, and `_drive` moves them with torch's point-to-point
 ops on the same group: gloo for CPU groups, NCCL (messages staged in device memory) for
-NCCL-only groups. No second rendezvous, no extra port; three collectives before the first byte
+NCCL-only groups. No second rendezvous, no extra port; three agreements before the first byte
 of the exchange moves (the requests; the status and the folds of boxes read in parts after
 planning and reading; the status after checking those boxes).
 
-Failures are agreed on: after planning and reading, and after checking the boxes read in parts,
-the ranks all-gather their status, so a rank that failed is named on every rank instead of
-leaving the others waiting for its messages.
+Failures are agreed on through the job's store, not the group (``_agreement``): a rank that
+fails is named on every rank within a poll, one that stops or dies within ``liveness`` seconds,
+and none waits for the group's own timeout.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import _tessera
+from . import _agreement, _tessera
 from ._tessera import TesseraError
 
 
@@ -53,23 +53,13 @@ def default_group(process_group: Any, exchange: Optional[bool]) -> Any:
     return dist.group.WORLD
 
 
-def _agree(
-    dist: Any, group: Any, world: int, rank: int, step: str, error: Optional[BaseException], payload: Any = None
-) -> List[Any]:
-    """All-gathers every rank's status after ``step`` (with ``payload``, returned in rank order
-    when every rank succeeded); raises on every rank if any rank failed, naming the first failed
-    rank and its error."""
-    status: List[Any] = [None] * world
-    mine = (None if error is None else f"{type(error).__name__}: {error}", payload)
-    dist.all_gather_object(status, mine, group=group)
-    failed = [(r, s[0]) for r, s in enumerate(status) if s[0] is not None]
-    if error is not None:
-        raise error
-    if failed:
-        r, message = failed[0]
-        others = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
-        raise TesseraError(f"rank {rank}: rank {r}{others} failed {step}: {message}")
-    return [s[1] for s in status]
+def _transport_error(error: BaseException) -> str:
+    """gloo's message without its source path and advice: ``Read error [addr]:port: Connection
+    reset by peer``."""
+    text = str(error).strip()
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically caused", 1)[0]
 
 
 # Kinds of the actions the exchange protocol hands this driver (see `_tessera.GroupLoad`).
@@ -88,7 +78,7 @@ def _host_view(address: int, nbytes: int) -> Any:
 
 def _drive(
     load: Any, dist: Any, group: Any, rank: int, device: Any, global_rank: Callable[[int], int],
-    timeout: float, deadline: float,
+    timeout: float, deadline: float, agreement: Any,
 ) -> None:
     """Moves the bytes the exchange protocol asks for with torch's point-to-point ops on
     ``group`` and tells it what completed, until it says the exchange is over. The protocol
@@ -117,8 +107,8 @@ def _drive(
             return
         except RuntimeError as e:
             completions.put((None, TesseraError(
-                f"rank {rank}: the exchange over the process group failed while it "
-                f"{'received from' if kind == 'recv' else 'sent to'} rank {peer}: {e}"
+                f"rank {rank}: rank {peer} failed or died during the exchange: the process group's "
+                f"{'receive from' if kind == 'recv' else 'send to'} it failed: {_transport_error(e)}"
             )))
             return
         completions.put((done, None))
@@ -171,6 +161,8 @@ def _drive(
             try:
                 done, error = completions.get(timeout=0.05)
             except queue.Empty:
+                # A peer that failed or stopped is named within seconds, not at the deadline.
+                agreement.watch("exchanging its pieces", load.exchange_waiting_on())
                 if time.monotonic() > deadline + 5:
                     error, done = TimeoutError("no completion"), None
                 else:
@@ -239,16 +231,18 @@ def load_over_group(
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     load = None
-    error: Optional[BaseException] = None
-    try:
-        load = _tessera.group_load(opened, targets, rank, world, verify)
-        mine = load.requests_json()
-    except Exception as e:  # every rank must reach the all-gather below
-        error, mine = e, "[]"
-    gathered: List[Any] = [None] * world
-    dist.all_gather_object(gathered, mine, group=group)
-    folds = b""
-    if error is None:
+    agreement = _agreement.for_group(
+        dist, group, rank, world, timeout, on_failure=lambda reason: load is not None and load.cancel(reason)
+    )
+    with agreement:
+        error: Optional[BaseException] = None
+        try:
+            load = _tessera.group_load(opened, targets, rank, world, verify)
+            mine = load.requests_json().encode()
+        except Exception as e:
+            error, mine = e, b""
+        gathered = [r.decode() for r in agreement.gather("preparing its requests", error, mine)]
+        folds = b""
         try:
             # Direct copies between ranks of one host where the group moves host memory.
             load.plan(gathered, True, server, server_id, token, read_order, device.type == "cpu")
@@ -256,25 +250,26 @@ def load_over_group(
             # (one for planning and reading: a rank that failed to plan is named there too);
             # every rank then checks the boxes it holds bytes of before anything is exchanged.
             folds = load.read(progress)
-        except KeyboardInterrupt:
-            raise
         except Exception as e:
             error = e
-    everyone = _agree(dist, group, world, rank, "planning or reading its pieces", error, folds)
-    try:
-        load.check_joint(everyone)
-    except Exception as e:
-        error = e
-    _agree(dist, group, world, rank, "checking the saved boxes read in parts", error)
+        everyone = agreement.gather("planning or reading its pieces", error, folds)
+        try:
+            load.check_joint(everyone)
+        except Exception as e:
+            error = e
+        agreement.gather("checking the saved boxes read in parts", error)
 
-    started = time.monotonic()
-    deadline = started + timeout
-    global_rank = lambda r: dist.get_global_rank(group, r) if group is not dist.group.WORLD else r  # noqa: E731
-    try:
-        _drive(load, dist, group, rank, device, global_rank, timeout, deadline)
-    finally:
-        # Peers still copying out of this rank's arrays fail from here on rather than keep
-        # bytes of arrays the caller may change.
-        load.close()
+        started = time.monotonic()
+        deadline = started + timeout
+        global_rank = lambda r: dist.get_global_rank(group, r) if group is not dist.group.WORLD else r  # noqa: E731
+        try:
+            _drive(load, dist, group, rank, device, global_rank, timeout, deadline, agreement)
+        except Exception as e:
+            agreement.fail_once("exchanging its pieces", e)
+            raise
+        finally:
+            # Peers still copying out of this rank's arrays fail from here on rather than keep
+            # bytes of arrays the caller may change.
+            load.close()
     return json.loads(load.finish(time.monotonic() - started))
 

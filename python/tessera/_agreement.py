@@ -1,0 +1,282 @@
+"""The failure agreement of a load over a torch process group, through the job's c10d store.
+
+Collectives on the job's group (``all_gather_object``) wait for the group's own timeout, 30
+minutes by default, and fail with a gloo error that names no rank. tessera's steps before the
+exchange (the requests; every rank's outcome of planning and reading; of checking the boxes
+read in parts) go through the job's key-value store instead, which every rank can poll with its
+own deadline:
+
+- a rank that fails publishes its failure at once (one key, the first failure kept); every rank
+  waiting in a step sees it within a poll and raises naming that rank and its error, and a rank
+  still planning or reading is cancelled within 100 ms (``GroupLoad.cancel``);
+- every rank that has started the load beats (a counter in the store, once a second, from a
+  thread: a rank stopped by SIGSTOP, a debugger, a stuck read in a system call or killed stops
+  beating); a waiting rank that sees a missing rank's beat stand still for ``liveness`` seconds
+  fails naming it, so every rank fails within ``liveness`` + a few seconds;
+- a rank that never arrives (never started the load) is waited for until ``timeout``, then named.
+
+Keys live under ``tessera/<group>/<n>/`` where n counts this process's loads over the group (every
+rank loads in the same order, as with any collective), so a failed load leaves nothing that a
+later one reads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ._tessera import TesseraError
+
+# How often a rank beats, and how long a waiting rank sleeps between looks at the store (the
+# poll grows from the first to the second, so short steps cost little and long ones few calls).
+_BEAT_S = 1.0
+_POLL_S = (0.005, 0.1)
+# Liveness scans cost one store call per rank: at most every this many seconds per 64 ranks.
+_SCAN_S_PER_64 = 1.0
+
+_loads: Dict[str, int] = {}
+_loads_lock = threading.Lock()
+
+
+class Agreement:
+    """One load's steps agreed through ``store`` by the ``world`` ranks of a group (this one is
+    ``rank``); see the module docs. ``on_failure(message)`` is called from the beat thread when
+    another rank's failure is seen while this rank works (not waits)."""
+
+    def __init__(
+        self,
+        store: Any,
+        group_name: str,
+        rank: int,
+        world: int,
+        timeout: float,
+        liveness: float,
+        on_failure: Optional[Callable[[str], None]] = None,
+    ) -> None:
+        with _loads_lock:
+            n = _loads.get(group_name, 0)
+            _loads[group_name] = n + 1
+        self._store = store
+        self._prefix = f"tessera/{group_name}/{n}"
+        self._rank, self._world = rank, world
+        self._timeout, self._liveness = timeout, min(liveness, timeout)
+        self._on_failure = on_failure
+        self._step = 0
+        self._stop = threading.Event()
+        self._beats = threading.Thread(target=self._beat, name="tessera-agreement", daemon=True)
+        self._store_error: Optional[BaseException] = None
+        # Whether a failure is already known to every rank (published here, or read from the
+        # store): nothing to publish when the load unwinds.
+        self._settled = False
+        # `watch`: when it next looks, and the beats of the ranks it watches (value, since).
+        self._next_watch = 0.0
+        self._watched: Dict[int, Tuple[int, float]] = {}
+
+    # -- keys -------------------------------------------------------------------------------
+    def _key(self, *parts: Any) -> str:
+        return "/".join([self._prefix, *map(str, parts)])
+
+    # -- the beat thread --------------------------------------------------------------------
+    def start(self) -> "Agreement":
+        self._store.add(self._key("beat", self._rank), 1)
+        self._beats.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._beats.is_alive():
+            self._beats.join(timeout=2 * _BEAT_S)
+
+    def __enter__(self) -> "Agreement":
+        return self.start()
+
+    def __exit__(self, _type: Any, error: Optional[BaseException], _tb: Any) -> None:
+        # Whatever left the load early (Ctrl-C, a bug) is this rank's failure: the others hear
+        # of it now rather than when its beat goes quiet.
+        if error is not None:
+            self.fail_once("loading", error)
+        self.close()
+
+    def _beat(self) -> None:
+        told = False
+        while not self._stop.wait(_BEAT_S):
+            try:
+                self._store.add(self._key("beat", self._rank), 1)
+                if not told and self._on_failure is not None and self._store.check([self._key("failed")]):
+                    told = True
+                    self._on_failure(self._failure_message(self._read_failure()))
+            except Exception as e:  # the store is gone: the waits will say so
+                self._store_error = e
+                return
+
+    # -- failures ---------------------------------------------------------------------------
+    def fail(self, step: str, error: BaseException) -> None:
+        """Publishes this rank's failure (the first failure of the job is kept)."""
+        self._settled = True
+        self._publish(self._rank, step, f"{type(error).__name__}: {error}")
+
+    def fail_once(self, step: str, error: BaseException) -> None:
+        """Publishes this rank's failure unless a failure is already known to every rank (this
+        rank's error reports another rank's)."""
+        if not self._settled:
+            self.fail(step, error)
+
+    def _publish(self, culprit: int, step: str, message: str) -> None:
+        try:
+            self._store.compare_set(self._key("failed"), "", f"{culprit}\n{step}\n{message}")
+        except Exception:  # the store is gone; this rank raises its own error anyway
+            pass
+
+    def _read_failure(self) -> Tuple[int, str, str]:
+        text = self._store.get(self._key("failed")).decode("utf-8", "replace")
+        rank, step, message = (text.split("\n", 2) + ["", ""])[:3]
+        return int(rank), step, message
+
+    def _failure_message(self, failure: Tuple[int, str, str]) -> str:
+        rank, step, message = failure
+        return f"rank {self._rank}: rank {rank} failed {step}: {message}"
+
+    # -- steps ------------------------------------------------------------------------------
+    def gather(self, step: str, error: Optional[BaseException], payload: bytes = b"") -> List[bytes]:
+        """Every rank's ``payload`` for ``step``, in rank order, once every rank got there without
+        failing. Raises this rank's ``error`` (after publishing it), or a ``TesseraError`` naming
+        the rank that failed, stopped or never arrived."""
+        self._step += 1
+        n = self._step
+        if error is not None:
+            self.fail(step, error)
+            raise error
+        try:
+            self._store.set(self._key(n, self._rank), payload)
+            arrived = self._store.add(self._key(n, "arrived"), 1)
+            if arrived < self._world:
+                self._wait(n, step)
+            return list(self._store.multi_get([self._key(n, r) for r in range(self._world)]))
+        except TesseraError:
+            raise
+        except Exception as e:
+            raise TesseraError(
+                f"rank {self._rank}: the job's store stopped answering while the ranks agreed on "
+                f"{step} (the process hosting it, rank 0's or torchrun's agent, died?): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+
+    def _wait(self, n: int, step: str) -> None:
+        store, world = self._store, self._world
+        started = time.monotonic()
+        deadline = started + self._timeout
+        scan_every = _SCAN_S_PER_64 * max(1.0, world / 64)
+        next_scan = started + min(scan_every, self._liveness / 2)
+        # Missing ranks that have started the load: (beat last seen, when it last changed).
+        beats: Dict[int, Tuple[int, float]] = {}
+        poll = _POLL_S[0]
+        while True:
+            if store.add(self._key(n, "arrived"), 0) >= world:
+                return
+            if store.check([self._key("failed")]):
+                self._settled = True
+                raise TesseraError(self._failure_message(self._read_failure()))
+            now = time.monotonic()
+            if now >= next_scan or now >= deadline:
+                next_scan = now + scan_every
+                missing = [r for r in range(world) if not store.check([self._key(n, r)])]
+                stalled = []
+                for r in missing:
+                    beat = store.add(self._key("beat", r), 0)
+                    seen, since = beats.get(r, (beat, now))
+                    if beat != seen:
+                        seen, since = beat, now
+                    beats[r] = (seen, since)
+                    if beat > 0 and now - since >= self._liveness:
+                        stalled.append(r)
+                if stalled:
+                    self._settled = True
+                    # Published as the stalled rank's failure, so every rank names it.
+                    self._publish(stalled[0], step, f"stopped: no sign of life for {self._liveness:g} s "
+                                  f"(stopped, hung in a system call, or killed; seen by rank {self._rank})")
+                    raise TesseraError(
+                        f"rank {self._rank}: rank {_ranks(stalled)} stopped while {step}: no sign of "
+                        f"life for {self._liveness:g} s (stopped, hung in a system call, or killed)"
+                    )
+                if now >= deadline and missing:
+                    self._settled = True
+                    self._publish(missing[0], step, f"did not arrive within {self._timeout:g} s "
+                                  f"(seen by rank {self._rank})")
+                    raise TesseraError(
+                        f"rank {self._rank}: rank {_ranks(missing)} did not reach {step} within "
+                        f"{self._timeout:g} s (timeout=): never started the load, or too slow"
+                    )
+            time.sleep(poll)
+            poll = min(poll * 2, _POLL_S[1])
+
+
+    def watch(self, step: str, ranks: List[int]) -> None:
+        """Raises (without waiting) when a rank published a failure, or one of ``ranks`` (those
+        this rank waits on) has not beaten for ``liveness`` seconds; cheap enough to call once a
+        second from a loop that waits on something else (the exchange)."""
+        now = time.monotonic()
+        if now < self._next_watch:
+            return
+        self._next_watch = now + _BEAT_S
+        store = self._store
+        try:
+            if store.check([self._key("failed")]):
+                self._settled = True
+                raise TesseraError(self._failure_message(self._read_failure()))
+            for r in ranks:
+                beat = store.add(self._key("beat", r), 0)
+                seen, since = self._watched.get(r, (beat, now))
+                if beat != seen:
+                    seen, since = beat, now
+                self._watched[r] = (seen, since)
+                if now - since >= self._liveness:
+                    self._settled = True
+                    self._publish(r, step, f"stopped: no sign of life for {self._liveness:g} s "
+                                  f"(stopped, hung in a system call, or killed; seen by rank {self._rank})")
+                    raise TesseraError(
+                        f"rank {self._rank}: rank {r} stopped while {step}: no sign of life for "
+                        f"{self._liveness:g} s (stopped, hung in a system call, or killed)"
+                    )
+        except TesseraError:
+            raise
+        except Exception:  # the store is gone: the exchange's own deadline still bounds the wait
+            return
+
+
+def _ranks(ranks: List[int]) -> str:
+    if len(ranks) == 1:
+        return str(ranks[0])
+    shown = ", ".join(map(str, ranks[:8]))
+    return f"{shown}{' …' if len(ranks) > 8 else ''} ({len(ranks)} ranks)"
+
+
+# Seconds without a beat after which a rank that started the load counts as stopped.
+DEFAULT_LIVENESS_S = 10.0
+
+
+def liveness_from_env() -> float:
+    """``TESSERA_LIVENESS_S``, else :data:`DEFAULT_LIVENESS_S`."""
+    import os
+
+    text = os.environ.get("TESSERA_LIVENESS_S")
+    if not text:
+        return DEFAULT_LIVENESS_S
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"TESSERA_LIVENESS_S={text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"TESSERA_LIVENESS_S={text!r} must be more than 0 seconds")
+    return value
+
+
+def for_group(dist: Any, group: Any, rank: int, world: int, timeout: float,
+              on_failure: Optional[Callable[[str], None]] = None) -> Agreement:
+    """The agreement of one load over ``group``, through the store of the job's default group,
+    with the liveness bound of ``TESSERA_LIVENESS_S`` (default 10 s, at most ``timeout``)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    name = getattr(group, "group_name", None) or "world"
+    return Agreement(store, name, rank, world, timeout, liveness_from_env(), on_failure)

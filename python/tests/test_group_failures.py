@@ -1,0 +1,135 @@
+"""A rank of a torch gloo job that fails, stops (SIGSTOP) or dies (SIGKILL) while tessera.load
+plans, reads or exchanges: every other rank fails within seconds, naming it, whatever the
+group's own timeout (30 minutes by default; 600 s here). Each case runs a real 3-rank job.
+
+The seconds from the fault to each survivor's error are printed (``-s`` shows them; BENCHMARKS.md
+"Failure bounds" has the table)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import expected_tensors, fixture
+
+import torch  # noqa: F401,E402  (make python-test installs it)
+
+import tessera  # noqa: E402
+
+C = "c_w4_dp2_tp2"
+WORLD = 3
+VICTIM = 1
+LIVENESS_S = 3.0
+
+
+class _Faulty:
+    """A GroupLoad whose ``phase`` method first does ``fault`` to this process (records when)."""
+
+    def __init__(self, inner, phase: str, fault: str, mark: Path) -> None:
+        self._inner, self._phase, self._fault, self._mark = inner, phase, fault, mark
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if name != self._phase:
+            return attr
+
+        def faulty(*args, **kwargs):
+            self._mark.write_text(str(time.time()))
+            if self._fault == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif self._fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            else:
+                raise RuntimeError(f"injected failure in {self._phase}")
+            return attr(*args, **kwargs)
+
+        return faulty
+
+
+def _rank(rank: int, port: int, phase: str, fault: str, out: str) -> None:
+    import datetime
+
+    import numpy as np
+    import torch.distributed as dist
+
+    from tessera import _tessera
+
+    os.environ["TESSERA_LIVENESS_S"] = str(LIVENESS_S)
+    # The job's store is hosted outside the ranks, as torchrun's agent hosts it: a rank that
+    # ends does not take it down.
+    store = dist.TCPStore("127.0.0.1", port, WORLD, False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=600)
+    )
+    if rank == VICTIM:
+        real = _tessera.group_load
+        mark = Path(out) / "fault"
+        _tessera.group_load = lambda *a, **k: _Faulty(real(*a, **k), phase, fault, mark)
+    tensors = expected_tensors(C)
+    # Every rank wants every tensor whole: pieces are read once and exchanged.
+    state = {f: np.empty(t["shape"], np.float32) for f, t in tensors.items() if t["dtype"] == "float32"}
+    result = {"rank": rank}
+    try:
+        tessera.load(state, str(fixture(C)), process_group=dist.group.WORLD, progress=False, timeout=120)
+        result["ok"] = True
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(e).__name__}: {e}"
+    result["at"] = time.time()
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # no teardown of a group whose peer is stopped or dead
+
+
+@pytest.mark.parametrize(
+    "phase,fault",
+    [
+        ("plan", "fail"),
+        ("read", "fail"),
+        ("plan", "stop"),
+        ("read", "stop"),
+        ("read", "kill"),
+        ("check_joint", "stop"),
+        ("exchange_start", "kill"),
+        ("exchange_start", "stop"),
+    ],
+)
+def test_every_rank_fails_within_seconds_naming_the_rank(tmp_path, phase, fault):
+    import datetime
+
+    import torch.distributed as dist
+
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    port = store.port
+    procs = [ctx.Process(target=_rank, args=(r, port, phase, fault, str(tmp_path))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    survivors = [r for r in range(WORLD) if r != VICTIM]
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not all((tmp_path / f"rank{r}.json").exists() for r in survivors):
+            time.sleep(0.1)
+        results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in survivors}
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+    fault_at = float((tmp_path / "fault").read_text())
+    # Failing outright is agreed within a poll; a silent rank within the liveness bound (plus
+    # the exchange's own bound once the exchange has begun).
+    bound = 5.0 if fault in ("fail", "kill") and phase.startswith("exchange") else LIVENESS_S + 6.0
+    if fault == "fail":
+        bound = 5.0
+    for r, result in results.items():
+        assert "error" in result, f"rank {r} reported success: {result}"
+        seconds = result["at"] - fault_at
+        print(f"{phase}/{fault}: rank {r} failed {seconds:.2f} s after rank {VICTIM}'s fault: {result['error']}")
+        assert f"rank {VICTIM}" in result["error"], result["error"]
+        assert "gloo" not in result["error"].lower(), result["error"]
+        assert seconds < bound, f"rank {r} took {seconds:.1f} s: {result['error']}"
