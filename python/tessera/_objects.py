@@ -46,6 +46,18 @@ def _torch_archive_pickle(data: bytes) -> bytes:
         names = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
         if len(names) != 1:
             raise NotPlainError(f"it is a zip with {len(names)} data.pkl entries, not a torch.save archive")
+        info = archive.getinfo(names[0])
+        # torch.save stores every member uncompressed. A compressed one is not torch's, and
+        # inflating it is unbounded (a 1 MiB member can become 1 GiB): refused, as the Rust
+        # readers refuse compressed members, without reading it.
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise ValueError(
+                f"its {names[0]} is compressed (zip method {info.compress_type}, {info.compress_size} bytes "
+                f"inflating to {info.file_size}): torch.save archives store members uncompressed, and "
+                "tessera does not inflate one"
+            )
+        if info.file_size > len(data):
+            raise ValueError(f"its {names[0]} claims {info.file_size} bytes in a {len(data)}-byte archive")
         return archive.read(names[0])
 
 

@@ -3,8 +3,10 @@ typed reports, Partial DTensors, Ctrl-C."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -213,3 +215,30 @@ def test_ctrl_c_interrupts_a_load_waiting_for_its_peers(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_compressed_object_member_is_refused_without_inflating_it():
+    # A torch.save-shaped archive whose data.pkl is deflated: 64 MiB of pickle in ~64 KiB.
+    import tracemalloc
+    import zipfile
+
+    from tessera import _objects
+
+    payload = pickle.dumps("x" * (64 << 20), protocol=4)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("archive/data.pkl", payload)
+    data = buffer.getvalue()
+    del payload
+    assert len(data) < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError) as refused:
+            _objects.decode("extra_state", data, None, allow_pickle=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    message = str(refused.value)
+    assert message.startswith("object extra_state: the stored bytes do not decode"), message
+    assert "archive/data.pkl is compressed" in message and "does not inflate" in message, message
+    assert peak < 8 << 20, f"{peak} bytes allocated: the member was inflated"
