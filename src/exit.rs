@@ -217,9 +217,9 @@ fn loader(e: &LoaderError) -> Option<ErrorClass> {
         LoaderError::Metadata(e) => metadata(e),
         LoaderError::Storage(e) => storage(e),
         LoaderError::MissingFile { .. } => Some(ErrorClass::NotFound),
-        LoaderError::ShortRead { .. } | LoaderError::Checksum { .. } => {
-            Some(ErrorClass::VerificationFailed)
-        }
+        LoaderError::ShortRead { .. }
+        | LoaderError::Checksum { .. }
+        | LoaderError::JointChecksum(_) => Some(ErrorClass::VerificationFailed),
         LoaderError::Transport { .. }
         | LoaderError::PeerTimeout { .. }
         | LoaderError::Rendezvous { .. } => Some(ErrorClass::PeerFailed),

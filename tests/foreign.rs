@@ -62,10 +62,13 @@ fn loads_like_torch(fixture: &str) {
         ])
         .text();
         assert!(report.contains("read amplification 1.00"), "{report}");
-        assert!(
-            report.contains("read in place without verification"),
-            "{report}"
-        );
+        let verified = if fixture.starts_with("f_hf") {
+            "read in place without verification"
+        } else {
+            // DCP: every blob's zip CRC-32, parts of a blob checked jointly by their readers.
+            "read in place, verified by each blob's zip CRC-32"
+        };
+        assert!(report.contains(verified), "{report}");
         check_reference(&dump, &json(&dir.join(format!("reference_{layout}.json"))));
     }
     let out = tmp.path().join("consolidated");
@@ -305,11 +308,20 @@ fn damaged_checkpoints_fail_naming_the_file() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = copy_fixture("a_w1_plain", tmp.path());
     let layout = dir.join("layout_w2_shard1.json");
-    // Flip a byte of the lm_head storage: loads cannot tell (no checksums), verify can.
+    // Flip a byte of the lm_head storage: verify and every load fail naming the blob (loads
+    // fold the blob's zip CRC-32 from the parts each rank reads: column halves, row thirds).
     let distcp = dir.join("__0_0.distcp");
     let mut bytes = std::fs::read(&distcp).unwrap();
     bytes[309355 + 1000] ^= 0x10;
     std::fs::write(&distcp, &bytes).unwrap();
+    for target in ["layout_w2_shard1.json", "layout_w3_shard0.json"] {
+        let err = support::fails_verifying(["load", s(&dir), "--layout", s(&dir.join(target))]);
+        assert!(
+            err.contains("checksum mismatch in __0_0.distcp bytes 310059..334635 (tensor model.lm_head.weight box [0..96, 0..64]), read in parts by ranks ")
+                && err.contains(": expected CRC-32 "),
+            "{target}: {err}"
+        );
+    }
     let err = support::fails_verifying(["verify", s(&dir)]);
     assert!(
         err.starts_with("error: bad blob in __0_0.distcp bytes 310059..334635 (tensor model.lm_head.weight chunk [0..96, 0..64]): storage crc32 "),

@@ -29,6 +29,7 @@ fn meta(tensors: Vec<TensorMeta>) -> CheckpointMeta {
                 strides: None,
             },
             crc32c: None,
+            crc32: None,
         })
         .collect();
     let files = vec![DataFile {

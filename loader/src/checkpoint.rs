@@ -145,11 +145,14 @@ impl Checkpoint {
         .await
     }
 
-    /// Whether a read of this checkpoint with `verify` checks its bytes: only when the checkpoint
-    /// has block checksums (DCP and safetensors record none). Such a read also folds its parts
-    /// of jointly checked boxes (see `read_runs`).
+    /// Whether a read of this checkpoint with `verify` checks its bytes: when the checkpoint has
+    /// block checksums (native) or checksums of its saved boxes (a DCP blob's zip CRC-32; parts
+    /// of boxes are checked jointly, see `verify::joint`). Safetensors records none. Such a read
+    /// also folds its parts of jointly checked boxes.
     pub fn verifies(&self, verify: bool) -> bool {
-        verify && self.checksums.is_some()
+        verify
+            && (self.checksums.is_some()
+                || self.meta.chunks().iter().any(|c| c.checksum().is_some()))
     }
 
     /// The step after the reads of a load whose reads fold joint checks

@@ -164,10 +164,12 @@ pub enum LoaderError {
 #[derive(Debug, Error)]
 #[error(
     "checksum mismatch in {path} bytes {start}..{end} ({entry}), read in parts by ranks \
-     {readers:?}: expected crc32c {expected:08x}, the parts fold to {actual:08x} over {bytes} \
-     bytes (checked on rank {rank})"
+     {readers:?}: expected {algorithm} {expected:08x}, the parts fold to {actual:08x} over \
+     {bytes} bytes (checked on rank {rank})"
 )]
 pub struct JointMismatch {
+    /// The checksum's algorithm (`crc32c`, or `CRC-32` for a DCP blob's zip entry).
+    pub algorithm: &'static str,
     /// The rank that checked.
     pub rank: u32,
     /// The box's data file.
@@ -182,7 +184,7 @@ pub struct JointMismatch {
     pub readers: Vec<u32>,
     /// Bytes the readers' folds cover (the box's length when the plan is sound).
     pub bytes: u64,
-    /// The crc32c the metadata records.
+    /// The checksum the metadata records.
     pub expected: u32,
     /// What the parts fold to.
     pub actual: u32,

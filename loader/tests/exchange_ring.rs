@@ -88,6 +88,7 @@ fn checkpoint(tensors: &[TensorMeta], saved_as: &Layout) -> Arc<CheckpointMeta> 
                     strides: None,
                 },
                 crc32c: None,
+                crc32: None,
             });
             offset += length;
         }

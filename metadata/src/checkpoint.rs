@@ -42,6 +42,45 @@ pub struct SavedChunk {
     pub bytes: ByteMeta,
     /// crc32c of the chunk's bytes when the format records one.
     pub crc32c: Option<u32>,
+    /// CRC-32 (IEEE, zip's) of exactly the chunk's stored bytes when the format records one and
+    /// not a crc32c: a DCP blob's zip entry, when its storage is the chunk's bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crc32: Option<u32>,
+}
+
+/// The checksum a format records over exactly one saved box's stored bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum BoxChecksum {
+    /// crc32c (Castagnoli): tessera's native format, ByteCheckpoint.
+    Crc32c(u32),
+    /// CRC-32 (IEEE): the zip entry of a DCP `torch.save` blob.
+    Crc32(u32),
+}
+
+impl BoxChecksum {
+    /// The recorded value.
+    pub fn value(self) -> u32 {
+        match self {
+            BoxChecksum::Crc32c(v) | BoxChecksum::Crc32(v) => v,
+        }
+    }
+
+    /// The algorithm's name, as messages show it.
+    pub fn algorithm(self) -> &'static str {
+        match self {
+            BoxChecksum::Crc32c(_) => "crc32c",
+            BoxChecksum::Crc32(_) => "CRC-32",
+        }
+    }
+}
+
+impl SavedChunk {
+    /// The checksum recorded over exactly this box's stored bytes, if any (crc32c first).
+    pub fn checksum(&self) -> Option<BoxChecksum> {
+        self.crc32c
+            .map(BoxChecksum::Crc32c)
+            .or(self.crc32.map(BoxChecksum::Crc32))
+    }
 }
 
 /// A non-tensor entry (step counters, configs, RNG states): an opaque byte range.

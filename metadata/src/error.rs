@@ -112,10 +112,11 @@ pub enum MetadataError {
         /// Checksum of what was read.
         actual: u32,
     },
-    /// A saved box (or object) whose bytes do not match the crc32c its metadata row records: the
-    /// block checksums can all be right while the metadata points a box at another box's bytes.
+    /// A saved box (or object) whose bytes do not match the checksum its metadata records (a
+    /// crc32c, or a DCP blob's zip CRC-32): the block checksums can all be right while the
+    /// metadata points a box at another box's bytes.
     #[error(
-        "checksum mismatch in {path} bytes {start}..{end} ({entry}): its metadata records crc32c {expected:08x}, the bytes have {actual:08x}"
+        "checksum mismatch in {path} bytes {start}..{end} ({entry}): its metadata records {algorithm} {expected:08x}, the bytes have {actual:08x}"
     )]
     BoxChecksumMismatch {
         /// Data file.
@@ -126,9 +127,11 @@ pub enum MetadataError {
         start: u64,
         /// One past its last byte.
         end: u64,
-        /// crc32c recorded in the metadata.
+        /// The checksum's algorithm: `crc32c`, or `CRC-32` (a DCP blob's zip entry).
+        algorithm: &'static str,
+        /// The checksum recorded in the metadata.
         expected: u32,
-        /// crc32c of the bytes read.
+        /// The checksum of the bytes read.
         actual: u32,
     },
     /// A directory that holds no manifest: an incomplete (or no) checkpoint.

@@ -66,6 +66,7 @@ pub fn flat_range_chunks(
             },
             region,
             crc32c: None,
+            crc32: None,
         })
         .collect()
 }

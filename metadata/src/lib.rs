@@ -15,7 +15,7 @@ mod tensor;
 mod validate;
 
 pub use box_index::BoxIndex;
-pub use checkpoint::{ByteMeta, CheckpointMeta, DataFile, ObjectMeta, SavedChunk};
+pub use checkpoint::{BoxChecksum, ByteMeta, CheckpointMeta, DataFile, ObjectMeta, SavedChunk};
 pub use dtype::DType;
 pub use error::MetadataError;
 pub use flat::{flat_range_chunks, flat_range_of_box, flat_range_to_boxes};

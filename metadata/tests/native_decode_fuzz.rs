@@ -31,6 +31,7 @@ fn sample() -> Vec<u8> {
                 strides,
             },
             crc32c: (length % 3 == 0).then_some(length as u32),
+            crc32: None,
         };
     let chunks = vec![
         chunk(0, vec![0, 0], vec![2, 6], 0, 24, None),
@@ -106,6 +107,7 @@ fn extreme_meta() -> impl Strategy<Value = CheckpointMeta> {
                             strides: strides.clone(),
                         },
                         crc32c: None,
+                        crc32: None,
                     },
                     SavedChunk {
                         tensor: 0,
@@ -117,6 +119,7 @@ fn extreme_meta() -> impl Strategy<Value = CheckpointMeta> {
                             strides,
                         },
                         crc32c: Some(1),
+                        crc32: None,
                     },
                 ];
                 let files = vec![DataFile {

@@ -35,6 +35,7 @@ fn a_million_rows_round_trip() {
                 strides: None,
             },
             crc32c: Some(r as u32),
+            crc32: None,
         })
         .collect();
     let files = (0..64)

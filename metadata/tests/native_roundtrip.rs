@@ -417,6 +417,7 @@ fn strided_meta() -> CheckpointMeta {
                 strides: Some(vec![1, 4]),
             },
             crc32c: None,
+            crc32: None,
         },
         SavedChunk {
             tensor: 0,
@@ -428,6 +429,7 @@ fn strided_meta() -> CheckpointMeta {
                 strides: None,
             },
             crc32c: Some(0xdead_beef),
+            crc32: None,
         },
         SavedChunk {
             tensor: 1,
@@ -439,6 +441,7 @@ fn strided_meta() -> CheckpointMeta {
                 strides: Some(vec![]),
             },
             crc32c: Some(7),
+            crc32: None,
         },
         SavedChunk {
             tensor: 2,
@@ -450,6 +453,7 @@ fn strided_meta() -> CheckpointMeta {
                 strides: None,
             },
             crc32c: None,
+            crc32: None,
         },
     ];
     let objects = vec![
@@ -506,6 +510,7 @@ fn a_file_without_rows_keeps_its_place() {
             strides: None,
         },
         crc32c: None,
+        crc32: None,
     }];
     let files = ["data/unused.bin", "data/used.bin"]
         .map(|p| DataFile {
@@ -562,6 +567,7 @@ fn metadata_of_more_than_one_batch_round_trips() {
                 strides: None,
             },
             crc32c: (r % 2 == 0).then_some(r as u32),
+            crc32: None,
         })
         .collect();
     let files = (0..3)

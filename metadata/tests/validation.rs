@@ -31,6 +31,7 @@ fn chunk(offsets: &[u64], lengths: &[u64], offset: u64, length: u64) -> SavedChu
             strides: None,
         },
         crc32c: None,
+        crc32: None,
     }
 }
 

@@ -10,7 +10,8 @@
 //! sum before it reports success.
 //!
 //! The planner only names the boxes and who takes part; it decides per saved chunk:
-//! - the chunk has a crc32c and is stored row-major (its bytes are one dense range);
+//! - the chunk has a checksum (crc32c, or a DCP blob's CRC-32) and is stored row-major (its
+//!   bytes are one dense range);
 //! - it is read per request (a storage-order slab is read whole rows at a time, where blocks
 //!   cost nothing extra), by at least two ranks, none of its pieces read by every holder;
 //! - its pieces partition it (pairwise disjoint, volumes summing to the chunk's), checked for
@@ -40,19 +41,23 @@ pub struct JointCheckPlan {
     pub members: Vec<u32>,
 }
 
-/// The joint checks of a plan's pieces (see the module doc), in chunk order.
+/// The joint checks of a plan's pieces (see the module doc), in chunk order. `block_checksums`:
+/// the checkpoint has checksum blocks, which verify whole rows and storage-order slabs cheaply;
+/// without them (DCP) every partitioned box with a checksum is checked jointly, slabs and
+/// single readers included, since nothing else can verify a part of it.
 pub(crate) fn joint_checks(
     meta: &CheckpointMeta,
     pieces: &[Piece],
     groups: &[Group],
+    block_checksums: bool,
 ) -> Vec<JointCheckPlan> {
     let chunks = meta.chunks();
-    // Only pieces of boxes with a recorded crc32c can take part (none in a metadata-only
+    // Only pieces of boxes with a recorded checksum can take part (none in a metadata-only
     // checkpoint): filtered before the sort, which is the cost of this pass.
     let mut by_chunk: Vec<(u32, u32)> = pieces
         .iter()
         .enumerate()
-        .filter(|(_, p)| chunks[p.chunk as usize].crc32c.is_some())
+        .filter(|(_, p)| chunks[p.chunk as usize].checksum().is_some())
         .map(|(i, p)| (p.chunk, i as u32))
         .collect();
     by_chunk.sort_unstable();
@@ -62,13 +67,14 @@ pub(crate) fn joint_checks(
         let chunk = &chunks[chunk_index as usize];
         let ids: Vec<u32> = same.iter().map(|&(_, i)| i).collect();
         let members_of = |i: u32| &groups[pieces[i as usize].group as usize].members;
-        if chunk.crc32c.is_none()
-            || !is_row_major(chunk)
+        if chunk.checksum().is_none()
+            || !(is_row_major(chunk) || !block_checksums && is_dense(chunk))
             || ids.len() < 2
             || ids.len() > MAX_PIECES
             || ids.iter().any(|&i| {
                 let p = &pieces[i as usize];
-                p.slab.is_some() || (p.read_by_holders && members_of(i).len() > 1)
+                (block_checksums && p.slab.is_some())
+                    || (p.read_by_holders && members_of(i).len() > 1)
             })
         {
             continue;
@@ -76,13 +82,14 @@ pub(crate) fn joint_checks(
         let mut readers: Vec<u32> = ids.iter().map(|&i| pieces[i as usize].reader).collect();
         readers.sort_unstable();
         readers.dedup();
-        if readers.len() < 2 {
+        if block_checksums && readers.len() < 2 {
             continue;
         }
         let lengths = &chunk.region.lengths;
-        let strided = ids
-            .iter()
-            .any(|&i| runs_of(lengths, &pieces[i as usize].region.lengths).1 > 1);
+        let strided = !block_checksums
+            || ids
+                .iter()
+                .any(|&i| runs_of(lengths, &pieces[i as usize].region.lengths).1 > 1);
         if !strided || !partitions(chunk.region.numel(), pieces, &ids) {
             continue;
         }
@@ -101,6 +108,31 @@ pub(crate) fn joint_checks(
         });
     }
     checks
+}
+
+/// True when a chunk's elements lie each once in one dense range of its file in some order of
+/// its dims (a transposed weight DCP saved as it was): its pieces then partition its bytes as
+/// they partition the box, and the readers' folds over file ranges add up to the range's crc.
+fn is_dense(chunk: &tessera_metadata::SavedChunk) -> bool {
+    let Some(strides) = &chunk.bytes.strides else {
+        return true;
+    };
+    let lengths = &chunk.region.lengths;
+    let mut dims: Vec<(u64, u64)> = strides
+        .iter()
+        .zip(lengths)
+        .filter(|(_, len)| **len > 1)
+        .map(|(s, l)| (*s, *l))
+        .collect();
+    dims.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+    let mut expect = 1u64;
+    for &(stride, len) in dims.iter().rev() {
+        if stride != expect {
+            return false;
+        }
+        expect = expect.saturating_mul(len);
+    }
+    true
 }
 
 /// True when the pieces `ids` (all inside one chunk of `numel` elements) are pairwise disjoint

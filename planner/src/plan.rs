@@ -719,7 +719,7 @@ fn storage_order(
                 // the checkpoint has no block checksums, or the box is checked jointly (its
                 // pieces partition it among its readers).
                 let exact = !options.block_checksums
-                    || options.joint_checks && chunk.crc32c.is_some() && readers.len() > 1;
+                    || options.joint_checks && chunk.checksum().is_some() && readers.len() > 1;
                 let request_cost = if options.local_reads {
                     LOCAL_REQUEST_COST_BYTES
                 } else {
@@ -1009,7 +1009,7 @@ impl PieceBuilder {
         }
 
         let joint_checks = if options.joint_checks {
-            joint_checks(meta, &self.pieces, &self.groups)
+            joint_checks(meta, &self.pieces, &self.groups, options.block_checksums)
         } else {
             Vec::new()
         };

@@ -278,6 +278,7 @@ mod tests {
                 strides: None,
             },
             crc32c: None,
+            crc32: None,
         }
     }
 

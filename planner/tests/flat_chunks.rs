@@ -134,6 +134,7 @@ fn save_mixed(tensors: Vec<TensorMeta>, files: u64, rng: &mut Rng) -> (Saved, us
                         },
                         region,
                         crc32c: None,
+                        crc32: None,
                     });
                 }
                 Stored::Flat(parent, points) => {

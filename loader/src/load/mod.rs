@@ -87,6 +87,10 @@ pub struct RankReport {
     /// need no checksum blocks): whole-box pieces, and small boxes of which a part was needed.
     #[serde(default)]
     pub boxes_verified: u64,
+    /// Bytes read while verifying that no checksum covered (parts of DCP blobs that no joint
+    /// check partitions, formats that record no checksums); 0 when not verifying.
+    #[serde(default)]
+    pub bytes_unverified: u64,
     /// Bytes the store returned: `bytes_fetched` plus the gaps between small ranges that one
     /// request spanned ([`ReadOptions::coalesce_gap`](crate::read::ReadOptions::coalesce_gap)).
     /// What the wire carried, counted per request, for every kind of store.
@@ -220,6 +224,7 @@ impl RankReport {
             ),
             io_amplification: ratio(stats.bytes_fetched, stats.bytes_needed),
             boxes_verified: stats.boxes_verified,
+            bytes_unverified: stats.bytes_unverified,
             bytes_transferred: stats.bytes_transferred,
             requests: stats.requests,
             retries: stats.retries,

@@ -29,7 +29,7 @@ use object_store::path::{Path, PathPart};
 use std::collections::HashMap;
 
 use tessera_metadata::formats::native::BlockChecksums;
-use tessera_metadata::{CheckpointMeta, MetadataError};
+use tessera_metadata::{BoxChecksum, CheckpointMeta, MetadataError};
 use tessera_planner::{RankPiece, RankPlan, StridedRuns};
 
 pub(crate) mod positioned;
@@ -38,6 +38,7 @@ pub mod scheduler;
 use crate::LoaderError;
 use crate::read::positioned::{LocalFiles, PositionedRead};
 use crate::read::scheduler::{FileRange, RangeScheduler, SourceFile, union_len};
+use crate::verify::crc_fold::Crc;
 use crate::verify::joint::JointRead;
 
 pub use crate::read::scheduler::{
@@ -61,6 +62,10 @@ pub struct ReadStats {
     /// Saved boxes fetched whole and checked against their metadata row's crc32c instead of
     /// block checksums (pieces that are whole boxes, and small boxes of which a piece is a part).
     pub boxes_verified: u64,
+    /// Bytes read while verifying that no checksum covered: parts of saved boxes of a format
+    /// without checksum blocks (DCP) that no joint check partitions, and boxes whose format
+    /// records no checksum. 0 when not verifying.
+    pub bytes_unverified: u64,
     /// Bytes the store returned: `bytes_fetched` plus the gaps that requests spanning several
     /// small parts fetched ([`ReadOptions::coalesce_gap`]).
     pub bytes_transferred: u64,
@@ -317,7 +322,7 @@ async fn read_runs(
     // (joint checks): their pieces are fetched exactly, without checksum blocks, and folded.
     let mut joint: Vec<JointRead> = Vec::new();
     let mut joint_of: HashMap<u32, usize> = HashMap::new();
-    if let (true, Some(_), Some(meta)) = (options.joint_checks, block_checksums, meta) {
+    if let (true, Some(meta)) = (options.joint_checks && options.verify, meta) {
         for check in plan.joint_checks.iter().filter(|c| !c.pieces.is_empty()) {
             let saved = crate::verify::joint::saved_box(meta, plan, check)?;
             let Some(file) = plan.files.iter().position(|f| *f == saved.key) else {
@@ -347,6 +352,7 @@ async fn read_runs(
     let mut positioned_checks: Vec<BoxCrc> = Vec::new();
     let mut pieces = 0usize;
     let mut bytes_needed = 0u64;
+    let mut bytes_unverified = 0u64;
     for (index, piece) in plan.pieces.iter().enumerate() {
         let Some(read) = &piece.read else {
             continue;
@@ -384,6 +390,9 @@ async fn read_runs(
                 .as_mut()
                 .and_then(|b| b.whole_box(plan, piece, &runs, (read.file, file)));
             if own_box.is_some() || block_checksums.is_none() {
+                if own_box.is_none() && options.verify {
+                    bytes_unverified += runs.total;
+                }
                 local.open(read.file, file)?;
                 let check = own_box.map(|check| {
                     positioned_checks.push(check);
@@ -466,6 +475,11 @@ async fn read_runs(
             }
             None => {
                 ranges.extend_from_slice(&piece_ranges);
+                if block_checksums.is_none() && options.verify {
+                    // No checksum covers a part of a box read alone (a format without
+                    // blocks, a box no joint check partitions): said in the report.
+                    bytes_unverified += runs.total;
+                }
                 None
             }
         };
@@ -597,6 +611,7 @@ async fn read_runs(
         },
         bytes_verified: fetched.bytes_verified,
         boxes_verified,
+        bytes_unverified,
         bytes_transferred: fetched.bytes_transferred + positioned_bytes,
         requests: fetched.requests + positioned_reads,
         parts: fetched.parts + positioned_reads,
@@ -637,7 +652,7 @@ async fn read_by_position(
                     len,
                     dest: source.dest,
                     dst_start: source.dst_start + at,
-                    crc: source.check.is_some(),
+                    crc: source.check.map(|c| Crc::of(checks[c].expected)),
                 },
             ));
             at += len;
@@ -756,7 +771,7 @@ impl<'a> BoxLookup<'a> {
             .chunks_of(tensor)
             .iter()
             .find(|c| c.region == piece.region)?;
-        let expected = chunk.crc32c?;
+        let expected = chunk.checksum()?;
         let same_bytes = meta.files().get(chunk.bytes.file as usize)?.path == file.key
             && chunk.bytes.offset == runs.src_offset
             && chunk.bytes.length == runs.total;
@@ -798,7 +813,7 @@ impl<'a> BoxLookup<'a> {
             entry: format!("tensor {fqn} box {}", chunk.region),
             start: chunk.bytes.offset,
             end: chunk.bytes.offset.checked_add(chunk.bytes.length)?,
-            expected: chunk.crc32c?,
+            expected: chunk.checksum()?,
             folded: 0,
             segments: Vec::new(),
         })
@@ -838,7 +853,7 @@ fn block_cost(
     Ok(union_len(covering))
 }
 
-/// The crc32c of a whole saved box, assembled from the parts that hold its bytes.
+/// The checksum of a whole saved box, assembled from the parts that hold its bytes.
 #[derive(Debug)]
 struct BoxCrc {
     /// Index into the plan's files.
@@ -848,10 +863,10 @@ struct BoxCrc {
     entry: String,
     start: u64,
     end: u64,
-    expected: u32,
+    expected: BoxChecksum,
     /// Bytes of the box folded in so far.
     folded: u64,
-    /// (file offset, crc32c, length) of the box's bytes in each part seen so far.
+    /// (file offset, crc, length) of the box's bytes in each part seen so far.
     segments: Vec<(u64, u32, u64)>,
 }
 
@@ -863,12 +878,12 @@ impl BoxCrc {
         let (lo, hi) = (self.start.max(start), self.end.min(end));
         if lo < hi {
             let slice = &bytes[(lo - start) as usize..(hi - start) as usize];
-            self.add(lo, crc32c::crc32c(slice), hi - lo);
+            self.add(lo, Crc::of(self.expected).checksum(slice), hi - lo);
         }
         lo < hi
     }
 
-    /// Adds the crc32c of the box's `len` bytes at file offset `offset` (read elsewhere).
+    /// Adds the crc of the box's `len` bytes at file offset `offset` (read elsewhere).
     fn add(&mut self, offset: u64, crc: u32, len: u64) {
         self.segments.push((offset, crc, len));
         self.folded += len;
@@ -879,7 +894,7 @@ impl BoxCrc {
         self.folded >= self.end - self.start
     }
 
-    /// Combines the segments in file order and compares with the recorded crc32c.
+    /// Combines the segments in file order and compares with the recorded checksum.
     fn finish(&mut self) -> Result<(), LoaderError> {
         self.segments.sort_unstable_by_key(|s| s.0);
         let mut at = self.start;
@@ -895,16 +910,17 @@ impl BoxCrc {
                     ),
                 });
             }
-            crc = crc32c::crc32c_combine(crc, part, len as usize);
+            crc = Crc::of(self.expected).combine(crc, part, len);
             at += len;
         }
-        if crc != self.expected || at != self.end {
+        if crc != self.expected.value() || at != self.end {
             return Err(MetadataError::BoxChecksumMismatch {
                 path: self.path.clone(),
                 entry: std::mem::take(&mut self.entry),
                 start: self.start,
                 end: self.end,
-                expected: self.expected,
+                algorithm: self.expected.algorithm(),
+                expected: self.expected.value(),
                 actual: crc,
             }
             .into());

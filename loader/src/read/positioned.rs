@@ -25,9 +25,10 @@ use std::path::PathBuf;
 
 use crate::LoaderError;
 use crate::read::scheduler::SourceFile;
+use crate::verify::crc_fold::Crc;
 
 /// One positioned read: `len` bytes of plan file `file` from `offset`, into destination `dest`
-/// from byte `dst_start`; with `crc`, the crc32c of the bytes read is returned too (a saved box
+/// from byte `dst_start`; with `crc`, that crc of the bytes read is returned too (a saved box
 /// checked against its metadata row).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct PositionedRead {
@@ -38,7 +39,7 @@ pub(crate) struct PositionedRead {
     /// Index into the destination buffers.
     pub dest: usize,
     pub dst_start: u64,
-    pub crc: bool,
+    pub crc: Option<Crc>,
 }
 
 /// The local files of a read, opened on first use.
@@ -196,7 +197,7 @@ fn split_destinations<'b, B: AsMut<[u8]>>(
     Ok(targets.into_iter().flatten().collect())
 }
 
-/// Reads `read` into `target` (its exact length) and returns its crc32c when asked.
+/// Reads `read` into `target` (its exact length) and returns its crc when asked.
 fn read_one(
     files: &LocalFiles,
     sources: &[SourceFile],
@@ -210,7 +211,7 @@ fn read_one(
             .map_or_else(|| format!("file #{}", read.file), |s| s.path.to_string())
     };
     read_exact_at(file, target, read.offset, files.bounce, path)?;
-    Ok(if read.crc { crc32c::crc32c(target) } else { 0 })
+    Ok(read.crc.map_or(0, |crc| crc.checksum(target)))
 }
 
 /// Whether the store path `path` can be read by position: it maps to a file name as written.
@@ -352,7 +353,7 @@ mod tests {
             len,
             dest,
             dst_start,
-            crc: true,
+            crc: Some(Crc::Crc32c),
         }
     }
 

@@ -15,14 +15,14 @@
 use std::collections::{BTreeMap, HashMap};
 
 use bytes::{BufMut, Bytes, BytesMut};
-use tessera_metadata::CheckpointMeta;
+use tessera_metadata::{BoxChecksum, CheckpointMeta};
 use tessera_planner::{JointCheck, RankPlan};
 
 use crate::LoaderError;
 use crate::error::JointMismatch;
 use crate::read::scheduler::FileRange;
 use crate::transport::Transport;
-use crate::verify::crc_fold::{Fold, crc_of_folds};
+use crate::verify::crc_fold::{Crc, Fold, crc_of_folds};
 
 /// Transport tag of the folds message. Exchange tags keep their top two bits clear; the
 /// hand-shake uses [`crate::exchange::direct::HELLO_TAG`] and the tag after it.
@@ -49,7 +49,8 @@ pub(crate) struct JointBox {
     pub key: String,
     pub start: u64,
     pub end: u64,
-    pub crc32c: u32,
+    /// The checksum recorded over exactly its bytes.
+    pub checksum: BoxChecksum,
     /// "tensor X box [..]", for errors.
     pub entry: String,
 }
@@ -78,9 +79,9 @@ pub(crate) fn saved_box(
         .iter()
         .find(|c| c.region == check.region)
         .ok_or_else(|| bad(&format!("the checkpoint saved no {entry}")))?;
-    let crc32c = chunk
-        .crc32c
-        .ok_or_else(|| bad(&format!("the checkpoint records no crc32c for {entry}")))?;
+    let checksum = chunk
+        .checksum()
+        .ok_or_else(|| bad(&format!("the checkpoint records no checksum for {entry}")))?;
     let key = meta
         .files()
         .get(chunk.bytes.file as usize)
@@ -91,7 +92,7 @@ pub(crate) fn saved_box(
         key,
         start: chunk.bytes.offset,
         end: chunk.bytes.offset + chunk.bytes.length,
-        crc32c,
+        checksum,
         entry,
     })
 }
@@ -109,13 +110,13 @@ pub(crate) struct JointRead {
 
 impl JointRead {
     pub fn new(check: u32, file: u32, saved: JointBox) -> JointRead {
-        let len = saved.end - saved.start;
+        let (len, crc) = (saved.end - saved.start, Crc::of(saved.checksum));
         JointRead {
             check,
             file,
             saved,
             ranges: Vec::new(),
-            fold: Fold::new(len),
+            fold: Fold::new(crc, len),
         }
     }
 
@@ -364,8 +365,8 @@ pub fn check_joint_boxes(
             xor ^= fold.fold;
         }
         let len = saved.end - saved.start;
-        let actual = crc_of_folds(len, xor);
-        if bytes != len || actual != saved.crc32c {
+        let actual = crc_of_folds(Crc::of(saved.checksum), len, xor);
+        if bytes != len || actual != saved.checksum.value() {
             return Err(LoaderError::JointChecksum(Box::new(JointMismatch {
                 rank: me,
                 path: saved.key,
@@ -374,7 +375,8 @@ pub fn check_joint_boxes(
                 end: saved.end,
                 readers: check.readers.clone(),
                 bytes,
-                expected: saved.crc32c,
+                algorithm: saved.checksum.algorithm(),
+                expected: saved.checksum.value(),
                 actual,
             })));
         }

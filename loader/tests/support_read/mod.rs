@@ -408,6 +408,7 @@ pub async fn write_transposed(
             strides: Some(vec![1, rows]),
         },
         crc32c: None,
+        crc32: None,
     };
     let meta = CheckpointMeta::new(
         vec![tensor],

@@ -104,6 +104,7 @@ pub fn save_boxes(tensors: Vec<TensorMeta>, files: Vec<Vec<StoredBox>>) -> Saved
                     strides: b.strides,
                 },
                 // The box's own crc32c, as native checkpoints record it (joint checks need one).
+                crc32: None,
                 crc32c: Some(crc32c::crc32c(stored)),
             });
         }

@@ -718,6 +718,7 @@ fn locate(
             strides: stored_strides(&descriptor.stride, &region.lengths),
         },
         crc32c: None,
+        crc32: None,
     })
 }
 

@@ -445,6 +445,14 @@ pub async fn open_dcp(
                         strides,
                     },
                     crc32c: None,
+                    // The zip's CRC-32 covers the blob's whole storage: a check of this box
+                    // exactly when the storage is the box's bytes, each once (torch.save of
+                    // DCP's clones: no storage offset, no gaps, no element stored twice).
+                    crc32: blob.data_crc32.filter(|_| {
+                        blob.storage_offset == 0
+                            && span == blob.data_len
+                            && region_numel(&chunk.sizes).checked_mul(esize) == Some(span)
+                    }),
                 }),
                 Some(r) => {
                     // A flat range of one TP-local box: its elements lie back to back.
@@ -602,4 +610,9 @@ fn merge(mut parts: Vec<DcpMetadata>, prefix: &Path) -> Result<DcpMetadata, Meta
         }
     }
     Ok(out)
+}
+
+/// Elements of a box of `sizes` (saturating: only compared with a byte count).
+fn region_numel(sizes: &[u64]) -> u64 {
+    sizes.iter().fold(1u64, |n, &s| n.saturating_mul(s))
 }

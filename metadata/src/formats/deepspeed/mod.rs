@@ -297,6 +297,7 @@ impl<'a> Located<'a> {
                 strides: (!same && !sizes.contains(&0)).then(|| self.tensor.stride.clone()),
             },
             crc32c: None,
+            crc32: None,
         })
     }
 }

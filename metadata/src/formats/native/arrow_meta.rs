@@ -836,6 +836,7 @@ impl<'p> Decoder<'p> {
                 strides,
             },
             crc32c,
+            crc32: None,
         });
         Ok(())
     }

@@ -64,6 +64,7 @@ impl BadBox {
             entry: self.entry.clone(),
             start: self.start,
             end: self.end,
+            algorithm: "crc32c",
             expected: self.expected,
             actual: self.actual,
         }

@@ -653,6 +653,7 @@ impl DataFileWriter {
                 strides: None,
             },
             crc32c,
+            crc32: None,
         });
     }
 

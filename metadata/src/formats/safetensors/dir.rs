@@ -485,6 +485,7 @@ fn build_meta(
                 region,
                 bytes,
                 crc32c: None,
+                crc32: None,
             });
         }
         tensors.push(TensorMeta::new(name, p.dtype, p.shape));
