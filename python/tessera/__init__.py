@@ -62,6 +62,16 @@ Progress = Callable[[int, int], None]
 Target = Union[Any, Box, Flat, Tuple[Any, Sequence[int]]]
 
 
+def _warn_unverified(checkpoint: str, verify: bool, unverified: int) -> None:
+    """Warns when a load asked to verify read bytes that no checksum covered."""
+    if verify and unverified > 0:
+        warnings.warn(
+            f"{unverified} bytes of {checkpoint} were read without a checksum to check them against "
+            "(parts of saved boxes that no joint check covers, or a format that records none)",
+            stacklevel=3,
+        )
+
+
 class _Report:
     """Dict-style access too (``report["bytes_read"]``), as the reports were dicts before."""
 
@@ -91,8 +101,11 @@ class LoadReport(_Report):
     read_amplification: float = 1.0
     #: ``bytes_fetched`` / ``bytes_read``, verification included.
     io_amplification: float = 1.0
-    #: Saved boxes verified by their own crc32c.
+    #: Saved boxes verified by their own checksum (crc32c, or a DCP blob's zip CRC-32).
     boxes_verified: int = 0
+    #: Bytes read with ``verify=True`` that no checksum covered (parts of DCP blobs that no
+    #: joint check partitions, formats that record none); a warning says so when not 0.
+    bytes_unverified: int = 0
     #: Bytes the store returned (what the wire carried).
     bytes_transferred: int = 0
     #: Storage requests and retried ones.
@@ -463,6 +476,7 @@ def load(
     for name, value in raw.items():
         if hasattr(report, name):
             setattr(report, name, value)
+    _warn_unverified(str(checkpoint_id), bool(verify), report.bytes_unverified)
 
     h2d_started = time.monotonic()
     for dst, staged in copy_back:

@@ -38,6 +38,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+import tessera as _api
+
 from . import _objects, _tessera
 from ._tessera import TesseraError
 
@@ -224,6 +226,7 @@ class StorageReader(dcp.StorageReader):
                 self.verify, True, _NO_PEERS_TIMEOUT_S, None,
             )
             self.report = json.loads(report)
+            _api._warn_unverified(self.path, bool(self.verify), int(self.report.get("bytes_unverified", 0)))
         for r in regions:
             if r.into is not r.dest:
                 r.dest.copy_(r.into)  # DCP's own copy: casts, and moves to the device
