@@ -201,7 +201,7 @@ fn loading_the_saved_layout_fetches_no_checksum_blocks() {
     assert_eq!(u(totals, "bytes_fetched"), u(totals, "bytes_read"));
     assert_eq!(f(totals, "io_amplification"), 1.0);
     assert!(
-        text.contains("(0 B only to verify: checksum blocks, boxes read whole; 181 boxes checked by their own crc32c;"),
+        text.contains("(0 B only to verify: checksum blocks, boxes read whole; 181 boxes checked by their own checksum;"),
         "{text}"
     );
 }
