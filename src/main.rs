@@ -358,7 +358,8 @@ enum Command {
         /// keep-alive connection is kept).
         #[arg(long, default_value_t = commands::serve::DEFAULT_HEADER_TIMEOUT_SECS)]
         header_timeout_secs: u64,
-        /// Seconds a request may take to send its body once its head is in (408 past it).
+        /// Seconds a request may take to send its whole body, counted once from the end of its
+        /// head (408 past it).
         #[arg(long, default_value_t = commands::serve::DEFAULT_BODY_TIMEOUT_SECS)]
         body_timeout_secs: u64,
         /// Connections served at once (one more is closed on arrival).

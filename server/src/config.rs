@@ -103,8 +103,9 @@ pub struct ServerConfig {
     /// answer (so also how long an idle keep-alive connection is kept); default
     /// [`DEFAULT_HEADER_TIMEOUT`].
     pub header_timeout: Duration,
-    /// Longest time to receive a request's body once its head is in (408 `body_timeout` past
-    /// it); default [`DEFAULT_BODY_TIMEOUT`].
+    /// Longest time to receive a request's whole body, counted once from the end of its head
+    /// (bytes trickling in do not restart it); past it the request is answered 408
+    /// `body_timeout`. Default [`DEFAULT_BODY_TIMEOUT`].
     pub body_timeout: Duration,
     /// Connections served at once; one more is accepted and closed at once (its client sees
     /// the connection reset and can retry). Default [`DEFAULT_MAX_CONNECTIONS`].

@@ -273,3 +273,63 @@ async fn a_stalled_request_body_is_answered_408_after_the_body_timeout() {
         started.elapsed().as_secs_f64()
     );
 }
+
+/// A client that keeps a body coming one byte at a time is cut when the body timeout has passed
+/// since its head, not left to trickle for as long as it likes (before the fix the timer
+/// restarted with every byte, so a byte a second was never cut).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickled_request_body_is_cut_at_the_body_timeout() {
+    let dir = catalog().await;
+    let body_timeout = Duration::from_secs(1);
+    let mut config = config(&dir);
+    config.body_timeout = body_timeout;
+    let (addr, _stop) = start_with(config).await;
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut reader, mut writer) = stream.into_split();
+    writer
+        .write_all(
+            b"POST /v1/plans HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let head_sent = Instant::now();
+    // 100 bytes at one per 200 ms would take 20 s; the server must not wait for them.
+    let trickle = tokio::spawn(async move {
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if writer.write_all(b" ").await.is_err() {
+                break;
+            }
+        }
+    });
+    let limit = body_timeout + Duration::from_millis(1500);
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(limit, async {
+        let mut buf = [0u8; 1024];
+        loop {
+            match reader.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    answer.extend_from_slice(&buf[..n]);
+                    if answer.windows(4).any(|w| w == b"\r\n\r\n") && answer.ends_with(b"}") {
+                        break;
+                    }
+                }
+            }
+        }
+    })
+    .await;
+    let elapsed = head_sent.elapsed();
+    trickle.abort();
+    assert!(
+        read.is_ok(),
+        "a body trickled at a byte per 200 ms was still being read {limit:?} after its head (body timeout {body_timeout:?})"
+    );
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("\"body_timeout\""), "{text}");
+    assert!(
+        elapsed >= body_timeout,
+        "cut after {elapsed:?}, before the body timeout of {body_timeout:?}"
+    );
+}

@@ -31,7 +31,6 @@ use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::services::ServeDir;
-use tower_http::timeout::RequestBodyTimeoutLayer;
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 use utoipa::openapi::OpenApi;
@@ -41,7 +40,7 @@ use utoipa_axum::routes;
 
 use crate::AppState;
 use crate::middleware::{
-    method_not_allowed, not_found, panic_response, record_metrics, require_token,
+    body_deadline, method_not_allowed, not_found, panic_response, record_metrics, require_token,
 };
 
 /// The media type of Arrow IPC rank plans.
@@ -92,9 +91,9 @@ pub fn openapi() -> OpenApi {
     finish(api_router().into_openapi())
 }
 
-/// The service: every route, its middleware (request ids, tracing, body limit, metrics, panics
-/// answered as 500, the `/v1` token, CORS when configured) and JSON errors for unknown routes
-/// and methods.
+/// The service: every route, its middleware (request ids, tracing, body limit and deadline,
+/// metrics, panics answered as 500, the `/v1` token, CORS when configured) and JSON errors for
+/// unknown routes and methods.
 pub fn app(state: AppState) -> Router {
     let (router, api) = api_router().split_for_parts();
     let doc = OpenApiJson(Arc::new(
@@ -145,7 +144,10 @@ pub fn app(state: AppState) -> Router {
             record_metrics,
         ))
         .layer(DefaultBodyLimit::max(config.body_limit))
-        .layer(RequestBodyTimeoutLayer::new(config.body_timeout))
+        .layer(axum_middleware::from_fn_with_state(
+            state.clone(),
+            body_deadline,
+        ))
         .layer(trace)
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid));
