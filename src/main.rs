@@ -362,7 +362,8 @@ enum Command {
         /// head (408 past it).
         #[arg(long, default_value_t = commands::serve::DEFAULT_BODY_TIMEOUT_SECS)]
         body_timeout_secs: u64,
-        /// Connections served at once (one more is closed on arrival).
+        /// Connections served at once (one more replaces the connection idle longest; it is
+        /// closed on arrival only when every connection has a request in flight).
         #[arg(long, default_value_t = tessera_server::DEFAULT_MAX_CONNECTIONS)]
         max_connections: usize,
     },

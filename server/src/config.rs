@@ -107,8 +107,10 @@ pub struct ServerConfig {
     /// (bytes trickling in do not restart it); past it the request is answered 408
     /// `body_timeout`. Default [`DEFAULT_BODY_TIMEOUT`].
     pub body_timeout: Duration,
-    /// Connections served at once; one more is accepted and closed at once (its client sees
-    /// the connection reset and can retry). Default [`DEFAULT_MAX_CONNECTIONS`].
+    /// Connections served at once. One more takes the place of the connection idle longest (no
+    /// request in flight), which is closed; only when every connection has a request in flight
+    /// is the new one accepted and closed at once (its client sees the connection reset and can
+    /// retry). Default [`DEFAULT_MAX_CONNECTIONS`].
     pub max_connections: usize,
     /// How long a catalog listing and a run's `latest` pointer are reused before storage is
     /// listed again: a new save appears within this time.
