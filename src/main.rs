@@ -325,8 +325,8 @@ enum Command {
         /// Address to listen on (port 0 picks a free port; the bound address is printed).
         #[arg(long, default_value = tessera_server::DEFAULT_ADDR)]
         addr: String,
-        /// Bearer token every /v1 route requires (default: the TESSERA_TOKEN variable; none
-        /// leaves the API open).
+        /// Bearer token every /v1 route and /metrics require (default: the TESSERA_TOKEN
+        /// variable; none leaves them open). /healthz and /readyz never need it.
         #[arg(long)]
         token: Option<String>,
         /// Directory of a static web UI served at / (default: the built-in catalog browser).

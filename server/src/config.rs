@@ -77,8 +77,8 @@ pub struct ServerConfig {
     pub root: String,
     /// Cloud store configuration on top of (or instead of) the process environment.
     pub storage: StorageOptions,
-    /// Bearer token every `/v1` route requires (`tessera serve` reads [`TOKEN_ENV`]); `None`
-    /// leaves them open.
+    /// Bearer token every `/v1` route and `/metrics` require (`tessera serve` reads
+    /// [`TOKEN_ENV`]); the probes `/healthz` and `/readyz` never do. `None` leaves them open.
     pub token: Option<String>,
     /// Largest request body accepted (413 above); default [`DEFAULT_BODY_LIMIT`].
     pub body_limit: usize,

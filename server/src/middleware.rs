@@ -1,6 +1,6 @@
-//! Middleware of every route: the bearer token of `/v1`, request metrics labelled by route
-//! template, one deadline for a whole request body, and the JSON answers of requests no handler
-//! takes (unknown route, wrong method, panics).
+//! Middleware of every route: the bearer token of `/v1` and `/metrics`, request metrics labelled
+//! by route template, one deadline for a whole request body, and the JSON answers of requests no
+//! handler takes (unknown route, wrong method, panics).
 
 use std::any::Any;
 use std::future::Future;
@@ -20,7 +20,9 @@ use tokio::time::Sleep;
 
 use crate::{ApiError, AppState};
 
-/// Requires `Authorization: Bearer <token>` on `/v1` when the server has a token.
+/// Requires `Authorization: Bearer <token>` on `/v1` and `/metrics` when the server has a token.
+/// `/metrics` tells who uses the server (routes, plan and cache traffic), so it is guarded like
+/// the API; `/healthz` and `/readyz` stay open because Kubernetes probes send no credentials.
 pub(crate) async fn require_token(
     State(state): State<AppState>,
     request: Request,
@@ -29,8 +31,7 @@ pub(crate) async fn require_token(
     let Some(expected) = &state.inner.token_digest else {
         return next.run(request).await;
     };
-    let path = request.uri().path();
-    if !(path == "/v1" || path.starts_with("/v1/")) {
+    if !needs_token(request.uri().path()) {
         return next.run(request).await;
     }
     let presented = request
@@ -47,6 +48,11 @@ pub(crate) async fn require_token(
         }
         _ => ApiError::Unauthorized.into_response(),
     }
+}
+
+/// Whether a route needs the token (when the server has one): the API and the metrics.
+fn needs_token(path: &str) -> bool {
+    path == "/v1" || path.starts_with("/v1/") || path == "/metrics"
 }
 
 /// Compares two digests without an early exit, so the time taken says nothing about where they
