@@ -133,6 +133,10 @@ enum Command {
         /// Every rank reads all it needs itself (no read dedup, no exchange).
         #[arg(long)]
         no_dedup: bool,
+        /// Most memory planning may take by the planner's estimate, in MiB (the bound of
+        /// `tessera serve`); over it the plan is refused before it starts, with the estimate.
+        #[arg(long, default_value_t = commands::serve::DEFAULT_PLAN_MEMORY_MIB)]
+        plan_memory_mib: u64,
         #[command(flatten)]
         storage: StorageArgs,
     },
@@ -589,6 +593,7 @@ fn run(cli: Cli) -> Result<()> {
             json,
             summary,
             no_dedup,
+            plan_memory_mib,
             storage,
         } => {
             let args = commands::plan::PlanArgs {
@@ -604,6 +609,7 @@ fn run(cli: Cli) -> Result<()> {
                 },
                 summary,
                 no_dedup,
+                plan_memory_bytes: plan_memory_mib.saturating_mul(1024 * 1024),
                 retry: storage.policy()?,
             };
             stdout(&runtime.block_on(commands::plan::run(&args))?)
