@@ -313,12 +313,32 @@ class Chart(unittest.TestCase):
         (endpoint,) = monitor["spec"]["endpoints"]
         self.assertEqual((endpoint["port"], endpoint["path"]), ("http", "/metrics"))
         self.assertEqual(endpoint["port"], service["spec"]["ports"][0]["name"])
+        # /metrics needs the token: the scrapes send it from the chart's Secret.
+        self.assertEqual(
+            endpoint["authorization"],
+            {"type": "Bearer", "credentials": {"name": secret["metadata"]["name"], "key": "TESSERA_TOKEN"}},
+        )
+
+    def test_service_monitor_without_a_token_sends_none(self):
+        rendered = render_chart({"serviceMonitor": {"enabled": True}})
+        kinds, _, _, _, _ = self.check_common(rendered, "demo")
+        (monitor,) = kinds["ServiceMonitor"]
+        (endpoint,) = monitor["spec"]["endpoints"]
+        self.assertNotIn("authorization", endpoint)
 
     def test_existing_secret(self):
-        rendered = render_chart({"existingSecret": "tessera-creds", "token": "ignored"})
+        rendered = render_chart(
+            {"existingSecret": "tessera-creds", "token": "ignored", "serviceMonitor": {"enabled": True}}
+        )
         kinds, _, _, _, container = self.check_common(rendered, "demo")
         self.assertNotIn("Secret", kinds)
         self.assertEqual(container["envFrom"][1]["secretRef"]["name"], "tessera-creds")
+        (monitor,) = kinds["ServiceMonitor"]
+        (endpoint,) = monitor["spec"]["endpoints"]
+        self.assertEqual(
+            endpoint["authorization"]["credentials"],
+            {"name": "tessera-creds", "key": "TESSERA_TOKEN", "optional": True},
+        )
 
 
 class Dockerfile(unittest.TestCase):

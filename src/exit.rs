@@ -232,6 +232,12 @@ fn metadata(e: &MetadataError) -> Option<ErrorClass> {
         MetadataError::ChecksumMismatch { .. } | MetadataError::BoxChecksumMismatch { .. } => {
             Some(ErrorClass::VerificationFailed)
         }
+        // A truncated file: a data file shorter than its metadata says (as the loader's short
+        // read is), or a metadata file with no bytes at all. Metadata that cannot be decoded
+        // stays `other`: a decoder cannot tell damaged bytes from a newer or foreign writer's.
+        MetadataError::ByteRangePastEnd { .. } | MetadataError::EmptyFile { .. } => {
+            Some(ErrorClass::VerificationFailed)
+        }
         MetadataError::Store { source, .. } => object(source),
         // Nothing stored at the location (a missing S3 prefix, a local path that is not there).
         MetadataError::NotFound { .. } => Some(ErrorClass::NotFound),

@@ -133,6 +133,10 @@ enum Command {
         /// Every rank reads all it needs itself (no read dedup, no exchange).
         #[arg(long)]
         no_dedup: bool,
+        /// Most memory planning may take by the planner's estimate, in MiB (the bound of
+        /// `tessera serve`); over it the plan is refused before it starts, with the estimate.
+        #[arg(long, default_value_t = commands::serve::DEFAULT_PLAN_MEMORY_MIB)]
+        plan_memory_mib: u64,
         #[command(flatten)]
         storage: StorageArgs,
     },
@@ -325,8 +329,8 @@ enum Command {
         /// Address to listen on (port 0 picks a free port; the bound address is printed).
         #[arg(long, default_value = tessera_server::DEFAULT_ADDR)]
         addr: String,
-        /// Bearer token every /v1 route requires (default: the TESSERA_TOKEN variable; none
-        /// leaves the API open).
+        /// Bearer token every /v1 route and /metrics require (default: the TESSERA_TOKEN
+        /// variable; none leaves them open). /healthz and /readyz never need it.
         #[arg(long)]
         token: Option<String>,
         /// Directory of a static web UI served at / (default: the built-in catalog browser).
@@ -358,10 +362,12 @@ enum Command {
         /// keep-alive connection is kept).
         #[arg(long, default_value_t = commands::serve::DEFAULT_HEADER_TIMEOUT_SECS)]
         header_timeout_secs: u64,
-        /// Seconds a request may take to send its body once its head is in (408 past it).
+        /// Seconds a request may take to send its whole body, counted once from the end of its
+        /// head (408 past it).
         #[arg(long, default_value_t = commands::serve::DEFAULT_BODY_TIMEOUT_SECS)]
         body_timeout_secs: u64,
-        /// Connections served at once (one more is closed on arrival).
+        /// Connections served at once (one more replaces the connection idle longest; it is
+        /// closed on arrival only when every connection has a request in flight).
         #[arg(long, default_value_t = tessera_server::DEFAULT_MAX_CONNECTIONS)]
         max_connections: usize,
     },
@@ -587,6 +593,7 @@ fn run(cli: Cli) -> Result<()> {
             json,
             summary,
             no_dedup,
+            plan_memory_mib,
             storage,
         } => {
             let args = commands::plan::PlanArgs {
@@ -602,6 +609,7 @@ fn run(cli: Cli) -> Result<()> {
                 },
                 summary,
                 no_dedup,
+                plan_memory_bytes: plan_memory_mib.saturating_mul(1024 * 1024),
                 retry: storage.policy()?,
             };
             stdout(&runtime.block_on(commands::plan::run(&args))?)

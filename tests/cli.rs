@@ -884,6 +884,87 @@ fn plan_reports_bad_arguments_and_inputs() {
     );
 }
 
+/// A 2^20-rank mesh over gpt-tiny would take about 27 GiB to plan: `tessera plan` refuses it
+/// from the planner's estimate, with the server's check and bound (its 422 `plan_too_large`),
+/// at once and with the exit code of bad input, naming the estimate, the bound and the flag that
+/// raises it. Before, it aborted on allocation (SIGABRT) after seconds of swapping.
+#[cfg(unix)]
+#[test]
+fn plan_refuses_a_mesh_whose_plan_would_not_fit_from_its_estimate() {
+    let dir = tempdir();
+    let ckpt = synth_tiny(dir.path());
+    let huge = layout_file(dir.path(), "huge.json", &["fsdp", "--dp", "1048576"]);
+    // Under a 4 GiB address-space limit, so that a regression aborts on allocation instead of
+    // taking the machine's memory.
+    let started = std::time::Instant::now();
+    let output = std::process::Command::new("sh")
+        .args(["-c", "ulimit -v 4194304 && exec \"$0\" \"$@\""])
+        .args([support::BIN, "plan", s(&ckpt), "--layout", s(&huge)])
+        .output()
+        .unwrap();
+    let elapsed = started.elapsed();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.starts_with(&format!(
+            "error: refusing to plan {} for layout {} (raise the bound with --plan-memory-mib if this machine has the memory): planning this would take about ",
+            s(&ckpt),
+            s(&huge)
+        )),
+        "{stderr}"
+    );
+    assert!(stderr.contains(" GiB) for 1048576 ranks, "), "{stderr}");
+    assert!(
+        stderr.ends_with(&format!(
+            ", over the bound of {} bytes for one plan computation\n",
+            tessera_server::DEFAULT_PLAN_MEMORY_BYTES
+        )),
+        "{stderr}"
+    );
+    assert!(
+        elapsed < std::time::Duration::from_secs(5),
+        "refused after {elapsed:?}"
+    );
+    // The flag sets the bound: a small plan passes the default and is refused under 1 MiB, also
+    // for explicit requests.
+    let fsdp2 = layout_file(dir.path(), "fsdp2.json", &["fsdp", "--dp", "2"]);
+    ok(["plan", s(&ckpt), "--layout", s(&fsdp2)]);
+    let err = fails([
+        "plan",
+        s(&ckpt),
+        "--layout",
+        s(&fsdp2),
+        "--plan-memory-mib",
+        "1",
+    ]);
+    assert!(
+        err.contains("for 2 ranks, ") && err.contains("over the bound of 1048576 bytes"),
+        "{err}"
+    );
+    let requests = dir.path().join("requests.json");
+    std::fs::write(
+        &requests,
+        r#"{"ranks": [[{"fqn": "model.final_norm.weight", "flat": [0, 40]}]]}"#,
+    )
+    .unwrap();
+    let err = fails([
+        "plan",
+        s(&ckpt),
+        "--requests",
+        s(&requests),
+        "--plan-memory-mib",
+        "1",
+    ]);
+    assert!(
+        err.starts_with(&format!(
+            "error: refusing to plan {} for requests {}",
+            s(&ckpt),
+            s(&requests)
+        )),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_directory_without_manifest_is_not_a_checkpoint() {
     let dir = tempdir();

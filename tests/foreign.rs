@@ -331,10 +331,31 @@ fn damaged_checkpoints_fail_naming_the_file() {
         err.ends_with(&format!("{}: verification failed\n", s(&dir))),
         "{err}"
     );
-    // Truncate it: every command names the chunk and file.
+    // The fixture holds the synthetic values, so `load --check` catches the flipped byte too:
+    // a verification failure (4) in-process and from rank processes alike, each rank named once.
+    // Before, a mismatch exited 1 ("rank 0: rank 0: ...").
+    for transport in ["inproc", "tcp"] {
+        let err = support::fails_verifying([
+            "load",
+            s(&dir),
+            "--layout",
+            s(&layout),
+            "--check",
+            "--transport",
+            transport,
+        ]);
+        assert!(
+            err.contains(": tensor model.lm_head.weight (f32): element [")
+                && err.contains("expected bytes"),
+            "{transport}: {err}"
+        );
+        assert!(!err.contains("rank 0: rank 0"), "{transport}: {err}");
+    }
+    // Truncate it: every command names the chunk and file, and a file shorter than its metadata
+    // says is a truncated file, a verification failure (4) as a short read while loading is.
     bytes.truncate(700_000);
     std::fs::write(&distcp, &bytes).unwrap();
-    let err = fails(["load", s(&dir), "--layout", s(&layout)]);
+    let err = support::fails_verifying(["load", s(&dir), "--layout", s(&layout)]);
     assert_eq!(
         err,
         format!(
@@ -342,6 +363,33 @@ fn damaged_checkpoints_fail_naming_the_file() {
             s(&dir)
         )
     );
+}
+
+/// An empty `.metadata` (a save or copy cut short) is a truncated file: every command names it
+/// and exits 4, the class of truncated or corrupt files. Before, detection asked the store for
+/// the byte range 0..0, which it refused as an invalid range, and that read as storage that did
+/// not answer (5, "unreachable").
+#[test]
+fn an_empty_dcp_metadata_file_is_a_verification_failure() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture("a_w1_plain", tmp.path());
+    std::fs::write(dir.join(".metadata"), b"").unwrap();
+    let expected = format!(
+        "error: opening checkpoint {}: a_w1_plain/.metadata: the DCP metadata file is empty (0 bytes); the save or copy that wrote it was cut short\n",
+        s(&dir)
+    );
+    let layout = dir.join("layout_w2_shard1.json");
+    for args in [
+        vec!["inspect", s(&dir)],
+        vec!["verify", s(&dir)],
+        vec!["load", s(&dir), "--layout", s(&layout)],
+    ] {
+        assert_eq!(support::fails_verifying(&args), expected, "{args:?}");
+    }
+    let run = support::run_in(None, ["inspect", s(&dir), "--json"]);
+    let doc: Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(doc["error"]["kind"], "verification_failed", "{doc}");
+    assert_eq!(doc["error"]["code"], 4, "{doc}");
 }
 
 #[test]

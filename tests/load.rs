@@ -218,8 +218,9 @@ fn corrupted_data_is_a_checksum_error_naming_file_and_block() {
     let (start, end): (usize, usize) = (start.parse().unwrap(), end.parse().unwrap());
     assert!(start <= at && at < end, "{at} outside {range}: {err}");
     assert!(rest.starts_with("(tensor "), "{err}");
-    // Without verification the same load goes through (the bytes are simply wrong).
-    let err = fails([
+    // Without verification the same load goes through (the bytes are simply wrong), and
+    // `--check` finds them: a verification failure (4), as the README's table says (it was 1).
+    let err = support::fails_verifying([
         "load",
         s(&ckpt),
         "--layout",

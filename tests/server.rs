@@ -414,7 +414,7 @@ fn tessera_load_fetches_its_plan_from_tessera_serve() {
         assert!(stdout.contains("read amplification 1.00"), "{stdout}");
     }
     // One plan computation served every rank of both loads.
-    let (_, metrics) = http_get(addr, "/metrics", None);
+    let (_, metrics) = http_get(addr, "/metrics", Some("secret"));
     assert!(
         metrics
             .lines()

@@ -166,6 +166,18 @@ pub enum MetadataError {
         /// What is wrong.
         what: String,
     },
+    /// A metadata file with no bytes at all. No writer leaves one (DCP writes `.metadata` whole,
+    /// last), so the save or a copy of it was cut short: a truncated file, not one in a format
+    /// the decoder does not know.
+    #[error(
+        "{path}: the {what} file is empty (0 bytes); the save or copy that wrote it was cut short"
+    )]
+    EmptyFile {
+        /// File.
+        path: String,
+        /// What it should hold.
+        what: &'static str,
+    },
     /// A metadata, manifest or checksum file that cannot be decoded.
     #[error("{path}: cannot decode {what}: {detail}")]
     Decode {

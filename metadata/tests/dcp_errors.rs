@@ -1,7 +1,7 @@
 //! Damaged DCP checkpoints (copies of fixture a) fail with errors that name the file, the byte
-//! range and the tensor: a truncated `.distcp`, a missing one, a truncated or corrupt `.metadata`,
-//! blobs whose zip is damaged. Data corruption that opening cannot see (a flipped storage byte)
-//! is what `verify_dcp` finds.
+//! range and the tensor: a truncated `.distcp`, a missing one, a truncated, empty or corrupt
+//! `.metadata`, blobs whose zip is damaged. Data corruption that opening cannot see (a flipped
+//! storage byte) is what `verify_dcp` finds.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 mod dcp_support;
@@ -9,6 +9,7 @@ mod dcp_support;
 use std::path::Path;
 
 use dcp_support::{copy_fixture, open, runtime, store_for};
+use tessera_metadata::MetadataError;
 use tessera_metadata::formats::dcp::verify_dcp;
 
 /// fixture a's blob of `model.lm_head.weight` and `model.final_ln.bias` in `__0_0.distcp`.
@@ -96,6 +97,23 @@ fn a_truncated_or_corrupt_metadata_names_the_byte() {
     assert_eq!(
         error(&dir),
         "a_w1_plain/.metadata: cannot decode DCP metadata: the pickled object is a dict of 0, not a Metadata"
+    );
+}
+
+/// An empty `.metadata` (a save or copy cut short) is named as such, and is no storage trouble:
+/// before, detection asked the store for the byte range 0..0, which it refused as invalid, and
+/// that read as a transient storage error (retried, then "unreachable").
+#[test]
+fn an_empty_metadata_is_named_as_an_empty_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture("a_w1_plain", tmp.path());
+    std::fs::write(dir.join(".metadata"), b"").unwrap();
+    let err = open(&dir).unwrap_err();
+    assert!(matches!(err, MetadataError::EmptyFile { .. }), "{err:?}");
+    assert!(err.is_permanent());
+    assert_eq!(
+        err.to_string(),
+        "a_w1_plain/.metadata: the DCP metadata file is empty (0 bytes); the save or copy that wrote it was cut short"
     );
 }
 

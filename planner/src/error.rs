@@ -2,6 +2,8 @@
 
 use thiserror::Error;
 
+use crate::PlanEstimate;
+
 /// Errors of layouts, requests and planning.
 #[derive(Debug, Error, PartialEq, Eq)]
 #[non_exhaustive]
@@ -196,6 +198,17 @@ pub enum PlanError {
         /// Estimated memory of the requests alone, in GiB.
         gib: u64,
     },
+    /// A plan whose computation would take more memory than the caller allows one plan, by the
+    /// estimate made before anything per rank is allocated ([`PlanEstimate::within`]).
+    #[error(
+        "planning this would take {estimate}, over the bound of {limit} bytes for one plan computation"
+    )]
+    TooLarge {
+        /// The estimate, with its counts.
+        estimate: Box<PlanEstimate>,
+        /// The bound, in bytes.
+        limit: u64,
+    },
     /// Invalid preset arguments.
     #[error("preset {preset}: {detail}")]
     Preset {
@@ -240,6 +253,10 @@ mod tests {
             },
             PlanError::Arrow {
                 detail: "truncated stream".to_string(),
+            },
+            PlanError::TooLarge {
+                estimate: Box::default(),
+                limit: 1 << 30,
             },
         ];
         for error in errors {

@@ -57,6 +57,22 @@ impl std::fmt::Display for PlanEstimate {
     }
 }
 
+impl PlanEstimate {
+    /// This estimate, or [`PlanError::TooLarge`] when it is over `limit` bytes: the bound a
+    /// front end puts on one plan computation, checked before resolving a layout (which alone
+    /// allocates a request per rank and tensor). The one check of every front end (the server's
+    /// 422 `plan_too_large`, `tessera plan`), so that what one refuses the other refuses too.
+    pub fn within(self, limit: u64) -> Result<PlanEstimate, PlanError> {
+        if self.bytes > limit {
+            return Err(PlanError::TooLarge {
+                estimate: Box::new(self),
+                limit,
+            });
+        }
+        Ok(self)
+    }
+}
+
 /// What decides a tensor's groups under a layout: its stage (mesh dim, stage) if any and the
 /// mesh dims that shard it. Tensors with the same signature share their groups.
 type GroupSignature = (Option<(usize, u32)>, Vec<usize>);
@@ -459,5 +475,35 @@ impl RequestSet {
         c.group_members = c.requests;
         c.exchange_members = c.requests;
         c.estimate()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_estimate_over_the_bound_is_refused_naming_both() {
+        let estimate = PlanEstimate {
+            ranks: 1 << 20,
+            requests: 1 << 27,
+            bytes: 40 << 30,
+            ..PlanEstimate::default()
+        };
+        assert_eq!(estimate.clone().within(40 << 30), Ok(estimate.clone()));
+        let Err(refused) = estimate.within(1 << 30) else {
+            panic!("an estimate of 40 GiB passed a bound of 1 GiB");
+        };
+        let message = refused.to_string();
+        assert!(
+            message.starts_with(
+                "planning this would take about 42949672960 bytes (40.00 GiB) for 1048576 ranks"
+            ),
+            "{message}"
+        );
+        assert!(
+            message.ends_with("over the bound of 1073741824 bytes for one plan computation"),
+            "{message}"
+        );
     }
 }

@@ -77,8 +77,8 @@ pub struct ServerConfig {
     pub root: String,
     /// Cloud store configuration on top of (or instead of) the process environment.
     pub storage: StorageOptions,
-    /// Bearer token every `/v1` route requires (`tessera serve` reads [`TOKEN_ENV`]); `None`
-    /// leaves them open.
+    /// Bearer token every `/v1` route and `/metrics` require (`tessera serve` reads
+    /// [`TOKEN_ENV`]); the probes `/healthz` and `/readyz` never do. `None` leaves them open.
     pub token: Option<String>,
     /// Largest request body accepted (413 above); default [`DEFAULT_BODY_LIMIT`].
     pub body_limit: usize,
@@ -103,11 +103,14 @@ pub struct ServerConfig {
     /// answer (so also how long an idle keep-alive connection is kept); default
     /// [`DEFAULT_HEADER_TIMEOUT`].
     pub header_timeout: Duration,
-    /// Longest time to receive a request's body once its head is in (408 `body_timeout` past
-    /// it); default [`DEFAULT_BODY_TIMEOUT`].
+    /// Longest time to receive a request's whole body, counted once from the end of its head
+    /// (bytes trickling in do not restart it); past it the request is answered 408
+    /// `body_timeout`. Default [`DEFAULT_BODY_TIMEOUT`].
     pub body_timeout: Duration,
-    /// Connections served at once; one more is accepted and closed at once (its client sees
-    /// the connection reset and can retry). Default [`DEFAULT_MAX_CONNECTIONS`].
+    /// Connections served at once. One more takes the place of the connection idle longest (no
+    /// request in flight), which is closed; only when every connection has a request in flight
+    /// is the new one accepted and closed at once (its client sees the connection reset and can
+    /// retry). Default [`DEFAULT_MAX_CONNECTIONS`].
     pub max_connections: usize,
     /// How long a catalog listing and a run's `latest` pointer are reused before storage is
     /// listed again: a new save appears within this time.

@@ -265,6 +265,11 @@ impl ApiError {
             PlanError::Arrow { detail } => ApiError::Internal {
                 detail: format!("encoding a rank plan: {detail}"),
             },
+            PlanError::TooLarge { estimate, limit } => ApiError::PlanTooLarge {
+                estimate: estimate.to_string(),
+                bytes: estimate.bytes,
+                limit: *limit,
+            },
             other if layout => ApiError::InvalidLayout {
                 reason: other.to_string(),
             },

@@ -109,6 +109,7 @@ pub(crate) struct Metrics {
     plan_failures: Counter,
     plan_seconds: Histogram,
     connections_refused: Counter,
+    connections_closed_idle: Counter,
 }
 
 /// A copy of the counters a test or benchmark asserts on.
@@ -154,6 +155,7 @@ impl Metrics {
         let plan_failures = Counter::default();
         let plan_seconds = Histogram::new(PLAN_BUCKETS);
         let connections_refused = Counter::default();
+        let connections_closed_idle = Counter::default();
 
         // Help texts without a final full stop: the registry appends one. Counter names without
         // `_total`: the encoder appends it to the samples.
@@ -210,8 +212,13 @@ impl Metrics {
         );
         registry.register(
             "tessera_connections_refused",
-            "Connections closed on arrival because the server held its limit of connections",
+            "Connections closed on arrival because the server held its limit of connections, each with a request in flight",
             connections_refused.clone(),
+        );
+        registry.register(
+            "tessera_connections_closed_idle",
+            "Idle connections (no request in flight) closed at the connection limit to make room for a new one",
+            connections_closed_idle.clone(),
         );
         Self {
             registry,
@@ -227,6 +234,7 @@ impl Metrics {
             plan_failures,
             plan_seconds,
             connections_refused,
+            connections_closed_idle,
         }
     }
 
@@ -258,6 +266,11 @@ impl Metrics {
     /// Records a connection closed on arrival at the connection limit.
     pub(crate) fn connection_refused(&self) {
         self.connections_refused.inc();
+    }
+
+    /// Records an idle connection closed at the connection limit to make room for a new one.
+    pub(crate) fn connection_closed_idle(&self) {
+        self.connections_closed_idle.inc();
     }
 
     /// Records a plan computation.

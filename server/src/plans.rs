@@ -619,15 +619,11 @@ impl Plans {
                 let (estimate, requests) = prepared.inspect_err(|_| {
                     metrics.plan_computed(started.elapsed(), false);
                 })?;
-                if estimate.bytes > self.memory_limit {
+                let estimate = estimate.within(self.memory_limit).map_err(|e| {
                     metrics.plan_computed(started.elapsed(), false);
-                    tracing::warn!(plan = %spec.id, %estimate, limit = self.memory_limit, "plan refused: over the memory bound");
-                    return Err(ApiError::PlanTooLarge {
-                        estimate: estimate.to_string(),
-                        bytes: estimate.bytes,
-                        limit: self.memory_limit,
-                    });
-                }
+                    tracing::warn!(plan = %spec.id, error = %e, "plan refused: over the memory bound");
+                    ApiError::from_plan(&e, spec.target.is_layout())
+                })?;
                 // 2. A place among the computations running or waiting, or 503 at once.
                 let _slot = self.gate.enter().await?;
                 let meta = Arc::clone(&opened.meta);

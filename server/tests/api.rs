@@ -715,10 +715,35 @@ async fn the_token_guards_every_v1_route() {
     .await;
     post.assert_error(StatusCode::UNAUTHORIZED, "unauthorized", "token");
     assert_eq!(f.state.metrics().plan_computations, 0);
-    // Operations routes stay open.
-    for uri in ["/healthz", "/readyz", "/metrics", "/openapi.json", "/"] {
+    // Probes, the API description and the UI stay open (Kubernetes probes send no token).
+    for uri in ["/healthz", "/readyz", "/openapi.json", "/"] {
         assert_eq!(get(&f.app, uri).await.status, StatusCode::OK, "{uri}");
     }
+}
+
+/// With a token, `/metrics` needs it too: its series say who uses the server and how (before the
+/// fix it answered anyone).
+#[tokio::test]
+async fn metrics_need_the_token_when_the_server_has_one() {
+    let f = fixture_with(|c| c.token = Some("s3cret-token".to_string())).await;
+    let metrics = |auth: Option<&str>| {
+        let mut request = Request::get("/metrics");
+        if let Some(auth) = auth {
+            request = request.header(header::AUTHORIZATION, auth);
+        }
+        request.body(Body::empty()).unwrap()
+    };
+    for auth in [None, Some("Bearer wrong")] {
+        let answer = send(&f.app, metrics(auth)).await;
+        answer.assert_error(StatusCode::UNAUTHORIZED, "unauthorized", "Bearer");
+        assert!(!answer.text().contains("tessera_"), "{}", answer.text());
+    }
+    let ok = send(&f.app, metrics(Some("Bearer s3cret-token"))).await;
+    assert_eq!(ok.status, StatusCode::OK, "{}", ok.text());
+    assert!(ok.text().contains("tessera_http_requests"), "{}", ok.text());
+    // Without a token configured it stays open.
+    let open = fixture().await;
+    assert_eq!(get(&open.app, "/metrics").await.status, StatusCode::OK);
 }
 
 #[tokio::test]
@@ -1002,7 +1027,7 @@ async fn the_openapi_document_lists_every_route() {
     expected.sort();
     assert_eq!(listed, expected);
     for (path, item) in paths {
-        let secured = path.starts_with("/v1");
+        let secured = path.starts_with("/v1") || path == "/metrics";
         for op in item.as_object().unwrap().values() {
             assert_eq!(op["security"].is_array(), secured, "{path}");
         }

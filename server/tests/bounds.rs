@@ -141,20 +141,28 @@ async fn start_with(config: ServerConfig) -> (SocketAddr, tokio::sync::oneshot::
     (addr, stop)
 }
 
-/// `GET /healthz` on a new connection: the status line, or `None` if the server closed it.
-async fn healthz(addr: SocketAddr) -> Option<String> {
+/// `GET path` on a new connection: the whole answer, or `None` if the server closed the
+/// connection without one.
+async fn fetch(addr: SocketAddr, path: &str) -> Option<String> {
     let mut stream = TcpStream::connect(addr).await.ok()?;
     stream
-        .write_all(b"GET /healthz HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n")
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n").as_bytes(),
+        )
         .await
         .ok()?;
     let mut answer = Vec::new();
     stream.read_to_end(&mut answer).await.ok()?;
-    let text = String::from_utf8_lossy(&answer).to_string();
-    text.lines()
+    Some(String::from_utf8_lossy(&answer).to_string()).filter(|text| !text.is_empty())
+}
+
+/// `GET /healthz` on a new connection: the status line, or `None` if the server closed it.
+async fn healthz(addr: SocketAddr) -> Option<String> {
+    fetch(addr, "/healthz")
+        .await?
+        .lines()
         .next()
         .map(str::to_string)
-        .filter(|l| !l.is_empty())
 }
 
 /// Waits until the server closes `stream` (EOF or reset), at most `limit`; the time it took.
@@ -207,14 +215,17 @@ async fn slow_and_idle_connections_are_bounded_and_healthz_still_answers() {
         "{}",
         String::from_utf8_lossy(&buf[..n])
     );
-    // ...so one more connection is closed at once instead of waiting in the backlog.
-    let mut extra = TcpStream::connect(addr).await.unwrap();
-    let refused = closed_within(&mut extra, header_timeout / 2).await;
+    // ...and one more connection is still answered: it takes the place of the connection idle
+    // longest (the first stalled head), which is closed at once.
+    assert_eq!(healthz(addr).await.as_deref(), Some("HTTP/1.1 200 OK"));
+    let mut oldest = slow.remove(0);
     assert!(
-        refused.is_some(),
-        "a connection past the limit of {cap} was kept open"
+        closed_within(&mut oldest, header_timeout / 2)
+            .await
+            .is_some(),
+        "the connection idle longest was not closed to make room"
     );
-    // The stalled and idle ones are closed after the header timeout (with a generous margin).
+    // The other stalled and idle ones are closed after the header timeout (with a generous margin).
     let margin = header_timeout + Duration::from_secs(8);
     for (i, stream) in slow
         .iter_mut()
@@ -228,6 +239,131 @@ async fn slow_and_idle_connections_are_bounded_and_healthz_still_answers() {
     }
     // Slots free again.
     assert_eq!(healthz(addr).await.as_deref(), Some("HTTP/1.1 200 OK"));
+}
+
+/// Clients holding every connection slot idle (they connect and send nothing, and would connect
+/// again as they are closed) do not keep others out: a new connection takes the place of the
+/// one idle longest, so `/healthz` answers at once. Before the fix it was closed on arrival for
+/// as long as the idle ones lasted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_at_the_limit_make_room_for_a_new_one() {
+    let dir = catalog().await;
+    let cap = 8;
+    // A header timeout far beyond the test: only making room can let the new client in.
+    let (addr, _stop) = start(&dir, Duration::from_secs(60), cap).await;
+    let mut idle = Vec::new();
+    for _ in 0..cap {
+        idle.push(TcpStream::connect(addr).await.unwrap());
+    }
+    for round in 0..3 {
+        let started = Instant::now();
+        let answer = tokio::time::timeout(Duration::from_secs(2), healthz(addr)).await;
+        assert_eq!(
+            answer.ok().flatten().as_deref(),
+            Some("HTTP/1.1 200 OK"),
+            "round {round}: /healthz not answered within 2 s with {cap} idle connections held"
+        );
+        eprintln!(
+            "round {round}: /healthz answered in {:.3} s",
+            started.elapsed().as_secs_f64()
+        );
+        // The idle client reconnects, as an attacker would.
+        idle.push(TcpStream::connect(addr).await.unwrap());
+    }
+    // The first idle connection was the one closed, and only as many as were needed.
+    assert!(
+        closed_within(&mut idle[0], Duration::from_secs(1))
+            .await
+            .is_some(),
+        "the connection idle longest is still open"
+    );
+    assert!(
+        closed_within(&mut idle[cap + 2], Duration::from_millis(200))
+            .await
+            .is_none(),
+        "the newest idle connection was closed"
+    );
+    let metrics = fetch(addr, "/metrics").await.unwrap();
+    let closed = metric(&metrics, "tessera_connections_closed_idle_total").unwrap();
+    assert!(closed >= 3.0, "{closed} idle connections closed\n{metrics}");
+}
+
+/// Sends `POST /v1/plans` with `Expect: 100-continue` and a body of `length` bytes, of which it
+/// sends `sent`, after the server's `100 Continue`: from then on the request is in the handler,
+/// reading its body.
+async fn request_in_flight(addr: SocketAddr, length: usize, sent: &[u8]) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(
+            format!(
+                "POST /v1/plans HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\nexpect: 100-continue\r\ncontent-length: {length}\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(2), stream.read(&mut buf))
+        .await
+        .expect("no 100 Continue within 2 s")
+        .unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 100 Continue"),
+        "{}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    stream.write_all(sent).await.unwrap();
+    stream
+}
+
+/// At the limit with a request in flight on every connection there is nothing idle to close: a
+/// new connection is closed at once (and counted), and the requests in flight go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_limit_with_every_connection_busy_a_new_one_is_refused() {
+    let dir = catalog().await;
+    let cap = 8;
+    let (addr, _stop) = start(&dir, Duration::from_secs(60), cap).await;
+    let body = br#"{"checkpoint": 1}"#;
+    let mut busy = Vec::new();
+    for _ in 0..cap {
+        busy.push(request_in_flight(addr, body.len(), &body[..4]).await);
+    }
+    let mut extra = TcpStream::connect(addr).await.unwrap();
+    let _ = extra
+        .write_all(b"GET /healthz HTTP/1.1\r\nhost: t\r\n\r\n")
+        .await;
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(1), extra.read_to_end(&mut answer)).await;
+    assert!(
+        matches!(read, Ok(Ok(0) | Err(_))),
+        "a connection past the limit of {cap} busy ones was kept open or answered: {read:?} {}",
+        String::from_utf8_lossy(&answer)
+    );
+    // Every request in flight is still served: finishing one body gets its answer.
+    for stream in &mut busy {
+        assert!(
+            closed_within(stream, Duration::from_millis(50))
+                .await
+                .is_none(),
+            "a connection with a request in flight was closed"
+        );
+    }
+    let first = &mut busy[0];
+    first.write_all(&body[4..]).await.unwrap();
+    let mut buf = [0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(2), first.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    let text = String::from_utf8_lossy(&buf[..n]);
+    assert!(text.starts_with("HTTP/1.1 400"), "{text}");
+    // Its connection is idle now: the next client takes its place and sees the refusal counted.
+    let metrics = fetch(addr, "/metrics").await.unwrap();
+    assert_eq!(
+        metric(&metrics, "tessera_connections_refused_total"),
+        Some(1.0),
+        "{metrics}"
+    );
 }
 
 /// A client that sends a request head promising a body and then stalls is answered 408
@@ -271,5 +407,65 @@ async fn a_stalled_request_body_is_answered_408_after_the_body_timeout() {
     eprintln!(
         "stalled body answered 408 after {:.2} s",
         started.elapsed().as_secs_f64()
+    );
+}
+
+/// A client that keeps a body coming one byte at a time is cut when the body timeout has passed
+/// since its head, not left to trickle for as long as it likes (before the fix the timer
+/// restarted with every byte, so a byte a second was never cut).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickled_request_body_is_cut_at_the_body_timeout() {
+    let dir = catalog().await;
+    let body_timeout = Duration::from_secs(1);
+    let mut config = config(&dir);
+    config.body_timeout = body_timeout;
+    let (addr, _stop) = start_with(config).await;
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut reader, mut writer) = stream.into_split();
+    writer
+        .write_all(
+            b"POST /v1/plans HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let head_sent = Instant::now();
+    // 100 bytes at one per 200 ms would take 20 s; the server must not wait for them.
+    let trickle = tokio::spawn(async move {
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if writer.write_all(b" ").await.is_err() {
+                break;
+            }
+        }
+    });
+    let limit = body_timeout + Duration::from_millis(1500);
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(limit, async {
+        let mut buf = [0u8; 1024];
+        loop {
+            match reader.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    answer.extend_from_slice(&buf[..n]);
+                    if answer.windows(4).any(|w| w == b"\r\n\r\n") && answer.ends_with(b"}") {
+                        break;
+                    }
+                }
+            }
+        }
+    })
+    .await;
+    let elapsed = head_sent.elapsed();
+    trickle.abort();
+    assert!(
+        read.is_ok(),
+        "a body trickled at a byte per 200 ms was still being read {limit:?} after its head (body timeout {body_timeout:?})"
+    );
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("\"body_timeout\""), "{text}");
+    assert!(
+        elapsed >= body_timeout,
+        "cut after {elapsed:?}, before the body timeout of {body_timeout:?}"
     );
 }

@@ -59,7 +59,7 @@ pub struct ServeArgs {
     pub plan_queue: usize,
     /// Seconds a connection may take to send a request head (and stay idle).
     pub header_timeout_secs: u64,
-    /// Seconds a request may take to send its body.
+    /// Seconds a request may take to send its whole body.
     pub body_timeout_secs: u64,
     /// Connections served at once.
     pub max_connections: usize,

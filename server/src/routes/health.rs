@@ -66,11 +66,16 @@ pub(crate) async fn readyz(State(state): State<AppState>) -> Result<Json<Status>
 
 /// Prometheus metrics in the OpenMetrics text format: typed `application/openmetrics-text` for
 /// scrapers that ask for it (Prometheus does), `text/plain; version=0.0.4` for everyone else.
+/// Needs the token when the server has one (a scraper sends it as a bearer token).
 #[utoipa::path(get, path = "/metrics", tag = "ops",
-    responses((status = 200, description = "Metrics", content(
-        (String = "text/plain; version=0.0.4"),
-        (String = "application/openmetrics-text; version=1.0.0"),
-    ))))]
+    responses(
+        (status = 200, description = "Metrics", content(
+            (String = "text/plain; version=0.0.4"),
+            (String = "application/openmetrics-text; version=1.0.0"),
+        )),
+        (status = 401, description = "Missing or wrong token", body = ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Response {
     let inner = &state.inner;
     let (meta_entries, meta_bytes) = inner.catalog.meta_usage().await;

@@ -14,6 +14,9 @@
 //! | `GET /v1/plans/{plan}/ranks` | every rank's totals in columns (bytes read, sent, received, pieces, rounds) and the mesh |
 //! | `GET /v1/plans/{plan}/ranks/{rank}/overview` | one rank's reads by file and ring partners |
 //! | `GET /v1/plans/{plan}/ranks/{rank}` | one rank's plan, JSON or (`Accept: application/vnd.apache.arrow.stream`) Arrow IPC |
+//!
+//! With a token, every `/v1` route and `/metrics` need it; the probes (`/healthz`, `/readyz`),
+//! the OpenAPI document and the web UI's files stay open.
 
 mod checkpoints;
 mod health;
@@ -31,7 +34,6 @@ use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::services::ServeDir;
-use tower_http::timeout::RequestBodyTimeoutLayer;
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 use utoipa::openapi::OpenApi;
@@ -41,7 +43,7 @@ use utoipa_axum::routes;
 
 use crate::AppState;
 use crate::middleware::{
-    method_not_allowed, not_found, panic_response, record_metrics, require_token,
+    body_deadline, method_not_allowed, not_found, panic_response, record_metrics, require_token,
 };
 
 /// The media type of Arrow IPC rank plans.
@@ -76,7 +78,7 @@ fn finish(mut api: OpenApi) -> OpenApi {
         "Checkpoint catalog and load planning. Checkpoint ids are <run>/<step> (two path \
          segments; the step `latest` follows the run's latest pointer). Errors are JSON \
          {\"error\": kind, \"detail\": message}. When the server has a token, every /v1 route \
-         needs Authorization: Bearer <token>."
+         and /metrics need Authorization: Bearer <token>."
             .to_string(),
     );
     let components = api.components.get_or_insert_with(Default::default);
@@ -92,9 +94,9 @@ pub fn openapi() -> OpenApi {
     finish(api_router().into_openapi())
 }
 
-/// The service: every route, its middleware (request ids, tracing, body limit, metrics, panics
-/// answered as 500, the `/v1` token, CORS when configured) and JSON errors for unknown routes
-/// and methods.
+/// The service: every route, its middleware (request ids, tracing, body limit and deadline,
+/// metrics, panics answered as 500, the token of `/v1` and `/metrics`, CORS when configured) and
+/// JSON errors for unknown routes and methods.
 pub fn app(state: AppState) -> Router {
     let (router, api) = api_router().split_for_parts();
     let doc = OpenApiJson(Arc::new(
@@ -145,7 +147,10 @@ pub fn app(state: AppState) -> Router {
             record_metrics,
         ))
         .layer(DefaultBodyLimit::max(config.body_limit))
-        .layer(RequestBodyTimeoutLayer::new(config.body_timeout))
+        .layer(axum_middleware::from_fn_with_state(
+            state.clone(),
+            body_deadline,
+        ))
         .layer(trace)
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid));

@@ -14,6 +14,7 @@ use utoipa::ToSchema;
 
 use super::ARROW_STREAM;
 use super::checkpoints::path_error;
+use crate::middleware::BodyTimedOut;
 use crate::plans::{PlanEntry, check_plan_id, parse_request};
 use crate::{
     ApiError, AppState, ErrorBody, PlanCreated, PlanRequest, RankOverview, RankSummaries,
@@ -69,15 +70,12 @@ fn body_error(rejection: BytesRejection, config: &ServerConfig) -> ApiError {
     }
 }
 
-/// Whether reading the body failed because tower-http's body timeout fired: its error sits
-/// somewhere down the rejection's source chain (axum wraps it in its own error types).
+/// Whether reading the body failed because its deadline passed: the error sits somewhere down
+/// the rejection's source chain (axum wraps it in its own error types).
 fn timed_out(rejection: &BytesRejection) -> bool {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(rejection);
     while let Some(error) = source {
-        if error
-            .downcast_ref::<tower_http::timeout::TimeoutError>()
-            .is_some()
-        {
+        if error.is::<BodyTimedOut>() {
             return true;
         }
         source = error.source();

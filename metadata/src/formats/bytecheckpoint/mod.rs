@@ -171,6 +171,11 @@ async fn sniff(
     let Some(&size) = listing.files.get(METADATA_FILE) else {
         return Ok(false);
     };
+    // An empty file names no class (and a range 0..0 is refused by the store as invalid, an
+    // error that reads as storage trouble): whoever opens it as DCP metadata says it is empty.
+    if size == 0 {
+        return Ok(false);
+    }
     let path = dir.clone().join(METADATA_FILE);
     let head = store
         .get_range(&path, 0..size.min(SNIFF_BYTES))
@@ -234,10 +239,15 @@ pub async fn detect(
         let chosen = match listing.files.get(TRACKER_FILE) {
             Some(&size) => {
                 let path = prefix.clone().join(TRACKER_FILE);
-                let bytes = store
-                    .get_range(&path, 0..size.min(MAX_TRACKER_BYTES))
-                    .await
-                    .map_err(store_error("reading", &path))?;
+                // Not asked for when empty: the store refuses the range 0..0 as invalid.
+                let bytes = if size == 0 {
+                    bytes::Bytes::new()
+                } else {
+                    store
+                        .get_range(&path, 0..size.min(MAX_TRACKER_BYTES))
+                        .await
+                        .map_err(store_error("reading", &path))?
+                };
                 let text = String::from_utf8_lossy(&bytes);
                 let step: u64 = text.trim().parse().map_err(|_| MetadataError::Decode {
                     path: path.to_string(),

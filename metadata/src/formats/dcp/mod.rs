@@ -187,7 +187,14 @@ pub async fn open_dcp(
     let mut parts = Vec::with_capacity(names.len());
     for name in &names {
         let path = resolve(prefix, name)?;
-        if let Some(&size) = listing.files.get(name)
+        let size = listing.files.get(name).copied();
+        if size == Some(0) {
+            return Err(MetadataError::EmptyFile {
+                path: path.to_string(),
+                what: "DCP metadata",
+            });
+        }
+        if let Some(size) = size
             && size > options.limits.max_input as u64
         {
             return Err(MetadataError::Decode {
