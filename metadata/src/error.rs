@@ -160,6 +160,22 @@ pub enum MetadataError {
         /// Its manifest.
         manifest: String,
     },
+    /// A commit whose manifest was written (the checkpoint IS committed and opens by its path)
+    /// but whose `<run>/latest` pointer could not be moved to it (a full disk, a failed request).
+    /// Saving again is refused (the checkpoint exists); the pointer still names an older step (or
+    /// none), and the next committed step moves it on.
+    #[error(
+        "checkpoint {checkpoint} IS committed (its manifest is written), but {latest} was not moved to it: {source}"
+    )]
+    LatestNotMoved {
+        /// The committed checkpoint directory.
+        checkpoint: String,
+        /// The run's pointer that still names an older step.
+        latest: String,
+        /// Why reading or writing the pointer failed.
+        #[source]
+        source: Box<MetadataError>,
+    },
     /// Anything else structurally wrong with metadata, with what and where.
     #[error("invalid checkpoint metadata: {what}")]
     Invalid {
@@ -227,7 +243,8 @@ pub enum MetadataError {
 impl MetadataError {
     /// Whether retrying cannot help: everything but a transient storage failure (a network error,
     /// a timeout, a 5xx answer: object_store's `Generic`), the classification every tessera error
-    /// shares (`tessera_storage::is_transient`).
+    /// shares (`tessera_storage::is_transient`). [`LatestNotMoved`](Self::LatestNotMoved) is
+    /// permanent whatever its cause: the commit it reports cannot be repeated.
     pub fn is_permanent(&self) -> bool {
         !matches!(
             self,

@@ -1,6 +1,7 @@
 //! The commit protocol: nothing is committed when validation fails, a directory without manifest
-//! is not a checkpoint, a committed prefix is not overwritten, `latest` only moves forward, and
-//! the writer refuses bad input with messages that name the tensor and file.
+//! is not a checkpoint, a committed prefix is not overwritten, `latest` only moves forward, a
+//! `latest` that cannot be written after the manifest is reported as such (committed), and the
+//! writer refuses bad input with messages that name the tensor and file.
 #![allow(clippy::unwrap_used)]
 
 mod native_support;
@@ -372,4 +373,49 @@ async fn a_written_file_survives_serialization_to_the_committing_host() {
     assert_eq!(manifest.step, Some(42));
     let report = verify_checkpoint(store.as_ref(), &prefix).await.unwrap();
     assert!(report.is_ok(), "{report:?}");
+}
+
+#[tokio::test]
+async fn a_commit_whose_latest_cannot_be_written_says_the_checkpoint_is_committed() {
+    let (dir, store) = local_store();
+    let fx = fixture();
+    // A directory where the pointer should be: reading it finds no pointer, writing it fails as
+    // a full disk would, after the manifest is in place.
+    std::fs::create_dir_all(dir.path().join("run/latest/in-the-way")).unwrap();
+    let prefix = Path::from("run/step-000003");
+    let err = fx
+        .write(store.clone(), &prefix, WriteOptions::default())
+        .await
+        .unwrap_err();
+    let MetadataError::LatestNotMoved {
+        checkpoint, latest, ..
+    } = &err
+    else {
+        panic!("not LatestNotMoved: {err}");
+    };
+    assert_eq!(
+        (checkpoint.as_str(), latest.as_str()),
+        ("run/step-000003", "run/latest")
+    );
+    let message = err.to_string();
+    assert!(
+        message.starts_with(
+            "checkpoint run/step-000003 IS committed (its manifest is written), but run/latest was not moved to it: writing run/latest"
+        ),
+        "{message}"
+    );
+    assert!(err.is_permanent());
+    // Committed indeed: it opens and verifies, and a second commit into it is refused.
+    let manifest = read_manifest(store.as_ref(), &prefix).await.unwrap();
+    assert_eq!(manifest.step, Some(3));
+    let report = verify_checkpoint(store.as_ref(), &prefix).await.unwrap();
+    assert!(report.is_ok(), "{report:?}");
+    let again = fx
+        .write(store.clone(), &prefix, WriteOptions::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(again, MetadataError::AlreadyCommitted { .. }),
+        "{again}"
+    );
 }

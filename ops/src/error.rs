@@ -1,6 +1,11 @@
 //! The operations' one error type: the libraries' errors, with what the operation was doing.
 
+use std::time::Duration;
+
+use tessera_metadata::formats::native::Manifest;
 use thiserror::Error;
+
+use crate::save::AfterCommit;
 
 /// Errors of an operation.
 #[derive(Debug, Error)]
@@ -58,6 +63,78 @@ pub enum OpsError {
         /// `rank R: why`, one per failed rank.
         failures: Vec<String>,
     },
+    /// Rank 0 did not commit the save; its error as it told this rank (see
+    /// [`OpsError::is_permanent`], which it also sent).
+    #[error("{detail}")]
+    NotCommitted {
+        /// Rank 0's error.
+        detail: String,
+        /// Whether retrying cannot help, as rank 0 judged its error.
+        permanent: bool,
+    },
+    /// Rank 0 was ready to commit only when a rank was about to stop waiting for the outcome (it
+    /// was paused, its disk slow): committing then could have committed behind that rank's back,
+    /// so it committed nothing.
+    #[error(
+        "not committed: rank 0 was ready to commit {ready_after:.1?} after rank {rank}'s report, but rank {rank} waits only {waits:?} for the outcome (and rank 0 keeps {margin:?} of that for the messages' way)"
+    )]
+    TooLateToCommit {
+        /// The rank closest to giving up.
+        rank: u32,
+        /// How long it said it waits after its report.
+        waits: Duration,
+        /// The safety margin rank 0 keeps before that.
+        margin: Duration,
+        /// How long after its report arrived rank 0 was ready.
+        ready_after: Duration,
+    },
+    /// A rank other than 0 did not hear how the save ended and found it not committed: either
+    /// rank 0 did not say within the rank's wait that it commits (it then never will: it commits
+    /// only after telling every rank, while each still waits) and no manifest of this save is
+    /// there, or another save's manifest is there (so this one's can no longer be written).
+    #[error(
+        "checkpoint {checkpoint} is not committed: rank 0 did not answer rank {rank} within {waited:?} ({cause}), and {found}"
+    )]
+    NoAnswer {
+        /// The checkpoint directory.
+        checkpoint: String,
+        /// This rank.
+        rank: u32,
+        /// How long it waited.
+        waited: Duration,
+        /// Why no answer came (the wait ran out, rank 0 is gone).
+        cause: String,
+        /// What the rank found there (`there is no manifest`).
+        found: String,
+    },
+    /// Rank 0 said it commits, then did not say how that ended within the rank's wait, and the
+    /// manifest was not there when the rank looked: rank 0 may still write it. Neither a failure
+    /// nor a success; look at the checkpoint before using it or saving there again.
+    #[error(
+        "checkpoint {checkpoint}: not known whether it is committed: rank 0 began committing but did not answer rank {rank} within {waited:?} ({cause}), and there was no manifest when rank {rank} looked; rank 0 may still write it, so look for {checkpoint}/manifest.json before using or saving over it"
+    )]
+    OutcomeUnknown {
+        /// The checkpoint directory.
+        checkpoint: String,
+        /// This rank.
+        rank: u32,
+        /// How long it waited for the outcome after rank 0 said it commits.
+        waited: Duration,
+        /// Why no outcome came.
+        cause: String,
+    },
+    /// The checkpoint IS committed (its manifest is written: it opens and loads by its path), but
+    /// a step after the commit point failed: moving `<run>/latest` to it, or removing the save's
+    /// write claim. Not a failed save: saving it again is refused, since it exists.
+    #[error("checkpoint {checkpoint} IS committed (its manifest is written), but {after}")]
+    CommittedBut {
+        /// The checkpoint directory.
+        checkpoint: String,
+        /// The step that did not happen.
+        after: AfterCommit,
+        /// The committed manifest.
+        manifest: Box<Manifest>,
+    },
     /// An error with what the operation was doing when it happened. The message includes the
     /// inner error's, so the inner error is not also this one's `source()` (a chain printer would
     /// repeat it).
@@ -88,8 +165,24 @@ impl OpsError {
             OpsError::Loader(e) => e.is_permanent(),
             OpsError::PlanClient(e) => e.is_permanent(),
             OpsError::Message { .. } | OpsError::Invalid { .. } | OpsError::Claimed { .. } => true,
-            OpsError::RanksFailed { .. } => false,
+            OpsError::RanksFailed { .. }
+            | OpsError::TooLateToCommit { .. }
+            | OpsError::NoAnswer { .. } => false,
+            OpsError::NotCommitted { permanent, .. } => *permanent,
+            // Saving again cannot repeat a commit that happened (or may have): the checkpoint is
+            // to be looked at, not saved blindly again.
+            OpsError::CommittedBut { .. } | OpsError::OutcomeUnknown { .. } => true,
             OpsError::Context { inner, .. } => inner.is_permanent(),
+        }
+    }
+
+    /// Whether this error comes with a committed checkpoint ([`OpsError::CommittedBut`]): the
+    /// save happened, and only a step after its commit point did not.
+    pub fn is_committed(&self) -> bool {
+        match self {
+            OpsError::CommittedBut { .. } => true,
+            OpsError::Context { inner, .. } => inner.is_committed(),
+            _ => false,
         }
     }
 }

@@ -9,6 +9,21 @@
 //! rank succeeded, and tells every rank the outcome. A failure anywhere leaves no manifest: the
 //! directory never shows as a checkpoint.
 //!
+//! **The commit deadline.** A rank does not wait for the outcome forever: its report says how long
+//! it waits ([`SaveOptions::outcome_wait`], counted from when its report is sent), and rank 0
+//! measures that from when the report arrived, less a safety margin for the message's way
+//! ([`commit_margin`]). Rank 0 commits only if every report arrived and it is ready before the
+//! earliest of those deadlines: it then tells every rank that it commits (with the manifest it is
+//! about to write), checks the deadlines once more, and writes the manifest, the commit point.
+//! Ready too late (rank 0 was paused, its disk slow), it commits nothing and says which rank it
+//! would have kept waiting past its time. So a rank that hears nothing within its wait knows that
+//! rank 0 will not commit, and says "not committed" ([`OpsError::NoAnswer`]). A rank that heard
+//! "committing" waits as long again for the outcome, and if that does not come it looks at the
+//! checkpoint itself: this save's manifest there is a commit (success, with a warning that rank 0
+//! answered late), none there is [`OpsError::OutcomeUnknown`] (rank 0 may still write it), never
+//! a failure. A step after the commit point that fails (moving `<run>/latest`, removing the write
+//! claim) is [`OpsError::CommittedBut`] on every rank: committed, and which step did not happen.
+//!
 //! Before any rank writes, rank 0 takes the output's write claim ([`crate::claim`]) and tells
 //! every rank whether it got it; the other ranks wait for that word before they write. So a
 //! second job saving into the same directory fails on every rank at once, naming the holder,
@@ -26,14 +41,19 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use object_store::ObjectStore;
 use serde::{Deserialize, Serialize};
+use tessera_loader::LoaderError;
 use tessera_loader::transport::Transport;
-use tessera_metadata::formats::native::{Manifest, NativeWriter, WriteOptions, WrittenFile};
-use tessera_metadata::{DType, TensorBox, TensorMeta};
+use tessera_metadata::formats::native::{
+    LATEST_FILE, Manifest, NativeWriter, WriteOptions, WrittenFile, read_block_checksums,
+    read_manifest,
+};
+use tessera_metadata::{DType, MetadataError, TensorBox, TensorMeta};
 use tessera_planner::{Request, RequestSet, Target, assign_writers};
 use tessera_storage::{GaveUp, Location, RetryingStore, StorageOptions};
 
@@ -96,10 +116,62 @@ pub struct Saved {
     /// This rank's retries of failed writes: write requests tried again, plus data files written
     /// again from the start.
     pub write_retries: u64,
+    /// Set when this rank learned of the commit by looking at the checkpoint, because rank 0 did
+    /// not answer within [`SaveOptions::outcome_wait`]: the save is committed, but rank 0 (or the
+    /// way to it) was slow enough to say so.
+    pub warning: Option<String>,
+}
+
+/// A step after the commit point that did not happen: the checkpoint is committed all the same
+/// ([`OpsError::CommittedBut`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AfterCommit {
+    /// `<run>/latest` still names an older step (or none): a caller following it does not find
+    /// this checkpoint, which opens by its own path. The next committed step moves it on.
+    LatestNotMoved {
+        /// The pointer.
+        latest: String,
+        /// Why it was not written.
+        detail: String,
+    },
+    /// The save's write claim is still in the committed directory (harmless to readers; a save
+    /// into a committed directory is refused anyway).
+    ClaimNotRemoved {
+        /// Why removing it failed.
+        detail: String,
+    },
+}
+
+impl fmt::Display for AfterCommit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AfterCommit::LatestNotMoved { latest, detail } => {
+                write!(f, "{latest} was not moved to it: {detail}")
+            }
+            AfterCommit::ClaimNotRemoved { detail } => {
+                write!(f, "its write claim was not removed: {detail}")
+            }
+        }
+    }
+}
+
+/// How long a rank waits for rank 0's word by default: the transports' default wait for a peer.
+pub const DEFAULT_OUTCOME_WAIT: Duration = Duration::from_secs(60);
+
+/// The largest safety margin rank 0 keeps before a rank's deadline ([`commit_margin`]).
+pub const MAX_COMMIT_MARGIN: Duration = Duration::from_secs(5);
+
+/// How much earlier than a rank's announced deadline rank 0 must be ready to commit: the time the
+/// rank's report and rank 0's answer may spend on their way, and rank 0's lag in noticing that the
+/// report arrived while it was still writing. A quarter of the wait, at most
+/// [`MAX_COMMIT_MARGIN`]: seconds for a job's minute-long waits, less for the short waits of tests.
+/// Computed by rank 0 from the wait each rank sends, so the ranks cannot disagree on it.
+pub fn commit_margin(wait: Duration) -> Duration {
+    (wait / 4).min(MAX_COMMIT_MARGIN)
 }
 
 /// Options of [`save_rank`].
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct SaveOptions {
     /// Training step recorded in the manifest.
     pub step: Option<u64>,
@@ -110,6 +182,23 @@ pub struct SaveOptions {
     pub break_claim: bool,
     /// Wraps the store this rank writes through (tests: fault injection). `None` in production.
     pub store_layer: Option<StoreLayer>,
+    /// How long a rank other than 0 waits for rank 0's decision after sending its report, and,
+    /// once rank 0 said it commits, as long again for the outcome. Rank 0 commits only while every
+    /// rank still waits (see the module docs), so a rank that stops waiting never finds the save
+    /// committed behind its back. Front ends set it to their wait for a peer.
+    pub outcome_wait: Duration,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        Self {
+            step: None,
+            storage: StorageOptions::default(),
+            break_claim: false,
+            store_layer: None,
+            outcome_wait: DEFAULT_OUTCOME_WAIT,
+        }
+    }
 }
 
 /// The store one rank of a save writes through, and its retry counter.
@@ -268,12 +357,43 @@ fn object_writers(all: &[Holdings]) -> HashMap<&str, usize> {
 /// A rank's file for rank 0, or why it has none.
 type FileReport = Result<Option<WrittenFile>, String>;
 
+/// What a rank other than 0 sends rank 0 once it has written its share.
+#[derive(Debug, Serialize, Deserialize)]
+struct Report {
+    /// Its file, or why it has none.
+    file: FileReport,
+    /// How long it waits for rank 0's decision, counted from when its send of this report
+    /// returned (milliseconds). A duration, not a time: the ranks' clocks need not agree.
+    waits_ms: u64,
+}
+
+/// Rank 0's word to every other rank, under `TAG_SAVE_DONE`: [`Done::Committing`] first when it
+/// commits, then the outcome; only the outcome when it does not.
+#[derive(Debug, Serialize, Deserialize)]
+enum Done {
+    /// Every rank wrote, every rank still waits: rank 0 writes this manifest next (the commit
+    /// point). A rank that hears no outcome after this compares the manifest it finds with it.
+    Committing { manifest: Manifest },
+    /// Committed.
+    Committed { manifest: Manifest },
+    /// Committed, but a step after the commit point failed.
+    CommittedBut {
+        manifest: Manifest,
+        after: AfterCommit,
+    },
+    /// Not committed; rank 0's error, and [`OpsError::is_permanent`] of it on rank 0.
+    NotCommitted { detail: String, permanent: bool },
+}
+
 /// Writes this rank's share of a native checkpoint at `path` and takes part in the commit.
 ///
 /// `all` is every rank's holdings (indexed by rank, the same on every rank), `data[i]` the bytes
 /// of `all[rank].boxes[i]` (row-major over the box), `objects` this rank's objects. Returns the
 /// committed manifest on every rank (with this rank's write retries), or the error: this rank's
-/// own, or rank 0's verdict ([`OpsError::RanksFailed`] naming the ranks that failed).
+/// own, rank 0's verdict ([`OpsError::RanksFailed`] naming the ranks that failed,
+/// [`OpsError::TooLateToCommit`]), or what this rank concluded when rank 0 did not answer in time
+/// ([`OpsError::NoAnswer`], [`OpsError::OutcomeUnknown`]). [`OpsError::CommittedBut`] is a
+/// committed checkpoint.
 pub async fn save_rank<T: Transport>(
     path: &str,
     options: &SaveOptions,
@@ -282,44 +402,10 @@ pub async fn save_rank<T: Transport>(
     objects: &[(String, Vec<u8>)],
     transport: &T,
 ) -> Result<Saved, OpsError> {
-    let (rank, world) = (transport.rank(), transport.world());
+    let world = transport.world();
     let opened = open_store(path, options);
-    if rank != 0 {
-        wait_for_claim(path, transport).await?;
-        let written = match &opened {
-            Ok(opened) => {
-                write_share(
-                    path,
-                    options,
-                    &opened.location,
-                    all,
-                    data,
-                    objects,
-                    rank as usize,
-                )
-                .await
-            }
-            Err(e) => Err(OpsError::invalid(e.to_string())),
-        };
-        let report: FileReport = match &written {
-            Ok((_, file, _)) => Ok(file.clone()),
-            Err(e) => Err(e.to_string()),
-        };
-        transport
-            .send(0, TAG_SAVE_FILES, Bytes::from(encode(&report)?))
-            .await?;
-        let outcome = transport.recv(0, TAG_SAVE_DONE).await?;
-        let outcome: Result<Manifest, String> =
-            serde_json::from_slice(&outcome).map_err(|source| OpsError::Message {
-                what: "rank 0's commit outcome".to_string(),
-                source,
-            })?;
-        let (_, _, file_retries) = written?;
-        let manifest = outcome.map_err(OpsError::invalid)?;
-        return Ok(Saved {
-            manifest,
-            write_retries: write_retries(&opened, file_retries),
-        });
+    if transport.rank() != 0 {
+        return save_other_rank(path, options, opened, all, data, objects, transport).await;
     }
 
     let (claim, opened) = claim_for_all(path, options, opened, transport).await?;
@@ -340,30 +426,318 @@ pub async fn save_rank<T: Transport>(
         .await
         .with_context(|| format!("removing the write claim of {path}"));
     let outcome = match (outcome, released) {
-        (Ok(_), Err(e)) => Err(OpsError::Context {
-            context: format!("checkpoint {path} was committed, but"),
-            inner: Box::new(e),
-        }),
+        (Ok(mut commit), Err(e)) => {
+            let detail = e.to_string();
+            commit.after = Some(match commit.after {
+                None => AfterCommit::ClaimNotRemoved { detail },
+                // The pointer is what a caller follows: it stays the headline.
+                Some(AfterCommit::LatestNotMoved {
+                    latest,
+                    detail: first,
+                }) => AfterCommit::LatestNotMoved {
+                    latest,
+                    detail: format!("{first} (and the write claim was not removed: {detail})"),
+                },
+                Some(other) => other,
+            });
+            Ok(commit)
+        }
         (outcome, _) => outcome,
     };
-    let message: Result<&Manifest, String> = outcome
-        .as_ref()
-        .map(|(manifest, _)| manifest)
-        .map_err(ToString::to_string);
+    let message = match &outcome {
+        Ok(Commit {
+            manifest,
+            after: None,
+            ..
+        }) => Done::Committed {
+            manifest: manifest.clone(),
+        },
+        Ok(Commit {
+            manifest,
+            after: Some(after),
+            ..
+        }) => Done::CommittedBut {
+            manifest: manifest.clone(),
+            after: after.clone(),
+        },
+        Err(e) => Done::NotCommitted {
+            detail: e.to_string(),
+            permanent: e.is_permanent(),
+        },
+    };
     let message = Bytes::from(encode(&message)?);
     for peer in 1..world {
         // A rank that already gave up cannot be told; the others still are.
         let _ = transport.send(peer, TAG_SAVE_DONE, message.clone()).await;
     }
-    let (manifest, file_retries) = outcome?;
+    let commit = outcome?;
+    if let Some(after) = commit.after {
+        return Err(OpsError::CommittedBut {
+            checkpoint: path.to_string(),
+            after,
+            manifest: Box::new(commit.manifest),
+        });
+    }
     Ok(Saved {
-        manifest,
-        write_retries: opened.retrying.retries() + file_retries,
+        manifest: commit.manifest,
+        write_retries: opened.retrying.retries() + commit.file_retries,
+        warning: None,
     })
 }
 
-fn write_retries(opened: &Result<Opened, OpsError>, file_retries: u64) -> u64 {
-    opened.as_ref().map_or(0, |o| o.retrying.retries()) + file_retries
+/// A rank other than 0: waits for rank 0's claim, writes its share, reports it with how long it
+/// will wait, and follows rank 0's word (or, without it, the checkpoint itself).
+async fn save_other_rank<T: Transport>(
+    path: &str,
+    options: &SaveOptions,
+    opened: Result<Opened, OpsError>,
+    all: &[Holdings],
+    data: &[&[u8]],
+    objects: &[(String, Vec<u8>)],
+    transport: &T,
+) -> Result<Saved, OpsError> {
+    let rank = transport.rank();
+    wait_for_claim(path, transport).await?;
+    let written = match &opened {
+        Ok(opened) => {
+            write_share(
+                path,
+                options,
+                &opened.location,
+                all,
+                data,
+                objects,
+                rank as usize,
+            )
+            .await
+        }
+        Err(e) => Err(OpsError::invalid(e.to_string())),
+    };
+    let report = Report {
+        file: match &written {
+            Ok((_, file, _)) => Ok(file.clone()),
+            Err(e) => Err(e.to_string()),
+        },
+        waits_ms: u64::try_from(options.outcome_wait.as_millis()).unwrap_or(u64::MAX),
+    };
+    transport
+        .send(0, TAG_SAVE_FILES, Bytes::from(encode(&report)?))
+        .await?;
+    let (opened, file, file_retries) = match (opened, written) {
+        (Ok(opened), Ok((_, file, file_retries))) => (opened, file, file_retries),
+        (_, Err(e)) => {
+            // Rank 0 commits nothing now, but it still holds the claim: hearing it out means a
+            // job that retries as soon as this returns finds the claim gone.
+            let _ = hear_from_rank_0(transport, options.outcome_wait).await;
+            return Err(e);
+        }
+        (Err(e), Ok(_)) => return Err(e),
+    };
+    let waiting = Waiting {
+        path,
+        location: &opened.location,
+        rank,
+        wait: options.outcome_wait,
+        tensors: global_tensors(all)?.len() as u64,
+    };
+    let (manifest, warning) = follow_rank_0(&waiting, file.as_ref(), transport).await?;
+    Ok(Saved {
+        manifest,
+        write_retries: opened.retrying.retries() + file_retries,
+        warning,
+    })
+}
+
+/// What a rank other than 0 needs while it waits for rank 0's word.
+struct Waiting<'a> {
+    path: &'a str,
+    location: &'a Location,
+    rank: u32,
+    wait: Duration,
+    /// The checkpoint's number of tensors (every rank computes the same from `all`).
+    tensors: u64,
+}
+
+/// A rank other than 0, its report sent: rank 0's decision, then the outcome; the committed
+/// manifest (and a warning when this rank had to find it out itself) or why there is none.
+async fn follow_rank_0<T: Transport>(
+    waiting: &Waiting<'_>,
+    mine: Option<&WrittenFile>,
+    transport: &T,
+) -> Result<(Manifest, Option<String>), OpsError> {
+    let &Waiting {
+        path, rank, wait, ..
+    } = waiting;
+    let announced = match hear_from_rank_0(transport, wait).await {
+        Ok(bytes) => match decode_done(&bytes)? {
+            Done::Committing { manifest } => manifest,
+            done => return outcome(path, done).map(|manifest| (manifest, None)),
+        },
+        Err(cause) => {
+            // Rank 0 commits only after telling every rank, and only while each still waits
+            // (less the margin for the message's way), so silence until now means it never will.
+            // A look at the checkpoint backs that up, in case the margin was not enough.
+            let expected = Expected::Own {
+                file: mine,
+                tensors: waiting.tensors,
+            };
+            let no_answer = |cause, found: &str| OpsError::NoAnswer {
+                checkpoint: path.to_string(),
+                rank,
+                waited: wait,
+                cause,
+                found: found.to_string(),
+            };
+            return match look(waiting, expected).await {
+                Ok(Found::Ours(manifest)) => Ok((*manifest, Some(late(waiting, &cause)))),
+                Ok(Found::Nothing) => Err(no_answer(cause, "there is no manifest")),
+                Ok(Found::Another) => Err(no_answer(cause, ANOTHER)),
+                Err(e) => Err(no_answer(
+                    cause,
+                    &format!("its manifest could not be looked at ({e})"),
+                )),
+            };
+        }
+    };
+    match hear_from_rank_0(transport, wait).await {
+        Ok(bytes) => outcome(path, decode_done(&bytes)?).map(|manifest| (manifest, None)),
+        // Rank 0 was past its decision: the manifest may be there, or still on its way.
+        Err(cause) => {
+            let unknown = |cause| OpsError::OutcomeUnknown {
+                checkpoint: path.to_string(),
+                rank,
+                waited: wait,
+                cause,
+            };
+            match look(waiting, Expected::Announced(&announced)).await {
+                Ok(Found::Ours(manifest)) => Ok((*manifest, Some(late(waiting, &cause)))),
+                Ok(Found::Nothing) => Err(unknown(cause)),
+                Ok(Found::Another) => Err(OpsError::NoAnswer {
+                    checkpoint: path.to_string(),
+                    rank,
+                    waited: wait,
+                    cause,
+                    found: ANOTHER.to_string(),
+                }),
+                Err(e) => Err(unknown(format!(
+                    "{cause}; looking for its manifest also failed: {e}"
+                ))),
+            }
+        }
+    }
+}
+
+/// What a rank that found another save's manifest says it found.
+const ANOTHER: &str = "the manifest there is another save's";
+
+/// The warning of a rank that found the save committed without rank 0's word.
+fn late(waiting: &Waiting<'_>, cause: &str) -> String {
+    format!(
+        "checkpoint {} is committed, but rank 0 did not answer rank {} within {:?} ({cause}): rank {} found this save's manifest there itself",
+        waiting.path, waiting.rank, waiting.wait, waiting.rank
+    )
+}
+
+/// Rank 0's outcome as this rank returns it.
+fn outcome(path: &str, done: Done) -> Result<Manifest, OpsError> {
+    match done {
+        Done::Committed { manifest } => Ok(manifest),
+        Done::CommittedBut { manifest, after } => Err(OpsError::CommittedBut {
+            checkpoint: path.to_string(),
+            after,
+            manifest: Box::new(manifest),
+        }),
+        Done::NotCommitted { detail, permanent } => {
+            Err(OpsError::NotCommitted { detail, permanent })
+        }
+        Done::Committing { .. } => Err(OpsError::invalid(
+            "rank 0 said twice that it commits (a protocol error)",
+        )),
+    }
+}
+
+fn decode_done(bytes: &[u8]) -> Result<Done, OpsError> {
+    serde_json::from_slice(bytes).map_err(|source| OpsError::Message {
+        what: "rank 0's commit outcome".to_string(),
+        source,
+    })
+}
+
+/// The next message from rank 0 under `TAG_SAVE_DONE` within `wait`, or why none came (the wait
+/// ran out, rank 0 is gone).
+async fn hear_from_rank_0<T: Transport>(transport: &T, wait: Duration) -> Result<Bytes, String> {
+    let until = Instant::now() + wait;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, transport.recv(0, TAG_SAVE_DONE)).await {
+            Ok(Ok(bytes)) => return Ok(bytes),
+            // The transport's own wait for a peer may be shorter than the save's: this rank told
+            // rank 0 how long it waits, and it keeps its word.
+            Ok(Err(LoaderError::PeerTimeout { .. })) if Instant::now() < until => {}
+            Ok(Err(LoaderError::PeerTimeout { .. })) | Err(_) => {
+                return Err("nothing arrived".to_string());
+            }
+            Ok(Err(e)) => return Err(e.to_string()),
+        }
+    }
+}
+
+/// Which manifest a rank that heard no outcome counts as this save's.
+enum Expected<'a> {
+    /// The one rank 0 announced before its commit point.
+    Announced(&'a Manifest),
+    /// Without an announcement: one of this save's number of tensors that lists this rank's file
+    /// with its size and block checksums. A rank that wrote no file has only the tensor count to
+    /// go by; another job's manifest there would need a broken write claim.
+    Own {
+        file: Option<&'a WrittenFile>,
+        tensors: u64,
+    },
+}
+
+/// What a rank that heard no outcome finds at the checkpoint.
+#[derive(Debug, PartialEq)]
+enum Found {
+    /// This save's manifest: committed.
+    Ours(Box<Manifest>),
+    /// No manifest (yet).
+    Nothing,
+    /// Another save's manifest: the manifest is created exclusively, so this save's can no
+    /// longer be written.
+    Another,
+}
+
+/// Looks for this save's manifest at the checkpoint.
+async fn look(waiting: &Waiting<'_>, expected: Expected<'_>) -> Result<Found, OpsError> {
+    let location = waiting.location;
+    let found = match read_manifest(location.store.as_ref(), &location.prefix).await {
+        Ok(found) => found,
+        Err(MetadataError::MissingManifest { .. }) => return Ok(Found::Nothing),
+        Err(e) => return Err(e.into()),
+    };
+    let ours = match expected {
+        Expected::Announced(announced) => &found == announced,
+        Expected::Own { tensors, .. } if found.tensors != tensors => false,
+        Expected::Own {
+            file: Some(mine), ..
+        } => {
+            found.file_size(mine.path()) == Some(mine.size())
+                && (found.checksums.is_none() || {
+                    let checksums =
+                        read_block_checksums(location.store.as_ref(), &location.prefix, &found)
+                            .await?;
+                    checksums
+                        .file(mine.path())
+                        .is_some_and(|blocks| blocks.crcs == mine.block_crcs())
+                })
+        }
+        Expected::Own { file: None, .. } => true,
+    };
+    Ok(if ours {
+        Found::Ours(Box::new(found))
+    } else {
+        Found::Another
+    })
 }
 
 /// The context of every rank's error when rank 0 could not claim `path`.
@@ -470,8 +844,80 @@ async fn wait_for_claim<T: Transport>(path: &str, transport: &T) -> Result<(), O
     })
 }
 
+/// The run's `latest` pointer next to the checkpoint at `path`, written as the user wrote `path`
+/// (the store's own name for it is relative to where the store is rooted).
+fn latest_of(path: &str) -> String {
+    let trimmed = path.trim_end_matches('/');
+    match trimmed.rsplit_once('/') {
+        Some((parent, _)) => format!("{parent}/{LATEST_FILE}"),
+        None => LATEST_FILE.to_string(),
+    }
+}
+
+/// What rank 0 committed.
+struct Commit {
+    manifest: Manifest,
+    /// A step after the commit point that failed.
+    after: Option<AfterCommit>,
+    /// Rank 0's data file written again from the start.
+    file_retries: u64,
+}
+
+/// A rank that reported success, waiting for the outcome until `heard_at + waits` (rank 0's
+/// clock: when the report arrived).
+struct Deadline {
+    rank: u32,
+    heard_at: Instant,
+    waits: Duration,
+}
+
+/// Whether rank 0 may still commit: every rank still waits, with [`commit_margin`] to spare.
+/// Otherwise the error names the rank closest to giving up.
+fn check_deadlines(deadlines: &[Deadline]) -> Result<(), OpsError> {
+    let now = Instant::now();
+    let Some(first) = deadlines
+        .iter()
+        .min_by_key(|d| d.heard_at + d.waits - commit_margin(d.waits))
+    else {
+        return Ok(());
+    };
+    let margin = commit_margin(first.waits);
+    let ready_after = now.saturating_duration_since(first.heard_at);
+    if ready_after + margin < first.waits {
+        return Ok(());
+    }
+    Err(OpsError::TooLateToCommit {
+        rank: first.rank,
+        waits: first.waits,
+        margin,
+        ready_after,
+    })
+}
+
+/// Every other rank's report as it arrives, with when (rank 0's clock), while rank 0 writes its
+/// own share: listening only afterwards would date a report that waited in the transport's
+/// buffer too late, and so place its rank's deadline after the rank stops waiting. A report is
+/// awaited as before, at least one full transport wait after rank 0's write `finished`.
+async fn collect_reports<T: Transport>(
+    transport: &T,
+    finished: &OnceLock<Instant>,
+) -> Vec<Result<(Bytes, Instant), LoaderError>> {
+    let reports = (1..transport.world()).map(|peer| async move {
+        loop {
+            let asked = Instant::now();
+            match transport.recv(peer, TAG_SAVE_FILES).await {
+                Ok(bytes) => return Ok((bytes, Instant::now())),
+                Err(LoaderError::PeerTimeout { .. })
+                    if finished.get().is_none_or(|&done| done > asked) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    });
+    futures::future::join_all(reports).await
+}
+
 /// Rank 0, holding the claim: writes its share, gathers every rank's file and commits when all
-/// wrote.
+/// wrote and all still wait for the outcome.
 async fn write_and_commit<T: Transport>(
     path: &str,
     options: &SaveOptions,
@@ -480,34 +926,84 @@ async fn write_and_commit<T: Transport>(
     data: &[&[u8]],
     objects: &[(String, Vec<u8>)],
     transport: &T,
-) -> Result<(Manifest, u64), OpsError> {
-    let written = write_share(path, options, location, all, data, objects, 0).await;
+) -> Result<Commit, OpsError> {
+    let finished = OnceLock::new();
+    let write = async {
+        let written = write_share(path, options, location, all, data, objects, 0).await;
+        let _ = finished.set(Instant::now());
+        written
+    };
+    let (written, reports) = futures::join!(write, collect_reports(transport, &finished));
     let mut files = Vec::new();
     let mut failures = Vec::new();
-    for peer in 1..transport.world() {
-        match transport.recv(peer, TAG_SAVE_FILES).await {
-            Ok(bytes) => match serde_json::from_slice::<FileReport>(&bytes) {
-                Ok(Ok(file)) => files.extend(file),
-                Ok(Err(e)) => failures.push(format!("rank {peer}: {e}")),
-                Err(e) => failures.push(format!("rank {peer}: undecodable report: {e}")),
-            },
-            Err(e) => failures.push(format!("rank {peer}: {e}")),
+    let mut deadlines = Vec::new();
+    for (peer, report) in (1..transport.world()).zip(reports) {
+        let decoded = report.map_err(|e| e.to_string()).and_then(|(bytes, at)| {
+            serde_json::from_slice::<Report>(&bytes)
+                .map(|report| (report, at))
+                .map_err(|e| format!("undecodable report: {e}"))
+        });
+        match decoded {
+            Ok((
+                Report {
+                    file: Ok(file),
+                    waits_ms,
+                },
+                heard_at,
+            )) => {
+                files.extend(file);
+                deadlines.push(Deadline {
+                    rank: peer,
+                    heard_at,
+                    waits: Duration::from_millis(waits_ms),
+                });
+            }
+            Ok((Report { file: Err(e), .. }, _)) | Err(e) => {
+                failures.push(format!("rank {peer}: {e}"));
+            }
         }
     }
-    match written {
-        Err(e) => Err(OpsError::Context {
-            context: "rank 0".to_string(),
-            inner: Box::new(e),
-        }),
-        Ok(_) if !failures.is_empty() => Err(OpsError::RanksFailed { failures }),
-        Ok((writer, file, file_retries)) => {
-            files.extend(file);
-            let manifest = writer
-                .commit(files)
-                .await
-                .with_context(|| format!("committing checkpoint {path}"))?;
-            Ok((manifest, file_retries))
+    let (writer, file, file_retries) = match written {
+        Err(e) => {
+            return Err(OpsError::Context {
+                context: "rank 0".to_string(),
+                inner: Box::new(e),
+            });
         }
+        Ok(_) if !failures.is_empty() => return Err(OpsError::RanksFailed { failures }),
+        Ok(written) => written,
+    };
+    files.extend(file);
+    let committing = || format!("committing checkpoint {path}");
+    let prepared = writer.prepare(files).await.with_context(committing)?;
+    check_deadlines(&deadlines)?;
+    let announce = Bytes::from(encode(&Done::Committing {
+        manifest: prepared.manifest().clone(),
+    })?);
+    for peer in 1..transport.world() {
+        transport
+            .send(peer, TAG_SAVE_DONE, announce.clone())
+            .await
+            .with_context(|| format!("telling rank {peer} that rank 0 commits {path}"))?;
+    }
+    // The announcements took time too: each must have reached its rank before it gives up.
+    check_deadlines(&deadlines)?;
+    let manifest = prepared.manifest().clone();
+    match prepared.commit().await {
+        Ok(manifest) => Ok(Commit {
+            manifest,
+            after: None,
+            file_retries,
+        }),
+        Err(MetadataError::LatestNotMoved { source, .. }) => Ok(Commit {
+            manifest,
+            after: Some(AfterCommit::LatestNotMoved {
+                latest: latest_of(path),
+                detail: source.to_string(),
+            }),
+            file_retries,
+        }),
+        Err(e) => Err(e).with_context(committing),
     }
 }
 
@@ -627,4 +1123,133 @@ fn encode<V: Serialize>(value: &V) -> Result<Vec<u8>, OpsError> {
         what: "a save message".to_string(),
         source,
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// A one-tensor checkpoint at `location` whose data file holds `bytes`, committed or not;
+    /// the written file.
+    async fn checkpoint(location: &Location, bytes: &[u8], commit: bool) -> WrittenFile {
+        let tensors = vec![TensorMeta::new("w", DType::F32, vec![16])];
+        let writer = NativeWriter::create(
+            location.store.clone(),
+            location.prefix.clone(),
+            tensors,
+            WriteOptions::default(),
+        )
+        .await
+        .unwrap();
+        let mut file = writer.data_file("rank-1").unwrap();
+        file.write_box(0, TensorBox::new(vec![0], vec![16]), bytes)
+            .await
+            .unwrap();
+        let written = file.finish().await.unwrap();
+        if commit {
+            writer.commit(vec![written.clone()]).await.unwrap();
+        }
+        written
+    }
+
+    #[tokio::test]
+    async fn a_rank_without_word_counts_only_a_manifest_listing_its_own_bytes_as_this_save() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("step-1").display().to_string();
+        let location = tessera_storage::create_with(&path, &StorageOptions::default()).unwrap();
+        let waiting = Waiting {
+            path: &path,
+            location: &location,
+            rank: 1,
+            wait: Duration::from_secs(1),
+            tensors: 1,
+        };
+        let ours = [7u8; 64];
+        let file = checkpoint(&location, &ours, false).await;
+        let own = |file| Expected::Own { file, tensors: 1 };
+        // Written, not committed: nothing to find.
+        assert_eq!(
+            look(&waiting, own(Some(&file))).await.unwrap(),
+            Found::Nothing
+        );
+
+        // Committed with these bytes: this save's.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("step-1").display().to_string();
+        let location = tessera_storage::create_with(&path, &StorageOptions::default()).unwrap();
+        let waiting = Waiting {
+            location: &location,
+            ..waiting
+        };
+        let committed = checkpoint(&location, &ours, true).await;
+        let Found::Ours(found) = look(&waiting, own(Some(&committed))).await.unwrap() else {
+            panic!("this save's manifest not recognized");
+        };
+        assert_eq!(found.files[0].path, "data/rank-1.bin");
+
+        // The same name and size with other bytes (another job's save after a broken claim):
+        // its block checksums tell it apart.
+        let other_dir = tempfile::tempdir().unwrap();
+        let other_path = other_dir.path().join("step-1").display().to_string();
+        let other = tessera_storage::create_with(&other_path, &StorageOptions::default()).unwrap();
+        let theirs = checkpoint(&other, &[9u8; 64], false).await;
+        assert_eq!(theirs.size(), committed.size());
+        assert_eq!(
+            look(&waiting, own(Some(&theirs))).await.unwrap(),
+            Found::Another
+        );
+        // Another number of tensors is another save, file or no file.
+        let tensors_differ = Expected::Own {
+            file: None,
+            tensors: 2,
+        };
+        assert_eq!(
+            look(&waiting, tensors_differ).await.unwrap(),
+            Found::Another
+        );
+        assert!(matches!(
+            look(&waiting, own(None)).await.unwrap(),
+            Found::Ours(_)
+        ));
+    }
+
+    #[test]
+    fn rank_0_commits_only_while_every_rank_waits_with_the_margin_to_spare() {
+        assert_eq!(
+            commit_margin(Duration::from_secs(60)),
+            MAX_COMMIT_MARGIN,
+            "a minute's wait keeps the full margin"
+        );
+        assert_eq!(
+            commit_margin(Duration::from_secs(2)),
+            Duration::from_millis(500)
+        );
+        let now = Instant::now();
+        let heard = |rank, ago_ms, waits_ms| Deadline {
+            rank,
+            heard_at: now - Duration::from_millis(ago_ms),
+            waits: Duration::from_millis(waits_ms),
+        };
+        // 10 s into a 60 s wait and 1 s into a 2 s one: both wait long enough yet.
+        check_deadlines(&[heard(1, 10_000, 60_000), heard(2, 1_000, 2_000)]).unwrap();
+        // Rank 2 gives up in 0.4 s, inside its 0.5 s margin: the one named, though rank 3's
+        // report came earlier.
+        let err = check_deadlines(&[heard(3, 20_000, 60_000), heard(2, 1_600, 2_000)]).unwrap_err();
+        let OpsError::TooLateToCommit {
+            rank,
+            waits,
+            margin,
+            ready_after,
+        } = err
+        else {
+            panic!("{err}");
+        };
+        assert_eq!(
+            (rank, waits, margin),
+            (2, Duration::from_secs(2), Duration::from_millis(500))
+        );
+        assert!(ready_after >= Duration::from_millis(1_600));
+        check_deadlines(&[]).unwrap();
+    }
 }

@@ -75,6 +75,8 @@ async fn run_save(job: SaveJob) -> Result<String> {
         storage: job.storage,
         break_claim: job.break_claim,
         store_layer: faults.layer(),
+        // One bound for every wait on a peer, as the transport's.
+        outcome_wait: job.timeout,
     };
     let saved = match &job.rendezvous {
         Some((addr, port)) if job.world > 1 => {
@@ -108,6 +110,7 @@ async fn run_save(job: SaveJob) -> Result<String> {
         "manifest": saved.manifest,
         "write_retries": saved.write_retries,
         "injected_write_faults": faults.injected(),
+        "warning": saved.warning,
     }))?)
 }
 

@@ -160,6 +160,9 @@ class SaveReport(_Report):
     #: Write faults injected into this rank's store by ``TESSERA_TEST_FAULTS`` (test builds with
     #: the ``fault-injection`` feature); ``None`` when no faults were asked for.
     injected_write_faults: Optional[int] = None
+    #: Set when this rank found the checkpoint committed by looking at it itself, because rank 0
+    #: did not answer within the save's timeout: committed, but rank 0 (or the way to it) was slow.
+    warning: Optional[str] = None
 
     def __getitem__(self, name: str) -> Any:
         # Manifest fields by name (``report["step"]``), as save returned the manifest before.

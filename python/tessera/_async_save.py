@@ -363,6 +363,7 @@ def _run(
             manifest=saved["manifest"],
             write_retries=saved["write_retries"],
             injected_write_faults=saved["injected_write_faults"],
+            warning=saved["warning"],
             objects=len(objects),
             total_seconds=time.monotonic() - started,
             waited_seconds=waited,

@@ -4,6 +4,7 @@
 //! tests need nothing outside the machine.
 
 mod fault;
+mod hooked;
 mod http_server;
 mod loopback;
 mod recording;
@@ -11,6 +12,7 @@ mod s3_server;
 mod throttled;
 
 pub use fault::{FAULTY_STORE, FaultConfig, FaultStats, FaultyStore, InjectedFault};
+pub use hooked::{HookedStore, WriteHook};
 pub use http_server::{Stall, StallingHttpServer};
 pub use recording::RecordingStore;
 pub use s3_server::{ACCESS_KEY_ID, REGION, S3TestServer, SECRET_ACCESS_KEY, Served};

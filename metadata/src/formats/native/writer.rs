@@ -15,7 +15,7 @@ use super::latest::advance_latest;
 use super::manifest::{Created, DataPresence, Manifest, ManifestBlob, ManifestFile};
 use super::{
     ALIGNMENT, CHECKSUMS_FILE, DATA_DIR, DEFAULT_BLOCK_SIZE, FORMAT_NAME, FORMAT_VERSION,
-    MANIFEST_FILE, METADATA_FILE, store_error,
+    LATEST_FILE, MANIFEST_FILE, METADATA_FILE, store_error,
 };
 use super::{BlockChecksums, FileBlocks, encode_block_checksums, encode_metadata, resolve};
 use crate::{
@@ -194,8 +194,17 @@ impl NativeWriter {
     /// writers on other hosts): assembles and validates the metadata, writes `metadata.arrow`,
     /// `checksums.arrow`, then `manifest.json` last, then moves `<run>/latest` forward when the
     /// prefix is a `step-<digits>` directory. When validation fails nothing is committed (the data
-    /// files stay behind as garbage of an incomplete save).
+    /// files stay behind as garbage of an incomplete save). [`Self::prepare`] and
+    /// [`PreparedCommit::commit`] are the two halves, for a caller that decides between them.
     pub async fn commit(self, files: Vec<WrittenFile>) -> Result<Manifest, MetadataError> {
+        self.prepare(files).await?.commit().await
+    }
+
+    /// Everything of [`Self::commit`] before its commit point: assembles and validates the
+    /// metadata, writes `metadata.arrow` and `checksums.arrow`, and builds the manifest. Nothing
+    /// is committed yet: dropping the result leaves the directory without a manifest, an
+    /// incomplete save that no reader opens.
+    pub async fn prepare(self, files: Vec<WrittenFile>) -> Result<PreparedCommit, MetadataError> {
         let shared = &self.shared;
         let options = &shared.options;
         let meta = assemble(&shared.tensors, options, &files)?;
@@ -252,18 +261,60 @@ impl NativeWriter {
             objects: meta.objects().len() as u64,
             tensor_bytes: meta.tensor_bytes(),
         };
-        let path = prefix.clone().join(MANIFEST_FILE);
+        let json = manifest.to_json()?;
+        Ok(PreparedCommit {
+            store: shared.store.clone(),
+            prefix: prefix.clone(),
+            manifest,
+            json,
+        })
+    }
+}
+
+/// A checkpoint whose data and metadata files are written, one step from committed: what
+/// [`NativeWriter::prepare`] returns. [`Self::commit`] writes the manifest (the commit point);
+/// dropping it commits nothing.
+#[derive(Debug)]
+pub struct PreparedCommit {
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+    manifest: Manifest,
+    /// The manifest as it will be written, encoded before the commit point so that an encoding
+    /// failure cannot come after it.
+    json: Vec<u8>,
+}
+
+impl PreparedCommit {
+    /// The manifest [`Self::commit`] writes.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The commit point: writes `manifest.json` (created exclusively), then moves `<run>/latest`
+    /// forward when the prefix is a `step-<digits>` directory. When the manifest is written but
+    /// `latest` is not, the error is [`MetadataError::LatestNotMoved`]: the checkpoint is
+    /// committed all the same, and a caller must not take it for a failed save.
+    pub async fn commit(self) -> Result<Manifest, MetadataError> {
+        let store = self.store.as_ref();
+        let path = self.prefix.clone().join(MANIFEST_FILE);
         // Created exclusively: of two commits racing for one prefix, only one manifest wins.
         store
             .put_opts(
                 &path,
-                PutPayload::from(manifest.to_json()?),
+                PutPayload::from(self.json),
                 PutOptions::from(PutMode::Create),
             )
             .await
             .map_err(store_error("committing", &path))?;
-        advance_latest(store, prefix).await?;
-        Ok(manifest)
+        if let Err(source) = advance_latest(store, &self.prefix).await {
+            let parent = self.prefix.parent().unwrap_or_default();
+            return Err(MetadataError::LatestNotMoved {
+                checkpoint: self.prefix.to_string(),
+                latest: parent.join(LATEST_FILE).to_string(),
+                source: Box::new(source),
+            });
+        }
+        Ok(self.manifest)
     }
 }
 
