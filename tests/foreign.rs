@@ -331,15 +331,17 @@ fn damaged_checkpoints_fail_naming_the_file() {
         err.ends_with(&format!("{}: verification failed\n", s(&dir))),
         "{err}"
     );
-    // The fixture holds the synthetic values, so `load --check` catches the flipped byte too:
-    // a verification failure (4) in-process and from rank processes alike, each rank named once.
-    // Before, a mismatch exited 1 ("rank 0: rank 0: ...").
+    // The fixture holds the synthetic values, so `load --check` catches the flipped byte too
+    // (with the CRC check off, which would catch it first): a verification failure (4)
+    // in-process and from rank processes alike, each rank named once. Before, a mismatch exited
+    // 1 ("rank 0: rank 0: ...").
     for transport in ["inproc", "tcp"] {
         let err = support::fails_verifying([
             "load",
             s(&dir),
             "--layout",
             s(&layout),
+            "--no-verify",
             "--check",
             "--transport",
             transport,

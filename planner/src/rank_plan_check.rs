@@ -73,6 +73,8 @@ impl RankPlan {
         }
         let mut indexes: HashMap<u32, BoxIndex> = HashMap::new();
         let mut candidates: Vec<u32> = Vec::new();
+        // What lands in each destination: its bytes, and the boxes of the pieces placed there.
+        let mut placed: Vec<(u64, Vec<TensorBox>)> = vec![(0, Vec::new()); self.destinations.len()];
         for piece in &self.pieces {
             let (tensor, index) = tensor_of(piece.tensor, &format!("piece {}", piece.id))?;
             let esize = tensor.dtype.size();
@@ -159,6 +161,28 @@ impl RankPlan {
                         place.destination, dest.target, dest.tensor
                     )));
                 }
+                let into = &mut placed[place.destination as usize];
+                into.0 += piece.bytes;
+                into.1.push(piece.region.clone());
+            }
+        }
+        // Every byte of every destination is placed exactly once: the boxes placed there are
+        // disjoint (each inside the destination, checked above) and fill it.
+        for (d, ((bytes, boxes), dest)) in placed.into_iter().zip(&self.destinations).enumerate() {
+            let overlap = BoxIndex::build(boxes).find_overlap();
+            if bytes != dest.bytes || overlap.is_some() {
+                let tensor = &self.tensors[dest.tensor as usize];
+                return Err(bad(format!(
+                    "destination {d} ({} {:?}, {} bytes) is {}",
+                    tensor.fqn,
+                    dest.target,
+                    dest.bytes,
+                    if overlap.is_some() {
+                        "placed twice where pieces overlap".to_string()
+                    } else {
+                        format!("filled with {bytes} bytes of pieces")
+                    }
+                )));
             }
         }
         Ok(())
