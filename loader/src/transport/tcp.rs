@@ -10,6 +10,7 @@
 //! ```text
 //! hello  (rank -> master) "TSRH" version:u32 rank:u32 world:u32 job:u64 addr_len:u16 addr
 //! table  (master -> rank) "TSRT" version:u32 session:u64 world:u32 (addr_len:u16 addr) x world
+//! refuse (master -> rank) "TSRN" version:u32 len:u16 reason[len]  (utf-8, instead of the table)
 //! shake  (low -> high)    "TSPH" version:u32 session:u64 from:u32 to:u32 world:u32
 //! ack    (high -> low)    "TSPA" to:u32
 //! frame  (both ways)      tag:u64 len:u64 bytes[len]            all integers little-endian
@@ -19,10 +20,17 @@
 //! waits for the receiver to ask; end of stream or a reset marks the peer gone, which fails
 //! pending and later receives from it at once.
 //!
-//! Rank 0 refuses a rank that checks in with another world size, job fingerprint
-//! ([`RendezvousConfig::job`]) or a rank number already taken, naming both sides. Every wait is
-//! bounded by [`TransportOptions::connect_timeout`]; with [`TransportOptions::progress_every`]
-//! each rank says on stderr whom it is waiting for.
+//! Rank 0 refuses a connection that checks in with another world size, job fingerprint
+//! ([`RendezvousConfig::job`]) or a rank number already taken, and one that is not a tessera
+//! hello at all, on that connection alone: a stray (a rank of another job on the same port, a
+//! stale process, a port scanner) must not abort a healthy job. The refused peer is answered
+//! with the reason (it fails at once, saying it), rank 0 says each refusal on stderr, naming
+//! the peer's address, and goes on waiting for its own ranks; if they do not all come by the
+//! deadline, its error names the refusals too (they usually explain the missing rank).
+//! Refusals came without a new version: a rank of an older tessera reads one as an answer that
+//! is not a table and fails as it did before. Every wait is bounded by
+//! [`TransportOptions::connect_timeout`]; with [`TransportOptions::progress_every`] each rank
+//! says on stderr whom it is waiting for.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -49,6 +57,11 @@ const HELLO: &[u8; 4] = b"TSRH";
 const TABLE: &[u8; 4] = b"TSRT";
 const SHAKE: &[u8; 4] = b"TSPH";
 const ACK: &[u8; 4] = b"TSPA";
+const REFUSE: &[u8; 4] = b"TSRN";
+/// A refusal's reason is a sentence or two; the cap keeps a corrupt length from asking for much.
+const MAX_REASON_LEN: u16 = 4096;
+/// How long rank 0 tries to hand a refused peer its refusal.
+const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A socket address as text is at most ~50 bytes; anything longer is not one of ours.
 const MAX_ADDR_LEN: u16 = 256;
 /// Largest frame accepted from a peer (64 GiB): far above any piece share, and it keeps a corrupt
@@ -340,25 +353,194 @@ struct Hello {
     stream: TcpStream,
 }
 
-/// Reads a hello; `None` for a connection that is not one of ours.
-async fn read_hello(mut stream: TcpStream) -> std::io::Result<Option<Hello>> {
-    if !read_magic(&mut stream, HELLO).await? || stream.read_u32_le().await? != VERSION {
+/// What came in on the master's port.
+enum Incoming {
+    /// A tessera hello, to be checked against this job.
+    Hello(Hello),
+    /// Something that is not a hello this master can take (`what` it was). `stream` is kept
+    /// when the peer speaks tessera's rendezvous, so that it can be told why it is refused.
+    Foreign {
+        peer: Option<SocketAddr>,
+        what: String,
+        stream: Option<TcpStream>,
+    },
+    /// A connection that closed or failed before sending a byte (a port probe): nothing to
+    /// refuse, nothing to say.
+    Silent,
+}
+
+/// Reads what a new connection on the master's port says.
+async fn read_hello(mut stream: TcpStream) -> Incoming {
+    let peer = stream.peer_addr().ok();
+    let mut magic = [0u8; 4];
+    let mut got = 0;
+    while got < magic.len() {
+        match stream.read(&mut magic[got..]).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    if got == 0 {
+        return Incoming::Silent;
+    }
+    if &magic[..got] != HELLO {
+        return Incoming::Foreign {
+            peer,
+            what: format!(
+                "it sent \"{}\" where a tessera rendezvous hello starts with \"TSRH\" (another program on this port?)",
+                magic[..got].escape_ascii()
+            ),
+            stream: None,
+        };
+    }
+    let body = async {
+        let version = stream.read_u32_le().await?;
+        if version != VERSION {
+            return Ok(Err(format!(
+                "it speaks rendezvous version {version}, rank 0 version {VERSION} (ranks of different tessera versions?)"
+            )));
+        }
+        let rank = stream.read_u32_le().await?;
+        let world = stream.read_u32_le().await?;
+        let job = stream.read_u64_le().await?;
+        let Some(addr) = read_addr(&mut stream).await? else {
+            return Ok(Err(
+                "its hello has no listener address this master can read".to_string(),
+            ));
+        };
+        Ok::<_, std::io::Error>(Ok((rank, world, job, addr)))
+    };
+    match body.await {
+        Ok(Ok((rank, world, job, addr))) => Incoming::Hello(Hello {
+            rank,
+            world,
+            job,
+            addr,
+            peer,
+            stream,
+        }),
+        Ok(Err(what)) => Incoming::Foreign {
+            peer,
+            what,
+            stream: Some(stream),
+        },
+        Err(e) => Incoming::Foreign {
+            peer,
+            what: format!("its hello broke off: {e}"),
+            stream: None,
+        },
+    }
+}
+
+/// Tells a peer that rank 0 refuses it, and why, then closes the connection. On its own task,
+/// bounded: a peer that does not read its refusal must neither hold up the rendezvous nor keep
+/// the task alive.
+fn refuse(mut stream: TcpStream, reason: &str) {
+    let mut text = reason.as_bytes();
+    if text.len() > usize::from(MAX_REASON_LEN) {
+        text = &text[..usize::from(MAX_REASON_LEN)];
+    }
+    let mut message = Vec::with_capacity(10 + text.len());
+    message.put_slice(REFUSE);
+    message.put_u32_le(VERSION);
+    message.put_u16_le(text.len() as u16);
+    message.put_slice(text);
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, async {
+            stream.write_all(&message).await?;
+            stream.shutdown().await
+        })
+        .await;
+    });
+}
+
+/// A refusal's reason, after its magic; `None` when it is not one this rank can read.
+async fn read_refusal<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<Option<String>> {
+    if r.read_u32_le().await? != VERSION {
         return Ok(None);
     }
-    let rank = stream.read_u32_le().await?;
-    let world = stream.read_u32_le().await?;
-    let job = stream.read_u64_le().await?;
-    let Some(addr) = read_addr(&mut stream).await? else {
+    let len = r.read_u16_le().await?;
+    if len > MAX_REASON_LEN {
         return Ok(None);
-    };
-    Ok(Some(Hello {
-        rank,
-        world,
-        job,
-        addr,
-        peer: stream.peer_addr().ok(),
-        stream,
-    }))
+    }
+    let mut text = vec![0u8; usize::from(len)];
+    r.read_exact(&mut text).await?;
+    Ok(Some(String::from_utf8_lossy(&text).into_owned()))
+}
+
+/// The hellos rank 0 turned away while waiting for its job's ranks: each is said on stderr as
+/// it happens (a misconfigured port is worth seeing before the deadline), and named again in
+/// the error should the job's own ranks not all come.
+#[derive(Default)]
+struct Refused {
+    /// The first [`MAX_REFUSALS_NAMED`], one line each.
+    named: Vec<String>,
+    count: usize,
+}
+
+/// Refusals named in warnings and errors: the first few say what is wrong; a flood of them
+/// (a port scanner, a job restarted in a loop) must not flood stderr or the error.
+const MAX_REFUSALS_NAMED: usize = 8;
+
+impl Refused {
+    fn note(&mut self, line: String) {
+        self.count += 1;
+        if self.named.len() < MAX_REFUSALS_NAMED {
+            eprintln!("rank 0: {line}; still waiting for this job's ranks");
+            self.named.push(line);
+        } else if self.count == MAX_REFUSALS_NAMED + 1 {
+            eprintln!(
+                "rank 0: refusing more connections that are not this job's (not named); still waiting for this job's ranks"
+            );
+        }
+    }
+
+    /// `, 2 refused` for the progress line; empty when none was.
+    fn progress_note(&self) -> String {
+        match self.count {
+            0 => String::new(),
+            n => format!(", {n} refused"),
+        }
+    }
+
+    /// What the error of a rendezvous that ran out of time adds: the refusals, which often
+    /// explain the missing ranks (a rank started with another world size, job or port).
+    fn in_error(&self, port: u16) -> String {
+        if self.count == 0 {
+            return String::new();
+        }
+        let more = self.count - self.named.len();
+        format!(
+            "; it refused {} that {} not this job's (a rank of another job, or one started with other settings, on port {port}?): {}{}",
+            plural(self.count, "connection"),
+            if self.count == 1 { "was" } else { "were" },
+            self.named.join("; "),
+            if more > 0 {
+                format!("; and {more} more")
+            } else {
+                String::new()
+            }
+        )
+    }
+}
+
+/// `1 connection`, `2 connections`.
+fn plural(n: usize, what: &str) -> String {
+    if n == 1 {
+        format!("1 {what}")
+    } else {
+        format!("{n} {what}s")
+    }
+}
+
+/// Whether the connection of a rank that checked in is still open: it says nothing after its
+/// hello until the table comes, so readable means closed (end of stream) or reset.
+fn still_open(stream: &TcpStream) -> bool {
+    let mut probe = [0u8; 1];
+    match stream.try_read(&mut probe) {
+        Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+        Ok(n) => n > 0,
+    }
 }
 
 /// `127.0.0.1:4242`, or `an unknown address`.
@@ -473,11 +655,31 @@ async fn master(
     let mut have = vec![false; world as usize];
     have[0] = true;
     let mut count = 1;
+    let mut refused = Refused::default();
     let mut pending = FuturesUnordered::new();
     let sleep = tokio::time::sleep_until(deadline);
     tokio::pin!(sleep);
     let mut progress = Progress::new(options);
-    while count < world {
+    loop {
+        if count == world {
+            // A hello whose connection closed since (a stray that said hello and left, a rank
+            // that died) would get a table it cannot use and fail the mesh: its place is open
+            // again, and the wait goes on. (A close still in flight is not seen here; the mesh
+            // then fails on that rank, naming it.)
+            for slot in 1..world as usize {
+                if let Some(gone) = checked_in[slot].take_if(|hello| !still_open(&hello.stream)) {
+                    refused.note(format!(
+                        "dropped rank {slot} from {}: its connection closed after its hello",
+                        from(gone.peer)
+                    ));
+                    have[slot] = false;
+                    count -= 1;
+                }
+            }
+            if count == world {
+                break;
+            }
+        }
         tokio::select! {
             () = progress.tick() => {
                 // Where they should connect and how many are in: a rank started with another
@@ -490,7 +692,7 @@ async fn master(
                         config.master_addr,
                         config.master_port
                     ),
-                    &format!("{count} of {world} in"),
+                    &format!("{count} of {world} in{}", refused.progress_note()),
                 );
             }
             accepted = master.accept() => {
@@ -500,47 +702,79 @@ async fn master(
                     pending.push(read_hello(stream));
                 }
             }
-            Some(hello) = pending.next(), if !pending.is_empty() => {
-                // Connections that are not ours (or die before saying hello) are dropped.
-                let Ok(Some(hello)) = hello else { continue };
-                // An impostor (another job on this port, or a misconfigured rank) is refused by
-                // name, with what it claimed and what rank 0 expects.
-                let who = from(hello.peer);
-                if hello.world != world {
-                    return Err(rendezvous(format!(
-                        "rank 0 refused rank {} from {who}: it says the world has {} ranks but rank 0 has WORLD_SIZE={world}",
-                        hello.rank, hello.world
-                    )));
-                }
-                if hello.rank == 0 || hello.rank >= world {
-                    return Err(rendezvous(format!(
-                        "rank 0 refused a connection from {who} that checked in as rank {} but ranks 1..{world} were expected (two ranks 0?)",
-                        hello.rank
-                    )));
-                }
-                if hello.job != config.job {
-                    return Err(rendezvous(format!(
-                        "rank 0 refused rank {} from {who}: it loads job {:016x} but rank 0 loads job {:016x} (another checkpoint, layout or option, or another job on port {})",
-                        hello.rank, hello.job, config.job, config.master_port
-                    )));
-                }
+            Some(incoming) = pending.next(), if !pending.is_empty() => {
+                // Whatever is wrong with one connection (another job's rank on this port, a
+                // misconfigured rank, a stranger) is that connection's trouble: it is refused
+                // and said, and the job's own ranks are still waited for until the deadline.
+                let hello = match incoming {
+                    Incoming::Hello(hello) => hello,
+                    Incoming::Silent => continue,
+                    Incoming::Foreign { peer, what, stream } => {
+                        if let Some(stream) = stream {
+                            refuse(stream, &what);
+                        }
+                        refused.note(format!("refused a connection from {}: {what}", from(peer)));
+                        continue;
+                    }
+                };
                 let slot = hello.rank as usize;
-                if let Some(first) = &checked_in[slot] {
-                    return Err(rendezvous(format!(
-                        "rank {} checked in twice, from {} and from {who} (two processes with the same RANK?)",
-                        hello.rank,
-                        from(first.peer)
-                    )));
+                let wrong = if hello.world != world {
+                    Some(format!(
+                        "it says the world has {} ranks but rank 0 has WORLD_SIZE={world}",
+                        hello.world
+                    ))
+                } else if hello.rank == 0 {
+                    Some("it checked in as rank 0, which is the master's own rank (two ranks 0?)".to_string())
+                } else if hello.rank >= world {
+                    Some(format!(
+                        "it checked in as rank {} but the world has ranks 0..{world}",
+                        hello.rank
+                    ))
+                } else if hello.job != config.job {
+                    Some(format!(
+                        "it loads job {:016x} but rank 0 loads job {:016x} (another checkpoint, layout or option, or another job on port {})",
+                        hello.job, config.job, config.master_port
+                    ))
+                } else {
+                    match &checked_in[slot] {
+                        // The rank that checked in first left (a restarted rank comes back
+                        // with a new connection): the new one takes its place.
+                        Some(first) if !still_open(&first.stream) => {
+                            refused.note(format!(
+                                "dropped rank {slot} from {}: its connection closed after its hello",
+                                from(first.peer)
+                            ));
+                            None
+                        }
+                        Some(first) => Some(format!(
+                            "rank {} already checked in from {} (two processes with the same RANK?)",
+                            hello.rank,
+                            from(first.peer)
+                        )),
+                        None => None,
+                    }
+                };
+                if let Some(why) = wrong {
+                    refused.note(format!(
+                        "refused a hello from {} as rank {}: {why}",
+                        from(hello.peer),
+                        hello.rank
+                    ));
+                    refuse(hello.stream, &why);
+                    continue;
                 }
-                have[slot] = true;
-                count += 1;
+                if !have[slot] {
+                    have[slot] = true;
+                    count += 1;
+                }
                 checked_in[slot] = Some(hello);
             }
             () = &mut sleep => {
                 return Err(rendezvous(format!(
-                    "rank 0: only {count} of {world} ranks checked in within {:?}; missing ranks {:?}",
+                    "rank 0: only {count} of {world} ranks checked in within {:?}; missing ranks {:?}{}",
                     options.connect_timeout,
-                    missing(&have, world)
+                    missing(&have, world),
+                    refused.in_error(config.master_port)
                 )));
             }
         }
@@ -618,24 +852,37 @@ async fn worker(
     hello.put_u32_le(world);
     hello.put_u64_le(config.job);
     put_addr(&mut hello, &own);
+    /// What the master answered.
+    enum Answer {
+        Table(u64, Vec<SocketAddr>),
+        Refused(String),
+        Foreign,
+    }
     let talk = async {
         stream.write_all(&hello).await?;
-        if !read_magic(&mut stream, TABLE).await? || stream.read_u32_le().await? != VERSION {
-            return Ok(None);
+        let mut magic = [0u8; 4];
+        stream.read_exact(&mut magic).await?;
+        if &magic == REFUSE {
+            return Ok(read_refusal(&mut stream)
+                .await?
+                .map_or(Answer::Foreign, Answer::Refused));
+        }
+        if &magic != TABLE || stream.read_u32_le().await? != VERSION {
+            return Ok(Answer::Foreign);
         }
         let session = stream.read_u64_le().await?;
         let table_world = stream.read_u32_le().await?;
         if table_world != world {
-            return Ok(None);
+            return Ok(Answer::Foreign);
         }
         let mut table = Vec::with_capacity(world as usize);
         for _ in 0..world {
             let Some(addr) = read_addr(&mut stream).await? else {
-                return Ok(None);
+                return Ok(Answer::Foreign);
             };
             table.push(addr);
         }
-        Ok::<_, std::io::Error>(Some((session, table)))
+        Ok::<_, std::io::Error>(Answer::Table(session, table))
     };
     let talk = progress.saying(
         talk,
@@ -646,14 +893,18 @@ async fn worker(
         ),
     );
     match tokio::time::timeout_at(deadline, talk).await {
-        Ok(Ok(Some((session, table)))) => Ok((session, table, listener)),
-        Ok(Ok(None)) => Err(rendezvous(format!(
+        Ok(Ok(Answer::Table(session, table))) => Ok((session, table, listener)),
+        Ok(Ok(Answer::Refused(why))) => Err(rendezvous(format!(
+            "rank {rank}: the master at {}:{} turned this rank away: {why}",
+            config.master_addr, config.master_port
+        ))),
+        Ok(Ok(Answer::Foreign)) => Err(rendezvous(format!(
             "rank {rank}: the master at {}:{} answered with something that is not a tessera address table",
             config.master_addr, config.master_port
         ))),
         Ok(Err(e)) => Err(rendezvous(format!(
             "rank {rank}: the master closed the rendezvous before sending the address table ({e}); \
-             it may have rejected another rank's configuration"
+             it gave up (its own error says why)"
         ))),
         Err(_) => Err(rendezvous(format!(
             "rank {rank}: the master did not send the address table within {:?} (are all {world} ranks started?)",

@@ -185,9 +185,13 @@ async fn supervise(
                     let mut lines = tokio::io::BufReader::new(pipe).lines();
                     // A killed rank's pipe closes with it; a read error only loses its message.
                     while let Ok(Some(line)) = lines.next_line().await {
-                        // Progress ("rank 0: waiting for ranks 2,3 to join") is passed on as it
-                        // comes, so that a waiting load is not silent.
-                        if line.starts_with("rank ") && line.contains(": waiting for ") {
+                        // Progress ("rank 0: waiting for ranks 2,3 to join") and the
+                        // rendezvous's refusals of connections that are not the job's are
+                        // passed on as they come, so that a waiting load is not silent.
+                        if line.starts_with("rank ")
+                            && (line.contains(": waiting for ")
+                                || line.ends_with("; still waiting for this job's ranks"))
+                        {
                             eprintln!("{line}");
                         } else {
                             text.push_str(&line);
