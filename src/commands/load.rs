@@ -240,7 +240,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         {
             bail!("--world {w} but the layout has {world} ranks");
         }
-        let config = rendezvous(args, rank, world)?;
+        let config = rendezvous(args, &checkpoint, rank, world)?;
         let memory = RankMemory::for_rank(args, rank, true)?;
         let rank_plan = plan.rank_plan(rank).await?;
         let report = match args.transport {
@@ -409,11 +409,13 @@ fn progress_interval(timeout: Duration) -> Duration {
     (timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(5))
 }
 
-/// A fingerprint of what this job loads: everything the plan depends on (checkpoint, layout or
-/// requests as text, server and checkpoint id, dedup, world). Rank 0 refuses a rank whose
-/// fingerprint differs. FNV-1a: stable across processes and builds, unlike std's hasher.
-fn job_fingerprint(args: &LoadArgs, world: u32) -> Result<u64> {
-    let mut parts: Vec<Vec<u8>> = vec![args.checkpoint.clone().into_bytes()];
+/// A fingerprint of what this job loads: everything the plan depends on (the checkpoint as
+/// opened, not as named: see `tessera_ops::load::agreement`; layout or requests as text, server
+/// and checkpoint id, dedup, world). Rank 0 refuses a rank whose fingerprint differs. FNV-1a:
+/// stable across processes and builds, unlike std's hasher.
+fn job_fingerprint(args: &LoadArgs, checkpoint: &Checkpoint, world: u32) -> Result<u64> {
+    let key = tessera_ops::load::agreement::checkpoint_key(checkpoint, &args.checkpoint)?;
+    let mut parts: Vec<Vec<u8>> = vec![key.into_bytes()];
     for path in [&args.layout, &args.requests].into_iter().flatten() {
         parts.push(super::read_text(path)?.into_bytes());
     }
@@ -434,8 +436,13 @@ fn job_fingerprint(args: &LoadArgs, world: u32) -> Result<u64> {
 
 /// Rank `rank`'s rendezvous by the one rule of `tessera_ops::load::rendezvous` (flags, then
 /// `TESSERA_PORT`, then torchrun's `MASTER_ADDR` and `MASTER_PORT + 1`), for this job only.
-fn rendezvous(args: &LoadArgs, rank: u32, world: u32) -> Result<RendezvousConfig> {
-    let job = job_fingerprint(args, world)?;
+fn rendezvous(
+    args: &LoadArgs,
+    checkpoint: &Checkpoint,
+    rank: u32,
+    world: u32,
+) -> Result<RendezvousConfig> {
+    let job = job_fingerprint(args, checkpoint, world)?;
     let config = tessera_ops::load::rendezvous::rank_rendezvous(
         args.master_addr.as_deref(),
         args.master_port,

@@ -20,8 +20,8 @@ pub mod testing;
 pub use error::StorageError;
 pub use local::{is_staged_upload, local_directory, remove_staged_uploads, staged_uploads};
 pub use location::{
-    Location, LocationKind, StorageOptions, create, create_with, install_tls_provider, local_path,
-    open, open_with,
+    Location, LocationKind, StorageOptions, canonical, create, create_with, install_tls_provider,
+    local_path, open, open_with,
 };
 pub use retry::{RetryPolicy, is_timeout, is_transient};
 pub use retrying::{GaveUp, RETRYING_STORE, RetryingStore};

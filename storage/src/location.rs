@@ -89,6 +89,36 @@ pub fn local_path(location: &str) -> Option<&str> {
     }
 }
 
+/// `location` written one way for every way of naming the same place, for comparing what two
+/// processes were given (the ranks of one job): a local path made absolute against the current
+/// directory, `.` and `..` resolved and symbolic links followed where it exists, as a `file://`
+/// URL; a remote one with its key's empty segments and surrounding slashes dropped (object
+/// stores read `a//b/` as `a/b`, see [`open_with`]) and an HTTP host in lower case.
+pub fn canonical(location: &str) -> Result<String, StorageError> {
+    match parse(location)? {
+        Parsed::Local(raw) => {
+            let (root, name) = local_parts(location, raw)?;
+            let lexical = root.join(name);
+            // A location that does not exist (yet) keeps its lexical form: nothing to follow.
+            let path = std::fs::canonicalize(&lexical).unwrap_or(lexical);
+            Ok(format!("file://{}", path.display()))
+        }
+        Parsed::Cloud { kind, bucket, key } => {
+            let (scheme, bucket) = match kind {
+                Cloud::S3 => ("s3", bucket.to_string()),
+                Cloud::Gcs => ("gs", bucket.to_string()),
+                Cloud::Azure => ("az", bucket.to_string()),
+                Cloud::Http { https } => (
+                    if https { "https" } else { "http" },
+                    bucket.to_ascii_lowercase(),
+                ),
+            };
+            let key: Vec<&str> = key.split('/').filter(|part| !part.is_empty()).collect();
+            Ok(format!("{scheme}://{bucket}/{}", key.join("/")))
+        }
+    }
+}
+
 impl Location {
     /// The kind of store this location is in (as the user named it).
     pub fn kind(&self) -> LocationKind {
@@ -546,5 +576,50 @@ mod tests {
         assert_eq!(local_path("file:///ckpt/x"), Some("/ckpt/x"));
         assert_eq!(local_path("run/step-1"), Some("run/step-1"));
         assert_eq!(local_path("s3://b/run"), None);
+    }
+
+    #[test]
+    fn one_place_named_differently_is_one_canonical_location() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("run").join("step-1");
+        std::fs::create_dir_all(&real).unwrap();
+        let real = std::fs::canonicalize(&real).unwrap();
+        let expected = format!("file://{}", real.display());
+        let link = dir.path().join("latest");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let dotted = format!("{}/run/./x/../step-1/", dir.path().display());
+        for name in [
+            real.display().to_string(),
+            format!("file://{}", real.display()),
+            dotted,
+            link.display().to_string(),
+        ] {
+            assert_eq!(canonical(&name).unwrap(), expected, "{name}");
+        }
+        // Relative to the current directory (which tests share, so only read here).
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(
+            canonical("no-such-dir/step-1").unwrap(),
+            format!("file://{}", cwd.join("no-such-dir/step-1").display())
+        );
+        assert_ne!(
+            canonical(&real.display().to_string()).unwrap(),
+            canonical(&dir.path().join("run").display().to_string()).unwrap()
+        );
+
+        assert_eq!(
+            canonical("s3://b//run/step-1/").unwrap(),
+            "s3://b/run/step-1"
+        );
+        assert_eq!(canonical("gs://b/run/step-1").unwrap(), "gs://b/run/step-1");
+        assert_eq!(
+            canonical("https://Host:8080/run//step-1").unwrap(),
+            "https://host:8080/run/step-1"
+        );
+        assert_ne!(
+            canonical("s3://b/run/step-1").unwrap(),
+            canonical("s3://c/run/step-1").unwrap()
+        );
+        assert!(canonical("ftp://h/x").is_err());
     }
 }

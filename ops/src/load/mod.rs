@@ -5,6 +5,8 @@
 //!   plan checked against the opened checkpoint's identity once, before any rank reads).
 //! - [`rendezvous`]: the one rule for rank 0's address and port (flags, `TESSERA_PORT`,
 //!   torchrun's `MASTER_ADDR` and `MASTER_PORT + 1`).
+//! - [`agreement`]: what the ranks of a job must agree on at the rendezvous (the checkpoint as
+//!   opened, however each rank named it).
 //! - [`LoadSwitches`] ([`switches`]): the `TESSERA_*` side-by-side switches, read by the front
 //!   ends and applied to [`LoadOptions`] and [`PlanOptions`]; the library crates read no
 //!   environment.
@@ -15,6 +17,7 @@
 //!   copies between ranks of one host, joint checks) either way; only the upload through pinned
 //!   staging and the NCCL data plane are CUDA's own.
 
+pub mod agreement;
 pub mod plan_source;
 pub mod rendezvous;
 pub mod switches;
