@@ -198,3 +198,59 @@ fn a_rank_given_another_checkpoint_is_refused() {
         zero.stderr
     );
 }
+
+/// A rank started with another `--read-order` plans differently from its peers: the load
+/// failed late, each rank blaming a peer that "may have died". The plan options are agreed at
+/// the rendezvous now: every rank fails at once, naming the option, both values and the rank.
+#[test]
+fn ranks_given_different_read_orders_fail_at_once_naming_the_option() {
+    let dir = tempfile::tempdir().unwrap();
+    // Row shards loaded as column slices: the two orders read them differently.
+    let ckpt = support::synth_saved_as(dir.path(), &["fsdp", "--dp", "2"]);
+    let layout = layout_file(
+        dir.path(),
+        "tp3.json",
+        &[
+            "megatron-gpt",
+            "--tp",
+            "3",
+            "--pp",
+            "1",
+            "--dp",
+            "1",
+            "--num-layers",
+            "4",
+        ],
+    );
+    let port = free_port();
+    let started = Instant::now();
+    let request = RankArgs {
+        extra: &["--read-order", "request"],
+        ..RankArgs::at(s(&ckpt))
+    };
+    let storage = RankArgs {
+        extra: &["--read-order", "storage"],
+        ..RankArgs::at(s(&ckpt))
+    };
+    let ranks = vec![
+        start_rank(&request, &layout, (0, 3), port, "30"),
+        start_rank(&storage, &layout, (1, 3), port, "30"),
+        start_rank(&request, &layout, (2, 3), port, "30"),
+    ];
+    let ended = wait_all(ranks, started, Duration::from_secs(60));
+    for (rank, ended) in ended.iter().enumerate() {
+        // Invalid input (exit 1), not a peer that failed, and long before the peer timeout.
+        assert_eq!(ended.code, Some(1), "rank {rank}: {}", ended.stderr);
+        assert_eq!(
+            error_of(ended),
+            format!(
+                "error: rank {rank}: the ranks of this job plan with different options, so their \
+                 plans would not fit together: rank 1 plans with --read-order storage but rank 0 \
+                 with --read-order request; give every rank the same options"
+            ),
+            "{}",
+            ended.stderr
+        );
+        assert!(ended.after < Duration::from_secs(20), "{ended:?}");
+    }
+}

@@ -201,12 +201,19 @@ impl Checkpoint {
     /// are cut at this checkpoint's own checksum blocks when it has them, and the read order's
     /// cost model prices a request as its store does (local files or an object store).
     pub fn plan(&self, requests: &RequestSet, options: &PlanOptions) -> Result<Plan, LoaderError> {
+        Ok(plan(&self.meta, requests, &self.plan_options(options))?)
+    }
+
+    /// `options` as [`Checkpoint::plan`] plans with them here: with this checkpoint's checksum
+    /// blocks and its store's kind. What ranks of one job compare, since a rank reading the same
+    /// checkpoint from another kind of store may price the read order differently.
+    pub fn plan_options(&self, options: &PlanOptions) -> PlanOptions {
         let mut options = options.clone();
         options.local_reads = self.location.kind() == tessera_storage::LocationKind::Local;
         options.block_checksums = self.checksums.is_some();
         if let Some(blocks) = &self.checksums {
             options.slab_alignment = blocks.block_size();
         }
-        Ok(plan(&self.meta, requests, &options)?)
+        options
     }
 }

@@ -87,6 +87,20 @@ pub enum LoaderError {
         /// What went wrong.
         detail: String,
     },
+    /// The ranks of one job were given different options that change the plan (a read order, a
+    /// filter): each would execute a plan that does not fit its peers', so rank 0 calls the job
+    /// off at the rendezvous, before anything is read, and every rank fails with this, naming
+    /// each option that differs, both values and the rank.
+    #[error(
+        "rank {rank}: the ranks of this job plan with different options, so their plans would \
+         not fit together: {detail}; give every rank the same options"
+    )]
+    RanksDisagree {
+        /// This rank.
+        rank: u32,
+        /// Each difference: `rank 1 plans with --read-order storage but rank 0 with --read-order auto`.
+        detail: String,
+    },
     /// A plan that does not fit what the loader was given (wrong rank, sizes that disagree).
     #[error("invalid plan: {detail}")]
     InvalidPlan {
@@ -208,7 +222,8 @@ impl LoaderError {
     ///   [`PeerTimeout`](Self::PeerTimeout) and [`Rendezvous`](Self::Rendezvous) come from a rank
     ///   that died, hung or started late, which a restarted job may not repeat.
     /// - Everything else is permanent: a missing or truncated file and a checksum mismatch are
-    ///   what is stored; an invalid plan or a planning error is in the inputs; CUDA and device
+    ///   what is stored; an invalid plan, a planning error or ranks given different options
+    ///   ([`RanksDisagree`](Self::RanksDisagree)) are in the inputs; CUDA and device
     ///   errors are the machine's; local file system errors ([`Io`](Self::Io)) are a missing
     ///   path, a permission or a full disk, none of which a retry cures.
     pub fn is_permanent(&self) -> bool {
@@ -223,6 +238,7 @@ impl LoaderError {
             | LoaderError::ShortRead { .. }
             | LoaderError::Checksum { .. }
             | LoaderError::JointChecksum(_)
+            | LoaderError::RanksDisagree { .. }
             | LoaderError::InvalidPlan { .. }
             | LoaderError::PlanForOtherCheckpoint { .. }
             | LoaderError::PlanWithoutIdentity { .. }

@@ -190,12 +190,14 @@ async fn a_second_claim_of_a_rank_is_refused_naming_the_first() {
 fn raw_hello(rank: u32, world: u32, job: u64) -> Vec<u8> {
     let addr = b"127.0.0.1:9";
     let mut hello = b"TSRH".to_vec();
-    hello.extend_from_slice(&2u32.to_le_bytes());
+    hello.extend_from_slice(&3u32.to_le_bytes());
     hello.extend_from_slice(&rank.to_le_bytes());
     hello.extend_from_slice(&world.to_le_bytes());
     hello.extend_from_slice(&job.to_le_bytes());
     hello.extend_from_slice(&(addr.len() as u16).to_le_bytes());
     hello.extend_from_slice(addr);
+    // No plan options.
+    hello.extend_from_slice(&0u16.to_le_bytes());
     hello
 }
 
@@ -277,8 +279,10 @@ async fn stray_hellos_are_refused_and_the_job_still_meets() {
         .unwrap();
     let (magic, rest) = second_zero.split_at(4);
     assert_eq!(magic, b"TSRN");
+    // Version, kind 0 (this connection turned away), length, reason.
+    assert_eq!(rest[4], 0);
     assert_eq!(
-        String::from_utf8_lossy(&rest[6..]),
+        String::from_utf8_lossy(&rest[7..]),
         "it checked in as rank 0, which is the master's own rank (two ranks 0?)"
     );
 
@@ -401,5 +405,62 @@ async fn a_rank_of_another_job_is_refused_naming_both() {
         start.elapsed() < Duration::from_secs(4),
         "{:?}",
         start.elapsed()
+    );
+}
+
+/// A rank of this job given another option that changes the plan (`--read-order`) is not a
+/// stray: once every rank is in, rank 0 calls the whole job off, and every rank fails at once
+/// with the same words, naming the option, both values and the rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_planning_with_other_options_are_called_off_on_every_rank() {
+    let port = free_port();
+    let start = Instant::now();
+    let ranks: Vec<_> = [("auto", "on"), ("auto", "on"), ("storage", "off")]
+        .into_iter()
+        .enumerate()
+        .map(|(rank, (order, dedup))| {
+            let plan = vec![
+                ("--read-order".to_string(), order.to_string()),
+                ("dedup".to_string(), dedup.to_string()),
+            ];
+            let config = RendezvousConfig::new(rank as u32, 3, "127.0.0.1", port)
+                .unwrap()
+                .with_job(7)
+                .with_plan(plan);
+            tokio::spawn(async move {
+                TcpTransport::connect(&config, options(Duration::from_secs(10))).await
+            })
+        })
+        .collect();
+    for (rank, task) in ranks.into_iter().enumerate() {
+        match task.await.unwrap() {
+            Err(LoaderError::RanksDisagree { rank: r, detail }) => {
+                assert_eq!(r, rank as u32);
+                assert_eq!(
+                    detail,
+                    "rank 2 plans with --read-order storage but rank 0 with --read-order auto; \
+                     rank 2 plans with dedup off but rank 0 with dedup on"
+                );
+            }
+            Err(other) => panic!("rank {rank}: expected the job called off, got {other}"),
+            Ok(_) => panic!("rank {rank}: the mesh came up with ranks planning differently"),
+        }
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    let message = LoaderError::RanksDisagree {
+        rank: 1,
+        detail: "rank 2 plans with --read-order storage but rank 0 with --read-order auto"
+            .to_string(),
+    }
+    .to_string();
+    assert_eq!(
+        message,
+        "rank 1: the ranks of this job plan with different options, so their plans would not fit \
+         together: rank 2 plans with --read-order storage but rank 0 with --read-order auto; give \
+         every rank the same options"
     );
 }

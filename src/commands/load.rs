@@ -27,8 +27,9 @@ use tessera_loader::plan_client::{PlanTarget, server_checkpoint_id};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
+use tessera_ops::load::agreement::{self, PlannedBy};
 use tessera_ops::load::{Destination, JobPlan, LoadSwitches, PlanServer, plan_options};
-use tessera_planner::{ExplicitRequests, RankPlan, ReadOrder, RequestSet};
+use tessera_planner::{ExplicitRequests, PlanOptions, RankPlan, ReadOrder, RequestSet};
 
 pub use finish::dump_names;
 
@@ -204,21 +205,18 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     }
     let switches = LoadSwitches::from_env();
     let started = Instant::now();
+    let planning = plan_options(
+        args.dedup,
+        Some(args.read_order),
+        args.transport == TransportKind::Nccl,
+        &switches,
+    );
     let plan = match &args.server {
         Some(_) if !args.filter.is_everything() => bail!(
             "--include/--exclude filter a plan made here; a server plans every tensor (drop --server)"
         ),
         Some(server) => plan_on_server(args, server, &checkpoint).await?,
-        None => JobPlan::local(
-            &checkpoint,
-            &requests_for(args, &checkpoint)?,
-            &plan_options(
-                args.dedup,
-                Some(args.read_order),
-                args.transport == TransportKind::Nccl,
-                &switches,
-            ),
-        )?,
+        None => JobPlan::local(&checkpoint, &requests_for(args, &checkpoint)?, &planning)?,
     };
     let plan_seconds = started.elapsed().as_secs_f64();
     let options = load_options(args, &switches);
@@ -240,7 +238,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         {
             bail!("--world {w} but the layout has {world} ranks");
         }
-        let config = rendezvous(args, &checkpoint, rank, world)?;
+        let config = rendezvous(args, &checkpoint, &planning, rank, world)?;
         let memory = RankMemory::for_rank(args, rank, true)?;
         let rank_plan = plan.rank_plan(rank).await?;
         let report = match args.transport {
@@ -409,19 +407,17 @@ fn progress_interval(timeout: Duration) -> Duration {
     (timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(5))
 }
 
-/// A fingerprint of what this job loads: everything the plan depends on (the checkpoint as
-/// opened, not as named: see `tessera_ops::load::agreement`; layout or requests as text, server
-/// and checkpoint id, dedup, world). Rank 0 refuses a rank whose fingerprint differs. FNV-1a:
-/// stable across processes and builds, unlike std's hasher.
+/// A fingerprint of which job this is: what it loads (the checkpoint as opened, not as named:
+/// see `tessera_ops::load::agreement`) into what (the layout or requests as text, the world).
+/// Rank 0 turns away a connection whose fingerprint differs as another job's; how the plan is
+/// made (read order, dedup, filter, server) is compared option by option instead
+/// ([`plan_terms`]). FNV-1a: stable across processes and builds, unlike std's hasher.
 fn job_fingerprint(args: &LoadArgs, checkpoint: &Checkpoint, world: u32) -> Result<u64> {
     let key = tessera_ops::load::agreement::checkpoint_key(checkpoint, &args.checkpoint)?;
     let mut parts: Vec<Vec<u8>> = vec![key.into_bytes()];
     for path in [&args.layout, &args.requests].into_iter().flatten() {
         parts.push(super::read_text(path)?.into_bytes());
     }
-    parts.push(args.server.clone().unwrap_or_default().into_bytes());
-    parts.push(args.checkpoint_id.clone().unwrap_or_default().into_bytes());
-    parts.push(vec![u8::from(args.dedup)]);
     parts.push(world.to_le_bytes().to_vec());
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for part in &parts {
@@ -434,11 +430,44 @@ fn job_fingerprint(args: &LoadArgs, checkpoint: &Checkpoint, world: u32) -> Resu
     Ok(hash)
 }
 
+/// The options of this job's plan that every rank must share: planned here with `planning` (as
+/// `checkpoint` plans with them) and the tensor filter, or on the server.
+fn plan_terms(
+    args: &LoadArgs,
+    checkpoint: &Checkpoint,
+    planning: &PlanOptions,
+) -> Vec<(String, String)> {
+    let filter = args.filter.describe();
+    let options = checkpoint.plan_options(planning);
+    let server = args.server.as_ref().map(|url| PlanServer {
+        url: url.clone(),
+        // As the plan was asked for (`plan_on_server`, which fails when there is none).
+        checkpoint_id: args
+            .checkpoint_id
+            .clone()
+            .or_else(|| server_checkpoint_id(&args.checkpoint))
+            .unwrap_or_default(),
+        token: None,
+    });
+    agreement::plan_terms(&match &server {
+        Some(server) => PlannedBy::Server {
+            server,
+            dedup: args.dedup,
+        },
+        None => PlannedBy::Here {
+            options: &options,
+            filter: &filter,
+        },
+    })
+}
+
 /// Rank `rank`'s rendezvous by the one rule of `tessera_ops::load::rendezvous` (flags, then
-/// `TESSERA_PORT`, then torchrun's `MASTER_ADDR` and `MASTER_PORT + 1`), for this job only.
+/// `TESSERA_PORT`, then torchrun's `MASTER_ADDR` and `MASTER_PORT + 1`), for this job only, and
+/// with the plan options every rank must share.
 fn rendezvous(
     args: &LoadArgs,
     checkpoint: &Checkpoint,
+    planning: &PlanOptions,
     rank: u32,
     world: u32,
 ) -> Result<RendezvousConfig> {
@@ -450,7 +479,9 @@ fn rendezvous(
         world,
         |name| std::env::var(name).ok(),
     )?;
-    Ok(config.with_job(job))
+    Ok(config
+        .with_job(job)
+        .with_plan(plan_terms(args, checkpoint, planning)))
 }
 
 /// Every rank of the job in this process, each on its own task over an in-process mesh (each on

@@ -9,8 +9,9 @@
 //!
 //! ```text
 //! hello  (rank -> master) "TSRH" version:u32 rank:u32 world:u32 job:u64 addr_len:u16 addr
+//!                         terms:u16 (name_len:u16 name value_len:u16 value) x terms
 //! table  (master -> rank) "TSRT" version:u32 session:u64 world:u32 (addr_len:u16 addr) x world
-//! refuse (master -> rank) "TSRN" version:u32 len:u16 reason[len]  (utf-8, instead of the table)
+//! refuse (master -> rank) "TSRN" version:u32 kind:u8 len:u16 reason[len]  (instead of the table)
 //! shake  (low -> high)    "TSPH" version:u32 session:u64 from:u32 to:u32 world:u32
 //! ack    (high -> low)    "TSPA" to:u32
 //! frame  (both ways)      tag:u64 len:u64 bytes[len]            all integers little-endian
@@ -27,8 +28,13 @@
 //! with the reason (it fails at once, saying it), rank 0 says each refusal on stderr, naming
 //! the peer's address, and goes on waiting for its own ranks; if they do not all come by the
 //! deadline, its error names the refusals too (they usually explain the missing rank).
-//! Refusals came without a new version: a rank of an older tessera reads one as an answer that
-//! is not a table and fails as it did before. Every wait is bounded by
+//!
+//! The hello also carries the options of the rank's plan ([`RendezvousConfig::plan`], `terms`,
+//! utf-8 text). A rank of this job (same world and job fingerprint) that plans with other
+//! options is not a stray: once every rank is in, rank 0 compares their options with its own
+//! and, on any difference, sends every rank a refusal of kind [`CALLED_OFF`] naming each option,
+//! both values and the rank, and fails itself with the same words; the mesh is never built.
+//! Every wait is bounded by
 //! [`TransportOptions::connect_timeout`]; with [`TransportOptions::progress_every`] each rank
 //! says on stderr whom it is waiting for.
 
@@ -49,10 +55,10 @@ use tokio::time::Instant;
 
 use super::{Mailbox, Transport, TransportOptions, check_peer};
 use crate::LoaderError;
-use crate::transport::rendezvous::RendezvousConfig;
+use crate::transport::rendezvous::{RendezvousConfig, plan_differences};
 
-/// 2: the hello carries the job fingerprint.
-const VERSION: u32 = 2;
+/// 2: the hello carries the job fingerprint. 3: and the plan's options; refusals.
+const VERSION: u32 = 3;
 const HELLO: &[u8; 4] = b"TSRH";
 const TABLE: &[u8; 4] = b"TSRT";
 const SHAKE: &[u8; 4] = b"TSPH";
@@ -60,6 +66,14 @@ const ACK: &[u8; 4] = b"TSPA";
 const REFUSE: &[u8; 4] = b"TSRN";
 /// A refusal's reason is a sentence or two; the cap keeps a corrupt length from asking for much.
 const MAX_REASON_LEN: u16 = 4096;
+/// A refusal of one connection that is not this job's: that rank fails, the job goes on.
+const TURNED_AWAY: u8 = 0;
+/// A refusal of the whole job: its ranks plan with different options.
+const CALLED_OFF: u8 = 1;
+/// Plan options a hello may carry, and bytes of one name or value: a front end sends a handful
+/// of flags and short values; the caps keep a corrupt count from asking for much.
+const MAX_PLAN_TERMS: u16 = 64;
+const MAX_TERM_LEN: u16 = 1024;
 /// How long rank 0 tries to hand a refused peer its refusal.
 const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// A socket address as text is at most ~50 bytes; anything longer is not one of ours.
@@ -348,6 +362,8 @@ struct Hello {
     world: u32,
     job: u64,
     addr: SocketAddr,
+    /// Its plan's options ([`RendezvousConfig::plan`]).
+    plan: Vec<(String, String)>,
     /// Where the connection came from, to name it in errors.
     peer: Option<SocketAddr>,
     stream: TcpStream,
@@ -408,14 +424,20 @@ async fn read_hello(mut stream: TcpStream) -> Incoming {
                 "its hello has no listener address this master can read".to_string(),
             ));
         };
-        Ok::<_, std::io::Error>(Ok((rank, world, job, addr)))
+        let Some(plan) = read_terms(&mut stream).await? else {
+            return Ok(Err(format!(
+                "its hello has more than {MAX_PLAN_TERMS} plan options or one longer than {MAX_TERM_LEN} bytes"
+            )));
+        };
+        Ok::<_, std::io::Error>(Ok((rank, world, job, addr, plan)))
     };
     match body.await {
-        Ok(Ok((rank, world, job, addr))) => Incoming::Hello(Hello {
+        Ok(Ok((rank, world, job, addr, plan))) => Incoming::Hello(Hello {
             rank,
             world,
             job,
             addr,
+            plan,
             peer,
             stream,
         }),
@@ -432,19 +454,26 @@ async fn read_hello(mut stream: TcpStream) -> Incoming {
     }
 }
 
-/// Tells a peer that rank 0 refuses it, and why, then closes the connection. On its own task,
-/// bounded: a peer that does not read its refusal must neither hold up the rendezvous nor keep
-/// the task alive.
-fn refuse(mut stream: TcpStream, reason: &str) {
+/// A refusal of `kind` ([`TURNED_AWAY`], [`CALLED_OFF`]) saying `reason`.
+fn refusal(kind: u8, reason: &str) -> Vec<u8> {
     let mut text = reason.as_bytes();
     if text.len() > usize::from(MAX_REASON_LEN) {
         text = &text[..usize::from(MAX_REASON_LEN)];
     }
-    let mut message = Vec::with_capacity(10 + text.len());
+    let mut message = Vec::with_capacity(11 + text.len());
     message.put_slice(REFUSE);
     message.put_u32_le(VERSION);
+    message.put_u8(kind);
     message.put_u16_le(text.len() as u16);
     message.put_slice(text);
+    message
+}
+
+/// Tells a peer that rank 0 turns it away, and why, then closes the connection. On its own
+/// task, bounded: a peer that does not read its refusal must neither hold up the rendezvous nor
+/// keep the task alive.
+fn refuse(mut stream: TcpStream, reason: &str) {
+    let message = refusal(TURNED_AWAY, reason);
     tokio::spawn(async move {
         let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, async {
             stream.write_all(&message).await?;
@@ -454,18 +483,69 @@ fn refuse(mut stream: TcpStream, reason: &str) {
     });
 }
 
-/// A refusal's reason, after its magic; `None` when it is not one this rank can read.
-async fn read_refusal<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<Option<String>> {
+/// A refusal's kind and reason, after its magic; `None` when it is not one this rank can read.
+async fn read_refusal<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<Option<(u8, String)>> {
     if r.read_u32_le().await? != VERSION {
         return Ok(None);
     }
+    let kind = r.read_u8().await?;
     let len = r.read_u16_le().await?;
     if len > MAX_REASON_LEN {
         return Ok(None);
     }
     let mut text = vec![0u8; usize::from(len)];
     r.read_exact(&mut text).await?;
-    Ok(Some(String::from_utf8_lossy(&text).into_owned()))
+    Ok(Some((kind, String::from_utf8_lossy(&text).into_owned())))
+}
+
+/// Appends `terms` to a hello; an error names what is over the caps (a front end's mistake,
+/// found before the rank checks in).
+fn put_terms(out: &mut Vec<u8>, terms: &[(String, String)]) -> Result<(), String> {
+    if terms.len() > usize::from(MAX_PLAN_TERMS) {
+        return Err(format!(
+            "{} plan options, more than the {MAX_PLAN_TERMS} a hello carries",
+            terms.len()
+        ));
+    }
+    out.put_u16_le(terms.len() as u16);
+    for (name, value) in terms {
+        for text in [name, value] {
+            if text.len() > usize::from(MAX_TERM_LEN) {
+                return Err(format!(
+                    "plan option {name} is longer than the {MAX_TERM_LEN} bytes a hello carries"
+                ));
+            }
+            out.put_u16_le(text.len() as u16);
+            out.put_slice(text.as_bytes());
+        }
+    }
+    Ok(())
+}
+
+/// Reads the terms of a hello; `None` when they are over the caps.
+async fn read_terms<R: AsyncRead + Unpin>(
+    r: &mut R,
+) -> std::io::Result<Option<Vec<(String, String)>>> {
+    let count = r.read_u16_le().await?;
+    if count > MAX_PLAN_TERMS {
+        return Ok(None);
+    }
+    let mut terms = Vec::with_capacity(usize::from(count));
+    for _ in 0..count {
+        let mut pair = [String::new(), String::new()];
+        for text in &mut pair {
+            let len = r.read_u16_le().await?;
+            if len > MAX_TERM_LEN {
+                return Ok(None);
+            }
+            let mut bytes = vec![0u8; usize::from(len)];
+            r.read_exact(&mut bytes).await?;
+            *text = String::from_utf8_lossy(&bytes).into_owned();
+        }
+        let [name, value] = pair;
+        terms.push((name, value));
+    }
+    Ok(Some(terms))
 }
 
 /// The hellos rank 0 turned away while waiting for its job's ranks: each is said on stderr as
@@ -531,6 +611,15 @@ fn plural(n: usize, what: &str) -> String {
     } else {
         format!("{n} {what}s")
     }
+}
+
+/// How the plan options of the ranks in `checked_in` differ from rank 0's (`ours`), rank by rank.
+fn disagreements(checked_in: &[Option<Hello>], ours: &[(String, String)]) -> Vec<String> {
+    checked_in
+        .iter()
+        .flatten()
+        .flat_map(|hello| plan_differences(hello.rank, &hello.plan, ours))
+        .collect()
 }
 
 /// Whether the connection of a rank that checked in is still open: it says nothing after its
@@ -680,6 +769,8 @@ async fn master(
                 break;
             }
         }
+        // Ranks in and ranks missing are this job's; its ranks' plan options are compared only
+        // once all are in, when every one of them can be told.
         tokio::select! {
             () = progress.tick() => {
                 // Where they should connect and how many are in: a rank started with another
@@ -770,14 +861,37 @@ async fn master(
                 checked_in[slot] = Some(hello);
             }
             () = &mut sleep => {
+                let disagree = disagreements(&checked_in, &config.plan);
                 return Err(rendezvous(format!(
-                    "rank 0: only {count} of {world} ranks checked in within {:?}; missing ranks {:?}{}",
+                    "rank 0: only {count} of {world} ranks checked in within {:?}; missing ranks {:?}{}{}",
                     options.connect_timeout,
                     missing(&have, world),
-                    refused.in_error(config.master_port)
+                    refused.in_error(config.master_port),
+                    if disagree.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; and ranks that are in plan with other options: {}", disagree.join("; "))
+                    }
                 )));
             }
         }
+    }
+
+    let disagree = disagreements(&checked_in, &config.plan);
+    if !disagree.is_empty() {
+        let detail = disagree.join("; ");
+        let message = refusal(CALLED_OFF, &detail);
+        // Every rank is told before rank 0 fails (its process may end right after), each write
+        // bounded so that a rank that does not read cannot hold the others' news up.
+        futures::future::join_all(checked_in.iter_mut().flatten().map(|hello| async {
+            let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, async {
+                hello.stream.write_all(&message).await?;
+                hello.stream.shutdown().await
+            })
+            .await;
+        }))
+        .await;
+        return Err(LoaderError::RanksDisagree { rank: 0, detail });
     }
     drop(pending);
     drop(master);
@@ -852,10 +966,11 @@ async fn worker(
     hello.put_u32_le(world);
     hello.put_u64_le(config.job);
     put_addr(&mut hello, &own);
+    put_terms(&mut hello, &config.plan).map_err(|e| rendezvous(format!("rank {rank}: {e}")))?;
     /// What the master answered.
     enum Answer {
         Table(u64, Vec<SocketAddr>),
-        Refused(String),
+        Refused(u8, String),
         Foreign,
     }
     let talk = async {
@@ -865,7 +980,7 @@ async fn worker(
         if &magic == REFUSE {
             return Ok(read_refusal(&mut stream)
                 .await?
-                .map_or(Answer::Foreign, Answer::Refused));
+                .map_or(Answer::Foreign, |(kind, why)| Answer::Refused(kind, why)));
         }
         if &magic != TABLE || stream.read_u32_le().await? != VERSION {
             return Ok(Answer::Foreign);
@@ -894,7 +1009,10 @@ async fn worker(
     );
     match tokio::time::timeout_at(deadline, talk).await {
         Ok(Ok(Answer::Table(session, table))) => Ok((session, table, listener)),
-        Ok(Ok(Answer::Refused(why))) => Err(rendezvous(format!(
+        Ok(Ok(Answer::Refused(CALLED_OFF, detail))) => {
+            Err(LoaderError::RanksDisagree { rank, detail })
+        }
+        Ok(Ok(Answer::Refused(_, why))) => Err(rendezvous(format!(
             "rank {rank}: the master at {}:{} turned this rank away: {why}",
             config.master_addr, config.master_port
         ))),

@@ -1,6 +1,9 @@
 //! What the ranks of one load must agree on before any of them reads, beside the world size:
-//! that they load the same checkpoint. Rank 0 checks it at the rendezvous
-//! ([`RendezvousConfig::job`](tessera_loader::transport::rendezvous::RendezvousConfig::job)).
+//! that they load the same checkpoint (part of the job's fingerprint,
+//! [`RendezvousConfig::job`]: a rank that differs is another job's), and that they plan it
+//! with the same options ([`plan_terms`], [`RendezvousConfig::plan`]: a rank that differs is
+//! this job's, started with another flag, and the job is called off at once on every rank,
+//! naming the option). Rank 0 checks both at the rendezvous.
 //!
 //! The same checkpoint is often named differently by different ranks: a relative path from
 //! another working directory, an absolute one, a symbolic link, a mount at another place on
@@ -9,8 +12,12 @@
 //! metadata as read), and only where it has none its location made canonical.
 
 use tessera_loader::checkpoint::Checkpoint;
+#[cfg(doc)]
+use tessera_loader::transport::rendezvous::RendezvousConfig;
+use tessera_planner::{PlanOptions, ReadOrder};
 
 use crate::OpsError;
+use crate::load::PlanServer;
 
 /// The checkpoint `checkpoint` (opened from `location`) as the ranks of a job compare it: its
 /// identity when it has one (every on-disk format records one; two ranks then agree exactly when
@@ -20,5 +27,165 @@ pub fn checkpoint_key(checkpoint: &Checkpoint, location: &str) -> Result<String,
     match checkpoint.meta.identity() {
         Some(identity) => Ok(identity.to_string()),
         None => Ok(tessera_storage::canonical(location)?),
+    }
+}
+
+/// How a job's plan is made, as far as every rank must make it the same way.
+pub enum PlannedBy<'a> {
+    /// Every rank plans itself, with `options` as its checkpoint plans with them
+    /// ([`Checkpoint::plan_options`]: the store's kind prices the read order), and takes the
+    /// tensors `filter` says (the flags as given, `--include ... --exclude ...`; empty: every
+    /// tensor).
+    Here {
+        /// The planner's options.
+        options: &'a PlanOptions,
+        /// The tensor filter's flags.
+        filter: &'a [String],
+    },
+    /// A tessera server plans, once, for every rank; `dedup` goes with the request.
+    Server {
+        /// The server.
+        server: &'a PlanServer,
+        /// Whether pieces are read once and exchanged.
+        dedup: bool,
+    },
+}
+
+/// The options of the plan every rank of a job must share, each under the name a user knows it
+/// by, for [`RendezvousConfig::plan`]: where the plan is made, and for a plan made here every
+/// planner option (the ones a user sets by their flag or variable, the rest by field name,
+/// should a front end ever set them). The read order is what the plan uses: `auto` names the
+/// kind of store it is priced for, which decides it chunk by chunk, while an order given
+/// outright is the same from any store.
+pub fn plan_terms(planned_by: &PlannedBy<'_>) -> Vec<(String, String)> {
+    let on_off = |on: bool, off: &str| if on { "on" } else { off }.to_string();
+    let mut terms = Vec::new();
+    match planned_by {
+        PlannedBy::Here { options, filter } => {
+            // Every field, by name: a new planner option fails to compile here until it is
+            // compared too.
+            let PlanOptions {
+                dedup,
+                read_order,
+                slab_bytes,
+                slab_alignment,
+                holder_read_max_bytes,
+                holder_read_min_members,
+                joint_checks,
+                local_reads,
+                block_checksums,
+            } = options;
+            let read_order = match read_order {
+                ReadOrder::Auto if *local_reads => "auto (priced for local files)",
+                ReadOrder::Auto => "auto (priced for an object store)",
+                ReadOrder::Request => "request",
+                ReadOrder::Storage => "storage",
+            };
+            terms.extend([
+                ("plan source", "each rank plans (no --server)".to_string()),
+                ("--read-order", read_order.to_string()),
+                ("dedup", on_off(*dedup, "off (--no-dedup)")),
+                ("TESSERA_JOINT_CHECKS", on_off(*joint_checks, "off (0)")),
+                (
+                    "--include/--exclude",
+                    if filter.is_empty() {
+                        "none (every tensor)".to_string()
+                    } else {
+                        filter.join(" ")
+                    },
+                ),
+                ("slab_bytes", slab_bytes.to_string()),
+                ("slab_alignment", slab_alignment.to_string()),
+                ("holder_read_max_bytes", holder_read_max_bytes.to_string()),
+                (
+                    "holder_read_min_members",
+                    holder_read_min_members.to_string(),
+                ),
+                ("block_checksums", block_checksums.to_string()),
+            ]);
+        }
+        PlannedBy::Server { server, dedup } => terms.extend([
+            (
+                "plan source",
+                format!("--server {} as {}", server.url, server.checkpoint_id),
+            ),
+            ("dedup", on_off(*dedup, "off (--no-dedup)")),
+        ]),
+    }
+    terms
+        .into_iter()
+        .map(|(name, value)| (name.to_string(), value))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn value<'a>(terms: &'a [(String, String)], name: &str) -> &'a str {
+        terms
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+            .unwrap_or_else(|| panic!("no {name} in {terms:?}"))
+    }
+
+    #[test]
+    fn plan_terms_name_what_changes_the_plan() {
+        let auto_local = PlanOptions {
+            local_reads: true,
+            ..PlanOptions::default()
+        };
+        fn here(options: &PlanOptions) -> Vec<(String, String)> {
+            plan_terms(&PlannedBy::Here {
+                options,
+                filter: &[],
+            })
+        }
+        let terms = here(&auto_local);
+        assert_eq!(
+            value(&terms, "--read-order"),
+            "auto (priced for local files)"
+        );
+        assert_eq!(value(&terms, "dedup"), "on");
+        assert_eq!(value(&terms, "--include/--exclude"), "none (every tensor)");
+        // The store's kind matters to auto only.
+        assert_ne!(here(&PlanOptions::default()), terms);
+        let storage = |local_reads| PlanOptions {
+            read_order: ReadOrder::Storage,
+            local_reads,
+            ..PlanOptions::default()
+        };
+        assert_eq!(here(&storage(true)), here(&storage(false)));
+        assert_eq!(value(&here(&storage(true)), "--read-order"), "storage");
+        let off = PlanOptions {
+            dedup: false,
+            joint_checks: false,
+            ..PlanOptions::default()
+        };
+        assert_eq!(value(&here(&off), "dedup"), "off (--no-dedup)");
+        assert_eq!(value(&here(&off), "TESSERA_JOINT_CHECKS"), "off (0)");
+        let filter = ["--include".to_string(), "model.*".to_string()];
+        let filtered = plan_terms(&PlannedBy::Here {
+            options: &auto_local,
+            filter: &filter,
+        });
+        assert_eq!(value(&filtered, "--include/--exclude"), "--include model.*");
+
+        let server = PlanServer {
+            url: "http://127.0.0.1:1".to_string(),
+            checkpoint_id: "run/step-1".to_string(),
+            token: Some("secret".to_string()),
+        };
+        let terms = plan_terms(&PlannedBy::Server {
+            server: &server,
+            dedup: true,
+        });
+        assert_eq!(
+            value(&terms, "plan source"),
+            "--server http://127.0.0.1:1 as run/step-1"
+        );
+        // The token is no option of the plan, and never leaves the rank.
+        assert!(!format!("{terms:?}").contains("secret"));
     }
 }
