@@ -464,3 +464,119 @@ async fn ranks_planning_with_other_options_are_called_off_on_every_rank() {
          every rank the same options"
     );
 }
+
+/// A mesh of `world` ranks on a free port.
+async fn mesh(world: u32) -> Vec<TcpTransport> {
+    let port = free_port();
+    let tasks: Vec<_> = (0..world)
+        .map(|rank| spawn_rank(rank, world, port, Duration::from_secs(5)))
+        .collect();
+    let mut mesh = Vec::new();
+    for task in tasks {
+        mesh.push(task.await.unwrap().unwrap());
+    }
+    mesh
+}
+
+/// The rank and peer of a transport error, and its text.
+fn blamed(error: LoaderError) -> (u32, u32, String) {
+    let text = error.to_string();
+    match error {
+        LoaderError::Transport { rank, peer, .. } => (rank, peer, text),
+        other => panic!("expected a transport error, got {other}"),
+    }
+}
+
+/// Rank 1 is killed; rank 2, which waited on it, fails and leaves; rank 0 only waited on rank 2.
+/// Rank 0 named rank 2 (whose connection it saw close) as the rank that failed. A rank that
+/// leaves says goodbye now, a killed one cannot: rank 0 names rank 1, the one that died, and
+/// says what then happened with rank 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_after_a_peer_died_blames_the_peer_that_died() {
+    let mut ranks = mesh(3).await;
+    let two = ranks.pop().unwrap();
+    let one = ranks.pop().unwrap();
+    let zero = ranks.pop().unwrap();
+    let waits_on_two = tokio::spawn(async move { (zero.recv(2, 5).await, zero) });
+    let waits_on_one = tokio::spawn(async move { (two.recv(1, 5).await, two) });
+    one.crash();
+
+    let (got, two) = waits_on_one.await.unwrap();
+    let (rank, peer, text) = blamed(got.unwrap_err());
+    assert_eq!((rank, peer), (2, 1), "{text}");
+    assert_eq!(
+        text,
+        "rank 2: transport to rank 1 failed: waiting for tag 0x5: rank 1 closed its connection \
+         without a goodbye (its process was killed or crashed)"
+    );
+    drop(two);
+
+    let (got, _zero) = waits_on_two.await.unwrap();
+    let (rank, peer, text) = blamed(got.unwrap_err());
+    assert_eq!((rank, peer), (0, 1), "{text}");
+    assert_eq!(
+        text,
+        "rank 0: transport to rank 1 failed: rank 1 closed its connection without a goodbye (its \
+         process was killed or crashed); then, with rank 2: waiting for tag 0x5: rank 2 left (its \
+         load ended, done or failed: its own error says why) (likely because of rank 1, which \
+         died first)"
+    );
+}
+
+/// A rank that ended its load and left is no one's culprit: when another rank dies later, the
+/// error names that one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_left_is_not_blamed_for_a_later_death() {
+    let mut ranks = mesh(3).await;
+    let two = ranks.pop().unwrap();
+    let one = ranks.pop().unwrap();
+    let zero = ranks.pop().unwrap();
+    drop(one);
+    // Rank 0 sees rank 1 leave before rank 2 dies.
+    let left = zero.recv(1, 9).await.unwrap_err().to_string();
+    assert!(
+        left.ends_with("rank 1 left (its load ended, done or failed: its own error says why)"),
+        "{left}"
+    );
+    two.crash();
+    let (rank, peer, text) = blamed(zero.recv(2, 9).await.unwrap_err());
+    assert_eq!((rank, peer), (0, 2), "{text}");
+    assert!(
+        text.ends_with(
+            "rank 2 closed its connection without a goodbye (its process was killed or crashed)"
+        ),
+        "{text}"
+    );
+    // Nor for its own leaving, which came before the death.
+    let (_, peer, text) = blamed(zero.send(1, 9, Bytes::from_static(b"x")).await.unwrap_err());
+    assert_eq!(peer, 1, "{text}");
+    assert!(
+        text.ends_with(
+            "sending tag 0x9: rank 1 left (its load ended, done or failed: its own error says why)"
+        ),
+        "{text}"
+    );
+}
+
+/// Sends are blamed like receives: rank 0's send to rank 2, which left after rank 1 died, names
+/// rank 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_after_a_peer_died_blames_the_peer_that_died() {
+    let mut ranks = mesh(3).await;
+    let two = ranks.pop().unwrap();
+    let one = ranks.pop().unwrap();
+    let zero = ranks.pop().unwrap();
+    one.crash();
+    assert!(two.recv(1, 3).await.is_err());
+    drop(two);
+    // Rank 0 learns of both (in that order) before it sends.
+    assert!(zero.recv(1, 3).await.is_err());
+    let left = zero.recv(2, 3).await.unwrap_err().to_string();
+    assert!(left.contains("then, with rank 2"), "{left}");
+    let (_, peer, text) = blamed(zero.send(2, 4, Bytes::from_static(b"x")).await.unwrap_err());
+    assert_eq!(peer, 1, "{text}");
+    assert!(
+        text.contains("; then, with rank 2: sending tag 0x4: rank 2 left"),
+        "{text}"
+    );
+}
