@@ -41,7 +41,8 @@ impl<'a> RankArgs<'a> {
 }
 
 /// Starts `tessera load <checkpoint> --layout <layout> --rank <rank> --world <world>` meeting at
-/// 127.0.0.1:`port`, every wait on a peer bounded by `peer_timeout` seconds.
+/// 127.0.0.1:`port`, every wait on a peer bounded by `peer_timeout` seconds. `layout` may be
+/// `--requests <file>` instead ([`requests`]).
 fn start_rank(
     args: &RankArgs<'_>,
     layout: &Path,
@@ -49,9 +50,14 @@ fn start_rank(
     port: u16,
     peer_timeout: &str,
 ) -> Child {
+    let target = if layout.extension().is_some_and(|e| e == "requests") {
+        "--requests"
+    } else {
+        "--layout"
+    };
     let mut command = Command::new(support::BIN);
     command
-        .args(["load", args.checkpoint, "--layout", s(layout)])
+        .args(["load", args.checkpoint, target, s(layout)])
         .args(["--transport", "tcp", "--check", "--quiet"])
         .args(["--rank", &rank.to_string(), "--world", &world.to_string()])
         .args([
@@ -253,4 +259,113 @@ fn ranks_given_different_read_orders_fail_at_once_naming_the_option() {
         );
         assert!(ended.after < Duration::from_secs(20), "{ended:?}");
     }
+}
+
+/// Explicit requests (`<dir>/three.requests`) where rank 0 needs only what rank 2 reads and
+/// rank 2 also needs what rank 1 reads: rank 0 never waits on rank 1.
+fn requests(dir: &Path) -> PathBuf {
+    let path = dir.join("three.requests");
+    let whole = |fqn: &str, rows: u32| {
+        format!(r#"{{"fqn": "{fqn}", "offsets": [0, 0], "lengths": [{rows}, 64]}}"#)
+    };
+    let (embed, fc1) = (
+        whole("model.embed_tokens.weight", 1000),
+        whole("model.layers.0.mlp.fc1.weight", 196),
+    );
+    std::fs::write(
+        &path,
+        format!(r#"{{"ranks": [[{embed}], [{fc1}], [{embed}, {fc1}]]}}"#),
+    )
+    .unwrap();
+    path
+}
+
+/// Rank 1 of three is killed while its peers wait: rank 2 on rank 1's pieces, rank 0 only on
+/// rank 2's. Rank 2 failed naming rank 1, but rank 0 named rank 2, whose connection it saw
+/// close when rank 2 gave up. Ranks that leave say goodbye now, so every survivor names the
+/// rank that died.
+#[test]
+fn the_survivors_of_a_killed_rank_name_it() {
+    use tessera_storage::testing::{Stall, StallingHttpServer};
+    let dir = tempfile::tempdir().unwrap();
+    let (ckpt, _) = checkpoint_and_layout(dir.path());
+    let requests = requests(dir.path());
+    // Ranks 1 and 2 read the same checkpoint through servers that never answer for its data:
+    // they stay in their reads, the mesh up, until rank 1 is killed.
+    let servers = [(); 2].map(|()| StallingHttpServer::start(dir.path()));
+    for server in &servers {
+        server.stall(Stall::BeforeHeaders, |path| path.contains("/data/"));
+    }
+    let urls = servers
+        .each_ref()
+        .map(|server| format!("{}/run/step-000001", server.url()));
+    // An order given outright plans the same from a local and a remote store.
+    let common = ["--read-order", "request"];
+    let stalled = [
+        "--read-order",
+        "request",
+        "--storage-read-timeout",
+        "60",
+        "--storage-attempts",
+        "1",
+    ];
+    let port = free_port();
+    let started = Instant::now();
+    let mut ranks = vec![start_rank(
+        &RankArgs {
+            extra: &common,
+            ..RankArgs::at(s(&ckpt))
+        },
+        &requests,
+        (0, 3),
+        port,
+        "30",
+    )];
+    for (rank, url) in [1, 2].into_iter().zip(&urls) {
+        let args = RankArgs {
+            extra: &stalled,
+            ..RankArgs::at(url)
+        };
+        ranks.push(start_rank(&args, &requests, (rank, 3), port, "30"));
+    }
+    while servers.iter().any(|server| server.stalled() == 0) {
+        if started.elapsed() > Duration::from_secs(30)
+            || ranks.iter_mut().any(|r| r.try_wait().unwrap().is_some())
+        {
+            for rank in &mut ranks {
+                let _ = rank.kill();
+            }
+            let ended = wait_all(ranks, started, Duration::from_secs(60));
+            panic!("ranks 1 and 2 did not both reach their reads: {ended:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ranks[1].kill().unwrap();
+    let ended = wait_all(ranks, started, Duration::from_secs(60));
+    assert_eq!(ended[1].code, None, "rank 1 was killed");
+    for rank in [0, 2] {
+        let survivor = &ended[rank];
+        assert_eq!(
+            survivor.code,
+            Some(support::PEER_FAILED),
+            "{}",
+            survivor.stderr
+        );
+        let error = error_of(survivor);
+        assert!(
+            error.starts_with(&format!("error: rank {rank}: transport to rank 1 failed: "))
+                && error.contains(
+                    "rank 1 closed its connection without a goodbye (its process was killed or crashed)"
+                ),
+            "rank {rank}: {}",
+            survivor.stderr
+        );
+        // Within moments of the kill, not at the peer timeout.
+        assert!(survivor.after < Duration::from_secs(25), "{ended:?}");
+    }
+    assert!(
+        error_of(&ended[0]).contains("then, with rank 2: "),
+        "{}",
+        ended[0].stderr
+    );
 }

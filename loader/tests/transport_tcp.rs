@@ -300,31 +300,32 @@ async fn stray_hellos_are_refused_and_the_job_still_meets() {
 }
 
 /// A rank that checks in and then goes away (a process restarted by its launcher, a stray that
-/// said hello and left) leaves its place to the next hello for its rank, and is not sent a
-/// table it cannot use: the rendezvous goes on until the job's own ranks are in.
+/// said hello and left) leaves its place to the next hello for its rank instead of making that
+/// one a duplicate, and is not counted in when the others are all in (it would be sent a table
+/// it cannot use, and the mesh would fail on it): the wait goes on for the job's own rank.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_gone_after_its_hello_is_replaced_by_the_next() {
     let port = free_port();
     let connect = Duration::from_secs(5);
-    // World 2: the hello that leaves would complete the rendezvous.
-    let master = spawn_rank(0, 2, port, connect);
-    drop(stray(port, &raw_hello(1, 2, 0)).await);
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let one = spawn_rank(1, 2, port, connect);
-    let mesh = vec![master.await.unwrap().unwrap(), one.await.unwrap().unwrap()];
-    conformance::point_to_point(&mesh).await;
-
-    // World 3: the one that left is still checked in when its rank comes again.
-    let port = free_port();
-    let master = spawn_rank(0, 3, port, connect);
-    drop(stray(port, &raw_hello(1, 3, 0)).await);
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let one = spawn_rank(1, 3, port, connect);
-    let two = spawn_rank(2, 3, port, connect);
+    let master = spawn_rank(0, 4, port, connect);
+    // Time for the master to read a hello and see its connection close.
+    let settle = || tokio::time::sleep(Duration::from_millis(200));
+    drop(stray(port, &raw_hello(1, 4, 0)).await);
+    settle().await;
+    // Takes the place of the one that left.
+    let one = spawn_rank(1, 4, port, connect);
+    settle().await;
+    drop(stray(port, &raw_hello(2, 4, 0)).await);
+    settle().await;
+    // All four look in now, but rank 2 has left: the wait goes on for the real one.
+    let three = spawn_rank(3, 4, port, connect);
+    settle().await;
+    let two = spawn_rank(2, 4, port, connect);
     let mesh = vec![
         master.await.unwrap().unwrap(),
         one.await.unwrap().unwrap(),
         two.await.unwrap().unwrap(),
+        three.await.unwrap().unwrap(),
     ];
     conformance::all_pairs_ring(&mesh).await;
 }
@@ -461,5 +462,121 @@ async fn ranks_planning_with_other_options_are_called_off_on_every_rank() {
         "rank 1: the ranks of this job plan with different options, so their plans would not fit \
          together: rank 2 plans with --read-order storage but rank 0 with --read-order auto; give \
          every rank the same options"
+    );
+}
+
+/// A mesh of `world` ranks on a free port.
+async fn mesh(world: u32) -> Vec<TcpTransport> {
+    let port = free_port();
+    let tasks: Vec<_> = (0..world)
+        .map(|rank| spawn_rank(rank, world, port, Duration::from_secs(5)))
+        .collect();
+    let mut mesh = Vec::new();
+    for task in tasks {
+        mesh.push(task.await.unwrap().unwrap());
+    }
+    mesh
+}
+
+/// The rank and peer of a transport error, and its text.
+fn blamed(error: LoaderError) -> (u32, u32, String) {
+    let text = error.to_string();
+    match error {
+        LoaderError::Transport { rank, peer, .. } => (rank, peer, text),
+        other => panic!("expected a transport error, got {other}"),
+    }
+}
+
+/// Rank 1 is killed; rank 2, which waited on it, fails and leaves; rank 0 only waited on rank 2.
+/// Rank 0 named rank 2 (whose connection it saw close) as the rank that failed. A rank that
+/// leaves says goodbye now, a killed one cannot: rank 0 names rank 1, the one that died, and
+/// says what then happened with rank 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_after_a_peer_died_blames_the_peer_that_died() {
+    let mut ranks = mesh(3).await;
+    let two = ranks.pop().unwrap();
+    let one = ranks.pop().unwrap();
+    let zero = ranks.pop().unwrap();
+    let waits_on_two = tokio::spawn(async move { (zero.recv(2, 5).await, zero) });
+    let waits_on_one = tokio::spawn(async move { (two.recv(1, 5).await, two) });
+    one.crash();
+
+    let (got, two) = waits_on_one.await.unwrap();
+    let (rank, peer, text) = blamed(got.unwrap_err());
+    assert_eq!((rank, peer), (2, 1), "{text}");
+    assert_eq!(
+        text,
+        "rank 2: transport to rank 1 failed: waiting for tag 0x5: rank 1 closed its connection \
+         without a goodbye (its process was killed or crashed)"
+    );
+    drop(two);
+
+    let (got, _zero) = waits_on_two.await.unwrap();
+    let (rank, peer, text) = blamed(got.unwrap_err());
+    assert_eq!((rank, peer), (0, 1), "{text}");
+    assert_eq!(
+        text,
+        "rank 0: transport to rank 1 failed: rank 1 closed its connection without a goodbye (its \
+         process was killed or crashed); then, with rank 2: waiting for tag 0x5: rank 2 left (its \
+         load ended, done or failed: its own error says why) (likely because of rank 1, which \
+         died first)"
+    );
+}
+
+/// A rank that ended its load and left is no one's culprit: when another rank dies later, the
+/// error names that one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_left_is_not_blamed_for_a_later_death() {
+    let mut ranks = mesh(3).await;
+    let two = ranks.pop().unwrap();
+    let one = ranks.pop().unwrap();
+    let zero = ranks.pop().unwrap();
+    drop(one);
+    // Rank 0 sees rank 1 leave before rank 2 dies.
+    let left = zero.recv(1, 9).await.unwrap_err().to_string();
+    assert!(
+        left.ends_with("rank 1 left (its load ended, done or failed: its own error says why)"),
+        "{left}"
+    );
+    two.crash();
+    let (rank, peer, text) = blamed(zero.recv(2, 9).await.unwrap_err());
+    assert_eq!((rank, peer), (0, 2), "{text}");
+    assert!(
+        text.ends_with(
+            "rank 2 closed its connection without a goodbye (its process was killed or crashed)"
+        ),
+        "{text}"
+    );
+    // Nor for its own leaving, which came before the death.
+    let (_, peer, text) = blamed(zero.send(1, 9, Bytes::from_static(b"x")).await.unwrap_err());
+    assert_eq!(peer, 1, "{text}");
+    assert!(
+        text.ends_with(
+            "sending tag 0x9: rank 1 left (its load ended, done or failed: its own error says why)"
+        ),
+        "{text}"
+    );
+}
+
+/// Sends are blamed like receives: rank 0's send to rank 2, which left after rank 1 died, names
+/// rank 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_after_a_peer_died_blames_the_peer_that_died() {
+    let mut ranks = mesh(3).await;
+    let two = ranks.pop().unwrap();
+    let one = ranks.pop().unwrap();
+    let zero = ranks.pop().unwrap();
+    one.crash();
+    assert!(two.recv(1, 3).await.is_err());
+    drop(two);
+    // Rank 0 learns of both (in that order) before it sends.
+    assert!(zero.recv(1, 3).await.is_err());
+    let left = zero.recv(2, 3).await.unwrap_err().to_string();
+    assert!(left.contains("then, with rank 2"), "{left}");
+    let (_, peer, text) = blamed(zero.send(2, 4, Bytes::from_static(b"x")).await.unwrap_err());
+    assert_eq!(peer, 1, "{text}");
+    assert!(
+        text.contains("; then, with rank 2: sending tag 0x4: rank 2 left"),
+        "{text}"
     );
 }

@@ -14,6 +14,9 @@
 //!   to be gone (its connection closed or reset, its in-process handle dropped) and nothing it sent
 //!   earlier is left to deliver. A dead rank makes the others fail fast instead of hanging.
 //! - Sending to yourself, or to or from a rank outside the world, is an error.
+//! - Where a transport can tell a peer that died (TCP: its connection ended without a goodbye)
+//!   from one that left, a failure after a death names the rank that died first, not a peer
+//!   that left because of it (`Mailbox::blame`).
 
 #[cfg(feature = "testing")]
 pub mod conformance;
@@ -202,6 +205,9 @@ struct Inbox {
     queues: HashMap<(u32, u64), VecDeque<Bytes>>,
     /// Per peer: why it is gone, once it is.
     gone: HashMap<u32, String>,
+    /// The peers gone, in the order this rank learnt it, each with whether it died
+    /// ([`Mailbox::peer_died`]) rather than left.
+    went: Vec<(u32, bool)>,
 }
 
 impl Mailbox {
@@ -231,13 +237,69 @@ impl Mailbox {
 
     /// Records that `peer` is gone (first reason wins). What it sent before stays deliverable.
     pub(crate) fn peer_gone(&self, peer: u32, reason: String) {
-        self.lock().gone.entry(peer).or_insert(reason);
+        self.went(peer, reason, false);
+    }
+
+    fn went(&self, peer: u32, reason: String, died: bool) {
+        let mut inbox = self.lock();
+        if let std::collections::hash_map::Entry::Vacant(entry) = inbox.gone.entry(peer) {
+            entry.insert(reason);
+            inbox.went.push((peer, died));
+        }
+        drop(inbox);
         self.changed.notify_waiters();
+    }
+
+    /// Records that `peer` died: it went away without saying goodbye (a killed or crashed
+    /// process, a cut connection), as opposed to one that ended its load and left. What fails
+    /// on this rank afterwards is blamed on the first peer that died ([`Mailbox::blame`]).
+    pub(crate) fn peer_died(&self, peer: u32, reason: String) {
+        self.went(peer, reason, true);
     }
 
     /// Why `peer` is gone, if it is.
     pub(crate) fn gone_reason(&self, peer: u32) -> Option<String> {
         self.lock().gone.get(&peer).cloned()
+    }
+
+    /// `error` (a failed send to, receive from or wait on one peer), blamed on the first peer
+    /// that died, when that is another one and it died before this peer went (a peer that left
+    /// before anyone died did not leave because of it). When a rank is killed, its peers that
+    /// wait on it fail and leave, and a rank that only waited on one of those would otherwise
+    /// name the survivor that left, not the rank that died: the one to look at. The error keeps
+    /// what happened with its own peer after the blame.
+    pub(crate) fn blame(&self, error: LoaderError) -> LoaderError {
+        let (rank, peer, then) = match &error {
+            LoaderError::Transport { rank, peer, detail } => {
+                (*rank, *peer, format!("then, with rank {peer}: {detail}"))
+            }
+            LoaderError::PeerTimeout {
+                rank,
+                peer,
+                what,
+                waited,
+            } => (
+                *rank,
+                *peer,
+                format!("then nothing came from rank {peer} for {what} within {waited:?}"),
+            ),
+            _ => return error,
+        };
+        let inbox = self.lock();
+        let Some(&(first, _)) = inbox
+            .went
+            .iter()
+            .take_while(|(went, _)| *went != peer)
+            .find(|(_, died)| *died)
+        else {
+            return error;
+        };
+        let why = inbox.gone.get(&first).cloned().unwrap_or_default();
+        LoaderError::Transport {
+            rank,
+            peer: first,
+            detail: format!("{why}; {then} (likely because of rank {first}, which died first)"),
+        }
     }
 
     /// Drops everything buffered (the owner is shutting down).
@@ -271,11 +333,13 @@ impl Mailbox {
                         return Ok(data);
                     }
                     if let Some(reason) = inbox.gone.get(&from) {
-                        return Err(LoaderError::Transport {
+                        let error = LoaderError::Transport {
                             rank: self.rank,
                             peer: from,
                             detail: format!("waiting for tag {tag:#x}: {reason}"),
-                        });
+                        };
+                        drop(inbox);
+                        return Err(self.blame(error));
                     }
                 }
                 changed.await;
@@ -283,12 +347,12 @@ impl Mailbox {
         };
         match tokio::time::timeout(timeout, wait).await {
             Ok(result) => result,
-            Err(_) => Err(LoaderError::PeerTimeout {
+            Err(_) => Err(self.blame(LoaderError::PeerTimeout {
                 rank: self.rank,
                 peer: from,
                 what: format!("tag {tag:#x}"),
                 waited: timeout,
-            }),
+            })),
         }
     }
 }

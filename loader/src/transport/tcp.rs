@@ -15,11 +15,15 @@
 //! shake  (low -> high)    "TSPH" version:u32 session:u64 from:u32 to:u32 world:u32
 //! ack    (high -> low)    "TSPA" to:u32
 //! frame  (both ways)      tag:u64 len:u64 bytes[len]            all integers little-endian
+//! bye    (both ways)      tag:u64 len:u64=2^64-1                (the last thing on a connection)
 //! ```
 //!
 //! A reader task per connection buffers incoming frames in the rank's mailbox, so a send never
 //! waits for the receiver to ask; end of stream or a reset marks the peer gone, which fails
-//! pending and later receives from it at once.
+//! pending and later receives from it at once. A rank that drops its transport (its load ended,
+//! done or failed with its own error) says goodbye first; a peer whose connection ends without
+//! one died (killed, crashed, cut off), and what fails on this rank after that is blamed on the
+//! first peer that died ([`Mailbox::blame`]), not on a survivor that left because of it.
 //!
 //! Rank 0 refuses a connection that checks in with another world size, job fingerprint
 //! ([`RendezvousConfig::job`]) or a rank number already taken, and one that is not a tessera
@@ -81,6 +85,8 @@ const MAX_ADDR_LEN: u16 = 256;
 /// Largest frame accepted from a peer (64 GiB): far above any piece share, and it keeps a corrupt
 /// length from asking for an absurd allocation.
 const MAX_FRAME: u64 = 1 << 36;
+/// The length of a goodbye frame: far over [`MAX_FRAME`], so never a message's.
+const GOODBYE: u64 = u64::MAX;
 /// Messages up to this size are written with their header in one buffer (one segment with
 /// nodelay); larger ones are written as header then payload, without copying the payload.
 const COALESCE_BELOW: usize = 64 * 1024;
@@ -95,6 +101,8 @@ pub struct TcpTransport {
     /// Per peer rank (`None` for this rank).
     writers: Vec<Option<tokio::sync::Mutex<PeerWriter>>>,
     readers: Vec<JoinHandle<()>>,
+    /// Dropping says goodbye to the peers (false only for a test's crash).
+    goodbye: bool,
 }
 
 struct PeerWriter {
@@ -163,7 +171,15 @@ impl TcpTransport {
             mailbox,
             writers,
             readers,
+            goodbye: true,
         })
+    }
+
+    /// Closes every connection without a goodbye, as a killed process's connections end: what
+    /// the peers see of a rank that died (tests of how they tell it from one that left).
+    #[cfg(feature = "testing")]
+    pub fn crash(mut self) {
+        self.goodbye = false;
     }
 
     async fn send_frame(&self, to: u32, tag: u64, data: Bytes) -> Result<(), LoaderError> {
@@ -174,7 +190,9 @@ impl TcpTransport {
             detail,
         };
         if let Some(reason) = self.mailbox.gone_reason(to) {
-            return Err(transport_error(format!("sending tag {tag:#x}: {reason}")));
+            return Err(self
+                .mailbox
+                .blame(transport_error(format!("sending tag {tag:#x}: {reason}"))));
         }
         let Some(Some(writer)) = self.writers.get(to as usize) else {
             return Err(transport_error("no connection to this rank".to_string()));
@@ -214,15 +232,17 @@ impl TcpTransport {
                 }
             }
         };
-        match tokio::time::timeout(self.options.timeout, write).await {
-            Ok(result) => result,
-            Err(_) => Err(LoaderError::PeerTimeout {
+        let error = match tokio::time::timeout(self.options.timeout, write).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(error)) => error,
+            Err(_) => LoaderError::PeerTimeout {
                 rank: self.rank,
                 peer: to,
                 what: format!("sending tag {tag:#x} ({} bytes) to be taken", data.len()),
                 waited: self.options.timeout,
-            }),
-        }
+            },
+        };
+        Err(self.mailbox.blame(error))
     }
 }
 
@@ -250,6 +270,20 @@ impl Transport for TcpTransport {
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
+        // Goodbye to every peer whose connection is between messages, so that it tells this
+        // rank leaving from a rank dying. Without waiting (a drop cannot): a peer whose
+        // connection is mid-message or full gets none and counts this rank as dead, which is
+        // what a rank that leaves in the middle of a message looks like anyway.
+        let mut goodbye = Vec::with_capacity(16);
+        goodbye.put_u64_le(0);
+        goodbye.put_u64_le(GOODBYE);
+        for writer in self.writers.iter().flatten().filter(|_| self.goodbye) {
+            if let Ok(writer) = writer.try_lock()
+                && writer.broken.is_none()
+            {
+                let _ = writer.half.try_write(&goodbye);
+            }
+        }
         // The write halves shut down as they drop; the read halves go with their tasks.
         for reader in &self.readers {
             reader.abort();
@@ -267,21 +301,38 @@ impl std::fmt::Debug for TcpTransport {
     }
 }
 
-/// Buffers every frame from `peer` into `mailbox` until the connection ends.
+/// Buffers every frame from `peer` into `mailbox` until the connection ends; then the peer is
+/// gone: it left when it said goodbye first, else it died.
 async fn read_loop(mut read: OwnedReadHalf, peer: u32, mailbox: Arc<Mailbox>) {
+    let mut said_goodbye = false;
     loop {
         let mut header = [0u8; 16];
         if let Err(e) = read.read_exact(&mut header).await {
-            let reason = if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                format!("rank {peer} closed its connection (it exited or died)")
+            if said_goodbye {
+                mailbox.peer_gone(
+                    peer,
+                    format!(
+                        "rank {peer} left (its load ended, done or failed: its own error says why)"
+                    ),
+                );
+            } else if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                mailbox.peer_died(
+                    peer,
+                    format!(
+                        "rank {peer} closed its connection without a goodbye (its process was killed or crashed)"
+                    ),
+                );
             } else {
-                format!("the connection to rank {peer} failed: {e}")
-            };
-            mailbox.peer_gone(peer, reason);
+                mailbox.peer_died(peer, format!("the connection to rank {peer} failed: {e}"));
+            }
             return;
         }
         let mut fields = &header[..];
         let (tag, len) = (fields.get_u64_le(), fields.get_u64_le());
+        if len == GOODBYE {
+            said_goodbye = true;
+            continue;
+        }
         if len > MAX_FRAME {
             mailbox.peer_gone(
                 peer,
@@ -753,7 +804,8 @@ async fn master(
         if count == world {
             // A hello whose connection closed since (a stray that said hello and left, a rank
             // that died) would get a table it cannot use and fail the mesh: its place is open
-            // again, and the wait goes on.
+            // again, and the wait goes on. (A close still in flight is not seen here; the mesh
+            // then fails on that rank, naming it.)
             for slot in 1..world as usize {
                 if let Some(gone) = checked_in[slot].take_if(|hello| !still_open(&hello.stream)) {
                     refused.note(format!(
@@ -829,7 +881,13 @@ async fn master(
                     match &checked_in[slot] {
                         // The rank that checked in first left (a restarted rank comes back
                         // with a new connection): the new one takes its place.
-                        Some(first) if !still_open(&first.stream) => None,
+                        Some(first) if !still_open(&first.stream) => {
+                            refused.note(format!(
+                                "dropped rank {slot} from {}: its connection closed after its hello",
+                                from(first.peer)
+                            ));
+                            None
+                        }
                         Some(first) => Some(format!(
                             "rank {} already checked in from {} (two processes with the same RANK?)",
                             hello.rank,
