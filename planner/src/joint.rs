@@ -124,7 +124,7 @@ fn is_dense(chunk: &tessera_metadata::SavedChunk) -> bool {
         .filter(|(_, len)| **len > 1)
         .map(|(s, l)| (*s, *l))
         .collect();
-    dims.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+    dims.sort_unstable_by_key(|d| std::cmp::Reverse(d.0));
     let mut expect = 1u64;
     for &(stride, len) in dims.iter().rev() {
         if stride != expect {
