@@ -122,10 +122,10 @@ def test_every_rank_fails_within_seconds_naming_the_rank(tmp_path, phase, fault)
                 os.kill(p.pid, signal.SIGKILL)
             p.join(10)
     fault_at = float((tmp_path / "fault").read_text())
-    # Failing outright, or dying mid-exchange (the transport sees the connection drop), is seen
-    # within a poll; a silent rank within the liveness bound.
-    quick = fault == "fail" or (fault == "kill" and phase.startswith("exchange"))
-    bound = 5.0 if quick else LIVENESS_S + 6.0
+    # Failing outright is seen within a poll; a silent rank (stopped, or killed: its beat stops)
+    # within the liveness bound. A kill mid-exchange is usually seen at once (the connection
+    # drops), but only the liveness bound is promised (a pair gloo has not connected yet).
+    bound = 5.0 if fault == "fail" else LIVENESS_S + 6.0
     for r, result in results.items():
         assert "error" in result, f"rank {r} reported success: {result}"
         seconds = result["at"] - fault_at
