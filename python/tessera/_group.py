@@ -106,10 +106,7 @@ def _drive(
             completions.put((None, e))
             return
         except RuntimeError as e:
-            completions.put((None, TesseraError(
-                f"rank {rank}: rank {peer} failed or died during the exchange: the process group's "
-                f"{'receive from' if kind == 'recv' else 'send to'} it failed: {_transport_error(e)}"
-            )))
+            completions.put((None, peer_failed(peer, kind, e)))
             return
         completions.put((done, None))
 
@@ -122,11 +119,24 @@ def _drive(
         waiter.start()
         waiters.append(waiter)
 
+    def peer_failed(peer: int, kind: str, error: BaseException) -> TesseraError:
+        return TesseraError(
+            f"rank {rank}: rank {peer} failed or died during the exchange: the process group's "
+            f"{'receive from' if kind == 'recv' else 'send to'} it failed: {_transport_error(error)}"
+        )
+
+    # Posting can fail too (gloo raises at once on a pair whose peer is gone).
     def isend(buffer: Any, peer: int, tag: int) -> Any:
-        return dist.isend(buffer, dst=global_rank(peer), group=group, tag=tag)
+        try:
+            return dist.isend(buffer, dst=global_rank(peer), group=group, tag=tag)
+        except RuntimeError as e:
+            raise peer_failed(peer, "send", e) from None
 
     def irecv(buffer: Any, peer: int, tag: int) -> Any:
-        return dist.irecv(buffer, src=global_rank(peer), group=group, tag=tag)
+        try:
+            return dist.irecv(buffer, src=global_rank(peer), group=group, tag=tag)
+        except RuntimeError as e:
+            raise peer_failed(peer, "recv", e) from None
 
     def receive(op: int, peer: int, tag: int, nbytes: int) -> None:
         # Empty messages (pieces of zero-size shards) are not sent: gloo may drop a zero-byte send.

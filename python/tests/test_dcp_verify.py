@@ -116,3 +116,27 @@ def test_storage_reader_fails_naming_the_blob(tmp_path):
             dcp.load(state, storage_reader=tessera.torch.StorageReader(str(flipped(tmp_path))))
     message = str(failed.value)
     assert "checksum mismatch in " in message and f"{NAMED}: its metadata records CRC-32 " in message, message
+
+
+def test_a_chunk_pointed_at_another_chunks_blob_is_refused_at_open(tmp_path):
+    # Forged .metadata: two row chunks of one tensor share one blob. The blob's zip CRC is
+    # right for its bytes, so only the open can tell (torch writes each chunk its own blob).
+    import pickle
+
+    path = tmp_path / "b"
+    shutil.copytree(fixture("b_w4_fsdp_shard0"), path)
+    with open(path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    chunks = sorted(
+        (index for index in metadata.storage_data if index.fqn == "model.layers.0.attn.qkv.weight"),
+        key=lambda index: tuple(index.offset),
+    )
+    metadata.storage_data[chunks[1]] = metadata.storage_data[chunks[0]]
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(tessera.TesseraError) as refused:
+        tessera.load({"model.layers.0.attn.qkv.weight": np.empty((192, 64), np.float32)}, str(path), progress=False)
+    message = str(refused.value)
+    assert "tensor model.layers.0.attn.qkv.weight chunk [0..48, 0..64]" in message, message
+    assert "tensor model.layers.0.attn.qkv.weight chunk [48..96, 0..64]" in message, message
+    assert "point at the same bytes" in message, message

@@ -306,6 +306,7 @@ pub async fn open_dcp(
             ));
         }
     }
+    check_blobs_apart(&refs)?;
     let mut objects = Vec::with_capacity(metadata.objects.len());
     for object in &metadata.objects {
         let info = &object.storage;
@@ -545,6 +546,38 @@ fn stored_strides(blob: &TensorBlob, sizes: &[u64]) -> Option<Vec<u64>> {
 
 /// Refuses a storage range `info` of `path` (of `size` bytes) that ends past the file, naming the
 /// tensor and chunk.
+/// Refuses chunks whose blobs share bytes: torch writes every chunk's own `torch.save` blob, so
+/// a `.metadata` that points two chunks at one blob (or overlapping ranges) is damaged or forged,
+/// and the second chunk would load the first one's values with a valid zip CRC.
+fn check_blobs_apart(refs: &[(u32, index::BlobRef)]) -> Result<(), MetadataError> {
+    let mut spans: Vec<(u32, u64, u64, usize)> = refs
+        .iter()
+        .enumerate()
+        .map(|(i, (file, r))| (*file, r.offset, r.offset.saturating_add(r.length), i))
+        .collect();
+    spans.sort_unstable();
+    for pair in spans.windows(2) {
+        let ((file_a, _, end_a, a), (file_b, start_b, _, b)) = (pair[0], pair[1]);
+        if file_a == file_b && start_b < end_a {
+            let (first, second) = (&refs[a].1, &refs[b].1);
+            return Err(MetadataError::Invalid {
+                what: format!(
+                    "{}: {} (bytes {}..{}) and {} (bytes {}..{}) point at the same bytes; torch \
+                     writes each chunk its own blob, so .metadata is damaged",
+                    first.path,
+                    first.entry,
+                    first.offset,
+                    first.offset.saturating_add(first.length),
+                    second.entry,
+                    second.offset,
+                    second.offset.saturating_add(second.length)
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn check_range(
     fqn: &str,
     region: &str,
