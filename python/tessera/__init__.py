@@ -409,7 +409,86 @@ def load(
         KeyboardInterrupt: Ctrl-C, seen while reading and while waiting for peers.
     """
     state_dict, checkpoint_id = _dcp_order(state_dict, checkpoint_id, "load")
+    try:
+        return _load(
+            state_dict, checkpoint_id, process_group=process_group, strict=strict, cast=cast,
+            rename=rename, allow_pickle=allow_pickle, verify=verify, exchange=exchange,
+            read_order=read_order, storage_options=storage_options, server=server,
+            server_id=server_id, token=token, rank=rank, world_size=world_size,
+            master_addr=master_addr, master_port=master_port, progress=progress, timeout=timeout,
+        )
+    except TesseraError as e:
+        raise _checkpoint_error(e) from None
+
+
+def _checkpoint_error(error: BaseException) -> BaseException:
+    """``error`` as an error that is a :class:`TesseraError` and, where torch is imported, also
+    DCP's ``CheckpointException``, so code written for ``dcp.load`` that catches the latter
+    keeps working (``except Exception`` still catches it too)."""
+    cls = _checkpoint_error_class()
+    if cls is None or isinstance(error, cls):
+        return error
+    return cls(str(error))
+
+
+_CHECKPOINT_ERROR: Any = None
+
+
+def _checkpoint_error_class() -> Any:
+    global _CHECKPOINT_ERROR
+    if _CHECKPOINT_ERROR is None:
+        if "torch" not in sys.modules:
+            return None
+        try:
+            from torch.distributed.checkpoint.api import CheckpointException
+        except ImportError:
+            return None
+
+        class CheckpointError(TesseraError, CheckpointException):  # type: ignore[misc, valid-type]
+            """A tessera load error that is also DCP's ``CheckpointException``."""
+
+            def __init__(self, message: str) -> None:
+                TesseraError.__init__(self, message)
+                self._failures: Dict[int, Any] = {}
+
+            def __str__(self) -> str:
+                return str(self.args[0]) if self.args else ""
+
+        CheckpointError.__module__ = "tessera"
+        _CHECKPOINT_ERROR = CheckpointError
+    return _CHECKPOINT_ERROR
+
+
+def _load(
+    state_dict: MutableMapping[str, Any],
+    checkpoint_id: Union[str, "os.PathLike[str]"],
+    *,
+    process_group: Any,
+    strict: bool,
+    cast: bool,
+    rename: Rename,
+    allow_pickle: bool,
+    verify: bool,
+    exchange: Optional[bool],
+    read_order: Optional[str],
+    storage_options: Optional[Mapping[str, str]],
+    server: Optional[str],
+    server_id: Optional[str],
+    token: Optional[str],
+    rank: Optional[int],
+    world_size: Optional[int],
+    master_addr: Optional[str],
+    master_port: Optional[int],
+    progress: Union[bool, Progress],
+    timeout: float,
+) -> LoadReport:
     started = time.monotonic()
+    # Stateful values (a module, an optimizer) load as DCP loads them: into their state_dict(),
+    # handed to their load_state_dict() once everything loaded.
+    stateful = {k: v for k, v in state_dict.items() if _state.is_stateful(v)}
+    outer = state_dict
+    if stateful:
+        state_dict = {k: (v.state_dict() if k in stateful else v) for k, v in outer.items()}
     group = _group.default_group(process_group, exchange)
     if group is not None and (rank is not None or world_size is not None):
         raise ValueError("rank and world_size come from the process group; do not pass them with one")
@@ -421,6 +500,7 @@ def load(
     report = LoadReport()
 
     targets, keep_alive, copy_back, wanted_objects, missing = [], [], [], [], []
+    materialized = []
     for key, path, value in _state.flatten(state_dict):
         fqn = to_fqn(key)
         if not isinstance(fqn, str):
@@ -429,6 +509,13 @@ def load(
             if fqn not in tensors:
                 missing.append((key, fqn))
                 continue
+            if _state.outside_mesh(value):
+                continue  # this rank is not on the DTensor's mesh: it holds nothing of it
+            if _state.is_meta(value):
+                import torch
+
+                value = torch.empty(value.shape, dtype=value.dtype)
+                materialized.append((path, value))
             array, offsets, flat_start = _state.entry_array(key, value)
             filled, back = _destination(key, fqn, array, tensors[fqn]["dtype"], cast, group is not None, report)
             targets.append(_state.load_target(fqn, filled, offsets, flat_start))
@@ -492,8 +579,16 @@ def load(
         torch.cuda.synchronize()
         report.h2d_seconds += time.monotonic() - h2d_started
     del keep_alive
-    for path, value in decoded:
+    for path, value in decoded + materialized:
         _state.set_element(state_dict, path, value)
+    for key, value in stateful.items():
+        value.load_state_dict(state_dict[key])
+    if stateful:
+        # Values replaced at the top level of the view (non-tensor values) go back to the
+        # caller's dict; Stateful entries stay the caller's objects.
+        for key, value in state_dict.items():
+            if key not in stateful and outer[key] is not value:
+                outer[key] = value
     report.tensors_loaded = len(targets)
     report.objects_loaded = len(decoded)
     report.total_seconds = time.monotonic() - started

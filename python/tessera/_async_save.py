@@ -424,6 +424,9 @@ def async_save(
             f"saving from {world_size} ranks needs a rendezvous so that rank 0 can commit what "
             "every rank wrote: pass master_addr and master_port, or run under torchrun"
         )
+    # Stateful values (a module, an optimizer) save their state_dict(), as with dcp.save.
+    if any(_state.is_stateful(v) for v in state_dict.values()):
+        state_dict = {k: (v.state_dict() if _state.is_stateful(v) else v) for k, v in state_dict.items()}
     entries, objects = _entries(state_dict)
     pool = pool if pool is not None else default_pool()
     offset = 0

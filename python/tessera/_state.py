@@ -172,6 +172,27 @@ def memory(key: str, array: Any, *, writable: bool) -> Tuple[str, list, int, int
     return (dtype_name(array), [int(d) for d in array.shape], int(address), int(array.nbytes), None)
 
 
+def is_stateful(value: Any) -> bool:
+    """Whether DCP treats ``value`` as ``Stateful`` (a module, an optimizer, anything with
+    ``state_dict()`` and ``load_state_dict()``): it loads into ``value.state_dict()`` and hands
+    the result to ``value.load_state_dict`` afterwards."""
+    if isinstance(value, Mapping) or is_tensor_entry(value):
+        return False
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def outside_mesh(value: Any) -> bool:
+    """Whether ``value`` is a DTensor whose mesh does not include this rank: it holds no shard
+    here (torch's chunk list gives it an empty one without offsets), so there is nothing to load."""
+    return is_dtensor(value) and value.device_mesh.get_coordinate() is None
+
+
+def is_meta(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor on the meta device (no storage): DCP loads a new tensor
+    of its shape and dtype in its place; tessera does the same, in host memory."""
+    return is_torch_tensor(value) and not is_dtensor(value) and value.device.type == "meta"
+
+
 def dtensor_box(key: str, dtensor: Any) -> Tuple[Any, List[int], List[int]]:
     """(local tensor, global offsets, global shape) of a DTensor's shard on this rank, from
     torch's own chunk list (``DTensor.__create_chunk_list__``, the protocol ``dcp.save`` and

@@ -1,0 +1,126 @@
+"""Code written for `dcp.load`/`dcp.save` runs unchanged with tessera: Stateful values (a module,
+an optimizer), meta-device destinations, DTensors on a mesh that leaves the calling rank out, and
+DCP's CheckpointException for what DCP would refuse. Real torch, gloo for the multi-rank case."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import warnings
+from pathlib import Path
+
+import pytest
+
+import torch  # noqa: E402  (make python-test installs it)
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+import tessera  # noqa: E402
+
+
+def _trained(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01 * seed)
+    for _ in range(2):
+        optim.zero_grad()
+        model(torch.randn(5, 8)).pow(2).mean().backward()
+        optim.step()
+    return model, optim
+
+
+def _same(model_a, optim_a, model_b, optim_b) -> None:
+    for (name, a), (_, b) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
+        assert torch.equal(a, b), name
+    sa, sb = optim_a.state_dict(), optim_b.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for key in sa["state"]:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(sa["state"][key][name], sb["state"][key][name]), (key, name)
+
+
+@pytest.mark.parametrize("writer", ["tessera", "dcp"])
+def test_a_module_and_an_optimizer_load_as_stateful_values(tmp_path, writer):
+    model, optim = _trained(1)
+    path = str(tmp_path / "ckpt")
+    if writer == "tessera":
+        tessera.save({"model": model, "optim": optim, "step": 2}, path)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # dcp.save alone warns it has no group
+            dcp.save({"model": model, "optim": optim, "step": 2}, checkpoint_id=path)
+    other_model, other_optim = _trained(2)
+    state = {"model": other_model, "optim": other_optim, "step": 0}
+    tessera.load(state, path, progress=False)
+    # The caller's objects were loaded through their own load_state_dict; plain values replaced.
+    assert state["model"] is other_model and state["optim"] is other_optim and state["step"] == 2
+    _same(model, optim, other_model, other_optim)
+
+
+def test_meta_tensors_are_materialized_in_host_memory(tmp_path):
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tessera.save({"w": w}, str(tmp_path / "c"))
+    state = {"w": torch.empty(4, 6, device="meta")}
+    tessera.load(state, str(tmp_path / "c"), progress=False)
+    assert state["w"].device.type == "cpu" and torch.equal(state["w"], w)
+
+
+def test_dcp_shaped_failures_are_checkpoint_exceptions_and_tessera_errors(tmp_path):
+    tessera.save({"w": torch.zeros(4)}, str(tmp_path / "c"))
+    with pytest.raises(CheckpointException) as refused:
+        tessera.load({"w": torch.zeros(4), "v": torch.zeros(2)}, str(tmp_path / "c"), progress=False)
+    assert isinstance(refused.value, tessera.TesseraError) and isinstance(refused.value, Exception)
+    assert str(refused.value).startswith("1 key(s) of the state dict are not in checkpoint "), str(refused.value)
+    with pytest.raises(CheckpointException, match="shape"):
+        tessera.load({"w": torch.zeros(5)}, str(tmp_path / "c"), progress=False)
+
+
+def _sub_mesh_rank(rank: int, port: int, path: str, out: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    # "w" lives on rank 0 alone; "v" is sharded over both ranks.
+    solo = DeviceMesh("cpu", [0])
+    both = DeviceMesh("cpu", [0, 1])
+    state = {
+        "w": distribute_tensor(torch.zeros(4, 6), solo, [Replicate()]),
+        "v": distribute_tensor(torch.zeros(8), both, [Shard(0)]),
+    }
+    result = {}
+    try:
+        tessera.load(state, path, process_group=dist.group.WORLD, progress=False, timeout=60)
+        result = {"w": state["w"].to_local().tolist(), "v": state["v"].to_local().tolist()}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result = {"error": f"{type(e).__name__}: {e}"}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_a_dtensor_on_a_mesh_without_this_rank_loads_nothing_here(tmp_path):
+    import datetime
+
+    import torch.distributed as dist
+
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    v = torch.arange(8, dtype=torch.float32) + 100
+    tessera.save({"w": w, "v": v}, str(tmp_path / "c"))
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_sub_mesh_rank, args=(r, store.port, str(tmp_path / "c"), str(tmp_path)))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    got = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
+    assert got[0] == {"w": w.tolist(), "v": v[:4].tolist()}, got
+    assert got[1] == {"w": [], "v": v[4:].tolist()}, got
