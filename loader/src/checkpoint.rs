@@ -40,6 +40,19 @@ pub struct Checkpoint {
     pub checksums: Option<Arc<BlockChecksums>>,
     /// DCP: how the per-blob zip index was obtained and what its header reads cost.
     pub index: Option<IndexStats>,
+    /// DCP: what `.metadata` records beyond the checkpoint model, for front ends that hand it
+    /// back to DCP (the Python `StorageReader`).
+    pub dcp_record: Option<Arc<DcpRecord>>,
+}
+
+/// What a DCP `.metadata` records beyond tensors and objects.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DcpRecord {
+    /// `version` (torch 2.9 and later write "1.0.0").
+    pub version: Option<String>,
+    /// `planner_data`: each flattened key's path in the state dict that was saved (string and
+    /// integer parts), where the planner recorded one.
+    pub planner_data: std::collections::BTreeMap<String, Vec<serde_json::Value>>,
 }
 
 impl Checkpoint {
@@ -63,6 +76,12 @@ impl Checkpoint {
             step: opened.step,
             has_data: opened.has_data,
             index: opened.dcp().map(|d| d.stats.clone()),
+            dcp_record: opened.dcp().map(|d| {
+                Arc::new(DcpRecord {
+                    version: d.metadata.version.clone(),
+                    planner_data: d.metadata.planner_data.clone(),
+                })
+            }),
             meta: Arc::new(opened.meta),
             checksums: opened.block_checksums.map(Arc::new),
         })

@@ -86,6 +86,20 @@ impl OpenedCheckpoint {
         Ok(serde_json::json!({"tensors": tensors, "objects": objects}).to_string())
     }
 
+    /// What a DCP checkpoint's `.metadata` records beyond tensors and objects, as JSON text:
+    /// `{"version": str|null, "planner_data": {flat key: [path parts]}}`; `null` for other
+    /// formats.
+    fn dcp_record(&self) -> String {
+        match &self.checkpoint.dcp_record {
+            Some(record) => serde_json::json!({
+                "version": record.version,
+                "planner_data": record.planner_data,
+            })
+            .to_string(),
+            None => "null".to_string(),
+        }
+    }
+
     /// Every tensor's saved boxes, as JSON text:
     /// `{fqn: {"dtype", "shape", "chunks": [[offsets, lengths], ...]}}` (tessera's dtype names).
     ///

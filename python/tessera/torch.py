@@ -185,9 +185,16 @@ class StorageReader(dcp.StorageReader):
         for key in json.loads(opened.entries())["objects"]:
             state[key] = BytesStorageMetadata()
         self._tensors = described
+        # What DCP itself recorded (a DCP checkpoint): the nested path of every flattened key,
+        # which `_load_state_dict_from_keys` and `dcp_to_torch_save` unflatten with, and the
+        # metadata version.
+        record = json.loads(opened.dcp_record()) or {}
+        planner_data = {key: tuple(path) for key, path in record.get("planner_data", {}).items()}
         return Metadata(
             state_dict_metadata=state,
+            planner_data=planner_data or None,
             storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id),
+            version=record.get("version"),
         )
 
     def set_up_storage_reader(

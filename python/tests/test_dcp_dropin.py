@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 import tessera  # noqa: E402
+import tessera.torch  # noqa: E402
 
 
 def _trained(seed: int):
@@ -124,3 +125,33 @@ def test_a_dtensor_on_a_mesh_without_this_rank_loads_nothing_here(tmp_path):
     got = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
     assert got[0] == {"w": w.tolist(), "v": v[:4].tolist()}, got
     assert got[1] == {"w": [], "v": v[4:].tolist()}, got
+
+
+def _assert_same_tree(ours, theirs, path="") -> None:
+    assert type(ours) is type(theirs) or (torch.is_tensor(ours) and torch.is_tensor(theirs)), path
+    if isinstance(theirs, dict):
+        assert sorted(ours) == sorted(theirs), path
+        for key in theirs:
+            _assert_same_tree(ours[key], theirs[key], f"{path}.{key}")
+    elif torch.is_tensor(theirs):
+        assert torch.equal(ours, theirs), path
+    else:
+        assert ours == theirs, path
+
+
+def test_the_storage_readers_metadata_unflattens_like_torchs():
+    # DCP's own helpers unflatten with the metadata's planner_data: the nested state dict comes
+    # back as torch's reader gives it (not flat keys), and the version is DCP's.
+    from conftest import fixture
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    path = str(fixture("c_w4_dp2_tp2"))
+    ours_reader = tessera.torch.StorageReader(path)
+    assert ours_reader.read_metadata().version == FileSystemReader(path).read_metadata().version == "1.0.0"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        ours = _load_state_dict_from_keys(storage_reader=tessera.torch.StorageReader(path))
+        theirs = _load_state_dict_from_keys(storage_reader=FileSystemReader(path))
+    assert "model" in theirs and isinstance(theirs["model"], dict)
+    _assert_same_tree(ours, theirs)
