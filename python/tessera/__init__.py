@@ -516,6 +516,22 @@ def _load(
 
                 value = torch.empty(value.shape, dtype=value.dtype)
                 materialized.append((path, value))
+            boxes = (
+                _state.sharded_boxes(value) if _state.is_sharded_tensor(value)
+                else _state.chunk_boxes(fqn, value) if _state.plans_by_chunks(value)
+                else None
+            )
+            if boxes is not None:
+                # Each local shard is a box of the global tensor, loaded in place.
+                for local, offsets in boxes:
+                    filled, back = _destination(
+                        key, fqn, local, tensors[fqn]["dtype"], cast, group is not None, report
+                    )
+                    targets.append(_state.load_target(fqn, filled, offsets, None))
+                    keep_alive.append(filled)
+                    if back is not None:
+                        copy_back.append(back)
+                continue
             array, offsets, flat_start = _state.entry_array(key, value)
             filled, back = _destination(key, fqn, array, tensors[fqn]["dtype"], cast, group is not None, report)
             targets.append(_state.load_target(fqn, filled, offsets, flat_start))

@@ -42,6 +42,49 @@ def is_dtensor(value: Any) -> bool:
     return isinstance(value, DTensor)
 
 
+def is_sharded_tensor(value: Any) -> bool:
+    """A ``ShardedTensor`` (deprecated, still in DCP and in older FSDP state dicts): its local
+    shards are boxes of the global tensor, each loaded in place."""
+    if "torch" not in sys.modules:
+        return False
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:
+        return False
+    return isinstance(value, ShardedTensor)
+
+
+def sharded_boxes(value: Any) -> List[Tuple[Any, List[int]]]:
+    """``(local tensor, global offsets)`` of each of this rank's shards of a ``ShardedTensor``."""
+    return [
+        (shard.tensor, [int(o) for o in shard.metadata.shard_offsets]) for shard in value.local_shards()
+    ]
+
+
+def plans_by_chunks(value: Any) -> bool:
+    """A tensor subclass that plans through DCP's chunk protocol (``__create_chunk_list__`` and
+    ``__get_tensor_shard__``), such as ``LocalShardsWrapper`` (uneven local shards); DTensors
+    have their own path (``dtensor_box``)."""
+    return (
+        is_torch_tensor(value)
+        and not is_dtensor(value)
+        and callable(getattr(value, "__create_chunk_list__", None))
+        and callable(getattr(value, "__get_tensor_shard__", None))
+    )
+
+
+def chunk_boxes(fqn: str, value: Any) -> List[Tuple[Any, List[int]]]:
+    """``(local tensor, global offsets)`` of each chunk a chunk-protocol tensor holds here, asked
+    of the tensor as DCP asks it."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    out = []
+    for i, chunk in enumerate(value.__create_chunk_list__()):
+        local = value.__get_tensor_shard__(MetadataIndex(fqn, chunk.offsets, i))
+        out.append((local, [int(o) for o in chunk.offsets]))
+    return out
+
+
 def is_array(value: Any) -> bool:
     """A NumPy array or a torch tensor (DTensors included)."""
     return is_torch_tensor(value) or hasattr(value, "__array_interface__")

@@ -155,3 +155,62 @@ def test_the_storage_readers_metadata_unflattens_like_torchs():
         theirs = _load_state_dict_from_keys(storage_reader=FileSystemReader(path))
     assert "model" in theirs and isinstance(theirs["model"], dict)
     _assert_same_tree(ours, theirs)
+
+
+def _sharded_rank(rank: int, port: int, path: str, out: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ShardedTensor is deprecated
+        state = {"w": sharded_tensor.zeros(spec, 6, 4)}
+    result = {}
+    try:
+        tessera.load(state, path, process_group=dist.group.WORLD, progress=False, timeout=60)
+        shard = state["w"].local_shards()[0]
+        result = {"offsets": list(shard.metadata.shard_offsets), "values": shard.tensor.tolist()}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result = {"error": f"{type(e).__name__}: {e}"}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_sharded_tensors_load_their_local_shards_in_place(tmp_path):
+    import datetime
+
+    import torch.distributed as dist
+
+    w = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    tessera.save({"w": w}, str(tmp_path / "c"))
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_sharded_rank, args=(r, store.port, str(tmp_path / "c"), str(tmp_path)))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    got = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
+    assert got[0] == {"offsets": [0, 0], "values": w[:3].tolist()}, got
+    assert got[1] == {"offsets": [3, 0], "values": w[3:].tolist()}, got
+
+
+def test_uneven_local_shards_of_a_chunk_protocol_tensor_load_in_place(tmp_path):
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    w = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    tessera.save({"w": w}, str(tmp_path / "c"))
+    # Rows 0-1 and row 4 held here, as torchrec's sharded embeddings hold uneven shards.
+    top, row = torch.zeros(2, 4), torch.zeros(1, 4)
+    state = {"w": LocalShardsWrapper([top, row], [(0, 0), (4, 0)])}
+    tessera.load(state, str(tmp_path / "c"), progress=False)
+    assert torch.equal(top, w[:2]) and torch.equal(row, w[4:5])
