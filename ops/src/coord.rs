@@ -34,13 +34,25 @@ pub async fn connect(
     port: u16,
     timeout: Duration,
 ) -> Result<TcpTransport, OpsError> {
-    let joined = async {
-        let config = RendezvousConfig::new(rank, world, addr, port)?;
-        TcpTransport::connect(&config, TransportOptions::with_timeout(timeout)).await
-    };
-    joined
+    let config = RendezvousConfig::new(rank, world, addr, port)
+        .with_context(|| format!("rank {rank} joining the job at {addr}:{port}"))?;
+    connect_with(config, timeout).await
+}
+
+/// Joins the mesh `config` names (its job fingerprint and plan options included: rank 0 turns
+/// away another job's rank and calls the job off when its ranks plan differently).
+pub async fn connect_with(
+    config: RendezvousConfig,
+    timeout: Duration,
+) -> Result<TcpTransport, OpsError> {
+    TcpTransport::connect(&config, TransportOptions::with_timeout(timeout))
         .await
-        .with_context(|| format!("rank {rank} joining the job at {addr}:{port}"))
+        .with_context(|| {
+            format!(
+                "rank {} joining the job at {}:{}",
+                config.rank, config.master_addr, config.master_port
+            )
+        })
 }
 
 /// Every rank's `mine` (as JSON), indexed by rank; `what` names it in errors ("requests").

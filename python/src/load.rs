@@ -17,6 +17,7 @@ use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::load::{LoadOptions, RankReport};
 use tessera_loader::plan_client::{PlanTarget, server_checkpoint_id};
 use tessera_loader::read::ReadOptions;
+use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
 use tessera_metadata::{DType, TensorMeta};
 use tessera_ops::load::{Destination, JobPlan, LoadSwitches, PlanServer, load_rank, plan_options};
@@ -192,6 +193,37 @@ pub(crate) async fn rank_plan_for(
     Ok(plan.rank_plan(rank).await?)
 }
 
+/// The rendezvous of a `tessera.load` over tessera's own TCP mesh, as the CLI's: rank 0 turns
+/// away a rank of another job (another checkpoint, as opened, or world size) and calls the job
+/// off, naming the option, when its ranks would plan differently (read order, dedup, server).
+fn rendezvous_config(
+    checkpoint: &Checkpoint,
+    location: &str,
+    (rank, world, addr, port): (u32, u32, &str, u16),
+    dedup: bool,
+    read_order: Option<ReadOrder>,
+    server: Option<&PlanServer>,
+) -> Result<RendezvousConfig> {
+    use tessera_ops::load::agreement::{PlannedBy, checkpoint_key, job_fingerprint, plan_terms};
+    let key = checkpoint_key(checkpoint, location)?;
+    let options = checkpoint.plan_options(&plan_options(
+        dedup,
+        read_order,
+        false,
+        &LoadSwitches::from_env(),
+    ));
+    let terms = plan_terms(&match server {
+        Some(server) => PlannedBy::Server { server, dedup },
+        None => PlannedBy::Here {
+            options: &options,
+            filter: &[],
+        },
+    });
+    Ok(RendezvousConfig::new(rank, world, addr, port)?
+        .with_job(job_fingerprint(&key, &[], world))
+        .with_plan(terms))
+}
+
 /// Throttles progress calls into Python (each takes the GIL) to a few per second.
 pub(crate) struct Progress {
     callback: Py<PyAny>,
@@ -316,7 +348,18 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
 
     match (&job.rendezvous, job.world) {
         (Some((addr, port)), world) if world > 1 => {
-            let transport = coord::connect(job.rank, world, addr, *port, job.timeout).await?;
+            let transport = coord::connect_with(
+                rendezvous_config(
+                    checkpoint,
+                    &job.location,
+                    (job.rank, world, addr, *port),
+                    job.dedup,
+                    job.read_order,
+                    job.server.as_ref(),
+                )?,
+                job.timeout,
+            )
+            .await?;
             let ranks =
                 coord::all_gather_json(&transport, coord::TAG_REQUESTS, &mine, "requests").await?;
             let plan = rank_plan_for(

@@ -133,3 +133,41 @@ def test_every_rank_fails_within_seconds_naming_the_rank(tmp_path, phase, fault)
         assert f"rank {VICTIM}" in result["error"], result["error"]
         assert "gloo" not in result["error"].lower(), result["error"]
         assert seconds < bound, f"rank {r} took {seconds:.1f} s: {result['error']}"
+
+
+def _own_rendezvous_rank(rank: int, port: int, read_order: str, out: str) -> None:
+    import numpy as np
+
+    t = expected_tensors(C)["model.final_ln.weight"]
+    started = time.time()
+    try:
+        tessera.load(
+            {"model.final_ln.weight": np.empty(t["shape"], np.float32)}, str(fixture(C)), rank=rank,
+            world_size=2, exchange=True, master_addr="127.0.0.1", master_port=port, read_order=read_order,
+            progress=False, timeout=60,
+        )
+        result = {"ok": True}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result = {"error": str(e)}
+    result["seconds"] = time.time() - started
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_ranks_of_an_own_rendezvous_load_with_other_read_orders_fail_at_once_naming_it(tmp_path):
+    # tessera.load without torch.distributed (exchange=True): the ranks compare their plan
+    # options at the rendezvous, as the CLI's ranks do, instead of failing late in the exchange.
+    from conftest import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    orders = {0: "request", 1: "storage"}
+    procs = [ctx.Process(target=_own_rendezvous_rank, args=(r, port, orders[r], str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
+    for r, result in results.items():
+        assert "--read-order" in result.get("error", ""), (r, result)
+        assert "storage" in result["error"] and "request" in result["error"], (r, result)
+        assert result["seconds"] < 30, (r, result)

@@ -411,23 +411,17 @@ fn progress_interval(timeout: Duration) -> Duration {
 /// see `tessera_ops::load::agreement`) into what (the layout or requests as text, the world).
 /// Rank 0 turns away a connection whose fingerprint differs as another job's; how the plan is
 /// made (read order, dedup, filter, server) is compared option by option instead
-/// ([`plan_terms`]). FNV-1a: stable across processes and builds, unlike std's hasher.
+/// ([`plan_terms`]).
 fn job_fingerprint(args: &LoadArgs, checkpoint: &Checkpoint, world: u32) -> Result<u64> {
     let key = tessera_ops::load::agreement::checkpoint_key(checkpoint, &args.checkpoint)?;
-    let mut parts: Vec<Vec<u8>> = vec![key.into_bytes()];
+    let mut parts: Vec<String> = Vec::new();
     for path in [&args.layout, &args.requests].into_iter().flatten() {
-        parts.push(super::read_text(path)?.into_bytes());
+        parts.push(super::read_text(path)?);
     }
-    parts.push(world.to_le_bytes().to_vec());
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for part in &parts {
-        // Length first, so that ("ab", "c") and ("a", "bc") differ.
-        for byte in (part.len() as u64).to_le_bytes().iter().chain(part) {
-            hash ^= u64::from(*byte);
-            hash = hash.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    Ok(hash)
+    let parts: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
+    Ok(tessera_ops::load::agreement::job_fingerprint(
+        &key, &parts, world,
+    ))
 }
 
 /// The options of this job's plan that every rank must share: planned here with `planning` (as

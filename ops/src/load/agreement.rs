@@ -30,6 +30,25 @@ pub fn checkpoint_key(checkpoint: &Checkpoint, location: &str) -> Result<String,
     }
 }
 
+/// A job's fingerprint for [`RendezvousConfig::job`]: what it loads (`checkpoint_key`, from
+/// [`checkpoint_key`]), `parts` that every rank of the job gives alike (the layout or requests
+/// as text, for the CLI), and the world. FNV-1a: stable across processes and builds, unlike
+/// std's hasher; each part's length goes first, so that ("ab", "c") and ("a", "bc") differ.
+pub fn job_fingerprint(checkpoint_key: &str, parts: &[&[u8]], world: u32) -> u64 {
+    let world = world.to_le_bytes();
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in std::iter::once(checkpoint_key.as_bytes())
+        .chain(parts.iter().copied())
+        .chain(std::iter::once(&world[..]))
+    {
+        for byte in (part.len() as u64).to_le_bytes().iter().chain(part) {
+            hash ^= u64::from(*byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    hash
+}
+
 /// How a job's plan is made, as far as every rank must make it the same way.
 pub enum PlannedBy<'a> {
     /// Every rank plans itself, with `options` as its checkpoint plans with them
