@@ -146,6 +146,20 @@ impl Checkpoint {
         on_complete: impl FnMut(usize, &mut [B]) -> Result<(), LoaderError>,
     ) -> Result<ReadStats, LoaderError> {
         self.check_plan(plan)?;
+        self.read_checked_plan(plan, options, buffers, on_complete)
+            .await
+    }
+
+    /// [`Checkpoint::read_into_with`] for a plan the caller has already passed through
+    /// [`Checkpoint::check_plan`] (the exchange checks it before contacting any peer): the check
+    /// is a pass over the whole plan, not repeated.
+    pub(crate) async fn read_checked_plan<B: AsMut<[u8]>>(
+        &self,
+        plan: &RankPlan,
+        options: &LoadOptions,
+        buffers: &mut [B],
+        on_complete: impl FnMut(usize, &mut [B]) -> Result<(), LoaderError>,
+    ) -> Result<ReadStats, LoaderError> {
         let read = self.read_options(options);
         read_into_with(
             Arc::clone(&self.location.store),

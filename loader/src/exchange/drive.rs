@@ -95,7 +95,9 @@ fn lock<'a, 'p>(
 
 /// Runs `protocol`'s exchange over `transport`: with `reads`, this rank's reads into `buffers`
 /// at the same time (the protocol hears of every piece as it is read and verified); without,
-/// the pieces this rank reads must already be in `buffers`. Returns the read's stats (with
+/// the pieces this rank reads must already be in `buffers`. With `reads`, the plan must have
+/// passed [`Checkpoint::check_plan`] (as [`read_and_exchange`] does before any peer is
+/// contacted). Returns the read's stats (with
 /// `reads`), the seconds from `started` until the reads ended, and the exchange's stats.
 ///
 /// Memory: a share sent as bytes is gathered once per group (the same bytes go to every round's
@@ -121,7 +123,7 @@ pub(crate) async fn drive<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
         let stats = match reads {
             Some((checkpoint, options)) => Some(
                 checkpoint
-                    .read_into_with(plan, options, buffers, |piece, buffers| {
+                    .read_checked_plan(plan, options, buffers, |piece, buffers| {
                         let mut protocol = lock(&protocol);
                         let mut next = protocol.piece_read(piece, buffers)?;
                         next.extend(protocol.pump(buffers)?);
@@ -315,7 +317,9 @@ pub(crate) async fn read_and_exchange<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>
         return Ok((stats, read_seconds, exchanged));
     }
     // The exchange after the whole read (a switch for side-by-side measurements).
-    let stats = checkpoint.read_into(plan, options, buffers).await?;
+    let stats = checkpoint
+        .read_checked_plan(plan, options, buffers, |_, _| Ok(()))
+        .await?;
     let read_seconds = started.elapsed().as_secs_f64();
     let (_, _, exchanged) = drive(transport, protocol, buffers, None, started).await?;
     Ok((stats, read_seconds, exchanged))
