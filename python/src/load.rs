@@ -204,24 +204,12 @@ fn rendezvous_config(
     read_order: Option<ReadOrder>,
     server: Option<&PlanServer>,
 ) -> Result<RendezvousConfig> {
-    use tessera_ops::load::agreement::{PlannedBy, checkpoint_key, job_fingerprint, plan_terms};
+    use tessera_ops::load::agreement::{checkpoint_key, job_fingerprint, job_plan_terms};
     let key = checkpoint_key(checkpoint, location)?;
-    let options = checkpoint.plan_options(&plan_options(
-        dedup,
-        read_order,
-        false,
-        &LoadSwitches::from_env(),
-    ));
-    let terms = plan_terms(&match server {
-        Some(server) => PlannedBy::Server { server, dedup },
-        None => PlannedBy::Here {
-            options: &options,
-            filter: &[],
-        },
-    });
+    let planning = plan_options(dedup, read_order, false, &LoadSwitches::from_env());
     Ok(RendezvousConfig::new(rank, world, addr, port)?
         .with_job(job_fingerprint(&key, &[], world))
-        .with_plan(terms))
+        .with_plan(job_plan_terms(checkpoint, &planning, &[], server)))
 }
 
 /// Throttles progress calls into Python (each takes the GIL) to a few per second.

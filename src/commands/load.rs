@@ -27,7 +27,7 @@ use tessera_loader::plan_client::{PlanTarget, server_checkpoint_id};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
-use tessera_ops::load::agreement::{self, PlannedBy};
+use tessera_ops::load::agreement;
 use tessera_ops::load::{Destination, JobPlan, LoadSwitches, PlanServer, plan_options};
 use tessera_planner::{ExplicitRequests, PlanOptions, RankPlan, ReadOrder, RequestSet};
 
@@ -413,15 +413,13 @@ fn progress_interval(timeout: Duration) -> Duration {
 /// made (read order, dedup, filter, server) is compared option by option instead
 /// ([`plan_terms`]).
 fn job_fingerprint(args: &LoadArgs, checkpoint: &Checkpoint, world: u32) -> Result<u64> {
-    let key = tessera_ops::load::agreement::checkpoint_key(checkpoint, &args.checkpoint)?;
+    let key = agreement::checkpoint_key(checkpoint, &args.checkpoint)?;
     let mut parts: Vec<String> = Vec::new();
     for path in [&args.layout, &args.requests].into_iter().flatten() {
         parts.push(super::read_text(path)?);
     }
     let parts: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
-    Ok(tessera_ops::load::agreement::job_fingerprint(
-        &key, &parts, world,
-    ))
+    Ok(agreement::job_fingerprint(&key, &parts, world))
 }
 
 /// The options of this job's plan that every rank must share: planned here with `planning` (as
@@ -431,8 +429,6 @@ fn plan_terms(
     checkpoint: &Checkpoint,
     planning: &PlanOptions,
 ) -> Vec<(String, String)> {
-    let filter = args.filter.describe();
-    let options = checkpoint.plan_options(planning);
     let server = args.server.as_ref().map(|url| PlanServer {
         url: url.clone(),
         // As the plan was asked for (`plan_on_server`, which fails when there is none).
@@ -443,16 +439,12 @@ fn plan_terms(
             .unwrap_or_default(),
         token: None,
     });
-    agreement::plan_terms(&match &server {
-        Some(server) => PlannedBy::Server {
-            server,
-            dedup: args.dedup,
-        },
-        None => PlannedBy::Here {
-            options: &options,
-            filter: &filter,
-        },
-    })
+    agreement::job_plan_terms(
+        checkpoint,
+        planning,
+        &args.filter.describe(),
+        server.as_ref(),
+    )
 }
 
 /// Rank `rank`'s rendezvous by the one rule of `tessera_ops::load::rendezvous` (flags, then

@@ -49,6 +49,27 @@ pub fn job_fingerprint(checkpoint_key: &str, parts: &[&[u8]], world: u32) -> u64
     hash
 }
 
+/// The plan terms ([`plan_terms`]) of a job that plans on `server`, or here with `planning` (as
+/// `checkpoint` plans with them: [`Checkpoint::plan_options`]) and the tensor `filter`; dedup
+/// is `planning`'s either way. What every front end gives its rendezvous.
+pub fn job_plan_terms(
+    checkpoint: &Checkpoint,
+    planning: &PlanOptions,
+    filter: &[String],
+    server: Option<&PlanServer>,
+) -> Vec<(String, String)> {
+    match server {
+        Some(server) => plan_terms(&PlannedBy::Server {
+            server,
+            dedup: planning.dedup,
+        }),
+        None => plan_terms(&PlannedBy::Here {
+            options: &checkpoint.plan_options(planning),
+            filter,
+        }),
+    }
+}
+
 /// How a job's plan is made, as far as every rank must make it the same way.
 pub enum PlannedBy<'a> {
     /// Every rank plans itself, with `options` as its checkpoint plans with them
