@@ -27,6 +27,7 @@ point-to-point ops. Elsewhere each rank reads what it needs.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import sys
@@ -331,6 +332,58 @@ def _progress_callback(progress: Union[bool, Progress, None]) -> Optional[Progre
     return progress
 
 
+def _checkpoint_error(error: BaseException) -> BaseException:
+    """``error`` as an error that is a :class:`TesseraError` and, where torch is imported, also
+    DCP's ``CheckpointException``, so code written for ``dcp.load`` that catches the latter
+    keeps working (``except Exception`` still catches it too)."""
+    cls = _checkpoint_error_class()
+    if cls is None or isinstance(error, cls):
+        return error
+    return cls(str(error))
+
+
+_CHECKPOINT_ERROR: Any = None
+
+
+def _checkpoint_error_class() -> Any:
+    global _CHECKPOINT_ERROR
+    if _CHECKPOINT_ERROR is None:
+        if "torch" not in sys.modules:
+            return None
+        try:
+            from torch.distributed.checkpoint.api import CheckpointException
+        except ImportError:
+            return None
+
+        class CheckpointError(TesseraError, CheckpointException):  # type: ignore[misc, valid-type]
+            """A tessera load error that is also DCP's ``CheckpointException``."""
+
+            def __init__(self, message: str) -> None:
+                TesseraError.__init__(self, message)
+                self._failures: Dict[int, Any] = {}
+
+            def __str__(self) -> str:
+                return str(self.args[0]) if self.args else ""
+
+        CheckpointError.__module__ = "tessera"
+        _CHECKPOINT_ERROR = CheckpointError
+    return _CHECKPOINT_ERROR
+
+
+def _dcp_errors(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, raising its ``TesseraError``s as :func:`_checkpoint_error` makes them."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except TesseraError as e:
+            raise _checkpoint_error(e) from None
+
+    return wrapper
+
+
+@_dcp_errors
 def load(
     state_dict: MutableMapping[str, Any],
     checkpoint_id: Union[str, "os.PathLike[str]", None] = None,
@@ -409,79 +462,6 @@ def load(
         KeyboardInterrupt: Ctrl-C, seen while reading and while waiting for peers.
     """
     state_dict, checkpoint_id = _dcp_order(state_dict, checkpoint_id, "load")
-    try:
-        return _load(
-            state_dict, checkpoint_id, process_group=process_group, strict=strict, cast=cast,
-            rename=rename, allow_pickle=allow_pickle, verify=verify, exchange=exchange,
-            read_order=read_order, storage_options=storage_options, server=server,
-            server_id=server_id, token=token, rank=rank, world_size=world_size,
-            master_addr=master_addr, master_port=master_port, progress=progress, timeout=timeout,
-        )
-    except TesseraError as e:
-        raise _checkpoint_error(e) from None
-
-
-def _checkpoint_error(error: BaseException) -> BaseException:
-    """``error`` as an error that is a :class:`TesseraError` and, where torch is imported, also
-    DCP's ``CheckpointException``, so code written for ``dcp.load`` that catches the latter
-    keeps working (``except Exception`` still catches it too)."""
-    cls = _checkpoint_error_class()
-    if cls is None or isinstance(error, cls):
-        return error
-    return cls(str(error))
-
-
-_CHECKPOINT_ERROR: Any = None
-
-
-def _checkpoint_error_class() -> Any:
-    global _CHECKPOINT_ERROR
-    if _CHECKPOINT_ERROR is None:
-        if "torch" not in sys.modules:
-            return None
-        try:
-            from torch.distributed.checkpoint.api import CheckpointException
-        except ImportError:
-            return None
-
-        class CheckpointError(TesseraError, CheckpointException):  # type: ignore[misc, valid-type]
-            """A tessera load error that is also DCP's ``CheckpointException``."""
-
-            def __init__(self, message: str) -> None:
-                TesseraError.__init__(self, message)
-                self._failures: Dict[int, Any] = {}
-
-            def __str__(self) -> str:
-                return str(self.args[0]) if self.args else ""
-
-        CheckpointError.__module__ = "tessera"
-        _CHECKPOINT_ERROR = CheckpointError
-    return _CHECKPOINT_ERROR
-
-
-def _load(
-    state_dict: MutableMapping[str, Any],
-    checkpoint_id: Union[str, "os.PathLike[str]"],
-    *,
-    process_group: Any,
-    strict: bool,
-    cast: bool,
-    rename: Rename,
-    allow_pickle: bool,
-    verify: bool,
-    exchange: Optional[bool],
-    read_order: Optional[str],
-    storage_options: Optional[Mapping[str, str]],
-    server: Optional[str],
-    server_id: Optional[str],
-    token: Optional[str],
-    rank: Optional[int],
-    world_size: Optional[int],
-    master_addr: Optional[str],
-    master_port: Optional[int],
-    progress: Union[bool, Progress],
-    timeout: float,
-) -> LoadReport:
     started = time.monotonic()
     # Stateful values (a module, an optimizer) load as DCP loads them: into their state_dict(),
     # handed to their load_state_dict() once everything loaded.
