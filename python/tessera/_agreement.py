@@ -65,7 +65,6 @@ class Agreement:
         self._step = 0
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._beat, name="tessera-agreement", daemon=True)
-        self._store_error: Optional[BaseException] = None
         # Whether a failure is already known to every rank (published here, or read from the
         # store): nothing to publish when the load unwinds.
         self._settled = False
@@ -106,8 +105,7 @@ class Agreement:
                 if not told and self._on_failure is not None and self._store.check([self._key("failed")]):
                     told = True
                     self._on_failure(self._failure_message(self._read_failure()))
-            except Exception as e:  # the store is gone: the waits will say so
-                self._store_error = e
+            except Exception:  # the store is gone: the waits will say so
                 return
 
     # -- failures ---------------------------------------------------------------------------
@@ -136,6 +134,33 @@ class Agreement:
     def _failure_message(self, failure: Tuple[int, str, str]) -> str:
         rank, step, message = failure
         return f"rank {self._rank}: rank {rank} failed {step}: {message}"
+
+    def _raise_if_failed(self) -> None:
+        """Raises naming the rank whose failure was published, if one was."""
+        if self._store.check([self._key("failed")]):
+            self._settled = True
+            raise TesseraError(self._failure_message(self._read_failure()))
+
+    def _silent_for(self, rank: int, beats: Dict[int, Tuple[int, float]], now: float) -> Tuple[int, float]:
+        """``rank``'s beat and the seconds it has stood still, as far as ``beats`` (this rank's
+        last looks: beat seen, since when) tells."""
+        beat = self._store.add(self._key("beat", rank), 0)
+        seen, since = beats.get(rank, (beat, now))
+        if beat != seen:
+            seen, since = beat, now
+        beats[rank] = (seen, since)
+        return beat, now - since
+
+    def _stopped(self, ranks: List[int], step: str) -> TesseraError:
+        """The error naming ``ranks`` as stopped while ``step``, published as the first one's
+        failure so that every rank names it."""
+        self._settled = True
+        self._publish(ranks[0], step, f"stopped: no sign of life for {self._liveness:g} s "
+                      f"(stopped, hung in a system call, or killed; seen by rank {self._rank})")
+        return TesseraError(
+            f"rank {self._rank}: rank {_ranks(ranks)} stopped while {step}: no sign of "
+            f"life for {self._liveness:g} s (stopped, hung in a system call, or killed)"
+        )
 
     # -- steps ------------------------------------------------------------------------------
     def gather(self, step: str, error: Optional[BaseException], payload: bytes = b"") -> List[bytes]:
@@ -174,31 +199,19 @@ class Agreement:
         while True:
             if store.add(self._key(n, "arrived"), 0) >= world:
                 return
-            if store.check([self._key("failed")]):
-                self._settled = True
-                raise TesseraError(self._failure_message(self._read_failure()))
+            self._raise_if_failed()
             now = time.monotonic()
             if now >= next_scan or now >= deadline:
                 next_scan = now + scan_every
                 missing = [r for r in range(world) if not store.check([self._key(n, r)])]
                 stalled = []
                 for r in missing:
-                    beat = store.add(self._key("beat", r), 0)
-                    seen, since = beats.get(r, (beat, now))
-                    if beat != seen:
-                        seen, since = beat, now
-                    beats[r] = (seen, since)
-                    if beat > 0 and now - since >= self._liveness:
+                    # Only a rank that has started the load (beaten once) can stop beating.
+                    beat, silent = self._silent_for(r, beats, now)
+                    if beat > 0 and silent >= self._liveness:
                         stalled.append(r)
                 if stalled:
-                    self._settled = True
-                    # Published as the stalled rank's failure, so every rank names it.
-                    self._publish(stalled[0], step, f"stopped: no sign of life for {self._liveness:g} s "
-                                  f"(stopped, hung in a system call, or killed; seen by rank {self._rank})")
-                    raise TesseraError(
-                        f"rank {self._rank}: rank {_ranks(stalled)} stopped while {step}: no sign of "
-                        f"life for {self._liveness:g} s (stopped, hung in a system call, or killed)"
-                    )
+                    raise self._stopped(stalled, step)
                 if now >= deadline and missing:
                     self._settled = True
                     self._publish(missing[0], step, f"did not arrive within {self._timeout:g} s "
@@ -210,7 +223,6 @@ class Agreement:
             time.sleep(poll)
             poll = min(poll * 2, _POLL_S[1])
 
-
     def watch(self, step: str, ranks: List[int]) -> None:
         """Raises (without waiting) when a rank published a failure, or one of ``ranks`` (those
         this rank waits on) has not beaten for ``liveness`` seconds; cheap enough to call once a
@@ -219,25 +231,12 @@ class Agreement:
         if now < self._next_watch:
             return
         self._next_watch = now + _BEAT_S
-        store = self._store
         try:
-            if store.check([self._key("failed")]):
-                self._settled = True
-                raise TesseraError(self._failure_message(self._read_failure()))
+            self._raise_if_failed()
             for r in ranks:
-                beat = store.add(self._key("beat", r), 0)
-                seen, since = self._watched.get(r, (beat, now))
-                if beat != seen:
-                    seen, since = beat, now
-                self._watched[r] = (seen, since)
-                if now - since >= self._liveness:
-                    self._settled = True
-                    self._publish(r, step, f"stopped: no sign of life for {self._liveness:g} s "
-                                  f"(stopped, hung in a system call, or killed; seen by rank {self._rank})")
-                    raise TesseraError(
-                        f"rank {self._rank}: rank {r} stopped while {step}: no sign of life for "
-                        f"{self._liveness:g} s (stopped, hung in a system call, or killed)"
-                    )
+                _beat, silent = self._silent_for(r, self._watched, now)
+                if silent >= self._liveness:
+                    raise self._stopped([r], step)
         except TesseraError:
             raise
         except Exception:  # the store is gone: the exchange's own deadline still bounds the wait
@@ -271,7 +270,7 @@ def liveness_from_env() -> float:
     return value
 
 
-def for_group(dist: Any, group: Any, rank: int, world: int, timeout: float,
+def for_group(group: Any, rank: int, world: int, timeout: float,
               on_failure: Optional[Callable[[str], None]] = None) -> Agreement:
     """The agreement of one load over ``group``, through the store of the job's default group,
     with the liveness bound of ``TESSERA_LIVENESS_S`` (default 10 s, at most ``timeout``)."""

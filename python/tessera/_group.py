@@ -242,7 +242,7 @@ def load_over_group(
 
     load = None
     agreement = _agreement.for_group(
-        dist, group, rank, world, timeout, on_failure=lambda reason: load is not None and load.cancel(reason)
+        group, rank, world, timeout, on_failure=lambda reason: load is not None and load.cancel(reason)
     )
     with agreement:
         error: Optional[BaseException] = None
