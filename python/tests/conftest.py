@@ -158,3 +158,45 @@ def plan_server(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# Multi-process gloo jobs whose key-value store is hosted outside the ranks, as torchrun's agent
+# hosts it (a rank that ends or dies does not take the store down).
+
+
+def job_store(world: int):
+    """The job's store, in this (the test's) process; its ``port`` is what ranks join."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+
+
+def join_job(rank: int, world: int, port: int, group_timeout: float = 60.0) -> None:
+    """In a rank's process: the gloo default group over the job's store at ``port``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=group_timeout)
+    )
+
+
+def run_job(target, world: int, args: tuple, out: Path) -> dict:
+    """Runs ``target(rank, port, *args, out)`` in ``world`` spawned rank processes over one job
+    store; each writes ``out/rank<r>.json``. Returns those documents by rank; every rank must
+    exit 0 within 120 s."""
+    import multiprocessing as mp
+
+    store = job_store(world)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, store.port, *args, str(out))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}

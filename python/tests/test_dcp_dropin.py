@@ -5,11 +5,12 @@ DCP's CheckpointException for what DCP would refuse. Real torch, gloo for the mu
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import warnings
 from pathlib import Path
 
 import pytest
+
+from conftest import join_job, run_job
 
 import torch  # noqa: E402  (make python-test installs it)
 
@@ -78,14 +79,11 @@ def test_dcp_shaped_failures_are_checkpoint_exceptions_and_tessera_errors(tmp_pa
 
 
 def _sub_mesh_rank(rank: int, port: int, path: str, out: str) -> None:
-    import datetime
-
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    join_job(rank, 2, port)
     # "w" lives on rank 0 alone; "v" is sharded over both ranks.
     solo = DeviceMesh("cpu", [0])
     both = DeviceMesh("cpu", [0, 1])
@@ -104,25 +102,10 @@ def _sub_mesh_rank(rank: int, port: int, path: str, out: str) -> None:
 
 
 def test_a_dtensor_on_a_mesh_without_this_rank_loads_nothing_here(tmp_path):
-    import datetime
-
-    import torch.distributed as dist
-
     w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     v = torch.arange(8, dtype=torch.float32) + 100
     tessera.save({"w": w, "v": v}, str(tmp_path / "c"))
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_sub_mesh_rank, args=(r, store.port, str(tmp_path / "c"), str(tmp_path)))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
-    got = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
+    got = run_job(_sub_mesh_rank, 2, (str(tmp_path / "c"),), tmp_path)
     assert got[0] == {"w": w.tolist(), "v": v[:4].tolist()}, got
     assert got[1] == {"w": [], "v": v[4:].tolist()}, got
 
@@ -158,14 +141,11 @@ def test_the_storage_readers_metadata_unflattens_like_torchs():
 
 
 def _sharded_rank(rank: int, port: int, path: str, out: str) -> None:
-    import datetime
-
     import torch.distributed as dist
     from torch.distributed._shard import sharded_tensor
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 
-    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    join_job(rank, 2, port)
     spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ShardedTensor is deprecated
@@ -182,24 +162,9 @@ def _sharded_rank(rank: int, port: int, path: str, out: str) -> None:
 
 
 def test_sharded_tensors_load_their_local_shards_in_place(tmp_path):
-    import datetime
-
-    import torch.distributed as dist
-
     w = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     tessera.save({"w": w}, str(tmp_path / "c"))
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_sharded_rank, args=(r, store.port, str(tmp_path / "c"), str(tmp_path)))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
-    got = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
+    got = run_job(_sharded_rank, 2, (str(tmp_path / "c"),), tmp_path)
     assert got[0] == {"offsets": [0, 0], "values": w[:3].tolist()}, got
     assert got[1] == {"offsets": [3, 0], "values": w[3:].tolist()}, got
 

@@ -7,7 +7,6 @@ loads with no warning."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import shutil
 import warnings
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import fixture, free_port
+from conftest import fixture, join_job, run_job
 
 import torch  # noqa: E402  (make python-test installs it)
 
@@ -63,12 +62,9 @@ def test_a_part_read_alone_is_reported_unverified_with_a_warning():
 
 
 def _column_half(rank: int, port: int, path: str, out: str) -> None:
-    import datetime
-
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    join_job(rank, 2, port)
     result = {}
     try:
         state = {"model.lm_head.weight": (np.empty((96, 32), np.float32), (0, 32 * rank))}
@@ -81,19 +77,7 @@ def _column_half(rank: int, port: int, path: str, out: str) -> None:
 
 
 def _group_load(path: Path, out: Path) -> dict:
-    import datetime
-
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_column_half, args=(r, store.port, str(path), str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2)}
+    return run_job(_column_half, 2, (str(path),), out)
 
 
 def test_column_halves_over_a_process_group_are_checked_jointly(tmp_path):

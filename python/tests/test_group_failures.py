@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import expected_tensors, fixture
+from conftest import expected_tensors, fixture, job_store, join_job
 
 import torch  # noqa: F401,E402  (make python-test installs it)
 
@@ -54,20 +54,14 @@ class _Faulty:
 
 
 def _rank(rank: int, port: int, phase: str, fault: str, out: str) -> None:
-    import datetime
-
     import numpy as np
     import torch.distributed as dist
 
     from tessera import _tessera
 
     os.environ["TESSERA_LIVENESS_S"] = str(LIVENESS_S)
-    # The job's store is hosted outside the ranks, as torchrun's agent hosts it: a rank that
-    # ends does not take it down.
-    store = dist.TCPStore("127.0.0.1", port, WORLD, False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=600)
-    )
+    # The group's own timeout far above every bound measured here.
+    join_job(rank, WORLD, port, group_timeout=600)
     if rank == VICTIM:
         real = _tessera.group_load
         mark = Path(out) / "fault"
@@ -100,12 +94,8 @@ def _rank(rank: int, port: int, phase: str, fault: str, out: str) -> None:
     ],
 )
 def test_every_rank_fails_within_seconds_naming_the_rank(tmp_path, phase, fault):
-    import datetime
-
-    import torch.distributed as dist
-
     ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    store = job_store(WORLD)
     port = store.port
     procs = [ctx.Process(target=_rank, args=(r, port, phase, fault, str(tmp_path))) for r in range(WORLD)]
     for p in procs:
