@@ -3,11 +3,11 @@
 Collectives on the job's group (``all_gather_object``) wait for the group's own timeout, 30
 minutes by default, and fail with a gloo error that names no rank. tessera's steps before the
 exchange (the requests; every rank's outcome of planning and reading; of checking the boxes
-read in parts) go through the job's key-value store instead, which every rank can poll with its
+read in parts) go through the job's key-value store instead, where every rank waits with its
 own deadline:
 
 - a rank that fails publishes its failure at once (one key, the first failure kept); every rank
-  waiting in a step sees it within a poll and raises naming that rank and its error, and a rank
+  waiting in a step sees it within 0.1 s and raises naming that rank and its error, and a rank
   still planning or reading is cancelled within 100 ms (``GroupLoad.cancel``);
 - every rank that has started the load beats (a counter in the store, once a second, from a
   thread: a rank stopped by SIGSTOP, a debugger, a stuck read in a system call or killed stops
@@ -28,10 +28,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._tessera import TesseraError
 
-# How often a rank beats, and how long a waiting rank sleeps between looks at the store (the
-# poll grows from the first to the second, so short steps cost little and long ones few calls).
+# How often a rank beats. A waiting rank looks whether every rank arrived with one store call,
+# first after 2 ms, then at doubling intervals up to 20 ms per 64 ranks (at most 0.1 s: a job of
+# many ranks costs the store few calls, a small one loses almost nothing to the poll), and for a
+# failure or a silent rank every 0.1 s. (`Store.wait` with a short timeout would wake at once,
+# but torch logs a warning for every wait that times out.)
 _BEAT_S = 1.0
-_POLL_S = (0.005, 0.1)
+_POLL_S = (0.002, 0.02)
+_LOOK_S = 0.1
 # Liveness scans cost one store call per rank: at most every this many seconds per 64 ranks.
 _SCAN_S_PER_64 = 1.0
 
@@ -175,7 +179,10 @@ class Agreement:
         try:
             self._store.set(self._key(n, self._rank), payload)
             arrived = self._store.add(self._key(n, "arrived"), 1)
-            if arrived < self._world:
+            if arrived == self._world:
+                # The last to arrive wakes the others (blocked in `_wait`) at once.
+                self._store.set(self._key(n, "all"), b"1")
+            else:
                 self._wait(n, step)
             return list(self._store.multi_get([self._key(n, r) for r in range(self._world)]))
         except TesseraError:
@@ -195,12 +202,19 @@ class Agreement:
         next_scan = started + min(scan_every, self._liveness / 2)
         # Missing ranks that have started the load: (beat last seen, when it last changed).
         beats: Dict[int, Tuple[int, float]] = {}
-        poll = _POLL_S[0]
+        everyone = [self._key(n, "all")]
+        poll, poll_cap = _POLL_S[0], min(_LOOK_S, _POLL_S[1] * max(1.0, world / 64))
+        next_look = started + _LOOK_S
         while True:
-            if store.add(self._key(n, "arrived"), 0) >= world:
+            if store.check(everyone):
                 return
-            self._raise_if_failed()
             now = time.monotonic()
+            if now < next_look:
+                time.sleep(poll)
+                poll = min(poll * 2, poll_cap)
+                continue
+            next_look = now + _LOOK_S
+            self._raise_if_failed()
             if now >= next_scan or now >= deadline:
                 next_scan = now + scan_every
                 missing = [r for r in range(world) if not store.check([self._key(n, r)])]
@@ -220,8 +234,6 @@ class Agreement:
                         f"rank {self._rank}: rank {_ranks(missing)} did not reach {step} within "
                         f"{self._timeout:g} s (timeout=): never started the load, or too slow"
                     )
-            time.sleep(poll)
-            poll = min(poll * 2, _POLL_S[1])
 
     def watch(self, step: str, ranks: List[int]) -> None:
         """Raises (without waiting) when a rank published a failure, or one of ``ranks`` (those
