@@ -35,6 +35,7 @@ fn meta(tensors: Vec<TensorMeta>) -> CheckpointMeta {
     let files = vec![DataFile {
         path: "data".to_string(),
         size: None,
+        encoded: None,
     }];
     CheckpointMeta::new(tensors, chunks, Vec::new(), files).unwrap()
 }

@@ -13,6 +13,7 @@ use tessera_storage::Location;
 
 use crate::LoaderError;
 use crate::load::LoadOptions;
+use crate::read::decoded::{DECODED_CACHE_BYTES, DecodedStore};
 use crate::read::{
     ReadOptions, ReadStats, default_coalesce_gap, exact_multi_range, read_into_with,
 };
@@ -69,6 +70,18 @@ impl Checkpoint {
     ) -> Result<Checkpoint, LoaderError> {
         let opened = open_any(location.store.as_ref(), &location.prefix, options).await?;
         location.prefix = opened.root.clone();
+        // Blobs saved compressed are files of the model that hold their decoded bytes: every
+        // read goes through the decoding view, none by position from the local files.
+        let prefix = location.prefix.clone();
+        if let Some(decoded) = DecodedStore::for_files(
+            Arc::clone(&location.store),
+            opened.meta.files(),
+            |name| crate::read::resolve(&prefix, name),
+            DECODED_CACHE_BYTES,
+        )? {
+            location.store = Arc::new(decoded);
+            location.local_root = None;
+        }
         Ok(Checkpoint {
             location,
             format: opened.format,

@@ -95,6 +95,7 @@ fn checkpoint(tensors: &[TensorMeta], saved_as: &Layout) -> Arc<CheckpointMeta> 
         files.push(DataFile {
             path: format!("data/rank-{f:05}.bin"),
             size: Some(offset),
+            encoded: None,
         });
     }
     Arc::new(CheckpointMeta::new(tensors.to_vec(), chunks, Vec::new(), files).unwrap())

@@ -5,6 +5,8 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
+use crate::encoded::EncodedRange;
+
 use crate::{MetadataError, TensorBox, TensorMeta, row_major_strides};
 
 /// Where a saved box's elements live.
@@ -103,8 +105,14 @@ pub struct ObjectMeta {
 pub struct DataFile {
     /// Path relative to the checkpoint root, `/`-separated.
     pub path: String,
-    /// Size in bytes; `None` when not known without a listing.
+    /// Size in bytes; `None` when not known without a listing. For an encoded file, the bytes
+    /// of its decoded stream that can be read (see [`EncodedRange::visible`]).
     pub size: Option<u64>,
+    /// Set when this "file" is not a file but the decoded bytes of an encoded byte range of
+    /// one (a DCP blob saved compressed): `path` is then a name no real file has
+    /// ([`EncodedRange::file_name`]), and reads of it go through a decoding view of the store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encoded: Option<EncodedRange>,
 }
 
 /// The global metadata of one checkpoint. Chunks are kept grouped by tensor so that a tensor's

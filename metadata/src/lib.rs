@@ -7,6 +7,7 @@
 mod box_index;
 mod checkpoint;
 mod dtype;
+pub mod encoded;
 mod error;
 mod flat;
 pub mod formats;

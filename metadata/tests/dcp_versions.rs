@@ -1,7 +1,8 @@
 //! `.metadata` as other torch releases and Megatron-Core write it, built around real blobs of
 //! fixture a: `TensorProperties` as a 6-tuple (2.15), a 5-tuple in its pre-2.3 module (2.1–2.2),
 //! or a dict; protocol 2 text globals; no `storage_meta`/`version`; Megatron's extra keys full of
-//! objects of unknown classes; per-rank `__<r>.metadata` files; compressed blobs refused.
+//! objects of unknown classes; per-rank `__<r>.metadata` files; blobs compressed with DCP's ZStandard extension read through
+//! their decoded bytes, other transforms refused.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 mod dcp_support;
@@ -28,9 +29,18 @@ fn checkpoint(tmp: &Path, style: MetadataStyle, transforms: Vec<&'static str>) -
     let source = std::fs::read(fixtures().join("a_w1_plain/__0_0.distcp")).unwrap();
     let mut data = Vec::new();
     let mut at = Vec::new();
-    for (_, offset, length) in BLOBS {
+    let mut lengths = Vec::new();
+    for (i, (_, offset, length)) in BLOBS.into_iter().enumerate() {
         at.push(data.len() as u64);
-        data.extend_from_slice(&source[offset as usize..(offset + length) as usize]);
+        let blob = &source[offset as usize..(offset + length) as usize];
+        // The blob DCP's ZStandard extension would have written: one zstd stream of the zip.
+        let blob = if i == 1 && transforms == ["stream.zstd/1"] {
+            zstd::bulk::compress(blob, 3).unwrap()
+        } else {
+            blob.to_vec()
+        };
+        lengths.push(blob.len() as u64);
+        data.extend_from_slice(&blob);
     }
     let dir = tmp.join("ckpt");
     std::fs::create_dir_all(&dir).unwrap();
@@ -41,7 +51,7 @@ fn checkpoint(tmp: &Path, style: MetadataStyle, transforms: Vec<&'static str>) -
             fqn: "model.final_ln.bias",
             dtype: "float32",
             shape: vec![64],
-            chunks: vec![(vec![0], vec![64], f, at[1], BLOBS[1].2, transforms)],
+            chunks: vec![(vec![0], vec![64], f, at[1], lengths[1], transforms)],
         },
         TensorSpec {
             fqn: "model.lm_head.weight",
@@ -150,15 +160,29 @@ fn per_rank_metadata_files_are_merged() {
 }
 
 #[test]
-fn compressed_blobs_are_refused_naming_the_tensor() {
+fn zstd_blobs_are_read_through_their_decoded_bytes() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = checkpoint(tmp.path(), MetadataStyle::TORCH_2_15, vec!["stream.zstd/1"]);
+    check(&dir);
+    let opened = open(&dir).unwrap();
+    let chunk = &opened.meta.chunks_of(0)[0];
+    let file = &opened.meta.files()[chunk.bytes.file as usize];
+    let encoded = file.encoded.as_ref().expect("an encoded file");
+    assert_eq!(encoded.source, "__0_0.distcp");
+    assert_eq!(file.path, encoded.file_name());
+    // The zip's CRC-32 still covers the decoded storage.
+    assert!(chunk.crc32.is_some());
+}
+
+#[test]
+fn other_transforms_are_refused_naming_the_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = checkpoint(tmp.path(), MetadataStyle::TORCH_2_15, vec!["stream.aes/1"]);
     let err = open(&dir).unwrap_err();
     assert_eq!(
         err.to_string(),
         "ckpt/__0_0.distcp: tensor model.final_ln.bias chunk [0..64] is stored with transform \
-         stream.zstd/1: compressed DCP blobs cannot be read in place (save without compression, \
-         or load it with torch)"
+         stream.aes/1 is not one DCP ships (tessera reads stream.zstd/1)"
     );
 }
 

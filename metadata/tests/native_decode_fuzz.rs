@@ -50,6 +50,7 @@ fn sample() -> Vec<u8> {
         .map(|p| DataFile {
             path: p.to_string(),
             size: None,
+            encoded: None,
         })
         .to_vec();
     let meta = CheckpointMeta::new(tensors, chunks, objects, files).unwrap();
@@ -125,6 +126,7 @@ fn extreme_meta() -> impl Strategy<Value = CheckpointMeta> {
                 let files = vec![DataFile {
                     path: "data/x.bin".to_string(),
                     size: None,
+                    encoded: None,
                 }];
                 CheckpointMeta::new(tensors, chunks, vec![], files).unwrap()
             },

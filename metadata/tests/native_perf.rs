@@ -42,6 +42,7 @@ fn a_million_rows_round_trip() {
         .map(|i| DataFile {
             path: format!("data/rank{i}.bin"),
             size: None,
+            encoded: None,
         })
         .collect();
     let meta = CheckpointMeta::new(tensors, chunks, vec![], files).unwrap();

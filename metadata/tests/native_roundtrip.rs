@@ -106,6 +106,7 @@ async fn assert_reads_back(store: &Arc<dyn ObjectStore>, prefix: &Path, fx: &Fix
         .map(|f| DataFile {
             path: f.path.clone(),
             size: None,
+            encoded: None,
         })
         .collect();
     assert_eq!(again.files(), without_sizes.as_slice());
@@ -476,14 +477,17 @@ fn strided_meta() -> CheckpointMeta {
         DataFile {
             path: "data/a.bin".to_string(),
             size: None,
+            encoded: None,
         },
         DataFile {
             path: "data/b.bin".to_string(),
             size: None,
+            encoded: None,
         },
         DataFile {
             path: "data/c.bin".to_string(),
             size: None,
+            encoded: None,
         },
     ];
     CheckpointMeta::new(tensors, chunks, objects, files).unwrap()
@@ -516,6 +520,7 @@ fn a_file_without_rows_keeps_its_place() {
         .map(|p| DataFile {
             path: p.to_string(),
             size: None,
+            encoded: None,
         })
         .to_vec();
     let meta = CheckpointMeta::new(tensors, chunks, vec![], files).unwrap();
@@ -574,6 +579,7 @@ fn metadata_of_more_than_one_batch_round_trips() {
         .map(|i| DataFile {
             path: format!("data/{i}.bin"),
             size: None,
+            encoded: None,
         })
         .collect();
     let meta = CheckpointMeta::new(tensors, chunks, vec![], files).unwrap();

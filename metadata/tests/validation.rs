@@ -39,6 +39,7 @@ fn file(size: Option<u64>) -> Vec<DataFile> {
     vec![DataFile {
         path: "data/rank0.bin".to_string(),
         size,
+        encoded: None,
     }]
 }
 

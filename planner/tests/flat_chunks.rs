@@ -166,6 +166,7 @@ fn save_mixed(tensors: Vec<TensorMeta>, files: u64, rng: &mut Rng) -> (Saved, us
         .map(|(f, data)| DataFile {
             path: format!("data/rank-{f:05}.bin"),
             size: Some(data.len() as u64),
+            encoded: None,
         })
         .collect();
     let meta = CheckpointMeta::new(tensors, chunks, Vec::new(), data_files).unwrap();
@@ -339,6 +340,7 @@ fn megatron_flat_optimizer_tp2_dp3_to_tp3_dp2() {
         vec![DataFile {
             path: "data/rank-00000.bin".to_string(),
             size: Some(data.len() as u64),
+            encoded: None,
         }],
     )
     .unwrap();

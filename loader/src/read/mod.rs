@@ -32,6 +32,7 @@ use tessera_metadata::formats::native::BlockChecksums;
 use tessera_metadata::{BoxChecksum, CheckpointMeta, MetadataError};
 use tessera_planner::{RankPiece, RankPlan, StridedRuns};
 
+pub mod decoded;
 pub(crate) mod positioned;
 pub mod scheduler;
 

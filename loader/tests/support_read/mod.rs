@@ -417,6 +417,7 @@ pub async fn write_transposed(
         vec![DataFile {
             path: relative.to_string(),
             size: Some(size),
+            encoded: None,
         }],
     )
     .unwrap();

@@ -71,7 +71,16 @@ pub fn read_box(root: &Path, meta: &CheckpointMeta, chunk: usize, region: &Tenso
     let c = &meta.chunks()[chunk];
     let tensor = &meta.tensors()[c.tensor as usize];
     let esize = tensor.dtype.size() as usize;
-    let file = std::fs::read(root.join(&meta.files()[c.bytes.file as usize].path)).unwrap();
+    let data_file = &meta.files()[c.bytes.file as usize];
+    let file = match &data_file.encoded {
+        None => std::fs::read(root.join(&data_file.path)).unwrap(),
+        // The decoded bytes of a compressed blob.
+        Some(encoded) => {
+            let source = std::fs::read(root.join(&encoded.source)).unwrap();
+            let start = encoded.offset as usize;
+            zstd::stream::decode_all(&source[start..start + encoded.length as usize]).unwrap()
+        }
+    };
     let strides = c.bytes.strides_for(&c.region.lengths);
     let rel = c.region.relative_offsets(region);
     let n = region.numel() as usize;

@@ -111,6 +111,7 @@ pub fn save_boxes(tensors: Vec<TensorMeta>, files: Vec<Vec<StoredBox>>) -> Saved
         data_files.push(DataFile {
             path: format!("data/rank-{f:05}.bin"),
             size: Some(data.len() as u64),
+            encoded: None,
         });
         datas.push(data);
     }

@@ -376,6 +376,7 @@ pub async fn open_bytecheckpoint(
             files.push(DataFile {
                 path,
                 size: Some(size),
+                encoded: None,
             });
             (files.len() - 1) as u32
         })

@@ -16,6 +16,7 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use serde::{Deserialize, Serialize};
 
 use crate::MetadataError;
+use crate::encoded::{Codec, DecodeFailure, decode_from_store};
 use crate::formats::torch::blob::{TensorBlob, parse_tensor_blob};
 use crate::formats::torch::zip::{Segments, ZipError};
 
@@ -31,6 +32,10 @@ pub const TAIL_BYTES: u64 = 1024;
 const MAX_MERGED_READ: u64 = 8 << 20;
 /// Rounds of follow-up reads for a blob whose structures lie outside the head and tail.
 const MAX_ROUNDS: usize = 8;
+/// Decoded bytes kept from the start and from the end of an encoded blob while it streams
+/// through the decoder: its zip structures, with room for a long `data.pkl` (an encoded blob
+/// cannot be read in ranges, so a follow-up costs decoding it again).
+const ENCODED_KEEP: u64 = 64 << 10;
 
 /// Where one blob lies.
 #[derive(Clone, Debug)]
@@ -43,6 +48,9 @@ pub(crate) struct BlobRef {
     pub offset: u64,
     /// Length in bytes.
     pub length: u64,
+    /// Set when the blob is stored encoded (compressed): the zip is the decoded stream, and
+    /// the index's offsets are offsets in it.
+    pub encoded: Option<Codec>,
 }
 
 /// Where an index came from.
@@ -238,6 +246,9 @@ pub(crate) async fn index_blobs(
     concurrency: usize,
 ) -> Result<(Vec<TensorBlob>, Fetched), MetadataError> {
     let concurrency = concurrency.max(1);
+    if blobs.iter().any(|b| b.encoded.is_some()) {
+        return index_mixed(store, blobs, concurrency).await;
+    }
     // Wanted ranges in file order.
     let mut order: Vec<usize> = (0..blobs.len()).collect();
     order.sort_by(|&a, &b| {
@@ -385,4 +396,130 @@ pub(crate) async fn index_blobs(
         }
     }
     Ok((out, fetched))
+}
+
+/// [`index_blobs`] for a checkpoint some of whose blobs are encoded: the plain ones as always,
+/// each encoded one decoded whole as it streams in (its zip's end lies at the end of the
+/// decoded stream), keeping only its head and tail.
+async fn index_mixed(
+    store: &dyn ObjectStore,
+    blobs: &[BlobRef],
+    concurrency: usize,
+) -> Result<(Vec<TensorBlob>, Fetched), MetadataError> {
+    let (encoded, plain): (Vec<usize>, Vec<usize>) =
+        (0..blobs.len()).partition(|&b| blobs[b].encoded.is_some());
+    let plain_refs: Vec<BlobRef> = plain.iter().map(|&b| blobs[b].clone()).collect();
+    let (plain_index, mut fetched) = Box::pin(index_blobs(store, &plain_refs, concurrency)).await?;
+    let mut results: Vec<Option<TensorBlob>> = vec![None; blobs.len()];
+    for (b, parsed) in plain.into_iter().zip(plain_index) {
+        results[b] = Some(parsed);
+    }
+    let decoded: Vec<Result<(usize, TensorBlob, Fetched), MetadataError>> =
+        futures::stream::iter(encoded.into_iter().map(|b| async move {
+            let (parsed, cost) = index_encoded(store, &blobs[b]).await?;
+            Ok((b, parsed, cost))
+        }))
+        .buffer_unordered(concurrency)
+        .collect()
+        .await;
+    for item in decoded {
+        let (b, parsed, cost) = item?;
+        results[b] = Some(parsed);
+        fetched.requests += cost.requests;
+        fetched.bytes += cost.bytes;
+    }
+    let mut out = Vec::with_capacity(blobs.len());
+    for (b, result) in results.into_iter().enumerate() {
+        match result {
+            Some(parsed) => out.push(parsed),
+            None => return Err(blob_error(&blobs[b], "was never read")),
+        }
+    }
+    Ok((out, fetched))
+}
+
+/// Takes one encoded blob apart: decodes it as it streams in, keeping its first and last
+/// [`ENCODED_KEEP`] decoded bytes (and any range a previous round asked for), and parses the zip
+/// in them. Offsets in the result are offsets in the decoded stream.
+async fn index_encoded(
+    store: &dyn ObjectStore,
+    blob: &BlobRef,
+) -> Result<(TensorBlob, Fetched), MetadataError> {
+    let Some(codec) = blob.encoded else {
+        return Err(blob_error(blob, "is not encoded"));
+    };
+    let mut wanted: Vec<Range<u64>> = Vec::new();
+    let mut cost = Fetched::default();
+    for _ in 0..MAX_ROUNDS {
+        let mut head: Vec<u8> = Vec::new();
+        let mut tail: Vec<u8> = Vec::new();
+        let mut tail_start = 0u64;
+        let mut kept: Vec<Vec<u8>> = vec![Vec::new(); wanted.len()];
+        let mut sink = |offset: u64, bytes: &[u8]| {
+            let end = offset + bytes.len() as u64;
+            if offset < ENCODED_KEEP {
+                let take = (ENCODED_KEEP.min(end) - offset) as usize;
+                head.extend_from_slice(&bytes[..take]);
+            }
+            tail.extend_from_slice(bytes);
+            if tail.len() as u64 > 2 * ENCODED_KEEP {
+                let drop = tail.len() - ENCODED_KEEP as usize;
+                tail.drain(..drop);
+                tail_start += drop as u64;
+            }
+            for (range, keep) in wanted.iter().zip(kept.iter_mut()) {
+                let (lo, hi) = (range.start.max(offset), range.end.min(end));
+                if lo < hi {
+                    keep.extend_from_slice(&bytes[(lo - offset) as usize..(hi - offset) as usize]);
+                }
+            }
+            true
+        };
+        let total = decode_from_store(
+            store,
+            &blob.path,
+            blob.offset..blob.offset + blob.length,
+            codec,
+            &mut sink,
+        )
+        .await
+        .map_err(|failure| match failure {
+            DecodeFailure::Store(source) => MetadataError::Store {
+                action: "reading",
+                path: format!(
+                    "{} bytes {}..{}",
+                    blob.path,
+                    blob.offset,
+                    blob.offset + blob.length
+                ),
+                source,
+            },
+            DecodeFailure::Invalid(detail) => {
+                blob_error(blob, format!("{} stream: {detail}", codec.name()))
+            }
+        })?
+        .unwrap_or(0);
+        cost.requests += 1;
+        cost.bytes += blob.length;
+        let mut seg = Segments::new(total);
+        seg.add(0, Bytes::from(head));
+        seg.add(tail_start, Bytes::from(tail));
+        for (range, keep) in wanted.iter().zip(kept) {
+            seg.add(range.start, Bytes::from(keep));
+        }
+        match parse_tensor_blob(&seg) {
+            Ok(parsed) => return Ok((parsed, cost)),
+            Err(ZipError::Need(range)) => wanted.push(range),
+            Err(ZipError::Bad(detail)) => {
+                return Err(blob_error(
+                    blob,
+                    format!("decoded from {}: {detail}", codec.name()),
+                ));
+            }
+        }
+    }
+    Err(blob_error(
+        blob,
+        format!("still incomplete after decoding it {MAX_ROUNDS} times"),
+    ))
 }

@@ -37,6 +37,7 @@ use std::time::Instant;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 
+use crate::encoded::{Codec, DecodeFailure, EncodedRange, decode_from_store};
 use crate::formats::native::{read_whole, resolve, store_error};
 use crate::formats::{Format, Listing, Writer};
 use crate::identity::IdentityHasher;
@@ -165,7 +166,10 @@ fn metadata_files(listing: &Listing) -> Vec<String> {
 /// indexes every tensor blob (or takes the index from a cache), builds and validates the
 /// [`CheckpointMeta`]. Errors name the file: [`MetadataError::Decode`] for a damaged
 /// `.metadata`, [`MetadataError::Blob`] for a damaged blob, [`MetadataError::ByteRangePastEnd`]
-/// for a truncated `.distcp`, [`MetadataError::Unsupported`] for compressed blobs.
+/// for a truncated `.distcp`, [`MetadataError::Unsupported`] for blobs stored with a transform
+/// other than DCP's `stream.zstd/1`. Blobs stored compressed are decoded once here to be
+/// indexed; their chunks lie in files of the model that stand for the decoded bytes
+/// ([`DataFile::encoded`]).
 pub async fn open_dcp(
     store: &dyn ObjectStore,
     prefix: &Path,
@@ -262,6 +266,7 @@ pub async fn open_dcp(
         files.push(DataFile {
             path: name.to_string(),
             size: Some(size),
+            encoded: None,
         });
     }
     let mut size_digest = 0u32;
@@ -283,16 +288,9 @@ pub async fn open_dcp(
             let info = &chunk.storage;
             let file = file_index[info.relative_path.as_str()];
             let path = resolve(prefix, &info.relative_path)?;
-            if !info.transforms.is_empty() {
-                return Err(MetadataError::Unsupported {
-                    path: path.to_string(),
-                    detail: format!(
-                        "tensor {} chunk {region} is stored with transform {}: compressed DCP blobs cannot be read in place (save without compression, or load it with torch)",
-                        tensor.fqn,
-                        info.transforms.join(", ")
-                    ),
-                });
-            }
+            let encoded = transform_codec(&info.transforms, &path, || {
+                format!("tensor {} chunk {region}", tensor.fqn)
+            })?;
             let size = files[file as usize].size.unwrap_or(0);
             check_range(&tensor.fqn, &region.to_string(), &path, info, size)?;
             refs.push((
@@ -302,6 +300,7 @@ pub async fn open_dcp(
                     entry: format!("tensor {} chunk {region}", tensor.fqn),
                     offset: info.offset,
                     length: info.length,
+                    encoded,
                 },
             ));
         }
@@ -319,11 +318,28 @@ pub async fn open_dcp(
             info,
             files[file as usize].size.unwrap_or(0),
         )?;
+        let encoded =
+            transform_codec(&info.transforms, &path, || format!("object {}", object.fqn))?;
+        let (file, offset, length) = match encoded {
+            None => (file, info.offset, info.length),
+            // Objects are small pickles: decoded once here for their length, again when read.
+            Some(codec) => {
+                let length =
+                    decoded_length(store, &path, info, codec, &object.fqn, &options.limits).await?;
+                let range = EncodedRange {
+                    source: info.relative_path.clone(),
+                    offset: info.offset,
+                    length: info.length,
+                    codec,
+                };
+                (decoded_file(&mut files, range, length), 0, length)
+            }
+        };
         objects.push(ObjectMeta {
             key: object.fqn.clone(),
             file,
-            offset: info.offset,
-            length: info.length,
+            offset,
+            length,
             crc32c: None,
         });
     }
@@ -427,7 +443,7 @@ pub async fn open_dcp(
             if blob
                 .data_offset
                 .checked_add(blob.data_len)
-                .is_none_or(|end| end > blob_ref.length)
+                .is_none_or(|end| blob_ref.encoded.is_none() && end > blob_ref.length)
             {
                 return Err(bad(format!(
                     "its storage at bytes {}..+{} lies outside the {}-byte blob (a stale cache?)",
@@ -437,8 +453,24 @@ pub async fn open_dcp(
             let span = blob.span_bytes().map_err(&bad)?;
             let esize = tensor.dtype.size();
             let strides = stored_strides(blob, &chunk.sizes);
-            let offset = blob_ref
-                .offset
+            // An encoded blob's chunk lies in the blob's decoded bytes, a file of its own that
+            // can be read up to the end of the storage.
+            let (file, blob_start) = match blob_ref.encoded {
+                None => (*file, blob_ref.offset),
+                Some(codec) => {
+                    let info = &chunk.storage;
+                    let range = EncodedRange {
+                        source: info.relative_path.clone(),
+                        offset: info.offset,
+                        length: info.length,
+                        codec,
+                    };
+                    let visible = blob.data_offset.saturating_add(blob.data_len);
+                    (decoded_file(&mut files, range, visible), 0)
+                }
+            };
+            let file = &file;
+            let offset = blob_start
                 .checked_add(blob.data_offset)
                 .and_then(|o| o.checked_add(blob.storage_offset.checked_mul(esize)?))
                 .ok_or_else(|| bad("storage offset overflows".to_string()))?;
@@ -480,8 +512,11 @@ pub async fn open_dcp(
             blobs.push(ChunkBlob {
                 entry: blob_ref.entry.clone(),
                 file: *file,
-                offset: blob_ref.offset,
-                length: blob_ref.length,
+                offset: blob_start,
+                length: match blob_ref.encoded {
+                    None => blob_ref.length,
+                    Some(_) => blob.data_offset.saturating_add(blob.data_len),
+                },
                 blob: blob.clone(),
             });
         }
@@ -500,6 +535,77 @@ pub async fn open_dcp(
             megatron,
         },
     })
+}
+
+/// The codec of a blob stored with DCP `transform_descriptors` (`None` without any), or
+/// [`MetadataError::Unsupported`] naming the file, the entry and the descriptors.
+fn transform_codec(
+    transforms: &[String],
+    path: &Path,
+    entry: impl FnOnce() -> String,
+) -> Result<Option<Codec>, MetadataError> {
+    if transforms.is_empty() {
+        return Ok(None);
+    }
+    Codec::from_dcp_descriptors(transforms)
+        .map(Some)
+        .map_err(|why| MetadataError::Unsupported {
+            path: path.to_string(),
+            detail: format!("{} is stored with {why}", entry()),
+        })
+}
+
+/// The file of the checkpoint model that stands for the decoded bytes of `range`, `visible`
+/// bytes of them readable, appended to `files` (every blob is one chunk's or one object's).
+fn decoded_file(files: &mut Vec<DataFile>, range: EncodedRange, visible: u64) -> u32 {
+    files.push(DataFile {
+        path: range.file_name(),
+        size: Some(visible),
+        encoded: Some(range),
+    });
+    (files.len() - 1) as u32
+}
+
+/// Decodes the encoded object blob `info` of `path` whole and returns its length, refusing one
+/// that decodes to more than the metadata cap (objects are small pickles).
+async fn decoded_length(
+    store: &dyn ObjectStore,
+    path: &Path,
+    info: &StorageInfo,
+    codec: Codec,
+    key: &str,
+    limits: &pickle::Limits,
+) -> Result<u64, MetadataError> {
+    let cap = limits.max_input as u64;
+    let mut too_long = false;
+    let mut sink = |offset: u64, bytes: &[u8]| {
+        too_long = offset + bytes.len() as u64 > cap;
+        !too_long
+    };
+    let range = info.offset..info.offset + info.length;
+    let bad = |detail: String| MetadataError::Blob {
+        path: path.to_string(),
+        start: info.offset,
+        end: info.offset + info.length,
+        entry: format!("object {key}"),
+        detail,
+    };
+    let decoded = decode_from_store(store, path, range.clone(), codec, &mut sink)
+        .await
+        .map_err(|failure| match failure {
+            DecodeFailure::Store(source) => MetadataError::Store {
+                action: "reading",
+                path: format!("{path} bytes {}..{}", range.start, range.end),
+                source,
+            },
+            DecodeFailure::Invalid(detail) => bad(format!("{} stream: {detail}", codec.name())),
+        })?;
+    match decoded {
+        Some(length) if !too_long => Ok(length),
+        _ => Err(bad(format!(
+            "decodes to more than the {cap}-byte cap for an object"
+        ))),
+    }
 }
 
 /// Megatron's `metadata.json`, when the listing has one (capped at

@@ -861,6 +861,7 @@ pub async fn open_deepspeed(
         data_files.push(DataFile {
             path: file.name.clone(),
             size: Some(file.size),
+            encoded: None,
         });
         records.push((i as u32, file.pkl_record.clone()));
         let mut recs: Vec<&Record> = file.records.values().collect();

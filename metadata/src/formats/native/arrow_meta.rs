@@ -657,6 +657,7 @@ impl<'p> Decoder<'p> {
         self.files.push(DataFile {
             path: path.to_string(),
             size,
+            encoded: None,
         });
         self.file_ids.insert(path.to_string(), id);
         Ok(id)

@@ -407,6 +407,7 @@ fn assemble(
         data_files.push(DataFile {
             path: path.clone(),
             size: Some(file.size),
+            encoded: None,
         });
         chunks.extend(file.chunks.iter().map(|c| SavedChunk {
             bytes: ByteMeta {

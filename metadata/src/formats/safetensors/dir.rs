@@ -495,6 +495,7 @@ fn build_meta(
         .map(|f| DataFile {
             path: f.path.clone(),
             size: Some(f.size),
+            encoded: None,
         })
         .collect();
     let meta = CheckpointMeta::new(tensors, chunks, Vec::new(), data_files)?;
