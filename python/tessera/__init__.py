@@ -155,6 +155,14 @@ class SaveReport(_Report):
     persist_seconds: float = 0.0
     #: Bytes of this rank's tensors copied into the staging pool.
     staged_bytes: int = 0
+    #: How the snapshot was taken (``async_save``'s ``snapshot=``; ``save`` copies nothing).
+    snapshot: str = ""
+    #: Seconds the ``async_save`` call blocked the caller, and seconds optimizer steps waited
+    #: for the snapshot (lazy, multi-step).
+    blocked_seconds: float = 0.0
+    step_wait_seconds: float = 0.0
+    #: Optimizer steps between the ``async_save`` call and the state saved (multi-step: k - 1).
+    steps_after_call: int = 0
     #: This rank's writes retried after a transient storage failure (requests tried again, plus
     #: multipart data files written again from the start).
     write_retries: int = 0

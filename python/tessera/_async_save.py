@@ -49,14 +49,18 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import tessera as _api
 
 from . import _group, _objects, _state, _tessera
 from ._state import Box, Flat
 from ._tessera import TesseraError
+
+#: How :func:`async_save` can take its snapshot.
+SNAPSHOT_MODES = ("eager", "lazy", "multi_step")
 
 #: Environment variable bounding the default staging pool, in bytes.
 POOL_BYTES_ENV = "TESSERA_SAVE_POOL_BYTES"
@@ -168,6 +172,8 @@ class _Entry:
     lengths: List[int]
     nbytes: int
     pool_offset: int = 0
+    #: The source's torch version counter at the call (None for NumPy arrays).
+    version: Optional[int] = None
 
 
 def _entries(state_dict: Mapping[str, Any]) -> Tuple[List[_Entry], List[Tuple[str, bytes]]]:
@@ -212,7 +218,7 @@ def _entries(state_dict: Mapping[str, Any]) -> Tuple[List[_Entry], List[Tuple[st
         nbytes = _state.itemsize(array)
         for d in lengths:
             nbytes *= d
-        entries.append(_Entry(fqn, array, dtype, list(shape), list(offsets), lengths, nbytes))
+        entries.append(_Entry(fqn, array, dtype, list(shape), list(offsets), lengths, nbytes, version=_version(array)))
     return entries, objects
 
 
@@ -228,10 +234,21 @@ class SaveHandle:
     raises the error of this rank or of the commit (it names the rank or file that failed).
     """
 
-    def __init__(self, checkpoint_id: str, rank: int, world_size: int) -> None:
+    def __init__(self, checkpoint_id: str, rank: int, world_size: int, snapshot: str = "eager") -> None:
         self.checkpoint_id = checkpoint_id
         self.rank = rank
         self.world_size = world_size
+        #: ``"eager"``, ``"lazy"`` or ``"multi_step"``.
+        self.snapshot_mode = snapshot
+        #: Seconds the ``async_save`` call blocked the training thread (eager: the whole copy).
+        self.blocked_seconds = 0.0
+        #: Seconds optimizer steps waited for snapshot copies (lazy and multi-step saves).
+        self.step_wait_seconds = 0.0
+        #: Seconds the snapshot copies took (multi-step: every part's copy and host replay).
+        self.copy_seconds = 0.0
+        #: Optimizer steps between the call and the state the checkpoint holds (multi-step:
+        #: ``steps - 1``; 0 otherwise).
+        self.steps_after_call = 0
         self._snapshot_done = threading.Event()
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
@@ -281,35 +298,65 @@ def _fail(handle: SaveHandle, error: BaseException) -> None:
     if isinstance(error, TesseraError):
         message = str(error)
         prefix = f"rank {handle.rank} saving {handle.checkpoint_id}: "
-        error = TesseraError(message if message.startswith(prefix) else prefix + message)
+        # The same class (ChangedBeforeCopy stays one), with the rank and checkpoint in front.
+        error = type(error)(message if message.startswith(prefix) else prefix + message)
     handle._error = error
 
 
-def _snapshot(pool: StagingPool, entries: List[_Entry], ready: Dict[Any, Any]) -> None:
-    """Copies every entry into its pool region; returns when the copies are complete."""
+def _version(array: Any) -> Optional[int]:
+    """torch's in-place change counter of a tensor (``None`` for a NumPy array): it moves with
+    every in-place write to the tensor or a view of it, under ``no_grad`` too."""
+    return int(array._version) if _state.is_torch_tensor(array) else None
+
+
+class ChangedBeforeCopy(TesseraError):
+    """A tensor was changed in place before its snapshot copy was complete: the copy may hold
+    a mix of old and new values, so the save fails instead of committing it."""
+
+
+def _check_unchanged(e: _Entry) -> None:
+    if e.version is not None and _version(e.source) != e.version:
+        raise ChangedBeforeCopy(
+            f"tensor {e.fqn} was changed in place before its snapshot copy was complete (torch's "
+            f"version counter moved from {e.version} to {_version(e.source)}): call "
+            "handle.wait_snapshot() (or pass optimizer=) before changing what was saved"
+        )
+
+
+def _copy_entry(pool: StagingPool, e: _Entry, streams: Dict[Any, Any], ready: Dict[Any, Any]) -> None:
+    """Copies one entry into its pool region (on a side stream for CUDA tensors)."""
     import numpy as np
 
+    dst = pool.region(e.pool_offset, e.nbytes, e.source)
+    if _is_cuda(e.source):
+        import torch
+
+        device = e.source.device
+        stream = streams.get(device)
+        if stream is None:
+            # A side stream, so the device-to-host DMA does not queue behind (or in front of)
+            # the job's kernels; it first waits for the work the job had queued at the call.
+            stream = streams[device] = torch.cuda.Stream(device=device)
+            stream.wait_event(ready[device])
+        with torch.cuda.stream(stream):
+            dst.copy_(e.source, non_blocking=True)
+    elif _state.is_torch_tensor(dst):
+        dst.copy_(e.source)
+    else:
+        np.copyto(dst, e.source, casting="no")
+
+
+def _snapshot(pool: StagingPool, entries: List[_Entry], ready: Dict[Any, Any]) -> None:
+    """Copies every entry into its pool region; returns when the copies are complete. A torch
+    tensor changed in place since the call before its copy was complete fails it
+    (:class:`ChangedBeforeCopy`), naming the tensor."""
     streams: Dict[Any, Any] = {}
     for e in entries:
         if e.nbytes == 0:
             continue
-        dst = pool.region(e.pool_offset, e.nbytes, e.source)
-        if _is_cuda(e.source):
-            import torch
-
-            device = e.source.device
-            stream = streams.get(device)
-            if stream is None:
-                # A side stream, so the device-to-host DMA does not queue behind (or in front of)
-                # the job's kernels; it first waits for the work the job had queued at the call.
-                stream = streams[device] = torch.cuda.Stream(device=device)
-                stream.wait_event(ready[device])
-            with torch.cuda.stream(stream):
-                dst.copy_(e.source, non_blocking=True)
-        elif _state.is_torch_tensor(dst):
-            dst.copy_(e.source)
-        else:
-            np.copyto(dst, e.source, casting="no")
+        _copy_entry(pool, e, streams, ready)
+        if not _is_cuda(e.source):
+            _check_unchanged(e)
     if streams:
         import torch
 
@@ -317,6 +364,9 @@ def _snapshot(pool: StagingPool, entries: List[_Entry], ready: Dict[Any, Any]) -
             done = torch.cuda.Event()
             done.record(stream)
             done.synchronize()
+        for e in entries:
+            if _is_cuda(e.source):
+                _check_unchanged(e)
 
 
 def _run(
@@ -324,21 +374,29 @@ def _run(
     pool: StagingPool,
     entries: List[_Entry],
     objects: List[Tuple[str, bytes]],
-    ready: Dict[Any, Any],
+    take_snapshot: Callable[[], Optional[List[Tuple[str, bytes]]]],
     native_args: Dict[str, Any],
     started: float,
     waited: float,
 ) -> None:
+    """The save's background thread: the snapshot (``take_snapshot``, which may hand back the
+    non-tensor values again, as of the step a multi-step snapshot holds), then the persist."""
     snapshot_started = time.monotonic()
     try:
-        _snapshot(pool, entries, ready)
+        refreshed = take_snapshot()
+        if refreshed is not None:
+            objects = refreshed
     except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
-        _fail(handle, TesseraError(f"snapshot failed: {type(e).__name__}: {e}"))
+        if not isinstance(e, TesseraError):
+            e = TesseraError(f"snapshot failed: {type(e).__name__}: {e}")
+        _fail(handle, e)
         handle._snapshot_error = handle._error
         handle._snapshot_done.set()
         handle._done.set()
         return
     snapshot_seconds = time.monotonic() - snapshot_started
+    if handle.snapshot_mode != "multi_step":
+        handle.copy_seconds = snapshot_seconds
     # The job's tensors are no longer read: drop them so the job may free or reuse them.
     boxes = []
     for e in entries:
@@ -367,14 +425,88 @@ def _run(
             objects=len(objects),
             total_seconds=time.monotonic() - started,
             waited_seconds=waited,
-            snapshot_seconds=snapshot_seconds,
+            snapshot_seconds=handle.copy_seconds,
             persist_seconds=time.monotonic() - persist_started,
             staged_bytes=sum(e.nbytes for e in entries),
+            snapshot=handle.snapshot_mode,
+            blocked_seconds=handle.blocked_seconds,
+            step_wait_seconds=handle.step_wait_seconds,
+            steps_after_call=handle.steps_after_call,
         )
     except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
         _fail(handle, e)
     finally:
         handle._done.set()
+
+
+class StepHooks:
+    """One step pre-hook and one post-hook per optimizer, registered the first time a save needs
+    them and kept, calling whatever the save in flight set (``before``/``after``, or nothing).
+    A hook cannot remove itself: torch iterates the optimizer's hook dictionaries while it calls
+    them, and removing one there raises; so saves come and go by setting attributes."""
+
+    _by_optimizer: "weakref.WeakKeyDictionary[Any, StepHooks]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, optimizer: Any) -> None:
+        self.before: Optional[Callable[[Any], None]] = None
+        self.after: Optional[Callable[[Any], None]] = None
+        optimizer.register_step_pre_hook(self._before)
+        optimizer.register_step_post_hook(self._after)
+
+    @classmethod
+    def of(cls, optimizer: Any) -> "StepHooks":
+        hooks = cls._by_optimizer.get(optimizer)
+        if hooks is None:
+            hooks = cls._by_optimizer[optimizer] = StepHooks(optimizer)
+        return hooks
+
+    def _before(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        call = self.before
+        if call is not None:
+            call(optimizer)
+
+    def _after(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        call = self.after
+        if call is not None:
+            call(optimizer)
+
+
+class _StepGate:
+    """Holds the first step of each optimizer after a lazy save until its snapshot is complete.
+    A snapshot that is not done within the save's timeout lets the step go: the step then
+    changes tensors whose copies are not complete, which the copies detect
+    (:class:`ChangedBeforeCopy`), and the save fails instead of committing."""
+
+    def __init__(self, handle: SaveHandle, optimizers: Sequence[Any], timeout: float) -> None:
+        self._handle = handle
+        self._timeout = timeout
+        self._hooks = [StepHooks.of(opt) for opt in optimizers]
+        for hooks in self._hooks:
+            hooks.before = self._before_step
+
+    def _before_step(self, _optimizer: Any) -> None:
+        began = time.monotonic()
+        self._handle._snapshot_done.wait(self._timeout)
+        self._handle.step_wait_seconds += time.monotonic() - began
+        self.remove()
+
+    def remove(self) -> None:
+        for hooks in self._hooks:
+            if hooks.before == self._before_step:
+                hooks.before = None
+        self._hooks = []
+
+
+def _optimizers(optimizer: Any) -> List[Any]:
+    if optimizer is None:
+        return []
+    found = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for opt in found:
+        if not callable(getattr(opt, "register_step_pre_hook", None)):
+            raise TypeError(
+                f"optimizer= takes torch optimizers (register_step_pre_hook); got {type(opt).__name__}"
+            )
+    return found
 
 
 def async_save(
@@ -392,20 +524,42 @@ def async_save(
     storage_options: Optional[Mapping[str, str]] = None,
     break_claim: bool = False,
     timeout: float = 300.0,
+    snapshot: str = "eager",
+    optimizer: Any = None,
+    steps: Optional[int] = None,
 ) -> SaveHandle:
-    """Starts saving ``state_dict`` as a native checkpoint at ``checkpoint_id``; returns at once.
+    """Starts saving ``state_dict`` as a native checkpoint at ``checkpoint_id``.
 
     Takes what :func:`tessera.save` takes (every rank calls it; values, replicas, the claim and
     ``break_claim`` as there) plus the staging ``pool`` (default: the process's) and
-    ``pool_bytes``, a bound on it for this call. The snapshot copies run in a background thread;
-    call ``handle.wait_snapshot()`` before changing any tensor passed (before the optimizer step),
-    and ``handle.result()`` for the committed :class:`SaveReport` or the error.
+    ``pool_bytes``, a bound on it for this call, and how the snapshot is taken:
+
+    - ``snapshot="eager"`` (default): the call returns once every tensor is copied into the pool;
+      the job may change its tensors right after it. The persist runs in the background.
+    - ``snapshot="lazy"`` (DataStates-LLM): the call returns at once and the copies run in the
+      background while the job computes forward and backward, which only read parameters and
+      optimizer state. With ``optimizer=`` (one or a list), a step pre-hook holds that optimizer's
+      next ``step()`` until the copies are done, then removes itself; without it, call
+      ``handle.wait_snapshot()`` before changing anything saved. A torch tensor changed in place
+      before its copy was complete is detected (torch's version counter) and fails the save,
+      naming it: nothing is committed. Lazy saves take torch tensors only.
+    - ``snapshot="multi_step", steps=k, optimizer=opt`` (GoCkpt): the copy is spread over ``k``
+      optimizer steps, one part of the parameters (with their optimizer state) per step, and the
+      updates of the steps since each part was copied are replayed on the host copy with the same
+      optimizer class, hyper-parameters and gradients, so the checkpoint holds the state as it is
+      when the ``k``-th step after the call begins (``handle.steps_after_call == k - 1``; name the
+      checkpoint for that step). See :mod:`tessera._multi_step` for what it supports.
+
+    ``handle.result()`` gives the committed :class:`SaveReport` or the error; the report and the
+    handle say how long the call blocked, how long steps waited and what the copies took.
 
     At most one save is in flight per process: this call first waits for the previous save's
-    persist to end (its handle keeps its outcome). Non-tensor values are encoded during the call.
+    persist to end (its handle keeps its outcome). Non-tensor values are encoded during the call
+    (multi-step: again from the Stateful values when the last part is copied).
 
-    Raises at once (nothing started): ``TypeError``/``ValueError`` for a value tessera cannot save,
-    ``TesseraError`` when the state does not fit the pool's bound.
+    Raises at once (nothing started): ``TypeError``/``ValueError`` for a value tessera cannot save
+    or a snapshot mode it cannot take, ``TesseraError`` when the state does not fit the pool's
+    bound.
     """
     global _IN_FLIGHT
     state_dict, checkpoint_id = _api._dcp_order(state_dict, checkpoint_id, "async_save")
@@ -424,10 +578,30 @@ def async_save(
             f"saving from {world_size} ranks needs a rendezvous so that rank 0 can commit what "
             "every rank wrote: pass master_addr and master_port, or run under torchrun"
         )
+    if snapshot not in SNAPSHOT_MODES:
+        raise ValueError(f"snapshot={snapshot!r}: choose one of {', '.join(SNAPSHOT_MODES)}")
+    optimizers = _optimizers(optimizer)
+    if steps is not None and snapshot != "multi_step":
+        raise ValueError(f"steps= is for snapshot='multi_step' (got snapshot={snapshot!r})")
     # Stateful values (a module, an optimizer) save their state_dict(), as with dcp.save.
+    original = state_dict
     if any(_state.is_stateful(v) for v in state_dict.values()):
         state_dict = {k: (v.state_dict() if _state.is_stateful(v) else v) for k, v in state_dict.items()}
     entries, objects = _entries(state_dict)
+    if snapshot in ("lazy", "multi_step"):
+        for e in entries:
+            if e.version is None:
+                raise TypeError(
+                    f"{e.fqn}: a {snapshot} snapshot copies while the job runs and detects changes by torch's "
+                    "version counter, which NumPy arrays lack: pass torch tensors, or snapshot='eager'"
+                )
+    multi = None
+    if snapshot == "multi_step":
+        from . import _multi_step
+
+        if len(optimizers) != 1:
+            raise ValueError("snapshot='multi_step' replays one optimizer's updates: pass optimizer=<the optimizer>")
+        multi = _multi_step.MultiStepSnapshot.plan(entries, optimizers[0], steps, rank=rank, timeout=timeout)
     pool = pool if pool is not None else default_pool()
     offset = 0
     for e in entries:
@@ -457,7 +631,7 @@ def async_save(
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(device))
                 ready[device] = event
-        handle = SaveHandle(str(checkpoint_id), rank, world_size)
+        handle = SaveHandle(str(checkpoint_id), rank, world_size, snapshot)
         native_args = {
             "path": str(checkpoint_id),
             "rendezvous": rendezvous,
@@ -466,17 +640,51 @@ def async_save(
             "break_claim": bool(break_claim),
             "timeout": float(timeout),
         }
+        if multi is not None:
+            refresh = _objects_refresher(original)
+            take_snapshot: Callable[[], Optional[List[Tuple[str, bytes]]]] = lambda: multi.run(
+                handle, pool, refresh
+            )
+            handle.steps_after_call = multi.steps - 1
+        else:
+
+            def take_snapshot() -> None:
+                _snapshot(pool, entries, ready)
+
         # Not a daemon: a job that returns right after async_save still commits before it exits.
         thread = threading.Thread(
             target=_run,
-            args=(handle, pool, entries, objects, ready, native_args, started, waited),
+            args=(handle, pool, entries, objects, take_snapshot, native_args, started, waited),
             name=f"tessera-save-rank{rank}",
             daemon=False,
         )
         handle._thread = thread
         _IN_FLIGHT = handle
+        gate = _StepGate(handle, optimizers, timeout) if snapshot == "lazy" else None
+        if multi is not None:
+            multi.attach(handle)
         thread.start()
+    if snapshot == "eager":
+        # The copies run in the save's thread; the call returns once they are complete.
+        handle._snapshot_done.wait()
+    elif gate is not None and handle._snapshot_done.is_set():
+        gate.remove()
+    handle.blocked_seconds = time.monotonic() - started
     return handle
+
+
+def _objects_refresher(original: Mapping[str, Any]) -> Callable[[], Optional[List[Tuple[str, bytes]]]]:
+    """For a multi-step save: the non-tensor values again, from fresh ``state_dict()`` calls of
+    the Stateful values passed (an optimizer's learning rate moves with its schedule), or None
+    when nothing passed is Stateful (the values encoded at the call stand)."""
+    if not any(_state.is_stateful(v) for v in original.values()):
+        return lambda: None
+
+    def refresh() -> Optional[List[Tuple[str, bytes]]]:
+        fresh = {k: (v.state_dict() if _state.is_stateful(v) else v) for k, v in original.items()}
+        return _entries(fresh)[1]
+
+    return refresh
 
 
 def in_flight() -> Optional[SaveHandle]:
@@ -485,4 +693,12 @@ def in_flight() -> Optional[SaveHandle]:
     return handle if handle is not None and not handle.done() else None
 
 
-__all__: Sequence[str] = ["SaveHandle", "StagingPool", "async_save", "default_pool", "in_flight"]
+__all__: Sequence[str] = [
+    "ChangedBeforeCopy",
+    "SNAPSHOT_MODES",
+    "SaveHandle",
+    "StagingPool",
+    "async_save",
+    "default_pool",
+    "in_flight",
+]

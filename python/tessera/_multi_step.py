@@ -1,0 +1,325 @@
+"""Multi-step snapshots (GoCkpt): a checkpoint copied over ``k`` optimizer steps, one part per
+step, brought to one consistent step by replaying the optimizer's updates on the host.
+
+Timeline, for ``async_save(..., snapshot="multi_step", steps=k, optimizer=opt)`` called between
+the optimizer steps of iterations N-1 and N (parts 0..k-1, each a set of parameters with their
+optimizer state, balanced by bytes; tensors the optimizer does not update go with part 0):
+
+- the call queues part 0's copy; it runs while iteration N computes forward and backward;
+- before step N+j (a step pre-hook) the step waits for part j's copy if it is not done, and,
+  for j < k-1, hands the save the gradients of parts 0..j (references, not copies) and the
+  optimizer's hyper-parameters as they are for this step (a schedule moves the learning rate);
+- after step N+j (a step post-hook) the save copies part j+1, again while iteration N+j+1
+  computes forward and backward;
+- the save's thread replays step N+j on the host copies of parts 0..j: the same optimizer
+  class, built over the pool's copies of the parameters and of their optimizer state, with
+  those gradients and hyper-parameters. After the pre-hook of step N+k-1 every part holds its
+  value at that point, which is what the checkpoint commits.
+
+So no step waits for a whole snapshot: a step waits only if one part's copy (plus the replay
+queued before it) takes longer than one forward and backward.
+
+Exactness: the replay runs torch's own optimizer implementation on tensors of the same shapes
+and dtypes, with the same options (``foreach``, ``fused``, ``maximize``, ...), on the CPU. For
+CPU training that is the same kernel as the training step, so the checkpoint is bitwise the
+state an eager snapshot at step N+k-1 would hold (tested). The replay of a CUDA job would run a
+different kernel (and a fused one rounds differently), so CUDA tensors are refused here: use
+``snapshot="lazy"`` for them.
+
+Supported optimizers: ``torch.optim.SGD``, ``Adam`` and ``AdamW`` (exact classes: a subclass
+may change the update). Their per-parameter state must be in the state dict being saved (as
+``optimizer.state_dict()`` puts it there), so that each part's copy carries what the replay
+updates; an optimizer that has not stepped yet (no state) is refused. Gradients are read by
+reference: a job that zeroes them in place (``zero_grad(set_to_none=False)``) before the save's
+thread has replayed them is detected by torch's version counter, and the save fails instead of
+committing. Every wait is bounded by the save's ``timeout``; a job that stops stepping before
+``k`` steps ran fails the save, naming how many ran.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ._tessera import TesseraError
+
+#: Optimizer classes whose update the host replay reproduces (by class name, exact classes).
+SUPPORTED = ("SGD", "Adam", "AdamW")
+
+
+def _local(tensor: Any) -> Any:
+    """The local tensor of a DTensor (what the optimizer's elementwise update runs on)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) and type(tensor).__name__ == "DTensor" else tensor
+
+
+def _key(tensor: Any) -> Tuple[int, int, str, Tuple[int, ...]]:
+    return (int(tensor.data_ptr()), int(tensor.numel()), str(tensor.dtype), tuple(tensor.shape))
+
+
+class MultiStepSnapshot:
+    """The plan and the running state of one multi-step snapshot (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.rank = 0
+        self.timeout = 0.0
+        self.optimizer: Any = None
+        #: Entries per part (part 0 also holds what the optimizer does not update).
+        self.parts: List[List[Any]] = []
+        #: Per part: the optimizer's parameters in it, as (group index, param).
+        self.part_params: List[List[Tuple[int, Any]]] = []
+        #: For each parameter (by id): its entry and its state entries by state name.
+        self.param_entry: Dict[int, Any] = {}
+        self.state_entries: Dict[int, Dict[str, Any]] = {}
+        #: Entries the optimizer does not update (copied with part 0; must not change after).
+        self.static: List[Any] = []
+        self._changed: Optional[str] = None
+        self._tasks: "queue.Queue[Tuple[str, Any]]" = queue.Queue()
+        self._ready: List[threading.Event] = []
+        self._failed = threading.Event()
+        self._next_step = 0
+        self._hooks: Any = None
+        self._handle: Any = None
+        self._shadow: Any = None
+        self._shadow_params: Dict[int, Any] = {}
+
+    # -- planning (in the caller's thread, before anything starts) ---------------------------
+
+    @classmethod
+    def plan(cls, entries: Sequence[Any], optimizer: Any, steps: Optional[int], *, rank: int, timeout: float) -> "MultiStepSnapshot":
+        """Splits ``entries`` (the save's boxes) into ``steps`` parts by the optimizer's
+        parameters; raises ``ValueError``/``TypeError`` for what the replay cannot reproduce."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
+            raise ValueError(f"snapshot='multi_step' needs steps=k with k >= 2 optimizer steps (got steps={steps!r})")
+        name = type(optimizer).__name__
+        module = type(optimizer).__module__
+        if name not in SUPPORTED or not module.startswith("torch.optim"):
+            raise TypeError(
+                f"snapshot='multi_step' replays the updates of torch.optim {', '.join(SUPPORTED)}; "
+                f"{module}.{name} is not one of them (use snapshot='lazy')"
+            )
+        plan = cls()
+        plan.steps, plan.rank, plan.timeout, plan.optimizer = steps, rank, float(timeout), optimizer
+        by_key: Dict[Tuple[int, int, str, Tuple[int, ...]], Any] = {}
+        for e in entries:
+            if getattr(e.source, "device", None) is not None and e.source.device.type != "cpu":
+                raise TypeError(
+                    f"{e.fqn}: snapshot='multi_step' replays updates with CPU kernels, which match only CPU "
+                    f"training; this tensor is on {e.source.device} (use snapshot='lazy')"
+                )
+            if e.nbytes:
+                by_key[_key(e.source)] = e
+        claimed: set = set()
+        params: List[Tuple[int, Any, int]] = []  # (group, param, bytes)
+        for g, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                local = _local(p.detach())
+                entry = by_key.get(_key(local)) if local.numel() else None
+                if entry is None:
+                    if local.numel() == 0:
+                        continue
+                    raise ValueError(
+                        f"snapshot='multi_step': a parameter the optimizer updates (shape {tuple(p.shape)}, group {g}) "
+                        "is not in the state dict being saved; save the model's state with the optimizer's"
+                    )
+                state = optimizer.state.get(p)
+                if not state and p.requires_grad and name != "SGD":
+                    raise ValueError(
+                        f"snapshot='multi_step': {name} has no state for {entry.fqn} yet (it has not stepped); "
+                        "take the first checkpoint after a step, or with snapshot='lazy'"
+                    )
+                named: Dict[str, Any] = {}
+                size = entry.nbytes
+                for state_name, value in (state or {}).items():
+                    if not hasattr(value, "data_ptr"):
+                        continue
+                    local_state = _local(value.detach())
+                    found = by_key.get(_key(local_state)) if local_state.numel() else None
+                    if found is None:
+                        raise ValueError(
+                            f"snapshot='multi_step': the optimizer's {state_name!r} of {entry.fqn} is not in the "
+                            "state dict being saved; save optimizer.state_dict() (or the optimizer) with the model"
+                        )
+                    named[state_name] = found
+                    claimed.add(id(found))
+                    size += found.nbytes
+                claimed.add(id(entry))
+                plan.param_entry[id(p)] = entry
+                plan.state_entries[id(p)] = named
+                params.append((g, p, size))
+        # Contiguous runs of parameters, balanced by bytes (with their optimizer state).
+        total = sum(size for _, _, size in params) or 1
+        plan.part_params = [[] for _ in range(steps)]
+        plan.parts = [[] for _ in range(steps)]
+        done = 0
+        for g, p, size in params:
+            part = min(steps - 1, (done * steps) // total)
+            plan.part_params[part].append((g, p))
+            plan.parts[part].append(plan.param_entry[id(p)])
+            plan.parts[part].extend(plan.state_entries[id(p)].values())
+            done += size
+        plan.static = [e for e in entries if id(e) not in claimed]
+        plan.parts[0][:0] = plan.static
+        plan._ready = [threading.Event() for _ in range(steps)]
+        return plan
+
+    # -- the training thread's side -----------------------------------------------------------
+
+    def attach(self, handle: Any) -> None:
+        """Queues part 0's copy and hooks the optimizer's next ``steps`` steps."""
+        from ._async_save import StepHooks
+
+        self._handle = handle
+        self._tasks.put(("copy", 0))
+        self._hooks = StepHooks.of(self.optimizer)
+        self._hooks.before = self._before_step
+        self._hooks.after = self._after_step
+
+    def _detach(self) -> None:
+        hooks = self._hooks
+        if hooks is not None:
+            if hooks.before == self._before_step:
+                hooks.before = None
+            if hooks.after == self._after_step:
+                hooks.after = None
+        self._hooks = None
+
+    def _before_step(self, optimizer: Any) -> None:
+        j = self._next_step
+        began = time.monotonic()
+        self._ready[j].wait(self.timeout)
+        self._handle.step_wait_seconds += time.monotonic() - began
+        if self._failed.is_set() or not self._ready[j].is_set():
+            # Failed, or not copied in time: the save fails (its thread says why); training goes on.
+            self._failed.set()
+            self._tasks.put(("stop", None))
+            self._detach()
+            return
+        self._next_step = j + 1
+        if j == self.steps - 1:
+            # What the optimizer does not update was copied with part 0; it must still hold
+            # those values now, the step the checkpoint stands for.
+            from ._async_save import _version
+
+            changed = [e.fqn for e in self.static if e.version is not None and _version(e.source) != e.version]
+            if changed:
+                self._changed = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+            self._tasks.put(("finish", None))
+            self._detach()
+            return
+        grads = []
+        for part in self.part_params[: j + 1]:
+            for _g, p in part:
+                if p.grad is not None:
+                    local = _local(p.grad.detach())
+                    grads.append((id(p), local, int(local._version)))
+        hyper = [{k: copy.deepcopy(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        self._tasks.put(("replay", (j, grads, hyper)))
+
+    def _after_step(self, _optimizer: Any) -> None:
+        j = self._next_step  # the next step's part: its copy runs during forward and backward
+        if j < self.steps:
+            self._tasks.put(("copy", j))
+
+    # -- the save's thread --------------------------------------------------------------------
+
+    def run(self, handle: Any, pool: Any, refresh_objects: Callable[[], Optional[List[Tuple[str, bytes]]]]) -> Optional[List[Tuple[str, bytes]]]:
+        """Copies and replays as the hooks queue them until the last part; returns the non-tensor
+        values as of that step (or None when those of the call stand). Raises on any failure."""
+        from ._async_save import _snapshot, _version
+
+        self._pool = pool
+        copy_seconds = 0.0
+        try:
+            while True:
+                try:
+                    kind, arg = self._tasks.get(timeout=self.timeout)
+                except queue.Empty:
+                    raise TesseraError(
+                        f"rank {self.rank}: multi-step snapshot: {self._next_step} of {self.steps} optimizer steps "
+                        f"ran within {self.timeout:g} s; the checkpoint needs all {self.steps}"
+                    ) from None
+                began = time.monotonic()
+                if kind == "copy":
+                    # The part's values as of now (steps since the call changed them): a change
+                    # while it is copied is what the copy must not miss.
+                    for e in self.parts[arg]:
+                        e.version = _version(e.source)
+                    _snapshot(pool, self.parts[arg], {})
+                    self._ready[arg].set()
+                elif kind == "replay":
+                    self._replay(*arg)
+                elif kind == "finish":
+                    if self._changed is not None:
+                        raise TesseraError(
+                            f"rank {self.rank}: multi-step snapshot: {self._changed} changed during the {self.steps} "
+                            "steps, but the optimizer does not update it, so its value at the last step was not "
+                            "copied (use snapshot='lazy' for state that changes outside the optimizer)"
+                        )
+                    handle.copy_seconds = copy_seconds
+                    return refresh_objects()
+                else:
+                    raise TesseraError(
+                        f"rank {self.rank}: multi-step snapshot: step {self._next_step} of {self.steps} came before "
+                        f"part {self._next_step} was copied within {self.timeout:g} s"
+                    )
+                copy_seconds += time.monotonic() - began
+        except BaseException:
+            self._failed.set()
+            for ready in self._ready:
+                ready.set()  # no step waits for a save that failed
+            raise
+
+    def _replay(self, step: int, grads: List[Tuple[int, Any, int]], hyper: List[Dict[str, Any]]) -> None:
+        """Applies step N+``step`` to the host copies of parts 0..``step``."""
+        shadow = self._shadow_optimizer()
+        by_param = {pid: (grad, version) for pid, grad, version in grads}
+        for part in self.part_params[: step + 1]:
+            for _g, p in part:
+                host = self._shadow_params[id(p)]
+                held = by_param.get(id(p))
+                host.grad = None if held is None else held[0]
+        for group, values in zip(shadow.param_groups, hyper):
+            group.update(values)
+        shadow.step()
+        for part in self.part_params[: step + 1]:
+            for _g, p in part:
+                self._shadow_params[id(p)].grad = None
+        for pid, grad, version in grads:
+            if int(grad._version) != version:
+                entry = self.param_entry[pid]
+                raise TesseraError(
+                    f"rank {self.rank}: multi-step snapshot: the gradient of {entry.fqn} was changed in place before "
+                    "the save replayed its step (zero_grad(set_to_none=False)?); the replayed state would be wrong"
+                )
+
+    def _shadow_optimizer(self) -> Any:
+        """The optimizer's class over the pool's copies of the parameters and their state."""
+        if self._shadow is not None:
+            return self._shadow
+        groups = []
+        for g, group in enumerate(self.optimizer.param_groups):
+            params = []
+            for p in group["params"]:
+                entry = self.param_entry.get(id(p))
+                if entry is None:
+                    continue
+                host = self._pool.region(entry.pool_offset, entry.nbytes, entry.source)
+                self._shadow_params[id(p)] = host
+                params.append(host)
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        shadow = type(self.optimizer)(groups)
+        for pid, named in self.state_entries.items():
+            host = self._shadow_params[pid]
+            shadow.state[host] = {
+                name: self._pool.region(e.pool_offset, e.nbytes, e.source) for name, e in named.items()
+            }
+        self._shadow = shadow
+        return shadow
+
+
+__all__: Sequence[str] = ["MultiStepSnapshot", "SUPPORTED"]
