@@ -113,6 +113,34 @@ async fn missing_rank_is_named() {
     );
 }
 
+/// A rank that never checks in: rank 0 gives up at its deadline, and the rank that did check
+/// in learns then which rank is missing, instead of waiting out its own longer deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_that_checked_in_learn_which_rank_never_came_when_rank_0_gives_up() {
+    let port = free_port();
+    let master = spawn_rank(0, 3, port, Duration::from_millis(1500));
+    let start = Instant::now();
+    let waiting = rendezvous_detail(
+        spawn_rank(1, 3, port, Duration::from_secs(20))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        waiting,
+        "rank 1: the master gave up the rendezvous: rank 0: only 2 of 3 ranks checked in within \
+         1.5s; missing ranks [2]"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(
+        rendezvous_detail(master.await.unwrap()),
+        "rank 0: only 2 of 3 ranks checked in within 1.5s; missing ranks [2]"
+    );
+}
+
 /// A rank started with another world size is refused on its own connection, told why at once;
 /// rank 0 goes on waiting for its rank 1 and, when the deadline passes without it, names the
 /// refused hello beside the missing rank (the likely explanation).

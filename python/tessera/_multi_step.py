@@ -56,6 +56,20 @@ def _local(tensor: Any) -> Any:
     return to_local() if callable(to_local) and type(tensor).__name__ == "DTensor" else tensor
 
 
+def _is_entry(value: Any) -> bool:
+    """A box of the save (an entry with pool bytes), not an empty tensor standing in for one."""
+    return hasattr(value, "pool_offset")
+
+
+def _host(pool: Any, value: Any) -> Any:
+    """The pool's copy of an entry, or a fresh empty tensor for an empty one."""
+    import torch
+
+    if _is_entry(value):
+        return pool.region(value.pool_offset, value.nbytes, value.source)
+    return torch.empty_like(value)
+
+
 def _key(tensor: Any) -> Tuple[int, int, str, Tuple[int, ...]]:
     return (int(tensor.data_ptr()), int(tensor.numel()), str(tensor.dtype), tuple(tensor.shape))
 
@@ -72,7 +86,8 @@ class MultiStepSnapshot:
         self.parts: List[List[Any]] = []
         #: Per part: the optimizer's parameters in it, as (group index, param).
         self.part_params: List[List[Tuple[int, Any]]] = []
-        #: For each parameter (by id): its entry and its state entries by state name.
+        #: For each parameter (by id): its entry (an empty tensor for an empty local shard) and
+        #: its state entries by state name (empty tensors likewise).
         self.param_entry: Dict[int, Any] = {}
         self.state_entries: Dict[int, Dict[str, Any]] = {}
         #: Entries the optimizer does not update (copied with part 0; must not change after).
@@ -118,37 +133,42 @@ class MultiStepSnapshot:
         for g, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 local = _local(p.detach())
+                # An empty local shard (FSDP2 gives the last ranks none of a small tensor) has no
+                # bytes to copy, but its optimizer state may (Adam's step count).
                 entry = by_key.get(_key(local)) if local.numel() else None
-                if entry is None:
-                    if local.numel() == 0:
-                        continue
+                if entry is None and local.numel():
                     raise ValueError(
                         f"snapshot='multi_step': a parameter the optimizer updates (shape {tuple(p.shape)}, group {g}) "
                         "is not in the state dict being saved; save the model's state with the optimizer's"
                     )
+                what = entry.fqn if entry is not None else f"an empty shard of a parameter of group {g}"
                 state = optimizer.state.get(p)
                 if not state and p.requires_grad and name != "SGD":
                     raise ValueError(
-                        f"snapshot='multi_step': {name} has no state for {entry.fqn} yet (it has not stepped); "
+                        f"snapshot='multi_step': {name} has no state for {what} yet (it has not stepped); "
                         "take the first checkpoint after a step, or with snapshot='lazy'"
                     )
                 named: Dict[str, Any] = {}
-                size = entry.nbytes
+                size = entry.nbytes if entry is not None else 0
                 for state_name, value in (state or {}).items():
                     if not hasattr(value, "data_ptr"):
                         continue
                     local_state = _local(value.detach())
-                    found = by_key.get(_key(local_state)) if local_state.numel() else None
+                    if not local_state.numel():
+                        named[state_name] = local_state  # nothing to copy: the replay's own
+                        continue
+                    found = by_key.get(_key(local_state))
                     if found is None:
                         raise ValueError(
-                            f"snapshot='multi_step': the optimizer's {state_name!r} of {entry.fqn} is not in the "
+                            f"snapshot='multi_step': the optimizer's {state_name!r} of {what} is not in the "
                             "state dict being saved; save optimizer.state_dict() (or the optimizer) with the model"
                         )
                     named[state_name] = found
                     claimed.add(id(found))
                     size += found.nbytes
-                claimed.add(id(entry))
-                plan.param_entry[id(p)] = entry
+                if entry is not None:
+                    claimed.add(id(entry))
+                plan.param_entry[id(p)] = entry if entry is not None else local
                 plan.state_entries[id(p)] = named
                 params.append((g, p, size))
         # Contiguous runs of parameters, balanced by bytes (with their optimizer state).
@@ -159,8 +179,7 @@ class MultiStepSnapshot:
         for g, p, size in params:
             part = min(steps - 1, (done * steps) // total)
             plan.part_params[part].append((g, p))
-            plan.parts[part].append(plan.param_entry[id(p)])
-            plan.parts[part].extend(plan.state_entries[id(p)].values())
+            plan.parts[part].extend(e for e in [plan.param_entry[id(p)], *plan.state_entries[id(p)].values()] if _is_entry(e))
             done += size
         plan.static = [e for e in entries if id(e) not in claimed]
         plan.parts[0][:0] = plan.static
@@ -292,8 +311,9 @@ class MultiStepSnapshot:
         for pid, grad, version in grads:
             if int(grad._version) != version:
                 entry = self.param_entry[pid]
+                what = entry.fqn if _is_entry(entry) else "an empty shard"
                 raise TesseraError(
-                    f"rank {self.rank}: multi-step snapshot: the gradient of {entry.fqn} was changed in place before "
+                    f"rank {self.rank}: multi-step snapshot: the gradient of {what} was changed in place before "
                     "the save replayed its step (zero_grad(set_to_none=False)?); the replayed state would be wrong"
                 )
 
@@ -308,16 +328,14 @@ class MultiStepSnapshot:
                 entry = self.param_entry.get(id(p))
                 if entry is None:
                     continue
-                host = self._pool.region(entry.pool_offset, entry.nbytes, entry.source)
+                host = _host(self._pool, entry)
                 self._shadow_params[id(p)] = host
                 params.append(host)
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
         shadow = type(self.optimizer)(groups)
         for pid, named in self.state_entries.items():
             host = self._shadow_params[pid]
-            shadow.state[host] = {
-                name: self._pool.region(e.pool_offset, e.nbytes, e.source) for name, e in named.items()
-            }
+            shadow.state[host] = {name: _host(self._pool, e) for name, e in named.items()}
         self._shadow = shadow
         return shadow
 

@@ -187,7 +187,7 @@ def test_multi_step_fails_when_the_job_stops_stepping(tmp_path):
 # -- FSDP2 + AdamW over 3 gloo ranks ----------------------------------------------------------
 
 
-def _fsdp_rank(rank: int, port: int, rendezvous_port: int, path: str, out: str) -> None:
+def _fsdp_rank(rank: int, port: int, rendezvous_port: int, mode: str, path: str, out: str) -> None:
     import os
 
     import torch.distributed as dist
@@ -209,18 +209,41 @@ def _fsdp_rank(rank: int, port: int, rendezvous_port: int, path: str, out: str) 
             _forward_backward(model, 10 + i)
             optim.step()
             optim.zero_grad()
-        full = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
-        optim_full = {
-            i: {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).clone() for n, t in s.items()}
-            for i, s in optim.state_dict()["state"].items()
-        }
+        def full_state():
+            model_full = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+            optim_full = {
+                i: {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).clone() for n, t in s.items()}
+                for i, s in optim.state_dict()["state"].items()
+            }
+            return model_full, optim_full
+
+        # kill: no training after the call (FSDP2's collectives would fail first on a dead rank).
+        steps = {"multi_step": 3, "lazy": 1, "kill": 0}[mode]
+        extra = {"steps": steps} if mode == "multi_step" else {}
+        if mode == "kill":
+            extra = {"timeout": 10}
+        full, optim_full = full_state()
+        if mode == "kill" and rank == 2:
+            # This rank dies in the middle of its lazy copy.
+            def die(*_args):
+                os._exit(9)
+
+            _async_save._copy_entry = die
         handle = tessera.async_save(
-            {"model": model, "optim": optim}, path, process_group=dist.group.WORLD, snapshot="lazy", optimizer=optim, timeout=60
+            {"model": model, "optim": optim}, path, process_group=dist.group.WORLD,
+            snapshot="multi_step" if mode == "multi_step" else "lazy", optimizer=optim, **{"timeout": 30, **extra},
         )
-        _forward_backward(model, 20)
-        optim.step()  # waits for this rank's copies
-        optim.zero_grad()
-        report = handle.result(timeout=120)
+        for j in range(steps):
+            _forward_backward(model, 20 + j)
+            if j == steps - 1 and mode == "multi_step":
+                full, optim_full = full_state()  # the state the multi-step checkpoint stands for
+            optim.step()  # lazy: waits for this rank's copies; multi-step: for this step's part
+            optim.zero_grad()
+        try:
+            report = handle.result(timeout=120)
+        except tessera.TesseraError as e:
+            Path(out, f"rank{rank}.json").write_text(json.dumps({"failed": str(e)}))
+            return
         # Another layout: every rank loads whole tensors.
         dest = {
             "model": {k: torch.empty_like(v) for k, v in full.items()},
@@ -231,14 +254,37 @@ def _fsdp_rank(rank: int, port: int, rendezvous_port: int, path: str, out: str) 
         wrong += [
             f"optim.{i}.{n}" for i, s in optim_full.items() for n, t in s.items() if not torch.equal(dest["optim"]["state"][i][n], t)
         ]
-        result = {"wrong": wrong, "snapshot": report.snapshot, "tensors": len(full)}
+        result = {"wrong": wrong, "snapshot": report.snapshot, "tensors": len(full), "after": report.steps_after_call}
     except Exception as e:  # noqa: BLE001 - reported to the test
         result = {"error": f"{type(e).__name__}: {e}"}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
-def test_an_fsdp2_job_saves_lazily_and_the_state_at_the_call_loads_into_another_layout(tmp_path):
-    got = run_job(_fsdp_rank, 3, (free_port(), str(tmp_path / "c")), tmp_path)
+@pytest.mark.parametrize("mode", ["lazy", "multi_step"])
+def test_an_fsdp2_job_saves_and_the_state_it_stands_for_loads_into_another_layout(tmp_path, mode):
+    got = run_job(_fsdp_rank, 3, (free_port(), mode, str(tmp_path / "c")), tmp_path)
+    after = 2 if mode == "multi_step" else 0
     for rank in range(3):
-        assert got[rank] == {"wrong": [], "snapshot": "lazy", "tensors": 6}, (rank, got[rank])
+        assert got[rank] == {"wrong": [], "snapshot": mode, "tensors": 6, "after": after}, (rank, got[rank])
+
+
+def test_a_rank_killed_during_its_lazy_copy_leaves_nothing_committed(tmp_path):
+    import multiprocessing as mp
+
+    from conftest import job_store
+
+    store = job_store(3)
+    ctx = mp.get_context("spawn")
+    path = str(tmp_path / "c")
+    port = free_port()  # tessera's rendezvous, the same for every rank
+    procs = [ctx.Process(target=_fsdp_rank, args=(r, store.port, port, "kill", path, str(tmp_path))) for r in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(150)
+    assert [p.exitcode for p in procs] == [0, 0, 9]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "missing ranks [2]" in got.get("failed", ""), (rank, got)
+    assert not (tmp_path / "c" / "manifest.json").exists()

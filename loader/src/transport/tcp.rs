@@ -74,6 +74,11 @@ const MAX_REASON_LEN: u16 = 4096;
 const TURNED_AWAY: u8 = 0;
 /// A refusal of the whole job: its ranks plan with different options.
 const CALLED_OFF: u8 = 1;
+/// Rank 0 gave up waiting for ranks that never checked in: the ones that did are told which.
+const GAVE_UP: u8 = 2;
+/// How much longer than its connect timeout a rank waits for rank 0's table, so that rank 0,
+/// which may have started later, can say which ranks never came before this one gives up.
+const VERDICT_GRACE: Duration = Duration::from_secs(3);
 /// Plan options a hello may carry, and bytes of one name or value: a front end sends a handful
 /// of flags and short values; the caps keep a corrupt count from asking for much.
 const MAX_PLAN_TERMS: u16 = 64;
@@ -913,7 +918,7 @@ async fn master(
             }
             () = &mut sleep => {
                 let disagree = disagreements(&checked_in, &config.plan);
-                return Err(rendezvous(format!(
+                let detail = format!(
                     "rank 0: only {count} of {world} ranks checked in within {:?}; missing ranks {:?}{}{}",
                     options.connect_timeout,
                     missing(&have, world),
@@ -923,7 +928,19 @@ async fn master(
                     } else {
                         format!("; and ranks that are in plan with other options: {}", disagree.join("; "))
                     }
-                )));
+                );
+                // The ranks that did check in learn which did not now, instead of waiting out
+                // their own deadline for a table that will not come.
+                let message = refusal(GAVE_UP, &detail);
+                futures::future::join_all(checked_in.iter_mut().flatten().map(|hello| async {
+                    let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, async {
+                        hello.stream.write_all(&message).await?;
+                        hello.stream.shutdown().await
+                    })
+                    .await;
+                }))
+                .await;
+                return Err(rendezvous(detail));
             }
         }
     }
@@ -1058,11 +1075,16 @@ async fn worker(
             config.master_addr, config.master_port
         ),
     );
-    match tokio::time::timeout_at(deadline, talk).await {
+    // Rank 0 names the ranks that never came when its own deadline passes; a rank that started
+    // a little before it waits that much longer to hear which, rather than time out blind.
+    match tokio::time::timeout_at(deadline + VERDICT_GRACE, talk).await {
         Ok(Ok(Answer::Table(session, table))) => Ok((session, table, listener)),
         Ok(Ok(Answer::Refused(CALLED_OFF, detail))) => {
             Err(LoaderError::RanksDisagree { rank, detail })
         }
+        Ok(Ok(Answer::Refused(GAVE_UP, why))) => Err(rendezvous(format!(
+            "rank {rank}: the master gave up the rendezvous: {why}"
+        ))),
         Ok(Ok(Answer::Refused(_, why))) => Err(rendezvous(format!(
             "rank {rank}: the master at {}:{} turned this rank away: {why}",
             config.master_addr, config.master_port
@@ -1077,7 +1099,7 @@ async fn worker(
         ))),
         Err(_) => Err(rendezvous(format!(
             "rank {rank}: the master did not send the address table within {:?} (are all {world} ranks started?)",
-            options.connect_timeout
+            options.connect_timeout + VERDICT_GRACE
         ))),
     }
 }
