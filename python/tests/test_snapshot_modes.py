@@ -288,3 +288,47 @@ def test_a_rank_killed_during_its_lazy_copy_leaves_nothing_committed(tmp_path):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert "missing ranks [2]" in got.get("failed", ""), (rank, got)
     assert not (tmp_path / "c" / "manifest.json").exists()
+
+
+def test_the_readmes_training_loop_runs_and_its_checkpoints_hold_the_state_at_each_call(tmp_path, monkeypatch):
+    import re
+    import textwrap
+    from types import SimpleNamespace
+
+    from conftest import REPO
+
+    text = (REPO / "README.md").read_text()
+    blocks = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if 'snapshot="lazy"' in b]
+    assert len(blocks) == 1, "README.md has one training loop with a lazy snapshot"
+    net = _mlp(6)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, batch):
+            return SimpleNamespace(loss=self.net(batch).pow(2).mean())
+
+    model = Model()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(8, 16, generator=g) for _ in range(201)]
+    expected = {}
+
+    class Loader:
+        def __iter__(self):
+            for step, batch in enumerate(batches):
+                if step % 100 == 0:
+                    expected[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                yield batch
+
+    monkeypatch.chdir(tmp_path)
+    scope = {"tessera": tessera, "model": model, "optim": optim, "loader": Loader()}
+    exec(compile(blocks[0], "README.md", "exec"), scope)
+    scope["handle"].result(timeout=60)
+    for step, state in expected.items():
+        got = {k: torch.empty_like(v) for k, v in state.items()}
+        tessera.load({"model": got}, f"ckpts/run/step-{step}", progress=False)
+        for key, value in state.items():
+            assert torch.equal(got[key], value), (step, key)
