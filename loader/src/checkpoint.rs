@@ -44,6 +44,9 @@ pub struct Checkpoint {
     /// DCP: what `.metadata` records beyond the checkpoint model, for front ends that hand it
     /// back to DCP (the Python `StorageReader`).
     pub dcp_record: Option<Arc<DcpRecord>>,
+    /// What the open found that is not an error (files of an earlier save left in the
+    /// directory, ignored): front ends show them as warnings.
+    pub warnings: Vec<String>,
 }
 
 /// What a DCP `.metadata` records beyond tensors and objects.
@@ -95,6 +98,7 @@ impl Checkpoint {
                     planner_data: d.metadata.planner_data.clone(),
                 })
             }),
+            warnings: opened.warnings(),
             meta: Arc::new(opened.meta),
             checksums: opened.block_checksums.map(Arc::new),
         })

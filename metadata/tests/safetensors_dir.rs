@@ -109,25 +109,35 @@ struct Shard {
 /// files in `sharded/`, every 2-d tensor split by rows (rank 1 gets an empty chunk for
 /// `tiny.weight`'s 3 rows split 3/0), with `DCP_SHARDING_INFO`.
 fn dcp_sharded(tmp: &Path) -> std::path::PathBuf {
+    let dir = tmp.join("hf");
+    dcp_sharded_into(&dir.join("sharded"), 2, None);
+    dir
+}
+
+/// Writes h's tensors into `dir` as a DCP HF save by `ranks` ranks (rows split evenly; 2 ranks
+/// give `tiny.weight` to rank 0 whole), every byte set to `fill` when given (a save of other
+/// values).
+fn dcp_sharded_into(dir: &Path, ranks: u64, fill: Option<u8>) {
     let source =
         std::fs::read(fixtures().join("h_reference_full_safetensors/model.safetensors")).unwrap();
     let header =
         tessera_metadata::formats::safetensors::parse(&source, "model.safetensors").unwrap();
-    let dir = tmp.join("hf");
-    std::fs::create_dir_all(dir.join("sharded")).unwrap();
-    for rank in 0..2u64 {
+    std::fs::create_dir_all(dir).unwrap();
+    for rank in 0..ranks {
         let mut owned: Vec<Shard> = Vec::new();
         for t in &header.tensors {
             let (a, b) = t.data_offsets;
             let bytes = &source[(header.data_start + a) as usize..(header.data_start + b) as usize];
+            let filled = fill.map(|f| vec![f; bytes.len()]);
+            let bytes = filled.as_deref().unwrap_or(bytes);
             if t.shape.len() == 2 {
                 let rows = t.shape[0];
-                let split = if t.name == "tiny.weight" {
+                let per = if t.name == "tiny.weight" && ranks == 2 {
                     rows
                 } else {
-                    rows.div_ceil(2)
+                    rows.div_ceil(ranks)
                 };
-                let (start, end) = if rank == 0 { (0, split) } else { (split, rows) };
+                let (start, end) = ((rank * per).min(rows), ((rank + 1) * per).min(rows));
                 let row_bytes = (t.shape[1] * t.dtype.size()) as usize;
                 owned.push(Shard {
                     name: t.name.clone(),
@@ -172,14 +182,82 @@ fn dcp_sharded(tmp: &Path) -> std::path::PathBuf {
             .collect();
         std::fs::write(
             dir.join(format!(
-                "sharded/shard-0000{}-model-00001-of-00001.safetensors",
+                "shard-0000{}-model-00001-of-00001.safetensors",
                 rank + 1
             )),
             serialize(&views, Some(&metadata)).unwrap(),
         )
         .unwrap();
     }
-    dir
+}
+
+/// A directory DCP's HF writer saved into twice: by 3 ranks (other values), then by 2, which
+/// overwrote shards 1 and 2. Shard 3 of the first save is left behind and overlaps shard 2: the
+/// checkpoint is the second save's two files, the stray is named in a warning, and every tensor
+/// has the second save's bytes.
+#[test]
+fn files_an_earlier_save_left_in_a_reused_directory_are_ignored_and_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("hf");
+    dcp_sharded_into(&dir, 3, Some(0x7f));
+    dcp_sharded_into(&dir, 2, None);
+    let opened = open(&dir).unwrap();
+    let names: Vec<&str> = opened
+        .meta
+        .files()
+        .iter()
+        .map(|f| f.path.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "shard-00001-model-00001-of-00001.safetensors",
+            "shard-00002-model-00001-of-00001.safetensors"
+        ]
+    );
+    assert_eq!(
+        opened.safetensors().unwrap().ignored,
+        ["shard-00003-model-00001-of-00001.safetensors"]
+    );
+    let warnings = opened.warnings();
+    assert_eq!(warnings.len(), 1);
+    assert!(
+        warnings[0].contains(
+            "ignored 1 file(s) of an earlier DCP save into the same directory: shard-00003-model-00001-of-00001.safetensors"
+        ),
+        "{warnings:?}"
+    );
+    let shas = h_shas();
+    for (t, tensor) in opened.meta.tensors().iter().enumerate() {
+        assert_eq!(
+            sha256(&read_tensor(&dir, &opened.meta, t as u32)),
+            shas[&tensor.fqn],
+            "{}",
+            tensor.fqn
+        );
+    }
+    // The identity is the newest save's alone: removing the stray changes nothing.
+    std::fs::remove_file(dir.join("shard-00003-model-00001-of-00001.safetensors")).unwrap();
+    let clean = open(&dir).unwrap();
+    assert_eq!(clean.meta.identity(), opened.meta.identity());
+    assert!(clean.warnings().is_empty());
+}
+
+/// Files that no save by fewer ranks explains (two boxes overlap with every prefix of shards) are
+/// not guessed at: the overlap is refused as before.
+#[test]
+fn overlapping_files_no_save_explains_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("hf");
+    dcp_sharded_into(&dir, 2, None);
+    std::fs::copy(
+        dir.join("shard-00001-model-00001-of-00001.safetensors"),
+        dir.join("shard-00003-model-00001-of-00001.safetensors"),
+    )
+    .unwrap();
+    std::fs::remove_file(dir.join("shard-00002-model-00001-of-00001.safetensors")).unwrap();
+    let err = error(&dir);
+    assert!(err.contains("overlap"), "{err}");
 }
 
 #[test]

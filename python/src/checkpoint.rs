@@ -57,6 +57,13 @@ impl OpenedCheckpoint {
         &self.location
     }
 
+    /// What the open found that is not an error (files of an earlier save in the directory,
+    /// ignored); `tessera.load` and the StorageReader raise them as warnings.
+    #[getter]
+    fn warnings(&self) -> Vec<String> {
+        self.checkpoint.warnings.clone()
+    }
+
     /// `native`, `dcp`, `safetensors`, ...
     #[getter]
     fn format(&self) -> String {

@@ -110,8 +110,12 @@ pub(crate) fn resolve_target(
         }
         (None, None) => {
             if shape != meta.shape {
+                // DCP's own words first ("Size mismatch between saved ... and current: ..."),
+                // which code written for dcp.load matches on.
                 bail!(
-                    "tensor {fqn}: the checkpoint's shape is {} but the array's is {} (pass (array, offsets) for a part of it)",
+                    "Size mismatch between saved {} and current: {} for {fqn}: tensor {fqn}: the checkpoint's shape is {} but the array's is {} (pass (array, offsets) for a part of it)",
+                    shape_text(&meta.shape),
+                    shape_text(&shape),
                     shape_text(&meta.shape),
                     shape_text(&shape)
                 );

@@ -63,6 +63,15 @@ Progress = Callable[[int, int], None]
 Target = Union[Any, Box, Flat, Tuple[Any, Sequence[int]]]
 
 
+def _open(checkpoint: str, storage_options: Optional[Mapping[str, str]]) -> Any:
+    """Opens a checkpoint for a front end, raising what the open found worth saying (files of an
+    earlier save in the directory, ignored) as warnings."""
+    opened = _tessera.open_checkpoint(checkpoint, _storage_env(storage_options))
+    for warning in opened.warnings:
+        warnings.warn(warning, stacklevel=4)
+    return opened
+
+
 def _warn_unverified(checkpoint: str, verify: bool, unverified: int) -> None:
     """Warns when a load asked to verify read bytes that no checksum covered."""
     if verify and unverified > 0:
@@ -324,7 +333,10 @@ def _missing_message(checkpoint_id: str, missing: List[Tuple[str, str]], names: 
             text += f": did you mean {', '.join(close)}?"
         parts.append(text)
     more = f"; and {len(missing) - 5} more" if len(missing) > 5 else ""
+    # DCP's own words first (it stops at the first missing key), which code written for
+    # dcp.load matches on; then every key with its near matches.
     return (
+        f"Missing key in checkpoint state_dict: {missing[0][1]}. "
         f"{len(missing)} key(s) of the state dict are not in checkpoint {checkpoint_id}: "
         + "; ".join(parts)
         + more
@@ -480,7 +492,7 @@ def load(
     group = _group.default_group(process_group, exchange)
     if group is not None and (rank is not None or world_size is not None):
         raise ValueError("rank and world_size come from the process group; do not pass them with one")
-    opened = _tessera.open_checkpoint(str(checkpoint_id), _storage_env(storage_options))
+    opened = _open(str(checkpoint_id), storage_options)
     entries = json.loads(opened.entries())
     tensors: Dict[str, Any] = entries["tensors"]
     objects = set(entries["objects"])
@@ -539,7 +551,7 @@ def load(
     # decode fails the load early) and set only after every tensor loaded.
     stored = opened.read_objects([fqn for _k, fqn, _p, _v in wanted_objects]) if wanted_objects else []
     decoded = [
-        (path, _objects.decode(key, data, like, allow_pickle=allow_pickle))
+        (path, _objects.decode(key, data, like, allow_pickle=allow_pickle, archived=opened.format == "dcp"))
         for (key, _fqn, path, like), data in zip(wanted_objects, stored)
     ]
 
@@ -587,12 +599,12 @@ def load(
         _state.set_element(state_dict, path, value)
     for key, value in stateful.items():
         value.load_state_dict(state_dict[key])
-    if stateful:
-        # Values replaced at the top level of the view (non-tensor values) go back to the
-        # caller's dict; Stateful entries stay the caller's objects.
-        for key, value in state_dict.items():
-            if key not in stateful and outer[key] is not value:
-                outer[key] = value
+    # As dcp.load ends: every top-level value that is not Stateful is assigned back into the
+    # caller's mapping (a mapping that watches its __setitem__ sees the load); Stateful entries
+    # stay the caller's objects.
+    for key in sorted(state_dict.keys(), key=str):
+        if key not in stateful and key in outer:
+            outer[key] = state_dict[key]
     report.tensors_loaded = len(targets)
     report.objects_loaded = len(decoded)
     report.total_seconds = time.monotonic() - started

@@ -24,6 +24,7 @@ _PLAIN_CLASSES = {
     ("builtins", "range"),
     ("collections", "OrderedDict"),
     ("_codecs", "encode"),  # how protocol 2 spells bytes
+    ("_io", "BytesIO"),  # DCP saves a BytesIO value pickled (its state: the bytes and a position)
 }
 
 
@@ -65,14 +66,15 @@ def is_torch_archive(data: bytes) -> bool:
     return data[:4] == b"PK\x03\x04"
 
 
-def decode(key: str, data: bytes, like: Any, *, allow_pickle: bool) -> Any:
+def decode(key: str, data: bytes, like: Any, *, allow_pickle: bool, archived: bool = False) -> Any:
     """The value of object ``key`` from its stored bytes. ``like`` is the state dict's current
-    value: ``bytes``/``bytearray``/``io.BytesIO`` get the raw bytes back in that type. Bytes that
-    are neither a torch.save archive nor a pickle come back as ``bytes`` (a bytes value saved raw)."""
-    if isinstance(like, (bytes, bytearray)):
-        return type(like)(data)
-    if isinstance(like, io.BytesIO):
-        return io.BytesIO(data)
+    value: ``bytes``/``bytearray``/``io.BytesIO`` get the raw bytes back in that type (tessera
+    stores them raw). With ``archived`` (a DCP checkpoint, whose writer stores every non-tensor
+    value as a ``torch.save`` archive, bytes and BytesIO included) the value is the archive's, as
+    ``dcp.load`` gives it. Bytes that are neither a torch.save archive nor a pickle come back as
+    ``bytes`` (a bytes value saved raw)."""
+    if isinstance(like, (bytes, bytearray, io.BytesIO)) and not (archived and is_torch_archive(data)):
+        return io.BytesIO(data) if isinstance(like, io.BytesIO) else type(like)(data)
     if allow_pickle:
         if is_torch_archive(data):
             torch = sys.modules.get("torch")

@@ -58,14 +58,16 @@ def sharded_boxes(value: Any) -> List[Tuple[Any, List[int]]]:
 
 def plans_by_chunks(value: Any) -> bool:
     """A tensor subclass that plans through DCP's chunk protocol (``__create_chunk_list__`` and
-    ``__get_tensor_shard__``), such as ``LocalShardsWrapper`` (uneven local shards); DTensors
-    have their own path (``dtensor_box``)."""
-    return (
-        is_torch_tensor(value)
-        and not is_dtensor(value)
-        and callable(getattr(value, "__create_chunk_list__", None))
-        and callable(getattr(value, "__get_tensor_shard__", None))
-    )
+    ``__get_tensor_shard__``), such as ``LocalShardsWrapper`` (uneven local shards), or a DTensor
+    whose local tensor is one (DTensor's own methods hand the protocol to it, as DCP plans it);
+    other DTensors have their own path (``dtensor_box``)."""
+
+    def speaks(t: Any) -> bool:
+        return callable(getattr(t, "__create_chunk_list__", None)) and callable(getattr(t, "__get_tensor_shard__", None))
+
+    if is_dtensor(value):
+        return speaks(value.to_local())
+    return is_torch_tensor(value) and speaks(value)
 
 
 def chunk_boxes(fqn: str, value: Any) -> List[Tuple[Any, List[int]]]:

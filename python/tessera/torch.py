@@ -329,9 +329,9 @@ class StorageReader(dcp.StorageReader):
 
     def _open(self) -> Any:
         if self._opened is None:
-            from . import _storage_env
+            from . import _open
 
-            self._opened = _tessera.open_checkpoint(self.path, _storage_env(self.storage_options))
+            self._opened = _open(self.path, self.storage_options)
         return self._opened
 
 

@@ -73,8 +73,11 @@ def test_dcp_shaped_failures_are_checkpoint_exceptions_and_tessera_errors(tmp_pa
     with pytest.raises(CheckpointException) as refused:
         tessera.load({"w": torch.zeros(4), "v": torch.zeros(2)}, str(tmp_path / "c"), progress=False)
     assert isinstance(refused.value, tessera.TesseraError) and isinstance(refused.value, Exception)
-    assert str(refused.value).startswith("1 key(s) of the state dict are not in checkpoint "), str(refused.value)
-    with pytest.raises(CheckpointException, match="shape"):
+    # DCP's words first (code written for dcp.load matches on them), then tessera's details.
+    assert str(refused.value).startswith(
+        "Missing key in checkpoint state_dict: v. 1 key(s) of the state dict are not in checkpoint "
+    ), str(refused.value)
+    with pytest.raises(CheckpointException, match=r"^Size mismatch between saved \[4\] and current: \[5\] for w: "):
         tessera.load({"w": torch.zeros(5)}, str(tmp_path / "c"), progress=False)
 
 
@@ -179,3 +182,39 @@ def test_uneven_local_shards_of_a_chunk_protocol_tensor_load_in_place(tmp_path):
     state = {"w": LocalShardsWrapper([top, row], [(0, 0), (4, 0)])}
     tessera.load(state, str(tmp_path / "c"), progress=False)
     assert torch.equal(top, w[:2]) and torch.equal(row, w[4:5])
+
+
+def _hf_save_rank(rank: int, port: int, world: int, path: str, value: float, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    join_job(rank, world, port)
+    mesh = DeviceMesh("cpu", list(range(world)))
+    full = torch.arange(48, dtype=torch.float32).reshape(12, 4) + value
+    state = {"w": distribute_tensor(full, mesh, [Shard(0)])}
+    writer = dcp.HuggingFaceStorageWriter(path, save_distributed=True)
+    dcp.save(state, storage_writer=writer, process_group=dist.group.WORLD)
+    Path(out, f"rank{rank}.json").write_text("{}")
+    dist.destroy_process_group()
+
+
+def test_a_reused_hf_directory_loads_the_newest_save_and_names_the_strays(tmp_path):
+    pytest.importorskip("safetensors", reason="DCP's HF writer needs the safetensors module (make python-env installs it)")
+    path = tmp_path / "hf"
+    # torch's HF writer, distributed: a save by 3 ranks, then one by 2 into the same directory.
+    run_job(_hf_save_rank, 3, (3, str(path), 1000.0), tmp_path)
+    run_job(_hf_save_rank, 2, (2, str(path), 0.0), tmp_path)
+    assert sorted(p.name for p in path.glob("*.safetensors")) == [
+        f"shard-0000{s}-model-00001-of-00001.safetensors" for s in (1, 2, 3)
+    ]
+    newest = torch.arange(48, dtype=torch.float32).reshape(12, 4)
+    for load in ("tessera", "reader"):
+        state = {"w": torch.zeros(12, 4)}
+        with pytest.warns(UserWarning, match=r"ignored 1 file\(s\) of an earlier DCP save into the same directory: "
+                          r"shard-00003-model-00001-of-00001\.safetensors"):
+            if load == "tessera":
+                tessera.load(state, str(path), progress=False)
+            else:
+                dcp.load(state, storage_reader=tessera.torch.StorageReader(str(path)), no_dist=True)
+        assert torch.equal(state["w"], newest), load

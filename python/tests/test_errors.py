@@ -15,6 +15,7 @@ def test_unknown_fqn_is_named_with_near_matches():
     with pytest.raises(tessera.TesseraError) as e:
         tessera.load({"model.final_ln.wieght": np.empty(3, np.float32)}, str(fixture(C)), progress=False)
     assert str(e.value).startswith(
+        f"Missing key in checkpoint state_dict: model.final_ln.wieght. "
         f"1 key(s) of the state dict are not in checkpoint {fixture(C)}: model.final_ln.wieght: "
         "did you mean model.final_ln.weight"
     )

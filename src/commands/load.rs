@@ -197,6 +197,9 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     let checkpoint = Checkpoint::open_with(location, &open_options)
         .await
         .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
+    for warning in &checkpoint.warnings {
+        eprintln!("warning: {warning}");
+    }
     if !checkpoint.has_data {
         bail!(
             "{}: a metadata-only checkpoint has no data to load",

@@ -186,6 +186,29 @@ pub struct OpenedCheckpoint {
 }
 
 impl OpenedCheckpoint {
+    /// What a person loading it should know that is not an error: files in its directory that
+    /// are not part of it (an earlier save's, left behind). Front ends print them as warnings.
+    pub fn warnings(&self) -> Vec<String> {
+        match &self.details {
+            FormatDetails::Safetensors(details) if !details.ignored.is_empty() => {
+                let shown: Vec<&str> = details.ignored.iter().take(4).map(String::as_str).collect();
+                let more = details.ignored.len() - shown.len();
+                vec![format!(
+                    "{}: ignored {} file(s) of an earlier DCP save into the same directory: {}{} (a save by W ranks writes shard-1..W; the newest save's files tile every tensor without these)",
+                    self.root,
+                    details.ignored.len(),
+                    shown.join(", "),
+                    if more > 0 {
+                        format!(" and {more} more")
+                    } else {
+                        String::new()
+                    }
+                )]
+            }
+            _ => Vec::new(),
+        }
+    }
+
     /// The native manifest, for native checkpoints.
     pub fn manifest(&self) -> Option<&Manifest> {
         match &self.details {

@@ -70,6 +70,9 @@ pub struct SafetensorsDetails {
     pub files: Vec<SafetensorsFile>,
     /// Header bytes read to open it.
     pub header_bytes: u64,
+    /// Files in the directory that are not part of the checkpoint: an earlier DCP distributed HF
+    /// save's files that the newest save (by more ranks before, fewer now) did not overwrite.
+    pub ignored: Vec<String>,
 }
 
 /// True when `listing` holds safetensors files or an index, or a `sharded/` folder.
@@ -198,12 +201,7 @@ pub async fn open_safetensors(
 
     let mut files = Vec::with_capacity(names.len());
     let mut header_bytes = 0u64;
-    // The checkpoint's identity: the index (when there is one), then every file's name, size and
-    // header as read.
-    let mut identity = IdentityHasher::new(Format::Safetensors);
-    if let Some(index) = &index_bytes {
-        identity.part(INDEX_FILE.as_bytes()).part(index);
-    }
+    let mut headers_read: Vec<bytes::Bytes> = Vec::with_capacity(names.len());
     for (name, size) in names {
         let path = resolve(prefix, &name)?;
         let size = match size {
@@ -227,15 +225,43 @@ pub async fn open_safetensors(
         };
         let (header, read, json) = read_header_raw(store, &path, size).await?;
         header_bytes += read;
-        identity
-            .part(name.as_bytes())
-            .part(&size.to_le_bytes())
-            .part(&json);
+        headers_read.push(json);
         files.push(SafetensorsFile {
             path: name,
             size,
             header,
         });
+    }
+    // A directory DCP's HF writer saved into twice keeps the files of the earlier save that the
+    // later one did not overwrite: only the later save's files are the checkpoint.
+    let mut ignored = Vec::new();
+    if weight_map.is_none()
+        && let Some(keep) = newest_dcp_save(prefix, &files)?
+    {
+        let mut kept_files = Vec::with_capacity(keep.len());
+        let mut kept_headers = Vec::with_capacity(keep.len());
+        for (i, (file, json)) in files.into_iter().zip(headers_read).enumerate() {
+            if keep.contains(&i) {
+                kept_files.push(file);
+                kept_headers.push(json);
+            } else {
+                ignored.push(file.path);
+            }
+        }
+        files = kept_files;
+        headers_read = kept_headers;
+    }
+    // The checkpoint's identity: the index (when there is one), then every file's name, size and
+    // header as read.
+    let mut identity = IdentityHasher::new(Format::Safetensors);
+    if let Some(index) = &index_bytes {
+        identity.part(INDEX_FILE.as_bytes()).part(index);
+    }
+    for (file, json) in files.iter().zip(&headers_read) {
+        identity
+            .part(file.path.as_bytes())
+            .part(&file.size.to_le_bytes())
+            .part(json);
     }
     let meta = build_meta(prefix, &files, weight_map.as_ref())?.with_identity(identity.finish());
     Ok(SafetensorsCheckpoint {
@@ -244,8 +270,116 @@ pub async fn open_safetensors(
             layout,
             files,
             header_bytes,
+            ignored,
         },
     })
+}
+
+/// The rank index `s` of a file DCP's HF writer saved with `save_distributed=True`:
+/// `shard-<s>-model-<m>-of-<n>.safetensors` (`torch/distributed/checkpoint/_hf_utils.py`,
+/// `_gen_file_name`; `s` is the saving rank + 1).
+fn dcp_shard_index(path: &str) -> Option<u64> {
+    let base = path.rsplit('/').next()?.strip_suffix(".safetensors")?;
+    let (shard, rest) = base.strip_prefix("shard-")?.split_once("-model-")?;
+    let (model, total) = rest.split_once("-of-")?;
+    let digits = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
+    (digits(shard) && digits(model) && digits(total))
+        .then(|| shard.parse().ok())
+        .flatten()
+}
+
+/// Which of a DCP distributed HF save's `files` are the newest save's, when the directory also
+/// holds an earlier save's: `None` when every file belongs (their boxes do not overlap), else the
+/// positions to keep.
+///
+/// The rule is DCP's naming: a save by W ranks writes (and overwrites) the files of shard indices
+/// 1..=W. A save into a directory that a save by more ranks used before leaves that save's files
+/// of indices above W behind, and their boxes overlap the new ones. So the newest save is the
+/// files of indices 1..=W for the W at which those files tile every tensor they hold exactly
+/// (no two boxes overlap, nothing is missing): the strays are the indices above it. When no such
+/// W exists the files are left as they are, and the overlap is refused when the model is built.
+fn newest_dcp_save(
+    prefix: &Path,
+    files: &[SafetensorsFile],
+) -> Result<Option<Vec<usize>>, MetadataError> {
+    let mut indexed = Vec::with_capacity(files.len());
+    for (i, file) in files.iter().enumerate() {
+        let Some(shard) = dcp_shard_index(&file.path) else {
+            return Ok(None);
+        };
+        let info = sharding_info(file, prefix)?;
+        if info.is_empty() {
+            return Ok(None);
+        }
+        indexed.push((shard, i, info));
+    }
+    // Boxes of every tensor, file by file, in shard order.
+    indexed.sort_by_key(|(shard, i, _)| (*shard, *i));
+    let boxes_of = |upto: u64| {
+        let mut tensors: BTreeMap<&str, Vec<TensorBox>> = BTreeMap::new();
+        for (shard, i, info) in &indexed {
+            if *shard > upto {
+                break;
+            }
+            for entry in &files[*i].header.tensors {
+                let offsets = info
+                    .get(&entry.name)
+                    .cloned()
+                    .unwrap_or_else(|| vec![0; entry.shape.len()]);
+                tensors
+                    .entry(entry.name.as_str())
+                    .or_default()
+                    .push(TensorBox::new(offsets, entry.shape.clone()));
+            }
+        }
+        tensors
+    };
+    let Some(&(last, _, _)) = indexed.last() else {
+        return Ok(None);
+    };
+    // Each tensor's shape: the far corner of its boxes in every file (a save cannot shrink what
+    // the files together say).
+    let everything = boxes_of(last);
+    let tiles = |tensors: &BTreeMap<&str, Vec<TensorBox>>| {
+        tensors.iter().all(|(name, boxes)| {
+            let all = &everything[name];
+            let ndim = all[0].ndim();
+            if all.iter().any(|b| b.ndim() != ndim) {
+                return false;
+            }
+            let corner: Vec<u64> = (0..ndim)
+                .map(|d| all.iter().map(|b| b.end(d)).max().unwrap_or(0))
+                .collect();
+            let volume: u128 = corner.iter().map(|&n| u128::from(n)).product();
+            let covered: u128 = boxes.iter().map(|b| u128::from(b.numel())).sum();
+            covered == volume
+                && crate::BoxIndex::build(boxes.iter().collect::<Vec<_>>())
+                    .find_overlap()
+                    .is_none()
+        })
+    };
+    if tiles(&everything) {
+        return Ok(None);
+    }
+    let mut shards: Vec<u64> = indexed.iter().map(|(s, _, _)| *s).collect();
+    shards.dedup();
+    // Indices 1..=last all present: the earlier save by `last` ranks wrote every one, and the
+    // newest one by fewer ranks overwrote a prefix of them.
+    if shards.iter().enumerate().any(|(k, &s)| s != k as u64 + 1) {
+        return Ok(None);
+    }
+    for &upto in &shards[..shards.len() - 1] {
+        if tiles(&boxes_of(upto)) {
+            return Ok(Some(
+                indexed
+                    .iter()
+                    .filter(|(s, _, _)| *s <= upto)
+                    .map(|(_, i, _)| *i)
+                    .collect(),
+            ));
+        }
+    }
+    Ok(None)
 }
 
 /// A shard name `<stem>-<k>-of-<n>.safetensors` split into (stem, k, n as written).
