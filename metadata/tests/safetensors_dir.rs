@@ -191,109 +191,105 @@ fn dcp_sharded_into(dir: &Path, ranks: u64, fill: Option<u8>) {
     }
 }
 
+/// Sets the modification time of `dir/name` to `seconds_ago` before a fixed moment (the same
+/// for every call, so equal ages are equal times).
+fn age(dir: &Path, name: &str, seconds_ago: u64) {
+    static BASE: std::sync::OnceLock<std::time::SystemTime> = std::sync::OnceLock::new();
+    let base = *BASE.get_or_init(std::time::SystemTime::now);
+    let when = base - std::time::Duration::from_secs(seconds_ago);
+    std::fs::File::options()
+        .write(true)
+        .open(dir.join(name))
+        .unwrap()
+        .set_modified(when)
+        .unwrap();
+}
+
+fn shard_file(s: u64) -> String {
+    format!("shard-0000{s}-model-00001-of-00001.safetensors")
+}
+
+/// Every tensor of `dir` has h's bytes (not the earlier save's fill).
+fn holds_h(dir: &Path, opened: &tessera_metadata::OpenedCheckpoint) {
+    let shas = h_shas();
+    for (t, tensor) in opened.meta.tensors().iter().enumerate() {
+        assert_eq!(
+            sha256(&read_tensor(dir, &opened.meta, t as u32)),
+            shas[&tensor.fqn],
+            "{}",
+            tensor.fqn
+        );
+    }
+}
+
 /// A directory DCP's HF writer saved into twice: by 3 ranks (other values), then by 2, which
-/// overwrote shards 1 and 2. Shard 3 of the first save is left behind and overlaps shard 2: the
-/// checkpoint is the second save's two files, the stray is named in a warning, and every tensor
-/// has the second save's bytes.
+/// overwrote shards 1 and 2. Shard 3 of the first save is left behind, older, and overlaps
+/// shard 2: the checkpoint is the second save's two files, the stray is named in a warning, and
+/// every tensor has the second save's bytes.
 #[test]
 fn files_an_earlier_save_left_in_a_reused_directory_are_ignored_and_named() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("hf");
     dcp_sharded_into(&dir, 3, Some(0x7f));
+    age(&dir, &shard_file(3), 60);
     dcp_sharded_into(&dir, 2, None);
     let opened = open(&dir).unwrap();
-    let names: Vec<&str> = opened
-        .meta
-        .files()
-        .iter()
-        .map(|f| f.path.as_str())
-        .collect();
-    assert_eq!(
-        names,
-        [
-            "shard-00001-model-00001-of-00001.safetensors",
-            "shard-00002-model-00001-of-00001.safetensors"
-        ]
-    );
-    assert_eq!(
-        opened.safetensors().unwrap().ignored,
-        ["shard-00003-model-00001-of-00001.safetensors"]
-    );
+    let names: Vec<&str> = opened.meta.files().iter().map(|f| f.path.as_str()).collect();
+    assert_eq!(names, [shard_file(1), shard_file(2)]);
+    assert_eq!(opened.safetensors().unwrap().ignored, [shard_file(3)]);
     let warnings = opened.warnings();
     assert_eq!(warnings.len(), 1);
     assert!(
-        warnings[0].contains(
-            "ignored 1 file(s) of an earlier DCP save into the same directory: shard-00003-model-00001-of-00001.safetensors"
-        ),
+        warnings[0].contains(&format!(
+            "ignored 1 file(s) of an earlier DCP save into the same directory: {}",
+            shard_file(3)
+        )),
         "{warnings:?}"
     );
-    let shas = h_shas();
-    for (t, tensor) in opened.meta.tensors().iter().enumerate() {
-        assert_eq!(
-            sha256(&read_tensor(&dir, &opened.meta, t as u32)),
-            shas[&tensor.fqn],
-            "{}",
-            tensor.fqn
-        );
-    }
+    holds_h(&dir, &opened);
     // The identity is the newest save's alone: removing the stray changes nothing.
-    std::fs::remove_file(dir.join("shard-00003-model-00001-of-00001.safetensors")).unwrap();
+    std::fs::remove_file(dir.join(shard_file(3))).unwrap();
     let clean = open(&dir).unwrap();
     assert_eq!(clean.meta.identity(), opened.meta.identity());
     assert!(clean.warnings().is_empty());
 }
 
-/// Files that no save by fewer ranks explains (two boxes overlap with every prefix of shards) are
-/// not guessed at: the overlap is refused as before.
+/// The newest save need not be a prefix of shard indices: with replicas only some ranks write
+/// (here shards 1 and 3 hold the new save whole), and the earlier save's shards 2 and 4 stay.
 #[test]
-fn overlapping_files_no_save_explains_are_refused() {
+fn the_newest_save_is_told_by_modification_time_not_by_shard_index() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("hf");
-    dcp_sharded_into(&dir, 2, None);
-    std::fs::copy(
-        dir.join("shard-00001-model-00001-of-00001.safetensors"),
-        dir.join("shard-00003-model-00001-of-00001.safetensors"),
-    )
-    .unwrap();
-    std::fs::remove_file(dir.join("shard-00002-model-00001-of-00001.safetensors")).unwrap();
-    let err = error(&dir);
-    assert!(err.contains("overlap"), "{err}");
+    dcp_sharded_into(&dir, 4, Some(0x11));
+    for s in 1..=4 {
+        age(&dir, &shard_file(s), 120);
+    }
+    // The new save: 2 ranks' worth of data in the files of shards 1 and 3.
+    let new = tmp.path().join("new");
+    dcp_sharded_into(&new, 2, None);
+    std::fs::copy(new.join(shard_file(1)), dir.join(shard_file(1))).unwrap();
+    std::fs::copy(new.join(shard_file(2)), dir.join(shard_file(3))).unwrap();
+    let opened = open(&dir).unwrap();
+    assert_eq!(
+        opened.safetensors().unwrap().ignored,
+        [shard_file(2), shard_file(4)]
+    );
+    holds_h(&dir, &opened);
 }
 
+/// Overlapping files written at the same moment say nothing about which is newer: not guessed
+/// at, the overlap is refused as before.
 #[test]
-fn dcp_hf_writer_sharded_files() {
+fn overlapping_files_of_the_same_age_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = dcp_sharded(tmp.path());
-    let opened = open(&dir).unwrap();
-    let st = opened.safetensors().unwrap();
-    assert_eq!(st.layout, SafetensorsLayout::DcpSharded);
-    assert_eq!(
-        opened.meta.files()[1].path,
-        "sharded/shard-00002-model-00001-of-00001.safetensors"
-    );
-    let meta = &opened.meta;
-    let shas = h_shas();
-    for (t, tensor) in meta.tensors().iter().enumerate() {
-        assert_eq!(
-            sha256(&read_tensor(&dir, meta, t as u32)),
-            shas[&tensor.fqn],
-            "{}",
-            tensor.fqn
-        );
+    let dir = tmp.path().join("hf");
+    dcp_sharded_into(&dir, 3, Some(0x7f));
+    dcp_sharded_into(&dir, 2, None);
+    for s in 1..=3 {
+        age(&dir, &shard_file(s), 30);
     }
-    let t = meta.tensor_index("tiny.weight").unwrap();
-    assert_eq!(meta.tensors()[t as usize].shape, vec![3, 5]);
-    let regions: Vec<_> = meta.chunks_of(t).iter().map(|c| c.region.clone()).collect();
-    assert_eq!(
-        regions,
-        vec![
-            TensorBox::new(vec![0, 0], vec![3, 5]),
-            TensorBox::new(vec![3, 0], vec![0, 5])
-        ]
-    );
-    let t = meta.tensor_index("pos_emb.weight").unwrap();
-    assert_eq!(meta.tensors()[t as usize].shape, vec![98, 64]);
-    assert_eq!(meta.chunks_of(t).len(), 2);
+    let err = error(&dir);
+    assert!(err.contains("overlap"), "{err}");
 }
 
 /// A directory with one safetensors file: `header` JSON and `data` bytes.

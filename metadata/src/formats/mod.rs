@@ -67,6 +67,8 @@ pub struct Listing {
     pub files: BTreeMap<String, u64>,
     /// Folder names.
     pub dirs: BTreeSet<String>,
+    /// File name → last modified, microseconds since the epoch, where the store says.
+    pub modified: BTreeMap<String, i64>,
 }
 
 /// Lists what is directly under `prefix` (an absent prefix lists as empty).
@@ -80,6 +82,9 @@ pub async fn list_dir(store: &dyn ObjectStore, prefix: &Path) -> Result<Listing,
     for object in result.objects {
         if let Some(name) = object.location.filename() {
             listing.files.insert(name.to_string(), object.size);
+            listing
+                .modified
+                .insert(name.to_string(), object.last_modified.timestamp_micros());
         }
     }
     for dir in result.common_prefixes {

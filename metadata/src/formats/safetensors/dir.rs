@@ -149,6 +149,9 @@ pub async fn open_safetensors(
 ) -> Result<SafetensorsCheckpoint, MetadataError> {
     // Which files, and what the index says each tensor is in.
     let mut weight_map: Option<BTreeMap<String, String>> = None;
+    // When each file was last written (by file name): what tells the newest save's files from
+    // an earlier save's left in the same directory.
+    let mut modified = listing.modified.clone();
     let mut index_bytes: Option<bytes::Bytes> = None;
     let (layout, names): (SafetensorsLayout, Vec<(String, Option<u64>)>) = if let Some(file) = file
     {
@@ -184,6 +187,7 @@ pub async fn open_safetensors(
         (SafetensorsLayout::Directory, names)
     } else {
         let sharded = list_dir(store, &prefix.clone().join(SHARDED_DIR)).await?;
+        modified.clone_from(&sharded.modified);
         let names: Vec<(String, Option<u64>)> = sharded
             .files
             .iter()
@@ -236,7 +240,7 @@ pub async fn open_safetensors(
     // later one did not overwrite: only the later save's files are the checkpoint.
     let mut ignored = Vec::new();
     if weight_map.is_none()
-        && let Some(keep) = newest_dcp_save(prefix, &files)?
+        && let Some(keep) = newest_dcp_save(prefix, &files, &modified)?
     {
         let mut kept_files = Vec::with_capacity(keep.len());
         let mut kept_headers = Vec::with_capacity(keep.len());
@@ -275,111 +279,109 @@ pub async fn open_safetensors(
     })
 }
 
-/// The rank index `s` of a file DCP's HF writer saved with `save_distributed=True`:
-/// `shard-<s>-model-<m>-of-<n>.safetensors` (`torch/distributed/checkpoint/_hf_utils.py`,
-/// `_gen_file_name`; `s` is the saving rank + 1).
-fn dcp_shard_index(path: &str) -> Option<u64> {
-    let base = path.rsplit('/').next()?.strip_suffix(".safetensors")?;
-    let (shard, rest) = base.strip_prefix("shard-")?.split_once("-model-")?;
-    let (model, total) = rest.split_once("-of-")?;
-    let digits = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
-    (digits(shard) && digits(model) && digits(total))
-        .then(|| shard.parse().ok())
-        .flatten()
-}
-
-/// Which of a DCP distributed HF save's `files` are the newest save's, when the directory also
-/// holds an earlier save's: `None` when every file belongs (their boxes do not overlap), else the
+/// Which of the files of a directory DCP's HF writer saved into (`save_distributed=True`, each
+/// file's `DCP_SHARDING_INFO` giving its boxes) are the newest save's, when an earlier save's
+/// files are still there: `None` when every file belongs (no two boxes overlap), else the
 /// positions to keep.
 ///
-/// The rule is DCP's naming: a save by W ranks writes (and overwrites) the files of shard indices
-/// 1..=W. A save into a directory that a save by more ranks used before leaves that save's files
-/// of indices above W behind, and their boxes overlap the new ones. So the newest save is the
-/// files of indices 1..=W for the W at which those files tile every tensor they hold exactly
-/// (no two boxes overlap, nothing is missing): the strays are the indices above it. When no such
-/// W exists the files are left as they are, and the overlap is refused when the model is built.
+/// Such a save writes no index and no commit record, and it leaves alone every file it does not
+/// write: a save by fewer ranks than the last one, or one in which some ranks have nothing to
+/// write (replicas are written once), keeps the earlier save's other files next to its own, and
+/// their boxes overlap the new ones. The files' modification times are then the only record of
+/// which save is newest: files are taken newest first, each unless one of its boxes overlaps a
+/// box taken already; what is taken must tile every tensor (nothing missing) and no file left
+/// out may be as new as one it overlaps (a tie says nothing). Otherwise the files are left as
+/// they are, and the overlap is refused when the model is built.
 fn newest_dcp_save(
     prefix: &Path,
     files: &[SafetensorsFile],
+    modified: &BTreeMap<String, i64>,
 ) -> Result<Option<Vec<usize>>, MetadataError> {
-    let mut indexed = Vec::with_capacity(files.len());
-    for (i, file) in files.iter().enumerate() {
-        let Some(shard) = dcp_shard_index(&file.path) else {
-            return Ok(None);
-        };
+    let mut boxes: Vec<Vec<(String, TensorBox)>> = Vec::with_capacity(files.len());
+    for file in files {
         let info = sharding_info(file, prefix)?;
         if info.is_empty() {
             return Ok(None);
         }
-        indexed.push((shard, i, info));
+        boxes.push(
+            file.header
+                .tensors
+                .iter()
+                .map(|entry| {
+                    let offsets = info
+                        .get(&entry.name)
+                        .cloned()
+                        .unwrap_or_else(|| vec![0; entry.shape.len()]);
+                    (entry.name.clone(), TensorBox::new(offsets, entry.shape.clone()))
+                })
+                .collect(),
+        );
     }
-    // Boxes of every tensor, file by file, in shard order.
-    indexed.sort_by_key(|(shard, i, _)| (*shard, *i));
-    let boxes_of = |upto: u64| {
-        let mut tensors: BTreeMap<&str, Vec<TensorBox>> = BTreeMap::new();
-        for (shard, i, info) in &indexed {
-            if *shard > upto {
-                break;
-            }
-            for entry in &files[*i].header.tensors {
-                let offsets = info
-                    .get(&entry.name)
-                    .cloned()
-                    .unwrap_or_else(|| vec![0; entry.shape.len()]);
-                tensors
-                    .entry(entry.name.as_str())
-                    .or_default()
-                    .push(TensorBox::new(offsets, entry.shape.clone()));
+    let by_tensor = |chosen: &[usize]| {
+        let mut tensors: BTreeMap<&str, Vec<&TensorBox>> = BTreeMap::new();
+        for &f in chosen {
+            for (name, region) in &boxes[f] {
+                tensors.entry(name.as_str()).or_default().push(region);
             }
         }
         tensors
     };
-    let Some(&(last, _, _)) = indexed.last() else {
-        return Ok(None);
+    let all: Vec<usize> = (0..files.len()).collect();
+    let everything = by_tensor(&all);
+    let overlapping = |tensors: &BTreeMap<&str, Vec<&TensorBox>>| {
+        tensors
+            .values()
+            .any(|b| crate::BoxIndex::build(b.clone()).find_overlap().is_some())
     };
-    // Each tensor's shape: the far corner of its boxes in every file (a save cannot shrink what
-    // the files together say).
-    let everything = boxes_of(last);
-    let tiles = |tensors: &BTreeMap<&str, Vec<TensorBox>>| {
-        tensors.iter().all(|(name, boxes)| {
-            let all = &everything[name];
-            let ndim = all[0].ndim();
-            if all.iter().any(|b| b.ndim() != ndim) {
-                return false;
-            }
-            let corner: Vec<u64> = (0..ndim)
-                .map(|d| all.iter().map(|b| b.end(d)).max().unwrap_or(0))
-                .collect();
-            let volume: u128 = corner.iter().map(|&n| u128::from(n)).product();
-            let covered: u128 = boxes.iter().map(|b| u128::from(b.numel())).sum();
-            covered == volume
-                && crate::BoxIndex::build(boxes.iter().collect::<Vec<_>>())
-                    .find_overlap()
-                    .is_none()
-        })
-    };
-    if tiles(&everything) {
+    if !overlapping(&everything) {
         return Ok(None);
     }
-    let mut shards: Vec<u64> = indexed.iter().map(|(s, _, _)| *s).collect();
-    shards.dedup();
-    // Indices 1..=last all present: the earlier save by `last` ranks wrote every one, and the
-    // newest one by fewer ranks overwrote a prefix of them.
-    if shards.iter().enumerate().any(|(k, &s)| s != k as u64 + 1) {
-        return Ok(None);
+    let mut times = Vec::with_capacity(files.len());
+    for file in files {
+        let name = file.path.rsplit('/').next().unwrap_or(&file.path);
+        let Some(&time) = modified.get(name) else {
+            return Ok(None);
+        };
+        times.push(time);
     }
-    for &upto in &shards[..shards.len() - 1] {
-        if tiles(&boxes_of(upto)) {
-            return Ok(Some(
-                indexed
+    let mut order = all.clone();
+    order.sort_by_key(|&f| std::cmp::Reverse(times[f]));
+    let mut chosen: Vec<usize> = Vec::new();
+    let mut left: Vec<usize> = Vec::new();
+    for f in order {
+        let clash = chosen.iter().find(|&&c| {
+            boxes[f].iter().any(|(name, region)| {
+                boxes[c]
                     .iter()
-                    .filter(|(s, _, _)| *s <= upto)
-                    .map(|(_, i, _)| *i)
-                    .collect(),
-            ));
+                    .any(|(other, taken)| other == name && region.overlaps(taken))
+            })
+        });
+        match clash {
+            // A tie: nothing says which of the two saves is newer.
+            Some(&c) if times[c] == times[f] => return Ok(None),
+            Some(_) => left.push(f),
+            None => chosen.push(f),
         }
     }
-    Ok(None)
+    // The files taken must hold every element of every tensor they hold (the tensors' shapes as
+    // all files together give them).
+    let taken = by_tensor(&chosen);
+    let complete = taken.iter().all(|(name, regions)| {
+        let all = &everything[name];
+        let ndim = all[0].ndim();
+        if all.iter().any(|b| b.ndim() != ndim) {
+            return false;
+        }
+        let volume: u128 = (0..ndim)
+            .map(|d| u128::from(all.iter().map(|b| b.end(d)).max().unwrap_or(0)))
+            .product();
+        regions.iter().map(|b| u128::from(b.numel())).sum::<u128>() == volume
+    });
+    if !complete || overlapping(&taken) {
+        return Ok(None);
+    }
+    chosen.sort_unstable();
+    Ok(Some(chosen))
 }
 
 /// A shard name `<stem>-<k>-of-<n>.safetensors` split into (stem, k, n as written).
