@@ -71,6 +71,9 @@ def _run_mode(mode: str, args: argparse.Namespace, root: str) -> dict:
 
     import tessera
 
+    for old in os.listdir(root):  # a previous run's checkpoints of this mode
+        if old.startswith(f"{mode}-"):
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     model = _model(args.layers)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + 0.01 * s))
@@ -94,13 +97,13 @@ def _run_mode(mode: str, args: argparse.Namespace, root: str) -> dict:
     times, ckpt_steps, blocked, waited = [], [], [], []
     handles, futures = [], []
     previous_dirs: list = []
-    if mode == "dcp_process":
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     began = time.perf_counter()
     for i in range(args.steps):
         t0 = time.perf_counter()
-        if (i + 1) % args.every == 0 and mode != "none":
+        span = args.multi_steps if mode == "multi_step" else 1
+        if (i + 1) % args.every == 0 and mode != "none" and i + span <= args.steps:
             path = os.path.join(root, f"{mode}-{i}")
             previous_dirs.append(path)
             state = {"model": model, "optim": optim}
@@ -129,7 +132,6 @@ def _run_mode(mode: str, args: argparse.Namespace, root: str) -> dict:
         f.result()
     for path in previous_dirs:
         shutil.rmtree(path, ignore_errors=True)
-    span = args.multi_steps if mode == "multi_step" else 1
     normal = [t for i, t in enumerate(times) if not any(c <= i < c + span for c in ckpt_steps)]
     median = statistics.median(normal)
     extra = [sum(times[c : c + span]) - span * median for c in ckpt_steps]
