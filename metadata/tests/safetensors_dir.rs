@@ -191,6 +191,42 @@ fn dcp_sharded_into(dir: &Path, ranks: u64, fill: Option<u8>) {
     }
 }
 
+#[test]
+fn dcp_hf_writer_sharded_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = dcp_sharded(tmp.path());
+    let opened = open(&dir).unwrap();
+    let st = opened.safetensors().unwrap();
+    assert_eq!(st.layout, SafetensorsLayout::DcpSharded);
+    assert_eq!(
+        opened.meta.files()[1].path,
+        "sharded/shard-00002-model-00001-of-00001.safetensors"
+    );
+    let meta = &opened.meta;
+    let shas = h_shas();
+    for (t, tensor) in meta.tensors().iter().enumerate() {
+        assert_eq!(
+            sha256(&read_tensor(&dir, meta, t as u32)),
+            shas[&tensor.fqn],
+            "{}",
+            tensor.fqn
+        );
+    }
+    let t = meta.tensor_index("tiny.weight").unwrap();
+    assert_eq!(meta.tensors()[t as usize].shape, vec![3, 5]);
+    let regions: Vec<_> = meta.chunks_of(t).iter().map(|c| c.region.clone()).collect();
+    assert_eq!(
+        regions,
+        vec![
+            TensorBox::new(vec![0, 0], vec![3, 5]),
+            TensorBox::new(vec![3, 0], vec![0, 5])
+        ]
+    );
+    let t = meta.tensor_index("pos_emb.weight").unwrap();
+    assert_eq!(meta.tensors()[t as usize].shape, vec![98, 64]);
+    assert_eq!(meta.chunks_of(t).len(), 2);
+}
+
 /// Sets the modification time of `dir/name` to `seconds_ago` before a fixed moment (the same
 /// for every call, so equal ages are equal times).
 fn age(dir: &Path, name: &str, seconds_ago: u64) {
@@ -234,7 +270,12 @@ fn files_an_earlier_save_left_in_a_reused_directory_are_ignored_and_named() {
     age(&dir, &shard_file(3), 60);
     dcp_sharded_into(&dir, 2, None);
     let opened = open(&dir).unwrap();
-    let names: Vec<&str> = opened.meta.files().iter().map(|f| f.path.as_str()).collect();
+    let names: Vec<&str> = opened
+        .meta
+        .files()
+        .iter()
+        .map(|f| f.path.as_str())
+        .collect();
     assert_eq!(names, [shard_file(1), shard_file(2)]);
     assert_eq!(opened.safetensors().unwrap().ignored, [shard_file(3)]);
     let warnings = opened.warnings();

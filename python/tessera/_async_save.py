@@ -665,8 +665,9 @@ def async_save(
             multi.attach(handle)
         thread.start()
     if snapshot == "eager":
-        # The copies run in the save's thread; the call returns once they are complete.
-        handle._snapshot_done.wait()
+        # The copies run in the save's thread; the call returns once they are complete (or
+        # raises at the save's timeout: the save goes on, `in_flight()` has its handle).
+        handle.wait_snapshot(timeout)
     elif gate is not None and handle._snapshot_done.is_set():
         gate.remove()
     handle.blocked_seconds = time.monotonic() - started

@@ -312,7 +312,10 @@ fn newest_dcp_save(
                         .get(&entry.name)
                         .cloned()
                         .unwrap_or_else(|| vec![0; entry.shape.len()]);
-                    (entry.name.clone(), TensorBox::new(offsets, entry.shape.clone()))
+                    (
+                        entry.name.clone(),
+                        TensorBox::new(offsets, entry.shape.clone()),
+                    )
                 })
                 .collect(),
         );
