@@ -1,21 +1,30 @@
 """Two-phase save: a fast *snapshot* of the state into host memory, then a background *persist*
 through the native save-and-commit protocol, committed atomically by rank 0 (manifest last).
 
-The training loop pays only for the snapshot, and not even for that inside the call::
+How the snapshot is taken (``snapshot=``):
 
-    handle = tessera.async_save(state, f"{root}/step-{step}")   # returns at once
-    loss.backward()                    # the snapshot copies run while the job computes ...
-    handle.wait_snapshot()             # ... and must be done before the parameters change
-    optimizer.step()
-    ...
-    handle.result()                    # SaveReport once committed, or the error
+- ``"eager"`` (default): the call copies every tensor into the staging pool and returns; the job
+  may change its tensors right after it::
 
-Why the snapshot may overlap the next forward/backward: parameters and optimizer state do not
-change between one optimizer step and the next (the DataStates-LLM observation), so copying them
-while the job computes activations and gradients reads stable values. ``wait_snapshot()`` is the
-point after which the job may write its tensors again; call it before ``optimizer.step()`` (or
-before anything else that mutates what was passed). The checkpoint holds the values the tensors
-had when the copies ran, and the copies run between ``async_save`` and ``wait_snapshot``.
+      handle = tessera.async_save(state, f"{root}/step-{step}")
+      optimizer.step()                   # fine: the snapshot is taken
+      ...
+      handle.result()                    # SaveReport once committed, or the error
+
+- ``"lazy"`` (DataStates-LLM): parameters and optimizer state do not change between one optimizer
+  step and the next, so the copies run while the job computes forward and backward, and only the
+  next step waits for them (a step pre-hook of ``optimizer=``; or the job calls
+  ``handle.wait_snapshot()`` before changing anything)::
+
+      handle = tessera.async_save(state, path, snapshot="lazy", optimizer=optimizer)
+      loss.backward()                    # the copies run meanwhile
+      optimizer.step()                   # waits for them only if they are not done
+
+  A tensor changed in place before its copy was complete is detected by torch's version counter
+  (:class:`ChangedBeforeCopy`): the save fails, nothing is committed.
+
+- ``"multi_step"`` (GoCkpt, :mod:`tessera._multi_step`): the copy spread over ``steps`` optimizer
+  steps, earlier parts brought forward by replaying the optimizer on the host.
 
 **Staging pool.** Every tensor is copied into one host buffer, allocated once per process and
 reused by every save (it grows to the largest state seen). Reuse matters: a fresh allocation per
