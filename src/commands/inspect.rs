@@ -327,6 +327,13 @@ fn table_of_tensors(meta: &CheckpointMeta, sorted: bool) -> String {
 /// The line that says what indexing a DCP checkpoint's blobs cost.
 pub fn index_line(stats: &IndexStats) -> String {
     match stats.source {
+        IndexSource::Built if stats.compressed_blobs > 0 => format!(
+            "blob index: {} torch.save blobs ({} compressed, decoded whole to be indexed), {} read in {} requests",
+            stats.blobs,
+            stats.compressed_blobs,
+            human::bytes(stats.bytes_read),
+            stats.requests
+        ),
         IndexSource::Built => format!(
             "blob index: {} torch.save blobs, {} of zip headers read in {} requests",
             stats.blobs,

@@ -71,6 +71,10 @@ pub enum IndexSource {
 pub struct IndexStats {
     /// Tensor blobs indexed.
     pub blobs: u64,
+    /// Of those, blobs stored compressed: indexing decodes each whole (`bytes_read` counts their
+    /// compressed bytes).
+    #[serde(default)]
+    pub compressed_blobs: u64,
     /// Where the index came from.
     pub source: IndexSource,
     /// Range requests made for zip headers (0 when cached).

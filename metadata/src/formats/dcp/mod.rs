@@ -361,6 +361,7 @@ pub async fn open_dcp(
     );
     let mut stats = IndexStats {
         blobs: refs.len() as u64,
+        compressed_blobs: refs.iter().filter(|(_, r)| r.encoded.is_some()).count() as u64,
         metadata_bytes,
         ..IndexStats::default()
     };
