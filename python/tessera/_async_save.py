@@ -479,6 +479,14 @@ class StepHooks:
         if call is not None:
             call(optimizer)
 
+    def release(self, *callbacks: Callable[[Any], None]) -> None:
+        """Empties the slots that still hold one of ``callbacks`` (a later save may have taken
+        them over since)."""
+        if self.before in callbacks:
+            self.before = None
+        if self.after in callbacks:
+            self.after = None
+
 
 class _StepGate:
     """Holds the first step of each optimizer after a lazy save until its snapshot is complete.
@@ -501,8 +509,7 @@ class _StepGate:
 
     def remove(self) -> None:
         for hooks in self._hooks:
-            if hooks.before == self._before_step:
-                hooks.before = None
+            hooks.release(self._before_step)
         self._hooks = []
 
 

@@ -199,12 +199,8 @@ class MultiStepSnapshot:
         self._hooks.after = self._after_step
 
     def _detach(self) -> None:
-        hooks = self._hooks
-        if hooks is not None:
-            if hooks.before == self._before_step:
-                hooks.before = None
-            if hooks.after == self._after_step:
-                hooks.after = None
+        if self._hooks is not None:
+            self._hooks.release(self._before_step, self._after_step)
         self._hooks = None
 
     def _before_step(self, optimizer: Any) -> None:

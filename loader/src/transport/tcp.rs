@@ -539,6 +539,20 @@ fn refuse(mut stream: TcpStream, reason: &str) {
     });
 }
 
+/// Hands `message` (a refusal of the whole job) to every rank that checked in, and closes their
+/// connections. Every rank is told before rank 0 fails (its process may end right after), each
+/// write bounded so that a rank that does not read cannot hold the others' news up.
+async fn tell_all(checked_in: &mut [Option<Hello>], message: &[u8]) {
+    futures::future::join_all(checked_in.iter_mut().flatten().map(|hello| async {
+        let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, async {
+            hello.stream.write_all(message).await?;
+            hello.stream.shutdown().await
+        })
+        .await;
+    }))
+    .await;
+}
+
 /// A refusal's kind and reason, after its magic; `None` when it is not one this rank can read.
 async fn read_refusal<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<Option<(u8, String)>> {
     if r.read_u32_le().await? != VERSION {
@@ -931,15 +945,7 @@ async fn master(
                 );
                 // The ranks that did check in learn which did not now, instead of waiting out
                 // their own deadline for a table that will not come.
-                let message = refusal(GAVE_UP, &detail);
-                futures::future::join_all(checked_in.iter_mut().flatten().map(|hello| async {
-                    let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, async {
-                        hello.stream.write_all(&message).await?;
-                        hello.stream.shutdown().await
-                    })
-                    .await;
-                }))
-                .await;
+                tell_all(&mut checked_in, &refusal(GAVE_UP, &detail)).await;
                 return Err(rendezvous(detail));
             }
         }
@@ -948,17 +954,7 @@ async fn master(
     let disagree = disagreements(&checked_in, &config.plan);
     if !disagree.is_empty() {
         let detail = disagree.join("; ");
-        let message = refusal(CALLED_OFF, &detail);
-        // Every rank is told before rank 0 fails (its process may end right after), each write
-        // bounded so that a rank that does not read cannot hold the others' news up.
-        futures::future::join_all(checked_in.iter_mut().flatten().map(|hello| async {
-            let _ = tokio::time::timeout(REFUSAL_WRITE_TIMEOUT, async {
-                hello.stream.write_all(&message).await?;
-                hello.stream.shutdown().await
-            })
-            .await;
-        }))
-        .await;
+        tell_all(&mut checked_in, &refusal(CALLED_OFF, &detail)).await;
         return Err(LoaderError::RanksDisagree { rank: 0, detail });
     }
     drop(pending);

@@ -193,7 +193,27 @@ pub(crate) fn write_disk(dir: &std::path::Path, key: &str, blobs: &[TensorBlob])
     }
 }
 
-fn blob_error(blob: &BlobRef, detail: impl Into<String>) -> MetadataError {
+/// A failure to decode the encoded `blob` as a [`MetadataError`] naming it: the store's error
+/// with the byte range read, or what is wrong with the stream.
+pub(crate) fn decode_error(blob: &BlobRef, codec: Codec, failure: DecodeFailure) -> MetadataError {
+    match failure {
+        DecodeFailure::Store(source) => MetadataError::Store {
+            action: "reading",
+            path: format!(
+                "{} bytes {}..{}",
+                blob.path,
+                blob.offset,
+                blob.offset + blob.length
+            ),
+            source,
+        },
+        DecodeFailure::Invalid(detail) => {
+            blob_error(blob, format!("{} stream: {detail}", codec.name()))
+        }
+    }
+}
+
+pub(crate) fn blob_error(blob: &BlobRef, detail: impl Into<String>) -> MetadataError {
     MetadataError::Blob {
         path: blob.path.to_string(),
         start: blob.offset,
@@ -308,7 +328,7 @@ pub(crate) async fn index_blobs(
             complete_at[last].push(b);
         }
     }
-    let mut fetched = Fetched {
+    let fetched = Fetched {
         requests: reads.len() as u64,
         bytes: reads.iter().map(|r| r.range.end - r.range.start).sum(),
     };
@@ -386,6 +406,17 @@ pub(crate) async fn index_blobs(
     .buffer_unordered(concurrency)
     .collect()
     .await;
+    finish(blobs, results, finished, fetched)
+}
+
+/// The index in `blobs` order: `results` so far plus the blobs parsed `finished` later, with
+/// their cost added to `fetched`; fails on the first error, or naming a blob never parsed.
+fn finish(
+    blobs: &[BlobRef],
+    mut results: Vec<Option<TensorBlob>>,
+    finished: Vec<Result<(usize, TensorBlob, Fetched), MetadataError>>,
+    mut fetched: Fetched,
+) -> Result<(Vec<TensorBlob>, Fetched), MetadataError> {
     for item in finished {
         let (b, parsed, cost) = item?;
         results[b] = Some(parsed);
@@ -413,7 +444,7 @@ async fn index_mixed(
     let (encoded, plain): (Vec<usize>, Vec<usize>) =
         (0..blobs.len()).partition(|&b| blobs[b].encoded.is_some());
     let plain_refs: Vec<BlobRef> = plain.iter().map(|&b| blobs[b].clone()).collect();
-    let (plain_index, mut fetched) = Box::pin(index_blobs(store, &plain_refs, concurrency)).await?;
+    let (plain_index, fetched) = Box::pin(index_blobs(store, &plain_refs, concurrency)).await?;
     let mut results: Vec<Option<TensorBlob>> = vec![None; blobs.len()];
     for (b, parsed) in plain.into_iter().zip(plain_index) {
         results[b] = Some(parsed);
@@ -426,20 +457,7 @@ async fn index_mixed(
         .buffer_unordered(concurrency)
         .collect()
         .await;
-    for item in decoded {
-        let (b, parsed, cost) = item?;
-        results[b] = Some(parsed);
-        fetched.requests += cost.requests;
-        fetched.bytes += cost.bytes;
-    }
-    let mut out = Vec::with_capacity(blobs.len());
-    for (b, result) in results.into_iter().enumerate() {
-        match result {
-            Some(parsed) => out.push(parsed),
-            None => return Err(blob_error(&blobs[b], "was never read")),
-        }
-    }
-    Ok((out, fetched))
+    finish(blobs, results, decoded, fetched)
 }
 
 /// Takes one encoded blob apart: decodes it as it streams in, keeping its first and last
@@ -487,21 +505,7 @@ async fn index_encoded(
             &mut sink,
         )
         .await
-        .map_err(|failure| match failure {
-            DecodeFailure::Store(source) => MetadataError::Store {
-                action: "reading",
-                path: format!(
-                    "{} bytes {}..{}",
-                    blob.path,
-                    blob.offset,
-                    blob.offset + blob.length
-                ),
-                source,
-            },
-            DecodeFailure::Invalid(detail) => {
-                blob_error(blob, format!("{} stream: {detail}", codec.name()))
-            }
-        })?
+        .map_err(|failure| decode_error(blob, codec, failure))?
         .unwrap_or(0);
         cost.requests += 1;
         cost.bytes += blob.length;

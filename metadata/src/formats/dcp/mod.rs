@@ -37,7 +37,7 @@ use std::time::Instant;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 
-use crate::encoded::{Codec, DecodeFailure, EncodedRange, decode_from_store};
+use crate::encoded::{Codec, EncodedRange, decode_from_store};
 use crate::formats::native::{read_whole, resolve, store_error};
 use crate::formats::{Format, Listing, Writer};
 use crate::identity::IdentityHasher;
@@ -470,7 +470,6 @@ pub async fn open_dcp(
                     (decoded_file(&mut files, range, visible), 0)
                 }
             };
-            let file = &file;
             let offset = blob_start
                 .checked_add(blob.data_offset)
                 .and_then(|o| o.checked_add(blob.storage_offset.checked_mul(esize)?))
@@ -480,7 +479,7 @@ pub async fn open_dcp(
                     tensor: t as u32,
                     region: TensorBox::new(chunk.offsets.clone(), chunk.sizes.clone()),
                     bytes: ByteMeta {
-                        file: *file,
+                        file,
                         offset,
                         length: span,
                         strides,
@@ -506,13 +505,13 @@ pub async fn open_dcp(
                     let (parent, start, end) =
                         r.chunk(&chunk.offsets, &chunk.sizes).map_err(&bad)?;
                     chunks.extend(flat_range_chunks(
-                        t as u32, &parent, start, end, *file, offset, esize,
+                        t as u32, &parent, start, end, file, offset, esize,
                     ));
                 }
             }
             blobs.push(ChunkBlob {
                 entry: blob_ref.entry.clone(),
-                file: *file,
+                file,
                 offset: blob_start,
                 length: match blob_ref.encoded {
                     None => blob_ref.length,
@@ -583,29 +582,28 @@ async fn decoded_length(
         too_long = offset + bytes.len() as u64 > cap;
         !too_long
     };
-    let range = info.offset..info.offset + info.length;
-    let bad = |detail: String| MetadataError::Blob {
-        path: path.to_string(),
-        start: info.offset,
-        end: info.offset + info.length,
+    let blob = index::BlobRef {
+        path: path.clone(),
         entry: format!("object {key}"),
-        detail,
+        offset: info.offset,
+        length: info.length,
+        encoded: Some(codec),
     };
-    let decoded = decode_from_store(store, path, range.clone(), codec, &mut sink)
-        .await
-        .map_err(|failure| match failure {
-            DecodeFailure::Store(source) => MetadataError::Store {
-                action: "reading",
-                path: format!("{path} bytes {}..{}", range.start, range.end),
-                source,
-            },
-            DecodeFailure::Invalid(detail) => bad(format!("{} stream: {detail}", codec.name())),
-        })?;
+    let decoded = decode_from_store(
+        store,
+        path,
+        info.offset..info.offset + info.length,
+        codec,
+        &mut sink,
+    )
+    .await
+    .map_err(|failure| index::decode_error(&blob, codec, failure))?;
     match decoded {
         Some(length) if !too_long => Ok(length),
-        _ => Err(bad(format!(
-            "decodes to more than the {cap}-byte cap for an object"
-        ))),
+        _ => Err(index::blob_error(
+            &blob,
+            format!("decodes to more than the {cap}-byte cap for an object"),
+        )),
     }
 }
 

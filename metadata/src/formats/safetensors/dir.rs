@@ -245,7 +245,8 @@ pub async fn open_safetensors(
         let mut kept_files = Vec::with_capacity(keep.len());
         let mut kept_headers = Vec::with_capacity(keep.len());
         for (i, (file, json)) in files.into_iter().zip(headers_read).enumerate() {
-            if keep.contains(&i) {
+            // `keep` is sorted: a lookup per file, not a scan.
+            if keep.binary_search(&i).is_ok() {
                 kept_files.push(file);
                 kept_headers.push(json);
             } else {
