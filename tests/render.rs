@@ -116,6 +116,7 @@ proptest! {
             bytes_relayed: 0,
             slabs: 0,
             holder_read_pieces: 0,
+            bytes_read_from_tier: 0,
         };
         let text = summary_text(&s, seconds);
         let first = text.lines().next().unwrap().to_string();

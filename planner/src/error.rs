@@ -8,6 +8,13 @@ use crate::PlanEstimate;
 #[derive(Debug, Error, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum PlanError {
+    /// Copies of data files offered outside the job or the checkpoint
+    /// ([`crate::ReadSources`]).
+    #[error("invalid read sources: {detail}")]
+    InvalidSources {
+        /// What is wrong, naming the rank and file.
+        detail: String,
+    },
     /// Layout or request JSON that does not parse.
     #[error("invalid {what} JSON: {detail}")]
     Json {

@@ -18,6 +18,7 @@
 //! | round | [`Round`], [`Exchange`] | one step of a group's ring all-to-all: in round k a rank sends its share to the rank k after it and receives from the rank k before it |
 //! | plan | [`Plan`], [`RankPlan`] | every rank's destinations, reads, placements and rounds; [`Plan::rank_plan`] is one rank's view (JSON or Arrow IPC) |
 //! | read amplification | [`PlanSummary`] | bytes read from storage ÷ bytes the ranks need (1.00 when nothing is read twice) |
+//! | read source | [`ReadSources`] | a copy of a data file outside storage (a node's memory tier) and the ranks that can read it; pieces of it are read there and relayed |
 //! | writer assignment | [`assign_writers`] | the save side: which rank writes each distinct box, replicas once, balanced worst-fit |
 
 mod arrow;
@@ -35,13 +36,16 @@ pub mod read_order;
 mod request;
 mod runs;
 mod save;
+mod sources;
 mod summary;
 
 pub use error::PlanError;
 pub use estimate::PlanEstimate;
 pub use glob::glob_match;
 pub use layout::{Layout, MAX_REQUESTS, MAX_WORLD, MeshDim, Placement, Rule, Stages, shard_box};
-pub use plan::{Destination, Group, Piece, PieceDestination, Plan, PlanOptions, plan};
+pub use plan::{
+    Destination, Group, Piece, PieceDestination, Plan, PlanOptions, plan, plan_with_sources,
+};
 pub use rank_plan::{
     Exchange, JointCheck, PiecePlacement, RankDestination, RankPiece, RankPlan, RankSummary, Round,
     SourceRead,
@@ -52,4 +56,5 @@ pub use request::{
 };
 pub use runs::{RunIter, Side, StridedRuns};
 pub use save::{WriteItem, assign_writers};
+pub use sources::{ReadSources, SourceTier};
 pub use summary::PlanSummary;

@@ -18,7 +18,7 @@ use crate::read_order::{
 };
 use crate::request::{check_target, flat_range_to_boxes};
 use crate::summary::{PlanSummary, union_volume};
-use crate::{PlanError, RequestSet, Target};
+use crate::{PlanError, ReadSources, RequestSet, Target};
 
 /// Options of [`plan`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -359,14 +359,29 @@ struct TensorPieces<'a> {
     unique_bytes: u64,
 }
 
-/// Plans `requests` against the checkpoint `meta`.
+/// Plans `requests` against the checkpoint `meta`, every byte from its storage.
 pub fn plan(
     meta: &Arc<CheckpointMeta>,
     requests: &RequestSet,
     options: &PlanOptions,
 ) -> Result<Plan, PlanError> {
+    plan_with_sources(meta, requests, options, &ReadSources::none())
+}
+
+/// [`plan`] where some data files also have copies outside storage (`sources`, e.g. the memory
+/// tiers of the nodes a job runs on): every piece of such a file is read from the cheapest tier
+/// that holds it, by a rank that can read it there (balanced by bytes like any reader), and
+/// handed to the ranks that need it through the exchange; a reader that needs none of it relays
+/// it. Storage is read only for files no tier holds.
+pub fn plan_with_sources(
+    meta: &Arc<CheckpointMeta>,
+    requests: &RequestSet,
+    options: &PlanOptions,
+    sources: &ReadSources,
+) -> Result<Plan, PlanError> {
     let tensors = meta.tensors();
     let world = requests.world_size();
+    sources.check(world, meta.files().len())?;
 
     // 1. Destinations, and every tensor's requests as (rank, destination) in rank order.
     let mut destinations: Vec<Vec<Destination>> = Vec::with_capacity(world as usize);
@@ -512,6 +527,7 @@ pub fn plan(
     builder.finish(
         meta,
         options,
+        sources,
         slab_count,
         destinations,
         Targets {
@@ -878,6 +894,7 @@ impl PieceBuilder {
         mut self,
         meta: &Arc<CheckpointMeta>,
         options: &PlanOptions,
+        sources: &ReadSources,
         slab_count: u32,
         destinations: Vec<Vec<Destination>>,
         targets: Targets,
@@ -893,18 +910,27 @@ impl PieceBuilder {
         // 3. Readers. Pieces only one rank needs are that rank's; small pieces of wide groups are
         // read by every holder; the shared ones and the storage-order slabs (each read whole by
         // one rank that needs part of it) go, largest first, to the least-loaded candidate
-        // (worst-fit), which balances bytes read per rank.
+        // (worst-fit), which balances bytes read per rank. A piece of a file that a faster tier
+        // holds (`sources`) is read there: its candidates are the ranks that can read that copy,
+        // and the one chosen relays it when it needs none of it.
+        let file_of = |p: &Piece| meta.chunks()[p.chunk as usize].bytes.file;
+        let tier_readers = |p: &Piece| sources.cheapest(file_of(p)).map(|(_, ranks)| ranks);
         let mut load = vec![0u64; self.world as usize];
         let mut slab_pieces: Vec<Vec<u32>> = vec![Vec::new(); slab_count as usize];
         let mut units: Vec<(u64, Unit)> = Vec::new();
         for (i, p) in self.pieces.iter_mut().enumerate() {
             let members = &self.groups[p.group as usize].members;
+            // Whether every rank that needs the piece may read it itself: no tier holds its file,
+            // or every one of them can read the tier's copy.
+            let holders_may_read = tier_readers(p)
+                .is_none_or(|ranks| members.iter().all(|m| ranks.binary_search(m).is_ok()));
             if let Some(s) = p.slab {
                 slab_pieces[s as usize].push(i as u32);
-            } else if members.len() == 1 {
+            } else if members.len() == 1 && holders_may_read {
                 p.reader = members[0];
                 load[members[0] as usize] += piece_bytes[i];
-            } else if piece_bytes[i] <= options.holder_read_max_bytes
+            } else if holders_may_read
+                && piece_bytes[i] <= options.holder_read_max_bytes
                 && members.len() >= options.holder_read_min_members.max(2) as usize
             {
                 p.reader = members[0];
@@ -936,11 +962,17 @@ impl PieceBuilder {
             .flat_map(|size| by_size[size].iter().map(move |&u| (*size, u)))
         {
             candidates.clear();
-            match unit {
-                Unit::Piece(i) => candidates.extend_from_slice(
+            let first = match unit {
+                Unit::Piece(i) => i,
+                // A slab is one saved chunk's rows: one file.
+                Unit::Slab(s) => slab_pieces[s as usize][0],
+            };
+            match (unit, tier_readers(&self.pieces[first as usize])) {
+                (_, Some(ranks)) => candidates.extend_from_slice(ranks),
+                (Unit::Piece(i), None) => candidates.extend_from_slice(
                     &self.groups[self.pieces[i as usize].group as usize].members,
                 ),
-                Unit::Slab(s) => {
+                (Unit::Slab(s), None) => {
                     for &i in &slab_pieces[s as usize] {
                         let g = self.pieces[i as usize].group as usize;
                         candidates.extend_from_slice(&self.groups[g].members);
@@ -956,23 +988,40 @@ impl PieceBuilder {
                 }
             }
             load[reader as usize] += bytes;
-            match unit {
-                Unit::Piece(i) => self.pieces[i as usize].reader = reader,
-                Unit::Slab(s) => {
-                    for &i in &slab_pieces[s as usize] {
-                        let g = self.pieces[i as usize].group;
-                        let members = &self.groups[g as usize].members;
-                        // The reader relays what it does not need itself: it joins the
-                        // piece's ring so that the exchange hands the piece on.
-                        if members.binary_search(&reader).is_err() {
-                            let with_reader: Vec<u32> =
-                                members.iter().copied().chain([reader]).collect();
-                            relayed += piece_bytes[i as usize];
-                            self.pieces[i as usize].group = self.group_of(with_reader.into_iter());
-                        }
-                        self.pieces[i as usize].reader = reader;
-                    }
+            let single = [first];
+            let of_unit: &[u32] = match unit {
+                Unit::Piece(_) => &single,
+                Unit::Slab(s) => &slab_pieces[s as usize],
+            };
+            for &i in of_unit {
+                let g = self.pieces[i as usize].group;
+                let members = &self.groups[g as usize].members;
+                // The reader relays what it does not need itself (a slab's reader, a tier copy's
+                // reader): it joins the piece's ring so that the exchange hands the piece on.
+                if members.binary_search(&reader).is_err() {
+                    let with_reader: Vec<u32> = members.iter().copied().chain([reader]).collect();
+                    relayed += piece_bytes[i as usize];
+                    self.pieces[i as usize].group = self.group_of(with_reader.into_iter());
                 }
+                self.pieces[i as usize].reader = reader;
+            }
+        }
+        let mut from_tier = 0u64;
+        if !sources.is_empty() {
+            for (p, &bytes) in self.pieces.iter().zip(&piece_bytes) {
+                let file = file_of(p);
+                from_tier += if p.read_by_holders {
+                    let members = &self.groups[p.group as usize].members;
+                    let n = members
+                        .iter()
+                        .filter(|&&m| sources.reads_from_tier(file, m))
+                        .count();
+                    bytes * n as u64
+                } else if sources.reads_from_tier(file, p.reader) {
+                    bytes
+                } else {
+                    0
+                };
             }
         }
 
@@ -1032,6 +1081,10 @@ impl PieceBuilder {
             relayed,
             slab_count,
         );
+        let summary = PlanSummary {
+            bytes_read_from_tier: from_tier,
+            ..summary
+        };
         Ok(Plan {
             meta: Arc::clone(meta),
             destinations,

@@ -42,6 +42,10 @@ pub struct PlanSummary {
     /// Small pieces of wide groups read by every rank that needs them instead of exchanged.
     #[serde(default)]
     pub holder_read_pieces: u64,
+    /// Of `bytes_read`, bytes read from copies outside storage (a node's memory tier,
+    /// [`crate::ReadSources`]); the rest comes from storage.
+    #[serde(default)]
+    pub bytes_read_from_tier: u64,
 }
 
 impl PlanSummary {
@@ -105,6 +109,7 @@ impl PlanSummary {
             bytes_relayed,
             slabs: u64::from(slabs),
             holder_read_pieces,
+            bytes_read_from_tier: 0,
         }
     }
 }

@@ -11,7 +11,7 @@ use tessera_metadata::{
 };
 use tessera_planner::{
     ExplicitRequest, ExplicitRequests, Layout, MeshDim, Plan, PlanOptions, RankPlan, ReadOrder,
-    RequestSet, Rule, Stages, Target, assign_writers, plan,
+    ReadSources, RequestSet, Rule, Stages, Target, assign_writers, plan_with_sources,
 };
 
 /// A checkpoint held in memory: metadata plus the bytes of every data file.
@@ -168,7 +168,18 @@ pub fn expected(tensor_index: u32, tensor: &TensorMeta, target: &Target) -> Vec<
 
 /// Plans `requests` against `saved` and checks the result end to end (see [`execute`]).
 pub fn plan_and_check(saved: &Saved, requests: &RequestSet, options: &PlanOptions) -> Plan {
-    let plan = plan(&saved.meta, requests, options).unwrap();
+    plan_and_check_with(saved, requests, options, &ReadSources::none())
+}
+
+/// [`plan_and_check`] with copies of data files outside storage.
+#[allow(dead_code)]
+pub fn plan_and_check_with(
+    saved: &Saved,
+    requests: &RequestSet,
+    options: &PlanOptions,
+    sources: &ReadSources,
+) -> Plan {
+    let plan = plan_with_sources(&saved.meta, requests, options, sources).unwrap();
     let rank_plans: Vec<RankPlan> = (0..plan.world_size())
         .map(|r| plan.rank_plan(r).unwrap())
         .collect();
