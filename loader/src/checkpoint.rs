@@ -3,12 +3,16 @@
 //! joint checks of boxes read in parts, and the embedded plan source (planning from its
 //! metadata, no service needed).
 
+use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use tessera_metadata::formats::dcp::IndexStats;
 use tessera_metadata::formats::native::{BlockChecksums, Manifest};
 use tessera_metadata::{CheckpointMeta, Format, OpenOptions, open_any};
-use tessera_planner::{Plan, PlanOptions, RankPlan, RequestSet, plan};
+use tessera_planner::{
+    Plan, PlanOptions, RankPlan, ReadSources, RequestSet, plan, plan_with_sources,
+};
 use tessera_storage::Location;
 
 use crate::LoaderError;
@@ -17,6 +21,7 @@ use crate::read::decoded::{DECODED_CACHE_BYTES, DecodedStore};
 use crate::read::{
     ReadOptions, ReadStats, default_coalesce_gap, exact_multi_range, read_into_with,
 };
+use crate::tier::{TierCopies, TierStore};
 use crate::transport::Transport;
 
 /// A checkpoint opened for loading, in any format tessera reads: its store, metadata and (native
@@ -47,6 +52,9 @@ pub struct Checkpoint {
     /// What the open found that is not an error (files of an earlier save left in the
     /// directory, ignored): front ends show them as warnings.
     pub warnings: Vec<String>,
+    /// Store paths of data files this node reads from memory-tier copies
+    /// ([`Checkpoint::with_tier_copies`]), with the copies' local paths; empty otherwise.
+    pub tier_files: Arc<HashMap<String, PathBuf>>,
 }
 
 /// What a DCP `.metadata` records beyond tensors and objects.
@@ -99,9 +107,29 @@ impl Checkpoint {
                 })
             }),
             warnings: opened.warnings(),
+            tier_files: Arc::default(),
             meta: Arc::new(opened.meta),
             checksums: opened.block_checksums.map(Arc::new),
         })
+    }
+
+    /// This checkpoint as a rank on a node holding `copies` (verified memory-tier copies of some
+    /// of its data files, [`crate::tier::find_copies`]) reads it: each held file from its copy,
+    /// by position and through the store alike ([`TierStore`]), everything else from storage.
+    /// The plan must have been made with these copies among its sources, so that this rank
+    /// reads only the files it holds or that no tier holds.
+    pub fn with_tier_copies(&self, copies: &TierCopies) -> Result<Checkpoint, LoaderError> {
+        if copies.files.is_empty() {
+            return Ok(self.clone());
+        }
+        let mut files = HashMap::with_capacity(copies.files.len());
+        for (&file, local) in &copies.files {
+            files.insert(self.file_path(file)?.to_string(), local.clone());
+        }
+        let mut view = self.clone();
+        view.location.store = Arc::new(TierStore::new(Arc::clone(&self.location.store), &files)?);
+        view.tier_files = Arc::new(files);
+        Ok(view)
     }
 
     /// Refuses a plan made for another checkpoint: one whose recorded identity differs from this
@@ -257,6 +285,10 @@ impl Checkpoint {
         if read.local_root.is_none() && read.positioned_reads {
             read.local_root.clone_from(&self.location.local_root);
         }
+        // Tier copies are local files whatever the checkpoint's store: read them by position.
+        if read.local_files.is_empty() && read.positioned_reads {
+            read.local_files = Arc::clone(&self.tier_files);
+        }
         read
     }
 
@@ -265,6 +297,22 @@ impl Checkpoint {
     /// cost model prices a request as its store does (local files or an object store).
     pub fn plan(&self, requests: &RequestSet, options: &PlanOptions) -> Result<Plan, LoaderError> {
         Ok(plan(&self.meta, requests, &self.plan_options(options))?)
+    }
+
+    /// [`Checkpoint::plan`] with copies of data files outside storage (the memory tiers the
+    /// job's ranks found, [`crate::tier`]): each held file is read where it is held.
+    pub fn plan_with_sources(
+        &self,
+        requests: &RequestSet,
+        options: &PlanOptions,
+        sources: &ReadSources,
+    ) -> Result<Plan, LoaderError> {
+        Ok(plan_with_sources(
+            &self.meta,
+            requests,
+            &self.plan_options(options),
+            sources,
+        )?)
     }
 
     /// `options` as [`Checkpoint::plan`] plans with them here: with this checkpoint's checksum

@@ -29,6 +29,7 @@ pub mod plan_client;
 pub mod read;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod tier;
 pub mod transport;
 pub mod verify;
 

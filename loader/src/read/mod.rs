@@ -37,7 +37,7 @@ pub(crate) mod positioned;
 pub mod scheduler;
 
 use crate::LoaderError;
-use crate::read::positioned::{LocalFiles, PositionedRead};
+use crate::read::positioned::{LocalFiles, LocalPaths, PositionedRead};
 use crate::read::scheduler::{FileRange, RangeScheduler, SourceFile, union_len};
 use crate::verify::crc_fold::Crc;
 use crate::verify::joint::JointRead;
@@ -340,12 +340,8 @@ async fn read_runs(
             joint.push(JointRead::new(check.id, file as u32, saved));
         }
     }
-    let mut local = match (&options.local_root, targets) {
-        (Some(root), Some(_)) => Some(LocalFiles::new(
-            root.clone(),
-            files.len(),
-            options.bounce_reads,
-        )),
+    let mut local = match (LocalPaths::of(options), targets) {
+        (Some(paths), Some(_)) => Some(LocalFiles::new(paths, files.len(), options.bounce_reads)),
         _ => None,
     };
     let mut positioned: Vec<PositionedSource> = Vec::new();
@@ -385,7 +381,7 @@ async fn read_runs(
         let joint_read = joint_of.get(&piece.id).copied();
         if let (Some(local), Some((dest, dst_start)), None) = (local.as_mut(), target, joint_read)
             && runs.is_identity()
-            && LocalFiles::readable(file)
+            && local.readable(file)
         {
             let own_box = boxes
                 .as_mut()

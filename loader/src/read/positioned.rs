@@ -19,12 +19,14 @@
 //! caller's future cannot be dropped mid-batch: the batch is synchronous). A batch is bounded by
 //! the caller (a few parts' worth), so the async runtime is held for milliseconds at a time.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use crate::LoaderError;
-use crate::read::scheduler::SourceFile;
+use crate::read::scheduler::{ReadOptions, SourceFile};
 use crate::verify::crc_fold::Crc;
 
 /// One positioned read: `len` bytes of plan file `file` from `offset`, into destination `dest`
@@ -42,32 +44,72 @@ pub(crate) struct PositionedRead {
     pub crc: Option<Crc>,
 }
 
+/// Where a read's store paths are local files: under the local store's root (a local
+/// checkpoint), and single files elsewhere (a memory tier's copies of some data files,
+/// [`crate::read::tier`]), which win over the root.
+#[derive(Clone, Debug, Default)]
+pub struct LocalPaths {
+    /// The directory the store's paths are relative to ([`ReadOptions::local_root`]).
+    pub root: Option<PathBuf>,
+    /// Store paths read from these files instead ([`ReadOptions::local_files`]).
+    pub files: Arc<HashMap<String, PathBuf>>,
+}
+
+impl LocalPaths {
+    /// The local paths of `options`, or `None` when nothing is read by position.
+    pub(crate) fn of(options: &ReadOptions) -> Option<LocalPaths> {
+        (options.local_root.is_some() || !options.local_files.is_empty()).then(|| LocalPaths {
+            root: options.local_root.clone(),
+            files: Arc::clone(&options.local_files),
+        })
+    }
+
+    /// Whether the store path `path` is a local file that can be read by position: one of the
+    /// single files, or a path under the root that maps to a file name as written
+    /// ([`readable_path`]).
+    pub(crate) fn readable(&self, path: &object_store::path::Path) -> bool {
+        self.files.contains_key(path.as_ref()) || (self.root.is_some() && readable_path(path))
+    }
+
+    /// Opens the local file of store path `path`. A missing file is [`LoaderError::MissingFile`]
+    /// naming the store path, as a read through the store says.
+    pub(crate) fn open(&self, path: &object_store::path::Path) -> Result<File, LoaderError> {
+        match (self.files.get(path.as_ref()), &self.root) {
+            (Some(file), _) => open_file(file, path),
+            (None, Some(root)) => open_local(root, path),
+            (None, None) => Err(LoaderError::MissingFile {
+                path: path.to_string(),
+            }),
+        }
+    }
+}
+
 /// The local files of a read, opened on first use.
 #[derive(Debug)]
 pub(crate) struct LocalFiles {
-    root: PathBuf,
+    paths: LocalPaths,
     opened: Vec<Option<File>>,
     /// Misaligned reads go through the bounce buffer ([`read_exact_at`]).
     bounce: bool,
 }
 
 impl LocalFiles {
-    /// Files under `root` (the local store's root directory); `count` plan files; `bounce`:
-    /// misaligned reads go through the bounce buffer ([`read_exact_at`]).
-    pub fn new(root: PathBuf, count: usize, bounce: bool) -> Self {
+    /// The files at `paths`; `count` plan files; `bounce`: misaligned reads go through the
+    /// bounce buffer ([`read_exact_at`]).
+    pub fn new(paths: LocalPaths, count: usize, bounce: bool) -> Self {
         Self {
-            root,
+            paths,
             opened: (0..count).map(|_| None).collect(),
             bounce,
         }
     }
 
-    /// Whether `source` can be read by position ([`readable_path`]).
-    pub fn readable(source: &SourceFile) -> bool {
-        readable_path(&source.path)
+    /// Whether `source` can be read by position ([`LocalPaths::readable`]).
+    pub fn readable(&self, source: &SourceFile) -> bool {
+        self.paths.readable(&source.path)
     }
 
-    /// Opens plan file `file` (at `source`) unless it is open already ([`open_local`]).
+    /// Opens plan file `file` (at `source`) unless it is open already ([`LocalPaths::open`]).
     pub fn open(&mut self, file: u32, source: &SourceFile) -> Result<(), LoaderError> {
         let Some(slot) = self.opened.get_mut(file as usize) else {
             return Err(LoaderError::InvalidPlan {
@@ -78,7 +120,7 @@ impl LocalFiles {
             });
         };
         if slot.is_none() {
-            *slot = Some(open_local(&self.root, &source.path)?);
+            *slot = Some(self.paths.open(&source.path)?);
         }
         Ok(())
     }
@@ -227,8 +269,15 @@ pub(crate) fn open_local(
     root: &std::path::Path,
     path: &object_store::path::Path,
 ) -> Result<File, LoaderError> {
-    let local = root.join(path.as_ref());
-    File::open(&local).map_err(|e| match e.kind() {
+    open_file(&root.join(path.as_ref()), path)
+}
+
+/// Opens `local`, the file of store path `path` (named in a missing file's error).
+fn open_file(
+    local: &std::path::Path,
+    path: &object_store::path::Path,
+) -> Result<File, LoaderError> {
+    File::open(local).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => LoaderError::MissingFile {
             path: path.to_string(),
         },
@@ -339,6 +388,13 @@ mod tests {
     use super::*;
     use object_store::path::Path;
 
+    fn under(root: &std::path::Path) -> LocalPaths {
+        LocalPaths {
+            root: Some(root.to_path_buf()),
+            files: Arc::default(),
+        }
+    }
+
     fn source(name: &str) -> SourceFile {
         SourceFile {
             path: Path::from(name),
@@ -361,7 +417,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("data"), bytes).unwrap();
         let sources = vec![source("data")];
-        let mut files = LocalFiles::new(dir.path().to_path_buf(), 1, true);
+        let mut files = LocalFiles::new(under(dir.path()), 1, true);
         files.open(0, &sources[0]).unwrap();
         (dir, files, sources)
     }
@@ -476,13 +532,13 @@ mod tests {
         let e =
             read_positioned(&files, &sources, &[read(60, 64, 0, 0)], &mut buffers, 1).unwrap_err();
         assert_eq!(short_read(e), ("data".to_string(), 60, 124, 40));
-        let mut files = LocalFiles::new(dir.path().to_path_buf(), 2, true);
+        let mut files = LocalFiles::new(under(dir.path()), 2, true);
         let e = files.open(1, &source("gone/data_1")).unwrap_err();
         assert!(
             matches!(&e, LoaderError::MissingFile { path } if path == "gone/data_1"),
             "{e}"
         );
-        assert!(!LocalFiles::readable(&source("a b%")));
-        assert!(LocalFiles::readable(&source("step-1/__0_0.distcp")));
+        assert!(!files.readable(&source("a b%")));
+        assert!(files.readable(&source("step-1/__0_0.distcp")));
     }
 }

@@ -49,6 +49,7 @@ use tessera_storage::{RetryPolicy, StorageError, is_timeout, is_transient};
 use tokio::task::{self, JoinSet};
 
 use crate::LoaderError;
+use crate::read::positioned::LocalPaths;
 
 /// How the loader reads from storage.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -101,6 +102,11 @@ pub struct ReadOptions {
     /// reads everything through the store. [`crate::checkpoint::Checkpoint`] fills it from its location
     /// when [`ReadOptions::positioned_reads`] is on.
     pub local_root: Option<std::path::PathBuf>,
+    /// Store paths whose bytes are read from these local files instead, by position: a memory
+    /// tier's copies of data files ([`crate::read::tier`]), wherever the checkpoint lives. Its
+    /// store reads the same paths from the same files ([`crate::read::tier::TierStore`]), so
+    /// reads that do not go by position get the same bytes.
+    pub local_files: Arc<HashMap<String, std::path::PathBuf>>,
     /// Read local checkpoints by position ([`ReadOptions::local_root`]; true). Off, every read
     /// goes through the store: the side-by-side switch of benchmarks (front ends map
     /// `TESSERA_POSITIONED_READS=0` to it).
@@ -157,6 +163,7 @@ impl Default for ReadOptions {
             coalesce_gap: None,
             exact_multi_range: None,
             local_root: None,
+            local_files: Arc::default(),
             positioned_reads: true,
             bounce_reads: true,
             joint_checks: false,
@@ -394,11 +401,8 @@ impl<'a> RangeScheduler<'a> {
         // to part (at most the parts in flight), not into a fresh allocation per request whose
         // pages the kernel must fault in and zero: the first load of a process paid most of its
         // store-path reads in page faults (BENCHMARKS.md, issue 16).
-        let local = self
-            .options
-            .local_root
-            .clone()
-            .map(|root| Arc::new(LocalParts::new(root, max_span, self.options.bounce_reads)));
+        let local = LocalPaths::of(&self.options)
+            .map(|paths| Arc::new(LocalParts::new(paths, max_span, self.options.bounce_reads)));
         let mut next = 0;
         loop {
             while next < parts.len() && tasks.len() < max_in_flight {
@@ -467,7 +471,7 @@ impl<'a> RangeScheduler<'a> {
                 let spans: Vec<Range<u64>> = segments.iter().map(|s| s.span.clone()).collect();
                 let handle = match (&local, spans.as_slice()) {
                     // One span of a local file: read by position into a reused buffer.
-                    (Some(local), [span]) if crate::read::positioned::readable_path(&path) => {
+                    (Some(local), [span]) if local.paths.readable(&path) => {
                         tasks.spawn(fetch_local(Arc::clone(local), path, span.clone()))
                     }
                     _ => tasks.spawn(fetch_spans(store, path, spans, backoff)),
@@ -713,7 +717,7 @@ async fn fetch_spans(
 
 /// Local files read by position into a pool of part buffers (see [`fetch_local`]).
 struct LocalParts {
-    root: std::path::PathBuf,
+    paths: LocalPaths,
     /// Misaligned reads go through the bounce buffer ([`ReadOptions::bounce_reads`]).
     bounce: bool,
     /// Bytes of a new buffer: the largest part.
@@ -722,9 +726,9 @@ struct LocalParts {
 }
 
 impl LocalParts {
-    fn new(root: std::path::PathBuf, buffer_bytes: u64, bounce: bool) -> Self {
+    fn new(paths: LocalPaths, buffer_bytes: u64, bounce: bool) -> Self {
         Self {
-            root,
+            paths,
             bounce,
             buffer_bytes: usize::try_from(buffer_bytes).unwrap_or(usize::MAX),
             pool: std::sync::Mutex::new(Vec::new()),
@@ -780,7 +784,7 @@ async fn fetch_local(
 ) -> Result<Vec<Fetched>, LoaderError> {
     let task = tokio::task::spawn_blocking(move || {
         let len = usize::try_from(span.end - span.start).unwrap_or(usize::MAX);
-        let file = crate::read::positioned::open_local(&parts.root, &path)?;
+        let file = parts.paths.open(&path)?;
         let mut buffer = parts.take(len);
         let bounce = parts.bounce;
         crate::read::positioned::read_exact_at(
@@ -1018,7 +1022,14 @@ mod tests {
 
     #[test]
     fn local_part_buffers_go_back_to_the_pool_and_are_reused() {
-        let parts = Arc::new(LocalParts::new(std::path::PathBuf::from("/"), 64, true));
+        let parts = Arc::new(LocalParts::new(
+            LocalPaths {
+                root: Some(std::path::PathBuf::from("/")),
+                files: Arc::default(),
+            },
+            64,
+            true,
+        ));
         let first = parts.take(10);
         let address = first.as_ptr();
         assert_eq!(first.len(), 64);

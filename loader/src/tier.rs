@@ -1,0 +1,483 @@
+//! A node's memory tier: copies of a checkpoint's data files that a save leaves under a
+//! node-local directory (e.g. `/dev/shm/tessera/<run>`) which outlives the training process, so
+//! that a job restarting, with any layout, reads what survives there instead of storage.
+//!
+//! The format, written and read only here:
+//!
+//! ```text
+//! <dir>/<copy>/                    one copy per saved checkpoint: step-<step>-<12 hex of its identity>
+//!     data/rank-3.bin              a rank's data file, its boxes at the same offsets as in storage
+//!     data/rank-3.bin.tier.json    its record (TierRecord), written last, only after the commit
+//! ```
+//!
+//! A copy counts only when its record names the identity of the checkpoint being loaded (so a
+//! copy of another step, another run or an uncommitted save never does) and every box of the
+//! file verifies against the checkpoint's own crc32c: [`find_copies`] reads and checks them all
+//! before a rank offers them, and says why it ignored each one it did not take. Ranks that see the
+//! same directory on the same host are on one node; each offers what it found, and the planner
+//! reads each held file there once ([`tessera_planner::ReadSources`]).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path as FsPath, PathBuf};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use futures::stream::BoxStream;
+use object_store::local::LocalFileSystem;
+use object_store::path::Path;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+    PutMultipartOptions, PutOptions, PutPayload, PutResult,
+};
+use serde::{Deserialize, Serialize};
+use tessera_metadata::{BoxChecksum, CheckpointMeta};
+use tessera_planner::RankPlan;
+
+use crate::LoaderError;
+
+/// `format` of a record.
+pub const TIER_FORMAT: &str = "tessera-memory-tier";
+/// `version` of a record this build writes and reads.
+pub const TIER_VERSION: u32 = 1;
+/// A record's name: its data file's name plus this.
+pub const RECORD_SUFFIX: &str = ".tier.json";
+
+/// What a save records next to a data file it left in the tier.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierRecord {
+    /// Always [`TIER_FORMAT`].
+    pub format: String,
+    /// [`TIER_VERSION`].
+    pub version: u32,
+    /// Where the durable checkpoint is, as the saving job named it.
+    pub checkpoint: String,
+    /// The durable checkpoint's identity (of its committed manifest).
+    pub identity: String,
+    /// Its training step, when known.
+    pub step: Option<u64>,
+    /// The data file, relative to the checkpoint root (`data/rank-3.bin`).
+    pub file: String,
+    /// The data file's size.
+    pub size: u64,
+    /// Every box of the file: where it is and its crc32c, as the checkpoint's metadata records
+    /// them.
+    pub boxes: Vec<TierBox>,
+    /// When the copy was completed (ms since the epoch): the pruning order.
+    pub saved_unix_ms: u64,
+}
+
+/// One box of a tier copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierBox {
+    /// Byte offset in the file.
+    pub offset: u64,
+    /// Bytes.
+    pub length: u64,
+    /// crc32c of its bytes.
+    pub crc32c: u32,
+}
+
+/// The folder of the copy of the checkpoint with `identity` (saved at `step`) under a tier.
+pub fn copy_dir_name(identity: &str, step: Option<u64>) -> String {
+    let hex: String = identity
+        .rsplit(':')
+        .next()
+        .unwrap_or(identity)
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .take(12)
+        .collect();
+    match step {
+        Some(step) => format!("step-{step}-{hex}"),
+        None => format!("nostep-{hex}"),
+    }
+}
+
+/// Leaves a copy of one data file in the tier at `dir`: its boxes (`boxes[i]` at
+/// `record.boxes[i].offset`), then its record, each written to a temporary name and renamed, so
+/// that a copy is never seen with its record before all its bytes are there. Call only after the
+/// checkpoint committed: the record is what makes the copy count. Returns the data file's path.
+pub fn write_copy(
+    dir: &FsPath,
+    record: &TierRecord,
+    boxes: &[&[u8]],
+) -> Result<PathBuf, LoaderError> {
+    if boxes.len() != record.boxes.len() {
+        return Err(LoaderError::InvalidPlan {
+            detail: format!(
+                "tier copy of {}: {} boxes recorded but {} given",
+                record.file,
+                record.boxes.len(),
+                boxes.len()
+            ),
+        });
+    }
+    let copy = dir.join(copy_dir_name(&record.identity, record.step));
+    let target = copy.join(&record.file);
+    let parent = target.parent().unwrap_or(&copy).to_path_buf();
+    std::fs::create_dir_all(&parent).map_err(|e| io("creating", &parent, e))?;
+    let partial = with_suffix(&target, ".partial");
+    let file = File::create(&partial).map_err(|e| io("creating", &partial, e))?;
+    file.set_len(record.size)
+        .map_err(|e| io("sizing", &partial, e))?;
+    for (b, bytes) in record.boxes.iter().zip(boxes) {
+        if bytes.len() as u64 != b.length || b.offset + b.length > record.size {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "tier copy of {}: box at {} is {} bytes long but {} were given",
+                    record.file,
+                    b.offset,
+                    b.length,
+                    bytes.len()
+                ),
+            });
+        }
+        file.write_all_at(bytes, b.offset)
+            .map_err(|e| io("writing", &partial, e))?;
+    }
+    drop(file);
+    std::fs::rename(&partial, &target).map_err(|e| io("renaming", &partial, e))?;
+    let record_path = with_suffix(&target, RECORD_SUFFIX);
+    let record_partial = with_suffix(&record_path, ".partial");
+    let json = serde_json::to_vec_pretty(record).map_err(|e| LoaderError::InvalidPlan {
+        detail: format!("encoding the tier record of {}: {e}", record.file),
+    })?;
+    let mut out = File::create(&record_partial).map_err(|e| io("creating", &record_partial, e))?;
+    out.write_all(&json)
+        .map_err(|e| io("writing", &record_partial, e))?;
+    drop(out);
+    std::fs::rename(&record_partial, &record_path)
+        .map_err(|e| io("renaming", &record_partial, e))?;
+    Ok(target)
+}
+
+/// Milliseconds since the epoch, for [`TierRecord::saved_unix_ms`].
+pub fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn with_suffix(path: &FsPath, suffix: &str) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(suffix);
+    PathBuf::from(name)
+}
+
+fn io(action: &'static str, path: &FsPath, source: std::io::Error) -> LoaderError {
+    LoaderError::Io {
+        action,
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// The tier copies of one checkpoint found on this node, each verified.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TierCopies {
+    /// Verified copies: data file (an index into the checkpoint's files) → the local file.
+    pub files: BTreeMap<u32, PathBuf>,
+    /// Bytes of the verified copies' boxes.
+    pub bytes: u64,
+    /// Copies seen and not taken, each with why (another checkpoint, a damaged box, …).
+    pub ignored: Vec<String>,
+}
+
+impl TierCopies {
+    /// Data files this node holds, for the planner's sources.
+    pub fn file_indices(&self) -> Vec<u32> {
+        self.files.keys().copied().collect()
+    }
+
+    /// Of the bytes `plan` has its rank read, those read from these copies and those read from
+    /// storage: a rank reads every file it holds a copy of from the copy.
+    pub fn split_reads(&self, plan: &RankPlan, meta: &CheckpointMeta) -> (u64, u64) {
+        let held: Vec<&str> = self
+            .files
+            .keys()
+            .filter_map(|&f| meta.files().get(f as usize).map(|d| d.path.as_str()))
+            .collect();
+        let (mut tier, mut storage) = (0, 0);
+        for p in &plan.pieces {
+            let Some(read) = &p.read else { continue };
+            let file = plan.files.get(read.file as usize).map(String::as_str);
+            if file.is_some_and(|f| held.contains(&f)) {
+                tier += p.bytes;
+            } else {
+                storage += p.bytes;
+            }
+        }
+        (tier, storage)
+    }
+}
+
+/// Finds the copies of the checkpoint `meta` (whose identity is `identity`) in the tier at
+/// `dir`, and verifies every box of each against the checkpoint's recorded checksum. A copy that
+/// is of another checkpoint, incomplete, or damaged is not taken; [`TierCopies::ignored`] says
+/// why. A missing `dir` holds nothing. Reads every byte of the copies it takes.
+pub fn find_copies(dir: &FsPath, meta: &CheckpointMeta, identity: &str) -> TierCopies {
+    let mut found = TierCopies::default();
+    let Ok(copies) = std::fs::read_dir(dir) else {
+        return found;
+    };
+    let by_path: HashMap<&str, u32> = meta
+        .files()
+        .iter()
+        .enumerate()
+        .map(|(i, f)| (f.path.as_str(), i as u32))
+        .collect();
+    let mut records: Vec<PathBuf> = Vec::new();
+    for copy in copies.flatten() {
+        collect_records(&copy.path(), &mut records, 0);
+    }
+    records.sort();
+    for path in records {
+        let record = match read_record(&path) {
+            Ok(record) => record,
+            Err(why) => {
+                found.ignored.push(format!("{}: {why}", path.display()));
+                continue;
+            }
+        };
+        if record.identity != identity {
+            // Another step or run: expected in a tier that keeps several steps; not worth a word
+            // unless it claims the same place.
+            continue;
+        }
+        let local = PathBuf::from(
+            path.to_string_lossy()
+                .strip_suffix(RECORD_SUFFIX)
+                .unwrap_or_default(),
+        );
+        let Some(&file) = by_path.get(record.file.as_str()) else {
+            found.ignored.push(format!(
+                "{}: names data file {} which checkpoint {identity} does not have",
+                path.display(),
+                record.file
+            ));
+            continue;
+        };
+        match verify_copy(&local, file, &record, meta) {
+            Ok(bytes) => {
+                found.bytes += bytes;
+                found.files.insert(file, local);
+            }
+            Err(why) => found.ignored.push(format!(
+                "{}: {why}; read from storage instead",
+                local.display()
+            )),
+        }
+    }
+    found
+}
+
+/// Records under `dir` (at most two levels down: `data/<file>`).
+fn collect_records(dir: &FsPath, out: &mut Vec<PathBuf>, depth: u32) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        match entry.file_type() {
+            Ok(t) if t.is_dir() && depth < 2 => collect_records(&path, out, depth + 1),
+            Ok(t) if t.is_file() && path.to_string_lossy().ends_with(RECORD_SUFFIX) => {
+                out.push(path);
+            }
+            _ => {}
+        }
+    }
+}
+
+fn read_record(path: &FsPath) -> Result<TierRecord, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("unreadable record: {e}"))?;
+    let record: TierRecord =
+        serde_json::from_slice(&bytes).map_err(|e| format!("not a tier record: {e}"))?;
+    if record.format != TIER_FORMAT || record.version != TIER_VERSION {
+        return Err(format!(
+            "a record of format {} version {}, not {TIER_FORMAT} version {TIER_VERSION}",
+            record.format, record.version
+        ));
+    }
+    Ok(record)
+}
+
+/// Checks the copy at `local` of data file `file` box by box against `meta`'s checksums; returns
+/// the bytes of its boxes.
+fn verify_copy(
+    local: &FsPath,
+    file: u32,
+    record: &TierRecord,
+    meta: &CheckpointMeta,
+) -> Result<u64, String> {
+    let expected_size = meta.files()[file as usize].size;
+    let handle = File::open(local).map_err(|e| format!("cannot open the copy: {e}"))?;
+    let size = handle
+        .metadata()
+        .map_err(|e| format!("cannot stat the copy: {e}"))?
+        .len();
+    if expected_size.is_some_and(|s| s != size) || size != record.size {
+        return Err(format!(
+            "the copy has {size} bytes but the checkpoint's {} has {}",
+            record.file,
+            expected_size.unwrap_or(record.size)
+        ));
+    }
+    let mut buffer = Vec::new();
+    let mut bytes = 0;
+    for chunk in meta.chunks().iter().filter(|c| c.bytes.file == file) {
+        let (offset, length) = (chunk.bytes.offset, chunk.bytes.length);
+        let name = &meta.tensors()[chunk.tensor as usize].fqn;
+        let Some(sum) = chunk.checksum() else {
+            return Err(format!(
+                "box {} of {name} has no checksum to check the copy against",
+                chunk.region
+            ));
+        };
+        buffer.resize(length as usize, 0);
+        handle
+            .read_exact_at(&mut buffer, offset)
+            .map_err(|e| format!("box {} of {name} unreadable: {e}", chunk.region))?;
+        let actual = match sum {
+            BoxChecksum::Crc32c(_) => crc32c::crc32c(&buffer),
+            BoxChecksum::Crc32(_) => crc32fast::hash(&buffer),
+        };
+        if actual != sum.value() {
+            return Err(format!(
+                "box {} of {name} (bytes {offset}..{}) does not match the checkpoint's checksum \
+                 ({actual:#010x}, expected {:#010x})",
+                chunk.region,
+                offset + length,
+                sum.value()
+            ));
+        }
+        bytes += length;
+    }
+    Ok(bytes)
+}
+
+/// The store a load reads through when this node holds tier copies: each held file's store
+/// path is served from its copy, everything else from the checkpoint's store. Writes to a held
+/// file's path are refused.
+pub struct TierStore {
+    inner: Arc<dyn ObjectStore>,
+    local: LocalFileSystem,
+    /// Store path → the copy's path for the local file system (absolute, without its leading
+    /// slash).
+    files: HashMap<Path, Path>,
+}
+
+impl fmt::Debug for TierStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TierStore")
+            .field("files", &self.files.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Display for TierStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "TierStore({} copies over {})",
+            self.files.len(),
+            self.inner
+        )
+    }
+}
+
+impl TierStore {
+    /// Serves `files` (store path → local copy) over `inner`.
+    pub fn new(
+        inner: Arc<dyn ObjectStore>,
+        files: &HashMap<String, PathBuf>,
+    ) -> Result<Self, LoaderError> {
+        let mut mapped = HashMap::with_capacity(files.len());
+        for (path, local) in files {
+            let copy = Path::from_absolute_path(local).map_err(|e| LoaderError::Io {
+                action: "naming",
+                path: local.display().to_string(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            mapped.insert(Path::from(path.as_str()), copy);
+        }
+        Ok(Self {
+            inner,
+            local: LocalFileSystem::new(),
+            files: mapped,
+        })
+    }
+}
+
+fn refuse_write(location: &Path) -> object_store::Error {
+    object_store::Error::NotSupported {
+        source: format!("{location} is read from a memory-tier copy; it cannot be written").into(),
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for TierStore {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> object_store::Result<PutResult> {
+        if self.files.contains_key(location) {
+            return Err(refuse_write(location));
+        }
+        self.inner.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
+        opts: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        if self.files.contains_key(location) {
+            return Err(refuse_write(location));
+        }
+        self.inner.put_multipart_opts(location, opts).await
+    }
+
+    async fn get_opts(
+        &self,
+        location: &Path,
+        options: GetOptions,
+    ) -> object_store::Result<GetResult> {
+        match self.files.get(location) {
+            Some(copy) => self.local.get_opts(copy, options).await,
+            None => self.inner.get_opts(location, options).await,
+        }
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<Path>>,
+    ) -> BoxStream<'static, object_store::Result<Path>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: CopyOptions,
+    ) -> object_store::Result<()> {
+        if self.files.contains_key(to) {
+            return Err(refuse_write(to));
+        }
+        self.inner.copy_opts(from, to, options).await
+    }
+}
