@@ -10,6 +10,9 @@
 //!   only after every rank reported success.
 //! - [`load`]: one rank's load (the plan source, the rendezvous rule, the options every front
 //!   end builds, host or CUDA destinations), the mirror of [`save`].
+//! - [`memory_tier`]: the save side of a node's memory tier (a copy of each rank's data file
+//!   left after the commit, pruned to a budget); the load side finds it through
+//!   `tessera_loader::tier`.
 //! - [`claim`]: the exclusive claim a writer takes on its output before writing data.
 //! - [`coord`]: the small messages ranks exchange before they load or save (an all-gather over
 //!   the job's transport).
@@ -19,6 +22,7 @@ pub mod coord;
 pub mod describe;
 mod error;
 pub mod load;
+pub mod memory_tier;
 pub mod open;
 pub mod save;
 

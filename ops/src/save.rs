@@ -59,6 +59,7 @@ use tessera_storage::{GaveUp, Location, RetryingStore, StorageOptions};
 
 use crate::claim::{Claim, ClaimOptions};
 use crate::coord::{TAG_SAVE_CLAIM, TAG_SAVE_DONE, TAG_SAVE_FILES};
+use crate::memory_tier::{LeftCopy, MemoryTier, leave_copy};
 use crate::{OpsError, ResultExt};
 
 /// One box a rank holds.
@@ -120,6 +121,10 @@ pub struct Saved {
     /// not answer within [`SaveOptions::outcome_wait`]: the save is committed, but rank 0 (or the
     /// way to it) was slow enough to say so.
     pub warning: Option<String>,
+    /// What this rank left in its node's memory tier ([`SaveOptions::memory_tier`]): the copy,
+    /// or why leaving it failed (the checkpoint is committed either way; a load then reads this
+    /// rank's file from storage).
+    pub memory_tier: Option<Result<LeftCopy, String>>,
 }
 
 /// A step after the commit point that did not happen: the checkpoint is committed all the same
@@ -187,6 +192,9 @@ pub struct SaveOptions {
     /// rank still waits (see the module docs), so a rank that stops waiting never finds the save
     /// committed behind its back. Front ends set it to their wait for a peer.
     pub outcome_wait: Duration,
+    /// Also leave this rank's data file in its node's memory tier once the save committed
+    /// ([`crate::memory_tier`]); `None`: storage only.
+    pub memory_tier: Option<MemoryTier>,
 }
 
 impl Default for SaveOptions {
@@ -197,6 +205,7 @@ impl Default for SaveOptions {
             break_claim: false,
             store_layer: None,
             outcome_wait: DEFAULT_OUTCOME_WAIT,
+            memory_tier: None,
         }
     }
 }
@@ -402,6 +411,46 @@ pub async fn save_rank<T: Transport>(
     objects: &[(String, Vec<u8>)],
     transport: &T,
 ) -> Result<Saved, OpsError> {
+    let (mut saved, file) = save_durable(path, options, all, data, objects, transport).await?;
+    if let Some(tier) = &options.memory_tier {
+        let rank = transport.rank() as usize;
+        let left = match (global_tensors(all), all.get(rank)) {
+            (Ok(tensors), Some(mine)) => {
+                // Blocking file writes on this task: the save is over, nothing else of this
+                // rank's waits on it, and the buffers are borrowed (no thread of their own).
+                leave_copy(
+                    tier,
+                    path,
+                    &saved.manifest,
+                    file.as_ref(),
+                    &tensors,
+                    mine,
+                    data,
+                )
+            }
+            (Err(e), _) => Err(e),
+            (_, None) => Err(OpsError::invalid(format!("rank {rank}: no holdings"))),
+        };
+        saved.memory_tier = Some(left.map_err(|e| {
+            format!(
+                "rank {rank} left no copy in the memory tier {}: {e}",
+                tier.dir.display()
+            )
+        }));
+    }
+    Ok(saved)
+}
+
+/// The save to storage: what [`save_rank`] does before the memory tier; also returns the data
+/// file this rank wrote.
+async fn save_durable<T: Transport>(
+    path: &str,
+    options: &SaveOptions,
+    all: &[Holdings],
+    data: &[&[u8]],
+    objects: &[(String, Vec<u8>)],
+    transport: &T,
+) -> Result<(Saved, Option<WrittenFile>), OpsError> {
     let world = transport.world();
     let opened = open_store(path, options);
     if transport.rank() != 0 {
@@ -478,11 +527,15 @@ pub async fn save_rank<T: Transport>(
             manifest: Box::new(commit.manifest),
         });
     }
-    Ok(Saved {
-        manifest: commit.manifest,
-        write_retries: opened.retrying.retries() + commit.file_retries,
-        warning: None,
-    })
+    Ok((
+        Saved {
+            manifest: commit.manifest,
+            write_retries: opened.retrying.retries() + commit.file_retries,
+            warning: None,
+            memory_tier: None,
+        },
+        commit.file,
+    ))
 }
 
 /// A rank other than 0: waits for rank 0's claim, writes its share, reports it with how long it
@@ -495,7 +548,7 @@ async fn save_other_rank<T: Transport>(
     data: &[&[u8]],
     objects: &[(String, Vec<u8>)],
     transport: &T,
-) -> Result<Saved, OpsError> {
+) -> Result<(Saved, Option<WrittenFile>), OpsError> {
     let rank = transport.rank();
     wait_for_claim(path, transport).await?;
     let written = match &opened {
@@ -541,11 +594,15 @@ async fn save_other_rank<T: Transport>(
         tensors: global_tensors(all)?.len() as u64,
     };
     let (manifest, warning) = follow_rank_0(&waiting, file.as_ref(), transport).await?;
-    Ok(Saved {
-        manifest,
-        write_retries: opened.retrying.retries() + file_retries,
-        warning,
-    })
+    Ok((
+        Saved {
+            manifest,
+            write_retries: opened.retrying.retries() + file_retries,
+            warning,
+            memory_tier: None,
+        },
+        file,
+    ))
 }
 
 /// What a rank other than 0 needs while it waits for rank 0's word.
@@ -861,6 +918,8 @@ struct Commit {
     after: Option<AfterCommit>,
     /// Rank 0's data file written again from the start.
     file_retries: u64,
+    /// Rank 0's data file.
+    file: Option<WrittenFile>,
 }
 
 /// A rank that reported success, waiting for the outcome until `heard_at + waits` (rank 0's
@@ -973,7 +1032,7 @@ async fn write_and_commit<T: Transport>(
         Ok(_) if !failures.is_empty() => return Err(OpsError::RanksFailed { failures }),
         Ok(written) => written,
     };
-    files.extend(file);
+    files.extend(file.clone());
     let committing = || format!("committing checkpoint {path}");
     let prepared = writer.prepare(files).await.with_context(committing)?;
     check_deadlines(&deadlines)?;
@@ -994,6 +1053,7 @@ async fn write_and_commit<T: Transport>(
             manifest,
             after: None,
             file_retries,
+            file,
         }),
         Err(MetadataError::LatestNotMoved { source, .. }) => Ok(Commit {
             manifest,
@@ -1002,6 +1062,7 @@ async fn write_and_commit<T: Transport>(
                 detail: source.to_string(),
             }),
             file_retries,
+            file,
         }),
         Err(e) => Err(e).with_context(committing),
     }

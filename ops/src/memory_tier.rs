@@ -1,0 +1,296 @@
+//! The save side of a node's memory tier ([`tessera_loader::tier`], the format): once a save
+//! committed, each rank leaves a copy of the data file it wrote under its node's tier directory
+//! (its boxes at the same offsets, then the record naming the committed checkpoint's identity),
+//! and prunes the tier to its budget: the newest `keep` copies, at most `max_bytes`. A save that
+//! fails or is killed before its commit leaves no record, so its bytes never count; the next
+//! prune (or `tessera gc --memory-tier`) removes them.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use tessera_loader::tier::{
+    RECORD_SUFFIX, TIER_FORMAT, TIER_VERSION, TierBox, TierRecord, copy_dir_name, now_unix_ms,
+    write_copy,
+};
+use tessera_metadata::TensorMeta;
+use tessera_metadata::formats::native::{Manifest, WrittenFile};
+
+use crate::OpsError;
+use crate::save::Holdings;
+
+/// Copies a tier keeps by default: the newest two (the one being written while the last
+/// complete one is still there to resume from).
+pub const DEFAULT_KEEP: usize = 2;
+
+/// Where and how much a save keeps in its node's memory tier.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryTier {
+    /// The node-local directory (e.g. `/dev/shm/tessera/<run>`): ranks that name the same one on
+    /// one host are one node.
+    pub dir: PathBuf,
+    /// Copies (saved checkpoints) kept, newest first; at least 1.
+    pub keep: usize,
+    /// Bytes the tier may hold; the oldest copies go first, never the one just left. A rank's
+    /// file larger than this is not copied.
+    pub max_bytes: Option<u64>,
+}
+
+impl MemoryTier {
+    /// The tier at `dir` with the default budget ([`DEFAULT_KEEP`] copies, no byte bound).
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self {
+            dir: dir.into(),
+            keep: DEFAULT_KEEP,
+            max_bytes: None,
+        }
+    }
+}
+
+/// What leaving a copy did.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct LeftCopy {
+    /// The copy's data file (`None`: this rank wrote no file, or it exceeds the byte budget).
+    pub path: Option<PathBuf>,
+    /// Bytes of its boxes.
+    pub bytes: u64,
+    /// Why no copy was left, when none was.
+    pub skipped: Option<String>,
+    /// What the prune removed.
+    pub pruned: Pruned,
+}
+
+/// Leaves this rank's copy of the committed checkpoint at `checkpoint` (its `manifest`) in
+/// `tier`: the boxes of `file` (what this rank wrote; `None` when it wrote nothing) taken from
+/// `data` (this rank's buffers, in the order of `mine.boxes`), then prunes the tier. `tensors`
+/// are the checkpoint's, as the save numbered them.
+pub fn leave_copy(
+    tier: &MemoryTier,
+    checkpoint: &str,
+    manifest: &Manifest,
+    file: Option<&WrittenFile>,
+    tensors: &[TensorMeta],
+    mine: &Holdings,
+    data: &[&[u8]],
+) -> Result<LeftCopy, OpsError> {
+    let Some(file) = file else {
+        return Ok(LeftCopy {
+            skipped: Some("this rank wrote no data file".into()),
+            ..LeftCopy::default()
+        });
+    };
+    let identity = tessera_metadata::native_identity(&manifest.to_json()?);
+    if let Some(max) = tier.max_bytes.filter(|&max| file.size() > max) {
+        return Ok(LeftCopy {
+            skipped: Some(format!(
+                "{} is {} bytes, more than the tier's budget of {max}",
+                file.path(),
+                file.size()
+            )),
+            pruned: prune(&tier.dir, tier.keep, tier.max_bytes, None, false)?,
+            ..LeftCopy::default()
+        });
+    }
+    let held: HashMap<(&str, &[u64]), usize> = mine
+        .boxes
+        .iter()
+        .enumerate()
+        .map(|(i, b)| ((b.fqn.as_str(), b.offsets.as_slice()), i))
+        .collect();
+    let mut boxes = Vec::with_capacity(file.chunks().len());
+    let mut bytes = Vec::with_capacity(file.chunks().len());
+    for chunk in file.chunks() {
+        let fqn = tensors
+            .get(chunk.tensor as usize)
+            .map(|t| t.fqn.as_str())
+            .unwrap_or_default();
+        let offsets: Vec<u64> = chunk.region.offsets.iter().copied().collect();
+        let Some(&i) = held.get(&(fqn, offsets.as_slice())) else {
+            return Err(OpsError::invalid(format!(
+                "memory tier: {} holds box {} of {fqn}, which this rank does not hold",
+                file.path(),
+                chunk.region
+            )));
+        };
+        let Some(crc32c) = chunk.crc32c else {
+            return Err(OpsError::invalid(format!(
+                "memory tier: box {} of {fqn} in {} has no crc32c",
+                chunk.region,
+                file.path()
+            )));
+        };
+        let length = chunk.bytes.length;
+        // A box written in parts would be several chunks of one buffer; the save writes whole.
+        let buffer = data.get(i).copied().unwrap_or_default();
+        if buffer.len() as u64 != length {
+            return Err(OpsError::invalid(format!(
+                "memory tier: box {} of {fqn} is {length} bytes in {} but {} in memory",
+                chunk.region,
+                file.path(),
+                buffer.len()
+            )));
+        }
+        boxes.push(TierBox {
+            offset: chunk.bytes.offset,
+            length,
+            crc32c,
+        });
+        bytes.push(buffer);
+    }
+    let record = TierRecord {
+        format: TIER_FORMAT.into(),
+        version: TIER_VERSION,
+        checkpoint: checkpoint.to_string(),
+        identity,
+        step: manifest.step,
+        file: file.path().to_string(),
+        size: file.size(),
+        boxes,
+        saved_unix_ms: now_unix_ms(),
+    };
+    let path = write_copy(&tier.dir, &record, &bytes)?;
+    let keep_name = copy_dir_name(&record.identity, record.step);
+    let pruned = prune(
+        &tier.dir,
+        tier.keep,
+        tier.max_bytes,
+        Some(&keep_name),
+        false,
+    )?;
+    Ok(LeftCopy {
+        path: Some(path),
+        bytes: record.boxes.iter().map(|b| b.length).sum(),
+        skipped: None,
+        pruned,
+    })
+}
+
+/// What a prune removed (or, dry, would remove).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Pruned {
+    /// Copies removed: their folders.
+    pub removed: Vec<PathBuf>,
+    /// Bytes of their files.
+    pub bytes: u64,
+    /// Copies kept: their folders, newest first.
+    pub kept: Vec<PathBuf>,
+    /// Bytes of the kept copies' files.
+    pub kept_bytes: u64,
+}
+
+/// One copy folder of a tier.
+struct CopyDir {
+    path: PathBuf,
+    /// The newest record's time; `None` for a copy without any record (a save that died, or
+    /// one still writing).
+    saved: Option<u64>,
+    /// Its last change, for copies without records.
+    modified: u64,
+    bytes: u64,
+}
+
+/// Prunes the tier at `dir` to the newest `keep` complete copies and at most `max_bytes`, never
+/// removing the copy folder named `protect` (the one just left). Folders without any record
+/// older than the oldest kept copy are what died saves left, and go too. `dry_run` removes
+/// nothing. A missing `dir` is an empty tier.
+pub fn prune(
+    dir: &Path,
+    keep: usize,
+    max_bytes: Option<u64>,
+    protect: Option<&str>,
+    dry_run: bool,
+) -> Result<Pruned, OpsError> {
+    let mut copies = Vec::new();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Pruned::default()),
+        Err(e) => return Err(io_error("listing the memory tier", dir, e)),
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let mut copy = CopyDir {
+            path,
+            saved: None,
+            modified: 0,
+            bytes: 0,
+        };
+        survey(&copy.path.clone(), &mut copy, 0);
+        copies.push(copy);
+    }
+    // Complete copies newest first; the protected one counts as newest.
+    let is_protected =
+        |c: &CopyDir| protect.is_some_and(|name| c.path.file_name().is_some_and(|n| n == name));
+    let (mut complete, incomplete): (Vec<CopyDir>, Vec<CopyDir>) = copies
+        .into_iter()
+        .partition(|c| c.saved.is_some() || is_protected(c));
+    complete.sort_by_key(|c| (!is_protected(c), std::cmp::Reverse(c.saved)));
+    let keep = keep.max(1);
+    let mut removed: Vec<CopyDir> = complete.split_off(keep.min(complete.len()));
+    if let Some(max) = max_bytes {
+        while complete.iter().map(|c| c.bytes).sum::<u64>() > max
+            && complete.last().is_some_and(|c| !is_protected(c))
+        {
+            removed.extend(complete.pop());
+        }
+    }
+    let oldest_kept = complete.iter().filter_map(|c| c.saved).min();
+    removed.extend(
+        incomplete
+            .into_iter()
+            .filter(|c| oldest_kept.is_some_and(|t| c.modified < t)),
+    );
+    if !dry_run {
+        for copy in &removed {
+            match std::fs::remove_dir_all(&copy.path) {
+                Ok(()) => {}
+                // Another rank of the node pruned it first.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_error("removing an old memory-tier copy", &copy.path, e)),
+            }
+        }
+    }
+    Ok(Pruned {
+        bytes: removed.iter().map(|c| c.bytes).sum(),
+        removed: removed.into_iter().map(|c| c.path).collect(),
+        kept_bytes: complete.iter().map(|c| c.bytes).sum(),
+        kept: complete.into_iter().map(|c| c.path).collect(),
+    })
+}
+
+/// Adds the files under `dir` to `copy`: bytes, newest change, newest record.
+fn survey(dir: &Path, copy: &mut CopyDir, depth: u32) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Ok(meta) = entry.metadata() else { continue };
+        if meta.is_dir() {
+            if depth < 3 {
+                survey(&path, copy, depth + 1);
+            }
+            continue;
+        }
+        let modified = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_millis() as u64);
+        copy.modified = copy.modified.max(modified);
+        copy.bytes += meta.len();
+        if path.to_string_lossy().ends_with(RECORD_SUFFIX) {
+            let saved = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<TierRecord>(&b).ok())
+                .map_or(modified, |r| r.saved_unix_ms);
+            copy.saved = Some(copy.saved.map_or(saved, |s| s.max(saved)));
+        }
+    }
+}
+
+fn io_error(action: &str, path: &Path, e: std::io::Error) -> OpsError {
+    OpsError::invalid(format!("{action} {}: {e}", path.display()))
+}

@@ -1,0 +1,190 @@
+//! The save side of the memory tier: four in-process ranks on two "nodes" (two tier
+//! directories) save three steps with the tier; each node's tier then holds exactly its ranks'
+//! files of the newest two steps, every copy verifies against the committed checkpoint, and a
+//! copy left by a save that never committed is neither found nor kept.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::tier::find_copies;
+use tessera_loader::transport::{InProcTransport, TransportOptions};
+use tessera_ops::memory_tier::{MemoryTier, prune};
+use tessera_ops::save::{HeldBox, Holdings, SaveOptions, save_rank};
+
+/// Rank r holds rows [4r, 4r+4) of `w` (16×8 f32) and all of `b` (8 f32, replicated).
+fn holdings() -> Vec<Holdings> {
+    (0..4u64)
+        .map(|r| Holdings {
+            boxes: vec![
+                HeldBox {
+                    fqn: "w".into(),
+                    dtype: "f32".into(),
+                    shape: vec![16, 8],
+                    offsets: vec![4 * r, 0],
+                    lengths: vec![4, 8],
+                },
+                HeldBox {
+                    fqn: "b".into(),
+                    dtype: "f32".into(),
+                    shape: vec![8],
+                    offsets: vec![0],
+                    lengths: vec![8],
+                },
+            ],
+            objects: vec![],
+        })
+        .collect()
+}
+
+async fn save_step(root: &Path, step: u64, tiers: &[&Path; 2]) -> Vec<Option<u64>> {
+    let path = root.join(format!("step-{step}")).display().to_string();
+    let all = holdings();
+    let mesh = InProcTransport::mesh(
+        4,
+        TransportOptions::with_timeout(std::time::Duration::from_secs(10)),
+    );
+    let mut tasks = Vec::new();
+    for (rank, transport) in mesh.into_iter().enumerate() {
+        let (path, all) = (path.clone(), all.clone());
+        let options = SaveOptions {
+            step: Some(step),
+            memory_tier: Some(MemoryTier::new(tiers[rank / 2])),
+            ..SaveOptions::default()
+        };
+        tasks.push(tokio::spawn(async move {
+            let w: Vec<u8> = (0..128u32)
+                .map(|i| (i as u8) ^ (rank as u8) ^ (step as u8))
+                .collect();
+            let b: Vec<u8> = (0..32u8).map(|i| i.wrapping_mul(step as u8)).collect();
+            let saved = save_rank(&path, &options, &all, &[&w, &b], &[], &transport)
+                .await
+                .unwrap();
+            saved
+                .memory_tier
+                .unwrap()
+                .unwrap()
+                .path
+                .map(|_| rank as u64)
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_node_keeps_its_ranks_files_of_the_newest_steps() {
+    let root = tempfile::tempdir().unwrap();
+    let (node_a, node_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let tiers = [node_a.path(), node_b.path()];
+    for step in 1..=3 {
+        let left = save_step(root.path(), step, &tiers).await;
+        // `b` is replicated: one rank writes it, but every rank writes its rows of `w`.
+        assert!(left.iter().all(Option::is_some), "{left:?}");
+    }
+    let step3 = Checkpoint::open(
+        tessera_storage::open(&root.path().join("step-3").display().to_string()).unwrap(),
+    )
+    .await
+    .unwrap();
+    let identity = step3.meta.identity().unwrap();
+    let on_a = find_copies(node_a.path(), &step3.meta, identity);
+    let on_b = find_copies(node_b.path(), &step3.meta, identity);
+    let names = |found: &tessera_loader::tier::TierCopies| -> Vec<String> {
+        let mut names: Vec<String> = found
+            .file_indices()
+            .iter()
+            .map(|&f| step3.meta.files()[f as usize].path.clone())
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(names(&on_a), ["data/rank-0.bin", "data/rank-1.bin"]);
+    assert_eq!(names(&on_b), ["data/rank-2.bin", "data/rank-3.bin"]);
+    assert!(on_a.ignored.is_empty() && on_b.ignored.is_empty());
+    // The default budget keeps two steps: step 1's copies are gone.
+    let mut copies: Vec<String> = std::fs::read_dir(node_a.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    copies.sort();
+    assert_eq!(copies.len(), 2, "{copies:?}");
+    assert!(
+        copies
+            .iter()
+            .all(|c| c.starts_with("step-2-") || c.starts_with("step-3-")),
+        "{copies:?}"
+    );
+
+    // Step 2's copies are not step 3's.
+    let step2 = Checkpoint::open(
+        tessera_storage::open(&root.path().join("step-2").display().to_string()).unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_ne!(step2.meta.identity(), step3.meta.identity());
+    assert_eq!(
+        find_copies(node_a.path(), &step2.meta, step2.meta.identity().unwrap())
+            .file_indices()
+            .len(),
+        2
+    );
+}
+
+#[test]
+fn prune_keeps_the_newest_copies_within_the_budget_and_drops_what_died_saves_left() {
+    let tier = tempfile::tempdir().unwrap();
+    let copy = |name: &str, saved: u64, bytes: usize, record: bool| {
+        let dir = tier.path().join(name).join("data");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("rank-0.bin"), vec![7u8; bytes]).unwrap();
+        if record {
+            let json = serde_json::json!({
+                "format": "tessera-memory-tier", "version": 1, "checkpoint": "x",
+                "identity": format!("native:{name}"), "step": null, "file": "data/rank-0.bin",
+                "size": bytes, "boxes": [], "saved_unix_ms": saved,
+            });
+            std::fs::write(dir.join("rank-0.bin.tier.json"), json.to_string()).unwrap();
+        }
+    };
+    copy("old", 1, 1000, true);
+    copy("mid", 2, 1000, true);
+    copy("new", 3, 1000, true);
+    // A save that died before its record: older (by mtime) than every kept copy once they are
+    // rewritten below.
+    copy("dead", 0, 500, false);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    copy("mid", u64::MAX / 2, 1000, true);
+    copy("new", u64::MAX / 2 + 1, 1000, true);
+
+    let dry = prune(tier.path(), 2, None, None, true).unwrap();
+    let names = |paths: &[std::path::PathBuf]| -> Vec<String> {
+        let mut n: Vec<String> = paths
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        n.sort();
+        n
+    };
+    assert_eq!(names(&dry.kept), ["mid", "new"]);
+    assert_eq!(names(&dry.removed), ["dead", "old"]);
+    assert!(
+        tier.path().join("old").exists(),
+        "a dry run removes nothing"
+    );
+
+    // A byte budget below two copies keeps the newest (and never the protected one's loss).
+    let done = prune(tier.path(), 2, Some(1500), Some("mid"), false).unwrap();
+    assert_eq!(names(&done.kept), ["mid"]);
+    assert_eq!(names(&done.removed), ["dead", "new", "old"]);
+    assert!(!tier.path().join("old").exists() && !tier.path().join("dead").exists());
+    assert!(tier.path().join("mid").exists());
+    // A missing tier is empty.
+    assert_eq!(
+        prune(&tier.path().join("absent"), 2, None, None, false).unwrap(),
+        Default::default()
+    );
+}
