@@ -285,8 +285,9 @@ impl Checkpoint {
         if read.local_root.is_none() && read.positioned_reads {
             read.local_root.clone_from(&self.location.local_root);
         }
-        // Tier copies are local files whatever the checkpoint's store: read them by position.
-        if read.local_files.is_empty() && read.positioned_reads {
+        // Tier copies are local files whatever the checkpoint's store: always read by position
+        // (what `positioned_reads` switches is how the checkpoint's own files are read).
+        if read.local_files.is_empty() {
             read.local_files = Arc::clone(&self.tier_files);
         }
         read

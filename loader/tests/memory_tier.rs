@@ -147,6 +147,16 @@ async fn a_job_of_three_reads_the_surviving_tiers_and_storage_only_for_the_lost_
             );
         }
         let (tier, storage) = node_of[rank].split_reads(&loaded.plan, &checkpoint.meta);
+        // What the rank's report says is what its plan had it read where.
+        assert_eq!(
+            (
+                loaded.report.bytes_from_memory_tier,
+                loaded.report.bytes_from_storage
+            ),
+            (tier, storage),
+            "rank {rank}"
+        );
+        assert_eq!(tier + storage, loaded.report.bytes_read);
         from_tier += tier;
         from_storage += storage;
     }

@@ -25,6 +25,8 @@ pub const TAG_SAVE_FILES: u64 = 0xFFFF_FFFF_0000_0003;
 pub const TAG_SAVE_DONE: u64 = 0xFFFF_FFFF_0000_0004;
 /// Tag of rank 0's word on the save's write claim (to every rank, before anyone writes).
 pub const TAG_SAVE_CLAIM: u64 = 0xFFFF_FFFF_0000_0005;
+/// Tag of the load's memory-tier offers (the data files each rank's node holds).
+pub const TAG_TIER_OFFERS: u64 = 0xFFFF_FFFF_0000_0006;
 
 /// Joins the mesh of `world` ranks through rank 0 at `addr:port`.
 pub async fn connect(

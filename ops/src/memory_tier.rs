@@ -9,12 +9,14 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
+use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::tier::{
-    RECORD_SUFFIX, TIER_FORMAT, TIER_VERSION, TierBox, TierRecord, copy_dir_name, now_unix_ms,
-    write_copy,
+    RECORD_SUFFIX, TIER_FORMAT, TIER_VERSION, TierBox, TierCopies, TierRecord, copy_dir_name,
+    find_copies, now_unix_ms, write_copy,
 };
 use tessera_metadata::TensorMeta;
 use tessera_metadata::formats::native::{Manifest, WrittenFile};
+use tessera_planner::{ReadSources, SourceTier};
 
 use crate::OpsError;
 use crate::save::Holdings;
@@ -293,4 +295,30 @@ fn survey(dir: &Path, copy: &mut CopyDir, depth: u32) {
 
 fn io_error(action: &str, path: &Path, e: std::io::Error) -> OpsError {
     OpsError::invalid(format!("{action} {}: {e}", path.display()))
+}
+
+/// The load side: this rank's view of `checkpoint` when its node's tier is at `dir`, with the
+/// copies found there (only this checkpoint's, each verified: [`find_copies`]). A checkpoint
+/// without an identity (assembled in memory) has no copies anywhere.
+pub fn view_with_tier(
+    checkpoint: &Checkpoint,
+    dir: &Path,
+) -> Result<(Checkpoint, TierCopies), OpsError> {
+    let Some(identity) = checkpoint.meta.identity() else {
+        return Ok((checkpoint.clone(), TierCopies::default()));
+    };
+    let copies = find_copies(dir, &checkpoint.meta, identity);
+    Ok((checkpoint.with_tier_copies(&copies)?, copies))
+}
+
+/// The planner's sources from every rank's offer (`offers[r]`: the data files rank r found in
+/// its node's tier): each file readable by the ranks that offered it.
+pub fn sources_of(offers: &[Vec<u32>]) -> ReadSources {
+    let mut sources = ReadSources::none();
+    for (rank, files) in offers.iter().enumerate() {
+        for &file in files {
+            sources.add(file, SourceTier::NodeMemory, [rank as u32]);
+        }
+    }
+    sources
 }

@@ -39,6 +39,9 @@ use tessera_loader::verify::joint;
 use tessera_metadata::TensorMeta;
 use tessera_planner::{ExplicitRequest, ExplicitRequests, RankPlan};
 
+use tessera_loader::tier::TierCopies;
+use tessera_ops::memory_tier::{sources_of, view_with_tier};
+
 use crate::checkpoint::OpenedCheckpoint;
 use crate::load::{
     TargetTuple, Wanted, fqn_of, load_options, parse_read_order, rank_plan_for, resolve_target,
@@ -88,6 +91,14 @@ struct GroupState {
     /// Whether the boxes this rank read or received in parts were checked against every
     /// reader's folds (`check_joint`; `tessera_loader::verify::joint`).
     joint_checked: bool,
+    /// The copies this rank's node holds in its memory tier (`memory_tier=`), verified.
+    tier: TierCopies,
+}
+
+/// What a rank offers from its node's memory tier ([`GroupLoad::tier_offer_json`]).
+#[derive(serde::Deserialize)]
+struct TierOffer {
+    files: Vec<u32>,
 }
 
 /// Shares go whole, one message each: this path exchanges after the whole read, so parts (which
@@ -217,15 +228,19 @@ impl GroupState {
 /// Checks the rank's entries (host memory only: CUDA tensors go through host staging in the
 /// Python layer) against the checkpoint and prepares the load.
 #[pyfunction]
-#[pyo3(signature = (checkpoint, targets, rank, world, verify))]
+#[pyo3(signature = (checkpoint, targets, rank, world, verify, memory_tier=None))]
 pub fn group_load(
+    py: Python<'_>,
     checkpoint: PyRef<'_, OpenedCheckpoint>,
     targets: Vec<TargetTuple>,
     rank: u32,
     world: u32,
     verify: bool,
+    memory_tier: Option<String>,
 ) -> PyResult<GroupLoad> {
-    prepare(&checkpoint, targets, rank, world, verify)
+    // Verifying the tier's copies reads them whole: without the GIL.
+    let opened = &*checkpoint;
+    py.detach(|| prepare(opened, targets, rank, world, verify, memory_tier.as_deref()))
         .map(|state| GroupLoad {
             state: Mutex::new(state),
             cancel: Cancel::default(),
@@ -239,6 +254,7 @@ fn prepare(
     rank: u32,
     world: u32,
     verify: bool,
+    memory_tier: Option<&str>,
 ) -> Result<GroupState> {
     if world == 0 || rank >= world {
         bail!("rank {rank} is outside a group of {world} ranks");
@@ -277,9 +293,17 @@ fn prepare(
             .ok_or_else(|| anyhow!("tensor {}: null data address", fqn_of(&w.request)))?;
         buffers.push(Buffer::Caller(memory));
     }
+    let (checkpoint, tier) = match memory_tier {
+        Some(dir) => {
+            let (view, copies) = view_with_tier(&opened.checkpoint, std::path::Path::new(dir))?;
+            (Arc::new(view), copies)
+        }
+        None => (Arc::clone(&opened.checkpoint), TierCopies::default()),
+    };
     Ok(GroupState {
         location: opened.location.clone(),
-        checkpoint: Arc::clone(&opened.checkpoint),
+        checkpoint,
+        tier,
         rank,
         world,
         verify,
@@ -308,10 +332,22 @@ impl GroupLoad {
         serde_json::to_string(&mine).map_err(|e| py_error(e.into()))
     }
 
+    /// What this rank offers from its node's memory tier, as JSON text for the all-gather:
+    /// `{"files": [data file indices], "bytes": n, "ignored": ["<copy>: why", ...]}`.
+    fn tier_offer_json(&self) -> PyResult<String> {
+        let state = self.state();
+        serde_json::to_string(&serde_json::json!({
+            "files": state.tier.file_indices(),
+            "bytes": state.tier.bytes,
+            "ignored": state.tier.ignored,
+        }))
+        .map_err(|e| py_error(e.into()))
+    }
+
     /// Plans the job from every rank's requests (`all_requests[r]`: rank r's
     /// [`GroupLoad::requests_json`]), here or on `server`. `direct`: the driver moves host
     /// memory, so ranks of one host may copy shares straight out of each other's arrays.
-    #[pyo3(signature = (all_requests, dedup, server=None, server_id=None, token=None, read_order=None, direct=false))]
+    #[pyo3(signature = (all_requests, dedup, server=None, server_id=None, token=None, read_order=None, direct=false, tier_offers=None))]
     #[allow(clippy::too_many_arguments)]
     fn plan(
         &self,
@@ -323,8 +359,21 @@ impl GroupLoad {
         token: Option<String>,
         read_order: Option<&str>,
         direct: bool,
+        tier_offers: Option<Vec<String>>,
     ) -> PyResult<()> {
         let read_order = parse_read_order(read_order)?;
+        let offers = tier_offers
+            .unwrap_or_default()
+            .iter()
+            .enumerate()
+            .map(|(r, text)| {
+                serde_json::from_str::<TierOffer>(text)
+                    .map(|offer| offer.files)
+                    .map_err(|e| anyhow!("rank {r}'s memory-tier offer is not valid: {e}"))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map_err(py_error)?;
+        let sources = sources_of(&offers);
         let (checkpoint, rank, world, location) = {
             let state = self.state();
             (
@@ -372,6 +421,7 @@ impl GroupLoad {
                 dedup,
                 read_order,
                 server.as_ref(),
+                &sources,
             )
             .await
         })?;

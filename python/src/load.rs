@@ -17,11 +17,15 @@ use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::load::{LoadOptions, RankReport};
 use tessera_loader::plan_client::{PlanTarget, server_checkpoint_id};
 use tessera_loader::read::ReadOptions;
+use tessera_loader::tier::TierCopies;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
 use tessera_metadata::{DType, TensorMeta};
 use tessera_ops::load::{Destination, JobPlan, LoadSwitches, PlanServer, load_rank, plan_options};
-use tessera_planner::{ExplicitRequest, ExplicitRequests, Layout, RankPlan, ReadOrder};
+use tessera_ops::memory_tier::{sources_of, view_with_tier};
+use tessera_planner::{
+    ExplicitRequest, ExplicitRequests, Layout, RankPlan, ReadOrder, ReadSources,
+};
 use tessera_storage as storage;
 
 use crate::memory::{HostMemory, first_overlap};
@@ -176,8 +180,13 @@ pub(crate) async fn rank_plan_for(
     dedup: bool,
     read_order: Option<ReadOrder>,
     server: Option<&PlanServer>,
+    sources: &ReadSources,
 ) -> Result<RankPlan> {
     let plan = match server {
+        Some(server) if !sources.is_empty() => bail!(
+            "a plan server plans reads from storage only, so the memory tier's copies cannot be used with server={}: load without a server to read from the tier",
+            server.url
+        ),
         Some(server) => {
             JobPlan::on_server(
                 checkpoint,
@@ -191,7 +200,7 @@ pub(crate) async fn rank_plan_for(
         None => {
             let set = requests.resolve(checkpoint.meta.tensors())?;
             let options = plan_options(dedup, read_order, false, &LoadSwitches::from_env());
-            JobPlan::local(checkpoint, &set, &options)?
+            JobPlan::local_with_sources(checkpoint, &set, &options, sources)?
         }
     };
     Ok(plan.rank_plan(rank).await?)
@@ -289,10 +298,20 @@ struct LoadJob {
     read_order: Option<ReadOrder>,
     timeout: Duration,
     progress: Option<Py<PyAny>>,
+    /// The node's memory tier to read copies from.
+    memory_tier: Option<String>,
 }
 
-async fn run_load(job: LoadJob) -> Result<RankReport> {
-    let checkpoint = &*job.checkpoint;
+/// Loads one rank; its report and the memory-tier copies it saw and did not take (with why).
+async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
+    let (view, tier) = match &job.memory_tier {
+        Some(dir) => {
+            let (view, copies) = view_with_tier(&job.checkpoint, std::path::Path::new(dir))?;
+            (Some(view), copies)
+        }
+        None => (None, TierCopies::default()),
+    };
+    let checkpoint = view.as_ref().unwrap_or(&*job.checkpoint);
     let by_name: HashMap<&str, &TensorMeta> = checkpoint
         .meta
         .tensors()
@@ -354,6 +373,15 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
             .await?;
             let ranks =
                 coord::all_gather_json(&transport, coord::TAG_REQUESTS, &mine, "requests").await?;
+            // Every rank offers (nothing without a tier), so that ranks that disagree on
+            // `memory_tier` still meet here instead of waiting on each other.
+            let offers = coord::all_gather_json(
+                &transport,
+                coord::TAG_TIER_OFFERS,
+                &tier.file_indices(),
+                "memory-tier offers",
+            )
+            .await?;
             let plan = rank_plan_for(
                 checkpoint,
                 &job.location,
@@ -362,9 +390,11 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
                 job.dedup,
                 job.read_order,
                 job.server.as_ref(),
+                &sources_of(&offers),
             )
             .await?;
-            execute(checkpoint, plan, Arc::new(transport), &options, memory).await
+            let report = execute(checkpoint, plan, Arc::new(transport), &options, memory).await?;
+            Ok((report, tier.ignored))
         }
         _ => {
             let plan = rank_plan_for(
@@ -375,6 +405,7 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
                 job.dedup,
                 job.read_order,
                 job.server.as_ref(),
+                &sources_of(&[tier.file_indices()]),
             )
             .await?;
             let mut mesh = InProcTransport::mesh(1, TransportOptions::with_timeout(job.timeout));
@@ -384,7 +415,7 @@ async fn run_load(job: LoadJob) -> Result<RankReport> {
             let mut report =
                 execute(checkpoint, plan, Arc::new(transport), &options, memory).await?;
             report.rank = job.rank;
-            Ok(report)
+            Ok((report, tier.ignored))
         }
     }
 }
@@ -520,7 +551,7 @@ pub fn rendezvous_endpoint(
 
 /// Loads into caller-owned memory; returns the rank's report as JSON text.
 #[pyfunction]
-#[pyo3(signature = (checkpoint, targets, rank, world, rendezvous, server, checkpoint_id, token, verify, dedup, timeout_s, progress, read_order=None))]
+#[pyo3(signature = (checkpoint, targets, rank, world, rendezvous, server, checkpoint_id, token, verify, dedup, timeout_s, progress, read_order=None, memory_tier=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn load_into(
     py: Python<'_>,
@@ -537,6 +568,7 @@ pub fn load_into(
     timeout_s: f64,
     progress: Option<Py<PyAny>>,
     read_order: Option<&str>,
+    memory_tier: Option<String>,
 ) -> PyResult<String> {
     let read_order = parse_read_order(read_order)?;
     let server = match server {
@@ -570,11 +602,14 @@ pub fn load_into(
         read_order,
         timeout: Duration::from_secs_f64(timeout_s.max(0.001)),
         progress,
+        memory_tier,
     };
     // Interruptible: Ctrl-C raises KeyboardInterrupt while ranks wait or read.
     block_on(py, async {
-        let report = run_load(job).await?;
-        Ok(serde_json::to_string(&report)?)
+        let (report, ignored) = run_load(job).await?;
+        let mut json = serde_json::to_value(&report)?;
+        json["memory_tier_ignored"] = serde_json::json!(ignored);
+        Ok(serde_json::to_string(&json)?)
     })
 }
 

@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, TransportOptions};
 use tessera_ops::coord;
+use tessera_ops::memory_tier::MemoryTier;
 use tessera_ops::save::{HeldBox, Holdings, SaveOptions, save_rank};
 
 #[cfg(feature = "fault-injection")]
@@ -45,6 +46,7 @@ struct SaveJob {
     storage: StorageOptions,
     break_claim: bool,
     timeout: Duration,
+    memory_tier: Option<MemoryTier>,
 }
 
 async fn run_save(job: SaveJob) -> Result<String> {
@@ -77,6 +79,7 @@ async fn run_save(job: SaveJob) -> Result<String> {
         store_layer: faults.layer(),
         // One bound for every wait on a peer, as the transport's.
         outcome_wait: job.timeout,
+        memory_tier: job.memory_tier,
     };
     let saved = match &job.rendezvous {
         Some((addr, port)) if job.world > 1 => {
@@ -111,6 +114,11 @@ async fn run_save(job: SaveJob) -> Result<String> {
         "write_retries": saved.write_retries,
         "injected_write_faults": faults.injected(),
         "warning": saved.warning,
+        "memory_tier": match &saved.memory_tier {
+            None => serde_json::Value::Null,
+            Some(Ok(left)) => serde_json::to_value(left)?,
+            Some(Err(error)) => serde_json::json!({ "error": error }),
+        },
     }))?)
 }
 
@@ -206,9 +214,12 @@ async fn connect(
 }
 
 /// Saves boxes (and byte objects) as a native checkpoint at `path`; returns JSON:
-/// `{"manifest": …, "write_retries": n, "injected_write_faults": n or null}`.
+/// `{"manifest": …, "write_retries": n, "injected_write_faults": n or null, "warning": …,
+/// "memory_tier": null | {"path", "bytes", "skipped", "pruned"} | {"error"}}`. `memory_tier`:
+/// `(dir, keep, max_bytes)` of the node's memory tier this rank leaves its file in after the
+/// commit.
 #[pyfunction]
-#[pyo3(signature = (path, boxes, objects, rank, world, rendezvous, step, storage_env, break_claim, timeout_s))]
+#[pyo3(signature = (path, boxes, objects, rank, world, rendezvous, step, storage_env, break_claim, timeout_s, memory_tier=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn save(
     py: Python<'_>,
@@ -222,6 +233,7 @@ pub fn save(
     storage_env: Vec<(String, String)>,
     break_claim: bool,
     timeout_s: f64,
+    memory_tier: Option<(String, usize, Option<u64>)>,
 ) -> PyResult<String> {
     let job = SaveJob {
         path,
@@ -234,6 +246,11 @@ pub fn save(
         storage: storage_options(storage_env),
         break_claim,
         timeout: Duration::from_secs_f64(timeout_s.max(0.001)),
+        memory_tier: memory_tier.map(|(dir, keep, max_bytes)| MemoryTier {
+            dir: dir.into(),
+            keep,
+            max_bytes,
+        }),
     };
     block_on(py, run_save(job))
 }

@@ -104,6 +104,13 @@ class LoadReport(_Report):
     #: Bytes of the pieces this rank read from storage.
     bytes_read: int = 0
     #: Bytes requested from storage (the pieces plus checksum-block extension).
+    #: Of ``bytes_read``, the bytes read from this node's memory tier (``memory_tier=``) and
+    #: from the checkpoint's storage; their sum is ``bytes_read``.
+    bytes_from_memory_tier: int = 0
+    bytes_from_storage: int = 0
+    #: Memory-tier copies of this checkpoint seen and not used, each with why (damaged, another
+    #: file size); their bytes came from storage.
+    memory_tier_ignored: List[str] = field(default_factory=list)
     bytes_fetched: int = 0
     #: Of ``bytes_fetched``, what only verification needed.
     verify_extra_bytes: int = 0
@@ -181,6 +188,10 @@ class SaveReport(_Report):
     #: Set when this rank found the checkpoint committed by looking at it itself, because rank 0
     #: did not answer within the save's timeout: committed, but rank 0 (or the way to it) was slow.
     warning: Optional[str] = None
+    #: What this rank left in its node's memory tier (``memory_tier=``): ``{"path", "bytes",
+    #: "skipped", "pruned"}``, or ``{"error"}`` when leaving the copy failed (the checkpoint is
+    #: committed either way); ``None`` without a tier.
+    memory_tier: Optional[Dict[str, Any]] = None
 
     def __getitem__(self, name: str) -> Any:
         # Manifest fields by name (``report["step"]``), as save returned the manifest before.
@@ -426,6 +437,7 @@ def load(
     master_port: Optional[int] = None,
     progress: Union[bool, Progress] = True,
     timeout: float = 300.0,
+    memory_tier: Union[str, "os.PathLike[str]", None] = None,
 ) -> LoadReport:
     """Fills ``state_dict`` in place from checkpoint ``checkpoint_id``, like ``dcp.load``.
 
@@ -469,6 +481,14 @@ def load(
         progress: print progress on a terminal (True), nothing (False), or call
             ``progress(bytes_done, bytes_total)``.
         timeout: seconds to wait for a peer, a rendezvous or the exchange.
+        memory_tier: this node's memory tier (the directory ``save``/``async_save`` was given
+            as ``memory_tier=``). Each rank offers the copies of this checkpoint it finds there,
+            each verified box by box against the checkpoint's checksums; the job plans together
+            and every piece a node holds is read from that node's memory, once, and passed on to
+            the ranks that need it; storage serves only what no node holds. A copy of another
+            checkpoint (another step, another run, an uncommitted save) is never used, and a
+            damaged one is read from storage instead (``report.memory_tier_ignored`` and a
+            warning say which and why). Any layout and world size. Not with ``server=``.
 
     Returns:
         :class:`LoadReport` of this rank (also readable as ``report["bytes_read"]``).
@@ -561,6 +581,7 @@ def load(
             opened, targets, group, verify=bool(verify), server=server, server_id=server_id,
             token=token if token is not None else os.environ.get("TESSERA_TOKEN"),
             timeout=float(timeout), progress=callback, read_order=read_order,
+            memory_tier=None if memory_tier is None else os.fspath(memory_tier),
         )
         report.exchange = "process_group"
     else:
@@ -576,12 +597,15 @@ def load(
                 opened, targets, rank, world_size, rendezvous, server, server_id,
                 token if token is not None else os.environ.get("TESSERA_TOKEN"),
                 bool(verify), True, float(timeout), callback, read_order,
+                None if memory_tier is None else os.fspath(memory_tier),
             )
         )
         report.exchange = "tcp" if rendezvous is not None and world_size > 1 else "none"
     for name, value in raw.items():
         if hasattr(report, name):
             setattr(report, name, value)
+    for why in report.memory_tier_ignored:
+        warnings.warn(f"rank {report.rank}: memory tier {os.fspath(memory_tier)}: {why}", stacklevel=2)
     _warn_unverified(str(checkpoint_id), bool(verify), report.bytes_unverified)
 
     h2d_started = time.monotonic()
@@ -678,6 +702,9 @@ def save(
     storage_options: Optional[Mapping[str, str]] = None,
     break_claim: bool = False,
     timeout: float = 300.0,
+    memory_tier: Union[str, "os.PathLike[str]", None] = None,
+    memory_tier_keep: int = 2,
+    memory_tier_max_bytes: Optional[int] = None,
 ) -> SaveReport:
     """Saves ``state_dict`` as a tessera native checkpoint at ``checkpoint_id``, from every rank,
     like ``dcp.save``.
@@ -698,6 +725,13 @@ def save(
     while saving leaves its claim; once that job is surely gone, ``break_claim=True`` (on every
     rank; rank 0's counts) removes it and saves anyway. Never while the other job may still run.
 
+    ``memory_tier=DIR`` (a node-local directory that outlives the process, e.g.
+    ``/dev/shm/tessera/<run>``; ranks naming the same one on a host are one node) also leaves
+    each rank's data file there once the checkpoint committed, so that a restarted job of any
+    layout loads it from memory (``tessera.load(..., memory_tier=DIR)``). The tier keeps the
+    newest ``memory_tier_keep`` checkpoints and at most ``memory_tier_max_bytes``; ``tessera gc
+    DIR --memory-tier`` prunes it by hand.
+
     ``save`` is ``async_save(...).result()``: the same snapshot into the process's staging pool,
     then the persist, waited for here.
 
@@ -709,6 +743,8 @@ def save(
         state_dict, checkpoint_id, process_group=process_group, rank=rank, world_size=world_size,
         step=step, master_addr=master_addr, master_port=master_port,
         storage_options=storage_options, break_claim=break_claim, timeout=timeout,
+        memory_tier=memory_tier, memory_tier_keep=memory_tier_keep,
+        memory_tier_max_bytes=memory_tier_max_bytes,
     )
     return handle.result()
 

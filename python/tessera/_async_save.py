@@ -419,6 +419,7 @@ def _run(
         saved = _tessera.save(
             native_args["path"], boxes, objects, handle.rank, handle.world_size, native_args["rendezvous"],
             native_args["step"], native_args["storage_env"], native_args["break_claim"], native_args["timeout"],
+            native_args["memory_tier"],
         )
         import json
 
@@ -431,6 +432,7 @@ def _run(
             write_retries=saved["write_retries"],
             injected_write_faults=saved["injected_write_faults"],
             warning=saved["warning"],
+            memory_tier=saved["memory_tier"],
             objects=len(objects),
             total_seconds=time.monotonic() - started,
             waited_seconds=waited,
@@ -442,6 +444,11 @@ def _run(
             step_wait_seconds=handle.step_wait_seconds,
             steps_after_call=handle.steps_after_call,
         )
+        tier = saved["memory_tier"]
+        if tier is not None and tier.get("error"):
+            import warnings
+
+            warnings.warn(f"{handle.checkpoint_id} is committed, but {tier['error']}", stacklevel=1)
     except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
         _fail(handle, e)
     finally:
@@ -543,6 +550,9 @@ def async_save(
     snapshot: str = "eager",
     optimizer: Any = None,
     steps: Optional[int] = None,
+    memory_tier: Union[str, "os.PathLike[str]", None] = None,
+    memory_tier_keep: int = 2,
+    memory_tier_max_bytes: Optional[int] = None,
 ) -> SaveHandle:
     """Starts saving ``state_dict`` as a native checkpoint at ``checkpoint_id``.
 
@@ -565,6 +575,9 @@ def async_save(
       optimizer class, hyper-parameters and gradients, so the checkpoint holds the state as it is
       when the ``k``-th step after the call begins (``handle.steps_after_call == k - 1``; name the
       checkpoint for that step). See :mod:`tessera._multi_step` for what it supports.
+
+    ``memory_tier=DIR`` also leaves each rank's data file in its node's memory tier once the
+    checkpoint committed (see :func:`tessera.save`), after the persist, in the background.
 
     ``handle.result()`` gives the committed :class:`SaveReport` or the error; the report and the
     handle say how long the call blocked, how long steps waited and what the copies took.
@@ -596,6 +609,10 @@ def async_save(
         )
     if snapshot not in SNAPSHOT_MODES:
         raise ValueError(f"snapshot={snapshot!r}: choose one of {', '.join(SNAPSHOT_MODES)}")
+    if memory_tier is not None and int(memory_tier_keep) < 1:
+        raise ValueError(f"memory_tier_keep={memory_tier_keep}: a tier keeps at least the checkpoint just saved")
+    if memory_tier_max_bytes is not None and int(memory_tier_max_bytes) < 0:
+        raise ValueError(f"memory_tier_max_bytes={memory_tier_max_bytes}: a byte budget cannot be negative")
     optimizers = _optimizers(optimizer)
     if steps is not None and snapshot != "multi_step":
         raise ValueError(f"steps= is for snapshot='multi_step' (got snapshot={snapshot!r})")
@@ -655,6 +672,10 @@ def async_save(
             "storage_env": _api._storage_env(storage_options),
             "break_claim": bool(break_claim),
             "timeout": float(timeout),
+            "memory_tier": None if memory_tier is None else (
+                os.fspath(memory_tier), int(memory_tier_keep),
+                None if memory_tier_max_bytes is None else int(memory_tier_max_bytes),
+            ),
         }
         if multi is not None:
             refresh = _objects_refresher(original)

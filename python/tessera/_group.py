@@ -229,6 +229,7 @@ def load_over_group(
     timeout: float,
     progress: Optional[Callable[[int, int], None]],
     read_order: Optional[str] = None,
+    memory_tier: Optional[str] = None,
 ) -> dict:
     """One rank's load over ``group`` (see the module docs). Returns the rank's report."""
     import torch
@@ -247,15 +248,21 @@ def load_over_group(
     with agreement:
         error: Optional[BaseException] = None
         try:
-            load = _tessera.group_load(opened, targets, rank, world, verify)
-            mine = load.requests_json().encode()
+            load = _tessera.group_load(opened, targets, rank, world, verify, memory_tier)
+            offer = load.tier_offer_json()
+            # Requests and the memory-tier offer ride in one message (compact JSON holds no
+            # newline).
+            mine = (load.requests_json() + "\n" + offer).encode()
         except Exception as e:
-            error, mine = e, b""
-        gathered = [r.decode() for r in agreement.gather("preparing its requests", error, mine)]
+            error, mine, offer = e, b"", "{}"
+        gathered = [r.decode().split("\n", 1) for r in agreement.gather("preparing its requests", error, mine)]
         folds = b""
         try:
             # Direct copies between ranks of one host where the group moves host memory.
-            load.plan(gathered, True, server, server_id, token, read_order, device.type == "cpu")
+            load.plan(
+                [g[0] for g in gathered], True, server, server_id, token, read_order, device.type == "cpu",
+                [g[1] for g in gathered] if memory_tier is not None else None,
+            )
             # This rank's folds of saved boxes several ranks read in parts ride on the agreement
             # (one for planning and reading: a rank that failed to plan is named there too);
             # every rank then checks the boxes it holds bytes of before anything is exchanged.
@@ -281,5 +288,7 @@ def load_over_group(
             # Peers still copying out of this rank's arrays fail from here on rather than keep
             # bytes of arrays the caller may change.
             load.close()
-    return json.loads(load.finish(time.monotonic() - started))
+    report = json.loads(load.finish(time.monotonic() - started))
+    report["memory_tier_ignored"] = json.loads(offer).get("ignored", [])
+    return report
 

@@ -44,6 +44,7 @@ def load_into(
     timeout_s: float,
     progress: Optional[Callable[[int, int], None]],
     read_order: Optional[str] = None,
+    memory_tier: Optional[str] = None,
 ) -> str: ...
 def rendezvous_endpoint(master_addr: Optional[str], master_port: Optional[int]) -> Optional[Tuple[str, int]]: ...
 def save(
@@ -57,6 +58,7 @@ def save(
     storage_env: Sequence[Tuple[str, str]],
     break_claim: bool,
     timeout_s: float,
+    memory_tier: Optional[Tuple[str, int, Optional[int]]] = None,
 ) -> str: ...
 
 def canonical_dtype(name: str) -> Optional[str]: ...
@@ -74,7 +76,9 @@ class GroupLoad:
         token: Optional[str] = None,
         read_order: Optional[str] = None,
         direct: bool = False,
+        tier_offers: Optional[Sequence[str]] = None,
     ) -> None: ...
+    def tier_offer_json(self) -> str: ...
     def read(self, progress: Optional[Callable[[int, int], None]] = None) -> bytes: ...
     def check_joint(self, folds: Sequence[bytes]) -> None: ...
     # Actions: (operation id, kind 0 send / 1 framed send / 2 receive, peer, pair tag, bytes
@@ -100,4 +104,5 @@ def group_load(
     rank: int,
     world: int,
     verify: bool,
+    memory_tier: Optional[str] = None,
 ) -> GroupLoad: ...

@@ -70,7 +70,15 @@ pub struct RankReport {
     pub bytes_needed: u64,
     /// Bytes of pieces it read from storage.
     pub bytes_read: u64,
-    /// Bytes requested from storage (read + checksum-block extension).
+    /// Of `bytes_read`, the bytes read from this node's memory-tier copies
+    /// ([`crate::tier`]) instead of storage.
+    #[serde(default)]
+    pub bytes_from_memory_tier: u64,
+    /// Of `bytes_read`, the bytes read from the checkpoint's storage
+    /// (`bytes_read - bytes_from_memory_tier`).
+    #[serde(default)]
+    pub bytes_from_storage: u64,
+    /// Bytes requested (read + checksum-block extension).
     pub bytes_fetched: u64,
     /// Of `bytes_fetched`, the bytes only verification needed (whole checksum blocks around
     /// the data, the rest of small boxes read whole to check their own crc32c).
@@ -216,6 +224,8 @@ impl RankReport {
             rank: plan.rank,
             bytes_needed: plan.summary.bytes_needed,
             bytes_read: stats.bytes_needed,
+            bytes_from_memory_tier: stats.bytes_from_local_copies,
+            bytes_from_storage: stats.bytes_needed - stats.bytes_from_local_copies,
             bytes_fetched: stats.bytes_fetched,
             verify_extra_bytes: stats.verify_extra_bytes,
             read_amplification: ratio(

@@ -56,6 +56,9 @@ pub struct ReadStats {
     /// Bytes requested from storage (verification's whole blocks included, retries not).
     /// Equals `bytes_needed` when not verifying (and no two runs read the same byte).
     pub bytes_fetched: u64,
+    /// Of `bytes_needed`, the bytes of files read from local copies instead of the checkpoint's
+    /// storage ([`ReadOptions::local_files`]: a memory tier's).
+    pub bytes_from_local_copies: u64,
     /// Bytes fetched only to complete checksum blocks.
     pub verify_extra_bytes: u64,
     /// Bytes checked against block checksums (0 when not verifying).
@@ -349,6 +352,7 @@ async fn read_runs(
     let mut positioned_checks: Vec<BoxCrc> = Vec::new();
     let mut pieces = 0usize;
     let mut bytes_needed = 0u64;
+    let mut bytes_from_local_copies = 0u64;
     let mut bytes_unverified = 0u64;
     for (index, piece) in plan.pieces.iter().enumerate() {
         let Some(read) = &piece.read else {
@@ -375,6 +379,9 @@ async fn read_runs(
             continue;
         }
         let file = &files[read.file as usize];
+        if options.local_files.contains_key(file.path.as_ref()) {
+            bytes_from_local_copies += piece.bytes;
+        }
         // Read by position when the piece's wire is one stretch of the file landing in one
         // stretch of a destination, and its verification (if any) is its own box's crc32c.
         let target = targets.and_then(|t| t.get(index).copied().flatten());
@@ -600,6 +607,7 @@ async fn read_runs(
     Ok(ReadStats {
         pieces,
         bytes_needed,
+        bytes_from_local_copies,
         bytes_fetched: schedule.bytes_fetched + positioned_bytes,
         verify_extra_bytes: if scheduler.verifying() || !checks.is_empty() {
             schedule.bytes_fetched.saturating_sub(needed_union)

@@ -5,7 +5,7 @@
 
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::plan_client::{CreatedPlan, PlanClient, PlanClientOptions, PlanTarget};
-use tessera_planner::{Plan, PlanOptions, PlanSummary, RankPlan, RequestSet};
+use tessera_planner::{Plan, PlanOptions, PlanSummary, RankPlan, ReadSources, RequestSet};
 
 use crate::{OpsError, ResultExt};
 
@@ -41,6 +41,19 @@ impl JobPlan {
         options: &PlanOptions,
     ) -> Result<JobPlan, OpsError> {
         Ok(JobPlan::Local(checkpoint.plan(requests, options)?))
+    }
+
+    /// [`JobPlan::local`] with copies of data files that ranks hold outside storage (the memory
+    /// tiers they found): each held file is read there ([`Checkpoint::plan_with_sources`]).
+    pub fn local_with_sources(
+        checkpoint: &Checkpoint,
+        requests: &RequestSet,
+        options: &PlanOptions,
+        sources: &ReadSources,
+    ) -> Result<JobPlan, OpsError> {
+        Ok(JobPlan::Local(
+            checkpoint.plan_with_sources(requests, options, sources)?,
+        ))
     }
 
     /// Has `server` plan `target` for the checkpoint it knows as `server.checkpoint_id`, and
