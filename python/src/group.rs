@@ -416,12 +416,10 @@ impl GroupLoad {
             rank_plan_for(
                 &checkpoint,
                 &location,
-                ExplicitRequests { ranks },
-                rank,
+                (ExplicitRequests { ranks }, rank),
                 dedup,
                 read_order,
-                server.as_ref(),
-                &sources,
+                (server.as_ref(), &sources),
             )
             .await
         })?;

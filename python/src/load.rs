@@ -171,16 +171,15 @@ type Rendezvous = Option<(String, u16)>;
 
 /// Plans `requests` (every rank's) and returns rank `rank`'s plan: on the server when given
 /// (its plan checked against the opened checkpoint's identity first), else here, in the read
-/// order given (`None`: the planner's cost model, as in every front end).
+/// order given (`None`: the planner's cost model, as in every front end). `sources`: the copies
+/// of data files the ranks' memory tiers hold, which only a plan made here can use.
 pub(crate) async fn rank_plan_for(
     checkpoint: &Checkpoint,
     location: &str,
-    requests: ExplicitRequests,
-    rank: u32,
+    (requests, rank): (ExplicitRequests, u32),
     dedup: bool,
     read_order: Option<ReadOrder>,
-    server: Option<&PlanServer>,
-    sources: &ReadSources,
+    (server, sources): (Option<&PlanServer>, &ReadSources),
 ) -> Result<RankPlan> {
     let plan = match server {
         Some(server) if !sources.is_empty() => bail!(
@@ -385,12 +384,10 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
             let plan = rank_plan_for(
                 checkpoint,
                 &job.location,
-                ExplicitRequests { ranks },
-                job.rank,
+                (ExplicitRequests { ranks }, job.rank),
                 job.dedup,
                 job.read_order,
-                job.server.as_ref(),
-                &sources_of(&offers),
+                (job.server.as_ref(), &sources_of(&offers)),
             )
             .await?;
             let report = execute(checkpoint, plan, Arc::new(transport), &options, memory).await?;
@@ -400,12 +397,10 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
             let plan = rank_plan_for(
                 checkpoint,
                 &job.location,
-                ExplicitRequests { ranks: vec![mine] },
-                0,
+                (ExplicitRequests { ranks: vec![mine] }, 0),
                 job.dedup,
                 job.read_order,
-                job.server.as_ref(),
-                &sources_of(&[tier.file_indices()]),
+                (job.server.as_ref(), &sources_of(&[tier.file_indices()])),
             )
             .await?;
             let mut mesh = InProcTransport::mesh(1, TransportOptions::with_timeout(job.timeout));
