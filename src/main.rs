@@ -192,6 +192,12 @@ enum Command {
         /// Check every loaded byte against the synthetic value formula (synthetic checkpoints).
         #[arg(long)]
         check: bool,
+        /// This host's memory tier (the directory a save left copies in, `memory_tier=`): each
+        /// rank offers the copies of this checkpoint it finds there (each box verified), and
+        /// every piece held there is read from it, once, instead of from storage. With --rank,
+        /// each rank names its own node's tier. Not with --server or --transport nccl.
+        #[arg(long, value_name = "DIR")]
+        memory_tier: Option<String>,
         /// Seconds a rank waits for a peer before failing: to join the rendezvous, to connect, or
         /// to send; with --transport tcp, also how long the other ranks get after one failed.
         /// The one timeout of the rendezvous: waiting ranks say whom they wait for meanwhile.
@@ -315,6 +321,17 @@ enum Command {
         /// is unreadable. Only when those writers are surely gone.
         #[arg(long)]
         break_claims: bool,
+        /// ROOT is a node's memory tier (the directory saves were given as `memory_tier=`):
+        /// prune it to the newest --keep copies and at most --max-bytes, and remove what saves
+        /// that died before their commit left there.
+        #[arg(long)]
+        memory_tier: bool,
+        /// With --memory-tier: checkpoints kept, newest first.
+        #[arg(long, default_value_t = tessera_ops::memory_tier::DEFAULT_KEEP, value_name = "N", requires = "memory_tier")]
+        keep: usize,
+        /// With --memory-tier: bytes the tier may hold (the oldest copies go first).
+        #[arg(long, value_name = "BYTES", requires = "memory_tier")]
+        max_bytes: Option<u64>,
         /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
         /// see "Machine output" in `tessera --help`).
         #[arg(long)]
@@ -629,6 +646,7 @@ fn run(cli: Cli) -> Result<()> {
             no_dedup,
             coalesce_gap,
             check,
+            memory_tier,
             peer_timeout,
             report_json,
             metrics_file,
@@ -664,6 +682,7 @@ fn run(cli: Cli) -> Result<()> {
                 dedup: !no_dedup,
                 coalesce_gap,
                 check,
+                memory_tier,
                 report_json,
                 metrics_file,
                 read_order: match read_order {
@@ -784,7 +803,27 @@ fn run(cli: Cli) -> Result<()> {
             root,
             dry_run,
             break_claims,
+            memory_tier: true,
+            keep,
+            max_bytes,
             json,
+        } => {
+            if break_claims {
+                anyhow::bail!("--break-claims is for a storage root; a memory tier has no claims");
+            }
+            let pruned = commands::gc::prune_memory_tier(&root, keep, max_bytes, dry_run)?;
+            if json {
+                stdout(format!("{:#}\n", serde_json::to_value(&pruned)?).as_bytes())
+            } else {
+                stdout(commands::gc::memory_tier_text(&root, &pruned, dry_run).as_bytes())
+            }
+        }
+        Command::Gc {
+            root,
+            dry_run,
+            break_claims,
+            json,
+            ..
         } => {
             let options = commands::gc::GcOptions {
                 dry_run,

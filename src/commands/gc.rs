@@ -318,3 +318,45 @@ pub fn text_report(report: &GcReport) -> String {
 pub fn json_report(report: &GcReport) -> Result<String> {
     Ok(serde_json::to_string_pretty(report).context("encoding the gc report")? + "\n")
 }
+
+/// `tessera gc DIR --memory-tier`: prunes a node's memory tier to the newest `keep` copies and
+/// at most `max_bytes` ([`tessera_ops::memory_tier::prune`]).
+pub fn prune_memory_tier(
+    root: &str,
+    keep: usize,
+    max_bytes: Option<u64>,
+    dry_run: bool,
+) -> Result<tessera_ops::memory_tier::Pruned> {
+    if keep == 0 {
+        bail!("--keep 0: a memory tier keeps at least its newest checkpoint");
+    }
+    let dir = Path::new(root.strip_prefix("file://").unwrap_or(root));
+    if !dir.is_dir() {
+        bail!("{root}: no such directory (a memory tier is a local directory)");
+    }
+    Ok(tessera_ops::memory_tier::prune(
+        dir, keep, max_bytes, None, dry_run,
+    )?)
+}
+
+/// The text report of [`prune_memory_tier`].
+pub fn memory_tier_text(
+    root: &str,
+    pruned: &tessera_ops::memory_tier::Pruned,
+    dry_run: bool,
+) -> String {
+    let mut out = String::new();
+    let verb = if dry_run { "would remove" } else { "removed" };
+    for path in &pruned.removed {
+        let _ = writeln!(out, "{verb} {}", path.display());
+    }
+    let _ = writeln!(
+        out,
+        "memory tier {root}: {verb} {} copies ({}), kept {} ({})",
+        pruned.removed.len(),
+        human::bytes(pruned.bytes),
+        pruned.kept.len(),
+        human::bytes(pruned.kept_bytes)
+    );
+    out
+}

@@ -27,8 +27,10 @@ use tessera_loader::plan_client::{PlanTarget, server_checkpoint_id};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
+use tessera_ops::coord;
 use tessera_ops::load::agreement;
 use tessera_ops::load::{Destination, JobPlan, LoadSwitches, PlanServer, plan_options};
+use tessera_ops::memory_tier::{sources_of, view_with_tier};
 use tessera_planner::{ExplicitRequests, PlanOptions, RankPlan, ReadOrder, RequestSet};
 
 pub use finish::dump_names;
@@ -86,6 +88,8 @@ pub struct LoadArgs {
     pub coalesce_gap: Option<u64>,
     /// Check every loaded byte against the synthetic value formula.
     pub check: bool,
+    /// This host's memory tier (`--memory-tier`): copies read instead of storage.
+    pub memory_tier: Option<String>,
     /// Write the JSON report here (used by the per-rank processes of `--transport tcp`).
     pub report_json: Option<String>,
     /// Write the load's counters here in the OpenMetrics text format (`--metrics-file`).
@@ -206,6 +210,22 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
             args.checkpoint
         );
     }
+    let (checkpoint, tier) = match &args.memory_tier {
+        Some(_) if args.server.is_some() => bail!(
+            "--memory-tier: a plan server plans reads from storage only; drop --server to read from the tier"
+        ),
+        Some(_) if args.transport == TransportKind::Nccl => {
+            bail!("--memory-tier is not supported with --transport nccl yet; use --transport tcp")
+        }
+        Some(dir) => {
+            let (view, copies) = view_with_tier(&checkpoint, std::path::Path::new(dir))?;
+            for why in &copies.ignored {
+                eprintln!("warning: memory tier {dir}: {why}");
+            }
+            (view, Some(copies))
+        }
+        None => (checkpoint, None),
+    };
     let switches = LoadSwitches::from_env();
     let started = Instant::now();
     let planning = plan_options(
@@ -219,7 +239,19 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
             "--include/--exclude filter a plan made here; a server plans every tensor (drop --server)"
         ),
         Some(server) => plan_on_server(args, server, &checkpoint).await?,
-        None => JobPlan::local(&checkpoint, &requests_for(args, &checkpoint)?, &planning)?,
+        None => {
+            let requests = requests_for(args, &checkpoint)?;
+            // Every rank of this command (in-process, or spawned on this host) sees the same
+            // tier; a rank of a job over several hosts (--rank) plans again with every rank's
+            // offer once the ranks meet.
+            let offers = match (&tier, args.rank) {
+                (Some(copies), None) => {
+                    vec![copies.file_indices(); requests.world_size() as usize]
+                }
+                _ => Vec::new(),
+            };
+            JobPlan::local_with_sources(&checkpoint, &requests, &planning, &sources_of(&offers))?
+        }
     };
     let plan_seconds = started.elapsed().as_secs_f64();
     let options = load_options(args, &switches);
@@ -260,6 +292,38 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
             }
             _ => {
                 let transport = TcpTransport::connect(&config, transport_options).await?;
+                let rank_plan = match &tier {
+                    Some(copies) => {
+                        // Always offered by every rank (nothing without a tier), so ranks that
+                        // disagree on --memory-tier still meet.
+                        let offers = coord::all_gather_json(
+                            &transport,
+                            coord::TAG_TIER_OFFERS,
+                            &copies.file_indices(),
+                            "memory-tier offers",
+                        )
+                        .await?;
+                        let requests = requests_for(args, &checkpoint)?;
+                        JobPlan::local_with_sources(
+                            &checkpoint,
+                            &requests,
+                            &planning,
+                            &sources_of(&offers),
+                        )?
+                        .rank_plan(rank)
+                        .await?
+                    }
+                    None => {
+                        coord::all_gather_json(
+                            &transport,
+                            coord::TAG_TIER_OFFERS,
+                            &Vec::<u32>::new(),
+                            "memory-tier offers",
+                        )
+                        .await?;
+                        rank_plan
+                    }
+                };
                 load_one(args, &checkpoint, rank_plan, &transport, &memory, &options).await?
             }
         };

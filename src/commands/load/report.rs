@@ -25,6 +25,10 @@ pub struct LoadTotals {
     pub unique_needed: u64,
     /// Bytes of data read from storage, over all ranks.
     pub bytes_read: u64,
+    /// Of `bytes_read`, the bytes read from the ranks' memory tiers (`--memory-tier`).
+    pub bytes_from_memory_tier: u64,
+    /// Of `bytes_read`, the bytes read from the checkpoint's storage.
+    pub bytes_from_storage: u64,
     /// Bytes fetched from storage, verification blocks included.
     pub bytes_fetched: u64,
     /// Of `bytes_fetched`, the bytes only verification needed (checksum blocks around the data,
@@ -62,6 +66,8 @@ impl LoadTotals {
             bytes_needed: sum(|r| r.bytes_needed),
             unique_needed: unique,
             bytes_read: read,
+            bytes_from_memory_tier: sum(|r| r.bytes_from_memory_tier),
+            bytes_from_storage: sum(|r| r.bytes_from_storage),
             bytes_fetched: fetched,
             verify_extra_bytes: sum(|r| r.verify_extra_bytes),
             boxes_verified: sum(|r| r.boxes_verified),
@@ -187,6 +193,14 @@ fn report_text(
         human::bytes(unique),
         totals.read_amplification,
     );
+    if args.memory_tier.is_some() {
+        let _ = writeln!(
+            out,
+            "from memory tier     {} of the data read ({} from storage)",
+            human::bytes(totals.bytes_from_memory_tier),
+            human::bytes(totals.bytes_from_storage),
+        );
+    }
     let boxes = sum(|r| r.boxes_verified);
     // Formats without checksums (and --no-verify) fetch nothing to verify: say nothing about it.
     let verification = if totals.verify_extra_bytes > 0 || boxes > 0 {

@@ -99,6 +99,9 @@ pub(super) async fn load_all_tcp(
                 ReadOrder::Storage => "storage",
             },
         ]);
+        if let Some(dir) = &args.memory_tier {
+            cmd.arg("--memory-tier").arg(dir);
+        }
         if args.check {
             cmd.arg("--check");
         }

@@ -1,0 +1,151 @@
+//! `tessera load --memory-tier` and `tessera gc --memory-tier` as real processes: a checkpoint
+//! saved by 4 ranks whose node tier kept the files of old ranks 0 and 1 loads at another world
+//! size (in-process and as spawned rank processes), the formula-checked bytes right, the held
+//! files read from the tier (even with their durable copies deleted) and storage only for the
+//! rest; the report says which is which.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use support::{layout_file, ok, s, synth_saved_as};
+use tessera_loader::tier::{TIER_FORMAT, TIER_VERSION, TierBox, TierRecord, write_copy};
+
+/// Leaves tier copies of data files `files` of `ckpt` under `tier`, as a save with
+/// `memory_tier=` does; returns the box bytes of each data file.
+fn leave_copies(ckpt: &Path, tier: &Path, files: &[usize]) -> Vec<u64> {
+    let opened = support::open(ckpt);
+    let manifest = std::fs::read(ckpt.join("manifest.json")).unwrap();
+    let identity = tessera_metadata::native_identity(&manifest);
+    let meta = &opened.meta;
+    let mut per_file = vec![0u64; meta.files().len()];
+    for c in meta.chunks() {
+        per_file[c.bytes.file as usize] += c.bytes.length;
+    }
+    for &f in files {
+        let data = &meta.files()[f];
+        let bytes = std::fs::read(ckpt.join(&data.path)).unwrap();
+        let chunks: Vec<_> = meta
+            .chunks()
+            .iter()
+            .filter(|c| c.bytes.file as usize == f)
+            .collect();
+        let record = TierRecord {
+            format: TIER_FORMAT.into(),
+            version: TIER_VERSION,
+            checkpoint: s(ckpt).into(),
+            identity: identity.clone(),
+            step: opened.manifest.step,
+            file: data.path.clone(),
+            size: bytes.len() as u64,
+            boxes: chunks
+                .iter()
+                .map(|c| TierBox {
+                    offset: c.bytes.offset,
+                    length: c.bytes.length,
+                    crc32c: c.crc32c.unwrap(),
+                })
+                .collect(),
+            saved_unix_ms: 1,
+        };
+        let boxes: Vec<&[u8]> = chunks
+            .iter()
+            .map(|c| &bytes[c.bytes.offset as usize..(c.bytes.offset + c.bytes.length) as usize])
+            .collect();
+        write_copy(tier, &record, &boxes).unwrap();
+    }
+    per_file
+}
+
+fn load_json(ckpt: &Path, layout: &Path, extra: &[&str]) -> Value {
+    let mut args = vec!["load", s(ckpt), "--layout", s(layout), "--check", "--json"];
+    args.extend_from_slice(extra);
+    serde_json::from_slice(&ok(args).stdout).unwrap()
+}
+
+#[test]
+fn a_load_reads_the_held_files_from_the_tier_and_the_rest_from_storage() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt: PathBuf = synth_saved_as(dir.path(), &["fsdp", "--dp", "4"]);
+    let tier = dir.path().join("tier");
+    let per_file = leave_copies(&ckpt, &tier, &[0, 1]);
+    let held: u64 = per_file[..2].iter().sum();
+    let rest: u64 = per_file[2..].iter().sum();
+    let layout = layout_file(dir.path(), "fsdp3.json", &["fsdp", "--dp", "3"]);
+
+    for transport in ["inproc", "tcp"] {
+        let report = load_json(
+            &ckpt,
+            &layout,
+            &["--memory-tier", s(&tier), "--transport", transport],
+        );
+        let totals = &report["totals"];
+        assert_eq!(
+            totals["bytes_from_memory_tier"], held,
+            "{transport}: {totals}"
+        );
+        assert_eq!(totals["bytes_from_storage"], rest, "{transport}: {totals}");
+        assert_eq!(totals["bytes_read"], held + rest, "{transport}");
+        assert_eq!(report["plan"]["bytes_read_from_tier"], held, "{transport}");
+    }
+    // Without the tier everything comes from storage.
+    let plain = load_json(&ckpt, &layout, &[]);
+    assert_eq!(plain["totals"]["bytes_from_storage"], held + rest);
+    assert_eq!(plain["totals"]["bytes_from_memory_tier"], 0);
+
+    // The durable copies of the held files are gone: the load still checks out from the tier,
+    // and the text report says where the bytes came from.
+    let opened = support::open(&ckpt);
+    for f in 0..2 {
+        std::fs::remove_file(ckpt.join(&opened.meta.files()[f].path)).unwrap();
+    }
+    let run = ok([
+        "load",
+        s(&ckpt),
+        "--layout",
+        s(&layout),
+        "--check",
+        "--memory-tier",
+        s(&tier),
+    ]);
+    let text = String::from_utf8(run.stdout).unwrap();
+    assert!(text.contains("from memory tier"), "{text}");
+
+    // gc: one copy in the tier; keeping one removes nothing, a byte budget of 1 removes it.
+    let kept = ok(["gc", s(&tier), "--memory-tier", "--keep", "1", "--json"]);
+    let kept: Value = serde_json::from_slice(&kept.stdout).unwrap();
+    assert_eq!(kept["removed"].as_array().unwrap().len(), 0, "{kept}");
+    let dry = ok([
+        "gc",
+        s(&tier),
+        "--memory-tier",
+        "--max-bytes",
+        "1",
+        "--dry-run",
+    ]);
+    let dry = String::from_utf8(dry.stdout).unwrap();
+    assert!(dry.contains("would remove 1 copies"), "{dry}");
+    assert!(
+        tier.read_dir().unwrap().count() == 1,
+        "a dry run removes nothing"
+    );
+    let err = support::fails(["gc", s(&tier), "--memory-tier", "--keep", "0"]);
+    assert!(err.contains("--keep 0"), "{err}");
+    let err = support::fails([
+        "load",
+        s(&ckpt),
+        "--layout",
+        s(&layout),
+        "--memory-tier",
+        s(&tier),
+        "--server",
+        "http://127.0.0.1:9",
+    ]);
+    assert!(
+        err.contains("plan server plans reads from storage only"),
+        "{err}"
+    );
+}
