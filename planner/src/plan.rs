@@ -968,7 +968,25 @@ impl PieceBuilder {
                 Unit::Slab(s) => slab_pieces[s as usize][0],
             };
             match (unit, tier_readers(&self.pieces[first as usize])) {
-                (_, Some(ranks)) => candidates.extend_from_slice(ranks),
+                (_, Some(ranks)) => {
+                    // Ranks that need the piece and can read the copy read it (no relay); only
+                    // when none can, a holder of the copy reads it and passes it on.
+                    let single = [first];
+                    let of_unit: &[u32] = match unit {
+                        Unit::Piece(_) => &single,
+                        Unit::Slab(s) => &slab_pieces[s as usize],
+                    };
+                    for &i in of_unit {
+                        let members = &self.groups[self.pieces[i as usize].group as usize].members;
+                        candidates
+                            .extend(members.iter().filter(|m| ranks.binary_search(m).is_ok()));
+                    }
+                    candidates.sort_unstable();
+                    candidates.dedup();
+                    if candidates.is_empty() {
+                        candidates.extend_from_slice(ranks);
+                    }
+                }
                 (Unit::Piece(i), None) => candidates.extend_from_slice(
                     &self.groups[self.pieces[i as usize].group as usize].members,
                 ),

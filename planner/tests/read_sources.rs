@@ -88,6 +88,18 @@ proptest! {
             for rp in &plans {
                 prop_assert_eq!(&RankPlan::from_json(&rp.to_json()).unwrap(), rp);
             }
+
+            // Every rank holding every file (one node with a full tier): the ranks that need a
+            // piece read it, so the plan is the storage plan, every byte from the tier.
+            let mut everywhere = ReadSources::none();
+            for file in 0..files.len() {
+                everywhere.add(file as u32, SourceTier::NodeMemory, 0..world);
+            }
+            let full = plan_and_check_with(&saved, &requests, &options, &everywhere);
+            let storage = plan_and_check_with(&saved, &requests, &options, &ReadSources::none());
+            let mut expected = storage.summary().clone();
+            expected.bytes_read_from_tier = expected.bytes_read;
+            prop_assert_eq!(full.summary(), &expected);
         }
     }
 }
