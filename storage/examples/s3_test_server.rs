@@ -1,6 +1,7 @@
 //! The storage crate's in-process S3 test server as a process, for tests in other languages (the Python
-//! package's pytest suite): `s3_test_server ROOT [BUCKET...]` serves ROOT on 127.0.0.1, creates
-//! the buckets, prints the client environment as one JSON object on stdout, and serves until its
+//! package's pytest suite): `s3_test_server ROOT [--bytes-per-second N] [BUCKET...]` serves ROOT
+//! on 127.0.0.1 (every answer's body through one link of N bytes/s when given), creates the
+//! buckets, prints the client environment as one JSON object on stdout, and serves until its
 //! standard input closes (so it never outlives the test that started it).
 //!
 //! Lines on standard input ask for the server's own account of what it served to GETs, so a test
@@ -16,11 +17,26 @@ use tessera_storage::testing::S3TestServer;
 fn main() {
     let mut args = std::env::args().skip(1);
     let Some(root) = args.next() else {
-        eprintln!("usage: s3_test_server ROOT [BUCKET...]");
+        eprintln!("usage: s3_test_server ROOT [--bytes-per-second N] [BUCKET...]");
         std::process::exit(2);
     };
-    let server = S3TestServer::start(&root);
-    for bucket in args {
+    let mut link = None;
+    let mut buckets = Vec::new();
+    while let Some(arg) = args.next() {
+        if arg == "--bytes-per-second" {
+            match args.next().and_then(|v| v.parse::<u64>().ok()) {
+                Some(rate) if rate > 0 => link = Some(rate),
+                _ => {
+                    eprintln!("--bytes-per-second takes a positive number of bytes");
+                    std::process::exit(2);
+                }
+            }
+        } else {
+            buckets.push(arg);
+        }
+    }
+    let server = S3TestServer::start_with_link(&root, link);
+    for bucket in buckets {
         server.create_bucket(&bucket);
     }
     let env: serde_json::Map<String, serde_json::Value> = server

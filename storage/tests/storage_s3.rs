@@ -224,3 +224,36 @@ fn dropping_the_server_stops_it() {
         "still accepting after drop"
     );
 }
+
+/// A server started with a link of N bytes/s sends every answer's body through it: the bytes
+/// arrive whole and equal, and two concurrent reads of 1 MiB each on a 4 MiB/s link take at
+/// least the half second the link needs for both (a lower bound only: never faster than the
+/// link, however slow the machine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttled_server_sends_through_one_link_of_its_bandwidth() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = S3TestServer::start_with_link(dir.path(), Some(4 << 20));
+    server.create_bucket("linked");
+    let store = server.store("linked");
+    let body = pattern(1 << 20, 9);
+    for name in ["x", "y"] {
+        store
+            .put(&Path::from(name), body.clone().into())
+            .await
+            .expect("put");
+    }
+    let (px, py) = (Path::from("x"), Path::from("y"));
+    let started = std::time::Instant::now();
+    let (x, y) = tokio::join!(store.get(&px), store.get(&py));
+    let (x, y) = (
+        x.expect("get x").bytes().await.expect("x"),
+        y.expect("get y").bytes().await.expect("y"),
+    );
+    let took = started.elapsed();
+    assert_eq!(&x[..], &body[..]);
+    assert_eq!(&y[..], &body[..]);
+    assert!(
+        took >= std::time::Duration::from_millis(450),
+        "2 MiB through a 4 MiB/s link in {took:?}"
+    );
+}

@@ -63,6 +63,17 @@ impl S3TestServer {
     /// When `root` is not a usable directory or no port on 127.0.0.1 can be bound: test setup
     /// that cannot go on.
     pub fn start(root: impl AsRef<Path>) -> Self {
+        Self::start_with_link(root, None)
+    }
+
+    /// [`S3TestServer::start`] with every answer's body sent no faster than `bytes_per_second`,
+    /// all answers sharing that one link (`None`: as fast as loopback goes). What benchmarks use
+    /// to put a store of a stated bandwidth behind every client alike.
+    ///
+    /// # Panics
+    /// As [`S3TestServer::start`].
+    pub fn start_with_link(root: impl AsRef<Path>, bytes_per_second: Option<u64>) -> Self {
+        let link = bytes_per_second.map(|rate| Arc::new(Link::new(rate)));
         let root = root.as_ref().to_path_buf();
         index_objects(&root);
         let fs = s3s_fs::FileSystem::new(&root)
@@ -77,6 +88,7 @@ impl S3TestServer {
         let server = LoopbackServer::start("S3 test server", SHUTDOWN_GRACE, move |socket| {
             let service = service.clone();
             let counters = Arc::clone(&counters);
+            let link = link.clone();
             // Every answer passes through here on its way out: GETs are counted with the body
             // length the server declares (and sends: hyper refuses to send a body of another
             // length).
@@ -84,6 +96,7 @@ impl S3TestServer {
                 move |request: hyper::Request<hyper::body::Incoming>| {
                     let service = service.clone();
                     let counters = Arc::clone(&counters);
+                    let link = link.clone();
                     async move {
                         let get = (request.method() == hyper::Method::GET)
                             .then(|| request.uri().path().to_string());
@@ -97,6 +110,12 @@ impl S3TestServer {
                                 .unwrap_or(0);
                             lock(&counters.gets).push((path, length));
                         }
+                        let response = response.map(|body| Throttled {
+                            inner: Box::pin(body),
+                            link,
+                            held: None,
+                            sleep: None,
+                        });
                         Ok::<_, s3s::HttpError>(response)
                     }
                 },
@@ -325,5 +344,90 @@ mod tests {
             std::fs::read_to_string(&info).unwrap(),
             "{\"e_tag\":\"kept\"}"
         );
+    }
+}
+
+/// The one link every answer of a throttled server shares: when it is free again.
+#[derive(Debug)]
+struct Link {
+    bytes_per_second: f64,
+    free_at: Mutex<std::time::Instant>,
+}
+
+impl Link {
+    fn new(bytes_per_second: u64) -> Self {
+        Self {
+            bytes_per_second: bytes_per_second.max(1) as f64,
+            free_at: Mutex::new(std::time::Instant::now()),
+        }
+    }
+
+    /// Books `bytes` on the link; returns when they are through.
+    fn reserve(&self, bytes: usize) -> std::time::Instant {
+        let mut free_at = self.free_at.lock().unwrap_or_else(PoisonError::into_inner);
+        let start = (*free_at).max(std::time::Instant::now());
+        *free_at = start + Duration::from_secs_f64(bytes as f64 / self.bytes_per_second);
+        *free_at
+    }
+}
+
+/// An answer's body, each data frame held until the server's [`Link`] has carried it (passed
+/// straight through without a link).
+struct Throttled<B> {
+    inner: std::pin::Pin<Box<B>>,
+    link: Option<Arc<Link>>,
+    held: Option<hyper::body::Frame<bytes::Bytes>>,
+    sleep: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<B> hyper::body::Body for Throttled<B>
+where
+    B: hyper::body::Body<Data = bytes::Bytes>,
+{
+    type Data = bytes::Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Self::Error>>> {
+        use std::future::Future;
+        use std::task::Poll;
+        if let Some(sleep) = self.sleep.as_mut() {
+            if sleep.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            self.sleep = None;
+            if let Some(frame) = self.held.take() {
+                return Poll::Ready(Some(Ok(frame)));
+            }
+        }
+        let frame = match self.inner.as_mut().poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => frame,
+            other => return other,
+        };
+        let bytes = frame.data_ref().map_or(0, bytes::Bytes::len);
+        let Some(link) = self.link.as_ref().filter(|_| bytes > 0) else {
+            return Poll::Ready(Some(Ok(frame)));
+        };
+        let through = link.reserve(bytes);
+        if through <= std::time::Instant::now() {
+            return Poll::Ready(Some(Ok(frame)));
+        }
+        let mut sleep = Box::pin(tokio::time::sleep_until(through.into()));
+        if sleep.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Some(Ok(frame)));
+        }
+        self.held = Some(frame);
+        self.sleep = Some(sleep);
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.held.is_none() && self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
     }
 }
