@@ -122,7 +122,7 @@ def _dest(mesh, layers: int) -> dict:
         for key, dtype in ((f"model.{name}", torch.bfloat16), (f"optim.{name}.exp_avg", torch.float32),
                            (f"optim.{name}.exp_avg_sq", torch.float32)):
             full = torch.Size(shape)
-            rows = [len(r) for r in torch.arange(shape[0]).tensor_split(mesh.size())]
+            rows = [len(r) for r in torch.arange(shape[0]).chunk(mesh.size())]
             local = torch.zeros((rows[mesh.get_local_rank()], *shape[1:]), dtype=dtype)
             out[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full,
                                           stride=torch.empty(full, device="meta").stride())

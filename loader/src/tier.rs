@@ -218,9 +218,81 @@ impl TierCopies {
 /// Finds the copies of the checkpoint `meta` (whose identity is `identity`) in the tier at
 /// `dir`, and verifies every box of each against the checkpoint's recorded checksum. A copy that
 /// is of another checkpoint, incomplete, or damaged is not taken; [`TierCopies::ignored`] says
-/// why. A missing `dir` holds nothing. Reads every byte of the copies it takes.
+/// why. A missing `dir` holds nothing. Reads every byte of the copies it takes. (Ranks of one
+/// node split this: [`find_candidates`], each verifies its share, then [`TierCandidates::accept`].)
 pub fn find_copies(dir: &FsPath, meta: &CheckpointMeta, identity: &str) -> TierCopies {
-    let mut found = TierCopies::default();
+    let candidates = find_candidates(dir, meta, identity);
+    let checked = candidates.verify(meta, |_| true);
+    let mut found = candidates.accept(&checked.files);
+    found.ignored = checked.ignored;
+    found
+}
+
+/// The copies of one checkpoint a tier holds, found by their records but not yet verified.
+#[derive(Clone, Debug, Default)]
+pub struct TierCandidates {
+    /// Data file (an index into the checkpoint's files) → its copy and record.
+    files: BTreeMap<u32, (PathBuf, TierRecord)>,
+    /// Records seen and not taken (unreadable, naming a file the checkpoint lacks).
+    ignored: Vec<String>,
+}
+
+/// What verifying some candidates found.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Verified {
+    /// Data files whose copy verified, box by box.
+    pub files: Vec<u32>,
+    /// Copies not taken, each with why.
+    pub ignored: Vec<String>,
+}
+
+impl TierCandidates {
+    /// Data files with a candidate copy, ascending.
+    pub fn file_indices(&self) -> Vec<u32> {
+        self.files.keys().copied().collect()
+    }
+
+    /// Verifies the candidates `select` picks (by data file) against `meta`'s checksums; the
+    /// records not taken when the candidates were found are reported here too.
+    pub fn verify(&self, meta: &CheckpointMeta, select: impl Fn(u32) -> bool) -> Verified {
+        let mut out = Verified {
+            files: Vec::new(),
+            ignored: self.ignored.clone(),
+        };
+        for (&file, (local, record)) in &self.files {
+            if !select(file) {
+                continue;
+            }
+            match verify_copy(local, file, record, meta) {
+                Ok(_) => out.files.push(file),
+                Err(why) => out.ignored.push(format!(
+                    "{}: {why}; read from storage instead",
+                    local.display()
+                )),
+            }
+        }
+        out
+    }
+
+    /// The copies of `files` (verified, by this rank or another of its node) as a rank reads
+    /// them; files without a candidate here are left out.
+    pub fn accept(&self, files: &[u32]) -> TierCopies {
+        let mut copies = TierCopies::default();
+        for file in files {
+            if let Some((local, record)) = self.files.get(file) {
+                copies.bytes += record.boxes.iter().map(|b| b.length).sum::<u64>();
+                copies.files.insert(*file, local.clone());
+            }
+        }
+        copies
+    }
+}
+
+/// Finds the copies of the checkpoint `meta` (identity `identity`) in the tier at `dir` by their
+/// records, without reading their data: records of another checkpoint are skipped (a tier keeps
+/// several steps), unreadable ones and ones naming a file the checkpoint lacks are reported.
+pub fn find_candidates(dir: &FsPath, meta: &CheckpointMeta, identity: &str) -> TierCandidates {
+    let mut found = TierCandidates::default();
     let Ok(copies) = std::fs::read_dir(dir) else {
         return found;
     };
@@ -244,8 +316,6 @@ pub fn find_copies(dir: &FsPath, meta: &CheckpointMeta, identity: &str) -> TierC
             }
         };
         if record.identity != identity {
-            // Another step or run: expected in a tier that keeps several steps; not worth a word
-            // unless it claims the same place.
             continue;
         }
         let local = PathBuf::from(
@@ -261,16 +331,7 @@ pub fn find_copies(dir: &FsPath, meta: &CheckpointMeta, identity: &str) -> TierC
             ));
             continue;
         };
-        match verify_copy(&local, file, &record, meta) {
-            Ok(bytes) => {
-                found.bytes += bytes;
-                found.files.insert(file, local);
-            }
-            Err(why) => found.ignored.push(format!(
-                "{}: {why}; read from storage instead",
-                local.display()
-            )),
-        }
+        found.files.insert(file, (local, record));
     }
     found
 }

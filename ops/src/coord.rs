@@ -27,6 +27,9 @@ pub const TAG_SAVE_DONE: u64 = 0xFFFF_FFFF_0000_0004;
 pub const TAG_SAVE_CLAIM: u64 = 0xFFFF_FFFF_0000_0005;
 /// Tag of the load's memory-tier offers (the data files each rank's node holds).
 pub const TAG_TIER_OFFERS: u64 = 0xFFFF_FFFF_0000_0006;
+/// Tag of the load's memory-tier verifications (what each rank's share of its node's copies
+/// verified).
+pub const TAG_TIER_VERIFIED: u64 = 0xFFFF_FFFF_0000_0007;
 
 /// Joins the mesh of `world` ranks through rank 0 at `addr:port`.
 pub async fn connect(

@@ -8,14 +8,14 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::tier::{
-    RECORD_SUFFIX, TIER_FORMAT, TIER_VERSION, TierBox, TierCopies, TierRecord, copy_dir_name,
-    find_copies, now_unix_ms, write_copy,
+    RECORD_SUFFIX, TIER_FORMAT, TIER_VERSION, TierBox, TierCandidates, TierCopies, TierRecord,
+    Verified, copy_dir_name, find_candidates, find_copies, now_unix_ms, write_copy,
 };
-use tessera_metadata::TensorMeta;
 use tessera_metadata::formats::native::{Manifest, WrittenFile};
+use tessera_metadata::{CheckpointMeta, TensorMeta};
 use tessera_planner::{ReadSources, SourceTier};
 
 use crate::OpsError;
@@ -321,4 +321,163 @@ pub fn sources_of(offers: &[Vec<u32>]) -> ReadSources {
         }
     }
     sources
+}
+
+/// What a rank offers first when a job loads with memory tiers: its node and the candidate
+/// copies there, not yet verified ([`TierLoad`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierOffer {
+    /// This host and the tier's canonical path: ranks naming the same directory on one host
+    /// share its copies. Empty: no tier.
+    pub node: String,
+    /// Data files with a candidate copy there, ascending.
+    pub files: Vec<u32>,
+}
+
+/// One rank's side of a load with memory tiers, in two rounds over the job: every rank offers
+/// its node and candidate copies ([`TierLoad::offer`]); the ranks of a node split the copies and
+/// each verifies its share ([`TierLoad::verify_share`]); once every rank said what verified,
+/// [`TierLoad::settle`] gives this rank's view of the checkpoint and the planner's sources. A
+/// node's copies are read whole once to verify them, whatever its number of ranks.
+#[derive(Debug, Default)]
+pub struct TierLoad {
+    offer: TierOffer,
+    candidates: TierCandidates,
+}
+
+impl TierLoad {
+    /// A rank without a tier: offers nothing.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Finds the candidate copies of `checkpoint` in the tier at `dir` (records only).
+    pub fn find(checkpoint: &Checkpoint, dir: &Path) -> Self {
+        let Some(identity) = checkpoint.meta.identity() else {
+            return Self::none();
+        };
+        let candidates = find_candidates(dir, &checkpoint.meta, identity);
+        let canonical = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+        let host = crate::claim::host_name();
+        Self {
+            offer: TierOffer {
+                node: format!("{host}:{}", canonical.display()),
+                files: candidates.file_indices(),
+            },
+            candidates,
+        }
+    }
+
+    /// What this rank offers in the first round.
+    pub fn offer(&self) -> &TierOffer {
+        &self.offer
+    }
+
+    /// The second round: verifies the share of its node's candidates that falls to rank `rank`
+    /// (the node's ranks, ascending, take its files in turn), given every rank's offer.
+    pub fn verify_share(&self, meta: &CheckpointMeta, offers: &[TierOffer], rank: u32) -> Verified {
+        let node = node_ranks(offers, &self.offer.node);
+        let Some(position) = node.iter().position(|&r| r == rank) else {
+            return self.candidates.verify(meta, |_| false);
+        };
+        let files = &self.offer.files;
+        self.candidates.verify(meta, |file| {
+            files
+                .iter()
+                .position(|&f| f == file)
+                .is_some_and(|i| i % node.len() == position)
+        })
+    }
+
+    /// After both rounds (`offers[r]`, `verified[r]`: rank r's): this rank's view of
+    /// `checkpoint` (the copies its node verified read from the tier), the planner's sources (each
+    /// node's verified copies readable by its ranks), and the copies this rank reads with what
+    /// its node's ranks did not take and why.
+    pub fn settle(
+        &self,
+        checkpoint: &Checkpoint,
+        offers: &[TierOffer],
+        verified: &[Verified],
+    ) -> Result<(Checkpoint, ReadSources, TierCopies), OpsError> {
+        if offers.len() != verified.len() {
+            return Err(OpsError::invalid(format!(
+                "memory tier: {} offers but {} verifications gathered",
+                offers.len(),
+                verified.len()
+            )));
+        }
+        let mut sources = ReadSources::none();
+        let mut mine = TierCopies::default();
+        let mut nodes: Vec<&str> = offers
+            .iter()
+            .map(|o| o.node.as_str())
+            .filter(|n| !n.is_empty())
+            .collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        for node in nodes {
+            let ranks = node_ranks(offers, node);
+            let mut held: Vec<u32> = ranks
+                .iter()
+                .flat_map(|&r| verified[r as usize].files.iter().copied())
+                .collect();
+            held.sort_unstable();
+            held.dedup();
+            for &r in &ranks {
+                let offered = &offers[r as usize].files;
+                for &file in held.iter().filter(|f| offered.binary_search(f).is_ok()) {
+                    sources.add(file, SourceTier::NodeMemory, [r]);
+                }
+            }
+            if node == self.offer.node {
+                mine = self.candidates.accept(&held);
+                for &r in &ranks {
+                    for why in &verified[r as usize].ignored {
+                        if !mine.ignored.contains(why) {
+                            mine.ignored.push(why.clone());
+                        }
+                    }
+                }
+            }
+        }
+        Ok((checkpoint.with_tier_copies(&mine)?, sources, mine))
+    }
+}
+
+/// The ranks whose offer names `node`, ascending (none for the empty node).
+fn node_ranks(offers: &[TierOffer], node: &str) -> Vec<u32> {
+    if node.is_empty() {
+        return Vec::new();
+    }
+    offers
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| o.node == node)
+        .map(|(r, _)| r as u32)
+        .collect()
+}
+
+/// Both tier rounds over `transport` (every rank of the job calls it, with or without a tier):
+/// offers, this rank's share verified, verifications; then [`TierLoad::settle`].
+pub async fn settle_over<T: tessera_loader::transport::Transport>(
+    tier: &TierLoad,
+    checkpoint: &Checkpoint,
+    transport: &T,
+) -> Result<(Checkpoint, ReadSources, TierCopies), OpsError> {
+    let offers: Vec<TierOffer> = crate::coord::all_gather_json(
+        transport,
+        crate::coord::TAG_TIER_OFFERS,
+        tier.offer(),
+        "memory-tier offers",
+    )
+    .await?;
+    let mine = tier.verify_share(&checkpoint.meta, &offers, transport.rank());
+    let verified: Vec<Verified> = crate::coord::all_gather_json(
+        transport,
+        crate::coord::TAG_TIER_VERIFIED,
+        &mine,
+        "memory-tier verifications",
+    )
+    .await?;
+    tier.settle(checkpoint, &offers, &verified)
 }

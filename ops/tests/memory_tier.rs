@@ -188,3 +188,71 @@ fn prune_keeps_the_newest_copies_within_the_budget_and_drops_what_died_saves_lef
         Default::default()
     );
 }
+
+/// The two tier rounds of a load, by hand for three ranks (two on node A, one on node B): the
+/// ranks of a node split its copies (each verified once), every rank of the node then reads
+/// all of them, and a damaged copy is named on every rank of its node and read from storage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ranks_of_a_node_split_the_verification_and_share_the_copies() {
+    use tessera_ops::memory_tier::TierLoad;
+
+    let root = tempfile::tempdir().unwrap();
+    let (node_a, node_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    save_step(root.path(), 1, &[node_a.path(), node_b.path()]).await;
+    let ckpt = Checkpoint::open(
+        tessera_storage::open(&root.path().join("step-1").display().to_string()).unwrap(),
+    )
+    .await
+    .unwrap();
+    let dirs = [node_a.path(), node_a.path(), node_b.path()];
+    let run = |ckpt: &Checkpoint| {
+        let loads: Vec<TierLoad> = dirs.iter().map(|d| TierLoad::find(ckpt, d)).collect();
+        let offers: Vec<_> = loads.iter().map(|l| l.offer().clone()).collect();
+        let verified: Vec<_> = loads
+            .iter()
+            .enumerate()
+            .map(|(r, l)| l.verify_share(&ckpt.meta, &offers, r as u32))
+            .collect();
+        let settled: Vec<_> = loads
+            .iter()
+            .map(|l| l.settle(ckpt, &offers, &verified).unwrap())
+            .collect();
+        (offers, verified, settled)
+    };
+    let (offers, verified, settled) = run(&ckpt);
+    assert_eq!(offers[0], offers[1]);
+    assert_eq!(offers[0].files.len(), 2);
+    assert_ne!(offers[0].node, offers[2].node);
+    // Node A's two copies: one verified by each of its ranks; node B's both by rank 2.
+    assert_eq!((verified[0].files.len(), verified[1].files.len()), (1, 1));
+    assert_ne!(verified[0].files, verified[1].files);
+    assert_eq!(verified[2].files.len(), 2);
+    for (r, (_, sources, copies)) in settled.iter().enumerate() {
+        assert_eq!(copies.files.len(), 2, "rank {r}");
+        for f in 0..4u32 {
+            let (_, readers) = sources.cheapest(f).unwrap();
+            let on_a = offers[0].files.contains(&f);
+            assert_eq!(
+                readers,
+                if on_a { &[0, 1][..] } else { &[2][..] },
+                "file {f}"
+            );
+        }
+    }
+
+    // A flipped byte in one of node A's copies: named on both of A's ranks, not offered.
+    let (_, _, a) = &settled[0];
+    let (&damaged, path) = a.files.iter().next().unwrap();
+    let mut bytes = std::fs::read(path).unwrap();
+    bytes[0] ^= 1;
+    std::fs::write(path, &bytes).unwrap();
+    let (_, _, settled) = run(&ckpt);
+    for r in [0, 1] {
+        let (_, sources, copies) = &settled[r];
+        assert_eq!(copies.ignored.len(), 1, "rank {r}: {:?}", copies.ignored);
+        assert!(copies.ignored[0].contains("does not match the checkpoint's checksum"));
+        assert!(!copies.files.contains_key(&damaged));
+        assert!(sources.cheapest(damaged).is_none());
+    }
+    assert!(settled[2].2.ignored.is_empty());
+}

@@ -39,8 +39,8 @@ use tessera_loader::verify::joint;
 use tessera_metadata::TensorMeta;
 use tessera_planner::{ExplicitRequest, ExplicitRequests, RankPlan};
 
-use tessera_loader::tier::TierCopies;
-use tessera_ops::memory_tier::{sources_of, view_with_tier};
+use tessera_loader::tier::{TierCopies, Verified};
+use tessera_ops::memory_tier::{TierLoad, TierOffer};
 
 use crate::checkpoint::OpenedCheckpoint;
 use crate::load::{
@@ -91,14 +91,22 @@ struct GroupState {
     /// Whether the boxes this rank read or received in parts were checked against every
     /// reader's folds (`check_joint`; `tessera_loader::verify::joint`).
     joint_checked: bool,
-    /// The copies this rank's node holds in its memory tier (`memory_tier=`), verified.
-    tier: TierCopies,
+    /// This rank's side of the memory tiers (`memory_tier=`): its candidate copies, then (once
+    /// planned) the copies its node verified, which it reads.
+    tier: TierLoad,
+    tier_copies: TierCopies,
 }
 
-/// What a rank offers from its node's memory tier ([`GroupLoad::tier_offer_json`]).
-#[derive(serde::Deserialize)]
-struct TierOffer {
-    files: Vec<u32>,
+/// Every rank's tier offer from the gathered JSON texts.
+fn parse_offers(offers: &[String]) -> Result<Vec<TierOffer>> {
+    offers
+        .iter()
+        .enumerate()
+        .map(|(r, text)| {
+            serde_json::from_str::<TierOffer>(text)
+                .map_err(|e| anyhow!("rank {r}'s memory-tier offer is not valid: {e}"))
+        })
+        .collect()
 }
 
 /// Shares go whole, one message each: this path exchanges after the whole read, so parts (which
@@ -238,7 +246,6 @@ pub fn group_load(
     verify: bool,
     memory_tier: Option<String>,
 ) -> PyResult<GroupLoad> {
-    // Verifying the tier's copies reads them whole: without the GIL.
     let opened = &*checkpoint;
     py.detach(|| prepare(opened, targets, rank, world, verify, memory_tier.as_deref()))
         .map(|state| GroupLoad {
@@ -293,17 +300,15 @@ fn prepare(
             .ok_or_else(|| anyhow!("tensor {}: null data address", fqn_of(&w.request)))?;
         buffers.push(Buffer::Caller(memory));
     }
-    let (checkpoint, tier) = match memory_tier {
-        Some(dir) => {
-            let (view, copies) = view_with_tier(&opened.checkpoint, std::path::Path::new(dir))?;
-            (Arc::new(view), copies)
-        }
-        None => (Arc::clone(&opened.checkpoint), TierCopies::default()),
+    let tier = match memory_tier {
+        Some(dir) => TierLoad::find(&opened.checkpoint, std::path::Path::new(dir)),
+        None => TierLoad::none(),
     };
     Ok(GroupState {
         location: opened.location.clone(),
-        checkpoint,
+        checkpoint: Arc::clone(&opened.checkpoint),
         tier,
+        tier_copies: TierCopies::default(),
         rank,
         world,
         verify,
@@ -332,22 +337,32 @@ impl GroupLoad {
         serde_json::to_string(&mine).map_err(|e| py_error(e.into()))
     }
 
-    /// What this rank offers from its node's memory tier, as JSON text for the all-gather:
-    /// `{"files": [data file indices], "bytes": n, "ignored": ["<copy>: why", ...]}`.
+    /// What this rank offers from its node's memory tier (its node and candidate copies), as
+    /// JSON text for the all-gather; `{"node": "", "files": []}` without a tier.
     fn tier_offer_json(&self) -> PyResult<String> {
+        serde_json::to_string(self.state().tier.offer()).map_err(|e| py_error(e.into()))
+    }
+
+    /// Verifies this rank's share of its node's candidate copies, given every rank's offer
+    /// ([`GroupLoad::tier_offer_json`]); returns what verified, as JSON text for the second
+    /// all-gather. Reads the share whole (without the GIL).
+    fn verify_tier(&self, py: Python<'_>, offers: Vec<String>) -> PyResult<String> {
+        let offers = parse_offers(&offers).map_err(py_error)?;
         let state = self.state();
-        serde_json::to_string(&serde_json::json!({
-            "files": state.tier.file_indices(),
-            "bytes": state.tier.bytes,
-            "ignored": state.tier.ignored,
-        }))
-        .map_err(|e| py_error(e.into()))
+        let (tier, meta, rank) = (&state.tier, &state.checkpoint.meta, state.rank);
+        let verified = py.detach(|| tier.verify_share(meta, &offers, rank));
+        serde_json::to_string(&verified).map_err(|e| py_error(e.into()))
+    }
+
+    /// The memory-tier copies this rank's node did not take, with why (after `plan`).
+    fn tier_ignored(&self) -> Vec<String> {
+        self.state().tier_copies.ignored.clone()
     }
 
     /// Plans the job from every rank's requests (`all_requests[r]`: rank r's
     /// [`GroupLoad::requests_json`]), here or on `server`. `direct`: the driver moves host
     /// memory, so ranks of one host may copy shares straight out of each other's arrays.
-    #[pyo3(signature = (all_requests, dedup, server=None, server_id=None, token=None, read_order=None, direct=false, tier_offers=None))]
+    #[pyo3(signature = (all_requests, dedup, server=None, server_id=None, token=None, read_order=None, direct=false, tier_offers=None, tier_verified=None))]
     #[allow(clippy::too_many_arguments)]
     fn plan(
         &self,
@@ -360,20 +375,35 @@ impl GroupLoad {
         read_order: Option<&str>,
         direct: bool,
         tier_offers: Option<Vec<String>>,
+        tier_verified: Option<Vec<String>>,
     ) -> PyResult<()> {
         let read_order = parse_read_order(read_order)?;
-        let offers = tier_offers
-            .unwrap_or_default()
-            .iter()
-            .enumerate()
-            .map(|(r, text)| {
-                serde_json::from_str::<TierOffer>(text)
-                    .map(|offer| offer.files)
-                    .map_err(|e| anyhow!("rank {r}'s memory-tier offer is not valid: {e}"))
-            })
-            .collect::<Result<Vec<_>>>()
-            .map_err(py_error)?;
-        let sources = sources_of(&offers);
+        // Both tier rounds' results: this rank's view (the copies its node verified) and the
+        // planner's sources.
+        let sources = match (tier_offers, tier_verified) {
+            (Some(offers), Some(verified)) => {
+                let offers = parse_offers(&offers).map_err(py_error)?;
+                let verified = verified
+                    .iter()
+                    .enumerate()
+                    .map(|(r, text)| {
+                        serde_json::from_str::<Verified>(text).map_err(|e| {
+                            anyhow!("rank {r}'s memory-tier verification is not valid: {e}")
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()
+                    .map_err(py_error)?;
+                let mut state = self.state();
+                let (view, sources, copies) = state
+                    .tier
+                    .settle(&state.checkpoint, &offers, &verified)
+                    .map_err(|e| py_error(e.into()))?;
+                state.checkpoint = Arc::new(view);
+                state.tier_copies = copies;
+                sources
+            }
+            _ => tessera_planner::ReadSources::none(),
+        };
         let (checkpoint, rank, world, location) = {
             let state = self.state();
             (

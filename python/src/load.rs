@@ -22,7 +22,7 @@ use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
 use tessera_metadata::{DType, TensorMeta};
 use tessera_ops::load::{Destination, JobPlan, LoadSwitches, PlanServer, load_rank, plan_options};
-use tessera_ops::memory_tier::{sources_of, view_with_tier};
+use tessera_ops::memory_tier::{TierLoad, settle_over, sources_of, view_with_tier};
 use tessera_planner::{
     ExplicitRequest, ExplicitRequests, Layout, RankPlan, ReadOrder, ReadSources,
 };
@@ -303,14 +303,7 @@ struct LoadJob {
 
 /// Loads one rank; its report and the memory-tier copies it saw and did not take (with why).
 async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
-    let (view, tier) = match &job.memory_tier {
-        Some(dir) => {
-            let (view, copies) = view_with_tier(&job.checkpoint, std::path::Path::new(dir))?;
-            (Some(view), copies)
-        }
-        None => (None, TierCopies::default()),
-    };
-    let checkpoint = view.as_ref().unwrap_or(&*job.checkpoint);
+    let checkpoint = &*job.checkpoint;
     let by_name: HashMap<&str, &TensorMeta> = checkpoint
         .meta
         .tensors()
@@ -372,28 +365,31 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
             .await?;
             let ranks =
                 coord::all_gather_json(&transport, coord::TAG_REQUESTS, &mine, "requests").await?;
-            // Every rank offers (nothing without a tier), so that ranks that disagree on
-            // `memory_tier` still meet here instead of waiting on each other.
-            let offers = coord::all_gather_json(
-                &transport,
-                coord::TAG_TIER_OFFERS,
-                &tier.file_indices(),
-                "memory-tier offers",
-            )
-            .await?;
+            // Every rank takes part (offering nothing without a tier), so that ranks that
+            // disagree on `memory_tier` still meet here instead of waiting on each other.
+            let tier = match &job.memory_tier {
+                Some(dir) => TierLoad::find(checkpoint, std::path::Path::new(dir)),
+                None => TierLoad::none(),
+            };
+            let (view, sources, copies) = settle_over(&tier, checkpoint, &transport).await?;
             let plan = rank_plan_for(
-                checkpoint,
+                &view,
                 &job.location,
                 (ExplicitRequests { ranks }, job.rank),
                 job.dedup,
                 job.read_order,
-                (job.server.as_ref(), &sources_of(&offers)),
+                (job.server.as_ref(), &sources),
             )
             .await?;
-            let report = execute(checkpoint, plan, Arc::new(transport), &options, memory).await?;
-            Ok((report, tier.ignored))
+            let report = execute(&view, plan, Arc::new(transport), &options, memory).await?;
+            Ok((report, copies.ignored))
         }
         _ => {
+            let (view, tier) = match &job.memory_tier {
+                Some(dir) => view_with_tier(checkpoint, std::path::Path::new(dir))?,
+                None => (checkpoint.clone(), TierCopies::default()),
+            };
+            let checkpoint = &view;
             let plan = rank_plan_for(
                 checkpoint,
                 &job.location,

@@ -254,14 +254,22 @@ def load_over_group(
             # newline).
             mine = (load.requests_json() + "\n" + offer).encode()
         except Exception as e:
-            error, mine, offer = e, b"", "{}"
+            error, mine = e, b""
         gathered = [r.decode().split("\n", 1) for r in agreement.gather("preparing its requests", error, mine)]
+        offers = [g[1] for g in gathered]
+        # Second round, on every rank (an empty share without a tier): the ranks of a node split
+        # its copies and each verifies its share.
+        try:
+            verified = load.verify_tier(offers).encode()
+        except Exception as e:
+            error, verified = e, b""
+        checked = [v.decode() for v in agreement.gather("verifying its memory-tier copies", error, verified)]
         folds = b""
         try:
             # Direct copies between ranks of one host where the group moves host memory.
             load.plan(
                 [g[0] for g in gathered], True, server, server_id, token, read_order, device.type == "cpu",
-                [g[1] for g in gathered] if memory_tier is not None else None,
+                offers, checked,
             )
             # This rank's folds of saved boxes several ranks read in parts ride on the agreement
             # (one for planning and reading: a rank that failed to plan is named there too);
@@ -289,6 +297,6 @@ def load_over_group(
             # bytes of arrays the caller may change.
             load.close()
     report = json.loads(load.finish(time.monotonic() - started))
-    report["memory_tier_ignored"] = json.loads(offer).get("ignored", [])
+    report["memory_tier_ignored"] = load.tier_ignored()
     return report
 

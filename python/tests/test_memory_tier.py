@@ -246,3 +246,42 @@ def test_a_save_killed_before_its_commit_leaves_no_copy_that_counts(tmp_path):
     assert (report.bytes_from_memory_tier, report.bytes_from_storage) == (TOTAL, 0)
     with pytest.raises(tessera.TesseraError):
         tessera.load(out, str(root / "step-2"), memory_tier=tier, progress=False)
+
+
+def _own_rendezvous_rank(rank: int, port: int, root: str, tier: str, out: str) -> None:
+    import numpy as np
+
+    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    part = {"w": np.zeros((64, 32), np.float32)}
+    try:
+        report = tessera.load(
+            part, root, rank=rank, world_size=2, exchange=True, master_addr="127.0.0.1", master_port=port,
+            memory_tier=tier if rank == 0 else None, progress=False, timeout=60,
+        )
+        result = {"right": bool(np.array_equal(part["w"], w)),
+                  "tier": report.bytes_from_memory_tier, "storage": report.bytes_from_storage}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result = {"error": str(e)}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_an_own_rendezvous_job_reads_the_copies_of_the_node_that_holds_them(tmp_path):
+    # Without torch.distributed (exchange=True): rank 0's node holds the whole checkpoint, rank 1
+    # has no tier; both want all of it: rank 0 reads it once from its tier and passes it on.
+    import multiprocessing as mp
+
+    import numpy as np
+
+    root, tier = tmp_path / "ckpt", tmp_path / "tier"
+    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    tessera.save({"w": w}, str(root), memory_tier=tier)
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_own_rendezvous_rank, args=(r, port, str(root), str(tier), str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    got = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
+    assert got[0] == {"right": True, "tier": w.nbytes, "storage": 0}, got
+    assert got[1] == {"right": True, "tier": 0, "storage": 0}, got

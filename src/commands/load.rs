@@ -27,10 +27,9 @@ use tessera_loader::plan_client::{PlanTarget, server_checkpoint_id};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
-use tessera_ops::coord;
 use tessera_ops::load::agreement;
 use tessera_ops::load::{Destination, JobPlan, LoadSwitches, PlanServer, plan_options};
-use tessera_ops::memory_tier::{sources_of, view_with_tier};
+use tessera_ops::memory_tier::{TierLoad, settle_over, sources_of, view_with_tier};
 use tessera_planner::{ExplicitRequests, PlanOptions, RankPlan, ReadOrder, RequestSet};
 
 pub use finish::dump_names;
@@ -210,6 +209,9 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
             args.checkpoint
         );
     }
+    // A rank of a job (--rank) verifies its share of its node's copies with the other ranks
+    // (below); this command's own ranks share one tier, verified here once.
+    let opened = checkpoint.clone();
     let (checkpoint, tier) = match &args.memory_tier {
         Some(_) if args.server.is_some() => bail!(
             "--memory-tier: a plan server plans reads from storage only; drop --server to read from the tier"
@@ -217,6 +219,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         Some(_) if args.transport == TransportKind::Nccl => {
             bail!("--memory-tier is not supported with --transport nccl yet; use --transport tcp")
         }
+        Some(_) if args.rank.is_some() => (checkpoint, None),
         Some(dir) => {
             let (view, copies) = view_with_tier(&checkpoint, std::path::Path::new(dir))?;
             for why in &copies.ignored {
@@ -292,38 +295,25 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
             }
             _ => {
                 let transport = TcpTransport::connect(&config, transport_options).await?;
-                let rank_plan = match &tier {
-                    Some(copies) => {
-                        // Always offered by every rank (nothing without a tier), so ranks that
-                        // disagree on --memory-tier still meet.
-                        let offers = coord::all_gather_json(
-                            &transport,
-                            coord::TAG_TIER_OFFERS,
-                            &copies.file_indices(),
-                            "memory-tier offers",
-                        )
-                        .await?;
-                        let requests = requests_for(args, &checkpoint)?;
-                        JobPlan::local_with_sources(
-                            &checkpoint,
-                            &requests,
-                            &planning,
-                            &sources_of(&offers),
-                        )?
+                // Every rank takes part (offering nothing without a tier), so that ranks that
+                // disagree on --memory-tier still meet.
+                let found = match &args.memory_tier {
+                    Some(dir) => TierLoad::find(&opened, std::path::Path::new(dir)),
+                    None => TierLoad::none(),
+                };
+                let (view, sources, copies) = settle_over(&found, &opened, &transport).await?;
+                for why in &copies.ignored {
+                    eprintln!("warning: memory tier: {why}");
+                }
+                let rank_plan = if args.memory_tier.is_some() {
+                    let requests = requests_for(args, &view)?;
+                    JobPlan::local_with_sources(&view, &requests, &planning, &sources)?
                         .rank_plan(rank)
                         .await?
-                    }
-                    None => {
-                        coord::all_gather_json(
-                            &transport,
-                            coord::TAG_TIER_OFFERS,
-                            &Vec::<u32>::new(),
-                            "memory-tier offers",
-                        )
-                        .await?;
-                        rank_plan
-                    }
+                } else {
+                    rank_plan
                 };
+                let checkpoint = view;
                 load_one(args, &checkpoint, rank_plan, &transport, &memory, &options).await?
             }
         };
