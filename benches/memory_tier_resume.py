@@ -130,7 +130,7 @@ def _dest(mesh, layers: int) -> dict:
 
 
 def _load_rank(rank: int, world: int, port: int, layers: int, root: str, tiers: list, rate: int,
-               reps: int, out: str) -> None:
+               reps: int, out: str, skip_dcp: bool = False) -> None:
     import hashlib
 
     import torch
@@ -183,14 +183,23 @@ def _load_rank(rank: int, world: int, port: int, layers: int, root: str, tiers: 
             for k in sorted(dest):
                 digest.update(dest[k].to_local().contiguous().view(torch.uint8).numpy().tobytes())
                 dest[k].to_local().zero_()
+        phases = (f"read {report.read_seconds:.2f} s, exchange {report.exchange_seconds:.2f} s, "
+                  f"total {report.total_seconds:.2f} s") if report else ""
         return {"seconds": float(seconds), "served": served, "tier_bytes": int(tier_bytes),
-                "sha": digest.hexdigest()}
+                "sha": digest.hexdigest(), "phases": phases}
 
     order = ["tessera, memory tier", "tessera, store", "dcp.load (fsspec)", "memcpy"]
+    if skip_dcp:
+        order.remove("dcp.load (fsspec)")
     results: dict = {how: [] for how in order}
     for rep in range(reps):
         for how in order[rep % len(order):] + order[: rep % len(order)]:
             results[how].append(run(how))
+            if rank == 0:
+                r = results[how][-1]
+                served = r["served"]["get_body_bytes"] if r["served"] else 0
+                print(f"  rep {rep}: {how}: {r['seconds']:.2f} s, served {served:,} B, tier {r['tier_bytes']:,} B "
+                      f"{r['phases']}", flush=True)
     if server:
         server.close()
     shas = {how: [r["sha"] for r in rs] for how, rs in results.items() if how != "memcpy"}
@@ -205,6 +214,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--root", default=str(REPO / "target" / "bench-tier"))
     p.add_argument("--tiers", default="/dev/shm/tessera-bench", help="the two nodes' tiers go under it")
+    p.add_argument("--skip-dcp", action="store_true", help="tessera and memcpy only (a quick look)")
     args = p.parse_args()
     import torch.multiprocessing as mp
 
@@ -220,7 +230,7 @@ def main() -> None:
         out = root / "out"
         out.mkdir()
         rate = args.mb_per_s * 1_000_000
-        mp.spawn(_load_rank, args=(3, _free_port(), args.layers, str(root), tiers, rate, args.reps, str(out)),
+        mp.spawn(_load_rank, args=(3, _free_port(), args.layers, str(root), tiers, rate, args.reps, str(out), args.skip_dcp),
                  nprocs=3, join=True)
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
     finally:
@@ -228,7 +238,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     unique = sum(r["mine"] for r in ranks)
     for r in ranks:
-        first = r["shas"]["dcp.load (fsspec)"][0]
+        first = next(iter(r["shas"].values()))[0]
         assert all(s == first for shas in r["shas"].values() for s in shas), "a load's bytes differ from dcp.load's"
     results = ranks[0]["results"]
     memcpy = statistics.median(x["seconds"] for x in results["memcpy"])
@@ -242,7 +252,7 @@ def main() -> None:
         print(f"| {how} | {seconds:.2f} | {unique / seconds / 1e9:.2f} | {served:,} | {rs[-1]['tier_bytes']:,} | "
               f"{memcpy / seconds:.2f}x |")
     tier = statistics.median(x["seconds"] for x in results["tessera, memory tier"])
-    for how in ("tessera, store", "dcp.load (fsspec)"):
+    for how in [h for h in ("tessera, store", "dcp.load (fsspec)") if h in results]:
         other = statistics.median(x["seconds"] for x in results[how])
         print(f"memory tier vs {how}: {other / tier:.1f}x faster")
 
