@@ -35,7 +35,6 @@ use object_store::{
 };
 use serde::{Deserialize, Serialize};
 use tessera_metadata::{BoxChecksum, CheckpointMeta};
-use tessera_planner::RankPlan;
 
 use crate::LoaderError;
 
@@ -195,27 +194,6 @@ impl TierCopies {
     /// Data files this node holds, for the planner's sources.
     pub fn file_indices(&self) -> Vec<u32> {
         self.files.keys().copied().collect()
-    }
-
-    /// Of the bytes `plan` has its rank read, those read from these copies and those read from
-    /// storage: a rank reads every file it holds a copy of from the copy.
-    pub fn split_reads(&self, plan: &RankPlan, meta: &CheckpointMeta) -> (u64, u64) {
-        let held: Vec<&str> = self
-            .files
-            .keys()
-            .filter_map(|&f| meta.files().get(f as usize).map(|d| d.path.as_str()))
-            .collect();
-        let (mut tier, mut storage) = (0, 0);
-        for p in &plan.pieces {
-            let Some(read) = &p.read else { continue };
-            let file = plan.files.get(read.file as usize).map(String::as_str);
-            if file.is_some_and(|f| held.contains(&f)) {
-                tier += p.bytes;
-            } else {
-                storage += p.bytes;
-            }
-        }
-        (tier, storage)
     }
 }
 
