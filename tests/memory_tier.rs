@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use support::{layout_file, ok, s, synth_saved_as};
-use tessera_loader::tier::{TIER_FORMAT, TIER_VERSION, TierBox, TierRecord, write_copy};
+use tessera_loader::tier::{TIER_FORMAT, TIER_VERSION, TierEntry, TierRecord, write_copy};
 
 /// Leaves tier copies of data files `files` of `ckpt` under `tier`, as a save with
 /// `memory_tier=` does; returns the box bytes of each data file.
@@ -28,11 +28,19 @@ fn leave_copies(ckpt: &Path, tier: &Path, files: &[usize]) -> Vec<u64> {
     for &f in files {
         let data = &meta.files()[f];
         let bytes = std::fs::read(ckpt.join(&data.path)).unwrap();
-        let chunks: Vec<_> = meta
+        // Every entry of the file, tensor boxes and plain values: (offset, length, crc32c).
+        let mut entries: Vec<(u64, u64, u32)> = meta
             .chunks()
             .iter()
             .filter(|c| c.bytes.file as usize == f)
+            .map(|c| (c.bytes.offset, c.bytes.length, c.crc32c.unwrap()))
             .collect();
+        entries.extend(
+            meta.objects()
+                .iter()
+                .filter(|o| o.file as usize == f)
+                .map(|o| (o.offset, o.length, o.crc32c.unwrap())),
+        );
         let record = TierRecord {
             format: TIER_FORMAT.into(),
             version: TIER_VERSION,
@@ -41,21 +49,21 @@ fn leave_copies(ckpt: &Path, tier: &Path, files: &[usize]) -> Vec<u64> {
             step: opened.manifest.step,
             file: data.path.clone(),
             size: bytes.len() as u64,
-            boxes: chunks
+            entries: entries
                 .iter()
-                .map(|c| TierBox {
-                    offset: c.bytes.offset,
-                    length: c.bytes.length,
-                    crc32c: c.crc32c.unwrap(),
+                .map(|&(offset, length, crc32c)| TierEntry {
+                    offset,
+                    length,
+                    crc32c,
                 })
                 .collect(),
             saved_unix_ms: 1,
         };
-        let boxes: Vec<&[u8]> = chunks
+        let slices: Vec<&[u8]> = entries
             .iter()
-            .map(|c| &bytes[c.bytes.offset as usize..(c.bytes.offset + c.bytes.length) as usize])
+            .map(|&(offset, length, _)| &bytes[offset as usize..(offset + length) as usize])
             .collect();
-        write_copy(tier, &record, &boxes).unwrap();
+        write_copy(tier, &record, &slices).unwrap();
     }
     per_file
 }

@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! <dir>/<copy>/                    one copy per saved checkpoint: step-<step>-<12 hex of its identity>
-//!     data/rank-3.bin              a rank's data file, its boxes at the same offsets as in storage
+//!     data/rank-3.bin              a rank's data file, its entries at the same offsets as in storage
 //!     data/rank-3.bin.tier.json    its record (TierRecord), written last, only after the commit
 //! ```
 //!
@@ -66,16 +66,17 @@ pub struct TierRecord {
     pub file: String,
     /// The data file's size.
     pub size: u64,
-    /// Every box of the file: where it is and its crc32c, as the checkpoint's metadata records
-    /// them.
-    pub boxes: Vec<TierBox>,
+    /// Every entry of the file (tensor boxes and plain values): where it is and its crc32c, as
+    /// the checkpoint's metadata records them. With the zero padding between them, the copy is
+    /// the durable file byte for byte, so a read verified by whole checksum blocks checks out.
+    pub entries: Vec<TierEntry>,
     /// When the copy was completed (ms since the epoch): the pruning order.
     pub saved_unix_ms: u64,
 }
 
-/// One box of a tier copy.
+/// One entry (a tensor box or a plain value) of a tier copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TierBox {
+pub struct TierEntry {
     /// Byte offset in the file.
     pub offset: u64,
     /// Bytes.
@@ -100,22 +101,22 @@ pub fn copy_dir_name(identity: &str, step: Option<u64>) -> String {
     }
 }
 
-/// Leaves a copy of one data file in the tier at `dir`: its boxes (`boxes[i]` at
-/// `record.boxes[i].offset`), then its record, each written to a temporary name and renamed, so
+/// Leaves a copy of one data file in the tier at `dir`: its entries (`entries[i]` at
+/// `record.entries[i].offset`), then its record, each written to a temporary name and renamed, so
 /// that a copy is never seen with its record before all its bytes are there. Call only after the
 /// checkpoint committed: the record is what makes the copy count. Returns the data file's path.
 pub fn write_copy(
     dir: &FsPath,
     record: &TierRecord,
-    boxes: &[&[u8]],
+    entries: &[&[u8]],
 ) -> Result<PathBuf, LoaderError> {
-    if boxes.len() != record.boxes.len() {
+    if entries.len() != record.entries.len() {
         return Err(LoaderError::InvalidPlan {
             detail: format!(
-                "tier copy of {}: {} boxes recorded but {} given",
+                "tier copy of {}: {} entries recorded but {} given",
                 record.file,
-                record.boxes.len(),
-                boxes.len()
+                record.entries.len(),
+                entries.len()
             ),
         });
     }
@@ -127,11 +128,11 @@ pub fn write_copy(
     let file = File::create(&partial).map_err(|e| io("creating", &partial, e))?;
     file.set_len(record.size)
         .map_err(|e| io("sizing", &partial, e))?;
-    for (b, bytes) in record.boxes.iter().zip(boxes) {
+    for (b, bytes) in record.entries.iter().zip(entries) {
         if bytes.len() as u64 != b.length || b.offset + b.length > record.size {
             return Err(LoaderError::InvalidPlan {
                 detail: format!(
-                    "tier copy of {}: box at {} is {} bytes long but {} were given",
+                    "tier copy of {}: the entry at {} is {} bytes long but {} were given",
                     record.file,
                     b.offset,
                     b.length,
@@ -184,7 +185,7 @@ fn io(action: &'static str, path: &FsPath, source: std::io::Error) -> LoaderErro
 pub struct TierCopies {
     /// Verified copies: data file (an index into the checkpoint's files) → the local file.
     pub files: BTreeMap<u32, PathBuf>,
-    /// Bytes of the verified copies' boxes.
+    /// Bytes of the verified copies' entries.
     pub bytes: u64,
     /// Copies seen and not taken, each with why (another checkpoint, a damaged box, …).
     pub ignored: Vec<String>,
@@ -262,7 +263,7 @@ impl TierCandidates {
         let mut copies = TierCopies::default();
         for file in files {
             if let Some((local, record)) = self.files.get(file) {
-                copies.bytes += record.boxes.iter().map(|b| b.length).sum::<u64>();
+                copies.bytes += record.entries.iter().map(|b| b.length).sum::<u64>();
                 copies.files.insert(*file, local.clone());
             }
         }
@@ -348,8 +349,8 @@ fn read_record(path: &FsPath) -> Result<TierRecord, String> {
     Ok(record)
 }
 
-/// Checks the copy at `local` of data file `file` box by box against `meta`'s checksums; returns
-/// the bytes of its boxes.
+/// Checks the copy at `local` of data file `file` entry by entry (tensor boxes and plain values)
+/// against `meta`'s checksums; returns the bytes of its entries.
 fn verify_copy(
     local: &FsPath,
     file: u32,
@@ -369,18 +370,28 @@ fn verify_copy(
             expected_size.unwrap_or(record.size)
         ));
     }
+    // Every entry of the file, tensor boxes and plain values, each named for messages.
+    let tensors = meta.tensors();
+    let mut entries: Vec<(u64, u64, Option<BoxChecksum>, String)> = meta
+        .chunks()
+        .iter()
+        .filter(|c| c.bytes.file == file)
+        .map(|c| {
+            let name = format!("box {} of {}", c.region, tensors[c.tensor as usize].fqn);
+            (c.bytes.offset, c.bytes.length, c.checksum(), name)
+        })
+        .collect();
+    entries.extend(meta.objects().iter().filter(|o| o.file == file).map(|o| {
+        let sum = o.crc32c.map(BoxChecksum::Crc32c);
+        (o.offset, o.length, sum, format!("value {}", o.key))
+    }));
     // Read in pieces small enough to stay in cache while their checksum is taken: one pass over
     // memory, and no buffer the size of a box to allocate and fault in.
     let mut buffer = vec![0u8; VERIFY_PIECE];
     let mut bytes = 0;
-    for chunk in meta.chunks().iter().filter(|c| c.bytes.file == file) {
-        let (offset, length) = (chunk.bytes.offset, chunk.bytes.length);
-        let name = &meta.tensors()[chunk.tensor as usize].fqn;
-        let Some(sum) = chunk.checksum() else {
-            return Err(format!(
-                "box {} of {name} has no checksum to check the copy against",
-                chunk.region
-            ));
+    for (offset, length, sum, name) in entries {
+        let Some(sum) = sum else {
+            return Err(format!("{name} has no checksum to check the copy against"));
         };
         let (mut crc32c, mut crc32) = (0u32, crc32fast::Hasher::new());
         let mut at = offset;
@@ -389,7 +400,7 @@ fn verify_copy(
             let piece = &mut buffer[..n];
             handle
                 .read_exact_at(piece, at)
-                .map_err(|e| format!("box {} of {name} unreadable: {e}", chunk.region))?;
+                .map_err(|e| format!("{name} unreadable: {e}"))?;
             match sum {
                 BoxChecksum::Crc32c(_) => crc32c = crc32c::crc32c_append(crc32c, piece),
                 BoxChecksum::Crc32(_) => crc32.update(piece),
@@ -402,9 +413,8 @@ fn verify_copy(
         };
         if actual != sum.value() {
             return Err(format!(
-                "box {} of {name} (bytes {offset}..{}) does not match the checkpoint's checksum \
+                "{name} (bytes {offset}..{}) does not match the checkpoint's checksum \
                  ({actual:#010x}, expected {:#010x})",
-                chunk.region,
                 offset + length,
                 sum.value()
             ));

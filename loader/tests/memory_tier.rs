@@ -13,7 +13,7 @@ use support_read::{expected_destination, synth_saved_by_rows};
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::load::{LoadOptions, load_rank};
 use tessera_loader::tier::{
-    TIER_FORMAT, TIER_VERSION, TierBox, TierCopies, TierRecord, find_copies, now_unix_ms,
+    TIER_FORMAT, TIER_VERSION, TierCopies, TierEntry, TierRecord, find_copies, now_unix_ms,
     write_copy,
 };
 use tessera_loader::transport::{InProcTransport, TransportOptions};
@@ -32,11 +32,19 @@ fn leave_copy(
     let root = checkpoint.location.local_root.as_ref().unwrap();
     let durable = root.join(checkpoint.file_path(file).unwrap().as_ref());
     let bytes = std::fs::read(&durable).unwrap();
-    let chunks: Vec<_> = meta
+    // Every entry of the file, tensor boxes and plain values: (offset, length, crc32c).
+    let mut entries: Vec<(u64, u64, u32)> = meta
         .chunks()
         .iter()
         .filter(|c| c.bytes.file == file)
+        .map(|c| (c.bytes.offset, c.bytes.length, c.crc32c.unwrap()))
         .collect();
+    entries.extend(
+        meta.objects()
+            .iter()
+            .filter(|o| o.file == file)
+            .map(|o| (o.offset, o.length, o.crc32c.unwrap())),
+    );
     let record = TierRecord {
         format: TIER_FORMAT.into(),
         version: TIER_VERSION,
@@ -45,21 +53,21 @@ fn leave_copy(
         step: checkpoint.step,
         file: data.path.clone(),
         size: bytes.len() as u64,
-        boxes: chunks
+        entries: entries
             .iter()
-            .map(|c| TierBox {
-                offset: c.bytes.offset,
-                length: c.bytes.length,
-                crc32c: c.crc32c.unwrap(),
+            .map(|&(offset, length, crc32c)| TierEntry {
+                offset,
+                length,
+                crc32c,
             })
             .collect(),
         saved_unix_ms: now_unix_ms(),
     };
-    let boxes: Vec<&[u8]> = chunks
+    let slices: Vec<&[u8]> = entries
         .iter()
-        .map(|c| &bytes[c.bytes.offset as usize..(c.bytes.offset + c.bytes.length) as usize])
+        .map(|&(offset, length, _)| &bytes[offset as usize..(offset + length) as usize])
         .collect();
-    write_copy(dir, &record, &boxes).unwrap()
+    write_copy(dir, &record, &slices).unwrap()
 }
 
 /// Of the bytes `plan` has its rank read, those of files `copies` holds and the rest: what the

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::tier::{
-    RECORD_SUFFIX, TIER_FORMAT, TIER_VERSION, TierBox, TierCandidates, TierCopies, TierRecord,
+    RECORD_SUFFIX, TIER_FORMAT, TIER_VERSION, TierCandidates, TierCopies, TierEntry, TierRecord,
     Verified, copy_dir_name, find_candidates, find_copies, now_unix_ms, write_copy,
 };
 use tessera_metadata::formats::native::{Manifest, WrittenFile};
@@ -54,7 +54,7 @@ impl MemoryTier {
 pub struct LeftCopy {
     /// The copy's data file (`None`: this rank wrote no file, or it exceeds the byte budget).
     pub path: Option<PathBuf>,
-    /// Bytes of its boxes.
+    /// Bytes of its tensor boxes (what loads read from it; its plain values come on top).
     pub bytes: u64,
     /// Why no copy was left, when none was.
     pub skipped: Option<String>,
@@ -62,18 +62,29 @@ pub struct LeftCopy {
     pub pruned: Pruned,
 }
 
+/// What one rank gave a save: its holdings, their bytes (in the order of `mine.boxes`) and its
+/// plain values, encoded.
+#[derive(Clone, Copy, Debug)]
+pub struct RankBytes<'a> {
+    /// The boxes this rank holds.
+    pub mine: &'a Holdings,
+    /// Their bytes.
+    pub data: &'a [&'a [u8]],
+    /// Plain values by key.
+    pub objects: &'a [(String, Vec<u8>)],
+}
+
 /// Leaves this rank's copy of the committed checkpoint at `checkpoint` (its `manifest`) in
-/// `tier`: the boxes of `file` (what this rank wrote; `None` when it wrote nothing) taken from
-/// `data` (this rank's buffers, in the order of `mine.boxes`), then prunes the tier. `tensors`
-/// are the checkpoint's, as the save numbered them.
+/// `tier`: every entry of `file` (what this rank wrote; `None` when it wrote nothing), tensor
+/// boxes and plain values, taken from `given`, then prunes the tier. `tensors` are the
+/// checkpoint's, as the save numbered them.
 pub fn leave_copy(
     tier: &MemoryTier,
     checkpoint: &str,
     manifest: &Manifest,
     file: Option<&WrittenFile>,
     tensors: &[TensorMeta],
-    mine: &Holdings,
-    data: &[&[u8]],
+    given: RankBytes<'_>,
 ) -> Result<LeftCopy, OpsError> {
     let Some(file) = file else {
         return Ok(LeftCopy {
@@ -93,14 +104,16 @@ pub fn leave_copy(
             ..LeftCopy::default()
         });
     }
-    let held: HashMap<(&str, &[u64]), usize> = mine
+    let held: HashMap<(&str, &[u64]), usize> = given
+        .mine
         .boxes
         .iter()
         .enumerate()
         .map(|(i, b)| ((b.fqn.as_str(), b.offsets.as_slice()), i))
         .collect();
-    let mut boxes = Vec::with_capacity(file.chunks().len());
-    let mut bytes = Vec::with_capacity(file.chunks().len());
+    let mut entries = Vec::with_capacity(file.chunks().len() + file.objects().len());
+    let mut bytes = Vec::with_capacity(entries.capacity());
+    let mut tensor_bytes = 0;
     for chunk in file.chunks() {
         let fqn = tensors
             .get(chunk.tensor as usize)
@@ -114,30 +127,38 @@ pub fn leave_copy(
                 chunk.region
             )));
         };
-        let Some(crc32c) = chunk.crc32c else {
+        let what = || format!("box {} of {fqn}", chunk.region);
+        // A box written in parts would be several chunks of one buffer; the save writes whole.
+        let buffer = given.data.get(i).copied().unwrap_or_default();
+        entries.push(entry(
+            file,
+            what,
+            chunk.bytes.offset,
+            chunk.bytes.length,
+            chunk.crc32c,
+            buffer,
+        )?);
+        bytes.push(buffer);
+        tensor_bytes += chunk.bytes.length;
+    }
+    for object in file.objects() {
+        let what = || format!("value {}", object.key);
+        let Some((_, buffer)) = given.objects.iter().find(|(k, _)| *k == object.key) else {
             return Err(OpsError::invalid(format!(
-                "memory tier: box {} of {fqn} in {} has no crc32c",
-                chunk.region,
-                file.path()
+                "memory tier: {} holds {}, which this rank did not save",
+                file.path(),
+                what()
             )));
         };
-        let length = chunk.bytes.length;
-        // A box written in parts would be several chunks of one buffer; the save writes whole.
-        let buffer = data.get(i).copied().unwrap_or_default();
-        if buffer.len() as u64 != length {
-            return Err(OpsError::invalid(format!(
-                "memory tier: box {} of {fqn} is {length} bytes in {} but {} in memory",
-                chunk.region,
-                file.path(),
-                buffer.len()
-            )));
-        }
-        boxes.push(TierBox {
-            offset: chunk.bytes.offset,
-            length,
-            crc32c,
-        });
-        bytes.push(buffer);
+        entries.push(entry(
+            file,
+            what,
+            object.offset,
+            object.length,
+            object.crc32c,
+            buffer,
+        )?);
+        bytes.push(buffer.as_slice());
     }
     let record = TierRecord {
         format: TIER_FORMAT.into(),
@@ -147,7 +168,7 @@ pub fn leave_copy(
         step: manifest.step,
         file: file.path().to_string(),
         size: file.size(),
-        boxes,
+        entries,
         saved_unix_ms: now_unix_ms(),
     };
     let path = write_copy(&tier.dir, &record, &bytes)?;
@@ -161,9 +182,40 @@ pub fn leave_copy(
     )?;
     Ok(LeftCopy {
         path: Some(path),
-        bytes: record.boxes.iter().map(|b| b.length).sum(),
+        bytes: tensor_bytes,
         skipped: None,
         pruned,
+    })
+}
+
+/// One entry of a copy's record, checked against the bytes this rank holds for it.
+fn entry(
+    file: &WrittenFile,
+    what: impl Fn() -> String,
+    offset: u64,
+    length: u64,
+    crc32c: Option<u32>,
+    buffer: &[u8],
+) -> Result<TierEntry, OpsError> {
+    let Some(crc32c) = crc32c else {
+        return Err(OpsError::invalid(format!(
+            "memory tier: {} in {} has no crc32c",
+            what(),
+            file.path()
+        )));
+    };
+    if buffer.len() as u64 != length {
+        return Err(OpsError::invalid(format!(
+            "memory tier: {} is {length} bytes in {} but {} in memory",
+            what(),
+            file.path(),
+            buffer.len()
+        )));
+    }
+    Ok(TierEntry {
+        offset,
+        length,
+        crc32c,
     })
 }
 

@@ -59,7 +59,7 @@ use tessera_storage::{GaveUp, Location, RetryingStore, StorageOptions};
 
 use crate::claim::{Claim, ClaimOptions};
 use crate::coord::{TAG_SAVE_CLAIM, TAG_SAVE_DONE, TAG_SAVE_FILES};
-use crate::memory_tier::{LeftCopy, MemoryTier, leave_copy};
+use crate::memory_tier::{LeftCopy, MemoryTier, RankBytes, leave_copy};
 use crate::{OpsError, ResultExt};
 
 /// One box a rank holds.
@@ -418,15 +418,12 @@ pub async fn save_rank<T: Transport>(
             (Ok(tensors), Some(mine)) => {
                 // Blocking file writes on this task: the save is over, nothing else of this
                 // rank's waits on it, and the buffers are borrowed (no thread of their own).
-                leave_copy(
-                    tier,
-                    path,
-                    &saved.manifest,
-                    file.as_ref(),
-                    &tensors,
+                let given = RankBytes {
                     mine,
                     data,
-                )
+                    objects,
+                };
+                leave_copy(tier, path, &saved.manifest, file.as_ref(), &tensors, given)
             }
             (Err(e), _) => Err(e),
             (_, None) => Err(OpsError::invalid(format!("rank {rank}: no holdings"))),

@@ -145,7 +145,7 @@ fn prune_keeps_the_newest_copies_within_the_budget_and_drops_what_died_saves_lef
             let json = serde_json::json!({
                 "format": "tessera-memory-tier", "version": 1, "checkpoint": "x",
                 "identity": format!("native:{name}"), "step": null, "file": "data/rank-0.bin",
-                "size": bytes, "boxes": [], "saved_unix_ms": saved,
+                "size": bytes, "entries": [], "saved_unix_ms": saved,
             });
             std::fs::write(dir.join("rank-0.bin.tier.json"), json.to_string()).unwrap();
         }

@@ -285,3 +285,18 @@ def test_an_own_rendezvous_job_reads_the_copies_of_the_node_that_holds_them(tmp_
     got = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
     assert got[0] == {"right": True, "tier": w.nbytes, "storage": 0}, got
     assert got[1] == {"right": True, "tier": 0, "storage": 0}, got
+
+
+def test_a_partial_read_next_to_a_plain_value_verifies_against_the_copy(tmp_path):
+    # The last rows of `w` share a checksum block with the plain value stored after it: a read
+    # of those rows is verified by the whole block, so the copy must hold the value's bytes too.
+    import numpy as np
+
+    root, tier = tmp_path / "ckpt", tmp_path / "tier"
+    w = np.arange(100 * 1000, dtype=np.float32).reshape(100, 1000)
+    tessera.save({"w": w, "n": {"step": 7, "note": "x" * 100}}, str(root), memory_tier=tier)
+    tail = (np.zeros((2, 1000), np.float32), [98, 0])
+    report = tessera.load({"w": tail}, str(root), memory_tier=tier, progress=False)
+    assert np.array_equal(tail[0], w[98:])
+    assert (report.bytes_from_memory_tier, report.bytes_from_storage) == (tail[0].nbytes, 0)
+    assert report.memory_tier_ignored == []
