@@ -26,17 +26,14 @@ use std::path::{Path as FsPath, PathBuf};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use futures::stream::BoxStream;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
-use object_store::{
-    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
-    PutMultipartOptions, PutOptions, PutPayload, PutResult,
-};
+use object_store::{GetOptions, GetResult, ObjectStore};
 use serde::{Deserialize, Serialize};
 use tessera_metadata::{BoxChecksum, CheckpointMeta};
 
 use crate::LoaderError;
+use crate::read::overlay::{Overlay, OverlayStore};
 
 /// `format` of a record.
 pub const TIER_FORMAT: &str = "tessera-memory-tier";
@@ -459,7 +456,7 @@ impl TierStore {
     pub fn new(
         inner: Arc<dyn ObjectStore>,
         files: &HashMap<String, PathBuf>,
-    ) -> Result<Self, LoaderError> {
+    ) -> Result<OverlayStore<Self>, LoaderError> {
         let mut mapped = HashMap::with_capacity(files.len());
         for (path, local) in files {
             let copy = Path::from_absolute_path(local).map_err(|e| LoaderError::Io {
@@ -469,46 +466,25 @@ impl TierStore {
             })?;
             mapped.insert(Path::from(path.as_str()), copy);
         }
-        Ok(Self {
+        Ok(OverlayStore(Self {
             inner,
             local: LocalFileSystem::new(),
             files: mapped,
-        })
-    }
-}
-
-fn refuse_write(location: &Path) -> object_store::Error {
-    object_store::Error::NotSupported {
-        source: format!("{location} is read from a memory-tier copy; it cannot be written").into(),
+        }))
     }
 }
 
 #[async_trait::async_trait]
-impl ObjectStore for TierStore {
-    async fn put_opts(
-        &self,
-        location: &Path,
-        payload: PutPayload,
-        opts: PutOptions,
-    ) -> object_store::Result<PutResult> {
-        if self.files.contains_key(location) {
-            return Err(refuse_write(location));
-        }
-        self.inner.put_opts(location, payload, opts).await
+impl Overlay for TierStore {
+    fn inner(&self) -> &Arc<dyn ObjectStore> {
+        &self.inner
     }
 
-    async fn put_multipart_opts(
-        &self,
-        location: &Path,
-        opts: PutMultipartOptions,
-    ) -> object_store::Result<Box<dyn MultipartUpload>> {
-        if self.files.contains_key(location) {
-            return Err(refuse_write(location));
-        }
-        self.inner.put_multipart_opts(location, opts).await
+    fn serves(&self, location: &Path) -> bool {
+        self.files.contains_key(location)
     }
 
-    async fn get_opts(
+    async fn get_served(
         &self,
         location: &Path,
         options: GetOptions,
@@ -519,30 +495,10 @@ impl ObjectStore for TierStore {
         }
     }
 
-    fn delete_stream(
-        &self,
-        locations: BoxStream<'static, object_store::Result<Path>>,
-    ) -> BoxStream<'static, object_store::Result<Path>> {
-        self.inner.delete_stream(locations)
-    }
-
-    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        self.inner.list(prefix)
-    }
-
-    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
-        self.inner.list_with_delimiter(prefix).await
-    }
-
-    async fn copy_opts(
-        &self,
-        from: &Path,
-        to: &Path,
-        options: CopyOptions,
-    ) -> object_store::Result<()> {
-        if self.files.contains_key(to) {
-            return Err(refuse_write(to));
+    fn refuse_write(&self, location: &Path) -> object_store::Error {
+        object_store::Error::NotSupported {
+            source: format!("{location} is read from a memory-tier copy; it cannot be written")
+                .into(),
         }
-        self.inner.copy_opts(from, to, options).await
     }
 }

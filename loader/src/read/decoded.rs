@@ -16,15 +16,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use bytes::Bytes;
 use futures::StreamExt;
-use futures::stream::BoxStream;
 use object_store::path::Path;
-use object_store::{
-    CopyOptions, GetOptions, GetRange, GetResult, GetResultPayload, ListResult, MultipartUpload,
-    ObjectMeta, ObjectStore, PutMultipartOptions, PutOptions, PutPayload, PutResult,
-};
+use object_store::{GetOptions, GetRange, GetResult, GetResultPayload, ObjectMeta, ObjectStore};
 use tessera_metadata::DataFile;
 use tessera_metadata::encoded::{Codec, DecodeFailure, decode_from_store};
 use tokio::sync::OnceCell;
+
+use crate::read::overlay::{Overlay, OverlayStore};
 
 /// Decoded bytes kept for later reads, beyond the file being read (1 GiB).
 pub const DECODED_CACHE_BYTES: u64 = 1 << 30;
@@ -74,7 +72,7 @@ impl DecodedStore {
         files: &[DataFile],
         resolve: impl Fn(&str) -> Result<Path, crate::LoaderError>,
         budget: u64,
-    ) -> Result<Option<DecodedStore>, crate::LoaderError> {
+    ) -> Result<Option<OverlayStore<DecodedStore>>, crate::LoaderError> {
         let mut decoded = HashMap::new();
         for file in files {
             let Some(encoded) = &file.encoded else {
@@ -90,11 +88,13 @@ impl DecodedStore {
                 },
             );
         }
-        Ok((!decoded.is_empty()).then(|| DecodedStore {
-            inner,
-            files: decoded,
-            kept: Mutex::new(Kept::default()),
-            budget,
+        Ok((!decoded.is_empty()).then(|| {
+            OverlayStore(DecodedStore {
+                inner,
+                files: decoded,
+                kept: Mutex::new(Kept::default()),
+                budget,
+            })
         }))
     }
 
@@ -185,44 +185,25 @@ fn generic(detail: String) -> object_store::Error {
     }
 }
 
-fn refuse_write(location: &Path) -> object_store::Error {
-    generic(format!(
-        "{location} stands for decoded bytes of a compressed blob and cannot be written"
-    ))
-}
-
 #[async_trait::async_trait]
-impl ObjectStore for DecodedStore {
-    async fn put_opts(
-        &self,
-        location: &Path,
-        payload: PutPayload,
-        opts: PutOptions,
-    ) -> object_store::Result<PutResult> {
-        if self.files.contains_key(location) {
-            return Err(refuse_write(location));
-        }
-        self.inner.put_opts(location, payload, opts).await
+impl Overlay for DecodedStore {
+    fn inner(&self) -> &Arc<dyn ObjectStore> {
+        &self.inner
     }
 
-    async fn put_multipart_opts(
-        &self,
-        location: &Path,
-        opts: PutMultipartOptions,
-    ) -> object_store::Result<Box<dyn MultipartUpload>> {
-        if self.files.contains_key(location) {
-            return Err(refuse_write(location));
-        }
-        self.inner.put_multipart_opts(location, opts).await
+    fn serves(&self, location: &Path) -> bool {
+        self.files.contains_key(location)
     }
 
-    async fn get_opts(
+    async fn get_served(
         &self,
         location: &Path,
         options: GetOptions,
     ) -> object_store::Result<GetResult> {
         let Some(file) = self.files.get(location) else {
-            return self.inner.get_opts(location, options).await;
+            return Err(generic(format!(
+                "{location} is not an encoded file of this view"
+            )));
         };
         let meta = ObjectMeta {
             location: location.clone(),
@@ -268,31 +249,10 @@ impl ObjectStore for DecodedStore {
         })
     }
 
-    fn delete_stream(
-        &self,
-        locations: BoxStream<'static, object_store::Result<Path>>,
-    ) -> BoxStream<'static, object_store::Result<Path>> {
-        self.inner.delete_stream(locations)
-    }
-
-    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        self.inner.list(prefix)
-    }
-
-    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
-        self.inner.list_with_delimiter(prefix).await
-    }
-
-    async fn copy_opts(
-        &self,
-        from: &Path,
-        to: &Path,
-        options: CopyOptions,
-    ) -> object_store::Result<()> {
-        if self.files.contains_key(to) {
-            return Err(refuse_write(to));
-        }
-        self.inner.copy_opts(from, to, options).await
+    fn refuse_write(&self, location: &Path) -> object_store::Error {
+        generic(format!(
+            "{location} stands for decoded bytes of a compressed blob and cannot be written"
+        ))
     }
 }
 

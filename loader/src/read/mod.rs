@@ -33,6 +33,7 @@ use tessera_metadata::{BoxChecksum, CheckpointMeta, MetadataError};
 use tessera_planner::{RankPiece, RankPlan, StridedRuns};
 
 pub mod decoded;
+pub mod overlay;
 pub(crate) mod positioned;
 pub mod scheduler;
 

@@ -104,7 +104,7 @@ pub struct ReadOptions {
     pub local_root: Option<std::path::PathBuf>,
     /// Store paths whose bytes are read from these local files instead, by position: a memory
     /// tier's copies of data files ([`crate::read::tier`]), wherever the checkpoint lives. Its
-    /// store reads the same paths from the same files ([`crate::read::tier::TierStore`]), so
+    /// store reads the same paths from the same files ([`crate::tier::TierStore`]), so
     /// reads that do not go by position get the same bytes.
     pub local_files: Arc<HashMap<String, std::path::PathBuf>>,
     /// Read local checkpoints by position ([`ReadOptions::local_root`]; true). Off, every read
