@@ -398,15 +398,11 @@ pub struct TierLoad {
 }
 
 impl TierLoad {
-    /// A rank without a tier: offers nothing.
-    pub fn none() -> Self {
-        Self::default()
-    }
-
-    /// Finds the candidate copies of `checkpoint` in the tier at `dir` (records only).
-    pub fn find(checkpoint: &Checkpoint, dir: &Path) -> Self {
-        let Some(identity) = checkpoint.meta.identity() else {
-            return Self::none();
+    /// Finds the candidate copies of `checkpoint` in the tier at `dir` (records only); a rank
+    /// without a tier (`None`) offers nothing.
+    pub fn find(checkpoint: &Checkpoint, dir: Option<&Path>) -> Self {
+        let (Some(dir), Some(identity)) = (dir, checkpoint.meta.identity()) else {
+            return Self::default();
         };
         let candidates = find_candidates(dir, &checkpoint.meta, identity);
         let canonical = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());

@@ -206,7 +206,7 @@ async fn the_ranks_of_a_node_split_the_verification_and_share_the_copies() {
     .unwrap();
     let dirs = [node_a.path(), node_a.path(), node_b.path()];
     let run = |ckpt: &Checkpoint| {
-        let loads: Vec<TierLoad> = dirs.iter().map(|d| TierLoad::find(ckpt, d)).collect();
+        let loads: Vec<TierLoad> = dirs.iter().map(|d| TierLoad::find(ckpt, Some(d))).collect();
         let offers: Vec<_> = loads.iter().map(|l| l.offer().clone()).collect();
         let verified: Vec<_> = loads
             .iter()

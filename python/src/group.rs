@@ -300,10 +300,7 @@ fn prepare(
             .ok_or_else(|| anyhow!("tensor {}: null data address", fqn_of(&w.request)))?;
         buffers.push(Buffer::Caller(memory));
     }
-    let tier = match memory_tier {
-        Some(dir) => TierLoad::find(&opened.checkpoint, std::path::Path::new(dir)),
-        None => TierLoad::none(),
-    };
+    let tier = TierLoad::find(&opened.checkpoint, memory_tier.map(std::path::Path::new));
     Ok(GroupState {
         location: opened.location.clone(),
         checkpoint: Arc::clone(&opened.checkpoint),

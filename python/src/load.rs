@@ -367,10 +367,10 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
                 coord::all_gather_json(&transport, coord::TAG_REQUESTS, &mine, "requests").await?;
             // Every rank takes part (offering nothing without a tier), so that ranks that
             // disagree on `memory_tier` still meet here instead of waiting on each other.
-            let tier = match &job.memory_tier {
-                Some(dir) => TierLoad::find(checkpoint, std::path::Path::new(dir)),
-                None => TierLoad::none(),
-            };
+            let tier = TierLoad::find(
+                checkpoint,
+                job.memory_tier.as_deref().map(std::path::Path::new),
+            );
             let (view, sources, copies) = settle_over(&tier, checkpoint, &transport).await?;
             let plan = rank_plan_for(
                 &view,

@@ -297,10 +297,10 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
                 let transport = TcpTransport::connect(&config, transport_options).await?;
                 // Every rank takes part (offering nothing without a tier), so that ranks that
                 // disagree on --memory-tier still meet.
-                let found = match &args.memory_tier {
-                    Some(dir) => TierLoad::find(&opened, std::path::Path::new(dir)),
-                    None => TierLoad::none(),
-                };
+                let found = TierLoad::find(
+                    &opened,
+                    args.memory_tier.as_deref().map(std::path::Path::new),
+                );
                 let (view, sources, copies) = settle_over(&found, &opened, &transport).await?;
                 for why in &copies.ignored {
                     eprintln!("warning: memory tier: {why}");
