@@ -155,3 +155,96 @@ async fn a_truncated_file_is_a_short_read_naming_it() {
         other => panic!("expected a short read, got {other}"),
     }
 }
+
+/// Two ranks, each holding a column half of every matrix (Shard(1)): every saved row box gives
+/// each rank one run per row, a column slice. Vectors and scalars whole.
+const COLUMNS: &str = r#"{"mesh": [{"name": "tp", "size": 2}],
+    "rules": [{"match": "*norm*", "placements": ["replicate"]},
+              {"match": "*.weight", "placements": ["shard(1)"]},
+              {"match": "*", "placements": ["replicate"]}]}"#;
+
+async fn load_columns(
+    checkpoint: &Checkpoint,
+    verify: bool,
+) -> Result<Vec<LoadedRank>, LoaderError> {
+    let requests = Layout::from_json(COLUMNS)
+        .unwrap()
+        .resolve(checkpoint.meta.tensors())
+        .unwrap();
+    // Each rank reads its own columns: per request, no exchange.
+    let plan = checkpoint
+        .plan(
+            &requests,
+            &PlanOptions {
+                dedup: false,
+                ..PlanOptions::default()
+            },
+        )
+        .unwrap();
+    let options = LoadOptions {
+        read: ReadOptions {
+            verify,
+            ..ReadOptions::default()
+        },
+        progress: None,
+        ..LoadOptions::default()
+    };
+    let transports =
+        InProcTransport::mesh(2, TransportOptions::with_timeout(Duration::from_secs(10)));
+    let loads = transports.iter().enumerate().map(|(rank, transport)| {
+        let plan = plan.rank_plan(rank as u32).unwrap();
+        load_rank(checkpoint, plan, transport, &options)
+    });
+    futures::future::join_all(loads).await.into_iter().collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn column_slices_come_from_the_files_when_nothing_checks_them_alone() {
+    let (dir, mut checkpoint) = saved_by_rows().await;
+    checkpoint.location.store = Arc::new(InMemory::new());
+    // Verification off: every column slice is read by position (strided), none through the
+    // (empty) store, and the bytes are the checkpoint's.
+    let loaded = load_columns(&checkpoint, false).await.unwrap();
+    for rank in &loaded {
+        let strided = rank
+            .plan
+            .pieces
+            .iter()
+            .filter(|p| {
+                p.read
+                    .as_ref()
+                    .is_some_and(|r| r.runs.counts.iter().any(|&c| c > 1))
+            })
+            .count();
+        assert!(strided > 0, "rank {} reads column slices", rank.plan.rank);
+        for d in 0..rank.plan.destinations.len() {
+            assert!(
+                rank.buffers[d] == expected_destination(&rank.plan, d),
+                "rank {} destination {d} holds the wrong bytes",
+                rank.plan.rank
+            );
+        }
+        assert_eq!(rank.report.bytes_fetched, rank.report.bytes_needed);
+    }
+    // Verified, a column slice of a box with block checksums needs its blocks: those reads go
+    // through the store, which here has nothing.
+    let error = load_columns(&checkpoint, true).await.unwrap_err();
+    assert!(
+        matches!(&error, LoaderError::MissingFile { path } if path.ends_with(".bin")),
+        "{error}"
+    );
+    // A file cut short under a strided read is a short read naming it.
+    let data = largest_data_file(dir.path());
+    let len = std::fs::metadata(&data).unwrap().len();
+    let file = std::fs::OpenOptions::new().write(true).open(&data).unwrap();
+    file.set_len(len / 2).unwrap();
+    drop(file);
+    let name = data.file_name().unwrap().to_str().unwrap().to_string();
+    match load_columns(&checkpoint, false).await.unwrap_err() {
+        LoaderError::ShortRead { path, end, .. } => {
+            assert!(path.ends_with(&name), "{path} names {name}");
+            assert!(end > len / 2, "the read reaches past the cut: {end}");
+        }
+        other => panic!("expected a short read, got {other}"),
+    }
+}

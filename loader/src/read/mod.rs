@@ -33,6 +33,7 @@ use tessera_metadata::{BoxChecksum, CheckpointMeta, MetadataError};
 use tessera_planner::{RankPiece, RankPlan, StridedRuns};
 
 pub mod decoded;
+pub(crate) mod mapped;
 pub mod overlay;
 pub(crate) mod positioned;
 pub mod scheduler;
@@ -273,6 +274,8 @@ struct PositionedSource {
     file: u32,
     offset: u64,
     len: u64,
+    /// `(run, stride)` of a column slice ([`PositionedRead::strided`]); `None`: one stretch.
+    strided: Option<(u64, u64)>,
     dest: usize,
     dst_start: u64,
     /// Its own box check (index into the positioned checks), when it is a whole saved box.
@@ -408,12 +411,41 @@ async fn read_runs(
                     file: read.file,
                     offset: runs.src_offset,
                     len: runs.total,
+                    strided: None,
                     dest,
                     dst_start,
                     check,
                 });
                 continue;
             }
+        }
+        // A column slice (one run per saved row, the runs landing back to back in one stretch of
+        // a destination) is read by position too when nothing has to be checked about it alone:
+        // a format without block checksums, or no verification ([`mapped`]).
+        if let (Some(local), Some((dest, dst_start)), None, Some(strided)) =
+            (local.as_mut(), target, joint_read, runs.single_stride())
+            && (block_checksums.is_none() || !options.verify)
+            && local.readable(file)
+            && boxes
+                .as_mut()
+                .and_then(|b| b.whole_box(plan, piece, &runs, (read.file, file)))
+                .is_none()
+        {
+            if options.verify {
+                bytes_unverified += runs.total;
+            }
+            local.open(read.file, file)?;
+            positioned.push(PositionedSource {
+                piece: index,
+                file: read.file,
+                offset: runs.src_offset,
+                len: runs.total,
+                strided: Some(strided),
+                dest,
+                dst_start,
+                check: None,
+            });
+            continue;
         }
         piece_ranges.clear();
         runs.src_ranges(read.file, &mut piece_ranges);
@@ -647,15 +679,25 @@ async fn read_by_position(
     // Every read (at most a part each), with the positioned piece it belongs to.
     let mut reads: Vec<(usize, PositionedRead)> = Vec::new();
     for (s, source) in positioned.iter().enumerate() {
+        // A column slice is cut between runs: each read takes whole runs, a part's worth.
+        let (step, stride) = match source.strided {
+            Some((run, stride)) => (run.max(1) * (part_size / run.max(1)).max(1), stride),
+            None => (part_size, 0),
+        };
         let mut at = 0;
         while at < source.len {
-            let len = (source.len - at).min(part_size);
+            let len = (source.len - at).min(step);
+            let offset = match source.strided {
+                Some((run, _)) => source.offset + at / run.max(1) * stride,
+                None => source.offset + at,
+            };
             reads.push((
                 s,
                 PositionedRead {
                     file: source.file,
-                    offset: source.offset + at,
+                    offset,
                     len,
+                    strided: source.strided,
                     dest: source.dest,
                     dst_start: source.dst_start + at,
                     crc: source.check.map(|c| Crc::of(checks[c].expected)),
@@ -1037,6 +1079,24 @@ impl Runs {
             && self.src_end - self.src_offset == self.total
             && self.dst_offset == 0
             && self.src_strides == self.dst_strides
+    }
+
+    /// `(run bytes, source stride)` when the runs are one row of runs in file order landing back
+    /// to back on the wire (a column slice of a row-major box, any number of rows merged into
+    /// one dim): what a strided positioned read takes ([`mapped`]).
+    fn single_stride(&self) -> Option<(u64, u64)> {
+        match (self.counts.as_slice(), self.src_strides.as_slice()) {
+            ([count], [stride])
+                if *count > 1
+                    && self.sorted
+                    && self.dst_offset == 0
+                    && self.dst_strides == [self.run_bytes]
+                    && *stride > self.run_bytes =>
+            {
+                Some((self.run_bytes, *stride))
+            }
+            _ => None,
+        }
     }
 
     /// Appends the source byte ranges of the runs to `out`, merged where runs touch.

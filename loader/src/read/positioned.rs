@@ -31,13 +31,17 @@ use crate::verify::crc_fold::Crc;
 
 /// One positioned read: `len` bytes of plan file `file` from `offset`, into destination `dest`
 /// from byte `dst_start`; with `crc`, that crc of the bytes read is returned too (a saved box
-/// checked against its metadata row).
+/// checked against its metadata row). With `strided`, the bytes are runs of the file rather
+/// than one stretch of it ([`crate::read::mapped`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct PositionedRead {
     /// Index into the plan's files.
     pub file: u32,
     pub offset: u64,
     pub len: u64,
+    /// `(run, stride)`: the destination's `len` bytes are runs of `run` bytes, each `stride`
+    /// file bytes after the one before (a column slice); `None`: one stretch of the file.
+    pub strided: Option<(u64, u64)>,
     /// Index into the destination buffers.
     pub dest: usize,
     pub dst_start: u64,
@@ -252,7 +256,19 @@ fn read_one(
             .get(read.file as usize)
             .map_or_else(|| format!("file #{}", read.file), |s| s.path.to_string())
     };
-    read_exact_at(file, target, read.offset, files.bounce, path)?;
+    match read.strided {
+        None => read_exact_at(file, target, read.offset, files.bounce, path)?,
+        Some((run, stride)) => crate::read::mapped::read_strided(
+            file,
+            target,
+            crate::read::mapped::StridedSource {
+                offset: read.offset,
+                run,
+                stride,
+            },
+            path,
+        )?,
+    }
     Ok(read.crc.map_or(0, |crc| crc.checksum(target)))
 }
 
@@ -410,6 +426,7 @@ mod tests {
             dest,
             dst_start,
             crc: Some(Crc::Crc32c),
+            strided: None,
         }
     }
 
