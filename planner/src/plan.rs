@@ -12,9 +12,9 @@ use tessera_metadata::{BoxIndex, CheckpointMeta, Dims, TensorBox, TensorMeta};
 
 use crate::joint::{JointCheckPlan, joint_checks};
 use crate::read_order::{
-    DEFAULT_SLAB_ALIGNMENT, DEFAULT_SLAB_BYTES, LOCAL_REQUEST_COST_BYTES, MIN_CHUNK_BLOCKS,
-    PieceCost, REQUEST_COST_BYTES, ReadOrder, RequestPricing, is_row_major, runs_of, slab_cuts,
-    storage_order_pays,
+    DEFAULT_SLAB_ALIGNMENT, DEFAULT_SLAB_BYTES, LOCAL_REQUEST_COST_BYTES, LOCAL_RUN_COST_BYTES,
+    MIN_CHUNK_BLOCKS, PieceCost, REQUEST_COST_BYTES, ReadOrder, RequestPricing, is_row_major,
+    runs_of, slab_cuts, storage_order_pays,
 };
 use crate::request::{check_target, flat_range_to_boxes};
 use crate::summary::{PlanSummary, union_volume};
@@ -741,10 +741,15 @@ fn storage_order(
                 } else {
                     REQUEST_COST_BYTES
                 };
+                // Local files without checksum blocks: the loader reads a column slice by
+                // position, all its runs in one read.
+                let positioned_run_cost = (options.local_reads && !options.block_checksums)
+                    .then_some(LOCAL_RUN_COST_BYTES);
                 let pricing = RequestPricing {
                     alignment: options.slab_alignment,
                     request_cost,
                     exact,
+                    positioned_run_cost,
                 };
                 storage_order_pays(chunk, esize, &costs, readers.len(), &cuts, pricing)
             }

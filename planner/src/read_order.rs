@@ -57,6 +57,18 @@ pub const REQUEST_COST_BYTES: u64 = 64 * 1024;
 /// the break-even near 8 KiB of transfer per request.
 pub const LOCAL_REQUEST_COST_BYTES: u64 = 8 * 1024;
 
+/// What one run of a column slice costs when the ranks read local files of a checkpoint without
+/// block checksums (DCP, safetensors): 1 KiB. The loader then reads a whole column slice by
+/// position, its runs copied out of a mapping of the file or read with one `pread` each
+/// (`tessera_loader`'s strided reads), so a run is a memory copy and a page-table walk, not a
+/// request. Measured in a 4-rank torch job on Llama-3-8B-shaped layers with fp32 Adam moments
+/// (BENCHMARKS.md, issue 31; 2 KiB to 14 KiB slices per row): per request beat storage order on
+/// every layout (Shard(1) 1.12 vs 1.74 s, TP2×DP2 1.19 vs 1.64 s, Megatron TP4 0.66 vs 0.84 s).
+/// Storage order relays three quarters of a Shard(1) chunk (1.5 bytes of extra cost per byte at
+/// [`EXCHANGE_COST_PER_BYTE`]) and half of a TP2×DP2 one (1 byte per byte); at 1 KiB a run,
+/// request order wins there for every slice wider than 1 KiB, as it did in the measurements.
+pub const LOCAL_RUN_COST_BYTES: u64 = 1024;
+
 /// What a relayed byte costs (read by a rank that does not need it and passed on through the
 /// exchange), relative to a byte read from storage: 2. A relayed byte is read once like any
 /// other, then crosses the exchange once more (measured over TCP loopback at about the speed
@@ -174,6 +186,9 @@ pub(crate) struct RequestPricing {
     pub request_cost: u64,
     /// The chunk is checked jointly: its pieces are fetched exactly, no checksum blocks.
     pub exact: bool,
+    /// What one run costs when a piece is read by position from a local file, all its runs in
+    /// one read ([`LOCAL_RUN_COST_BYTES`]); `None`: every run is a request.
+    pub positioned_run_cost: Option<u64>,
 }
 
 /// One piece of a chunk as the cost model sees it: its region and how many ranks need it.
@@ -188,7 +203,8 @@ pub(crate) struct PieceCost<'a> {
 ///
 /// - per request: `requests × request_cost + bytes fetched` (`request_cost`:
 ///   [`REQUEST_COST_BYTES`], or [`LOCAL_REQUEST_COST_BYTES`] for local files), where every piece
-///   takes one request per contiguous run and fetches the checksum blocks around each run
+///   takes one request per contiguous run (or, read by position from a local file without
+///   checksum blocks, one request and [`LOCAL_RUN_COST_BYTES`] per run) and fetches the checksum blocks around each run
 ///   (`slab_alignment`), shared by the runs of one piece, unless the chunk is checked jointly
 ///   (`exact`: its pieces are fetched as they are, their bytes only);
 /// - storage order: one request per slab (per `MAX_REQUEST_BYTES` of it), the blocks of the
@@ -209,6 +225,7 @@ pub(crate) fn storage_order_pays(
         alignment,
         request_cost,
         exact,
+        positioned_run_cost,
     } = pricing;
     let lengths = &chunk.region.lengths;
     let chunk_bytes = chunk.region.numel() * esize;
@@ -220,7 +237,7 @@ pub(crate) fn storage_order_pays(
         return false;
     }
     let strides = row_major_strides(lengths);
-    let (mut requests, mut fetched_bytes, mut relayed) = (0u64, 0u64, 0u64);
+    let (mut requests, mut fetched_bytes, mut relayed, mut run_costs) = (0u64, 0u64, 0u64, 0u64);
     for p in pieces {
         let (run, count) = runs_of(lengths, &p.region.lengths);
         let run_bytes = run * esize;
@@ -235,7 +252,14 @@ pub(crate) fn storage_order_pays(
             .sum::<u64>()
             * esize
             + run_bytes;
-        requests += count + bytes / MAX_REQUEST_BYTES;
+        requests += match positioned_run_cost {
+            // One read per piece (a part's worth at a time), each run a copy.
+            Some(run_cost) => {
+                run_costs += count.saturating_mul(run_cost);
+                1 + bytes / MAX_REQUEST_BYTES
+            }
+            None => count + bytes / MAX_REQUEST_BYTES,
+        };
         fetched_bytes += if exact {
             bytes
         } else {
@@ -243,7 +267,7 @@ pub(crate) fn storage_order_pays(
         };
         relayed += bytes / readers as u64 * (readers - p.holders.min(readers)) as u64;
     }
-    let per_request = requests.saturating_mul(request_cost) + fetched_bytes;
+    let per_request = requests.saturating_mul(request_cost) + fetched_bytes + run_costs;
 
     let rows = cuts.last().copied().unwrap_or(0).max(1);
     let row_bytes = chunk_bytes / rows;
@@ -351,6 +375,7 @@ mod tests {
             alignment: 64 * 1024,
             request_cost,
             exact,
+            positioned_run_cost: None,
         }
     }
 
