@@ -780,6 +780,8 @@ def main() -> None:
                 # Where tessera's time went: median over repetitions of the slowest rank's.
                 row["read_s"] = statistics.median(max(x["read_seconds"] for x in ranks) for ranks in per_rep)
                 row["exchange_s"] = statistics.median(max(x["exchange_seconds"] for x in ranks) for ranks in per_rep)
+                # The exchange of one plan, run to run (issue 31: it should vary by < 25 %).
+                row["exchange_runs"] = [max(x["exchange_seconds"] for x in ranks) for ranks in per_rep]
             rows.append(row)
         # Which tensors of which rank differ from the value formula (the first method), and
         # which differ between methods.
@@ -825,6 +827,9 @@ def main() -> None:
                 storage += f" (fetched {r['fetched']:,})"
             runs = ", ".join(f"{s:.2f}" for s in r["seconds"])
             split = f"{r['read_s']:.2f} / {r['exchange_s']:.2f}" if "read_s" in r else ""
+            if r.get("exchange_runs") and r["exchange_s"] >= 0.05:
+                spread = (max(r["exchange_runs"]) - min(r["exchange_runs"])) / r["exchange_s"]
+                split += f" (exchange {', '.join(f'{x:.2f}' for x in r['exchange_runs'])}: ±{spread * 50:.0f} %)"
             exchanged = f"{r['received']:,}" if "received" in r else ""
             name = f"{r['method']} (whole command)" if r["cli"] else r["method"]
             ratio = f"{base['median'] / r['median']:.2f}x" if base else ""

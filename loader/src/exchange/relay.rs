@@ -75,8 +75,8 @@ impl<B: AsMut<[u8]>> AsMut<[u8]> for Slot<'_, B> {
 }
 
 /// The caller's `buffers` followed by a zeroed scratch buffer for every destination `relaying`
-/// (from [`with_relay_buffers`]) added, on huge pages where large (fresh memory, touched for the
-/// first time by the read: 512 times fewer page faults).
+/// (from [`with_relay_buffers`]) added, its pages faulted in up front where large
+/// ([`crate::load::host_memory::zeroed_buffer`]).
 pub fn slots<'a, B>(relaying: &RankPlan, buffers: &'a mut [B]) -> Vec<Slot<'a, B>> {
     let added = relaying.destinations.len().saturating_sub(buffers.len());
     let scratch = relaying.destinations[relaying.destinations.len() - added..]
