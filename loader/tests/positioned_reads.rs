@@ -199,43 +199,56 @@ async fn load_columns(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn column_slices_come_from_the_files_when_nothing_checks_them_alone() {
+async fn column_slices_come_from_the_files_checked_jointly_or_not_at_all() {
     let (dir, mut checkpoint) = saved_by_rows().await;
     checkpoint.location.store = Arc::new(InMemory::new());
-    // Verification off: every column slice is read by position (strided), none through the
-    // (empty) store, and the bytes are the checkpoint's.
-    let loaded = load_columns(&checkpoint, false).await.unwrap();
-    for rank in &loaded {
-        let strided = rank
-            .plan
-            .pieces
-            .iter()
-            .filter(|p| {
-                p.read
-                    .as_ref()
-                    .is_some_and(|r| r.runs.counts.iter().any(|&c| c > 1))
-            })
-            .count();
-        assert!(strided > 0, "rank {} reads column slices", rank.plan.rank);
-        for d in 0..rank.plan.destinations.len() {
-            assert!(
-                rank.buffers[d] == expected_destination(&rank.plan, d),
-                "rank {} destination {d} holds the wrong bytes",
-                rank.plan.rank
-            );
+    // Every column slice is read by position (strided), none through the (empty) store, and
+    // the bytes are the checkpoint's: unverified, and verified by joint checks (each rank folds
+    // the runs it reads; the folds of a box's readers add up to its crc32c).
+    for verify in [false, true] {
+        let loaded = load_columns(&checkpoint, verify).await.unwrap();
+        for rank in &loaded {
+            let strided = rank
+                .plan
+                .pieces
+                .iter()
+                .filter(|p| {
+                    p.read
+                        .as_ref()
+                        .is_some_and(|r| r.runs.counts.iter().any(|&c| c > 1))
+                })
+                .count();
+            assert!(strided > 0, "rank {} reads column slices", rank.plan.rank);
+            assert!(!rank.plan.joint_checks.is_empty(), "boxes checked jointly");
+            for d in 0..rank.plan.destinations.len() {
+                assert!(
+                    rank.buffers[d] == expected_destination(&rank.plan, d),
+                    "rank {} destination {d} holds the wrong bytes (verify {verify})",
+                    rank.plan.rank
+                );
+            }
+            assert_eq!(rank.report.bytes_fetched, rank.report.bytes_needed);
+            assert_eq!(rank.report.bytes_unverified, 0);
         }
-        assert_eq!(rank.report.bytes_fetched, rank.report.bytes_needed);
     }
-    // Verified, a column slice of a box with block checksums needs its blocks: those reads go
-    // through the store, which here has nothing.
+    // A flipped byte in a column one rank reads by position fails the box's joint check,
+    // naming the box; without verification the same load succeeds (the check caught it).
+    let data = largest_data_file(dir.path());
+    let original = std::fs::read(&data).unwrap();
+    let mut bytes = original.clone();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0xFF;
+    std::fs::write(&data, &bytes).unwrap();
     let error = load_columns(&checkpoint, true).await.unwrap_err();
     assert!(
-        matches!(&error, LoaderError::MissingFile { path } if path.ends_with(".bin")),
-        "{error}"
+        matches!(error, LoaderError::JointChecksum(_)),
+        "expected a joint checksum mismatch, got {error}"
     );
+    assert!(error.to_string().contains("tensor "), "{error}");
+    load_columns(&checkpoint, false).await.unwrap();
+    std::fs::write(&data, &original).unwrap();
     // A file cut short under a strided read is a short read naming it.
-    let data = largest_data_file(dir.path());
-    let len = std::fs::metadata(&data).unwrap().len();
+    let len = original.len() as u64;
     let file = std::fs::OpenOptions::new().write(true).open(&data).unwrap();
     file.set_len(len / 2).unwrap();
     drop(file);

@@ -39,7 +39,7 @@ pub(crate) mod positioned;
 pub mod scheduler;
 
 use crate::LoaderError;
-use crate::read::positioned::{LocalFiles, LocalPaths, PositionedRead};
+use crate::read::positioned::{JointSpan, LocalFiles, LocalPaths, PositionedRead};
 use crate::read::scheduler::{FileRange, RangeScheduler, SourceFile, union_len};
 use crate::verify::crc_fold::Crc;
 use crate::verify::joint::JointRead;
@@ -280,6 +280,8 @@ struct PositionedSource {
     dst_start: u64,
     /// Its own box check (index into the positioned checks), when it is a whole saved box.
     check: Option<usize>,
+    /// The joint check its runs are folded into (index into the read's joint reads).
+    joint: Option<usize>,
 }
 
 /// At most this many positioned reads go in one batch (bounds its bookkeeping; the bytes of a
@@ -415,23 +417,39 @@ async fn read_runs(
                     dest,
                     dst_start,
                     check,
+                    joint: None,
                 });
                 continue;
             }
         }
         // A column slice (one run per saved row, the runs landing back to back in one stretch of
-        // a destination) is read by position too when nothing has to be checked about it alone:
-        // a format without block checksums, or no verification ([`mapped`]).
-        if let (Some(local), Some((dest, dst_start)), None, Some(strided)) =
-            (local.as_mut(), target, joint_read, runs.single_stride())
-            && (block_checksums.is_none() || !options.verify)
+        // a destination) is read by position too when it is checked jointly (its runs folded as
+        // they are read) or nothing checks it: a format without block checksums, or no
+        // verification ([`mapped`]).
+        if let (Some(local), Some((dest, dst_start)), Some(strided)) =
+            (local.as_mut(), target, runs.single_stride())
+            && (joint_read.is_some() || block_checksums.is_none() || !options.verify)
             && local.readable(file)
             && boxes
                 .as_mut()
                 .and_then(|b| b.whole_box(plan, piece, &runs, (read.file, file)))
                 .is_none()
         {
-            if options.verify {
+            if let Some(j) = joint_read {
+                if joint[j].file != read.file {
+                    return Err(LoaderError::InvalidPlan {
+                        detail: format!(
+                            "rank {}: piece {} of joint check {} reads another file than {}",
+                            plan.rank, piece.id, joint[j].check, joint[j].saved.key
+                        ),
+                    });
+                }
+                piece_ranges.clear();
+                runs.src_ranges(read.file, &mut piece_ranges);
+                for r in &piece_ranges {
+                    joint[j].add_by_position(*r, plan.rank)?;
+                }
+            } else if options.verify {
                 bytes_unverified += runs.total;
             }
             local.open(read.file, file)?;
@@ -444,6 +462,7 @@ async fn read_runs(
                 dest,
                 dst_start,
                 check: None,
+                joint: joint_read,
             });
             continue;
         }
@@ -556,7 +575,7 @@ async fn read_runs(
             scheduler.files(),
             options,
             &positioned,
-            &mut positioned_checks,
+            (&mut positioned_checks, &mut joint),
             &mut deliver,
             progress,
         )
@@ -668,7 +687,7 @@ async fn read_by_position(
     sources: &[SourceFile],
     options: &ReadOptions,
     positioned: &[PositionedSource],
-    checks: &mut [BoxCrc],
+    (checks, joint): (&mut [BoxCrc], &mut [JointRead]),
     deliver: &mut impl FnMut(Delivery<'_>) -> Result<(), LoaderError>,
     progress: Option<&(dyn Fn(u64) + Sync)>,
 ) -> Result<(u64, u64), LoaderError> {
@@ -698,6 +717,11 @@ async fn read_by_position(
                     offset,
                     len,
                     strided: source.strided,
+                    joint: source.joint.map(|j| JointSpan {
+                        crc: Crc::of(joint[j].saved.checksum),
+                        start: joint[j].saved.start,
+                        len: joint[j].saved.end - joint[j].saved.start,
+                    }),
                     dest: source.dest,
                     dst_start: source.dst_start + at,
                     crc: source.check.map(|c| Crc::of(checks[c].expected)),
@@ -729,6 +753,9 @@ async fn read_by_position(
             let source = &positioned[s];
             if let Some(c) = source.check {
                 checks[c].add(read.offset, crc, read.len);
+            }
+            if let Some(j) = source.joint {
+                joint[j].fold.absorb(crc, read.len);
             }
             left[s] -= read.len;
             if left[s] == 0 {

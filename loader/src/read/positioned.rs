@@ -27,7 +27,7 @@ use std::sync::Arc;
 
 use crate::LoaderError;
 use crate::read::scheduler::{ReadOptions, SourceFile};
-use crate::verify::crc_fold::Crc;
+use crate::verify::crc_fold::{Crc, Fold};
 
 /// One positioned read: `len` bytes of plan file `file` from `offset`, into destination `dest`
 /// from byte `dst_start`; with `crc`, that crc of the bytes read is returned too (a saved box
@@ -42,10 +42,22 @@ pub(crate) struct PositionedRead {
     /// `(run, stride)`: the destination's `len` bytes are runs of `run` bytes, each `stride`
     /// file bytes after the one before (a column slice); `None`: one stretch of the file.
     pub strided: Option<(u64, u64)>,
+    /// The saved box these bytes are part of, checked jointly with the other ranks' parts: the
+    /// read returns its bytes' fold instead of a crc ([`JointSpan`]).
+    pub joint: Option<JointSpan>,
     /// Index into the destination buffers.
     pub dest: usize,
     pub dst_start: u64,
     pub crc: Option<Crc>,
+}
+
+/// The box of a jointly checked read ([`crate::verify::joint`]): its crc algorithm, first file
+/// byte and length. The read folds its runs at their offsets in the box.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct JointSpan {
+    pub crc: Crc,
+    pub start: u64,
+    pub len: u64,
 }
 
 /// Where a read's store paths are local files: under the local store's root (a local
@@ -140,7 +152,8 @@ impl LocalFiles {
 }
 
 /// Performs `reads` (files opened in `files`, store paths in `sources` for messages) into
-/// `buffers` on up to `threads` threads and returns each read's crc32c (0 where not asked).
+/// `buffers` on up to `threads` threads and returns each read's crc (0 where not asked), or for
+/// a jointly checked read its fold ([`JointSpan`]).
 /// Reads must not overlap in their destinations and must lie inside them (a plan that says
 /// otherwise is refused before anything is read).
 pub(crate) fn read_positioned<B: AsMut<[u8]>>(
@@ -243,7 +256,8 @@ fn split_destinations<'b, B: AsMut<[u8]>>(
     Ok(targets.into_iter().flatten().collect())
 }
 
-/// Reads `read` into `target` (its exact length) and returns its crc when asked.
+/// Reads `read` into `target` (its exact length) and returns its crc when asked, or the fold of
+/// its runs in their box when it is checked jointly.
 fn read_one(
     files: &LocalFiles,
     sources: &[SourceFile],
@@ -256,18 +270,36 @@ fn read_one(
             .get(read.file as usize)
             .map_or_else(|| format!("file #{}", read.file), |s| s.path.to_string())
     };
-    match read.strided {
-        None => read_exact_at(file, target, read.offset, files.bounce, path)?,
-        Some((run, stride)) => crate::read::mapped::read_strided(
-            file,
-            target,
-            crate::read::mapped::StridedSource {
-                offset: read.offset,
-                run,
-                stride,
-            },
-            path,
-        )?,
+    let (run, stride) = match read.strided {
+        None => {
+            read_exact_at(file, target, read.offset, files.bounce, path)?;
+            (read.len.max(1), read.len)
+        }
+        Some((run, stride)) => {
+            crate::read::mapped::read_strided(
+                file,
+                target,
+                crate::read::mapped::StridedSource {
+                    offset: read.offset,
+                    run,
+                    stride,
+                },
+                path,
+            )?;
+            (run.max(1), stride)
+        }
+    };
+    if let Some(joint) = read.joint {
+        // Runs in file order: one ascending run of segments of the box.
+        let mut fold = Fold::new(joint.crc, joint.len);
+        {
+            let mut segments = fold.run();
+            for (i, bytes) in target.chunks(run as usize).enumerate() {
+                let at = read.offset + i as u64 * stride;
+                segments.add(at - joint.start, bytes);
+            }
+        }
+        return Ok(fold.value());
     }
     Ok(read.crc.map_or(0, |crc| crc.checksum(target)))
 }
@@ -427,6 +459,7 @@ mod tests {
             dst_start,
             crc: Some(Crc::Crc32c),
             strided: None,
+            joint: None,
         }
     }
 

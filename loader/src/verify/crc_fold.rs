@@ -200,6 +200,13 @@ impl Fold {
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
+
+    /// Adds `other`'s segments, folded apart (on another thread) from disjoint bytes of the
+    /// same box: folds of disjoint segments combine by XOR.
+    pub fn absorb(&mut self, value: u32, bytes: u64) {
+        self.value ^= value;
+        self.bytes += bytes;
+    }
 }
 
 impl Run<'_> {

@@ -103,8 +103,12 @@ pub(crate) struct JointRead {
     pub check: u32,
     pub file: u32,
     pub saved: JointBox,
-    /// This rank's ranges of the box, ascending and disjoint once [`JointRead::seal`]ed.
+    /// This rank's ranges of the box fetched through the scheduler (folded by
+    /// [`JointRead::fold_part`]), ascending and disjoint once [`JointRead::seal`]ed.
     pub ranges: Vec<(u64, u64)>,
+    /// This rank's ranges of the box read by position, folded by the reads themselves
+    /// ([`crate::read::positioned`]): never folded again from a scheduled part that spans them.
+    pub by_position: Vec<(u64, u64)>,
     pub fold: Fold,
 }
 
@@ -116,12 +120,26 @@ impl JointRead {
             file,
             saved,
             ranges: Vec::new(),
+            by_position: Vec::new(),
             fold: Fold::new(crc, len),
         }
     }
 
-    /// Adds a range this rank reads; it must lie inside the box.
+    /// Adds a range this rank reads through the scheduler; it must lie inside the box.
     pub fn add(&mut self, range: FileRange, rank: u32) -> Result<(), LoaderError> {
+        self.inside(range, rank)?;
+        self.ranges.push((range.start, range.end));
+        Ok(())
+    }
+
+    /// Adds a range this rank reads by position; it must lie inside the box.
+    pub fn add_by_position(&mut self, range: FileRange, rank: u32) -> Result<(), LoaderError> {
+        self.inside(range, rank)?;
+        self.by_position.push((range.start, range.end));
+        Ok(())
+    }
+
+    fn inside(&self, range: FileRange, rank: u32) -> Result<(), LoaderError> {
         if range.start < self.saved.start || range.end > self.saved.end {
             return Err(LoaderError::InvalidPlan {
                 detail: format!(
@@ -135,14 +153,20 @@ impl JointRead {
                 ),
             });
         }
-        self.ranges.push((range.start, range.end));
         Ok(())
     }
 
     /// Sorts the ranges; two that overlap are a plan error (a byte folded twice cancels out).
     pub fn seal(&mut self, rank: u32) -> Result<u64, LoaderError> {
         self.ranges.sort_unstable();
-        for w in self.ranges.windows(2) {
+        let mut all: Vec<(u64, u64)> = self
+            .ranges
+            .iter()
+            .chain(&self.by_position)
+            .copied()
+            .collect();
+        all.sort_unstable();
+        for w in all.windows(2) {
             if w[1].0 < w[0].1 {
                 return Err(LoaderError::InvalidPlan {
                     detail: format!(
@@ -152,7 +176,7 @@ impl JointRead {
                 });
             }
         }
-        Ok(self.ranges.iter().map(|r| r.1 - r.0).sum())
+        Ok(all.iter().map(|r| r.1 - r.0).sum())
     }
 
     /// Folds what of `bytes` (fetched from file offset `at`) falls in this rank's ranges.
