@@ -48,6 +48,29 @@ pub use crate::read::scheduler::{
     OBJECT_STORE_COALESCE_GAP, ReadOptions, default_coalesce_gap, exact_multi_range,
 };
 
+/// Whether the kernel's copy out of the page cache was measured to slow down when the
+/// destination and the file offset disagree modulo 64 on this kind of CPU, so that misaligned
+/// local reads should go through a bounce buffer ([`ReadOptions::bounce_reads`]'s default): on
+/// AMD (and Hygon) x86-64 CPUs, a third of its speed (the 2-vCPU AMD EPYC VM, BENCHMARKS.md
+/// "Reading through a bounce buffer"); on Intel no difference, and the bounce's second copy
+/// cost 15 % of a whole-model load (BENCHMARKS.md, issue 31 item 5). Elsewhere: not measured, no
+/// bounce.
+pub fn misaligned_copies_are_slow() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let id = core::arch::x86_64::__cpuid(0);
+        let mut vendor = [0u8; 12];
+        for (i, word) in [id.ebx, id.edx, id.ecx].iter().enumerate() {
+            vendor[i * 4..i * 4 + 4].copy_from_slice(&word.to_le_bytes());
+        }
+        matches!(&vendor, b"AuthenticAMD" | b"HygonGenuine")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// What [`read_pieces`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ReadStats {

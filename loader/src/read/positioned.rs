@@ -172,21 +172,30 @@ pub(crate) fn read_positioned<B: AsMut<[u8]>>(
         }
         return Ok(crcs);
     }
-    // Thread t takes reads t, t + threads, ...: every thread walks the batch in file order, so
-    // the kernel's read-ahead sees one forward stream.
-    let mut shares: Vec<Vec<(usize, &mut [u8])>> = (0..threads).map(|_| Vec::new()).collect();
-    for (i, target) in targets.into_iter().enumerate() {
-        shares[i % threads].push((i, target));
-    }
+    // Each thread takes the next read not yet taken: the threads walk the batch in file order
+    // together (one forward stream for the kernel's read-ahead), and reads of unequal sizes
+    // (whole tensors of a model) keep every thread busy until the batch's last read.
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let targets: Vec<std::sync::Mutex<&mut [u8]>> =
+        targets.into_iter().map(std::sync::Mutex::new).collect();
     let results: Vec<Result<Vec<(usize, u32)>, LoaderError>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = shares
-            .into_iter()
-            .map(|share| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                let (next, targets) = (&next, &targets);
                 scope.spawn(move || {
-                    share
-                        .into_iter()
-                        .map(|(i, target)| Ok((i, read_one(files, sources, &reads[i], target)?)))
-                        .collect::<Result<Vec<_>, LoaderError>>()
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(target) = targets.get(i) else {
+                            return Ok(done);
+                        };
+                        // Taken by this thread alone: the lock is never contended.
+                        let mut target = match target.lock() {
+                            Ok(guard) => guard,
+                            Err(poisoned) => poisoned.into_inner(),
+                        };
+                        done.push((i, read_one(files, sources, &reads[i], &mut target)?));
+                    }
                 })
             })
             .collect();

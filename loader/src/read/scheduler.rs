@@ -112,9 +112,10 @@ pub struct ReadOptions {
     /// `TESSERA_POSITIONED_READS=0` to it).
     pub positioned_reads: bool,
     /// Local reads whose destination disagrees with the file offset modulo 64 go through a
-    /// cache-resident bounce buffer (true; the kernel's copy runs at a third of its speed
-    /// there, BENCHMARKS.md "Reading through a bounce buffer"). Front ends map
-    /// `TESSERA_BOUNCE_READS=0` to false.
+    /// cache-resident bounce buffer. By default where that was measured to pay
+    /// ([`crate::read::misaligned_copies_are_slow`]: AMD CPUs, whose kernel copy ran at a third of
+    /// its speed there; on Intel it runs at full speed and the bounce costs 15 %). Front ends
+    /// map `TESSERA_BOUNCE_READS=0|1` to it.
     pub bounce_reads: bool,
     /// Read the pieces of the plan's joint checks (`RankPlan::joint_checks`) exactly, folding
     /// them for the check the ranks make together after reading ([`crate::verify::joint`]), instead of
@@ -165,7 +166,7 @@ impl Default for ReadOptions {
             local_root: None,
             local_files: Arc::default(),
             positioned_reads: true,
-            bounce_reads: true,
+            bounce_reads: crate::read::misaligned_copies_are_slow(),
             joint_checks: false,
         }
     }

@@ -1,6 +1,7 @@
 //! The loader's side-by-side switches, read once by the front ends. The library crates read no
 //! environment; these variables exist for measurements (a benchmark run both ways) and as a
-//! way back should a kernel or transport misbehave. Every one is on unless set to `0`.
+//! way back should a kernel or transport misbehave. Every one is on unless set to `0` (the
+//! bounce buffer: unset, the machine's default).
 
 use tessera_loader::load::LoadOptions;
 use tessera_planner::PlanOptions;
@@ -12,7 +13,8 @@ pub struct LoadSwitches {
     /// destinations ([`tessera_loader::read::ReadOptions::positioned_reads`]).
     pub positioned_reads: bool,
     /// `TESSERA_BOUNCE_READS`: misaligned local reads through a cache-resident bounce buffer
-    /// ([`tessera_loader::read::ReadOptions::bounce_reads`]).
+    /// ([`tessera_loader::read::ReadOptions::bounce_reads`]). Unset, the machine's default
+    /// ([`tessera_loader::read::misaligned_copies_are_slow`]); `0` off, anything else on.
     pub bounce_reads: bool,
     /// `TESSERA_EXCHANGE_OVERLAP`: the exchange overlapped with the reads
     /// ([`LoadOptions::exchange_overlap`]).
@@ -29,7 +31,7 @@ impl Default for LoadSwitches {
     fn default() -> Self {
         LoadSwitches {
             positioned_reads: true,
-            bounce_reads: true,
+            bounce_reads: tessera_loader::read::misaligned_copies_are_slow(),
             exchange_overlap: true,
             cross_memory: true,
             joint_checks: true,
@@ -53,13 +55,13 @@ impl LoadSwitches {
     }
 
     /// The switches from `lookup` (a variable's value, `None` when unset): each is on unless
-    /// its variable is `0`.
+    /// its variable is `0`, but for the bounce buffer, which unset keeps the machine's default.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> LoadSwitches {
         let on = |name: &str| lookup(name).is_none_or(|v| v.trim() != "0");
         let [positioned, bounce, overlap, cross, joint] = LoadSwitches::VARIABLES;
         LoadSwitches {
             positioned_reads: on(positioned),
-            bounce_reads: on(bounce),
+            bounce_reads: lookup(bounce).map_or(Self::default().bounce_reads, |v| v.trim() != "0"),
             exchange_overlap: on(overlap),
             cross_memory: on(cross),
             joint_checks: on(joint),
@@ -109,7 +111,8 @@ mod tests {
         off.apply_to_plan(&mut plan);
         assert!(!load.read.positioned_reads && !load.read.bounce_reads);
         assert!(!load.exchange_overlap && !load.cross_memory && !plan.joint_checks);
-        // Anything but 0 leaves a switch on.
-        assert!(LoadSwitches::from_lookup(|_| Some("1".to_string())).joint_checks);
+        // Anything but 0 leaves a switch on; set, it turns the bounce buffer on on any CPU.
+        let on = LoadSwitches::from_lookup(|_| Some("1".to_string()));
+        assert!(on.joint_checks && on.bounce_reads);
     }
 }
