@@ -741,10 +741,10 @@ fn storage_order(
                 } else {
                     REQUEST_COST_BYTES
                 };
-                // Local files without checksum blocks: the loader reads a column slice by
-                // position, all its runs in one read.
-                let positioned_run_cost = (options.local_reads && !options.block_checksums)
-                    .then_some(LOCAL_RUN_COST_BYTES);
+                // Local files, pieces fetched exactly (no checksum blocks, or a joint check):
+                // the loader reads a column slice by position, all its runs in one read.
+                let positioned_run_cost =
+                    (options.local_reads && exact).then_some(LOCAL_RUN_COST_BYTES);
                 let pricing = RequestPricing {
                     alignment: options.slab_alignment,
                     request_cost,

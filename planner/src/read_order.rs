@@ -57,13 +57,15 @@ pub const REQUEST_COST_BYTES: u64 = 64 * 1024;
 /// the break-even near 8 KiB of transfer per request.
 pub const LOCAL_REQUEST_COST_BYTES: u64 = 8 * 1024;
 
-/// What one run of a column slice costs when the ranks read local files of a checkpoint without
-/// block checksums (DCP, safetensors): 1 KiB. The loader then reads a whole column slice by
-/// position, its runs copied out of a mapping of the file or read with one `pread` each
-/// (`tessera_loader`'s strided reads), so a run is a memory copy and a page-table walk, not a
-/// request. Measured in a 4-rank torch job on Llama-3-8B-shaped layers with fp32 Adam moments
-/// (BENCHMARKS.md, issue 31; 2 KiB to 14 KiB slices per row): per request beat storage order on
-/// every layout (Shard(1) 1.12 vs 1.74 s, TP2×DP2 1.19 vs 1.64 s, Megatron TP4 0.66 vs 0.84 s).
+/// What one run of a column slice costs when the ranks read local files and the slice is fetched
+/// exactly (a checkpoint without block checksums, DCP or safetensors, or a box checked jointly):
+/// 1 KiB. The loader then reads a whole column slice by position, its runs copied out of a
+/// mapping of the file or read with one `pread` each (`tessera_loader`'s strided reads), so a
+/// run is a memory copy and a page-table walk, not a request. Measured on Llama-3-8B-shaped
+/// layers with fp32 Adam moments (BENCHMARKS.md, issue 31; 2 KiB to 14 KiB slices per row): per
+/// request beat storage order on every layout, in a 4-rank torch job from DCP (Shard(1) 0.61 vs
+/// 1.55 s, TP2×DP2 0.83 vs 1.26 s, Megatron TP4 0.51 vs 0.71 s) and with the CLI from the
+/// native conversion (Shard(1) 0.82–1.02 vs 1.84–2.04 s, TP2×DP2 1.36–1.45 vs 2.32–4.22 s).
 /// Storage order relays three quarters of a Shard(1) chunk (1.5 bytes of extra cost per byte at
 /// [`EXCHANGE_COST_PER_BYTE`]) and half of a TP2×DP2 one (1 byte per byte); at 1 KiB a run,
 /// request order wins there for every slice wider than 1 KiB, as it did in the measurements.

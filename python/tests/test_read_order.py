@@ -15,7 +15,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import tessera  # noqa: E402
 
-ROWS, COLS, WORLD = 256, 512, 2
+ROWS, COLS, WORLD = 1024, 128, 2
 
 
 def _full() -> torch.Tensor:
@@ -60,9 +60,9 @@ def _cli(path, requests_file, *flags) -> dict:
 
 
 def test_the_torch_job_and_the_cli_choose_the_same_read_order(tmp_path):
-    """A [256, 512] float32 matrix saved as one native box, loaded as Shard(1) on 2 ranks: every
-    rank's column slice is 256 row slices of 1 KiB, which the cost model reads in slabs (storage
-    order) and relays. The torch job (default read order) and the CLI (default read order) read
+    """A [1024, 128] float32 matrix saved as one native box, loaded as Shard(1) on 2 ranks: every
+    rank's column slice is 1024 row slices of 256 bytes, which the cost model reads in slabs
+    (storage order) and relays (slices of 1 KiB and more it reads per request, by position). The torch job (default read order) and the CLI (default read order) read
     and send the same bytes rank by rank, and they are not request order's."""
     path = tmp_path / "native"
     tessera.save({"w": _full()}, str(path))
