@@ -739,6 +739,8 @@ def save(
         :class:`SaveReport` with the committed manifest (``report["step"]`` reads its fields).
     """
     state_dict, checkpoint_id = _dcp_order(state_dict, checkpoint_id, "save")
+    from ._async_save import async_save
+
     handle = async_save(
         state_dict, checkpoint_id, process_group=process_group, rank=rank, world_size=world_size,
         step=step, master_addr=master_addr, master_port=master_port,
@@ -749,5 +751,20 @@ def save(
     return handle.result()
 
 
-# Last: it reads this module's helpers (SaveReport, _ranks, ...) when called.
-from ._async_save import SaveHandle, StagingPool, async_save  # noqa: E402
+_ASYNC_SAVE_NAMES = ("SaveHandle", "StagingPool", "async_save")
+
+
+def __getattr__(name: str) -> Any:
+    """The async save's names, imported on first use: a job that only loads (an eval or SFT
+    job's first call) does not pay for the save machinery's import."""
+    if name in _ASYNC_SAVE_NAMES:
+        from . import _async_save
+
+        for n in _ASYNC_SAVE_NAMES:
+            globals()[n] = getattr(_async_save, n)
+        return globals()[name]
+    raise AttributeError(f"module 'tessera' has no attribute {name!r}")
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_ASYNC_SAVE_NAMES))
