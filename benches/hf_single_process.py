@@ -11,6 +11,7 @@ rows, written with `safetensors.torch.save_file` into shards of about 500 MB and
 
 Usage (release module first):
     python benches/hf_single_process.py --layers 8 --hidden 2048 --runs 5 --dir /tmp/hf-model
+    python benches/hf_single_process.py ... --cold   # as root: page cache dropped before every load, `cat` timed too
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ t1 = time.perf_counter()
 if method == "tessera":
     import tessera
     tessera.load(dest, dir, progress=False)
+elif method == "cat":
+    # What reading the shards costs at all: every shard file read once, as `cat` does.
+    import os
+    for file in sorted(set(index["weight_map"].values())):
+        with open(f"{dir}/{file}", "rb", buffering=0) as f:
+            while f.read(8 << 20):
+                pass
 else:
     from safetensors import safe_open
     by_file = {}
@@ -97,6 +105,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--dir", default="target/hf-model")
+    parser.add_argument("--cold", action="store_true",
+                        help="drop the page cache before every load (root: writes /proc/sys/vm/drop_caches) "
+                             "and time reading the shards once (`cat`) too")
     args = parser.parse_args()
     _write_model(args)
     # Warm the page cache: every file read once.
@@ -105,12 +116,19 @@ def main() -> None:
             while f.read(64 << 20):
                 pass
     results = {"tessera": [], "safe_open": []}
+    if args.cold:
+        results["cat"] = []
     for _ in range(args.runs):
         for method in results:  # interleaved
+            if args.cold:
+                os.sync()
+                with open("/proc/sys/vm/drop_caches", "w") as f:
+                    f.write("3\n")
             out = subprocess.run([sys.executable, "-c", CHILD, args.dir, method], check=True, capture_output=True, text=True)
             results[method].append(json.loads(out.stdout.strip().splitlines()[-1]))
     gb = results["tessera"][0]["bytes"] / 1e9
-    print(f"{gb:.2f} GB of bf16 tensors, {args.layers} layers at hidden {args.hidden}, page cache warm, "
+    cache = "page cache dropped before every load" if args.cold else "page cache warm"
+    print(f"{gb:.2f} GB of bf16 tensors, {args.layers} layers at hidden {args.hidden}, {cache}, "
           f"fresh process per load, medians of {args.runs}")
     print("| method | load s | GB/s | load s per run |")
     print("|---|---|---|---|")
@@ -120,6 +138,9 @@ def main() -> None:
         print(f"| {method} | {med:.3f} | {gb / med:.2f} | {', '.join(f'{x:.3f}' for x in loads)} |")
     ratio = statistics.median(r["load"] for r in results["safe_open"]) / statistics.median(r["load"] for r in results["tessera"])
     print(f"tessera vs safe_open + copy_: {ratio:.2f}x")
+    if args.cold:
+        ratio = statistics.median(r["load"] for r in results["cat"]) / statistics.median(r["load"] for r in results["tessera"])
+        print(f"tessera vs cat (reading the shards once): {ratio:.2f}x")
 
 
 if __name__ == "__main__":
