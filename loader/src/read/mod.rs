@@ -418,6 +418,17 @@ async fn read_runs(
         // stretch of a destination, and its verification (if any) is its own box's crc32c.
         let target = targets.and_then(|t| t.get(index).copied().flatten());
         let joint_read = joint_of.get(&piece.id).copied();
+        // A piece of a joint check reads the checked box's file, whichever way it is read.
+        if let Some(j) = joint_read
+            && joint[j].file != read.file
+        {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "rank {}: piece {} of joint check {} reads another file than {}",
+                    plan.rank, piece.id, joint[j].check, joint[j].saved.key
+                ),
+            });
+        }
         if let (Some(local), Some((dest, dst_start)), None) = (local.as_mut(), target, joint_read)
             && runs.is_identity()
             && local.readable(file)
@@ -462,14 +473,6 @@ async fn read_runs(
                 .is_none()
         {
             if let Some(j) = joint_read {
-                if joint[j].file != read.file {
-                    return Err(LoaderError::InvalidPlan {
-                        detail: format!(
-                            "rank {}: piece {} of joint check {} reads another file than {}",
-                            plan.rank, piece.id, joint[j].check, joint[j].saved.key
-                        ),
-                    });
-                }
                 piece_ranges.clear();
                 runs.src_ranges(read.file, &mut piece_ranges);
                 for r in &piece_ranges {
@@ -495,14 +498,6 @@ async fn read_runs(
         piece_ranges.clear();
         runs.src_ranges(read.file, &mut piece_ranges);
         if let Some(j) = joint_read {
-            if joint[j].file != read.file {
-                return Err(LoaderError::InvalidPlan {
-                    detail: format!(
-                        "rank {}: piece {} of joint check {} reads another file than {}",
-                        plan.rank, piece.id, joint[j].check, joint[j].saved.key
-                    ),
-                });
-            }
             for r in &piece_ranges {
                 joint[j].add(*r, plan.rank)?;
             }
