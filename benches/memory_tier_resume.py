@@ -27,13 +27,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SERVER = REPO / "target" / "release" / "examples" / "s3_test_server"
+from bench_util import REPO, S3TestServer, free_port
 BUCKET = "ckpts"
 
 # Llama-like, scaled in depth to this machine: hidden 2048, 16 heads of 128, 4 KV heads (GQA),
@@ -65,34 +63,6 @@ def _full_state(layers: int) -> dict:
         state[f"optim.{name}.exp_avg"] = torch.randn(shape, generator=g)
         state[f"optim.{name}.exp_avg_sq"] = torch.rand(shape, generator=g)
     return state
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """The S3 test server as a process, behind one link of ``rate`` bytes/s."""
-
-    def __init__(self, root: Path, rate: int):
-        self.proc = subprocess.Popen(
-            [str(SERVER), str(root), "--bytes-per-second", str(rate), BUCKET],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
-        self.env = json.loads(self.proc.stdout.readline())
-
-    def ask(self, line: str) -> dict:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
 
 
 def _save_rank(rank: int, world: int, port: int, layers: int, root: str, tiers: list) -> None:
@@ -144,7 +114,7 @@ def _load_rank(rank: int, world: int, port: int, layers: int, root: str, tiers: 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TESSERA_PORT=str(port + 1))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    server = Server(Path(root), rate) if rank == 0 else None
+    server = S3TestServer(Path(root), BUCKET, rate) if rank == 0 else None
     box = [server.env if server else None]
     dist.broadcast_object_list(box, src=0)
     env = box[0]
@@ -225,12 +195,12 @@ def main() -> None:
     tiers = [str(tiers_root / "node0"), str(tiers_root / "node1")]
     try:
         started = time.monotonic()
-        mp.spawn(_save_rank, args=(4, _free_port(), args.layers, str(root), tiers), nprocs=4, join=True)
+        mp.spawn(_save_rank, args=(4, free_port(), args.layers, str(root), tiers), nprocs=4, join=True)
         print(f"saved 4 ranks (native + memory tier, and dcp.save) in {time.monotonic() - started:.1f} s", flush=True)
         out = root / "out"
         out.mkdir()
         rate = args.mb_per_s * 1_000_000
-        mp.spawn(_load_rank, args=(3, _free_port(), args.layers, str(root), tiers, rate, args.reps, str(out), args.skip_dcp),
+        mp.spawn(_load_rank, args=(3, free_port(), args.layers, str(root), tiers, rate, args.reps, str(out), args.skip_dcp),
                  nprocs=3, join=True)
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
     finally:

@@ -104,11 +104,12 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+from bench_util import free_port, rchar, rss_gib, warm
 
 WORLD = 4
 MODELS = ("llama8b", "llama70b", "moe", "wide")
@@ -305,28 +306,6 @@ def torch_placements(placements: list) -> list:
 
 # ---------------------------------------------------------------------------------------------
 # The torch job
-
-
-def rchar() -> int:
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("rchar:"):
-                return int(line.split()[1])
-    raise RuntimeError("/proc/self/io has no rchar")
-
-
-def rss_gib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 2**20
-    return float("nan")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torch_dtype(dtype: str):
@@ -621,15 +600,6 @@ def run_cli(dcp_dir: str, layout_path: str, work: str, specs: list, dump: bool) 
 
 
 # ---------------------------------------------------------------------------------------------
-
-
-def warm(path: str) -> None:
-    """Reads every checkpoint file once so that every load finds them in the page cache."""
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            with open(os.path.join(root, f), "rb") as fh:
-                while fh.read(1 << 24):
-                    pass
 
 
 def machine() -> str:

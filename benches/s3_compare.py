@@ -21,49 +21,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SERVER = REPO / "target" / "release" / "examples" / "s3_test_server"
+from bench_util import REPO, S3TestServer, free_port
 COLS = 8192
 BUCKET = "ckpts"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """The S3 test server as a process; asks it what it served."""
-
-    def __init__(self, root: Path):
-        self.proc = subprocess.Popen(
-            [str(SERVER), str(root), BUCKET], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
-        self.env = json.loads(self.proc.stdout.readline())
-
-    def ask(self, line: str) -> dict:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def _tensors(rows: int):
@@ -139,10 +106,10 @@ def _load_rank(rank, world, port, rows, dim, how, env, results):
 def _spawn(fn, world, *args):
     import torch.multiprocessing as mp
 
-    mp.spawn(fn, args=(world, _free_port(), *args), nprocs=world, join=True)
+    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
 
 
-def _served(server: Server, prefix: str, run) -> tuple:
+def _served(server: S3TestServer, prefix: str, run) -> tuple:
     server.ask("reset")
     out = run()
     served = server.ask(f"served {prefix}")
@@ -177,7 +144,7 @@ def main() -> None:
     (root / BUCKET / "st").mkdir()
     save_file(_tensors(st_rows), str(root / BUCKET / "st" / "model.safetensors"))
     unique = 2 * rows * COLS * 4
-    server = Server(root)
+    server = S3TestServer(root, BUCKET)
     env = server.env
     rows_out = []
     try:

@@ -37,11 +37,12 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from bench_util import free_port, minor_faults, rchar, rss_gib, warm
 
 WORLD = 4
 TENSORS = int(os.environ.get("TENSORS", "8"))
@@ -70,43 +71,6 @@ LAYOUT_JSON = {
 
 def names():
     return [f"layer{i}.weight" for i in range(TENSORS)]
-
-
-def rchar() -> int:
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("rchar:"):
-                return int(line.split()[1])
-    raise RuntimeError("/proc/self/io has no rchar")
-
-
-def rss_gib() -> float:
-    """This process's resident memory now (VmRSS), GiB: a load must give back what it took."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 2**20
-    return float("nan")
-
-
-def minor_faults() -> int:
-    """Page faults this process has taken so far (first touches of fresh memory among them)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def minor_faults() -> int:
-    """Page faults this process has taken so far (first touches of fresh memory among them)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def target_state(layout: str, meshes: dict):
@@ -330,15 +294,6 @@ def run_cli(method: str, layout: str, data: str, hash_it: bool) -> list:
     if hash_it:
         shutil.rmtree(dump)
     return results
-
-
-def warm(data: str) -> None:
-    """Reads every checkpoint file once so that every load finds them in the page cache."""
-    for root, _dirs, files in os.walk(data):
-        for f in files:
-            with open(os.path.join(root, f), "rb") as fh:
-                while fh.read(1 << 24):
-                    pass
 
 
 def main() -> None:
