@@ -28,16 +28,18 @@ async fn saved_by_rows() -> (tempfile::TempDir, Checkpoint) {
     support_read::synth_saved_by_rows(4).await
 }
 
-async fn load_whole(checkpoint: &Checkpoint, verify: bool) -> Result<LoadedRank, LoaderError> {
-    let requests = Layout::from_json(WHOLE)
+/// Every rank of `layout`'s plan loads, in one in-process job.
+async fn load_every_rank(
+    checkpoint: &Checkpoint,
+    layout: &str,
+    plan_options: &PlanOptions,
+    verify: bool,
+) -> Result<Vec<LoadedRank>, LoaderError> {
+    let requests = Layout::from_json(layout)
         .unwrap()
         .resolve(checkpoint.meta.tensors())
         .unwrap();
-    let plan = checkpoint
-        .plan(&requests, &PlanOptions::default())
-        .unwrap()
-        .rank_plan(0)
-        .unwrap();
+    let plan = checkpoint.plan(&requests, plan_options).unwrap();
     let options = LoadOptions {
         read: ReadOptions {
             verify,
@@ -46,11 +48,20 @@ async fn load_whole(checkpoint: &Checkpoint, verify: bool) -> Result<LoadedRank,
         progress: None,
         ..LoadOptions::default()
     };
-    let transport =
-        InProcTransport::mesh(1, TransportOptions::with_timeout(Duration::from_secs(10)))
-            .pop()
-            .unwrap();
-    load_rank(checkpoint, plan, &transport, &options).await
+    let transports = InProcTransport::mesh(
+        plan.world_size(),
+        TransportOptions::with_timeout(Duration::from_secs(10)),
+    );
+    let loads = transports.iter().enumerate().map(|(rank, transport)| {
+        let plan = plan.rank_plan(rank as u32).unwrap();
+        load_rank(checkpoint, plan, transport, &options)
+    });
+    futures::future::join_all(loads).await.into_iter().collect()
+}
+
+async fn load_whole(checkpoint: &Checkpoint, verify: bool) -> Result<LoadedRank, LoaderError> {
+    let mut ranks = load_every_rank(checkpoint, WHOLE, &PlanOptions::default(), verify).await?;
+    Ok(ranks.remove(0))
 }
 
 /// The largest data file of the checkpoint on disk.
@@ -167,35 +178,12 @@ async fn load_columns(
     checkpoint: &Checkpoint,
     verify: bool,
 ) -> Result<Vec<LoadedRank>, LoaderError> {
-    let requests = Layout::from_json(COLUMNS)
-        .unwrap()
-        .resolve(checkpoint.meta.tensors())
-        .unwrap();
     // Each rank reads its own columns: per request, no exchange.
-    let plan = checkpoint
-        .plan(
-            &requests,
-            &PlanOptions {
-                dedup: false,
-                ..PlanOptions::default()
-            },
-        )
-        .unwrap();
-    let options = LoadOptions {
-        read: ReadOptions {
-            verify,
-            ..ReadOptions::default()
-        },
-        progress: None,
-        ..LoadOptions::default()
+    let own_columns = PlanOptions {
+        dedup: false,
+        ..PlanOptions::default()
     };
-    let transports =
-        InProcTransport::mesh(2, TransportOptions::with_timeout(Duration::from_secs(10)));
-    let loads = transports.iter().enumerate().map(|(rank, transport)| {
-        let plan = plan.rank_plan(rank as u32).unwrap();
-        load_rank(checkpoint, plan, transport, &options)
-    });
-    futures::future::join_all(loads).await.into_iter().collect()
+    load_every_rank(checkpoint, COLUMNS, &own_columns, verify).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
