@@ -675,8 +675,10 @@ impl GroupLoad {
     }
 
     /// The rank's report as JSON text, once its pieces are read and every message it expects is
-    /// placed; an error naming what is missing otherwise.
-    fn finish(&self, exchange_seconds: f64) -> PyResult<String> {
+    /// placed; an error naming what is missing otherwise. `exchange_wait_seconds`: of
+    /// `exchange_seconds`, the time the driver waited on the group's messages.
+    #[pyo3(signature = (exchange_seconds, exchange_wait_seconds=0.0))]
+    fn finish(&self, exchange_seconds: f64, exchange_wait_seconds: f64) -> PyResult<String> {
         let mut state = self.state();
         state.exposure = None;
         let result = (|| {
@@ -716,6 +718,7 @@ impl GroupLoad {
                 state.started.elapsed().as_secs_f64(),
             );
             report.bytes_received_direct = exchanged.bytes_received_direct;
+            report.exchange_wait_seconds = exchange_wait_seconds.min(exchange_seconds).max(0.0);
             Ok(serde_json::to_string(&report)?)
         })();
         result.map_err(py_error)

@@ -136,6 +136,9 @@ class LoadReport(_Report):
     bytes_received_direct: int = 0
     read_seconds: float = 0.0
     exchange_seconds: float = 0.0
+    #: Of ``exchange_seconds``, the time this rank waited on its peers (their shares, their
+    #: joint-check folds) rather than moving bytes itself: what varies with the peers' reads.
+    exchange_wait_seconds: float = 0.0
     #: Bytes and seconds of host-to-device copies (CUDA destinations).
     h2d_bytes: int = 0
     h2d_seconds: float = 0.0

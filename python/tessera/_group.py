@@ -79,7 +79,7 @@ def _host_view(address: int, nbytes: int) -> Any:
 def _drive(
     load: Any, dist: Any, group: Any, rank: int, device: Any, global_rank: Callable[[int], int],
     timeout: float, deadline: float, agreement: Any,
-) -> None:
+) -> float:
     """Moves the bytes the exchange protocol asks for with torch's point-to-point ops on
     ``group`` and tells it what completed, until it says the exchange is over. The protocol
     (tessera_loader::exchange::protocol, the same one tessera's own transports run) decides
@@ -91,7 +91,8 @@ def _drive(
     signals: a helper thread per operation in flight waits for it (waiting in any fixed order
     could deadlock: a hand-shake's answer comes only after the peer saw this rank's hello) and
     hands its completion to this thread, which takes them in short steps so that Ctrl-C and the
-    deadline are seen here."""
+    deadline are seen here. Returns the seconds this thread waited for a completion (the
+    peers' messages, its own sends' hand-offs) rather than posting or placing."""
     import torch
 
     completions: "queue.Queue[Tuple[Any, Optional[BaseException]]]" = queue.Queue()
@@ -165,18 +166,23 @@ def _drive(
             buffer = data if device.type == "cpu" else data.to(device)
             wait_for(peer, isend(buffer, peer, tag), "send", ("sent", op), buffer)
 
+    waited = 0.0
     try:
         post(load.exchange_start())
         while not load.exchange_done():
+            idle = time.monotonic()
             try:
                 done, error = completions.get(timeout=0.05)
             except queue.Empty:
+                waited += time.monotonic() - idle
                 # A peer that failed or stopped is named within seconds, not at the deadline.
                 agreement.watch("exchanging its pieces", load.exchange_waiting_on())
                 if time.monotonic() > deadline + 5:
                     error, done = TimeoutError("no completion"), None
                 else:
                     continue
+            else:
+                waited += time.monotonic() - idle
             if isinstance(error, TimeoutError):
                 raise TesseraError(
                     f"rank {rank}: the exchange over the process group timed out after {timeout:g} s "
@@ -203,6 +209,7 @@ def _drive(
         # may tear the group down under them.
         for waiter in waiters:
             waiter.join(max(0.0, deadline - time.monotonic()) + 1)
+        return waited
     except BaseException:
         # Peers whose shares this rank did not copy hear so now, and fail at once naming it.
         try:
@@ -288,7 +295,7 @@ def load_over_group(
         deadline = started + timeout
         global_rank = lambda r: dist.get_global_rank(group, r) if group is not dist.group.WORLD else r  # noqa: E731
         try:
-            _drive(load, dist, group, rank, device, global_rank, timeout, deadline, agreement)
+            waited = _drive(load, dist, group, rank, device, global_rank, timeout, deadline, agreement)
         except Exception as e:
             agreement.fail_once("exchanging its pieces", e)
             raise
@@ -296,7 +303,7 @@ def load_over_group(
             # Peers still copying out of this rank's arrays fail from here on rather than keep
             # bytes of arrays the caller may change.
             load.close()
-    report = json.loads(load.finish(time.monotonic() - started))
+    report = json.loads(load.finish(time.monotonic() - started, waited))
     report["memory_tier_ignored"] = load.tier_ignored()
     return report
 

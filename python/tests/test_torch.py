@@ -137,7 +137,10 @@ def _replicated_rank(rank, world, port, declining, out):
     report = tessera.load(state, str(fixture(C)), progress=False, timeout=60)
     shas = {f: sha(v.to_local().reshape(-1)) for f, v in state.items()}
     dist.destroy_process_group()
-    out[rank] = (shas, report.bytes_received, report.bytes_received_direct, report.exchange)
+    out[rank] = (
+        shas, report.bytes_received, report.bytes_received_direct, report.exchange,
+        (report.exchange_wait_seconds, report.exchange_seconds),
+    )
 
 
 @pytest.mark.parametrize("declining", [(), (1,)], ids=["all_offer", "rank1_declines"])
@@ -152,8 +155,10 @@ def test_replicas_over_a_gloo_group_are_copied_out_of_each_others_memory(declini
     mp.spawn(_replicated_rank, args=(world, free_port(), declining, out), nprocs=world, join=True)
     tensors = expected_tensors(C)
     for rank in range(world):
-        shas, received, direct, exchange = out[rank]
+        shas, received, direct, exchange, (waited, exchanging) = out[rank]
         assert exchange == "process_group"
+        # The time waiting on peers is part of the exchange's time, and some of it was waited.
+        assert 0 < waited <= exchanging, (rank, waited, exchanging)
         for f, t in tensors.items():
             assert shas[f] == t["sha256"], (f, rank)
         assert received > 0, rank

@@ -147,6 +147,7 @@ pub(crate) async fn drive<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
         lock(&protocol).reads_done()?;
         // Place the rest as it arrives (a direct share's sender waits for this rank's copy) and
         // offer what waited for a peer's answer.
+        let mut waited = std::time::Duration::ZERO;
         loop {
             let notified = arrival.notified();
             let mut notified = std::pin::pin!(notified);
@@ -162,11 +163,13 @@ pub(crate) async fn drive<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
             if placed_all {
                 break;
             }
+            let idle = Instant::now();
             notified.await;
+            waited += idle.elapsed();
         }
         // Closing the channel tells the network side that nothing more will come from here.
         drop(to_network);
-        Ok::<_, LoaderError>((stats, read_seconds))
+        Ok::<_, LoaderError>((stats, read_seconds, waited))
     };
 
     let network = async {
@@ -230,8 +233,10 @@ pub(crate) async fn drive<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
         Ok::<_, LoaderError>(protocol.stats().clone())
     };
 
-    let ((stats, read_seconds), mut exchanged) = futures::future::try_join(read, network).await?;
+    let ((stats, read_seconds, waited), mut exchanged) =
+        futures::future::try_join(read, network).await?;
     exchanged.elapsed = exchange_started.elapsed();
+    exchanged.waited = waited;
     Ok((stats, read_seconds, exchanged))
 }
 

@@ -51,6 +51,10 @@ pub struct ExchangeStats {
     pub messages: u64,
     /// Wall time of the exchange, gathering included.
     pub elapsed: Duration,
+    /// Of the time after this rank's own reads, the time it had nothing to place: waiting for
+    /// peers' shares (a peer still reading, or the bytes still on their way). It varies with the
+    /// peers' reads, not with this rank's part of the exchange.
+    pub waited: Duration,
 }
 
 /// A message this rank expects: (a part of) the share `from` sends it in one round of one group.

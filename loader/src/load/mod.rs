@@ -118,8 +118,16 @@ pub struct RankReport {
     pub bytes_received_direct: u64,
     /// Seconds reading and placing.
     pub read_seconds: f64,
-    /// Seconds exchanging.
+    /// Seconds exchanging: from the end of this rank's reads to the end of its load (placing
+    /// what peers sent, the joint checks' round).
     pub exchange_seconds: f64,
+    /// Of `exchange_seconds`, the seconds this rank waited on its peers: for shares to arrive
+    /// after its own reads ended (a peer still reading, bytes on their way) and for the other
+    /// readers' joint-check folds. What is left is this rank's own exchange work. In a torch job
+    /// the exchange starts once every rank has read, and this is the time spent waiting on the
+    /// process group's messages.
+    #[serde(default)]
+    pub exchange_wait_seconds: f64,
     /// Bytes copied host to device (device loads only; 0 for host buffers).
     #[serde(default)]
     pub h2d_bytes: u64,
@@ -193,9 +201,13 @@ pub async fn load_rank_into<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
             .await?
         }
     };
+    // The joint checks' round is a wait for the other readers' folds (checking them costs
+    // microseconds).
+    let joint_started = Instant::now();
     checkpoint
         .verify_joint_checks(transport, plan, options, &stats)
         .await?;
+    let joint_wait = joint_started.elapsed();
     let exchange_seconds = started.elapsed().as_secs_f64() - read_seconds;
     let mut report = RankReport::of_host_load(
         plan,
@@ -206,6 +218,7 @@ pub async fn load_rank_into<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
         started.elapsed().as_secs_f64(),
     );
     report.bytes_received_direct = exchanged.bytes_received_direct;
+    report.exchange_wait_seconds = (exchanged.waited + joint_wait).as_secs_f64();
     Ok(report)
 }
 
@@ -243,6 +256,7 @@ impl RankReport {
             bytes_received_direct: 0,
             read_seconds,
             exchange_seconds,
+            exchange_wait_seconds: 0.0,
             h2d_bytes: 0,
             h2d_seconds: 0.0,
             total_seconds,

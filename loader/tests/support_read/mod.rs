@@ -236,6 +236,17 @@ pub async fn load_every_rank(
     plans: Vec<RankPlan>,
     options: &LoadOptions,
 ) -> Vec<LoadedRank> {
+    let checkpoints = vec![checkpoint.clone(); plans.len()];
+    load_every_rank_from(&checkpoints, plans, options).await
+}
+
+/// [`load_every_rank`], each rank reading through its own opening of the checkpoint
+/// (`checkpoints[rank]`: another store in front of the same bytes).
+pub async fn load_every_rank_from(
+    checkpoints: &[Checkpoint],
+    plans: Vec<RankPlan>,
+    options: &LoadOptions,
+) -> Vec<LoadedRank> {
     let mesh = InProcTransport::mesh(
         plans.len() as u32,
         TransportOptions::with_timeout(std::time::Duration::from_secs(10)),
@@ -243,7 +254,8 @@ pub async fn load_every_rank(
     let tasks: Vec<_> = plans
         .into_iter()
         .zip(mesh)
-        .map(|(plan, transport)| {
+        .zip(checkpoints)
+        .map(|((plan, transport), checkpoint)| {
             let (checkpoint, options) = (checkpoint.clone(), options.clone());
             tokio::spawn(async move { load_rank(&checkpoint, plan, &transport, &options).await })
         })

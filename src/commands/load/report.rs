@@ -304,9 +304,10 @@ fn report_text(
     );
     let _ = writeln!(
         out,
-        "time                 plan {plan_seconds:.3} s, read {:.3} s, exchange {:.3} s, total {total:.3} s (slowest rank)",
+        "time                 plan {plan_seconds:.3} s, read {:.3} s, exchange {:.3} s ({:.3} s of it waiting on peers), total {total:.3} s (slowest rank)",
         max(|r| r.read_seconds),
-        max(|r| r.exchange_seconds)
+        max(|r| r.exchange_seconds),
+        max(|r| r.exchange_wait_seconds)
     );
     let _ = writeln!(
         out,
