@@ -811,9 +811,9 @@ def main() -> None:
                 spread = (max(r["exchange_runs"]) - min(r["exchange_runs"])) / r["exchange_s"]
                 split += f" (exchange {', '.join(f'{x:.2f}' for x in r['exchange_runs'])}: ±{spread * 50:.0f} %"
                 work_runs = r.get("exchange_work_runs") or []
-                work = statistics.median(work_runs) if work_runs else 0.0
-                if work > 0:
-                    work_spread = (max(work_runs) - min(work_runs)) / work
+                own = statistics.median(work_runs) if work_runs else 0.0
+                if own > 0:
+                    work_spread = (max(work_runs) - min(work_runs)) / own
                     split += (
                         f"; less waits on peers {', '.join(f'{x:.2f}' for x in work_runs)}: "
                         f"±{work_spread * 50:.0f} %"
