@@ -584,7 +584,8 @@ def async_save(
 
     At most one save is in flight per process: this call first waits for the previous save's
     persist to end (its handle keeps its outcome). Non-tensor values are encoded during the call
-    (multi-step: again from the Stateful values when the last part is copied).
+    (multi-step: again from the Stateful values, in the training thread, just before the step the
+    checkpoint stands for).
 
     Raises at once (nothing started): ``TypeError``/``ValueError`` for a value tessera cannot save
     or a snapshot mode it cannot take, ``TesseraError`` when the state does not fit the pool's
@@ -678,10 +679,7 @@ def async_save(
             ),
         }
         if multi is not None:
-            refresh = _objects_refresher(original)
-            take_snapshot: Callable[[], Optional[List[Tuple[str, bytes]]]] = lambda: multi.run(
-                handle, pool, refresh
-            )
+            take_snapshot: Callable[[], Optional[List[Tuple[str, bytes]]]] = lambda: multi.run(handle, pool)
             handle.steps_after_call = multi.steps - 1
         else:
 
@@ -699,7 +697,7 @@ def async_save(
         _IN_FLIGHT = handle
         gate = _StepGate(handle, optimizers, timeout) if snapshot == "lazy" else None
         if multi is not None:
-            multi.attach(handle)
+            multi.attach(handle, _objects_refresher(original))
         thread.start()
     if snapshot == "eager":
         # The copies run in the save's thread; the call returns once they are complete (or

@@ -99,6 +99,7 @@ class MultiStepSnapshot:
         self._next_step = 0
         self._hooks: Any = None
         self._handle: Any = None
+        self._refresh_objects: Callable[[], Optional[List[Tuple[str, bytes]]]] = lambda: None
         self._shadow: Any = None
         self._shadow_params: Dict[int, Any] = {}
 
@@ -188,11 +189,14 @@ class MultiStepSnapshot:
 
     # -- the training thread's side -----------------------------------------------------------
 
-    def attach(self, handle: Any) -> None:
-        """Queues part 0's copy and hooks the optimizer's next ``steps`` steps."""
+    def attach(self, handle: Any, refresh_objects: Callable[[], Optional[List[Tuple[str, bytes]]]]) -> None:
+        """Queues part 0's copy and hooks the optimizer's next ``steps`` steps.
+        ``refresh_objects`` encodes the non-tensor values again (None: those of the call stand);
+        it runs in the training thread, before the step the checkpoint stands for."""
         from ._async_save import StepHooks
 
         self._handle = handle
+        self._refresh_objects = refresh_objects
         self._tasks.put(("copy", 0))
         self._hooks = StepHooks.of(self.optimizer)
         self._hooks.before = self._before_step
@@ -223,7 +227,15 @@ class MultiStepSnapshot:
             changed = [e.fqn for e in self.static if e.version is not None and _version(e.source) != e.version]
             if changed:
                 self._changed = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-            self._tasks.put(("finish", None))
+            # The non-tensor values (a scheduler's learning rate, the optimizer's step count) as
+            # of this step, taken here: the save's thread would read them whenever it gets to
+            # them, after this step or the next had changed them. An error fails the save, not
+            # the training step.
+            try:
+                finished: Tuple[Optional[List[Tuple[str, bytes]]], Optional[BaseException]] = (self._refresh_objects(), None)
+            except Exception as e:  # noqa: BLE001 - handed to the save's thread
+                finished = (None, e)
+            self._tasks.put(("finish", finished))
             self._detach()
             return
         grads = []
@@ -242,7 +254,7 @@ class MultiStepSnapshot:
 
     # -- the save's thread --------------------------------------------------------------------
 
-    def run(self, handle: Any, pool: Any, refresh_objects: Callable[[], Optional[List[Tuple[str, bytes]]]]) -> Optional[List[Tuple[str, bytes]]]:
+    def run(self, handle: Any, pool: Any) -> Optional[List[Tuple[str, bytes]]]:
         """Copies and replays as the hooks queue them until the last part; returns the non-tensor
         values as of that step (or None when those of the call stand). Raises on any failure."""
         from ._async_save import _snapshot, _version
@@ -276,7 +288,10 @@ class MultiStepSnapshot:
                             "copied (use snapshot='lazy' for state that changes outside the optimizer)"
                         )
                     handle.copy_seconds = copy_seconds
-                    return refresh_objects()
+                    objects, error = arg
+                    if error is not None:
+                        raise error
+                    return objects
                 else:
                     raise TesseraError(
                         f"rank {self.rank}: multi-step snapshot: step {self._next_step} of {self.steps} came before "
