@@ -9,7 +9,7 @@ PYTHON ?= $(shell python3 -c 'import yaml' 2>/dev/null && echo python3 || echo /
 # apt-get needs root; CI runs as root, a workstation through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: test skips-reset lint unit gpu-test python-gpu-test bench-build bench bench-gpu demo webui webui-deps helm-test python-env python-test python-bench
+.PHONY: test skips-reset lint unit gpu-test python-gpu-test gpu-bundle bench-build bench bench-gpu demo webui webui-deps helm-test python-env python-test python-bench
 
 # Tests that cannot run here (GPU tests without a CUDA driver, torch tests without torch) pass
 # without running; each suite that has such tests counts them into $(SKIPS) (.ci/skip_summary.py),
@@ -62,6 +62,12 @@ bench-gpu:
 	$(CARGO) bench --bench gpu --locked --features cuda
 	$(CARGO) build --release --locked --features cuda --bin tessera
 	$(TORCH_PYTHON) benches/torch_dcp_load.py --tessera target/release/tessera
+
+# The GPU check of issue 34: `make gpu-bundle` builds here what a lent GPU machine without a Rust
+# toolchain needs (the wheel, the CLI, the Rust GPU tests and benchmark, built with `cuda`);
+# `scripts/gpu-check.sh` runs every GPU step there in one bounded call (its header says how).
+gpu-bundle:
+	scripts/gpu-bundle.sh target/gpu-bundle
 
 demo:
 	$(CARGO) run --release --locked -- demo
