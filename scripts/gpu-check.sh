@@ -59,7 +59,9 @@ step machine 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version
 
 step unpack 60 bash -c "tar -C '$WORK' -xJf '$BUNDLE/bin.tar.xz' && $PYTHON -m pip install -q --no-index --no-deps --no-compile --target '$WORK/site' '$BUNDLE'/tessera-*.whl && ls -la '$WORK/bin'"
 export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
-export TESSERA_BIN="$WORK/bin/tessera" TESSERA_DCP_FIXTURES="$PWD/$BUNDLE/fixtures/dcp"
+# The CLI for the Python tests and for the Rust tests that run it (their build tree is not here).
+export TESSERA_BIN="$WORK/bin/tessera" TESSERA_TEST_BIN="$WORK/bin/tessera"
+export TESSERA_DCP_FIXTURES="$PWD/$BUNDLE/fixtures/dcp"
 
 for test in "$WORK"/bin/test-*; do
   [ -e "$test" ] || continue

@@ -21,6 +21,12 @@ use tessera_synth as synth;
 /// The binary under test, built by cargo for this test target.
 pub const BIN: &str = env!("CARGO_BIN_EXE_tessera");
 
+/// The binary [`run_in`] runs: `TESSERA_TEST_BIN` where it is set (a test binary carried to a
+/// machine without the build tree, as `scripts/gpu-check.sh` does), else [`BIN`].
+pub fn bin() -> std::ffi::OsString {
+    std::env::var_os("TESSERA_TEST_BIN").unwrap_or_else(|| BIN.into())
+}
+
 /// The save layout of the test checkpoint: Megatron tp2 pp2 dp2 with a distributed optimizer,
 /// so optimizer states nest dp and tp shards and gpt-tiny's uneven sizes give uneven boxes.
 pub const MEGATRON_TP2_PP2_DP2: &[&str] = &[
@@ -79,7 +85,7 @@ where
     S: AsRef<OsStr>,
 {
     let args: Vec<_> = args.into_iter().map(|a| a.as_ref().to_owned()).collect();
-    let mut command = Command::new(BIN);
+    let mut command = Command::new(bin());
     command
         .args(&args)
         .stdin(Stdio::null())
