@@ -88,4 +88,5 @@ rm -rf "$WORK"
   echo "]}"
 } > "$OUT/steps.json"
 echo "== done after $(($(date +%s) - started)) s; failed: $failed"
+sleep 1  # the log's tee writes its last lines before the call collects OUT
 exit $failed
