@@ -441,7 +441,7 @@ fn pread_exact(
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use object_store::path::Path;
 
@@ -526,7 +526,7 @@ mod tests {
     }
 
     /// A ShortRead's path, start, end and bytes got; any other error fails the test.
-    fn short_read(e: LoaderError) -> (String, u64, u64, u64) {
+    pub(crate) fn short_read(e: LoaderError) -> (String, u64, u64, u64) {
         match e {
             LoaderError::ShortRead {
                 path,
