@@ -9,15 +9,16 @@ GPU tests and the package's CUDA tests); by hand:
 Parts (``--parts``, default all; each is timed, and a part that fails is recorded with its
 error and the others still run):
 
-* ``correctness``: a 4-process gloo job whose ranks share the one GPU saves Llama-like tensors
-  (bf16 parameters, fp32 moments, GQA shapes) as FSDP Shard(0) DTensors with ``dcp.save`` and
-  with ``tessera.save``, then loads both into CUDA DTensors laid out Shard(1) and TP2 x DP2:
-  ``dcp.load`` of the DCP checkpoint, ``tessera.load`` of each. Every rank's bytes must equal the
-  values saved and ``dcp.load``'s. Then one byte of the DCP checkpoint's largest data file is
-  flipped: ``tessera.load`` must fail on every rank, naming that file somewhere.
+* ``correctness``: a 4-process gloo job whose ranks share the one GPU saves two Llama-3-8B
+  layers at a quarter of the width (bf16 parameters, fp32 moments, GQA shapes) as FSDP Shard(0)
+  DTensors with ``dcp.save`` and with ``tessera.save``, then loads both into CUDA DTensors laid
+  out Shard(1) and TP2 x DP2: ``dcp.load`` of the DCP checkpoint, ``tessera.load`` of each. Every
+  rank's bytes must equal the values saved and ``dcp.load``'s. Then one byte of the DCP
+  checkpoint's largest data file is flipped: ``tessera.load`` must fail on every rank, naming
+  that file somewhere.
 * ``h2d``: torch's own host-to-device ``copy_`` from pinned and from pageable memory (the
   baselines for tessera's staging, whose own rate ``benches/gpu.rs`` measures).
-* ``load``: one process, a Llama-like state (parameters and moments) saved by ``dcp.save``,
+* ``load``: one process, Llama-3-8B layers (bf16 parameters, fp32 moments) saved by ``dcp.save``,
   page cache warm, loaded into the same CUDA tensors by ``tessera.load`` and ``dcp.load``,
   interleaved, medians; the two results compared.
 * ``hf``: one process, a whole HF-style bf16 model (safetensors shards and an index), page cache
@@ -42,7 +43,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -50,40 +50,27 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
+from bench_util import free_port, tensor_specs, warm
+
 WORLD = 4
-HIDDEN = 1024
+# The correctness job's layers: Llama-3-8B widths divided by 4 (hidden 1024).
+SCALE = 4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def llama_specs(layers: int, scale: int, moments: bool) -> List[tuple]:
+    """(name, shape, torch dtype name) of `layers` Llama-3-8B layers (GQA, SwiGLU; widths divided
+    by `scale`): bf16 parameters, then with `moments` their fp32 Adam moments (the benchmarks'
+    realistic shapes, `bench_util.tensor_specs`)."""
+    names = {"bf16": "bfloat16", "fp32": "float32"}
+    return [(n, s, names[d]) for n, s, d in tensor_specs("llama8b", layers, scale, moments)]
 
 
-def llama_specs(layers: int, hidden: int, moments: bool) -> List[tuple]:
-    """(name, shape, dtype name) of Llama-like layers: GQA k/v at a quarter of the hidden size,
-    SwiGLU at 2.75x, bf16 parameters, and fp32 Adam moments of every parameter with
-    ``moments``."""
-    kv, ffn = hidden // 4, hidden * 11 // 4
-    shapes = {
-        "self_attn.q_proj.weight": (hidden, hidden),
-        "self_attn.k_proj.weight": (kv, hidden),
-        "self_attn.v_proj.weight": (kv, hidden),
-        "self_attn.o_proj.weight": (hidden, hidden),
-        "mlp.gate_proj.weight": (ffn, hidden),
-        "mlp.up_proj.weight": (ffn, hidden),
-        "mlp.down_proj.weight": (hidden, ffn),
-        "input_layernorm.weight": (hidden,),
-    }
-    specs = []
-    for layer in range(layers):
-        for name, shape in shapes.items():
-            fqn = f"model.layers.{layer}.{name}"
-            specs.append((fqn, shape, "bfloat16"))
-            if moments:
-                specs.append((f"optim.{fqn}.exp_avg", shape, "float32"))
-                specs.append((f"optim.{fqn}.exp_avg_sq", shape, "float32"))
-    return specs
+def layers_for(gb: float, moments: bool) -> int:
+    """How many full-width layers make about `gb` GB (at least one)."""
+    per_layer = sum(
+        (2 if dtype == "bfloat16" else 4) * math.prod(shape) for _, shape, dtype in llama_specs(1, 1, moments)
+    )
+    return max(1, round(gb * 1e9 / per_layer))
 
 
 def full_value(name: str, shape: tuple, dtype: str) -> Any:
@@ -112,15 +99,6 @@ def sync(device: str) -> None:
 
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def warm(directory: Path) -> None:
-    """Reads every file once (page cache warm)."""
-    for path in sorted(directory.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as f:
-                while f.read(64 << 20):
-                    pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,7 +146,7 @@ def _correctness_rank(rank: int, port: int, work: str, device: str, out: Any) ->
     result: Dict[str, Any] = {"rank": rank, "checks": [], "errors": []}
     try:
         work_dir = Path(work)
-        specs = llama_specs(2, HIDDEN, True)
+        specs = llama_specs(2, SCALE, True)
         cpu_mesh = init_device_mesh("cpu", (WORLD,))
         saved = {
             name: distribute_tensor(full_value(name, shape, dtype), cpu_mesh, [Shard(0)], src_data_rank=None)
@@ -317,15 +295,10 @@ def part_h2d(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
 
 
 def _save_llama(directory: Path, gb: float, moments: bool) -> List[tuple]:
-    """A Llama-like state of about `gb` GB at hidden 4096 (as many layers as fit), saved by
-    dcp.save from one process."""
+    """A Llama-3-8B state of about `gb` GB, saved by dcp.save from one process."""
     import torch.distributed.checkpoint as dcp
 
-    per_layer = sum(
-        (2 if dtype == "bfloat16" else 4) * math.prod(shape) for _, shape, dtype in llama_specs(1, 4096, moments)
-    )
-    layers = max(1, int(gb * 1e9 // per_layer))
-    specs = llama_specs(layers, 4096, moments)
+    specs = llama_specs(layers_for(gb, moments), 1, moments)
     if not (directory / ".metadata").exists():
         state = {name: full_value(name, shape, dtype) for name, shape, dtype in specs}
         dcp.save(state, checkpoint_id=str(directory), no_dist=True)
@@ -340,7 +313,7 @@ def part_load(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
 
     directory = work / "llama-dcp"
     specs = _save_llama(directory, args.gb, True)
-    warm(directory)
+    warm(str(directory))
     device = "cuda:0" if args.device == "cuda" else "cpu"
 
     def fresh() -> Dict[str, Any]:
@@ -373,7 +346,7 @@ def part_hf(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
     import tessera
 
     directory = work / "hf-model"
-    specs = [s for s in llama_specs(max(1, int(args.gb * 1e9 // (2 * 4096 * 4096 * 12.75))), 4096, False)]
+    specs = llama_specs(layers_for(args.gb, False), 1, False)
     if not (directory / "model.safetensors.index.json").exists():
         directory.mkdir(parents=True, exist_ok=True)
         shards: List[Dict[str, Any]] = [{}]
@@ -391,7 +364,7 @@ def part_hf(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
             save_file(shard, str(directory / file))
             weight_map.update({name: file for name in shard})
         (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    warm(directory)
+    warm(str(directory))
     device = "cuda:0" if args.device == "cuda" else "cpu"
     files = sorted(directory.glob("*.safetensors"))
     state = {n: torch.full(s, 3, dtype=getattr(torch, d), device=device) for n, s, d in specs}
@@ -438,7 +411,7 @@ def part_save(args: argparse.Namespace, work: Path) -> Dict[str, Any]:
     import tessera
 
     device = "cuda:0" if args.device == "cuda" else "cpu"
-    specs = llama_specs(max(1, int(args.save_gb * 1e9 // (2 * 4096 * 4096 * 12.75))), 4096, False)
+    specs = llama_specs(layers_for(args.save_gb, False), 1, False)
     state = {n: full_value(n, s, d).to(device) for n, s, d in specs}
     total = sum(nbytes(t) for t in state.values())
     stagers: Dict[str, Any] = {"dcp.async_save": {}}
@@ -514,7 +487,7 @@ def _nccl_rank(rank: int, port: int, work: str, out: Any) -> None:
     try:
         dist.init_process_group("nccl", rank=0, world_size=1)
         mesh = init_device_mesh("cuda", (1,))
-        specs = llama_specs(1, HIDDEN, False)
+        specs = llama_specs(1, SCALE, False)
         saved = {n: full_value(n, s, d) for n, s, d in specs}
         directory = Path(work) / "nccl-dcp"
         dcp.save(saved, checkpoint_id=str(directory), no_dist=True)

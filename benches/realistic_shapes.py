@@ -109,7 +109,7 @@ import subprocess
 import sys
 import time
 
-from bench_util import free_port, rchar, rss_gib, warm
+from bench_util import dcp_blob_bytes, free_port, rchar, rss_gib, tensor_specs, warm
 
 WORLD = 4
 MODELS = ("llama8b", "llama70b", "moe", "wide")
@@ -148,61 +148,6 @@ DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 # ---------------------------------------------------------------------------------------------
 # Shapes
-
-
-def scaled(x: int, scale: int, what: str) -> int:
-    if x % scale:
-        sys.exit(f"--scale {scale} does not divide {what} ({x})")
-    return x // scale
-
-
-def tensor_specs(model: str, layers: int, scale: int, moments: bool) -> list:
-    """[(fqn, shape, dtype)]: the parameters, then (with moments) the fp32 Adam moments."""
-    params = []
-    if model == "wide":
-        rows, cols = scaled(4096, scale, "rows"), scaled(16384, scale, "cols")
-        params = [(f"layer{i}.weight", (rows, cols), "fp32") for i in range(8)]
-    else:
-        if model == "llama8b":
-            hidden, heads, kv_heads, head, inter = 4096, 32, 8, 128, 14336
-        elif model == "llama70b":
-            hidden, heads, kv_heads, head, inter = 8192, 64, 8, 128, 28672
-        else:  # moe
-            hidden, heads, kv_heads, head, inter = 2048, 16, 4, 128, 1408
-        hidden = scaled(hidden, scale, "hidden")
-        head = scaled(head, scale, "head dim")
-        inter = scaled(inter, scale, "intermediate")
-        q, kv = heads * head, kv_heads * head
-        for layer in range(layers):
-            p = f"model.layers.{layer}."
-            params += [
-                (p + "input_layernorm.weight", (hidden,), "bf16"),
-                (p + "self_attn.q_proj.weight", (q, hidden), "bf16"),
-                (p + "self_attn.k_proj.weight", (kv, hidden), "bf16"),
-                (p + "self_attn.v_proj.weight", (kv, hidden), "bf16"),
-                (p + "self_attn.o_proj.weight", (hidden, q), "bf16"),
-                (p + "post_attention_layernorm.weight", (hidden,), "bf16"),
-            ]
-            if model == "moe":
-                params.append((p + "mlp.gate.weight", (32, hidden), "bf16"))
-                for e in range(32):
-                    x = f"{p}mlp.experts.{e}."
-                    params += [
-                        (x + "gate_proj.weight", (inter, hidden), "bf16"),
-                        (x + "up_proj.weight", (inter, hidden), "bf16"),
-                        (x + "down_proj.weight", (hidden, inter), "bf16"),
-                    ]
-            else:
-                params += [
-                    (p + "mlp.gate_proj.weight", (inter, hidden), "bf16"),
-                    (p + "mlp.up_proj.weight", (inter, hidden), "bf16"),
-                    (p + "mlp.down_proj.weight", (hidden, inter), "bf16"),
-                ]
-    specs = list(params)
-    if moments:
-        for which in ("exp_avg", "exp_avg_sq"):
-            specs += [(f"optim.state.{name}.{which}", shape, "fp32") for name, shape, _ in params]
-    return specs
 
 
 def nbytes(shape, dtype: str) -> int:
@@ -413,25 +358,6 @@ def target_state(layout: str, specs: list, rules: list, meshes: dict) -> dict:
             t, mesh, placements, run_check=False, shape=torch.Size(shape), stride=contiguous_stride(shape)
         )
     return state
-
-
-def dcp_blob_bytes(path: str, state: dict) -> int:
-    """Bytes FileSystemReader reads for this rank's state: the whole blob of every saved chunk
-    that overlaps the rank's shard of each tensor."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    md = dcp.FileSystemReader(path).read_metadata()
-    total = 0
-    for fqn, dt in state.items():
-        (mine,) = dt.__create_chunk_list__()
-        for chunk in md.state_dict_metadata[fqn].chunks:
-            if all(
-                co < mo + ms and mo < co + cs
-                for co, cs, mo, ms in zip(chunk.offsets, chunk.sizes, mine.offsets, mine.sizes)
-            ):
-                total += md.storage_data[MetadataIndex(fqn, chunk.offsets)].length
-    return total
 
 
 def digests(state: dict, specs: list) -> list:

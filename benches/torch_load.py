@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_util import free_port, minor_faults, rchar, rss_gib, warm
+from bench_util import dcp_blob_bytes, free_port, minor_faults, rchar, rss_gib, warm
 
 WORLD = 4
 TENSORS = int(os.environ.get("TENSORS", "8"))
@@ -97,26 +97,6 @@ def target_state(layout: str, meshes: dict):
         t.view(torch.uint8).fill_(0xA5)
         state[name] = DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
     return state
-
-
-def dcp_blob_bytes(path: str, state: dict) -> int:
-    """Bytes FileSystemReader reads for this rank's state: the whole blob of every saved chunk
-    that overlaps the rank's shard of each tensor."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    reader = dcp.FileSystemReader(path)
-    md = reader.read_metadata()
-    total = 0
-    for fqn, dt in state.items():
-        (mine,) = dt.__create_chunk_list__()
-        for chunk in md.state_dict_metadata[fqn].chunks:
-            if all(
-                co < mo + ms and mo < co + cs
-                for co, cs, mo, ms in zip(chunk.offsets, chunk.sizes, mine.offsets, mine.sizes)
-            ):
-                total += md.storage_data[MetadataIndex(fqn, chunk.offsets)].length
-    return total
 
 
 def digest(state: dict) -> str:
