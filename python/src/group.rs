@@ -677,7 +677,6 @@ impl GroupLoad {
     /// The rank's report as JSON text, once its pieces are read and every message it expects is
     /// placed; an error naming what is missing otherwise. `exchange_wait_seconds`: of
     /// `exchange_seconds`, the time the driver waited on the group's messages.
-    #[pyo3(signature = (exchange_seconds, exchange_wait_seconds=0.0))]
     fn finish(&self, exchange_seconds: f64, exchange_wait_seconds: f64) -> PyResult<String> {
         let mut state = self.state();
         state.exposure = None;
