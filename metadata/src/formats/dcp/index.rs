@@ -17,7 +17,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::MetadataError;
 use crate::encoded::{Codec, DecodeFailure, decode_from_store};
-use crate::formats::torch::blob::{TensorBlob, parse_tensor_blob};
+use crate::formats::torch::blob::{StreamGuard, TensorBlob, parse_tensor_blob};
+use crate::formats::torch::pickle::Limits;
 use crate::formats::torch::zip::{Segments, ZipError};
 
 /// Bytes read from the start of every blob: the `data.pkl` local header and pickle (~250 bytes),
@@ -36,6 +37,10 @@ const MAX_ROUNDS: usize = 8;
 /// through the decoder: its zip structures, with room for a long `data.pkl` (an encoded blob
 /// cannot be read in ranges, so a follow-up costs decoding it again).
 const ENCODED_KEEP: u64 = 64 << 10;
+/// The most decoded bytes the follow-up rounds keep, all together, for structures of an encoded
+/// blob outside its head and tail: the cap on a blob's `data.pkl` (the largest structure a
+/// tensor blob has).
+const MAX_ENCODED_NEED: u64 = Limits::BLOB.max_input as u64;
 
 /// Where one blob lies.
 #[derive(Clone, Debug)]
@@ -477,7 +482,13 @@ async fn index_encoded(
         let mut tail: Vec<u8> = Vec::new();
         let mut tail_start = 0u64;
         let mut kept: Vec<Vec<u8>> = vec![Vec::new(); wanted.len()];
+        let mut guard = StreamGuard::new();
+        let mut stopped: Option<String> = None;
         let mut sink = |offset: u64, bytes: &[u8]| {
+            if let Err(why) = guard.feed(bytes) {
+                stopped = Some(why);
+                return false;
+            }
             let end = offset + bytes.len() as u64;
             if offset < ENCODED_KEEP {
                 let take = (ENCODED_KEEP.min(end) - offset) as usize;
@@ -507,6 +518,12 @@ async fn index_encoded(
         .await
         .map_err(|failure| decode_error(blob, codec, failure))?
         .unwrap_or(0);
+        if let Some(why) = stopped {
+            return Err(blob_error(
+                blob,
+                format!("decoded from {}: {why}", codec.name()),
+            ));
+        }
         cost.requests += 1;
         cost.bytes += blob.length;
         let mut seg = Segments::new(total);
@@ -517,6 +534,28 @@ async fn index_encoded(
         }
         match parse_tensor_blob(&seg) {
             Ok(parsed) => return Ok((parsed, cost)),
+            // Kept bytes are held whole: a structure larger than any torch.save writes (the
+            // parser checks member sizes first; this bounds whatever else a forged directory
+            // may point at) is refused rather than collected.
+            Err(ZipError::Need(range))
+                if wanted
+                    .iter()
+                    .chain([&range])
+                    .map(|r| r.end - r.start)
+                    .sum::<u64>()
+                    > MAX_ENCODED_NEED =>
+            {
+                return Err(blob_error(
+                    blob,
+                    format!(
+                        "decoded from {}: its zip structures need decoded bytes {}..{}, more \
+                         than the {MAX_ENCODED_NEED}-byte cap on what is kept of a compressed blob",
+                        codec.name(),
+                        range.start,
+                        range.end
+                    ),
+                ));
+            }
             Err(ZipError::Need(range)) => wanted.push(range),
             Err(ZipError::Bad(detail)) => {
                 return Err(blob_error(

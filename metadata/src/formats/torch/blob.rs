@@ -90,13 +90,167 @@ fn bad<T>(detail: impl Into<String>) -> Result<T, ZipError> {
     Err(ZipError::Bad(detail.into()))
 }
 
+/// The most bytes a `byteorder` member may have: torch writes `little` or `big`.
+const MAX_BYTEORDER: u64 = 64;
+
+/// Bytes after a member's data within which the next zip record's signature must begin: a data
+/// descriptor without its optional signature (at most 20 bytes with zip64 sizes) comes first.
+const RECORD_SLACK: u64 = 64;
+
+/// Checks a tensor blob's bytes as they come out of a decoder, before anything is kept, so that a
+/// compressed blob built to decode to far more than a blob can hold (a `data.pkl` of a GiB of
+/// zeros in a few KiB) is stopped at the cap, not decoded to its end: the blob must start as a
+/// torch.save zip (`PK\x03\x04`) or a safetensors file (a length, then `{`), and when its first
+/// member is `data.pkl` (torch.save writes it first, and its local header carries no size: flag
+/// bit 3) the next zip record must begin within [`Limits::BLOB`]'s input cap of its start. A
+/// `data.pkl` that passes this (a forged record signature inside it) is still refused by its
+/// size in the directory before any of it is kept.
+#[derive(Debug, Default)]
+pub struct StreamGuard {
+    /// The first bytes, until the first local header is whole.
+    head: Vec<u8>,
+    /// Decoded bytes seen.
+    seen: u64,
+    state: GuardState,
+}
+
+#[derive(Debug, Default)]
+enum GuardState {
+    /// Reading the first bytes.
+    #[default]
+    Start,
+    /// Looking for the record after `data.pkl`, whose data starts at `from`.
+    Pickle {
+        name: String,
+        from: u64,
+        /// The last (up to 3) bytes seen, for a signature cut between two stretches.
+        carry: Vec<u8>,
+    },
+    /// Nothing more to check while streaming.
+    Done,
+}
+
+/// A zip record signature: local header, central directory entry, data descriptor, or an end
+/// record (classic or zip64).
+fn is_record_signature(w: &[u8]) -> bool {
+    w.len() >= 4
+        && w[0] == b'P'
+        && w[1] == b'K'
+        && matches!(
+            (w[2], w[3]),
+            (1, 2) | (3, 4) | (5, 6) | (6, 6) | (6, 7) | (7, 8)
+        )
+}
+
+impl StreamGuard {
+    /// A guard for a blob's decoded stream, from its first byte.
+    pub fn new() -> StreamGuard {
+        StreamGuard::default()
+    }
+
+    /// Checks the next decoded `bytes` (in stream order); an error says why decoding should stop.
+    pub fn feed(&mut self, bytes: &[u8]) -> Result<(), String> {
+        self.seen += bytes.len() as u64;
+        if matches!(self.state, GuardState::Start) {
+            self.head.extend_from_slice(bytes);
+            let Some((name, from)) = self.first_member()? else {
+                return Ok(());
+            };
+            let head = std::mem::take(&mut self.head);
+            if !name.ends_with("data.pkl") {
+                self.state = GuardState::Done;
+                return Ok(());
+            }
+            self.state = GuardState::Pickle {
+                name,
+                from,
+                carry: Vec::new(),
+            };
+            // What of the head lies past the pickle's start is scanned as if it came now.
+            self.seen = from;
+            return self.feed(&head[from as usize..]);
+        }
+        let GuardState::Pickle { name, from, carry } = &mut self.state else {
+            return Ok(());
+        };
+        let mut edge = std::mem::take(carry);
+        edge.extend_from_slice(&bytes[..bytes.len().min(3)]);
+        if edge.windows(4).any(is_record_signature) || bytes.windows(4).any(is_record_signature) {
+            self.state = GuardState::Done;
+            return Ok(());
+        }
+        let cap = Limits::BLOB.max_input as u64;
+        if self.seen > *from + cap + RECORD_SLACK {
+            return Err(format!(
+                "{name} runs on for more than {cap} bytes with no zip record after it: it \
+                 exceeds the {cap}-byte cap on a tensor blob's pickle (decoding stopped after \
+                 {} bytes)",
+                self.seen
+            ));
+        }
+        let last = if bytes.len() >= 3 { bytes } else { &edge[..] };
+        *carry = last[last.len().saturating_sub(3)..].to_vec();
+        Ok(())
+    }
+
+    /// The first local header's member name and data start once the head holds them whole;
+    /// an error when the head is neither a zip nor safetensors.
+    fn first_member(&mut self) -> Result<Option<(String, u64)>, String> {
+        let head = &self.head;
+        if head.len() < 4 {
+            return Ok(None);
+        }
+        if &head[..4] != b"PK\x03\x04" {
+            if head.len() < 9 {
+                return Ok(None);
+            }
+            if head[8] == b'{' {
+                self.state = GuardState::Done;
+                self.head = Vec::new();
+                return Ok(None);
+            }
+            return Err(format!(
+                "starts with {:02x?}: neither a torch.save zip (PK\\x03\\x04) nor safetensors \
+                 (decoding stopped there)",
+                &head[..4]
+            ));
+        }
+        if head.len() < 30 {
+            return Ok(None);
+        }
+        let name_len = u16::from_le_bytes([head[26], head[27]]) as usize;
+        let extra_len = u16::from_le_bytes([head[28], head[29]]) as usize;
+        let from = 30 + name_len + extra_len;
+        if head.len() < from {
+            return Ok(None);
+        }
+        let name = String::from_utf8_lossy(&head[30..30 + name_len]).into_owned();
+        Ok(Some((name, from as u64)))
+    }
+}
+
 fn parse_zip_blob(seg: &Segments) -> Result<TensorBlob, ZipError> {
     let dir = zip::read_directory(seg)?;
     let Some(pkl) = dir.entries.iter().find(|e| e.name.ends_with("data.pkl")) else {
         return bad("no data.pkl member");
     };
     let prefix = &pkl.name[..pkl.name.len() - "data.pkl".len()];
+    // Sizes are checked before a member is read: an encoded blob's members cost decoding, and
+    // the directory may claim a GiB.
+    let pkl_cap = Limits::BLOB.max_input as u64;
+    if pkl.size > pkl_cap {
+        return bad(format!(
+            "{} of {} bytes exceeds the {pkl_cap}-byte cap on a tensor blob's pickle",
+            pkl.name, pkl.size
+        ));
+    }
     if let Some(order) = dir.find(&format!("{prefix}byteorder")) {
+        if order.size > MAX_BYTEORDER {
+            return bad(format!(
+                "{} has {} bytes; torch writes \"little\" or \"big\"",
+                order.name, order.size
+            ));
+        }
         let order = zip::read_member(seg, &dir, order)?;
         if order != b"little" {
             return bad(format!(
@@ -414,4 +568,79 @@ pub fn parse_tensor_descriptor(bytes: &[u8], limits: &Limits) -> Result<TensorDe
         size: rebuilt.size,
         stride: rebuilt.stride,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A local header for `name` as torch.save writes it (flag bit 3, no sizes), `extra` bytes
+    /// of extra field.
+    fn local_header(name: &str, extra: usize) -> Vec<u8> {
+        let mut h = b"PK\x03\x04".to_vec();
+        h.extend_from_slice(&[20, 0, 0x08, 0x08]);
+        h.extend_from_slice(&[0; 18]);
+        h.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        h.extend_from_slice(&(extra as u16).to_le_bytes());
+        h.extend_from_slice(name.as_bytes());
+        h.extend(std::iter::repeat_n(b'Z', extra));
+        h
+    }
+
+    fn feed_in(pieces: usize, stream: &[u8]) -> Result<(), String> {
+        let mut guard = StreamGuard::new();
+        stream
+            .chunks(pieces)
+            .try_for_each(|piece| guard.feed(piece))
+    }
+
+    #[test]
+    fn a_torch_zip_head_passes_however_it_is_cut() {
+        let mut stream = local_header("archive/data.pkl", 18);
+        stream.extend_from_slice(b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nq\x00.");
+        stream.extend_from_slice(&local_header("archive/byteorder", 0));
+        stream.extend_from_slice(b"little");
+        for pieces in [1, 2, 3, 5, 64, stream.len()] {
+            assert_eq!(feed_in(pieces, &stream), Ok(()), "pieces of {pieces}");
+        }
+        // Safetensors: a length, then the header's `{`.
+        let mut st = 20u64.to_le_bytes().to_vec();
+        st.extend_from_slice(b"{\"w\":{}}            ");
+        assert_eq!(feed_in(1, &st), Ok(()));
+    }
+
+    #[test]
+    fn a_pickle_past_the_cap_and_a_stream_of_no_zip_stop_the_decoding() {
+        let cap = Limits::BLOB.max_input as u64;
+        let mut guard = StreamGuard::new();
+        guard
+            .feed(&local_header("archive/data.pkl", 0))
+            .expect("a header");
+        let zeros = vec![0u8; 1 << 20];
+        let mut fed = 0u64;
+        let err = loop {
+            match guard.feed(&zeros) {
+                Ok(()) => fed += zeros.len() as u64,
+                Err(err) => break err,
+            }
+            assert!(fed <= cap + (2 << 20), "still decoding after {fed} bytes");
+        };
+        assert!(err.contains("archive/data.pkl"), "{err}");
+        assert!(err.contains(&format!("{cap}-byte cap")), "{err}");
+        // A pickle whose record after it comes in time is not stopped.
+        let mut guard = StreamGuard::new();
+        guard
+            .feed(&local_header("archive/data.pkl", 0))
+            .expect("in time");
+        for _ in 0..cap >> 20 {
+            guard.feed(&zeros).expect("in time");
+        }
+        guard.feed(b"P").expect("in time");
+        guard.feed(b"K\x03").expect("in time");
+        guard.feed(b"\x04").expect("in time");
+        guard.feed(&zeros).expect("in time");
+        // Neither a zip nor safetensors: stopped at the first bytes.
+        let err = feed_in(1, b"XXXXXXXXXXXX").expect_err("not a zip");
+        assert!(err.contains("neither a torch.save zip"), "{err}");
+    }
 }
