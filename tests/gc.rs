@@ -155,3 +155,55 @@ fn gc_refuses_what_it_cannot_clean() {
         "{message}"
     );
 }
+
+/// Issue 41 item 6: `gc ROOT --memory-tier` on a durable root (or a run inside it) refuses,
+/// `--dry-run` included, and removes nothing: it took every step folder without a tier record
+/// for the copy of a dead save. In a real tier, only the copies tessera made are listed and
+/// removed; another program's folder stays.
+#[test]
+fn gc_memory_tier_refuses_a_checkpoint_root_and_touches_only_copies() {
+    let dir = tempfile::tempdir().unwrap();
+    let committed = synth_tiny(dir.path()); // <dir>/run/step-000005
+    let run = committed.parent().unwrap();
+    let second = run.join("step-000006");
+    fs::create_dir_all(&second).unwrap();
+    for entry in fs::read_dir(&committed).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            fs::copy(entry.path(), second.join(entry.file_name())).unwrap();
+        }
+    }
+    for root in [dir.path(), run] {
+        for extra in [&["--dry-run"][..], &[]] {
+            let mut args = vec!["gc", s(root), "--memory-tier", "--keep", "1"];
+            args.extend_from_slice(extra);
+            let err = fails(&args);
+            assert!(
+                err.contains(&format!("memory tier {}: it ", s(root)))
+                    && (err.contains("the run of checkpoints") || err.contains("the checkpoint")),
+                "{args:?}: {err}"
+            );
+        }
+        assert!(committed.join("manifest.json").is_file());
+        assert!(second.join("manifest.json").is_file());
+    }
+
+    // A tier shared with another program: its folder is neither listed nor removed.
+    let tier = dir.path().join("shm");
+    let foreign = tier.join("step-1-abcdef012345");
+    fs::create_dir_all(foreign.join("data")).unwrap();
+    fs::write(foreign.join("data").join("rank-0.bin"), b"someone's").unwrap();
+    let dry = json(&[
+        "gc",
+        s(&tier),
+        "--memory-tier",
+        "--max-bytes",
+        "0",
+        "--dry-run",
+        "--json",
+    ]);
+    assert_eq!(dry["removed"].as_array().unwrap().len(), 0, "{dry}");
+    assert_eq!(dry["kept"].as_array().unwrap().len(), 0, "{dry}");
+    ok(["gc", s(&tier), "--memory-tier", "--max-bytes", "0"]);
+    assert!(foreign.join("data").join("rank-0.bin").is_file());
+}

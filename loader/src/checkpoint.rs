@@ -55,6 +55,9 @@ pub struct Checkpoint {
     /// Store paths of data files this node reads from memory-tier copies
     /// ([`Checkpoint::with_tier_copies`]), with the copies' local paths; empty otherwise.
     pub tier_files: Arc<HashMap<String, PathBuf>>,
+    /// With tier copies: the checkpoint's own store, which a read that fails on a copy falls
+    /// back to ([`Checkpoint::read_into_with`]). `None` otherwise.
+    pub durable_store: Option<Arc<dyn object_store::ObjectStore>>,
 }
 
 /// What a DCP `.metadata` records beyond tensors and objects.
@@ -108,6 +111,7 @@ impl Checkpoint {
             }),
             warnings: opened.warnings(),
             tier_files: Arc::default(),
+            durable_store: None,
             meta: Arc::new(opened.meta),
             checksums: opened.block_checksums.map(Arc::new),
         })
@@ -126,9 +130,14 @@ impl Checkpoint {
         for (&file, local) in &copies.files {
             files.insert(self.file_path(file)?.to_string(), local.clone());
         }
+        let durable = self
+            .durable_store
+            .clone()
+            .unwrap_or_else(|| Arc::clone(&self.location.store));
         let mut view = self.clone();
-        view.location.store = Arc::new(TierStore::new(Arc::clone(&self.location.store), &files)?);
+        view.location.store = Arc::new(TierStore::new(Arc::clone(&durable), &files)?);
         view.tier_files = Arc::new(files);
+        view.durable_store = Some(durable);
         Ok(view)
     }
 
@@ -206,21 +215,168 @@ impl Checkpoint {
         on_complete: impl FnMut(usize, &mut [B]) -> Result<(), LoaderError>,
     ) -> Result<ReadStats, LoaderError> {
         let read = self.read_options(options);
-        read_into_with(
-            Arc::clone(&self.location.store),
-            &self.location.prefix,
-            plan,
-            self.checksums.as_deref(),
-            Some(&self.meta),
-            &read,
-            buffers,
-            options
-                .progress
-                .as_deref()
-                .map(|p| p as &(dyn Fn(u64) + Sync)),
-            on_complete,
-        )
-        .await
+        let progress = options
+            .progress
+            .as_deref()
+            .map(|p| p as &(dyn Fn(u64) + Sync));
+        match &self.durable_store {
+            Some(durable) if !self.tier_files.is_empty() => {
+                self.read_with_tier_fallback(
+                    plan,
+                    read,
+                    Arc::clone(durable),
+                    buffers,
+                    progress,
+                    on_complete,
+                )
+                .await
+            }
+            _ => {
+                read_into_with(
+                    Arc::clone(&self.location.store),
+                    &self.location.prefix,
+                    plan,
+                    self.checksums.as_deref(),
+                    Some(&self.meta),
+                    &read,
+                    buffers,
+                    progress,
+                    on_complete,
+                )
+                .await
+            }
+        }
+    }
+
+    /// The read of a rank whose node holds tier copies: a copy verified when the load began may
+    /// still change before or while it is read (flipped, truncated, replaced by something that
+    /// is not a file). A read that fails on a copy (its error names the copy's store path or
+    /// the copy) is not the durable file's fault: the copy is dropped, named in
+    /// [`ReadStats::local_copy_fallbacks`], and the pieces not yet handed on are read again,
+    /// that file's from `durable`. Pieces already complete were verified (or, unverified
+    /// loads, read as they were) and stay. A piece of a joint check already folded cannot be
+    /// read again without breaking its fold: then the error stands.
+    async fn read_with_tier_fallback<B: AsMut<[u8]>>(
+        &self,
+        plan: &RankPlan,
+        mut read: ReadOptions,
+        durable: Arc<dyn object_store::ObjectStore>,
+        buffers: &mut [B],
+        progress: Option<&(dyn Fn(u64) + Sync)>,
+        mut on_complete: impl FnMut(usize, &mut [B]) -> Result<(), LoaderError>,
+    ) -> Result<ReadStats, LoaderError> {
+        let total: u64 = plan
+            .pieces
+            .iter()
+            .filter(|p| p.read.is_some())
+            .map(|p| p.bytes)
+            .sum();
+        // Progress adds up to the plan's bytes once, however many times a piece is read.
+        let reported = std::sync::atomic::AtomicU64::new(0);
+        let report = |n: u64| {
+            let before = reported
+                .fetch_update(
+                    std::sync::atomic::Ordering::Relaxed,
+                    std::sync::atomic::Ordering::Relaxed,
+                    |r| Some(r.saturating_add(n).min(total)),
+                )
+                .unwrap_or(total);
+            let given = before.saturating_add(n).min(total) - before;
+            if let (Some(progress), true) = (progress, given > 0) {
+                progress(given);
+            }
+        };
+        let mut tier_files: HashMap<String, PathBuf> = (*self.tier_files).clone();
+        let mut store = Arc::clone(&self.location.store);
+        let mut completed = vec![false; plan.pieces.len()];
+        let mut counted = vec![false; plan.pieces.len()];
+        let mut fallbacks: Vec<String> = Vec::new();
+        let (mut done_pieces, mut done_local) = (0usize, 0u64);
+        let mut current = std::borrow::Cow::Borrowed(plan);
+        let joint_pieces: std::collections::HashSet<u32> = if read.joint_checks && read.verify {
+            plan.joint_checks
+                .iter()
+                .flat_map(|c| c.pieces.iter().copied())
+                .collect()
+        } else {
+            Default::default()
+        };
+        loop {
+            let outcome = read_into_with(
+                Arc::clone(&store),
+                &self.location.prefix,
+                &current,
+                self.checksums.as_deref(),
+                Some(&self.meta),
+                &read,
+                buffers,
+                Some(&report),
+                |piece, buffers| {
+                    completed[piece] = true;
+                    on_complete(piece, buffers)
+                },
+            )
+            .await;
+            let error = match outcome {
+                Ok(mut stats) => {
+                    stats.pieces += done_pieces;
+                    stats.bytes_needed = total;
+                    stats.bytes_from_local_copies += done_local;
+                    stats.local_copy_fallbacks = fallbacks;
+                    report(total);
+                    return Ok(stats);
+                }
+                Err(e) => e,
+            };
+            let text = error.to_string();
+            let Some(path) = tier_files
+                .iter()
+                .find(|(path, copy)| {
+                    text.contains(path.as_str()) || text.contains(&*copy.to_string_lossy())
+                })
+                .map(|(path, _)| path.clone())
+            else {
+                return Err(error);
+            };
+            // What earlier reads completed stays: counted as read where it was read.
+            for (i, piece) in plan.pieces.iter().enumerate() {
+                let Some(r) = &piece.read else { continue };
+                if !completed[i] || counted[i] {
+                    continue;
+                }
+                counted[i] = true;
+                done_pieces += 1;
+                let key = plan.files.get(r.file as usize);
+                if key.is_some_and(|k| {
+                    crate::read::resolve(&self.location.prefix, k)
+                        .is_ok_and(|p| tier_files.contains_key(p.as_ref()))
+                }) {
+                    done_local += piece.bytes;
+                }
+                if joint_pieces.contains(&piece.id) {
+                    return Err(error);
+                }
+            }
+            let copy = tier_files.remove(&path).unwrap_or_default();
+            fallbacks.push(format!(
+                "memory-tier copy {} of {path} failed after it was verified ({error}); its \
+                 pieces not yet read were read from storage instead",
+                copy.display()
+            ));
+            store = if tier_files.is_empty() {
+                Arc::clone(&durable)
+            } else {
+                Arc::new(TierStore::new(Arc::clone(&durable), &tier_files)?)
+            };
+            read.local_files = Arc::new(tier_files.clone());
+            let mut again = plan.clone();
+            for (piece, done) in again.pieces.iter_mut().zip(&completed) {
+                if *done {
+                    piece.read = None;
+                }
+            }
+            current = std::borrow::Cow::Owned(again);
+        }
     }
 
     /// Whether a read of this checkpoint with `verify` checks its bytes: when the checkpoint has

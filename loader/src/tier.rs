@@ -6,9 +6,20 @@
 //!
 //! ```text
 //! <dir>/<copy>/                    one copy per saved checkpoint: step-<step>-<12 hex of its identity>
+//!     .tessera-tier-copy.json      its marker (CopyMarker), there from the moment the folder is
 //!     data/rank-3.bin              a rank's data file, its entries at the same offsets as in storage
 //!     data/rank-3.bin.tier.json    its record (TierRecord), written last, only after the commit
 //! ```
+//!
+//! The marker is what makes a folder a copy tessera may delete ([`is_copy_dir`]): a tier is
+//! often a shared directory (`/dev/shm`), and a folder without it is never pruned, whatever it
+//! holds. A copy folder is created under a temporary name with its marker inside and renamed
+//! into place, so no copy folder is ever seen without one, and an existing folder of that name
+//! without a marker is refused instead of written into.
+//!
+//! Copies are opened only when they are regular files ([`open_regular`]): without blocking and
+//! without following a symbolic link, so that a FIFO or a device put in a copy's place is
+//! ignored (and read from storage) instead of holding the load in `open(2)`.
 //!
 //! A copy counts only when its record names the identity of the checkpoint being loaded (so a
 //! copy of another step, another run or an uncommitted save never does) and every box of the
@@ -26,7 +37,6 @@ use std::path::{Path as FsPath, PathBuf};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use object_store::local::LocalFileSystem;
 use object_store::path::Path;
 use object_store::{GetOptions, GetResult, ObjectStore};
 use serde::{Deserialize, Serialize};
@@ -41,6 +51,10 @@ pub const TIER_FORMAT: &str = "tessera-memory-tier";
 pub const TIER_VERSION: u32 = 1;
 /// A record's name: its data file's name plus this.
 pub const RECORD_SUFFIX: &str = ".tier.json";
+/// The marker file in every copy folder tessera creates ([`CopyMarker`]).
+pub const COPY_MARKER: &str = ".tessera-tier-copy.json";
+/// Bytes a marker may have (it is a few dozen): a bigger file there is not tessera's.
+const MAX_MARKER_BYTES: u64 = 4096;
 
 /// Bytes a copy is read in while it is verified (1 MiB: stays in a core's cache while its
 /// checksum is taken).
@@ -82,6 +96,118 @@ pub struct TierEntry {
     pub crc32c: u32,
 }
 
+/// What a copy folder's marker ([`COPY_MARKER`]) holds: proof that tessera created the folder,
+/// and so may remove it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyMarker {
+    /// Always [`TIER_FORMAT`].
+    pub format: String,
+    /// [`TIER_VERSION`].
+    pub version: u32,
+    /// The folder's name ([`copy_dir_name`]): a marker copied elsewhere does not count there.
+    pub copy: String,
+}
+
+/// Whether `path` is a copy folder tessera created in a tier: a real directory (not a symbolic
+/// link) whose marker is a regular file naming this folder. A folder being created (its
+/// temporary name, `.<copy>.<…>.partial`) counts too, so that one a killed save left is pruned.
+/// Everything else in a tier is someone else's and is never removed.
+pub fn is_copy_dir(path: &FsPath) -> bool {
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return false;
+    };
+    let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+        return false;
+    };
+    if !meta.is_dir() {
+        return false;
+    }
+    let Ok(file) = open_regular(&path.join(COPY_MARKER)) else {
+        return false;
+    };
+    let mut bytes = Vec::new();
+    if std::io::Read::read_to_end(
+        &mut std::io::Read::take(&file, MAX_MARKER_BYTES + 1),
+        &mut bytes,
+    )
+    .is_err()
+        || bytes.len() as u64 > MAX_MARKER_BYTES
+    {
+        return false;
+    }
+    let Ok(marker) = serde_json::from_slice::<CopyMarker>(&bytes) else {
+        return false;
+    };
+    let partial = name
+        .strip_prefix('.')
+        .and_then(|n| n.strip_suffix(".partial"))
+        .and_then(|n| n.strip_prefix(marker.copy.as_str()))
+        .is_some_and(|rest| rest.starts_with('.'));
+    marker.format == TIER_FORMAT
+        && marker.version == TIER_VERSION
+        && (marker.copy == name || partial)
+        && is_copy_name(&marker.copy)
+}
+
+/// Whether `name` is one [`copy_dir_name`] gives.
+fn is_copy_name(name: &str) -> bool {
+    let hex = match name.strip_prefix("nostep-") {
+        Some(hex) => hex,
+        None => match name
+            .strip_prefix("step-")
+            .and_then(|rest| rest.split_once('-'))
+        {
+            Some((step, hex)) if !step.is_empty() && step.bytes().all(|b| b.is_ascii_digit()) => {
+                hex
+            }
+            _ => return false,
+        },
+    };
+    !hex.is_empty() && hex.len() <= 12 && hex.bytes().all(|b| b.is_ascii_alphanumeric())
+}
+
+/// Opens `path` for reading if it is a regular file, and refuses anything else: opened with
+/// `O_NONBLOCK` (a FIFO would otherwise block `open(2)` until some writer opens it, past every
+/// deadline of a load) and `O_NOFOLLOW` (a symbolic link in a copy's place is not what a save
+/// wrote), then checked by the descriptor it got, so nothing swapped in between a check and the
+/// open is read. Tier copies, their records and markers are opened only through here.
+pub fn open_regular(path: &FsPath) -> std::io::Result<File> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "a symbolic link, not a file tessera wrote",
+                )
+            } else {
+                e
+            }
+        })?;
+    let kind = file.metadata()?.file_type();
+    if kind.is_file() {
+        return Ok(file);
+    }
+    let what = if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_dir() {
+        "a directory"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_block_device() || kind.is_char_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    };
+    Err(std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        format!("{what}, not a regular file tessera wrote"),
+    ))
+}
+
 /// The folder of the copy of the checkpoint with `identity` (saved at `step`) under a tier.
 pub fn copy_dir_name(identity: &str, step: Option<u64>) -> String {
     let hex: String = identity
@@ -117,7 +243,9 @@ pub fn write_copy(
             ),
         });
     }
-    let copy = dir.join(copy_dir_name(&record.identity, record.step));
+    let name = copy_dir_name(&record.identity, record.step);
+    let copy = dir.join(&name);
+    create_copy_dir(dir, &name)?;
     let target = copy.join(&record.file);
     let parent = target.parent().unwrap_or(&copy).to_path_buf();
     std::fs::create_dir_all(&parent).map_err(|e| io("creating", &parent, e))?;
@@ -154,6 +282,64 @@ pub fn write_copy(
     std::fs::rename(&record_partial, &record_path)
         .map_err(|e| io("renaming", &record_partial, e))?;
     Ok(target)
+}
+
+/// Makes sure the copy folder `name` under `dir` exists and is tessera's: created under a
+/// temporary name with its marker inside and renamed into place (the ranks of a node race to
+/// create it; the loser finds the winner's, marked). A folder of that name without a marker is
+/// someone else's: refused, never written into (and so never made prunable).
+fn create_copy_dir(dir: &FsPath, name: &str) -> Result<(), LoaderError> {
+    let copy = dir.join(name);
+    let refuse = || LoaderError::InvalidPlan {
+        detail: format!(
+            "memory tier: {} exists but is not a copy tessera made (no {COPY_MARKER} naming it): \
+             it is left alone and no copy is written there",
+            copy.display()
+        ),
+    };
+    if std::fs::symlink_metadata(&copy).is_ok() {
+        return if is_copy_dir(&copy) {
+            Ok(())
+        } else {
+            Err(refuse())
+        };
+    }
+    std::fs::create_dir_all(dir).map_err(|e| io("creating", dir, e))?;
+    // Unique among the ranks of a node: processes by pid, threads of one by a counter.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let temporary = dir.join(format!(
+        ".{name}.{}.{}.partial",
+        std::process::id(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    std::fs::create_dir(&temporary).map_err(|e| io("creating", &temporary, e))?;
+    let marker = CopyMarker {
+        format: TIER_FORMAT.into(),
+        version: TIER_VERSION,
+        copy: name.to_string(),
+    };
+    let json = serde_json::to_vec(&marker).map_err(|e| LoaderError::InvalidPlan {
+        detail: format!("encoding the marker of tier copy {name}: {e}"),
+    })?;
+    let marker_path = temporary.join(COPY_MARKER);
+    std::fs::write(&marker_path, json).map_err(|e| io("writing", &marker_path, e))?;
+    match std::fs::rename(&temporary, &copy) {
+        Ok(()) => Ok(()),
+        // Another rank of this node put its marked folder there first (a non-empty target:
+        // ENOTEMPTY or EEXIST); ours goes.
+        Err(_) if std::fs::symlink_metadata(&copy).is_ok() => {
+            let _ = std::fs::remove_dir_all(&temporary);
+            if is_copy_dir(&copy) {
+                Ok(())
+            } else {
+                Err(refuse())
+            }
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&temporary);
+            Err(io("renaming", &temporary, e))
+        }
+    }
 }
 
 /// Milliseconds since the epoch, for [`TierRecord::saved_unix_ms`].
@@ -273,7 +459,10 @@ impl TierCandidates {
 /// several steps), unreadable ones and ones naming a file the checkpoint lacks are reported.
 pub fn find_candidates(dir: &FsPath, meta: &CheckpointMeta, identity: &str) -> TierCandidates {
     let mut found = TierCandidates::default();
-    let Ok(copies) = std::fs::read_dir(dir) else {
+    // The copies' paths are used long after this (reads by position, the tier's store): made
+    // absolute now, so a relative tier (`memory_tier="tier"`) means where it was when found.
+    let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let Ok(copies) = std::fs::read_dir(&dir) else {
         return found;
     };
     let by_path: HashMap<&str, u32> = meta
@@ -334,7 +523,10 @@ fn collect_records(dir: &FsPath, out: &mut Vec<PathBuf>, depth: u32) {
 }
 
 fn read_record(path: &FsPath) -> Result<TierRecord, String> {
-    let bytes = std::fs::read(path).map_err(|e| format!("unreadable record: {e}"))?;
+    let mut bytes = Vec::new();
+    open_regular(path)
+        .and_then(|mut file| std::io::Read::read_to_end(&mut file, &mut bytes))
+        .map_err(|e| format!("unreadable record: {e}"))?;
     let record: TierRecord =
         serde_json::from_slice(&bytes).map_err(|e| format!("not a tier record: {e}"))?;
     if record.format != TIER_FORMAT || record.version != TIER_VERSION {
@@ -355,16 +547,21 @@ fn verify_copy(
     meta: &CheckpointMeta,
 ) -> Result<u64, String> {
     let expected_size = meta.files()[file as usize].size;
-    let handle = File::open(local).map_err(|e| format!("cannot open the copy: {e}"))?;
+    let handle = open_regular(local).map_err(|e| format!("cannot open the copy: {e}"))?;
     let size = handle
         .metadata()
         .map_err(|e| format!("cannot stat the copy: {e}"))?
         .len();
-    if expected_size.is_some_and(|s| s != size) || size != record.size {
+    if let Some(expected) = expected_size.filter(|&s| s != size) {
         return Err(format!(
-            "the copy has {size} bytes but the checkpoint's {} has {}",
-            record.file,
-            expected_size.unwrap_or(record.size)
+            "the copy has {size} bytes but the checkpoint's {} has {expected}",
+            record.file
+        ));
+    }
+    if size != record.size {
+        return Err(format!(
+            "the copy has {size} bytes but its record says {} (of the checkpoint's {})",
+            record.size, record.file
         ));
     }
     // Every entry of the file, tensor boxes and plain values, each named for messages.
@@ -423,13 +620,12 @@ fn verify_copy(
 
 /// The store a load reads through when this node holds tier copies: each held file's store
 /// path is served from its copy, everything else from the checkpoint's store. Writes to a held
-/// file's path are refused.
+/// file's path are refused. A copy is opened only if it is a regular file ([`open_regular`]);
+/// errors name the copy, not the durable file it stands for.
 pub struct TierStore {
     inner: Arc<dyn ObjectStore>,
-    local: LocalFileSystem,
-    /// Store path → the copy's path for the local file system (absolute, without its leading
-    /// slash).
-    files: HashMap<Path, Path>,
+    /// Store path → the copy's local path.
+    files: HashMap<Path, PathBuf>,
 }
 
 impl fmt::Debug for TierStore {
@@ -452,25 +648,57 @@ impl fmt::Display for TierStore {
 }
 
 impl TierStore {
-    /// Serves `files` (store path → local copy) over `inner`.
+    /// Serves `files` (store path → local copy; a relative one is taken from the current
+    /// directory now) over `inner`.
     pub fn new(
         inner: Arc<dyn ObjectStore>,
         files: &HashMap<String, PathBuf>,
     ) -> Result<OverlayStore<Self>, LoaderError> {
         let mut mapped = HashMap::with_capacity(files.len());
         for (path, local) in files {
-            let copy = Path::from_absolute_path(local).map_err(|e| LoaderError::Io {
-                action: "naming",
-                path: local.display().to_string(),
-                source: std::io::Error::other(e.to_string()),
-            })?;
+            let copy = std::path::absolute(local).map_err(|e| io("naming", local, e))?;
             mapped.insert(Path::from(path.as_str()), copy);
         }
         Ok(OverlayStore(Self {
             inner,
-            local: LocalFileSystem::new(),
             files: mapped,
         }))
+    }
+
+    /// The bytes `options` asks of the copy at `copy` (standing for store path `location`).
+    fn get_copy(
+        location: &Path,
+        copy: &FsPath,
+        options: &GetOptions,
+    ) -> object_store::Result<GetResult> {
+        let failed = |what: String| object_store::Error::Generic {
+            store: "memory tier",
+            source: format!("memory-tier copy {} of {location}: {what}", copy.display()).into(),
+        };
+        let file = open_regular(copy).map_err(|e| failed(format!("cannot open it: {e}")))?;
+        let size = file
+            .metadata()
+            .map_err(|e| failed(format!("cannot stat it: {e}")))?
+            .len();
+        let range = match &options.range {
+            Some(range) => range
+                .as_range(size)
+                .map_err(|e| failed(format!("{e} (the copy has {size} bytes)")))?,
+            None => 0..size,
+        };
+        Ok(GetResult {
+            payload: object_store::GetResultPayload::File(file, copy.to_path_buf()),
+            meta: object_store::ObjectMeta {
+                location: location.clone(),
+                last_modified: Default::default(),
+                size,
+                e_tag: None,
+                version: None,
+            },
+            range,
+            attributes: Default::default(),
+            extensions: Default::default(),
+        })
     }
 }
 
@@ -490,7 +718,7 @@ impl Overlay for TierStore {
         options: GetOptions,
     ) -> object_store::Result<GetResult> {
         match self.files.get(location) {
-            Some(copy) => self.local.get_opts(copy, options).await,
+            Some(copy) => Self::get_copy(location, copy, &options),
             None => self.inner.get_opts(location, options).await,
         }
     }

@@ -248,3 +248,211 @@ async fn a_damaged_or_incomplete_copy_is_ignored_and_says_why() {
     let none = find_copies(&tier.path().join("absent"), &checkpoint.meta, &identity);
     assert!(none.files.is_empty() && none.ignored.is_empty());
 }
+
+/// Loads `checkpoint` as a job of `world` ranks (FSDP) that all see `copies` (one node), with
+/// the copies as the plan's sources; every destination's bytes are checked. Returns each rank's
+/// report.
+async fn load_with_copies(
+    checkpoint: &Checkpoint,
+    copies: &TierCopies,
+    world: u32,
+) -> Result<Vec<tessera_loader::load::RankReport>, String> {
+    let mut sources = ReadSources::none();
+    for file in copies.file_indices() {
+        sources.add(file, SourceTier::NodeMemory, 0..world);
+    }
+    let requests = tessera_planner::presets::fsdp(world)
+        .unwrap()
+        .resolve(checkpoint.meta.tensors())
+        .unwrap();
+    let plan = checkpoint
+        .plan_with_sources(&requests, &PlanOptions::default(), &sources)
+        .unwrap();
+    let mesh = InProcTransport::mesh(
+        world,
+        TransportOptions::with_timeout(std::time::Duration::from_secs(20)),
+    );
+    let mut tasks = Vec::new();
+    for (rank, transport) in mesh.into_iter().enumerate() {
+        let view = checkpoint
+            .with_tier_copies(copies)
+            .map_err(|e| e.to_string())?;
+        let rank_plan = plan.rank_plan(rank as u32).unwrap();
+        tasks.push(tokio::spawn(async move {
+            load_rank(&view, rank_plan, &transport, &LoadOptions::default()).await
+        }));
+    }
+    let mut reports = Vec::new();
+    for (rank, task) in tasks.into_iter().enumerate() {
+        let loaded = task
+            .await
+            .unwrap()
+            .map_err(|e| format!("rank {rank}: {e}"))?;
+        for d in 0..loaded.plan.destinations.len() {
+            assert!(
+                loaded.buffers[d] == expected_destination(&loaded.plan, d),
+                "rank {rank} destination {d} holds the wrong bytes"
+            );
+        }
+        reports.push(loaded.report);
+    }
+    Ok(reports)
+}
+
+/// Runs `f` on a thread and waits at most 60 s for it: a call that blocks forever (a FIFO
+/// opened for reading waits for a writer) fails the test instead of hanging it.
+fn bounded<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("{what} did not return within 60 s (blocked in open(2)?)"))
+}
+
+fn mkfifo(path: &FsPath) {
+    let _ = std::fs::remove_file(path);
+    let status = std::process::Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(status.success(), "mkfifo {}", path.display());
+}
+
+/// Issue 41 item 7: a FIFO in place of a copy (its record intact) is ignored, naming it, and
+/// read from storage; finding the copies returns instead of blocking in `open(2)` for a writer
+/// that never comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_in_place_of_a_copy_is_ignored_and_read_from_storage() {
+    let (_dir, checkpoint) = synth_saved_by_rows(2).await;
+    let identity = checkpoint.meta.identity().unwrap().to_string();
+    let tier = tempfile::tempdir().unwrap();
+    let fifo = leave_copy(&checkpoint, tier.path(), 0, &identity);
+    let good = leave_copy(&checkpoint, tier.path(), 1, &identity);
+    mkfifo(&fifo);
+    let (dir, meta, id) = (
+        tier.path().to_path_buf(),
+        checkpoint.meta.clone(),
+        identity.clone(),
+    );
+    let found = bounded("find_copies", move || find_copies(&dir, &meta, &id));
+    assert_eq!(found.file_indices(), vec![1], "{:?}", found.ignored);
+    assert_eq!(found.files[&1], good);
+    assert_eq!(found.ignored.len(), 1, "{:?}", found.ignored);
+    let why = &found.ignored[0];
+    assert!(
+        why.contains(&fifo.display().to_string()) && why.contains("a FIFO"),
+        "{why}"
+    );
+    let reports = load_with_copies(&checkpoint, &found, 2).await.unwrap();
+    assert!(reports.iter().any(|r| r.bytes_from_memory_tier > 0));
+}
+
+/// Issue 41 item 13: a tier named by a relative path is found and read like the absolute one
+/// (its copies' paths were given to a store that takes only absolute ones).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relative_tier_path_loads_like_the_absolute_one() {
+    let (_dir, checkpoint) = synth_saved_by_rows(2).await;
+    let identity = checkpoint.meta.identity().unwrap().to_string();
+    let tier = tempfile::tempdir().unwrap();
+    for file in 0..2 {
+        leave_copy(&checkpoint, tier.path(), file, &identity);
+    }
+    // The same directory, from the current one: `../../tmp/...`.
+    let cwd = std::env::current_dir().unwrap();
+    let up = cwd.components().count() - 1;
+    let relative: std::path::PathBuf = std::iter::repeat_n(std::path::Component::ParentDir, up)
+        .map(|c| c.as_os_str().to_owned())
+        .chain(
+            tier.path()
+                .components()
+                .skip(1)
+                .map(|c| c.as_os_str().to_owned()),
+        )
+        .collect();
+    assert!(relative.is_relative());
+    let found = find_copies(&relative, &checkpoint.meta, &identity);
+    assert_eq!(found.file_indices(), vec![0, 1], "{:?}", found.ignored);
+    let reports = load_with_copies(&checkpoint, &found, 2).await.unwrap();
+    let from_tier: u64 = reports.iter().map(|r| r.bytes_from_memory_tier).sum();
+    let read: u64 = reports.iter().map(|r| r.bytes_read).sum();
+    assert_eq!(from_tier, read);
+}
+
+/// Issue 41 item 14: a record whose size is not its copy's says both numbers.
+#[tokio::test]
+async fn a_record_of_the_wrong_size_says_both_sizes() {
+    let (_dir, checkpoint) = synth_saved_by_rows(2).await;
+    let identity = checkpoint.meta.identity().unwrap().to_string();
+    let tier = tempfile::tempdir().unwrap();
+    let copy = leave_copy(&checkpoint, tier.path(), 0, &identity);
+    let record_path = format!("{}.tier.json", copy.display());
+    let mut record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&record_path).unwrap()).unwrap();
+    let size = record["size"].as_u64().unwrap();
+    record["size"] = serde_json::json!(size + 4096);
+    std::fs::write(&record_path, record.to_string()).unwrap();
+    let found = find_copies(tier.path(), &checkpoint.meta, &identity);
+    assert!(found.files.is_empty());
+    let why = &found.ignored[0];
+    assert!(
+        why.contains(&format!("the copy has {size} bytes"))
+            && why.contains(&format!("its record says {}", size + 4096)),
+        "{why}"
+    );
+}
+
+/// Issue 41 item 10: copies that change after the load verified them (a byte flipped, truncated,
+/// a FIFO swapped in) no longer fail the load blaming the intact durable file: each such read
+/// comes from storage instead, the bytes are right, and the report names the copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_that_changes_after_its_check_is_read_from_storage_and_named() {
+    for change in ["flip", "truncate", "fifo"] {
+        let (_dir, checkpoint) = synth_saved_by_rows(2).await;
+        let identity = checkpoint.meta.identity().unwrap().to_string();
+        let tier = tempfile::tempdir().unwrap();
+        for file in 0..2 {
+            leave_copy(&checkpoint, tier.path(), file, &identity);
+        }
+        let found = find_copies(tier.path(), &checkpoint.meta, &identity);
+        assert_eq!(found.file_indices(), vec![0, 1], "{:?}", found.ignored);
+        let changed = found.files[&1].clone();
+        match change {
+            "flip" => {
+                let mut bytes = std::fs::read(&changed).unwrap();
+                for at in (0..bytes.len()).step_by(4096) {
+                    bytes[at] ^= 0x5a;
+                }
+                std::fs::write(&changed, &bytes).unwrap();
+            }
+            "truncate" => {
+                let len = std::fs::metadata(&changed).unwrap().len();
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&changed)
+                    .unwrap()
+                    .set_len(len / 3)
+                    .unwrap();
+            }
+            _ => mkfifo(&changed),
+        }
+        let (ckpt, copies) = (checkpoint.clone(), found.clone());
+        let handle = tokio::runtime::Handle::current();
+        let outcome = bounded("the load", move || {
+            handle.block_on(load_with_copies(&ckpt, &copies, 2))
+        });
+        let reports = outcome.unwrap_or_else(|e| panic!("{change}: {e}"));
+        let named: Vec<&String> = reports
+            .iter()
+            .flat_map(|r| &r.memory_tier_fallbacks)
+            .collect();
+        assert!(!named.is_empty(), "{change}: no fallback reported");
+        for why in &named {
+            assert!(
+                why.contains(&changed.display().to_string())
+                    && why.contains("read from storage instead"),
+                "{change}: {why}"
+            );
+        }
+    }
+}

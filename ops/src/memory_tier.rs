@@ -4,6 +4,11 @@
 //! and prunes the tier to its budget: the newest `keep` copies, at most `max_bytes`. A save that
 //! fails or is killed before its commit leaves no record, so its bytes never count; the next
 //! prune (or `tessera gc --memory-tier`) removes them.
+//!
+//! A tier is often shared (`/dev/shm`) and may be named by mistake (the checkpoints' root): the
+//! prune removes only folders tessera provably made there (their marker,
+//! [`tessera_loader::tier::is_copy_dir`]), and a tier that is, holds or lies inside a
+//! checkpoint is refused before a save writes anything ([`check_tier_dir`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -12,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::tier::{
     RECORD_SUFFIX, TIER_FORMAT, TIER_VERSION, TierCandidates, TierCopies, TierEntry, TierRecord,
-    Verified, copy_dir_name, find_candidates, find_copies, now_unix_ms, write_copy,
+    Verified, copy_dir_name, find_candidates, find_copies, is_copy_dir, now_unix_ms, write_copy,
 };
 use tessera_metadata::formats::native::{Manifest, WrittenFile};
 use tessera_metadata::{CheckpointMeta, TensorMeta};
@@ -244,9 +249,11 @@ struct CopyDir {
 }
 
 /// Prunes the tier at `dir` to the newest `keep` complete copies and at most `max_bytes`, never
-/// removing the copy folder named `protect` (the one just left). Folders without any record
-/// older than the oldest kept copy are what died saves left, and go too. `dry_run` removes
-/// nothing. A missing `dir` is an empty tier.
+/// removing the copy folder named `protect` (the one just left). Copy folders without any record
+/// older than the oldest kept copy are what died saves left, and go too. Only copy folders
+/// tessera made count ([`is_copy_dir`]); nothing else there is listed or touched, and a `dir`
+/// that is, holds or lies inside a checkpoint is refused ([`check_tier_dir`]). `dry_run`
+/// removes nothing. A missing `dir` is an empty tier.
 pub fn prune(
     dir: &Path,
     keep: usize,
@@ -254,6 +261,7 @@ pub fn prune(
     protect: Option<&str>,
     dry_run: bool,
 ) -> Result<Pruned, OpsError> {
+    check_tier_dir(dir, None)?;
     let mut copies = Vec::new();
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
@@ -262,7 +270,9 @@ pub fn prune(
     };
     for entry in entries.flatten() {
         let path = entry.path();
-        if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+        // Only folders tessera made (their marker): anything else in a shared tier is another
+        // program's, however old and whatever it holds.
+        if !entry.file_type().is_ok_and(|t| t.is_dir()) || !is_copy_dir(&path) {
             continue;
         }
         let mut copy = CopyDir {
@@ -343,6 +353,130 @@ fn survey(dir: &Path, copy: &mut CopyDir, depth: u32) {
             copy.saved = Some(copy.saved.map_or(saved, |s| s.max(saved)));
         }
     }
+}
+
+/// Files whose presence makes a folder a checkpoint (or one being saved): native's manifest,
+/// metadata and write claim, DCP's `.metadata`, and a run's `latest` pointer next to its steps.
+const CHECKPOINT_FILES: [&str; 5] = [
+    tessera_metadata::formats::native::MANIFEST_FILE,
+    tessera_metadata::formats::native::METADATA_FILE,
+    tessera_metadata::formats::native::LATEST_FILE,
+    crate::claim::CLAIM_FILE,
+    ".metadata",
+];
+
+/// Folders looked at below a tier for checkpoints it holds: the tier's own folders and theirs
+/// (`root/step-3`, `root/run/step-3`); a shared tier (`/dev/shm`) may hold many.
+const CHECK_DEPTH: u32 = 2;
+
+/// Entries of one folder looked at for checkpoints: bounds the check in a crowded shared tier.
+const CHECK_ENTRIES: usize = 4096;
+
+/// Refuses a memory tier at `dir` that would mix tessera's copies with checkpoints, which the
+/// prune of its copies must never meet: `dir` is a checkpoint (or a run's root, with `latest`),
+/// lies inside one, or holds one up to [`CHECK_DEPTH`] folders down (the checkpoints' root given
+/// as the tier); or `checkpoint` (the local folder of the checkpoint being saved) is `dir` or
+/// inside it, or holds it. An empty path is refused (it would be the current directory).
+pub fn check_tier_dir(dir: &Path, checkpoint: Option<&Path>) -> Result<(), OpsError> {
+    let refuse = |why: String| {
+        Err(OpsError::invalid(format!(
+            "memory tier {}: {why}; a memory tier is a directory of its own (e.g. \
+             /dev/shm/tessera/<run>) that holds only the copies tessera leaves there",
+            dir.display()
+        )))
+    };
+    if dir.as_os_str().is_empty() {
+        return refuse("an empty path (it would be the current directory)".into());
+    }
+    let tier = resolved(dir);
+    if let Some(checkpoint) = checkpoint {
+        let checkpoint = resolved(checkpoint);
+        if checkpoint.starts_with(&tier) {
+            return refuse(format!(
+                "the checkpoint being saved, {}, would be inside it",
+                checkpoint.display()
+            ));
+        }
+        if tier.starts_with(&checkpoint) {
+            return refuse(format!(
+                "it is inside the checkpoint being saved, {}",
+                checkpoint.display()
+            ));
+        }
+    }
+    for folder in tier.ancestors() {
+        if let Some(file) = checkpoint_file(folder) {
+            let what = if folder == tier {
+                "it is"
+            } else {
+                "it is inside"
+            };
+            return refuse(format!("{what} {}", checkpoint_named(folder, file)));
+        }
+    }
+    if let Some((folder, file)) = holds_checkpoint(&tier, 1) {
+        return refuse(format!("it holds {}", checkpoint_named(&folder, file)));
+    }
+    Ok(())
+}
+
+/// `folder`, which has `file` ([`CHECKPOINT_FILES`]), as a refusal names it.
+fn checkpoint_named(folder: &Path, file: &str) -> String {
+    if file == tessera_metadata::formats::native::LATEST_FILE {
+        format!(
+            "the run of checkpoints {} (it has {file})",
+            folder.display()
+        )
+    } else {
+        format!("the checkpoint {} (it has {file})", folder.display())
+    }
+}
+
+/// `path` absolute, through its symbolic links as far as it exists (a tier need not exist yet).
+fn resolved(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(real) = std::fs::canonicalize(existing) {
+            return rest.iter().rev().fold(real, |p, part| p.join(part));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                existing = parent;
+            }
+            _ => return absolute,
+        }
+    }
+}
+
+/// The file that makes `folder` a checkpoint, if it has one ([`CHECKPOINT_FILES`]).
+fn checkpoint_file(folder: &Path) -> Option<&'static str> {
+    CHECKPOINT_FILES
+        .into_iter()
+        .find(|f| std::fs::symlink_metadata(folder.join(f)).is_ok())
+}
+
+/// A checkpoint in the folders under `dir` (`depth` levels below the tier), not looking into
+/// tier copies or through symbolic links.
+fn holds_checkpoint(dir: &Path, depth: u32) -> Option<(PathBuf, &'static str)> {
+    let entries = std::fs::read_dir(dir).ok()?;
+    for entry in entries.flatten().take(CHECK_ENTRIES) {
+        let path = entry.path();
+        if !entry.file_type().is_ok_and(|t| t.is_dir()) || is_copy_dir(&path) {
+            continue;
+        }
+        if let Some(file) = checkpoint_file(&path) {
+            return Some((path, file));
+        }
+        if depth < CHECK_DEPTH
+            && let Some(found) = holds_checkpoint(&path, depth + 1)
+        {
+            return Some(found);
+        }
+    }
+    None
 }
 
 fn io_error(action: &str, path: &Path, e: std::io::Error) -> OpsError {

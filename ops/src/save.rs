@@ -449,7 +449,15 @@ async fn save_durable<T: Transport>(
     transport: &T,
 ) -> Result<(Saved, Option<WrittenFile>), OpsError> {
     let world = transport.world();
-    let opened = open_store(path, options);
+    // A memory tier that is, holds or lies inside a checkpoint fails the save like a bad
+    // location does, before anything is written: its prune must never meet a checkpoint.
+    let opened = open_store(path, options).and_then(|opened| {
+        if let Some(tier) = &options.memory_tier {
+            let checkpoint = tessera_storage::local_directory(path);
+            crate::memory_tier::check_tier_dir(&tier.dir, checkpoint.as_deref())?;
+        }
+        Ok(opened)
+    });
     if transport.rank() != 0 {
         return save_other_rank(path, options, opened, all, data, objects, transport).await;
     }

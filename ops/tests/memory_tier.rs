@@ -38,6 +38,19 @@ fn holdings() -> Vec<Holdings> {
 }
 
 async fn save_step(root: &Path, step: u64, tiers: &[&Path; 2]) -> Vec<Option<u64>> {
+    try_save_step(root, step, tiers)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect()
+}
+
+/// [`save_step`], each rank's outcome as it is.
+async fn try_save_step(
+    root: &Path,
+    step: u64,
+    tiers: &[&Path; 2],
+) -> Vec<Result<Option<u64>, String>> {
     let path = root.join(format!("step-{step}")).display().to_string();
     let all = holdings();
     let mesh = InProcTransport::mesh(
@@ -59,13 +72,8 @@ async fn save_step(root: &Path, step: u64, tiers: &[&Path; 2]) -> Vec<Option<u64
             let b: Vec<u8> = (0..32u8).map(|i| i.wrapping_mul(step as u8)).collect();
             let saved = save_rank(&path, &options, &all, &[&w, &b], &[], &transport)
                 .await
-                .unwrap();
-            saved
-                .memory_tier
-                .unwrap()
-                .unwrap()
-                .path
-                .map(|_| rank as u64)
+                .map_err(|e| e.to_string())?;
+            Ok(saved.memory_tier.unwrap()?.path.map(|_| rank as u64))
         }));
     }
     let mut out = Vec::new();
@@ -140,6 +148,15 @@ fn prune_keeps_the_newest_copies_within_the_budget_and_drops_what_died_saves_lef
     let copy = |name: &str, saved: u64, bytes: usize, record: bool| {
         let dir = tier.path().join(name).join("data");
         std::fs::create_dir_all(&dir).unwrap();
+        // What makes a folder a copy tessera may remove (`write_copy` writes it first).
+        let marker = serde_json::json!({
+            "format": "tessera-memory-tier", "version": 1, "copy": name,
+        });
+        std::fs::write(
+            tier.path().join(name).join(".tessera-tier-copy.json"),
+            marker.to_string(),
+        )
+        .unwrap();
         std::fs::write(dir.join("rank-0.bin"), vec![7u8; bytes]).unwrap();
         if record {
             let json = serde_json::json!({
@@ -150,15 +167,15 @@ fn prune_keeps_the_newest_copies_within_the_budget_and_drops_what_died_saves_lef
             std::fs::write(dir.join("rank-0.bin.tier.json"), json.to_string()).unwrap();
         }
     };
-    copy("old", 1, 1000, true);
-    copy("mid", 2, 1000, true);
-    copy("new", 3, 1000, true);
+    copy("step-1-0ld", 1, 1000, true);
+    copy("step-2-m1d", 2, 1000, true);
+    copy("step-3-new", 3, 1000, true);
     // A save that died before its record: older (by mtime) than every kept copy once they are
     // rewritten below.
-    copy("dead", 0, 500, false);
+    copy("step-9-dead", 0, 500, false);
     std::thread::sleep(std::time::Duration::from_millis(20));
-    copy("mid", u64::MAX / 2, 1000, true);
-    copy("new", u64::MAX / 2 + 1, 1000, true);
+    copy("step-2-m1d", u64::MAX / 2, 1000, true);
+    copy("step-3-new", u64::MAX / 2 + 1, 1000, true);
 
     let dry = prune(tier.path(), 2, None, None, true).unwrap();
     let names = |paths: &[std::path::PathBuf]| -> Vec<String> {
@@ -169,19 +186,22 @@ fn prune_keeps_the_newest_copies_within_the_budget_and_drops_what_died_saves_lef
         n.sort();
         n
     };
-    assert_eq!(names(&dry.kept), ["mid", "new"]);
-    assert_eq!(names(&dry.removed), ["dead", "old"]);
+    assert_eq!(names(&dry.kept), ["step-2-m1d", "step-3-new"]);
+    assert_eq!(names(&dry.removed), ["step-1-0ld", "step-9-dead"]);
     assert!(
-        tier.path().join("old").exists(),
+        tier.path().join("step-1-0ld").exists(),
         "a dry run removes nothing"
     );
 
     // A byte budget below two copies keeps the newest (and never the protected one's loss).
-    let done = prune(tier.path(), 2, Some(1500), Some("mid"), false).unwrap();
-    assert_eq!(names(&done.kept), ["mid"]);
-    assert_eq!(names(&done.removed), ["dead", "new", "old"]);
-    assert!(!tier.path().join("old").exists() && !tier.path().join("dead").exists());
-    assert!(tier.path().join("mid").exists());
+    let done = prune(tier.path(), 2, Some(1500), Some("step-2-m1d"), false).unwrap();
+    assert_eq!(names(&done.kept), ["step-2-m1d"]);
+    assert_eq!(
+        names(&done.removed),
+        ["step-1-0ld", "step-3-new", "step-9-dead"]
+    );
+    assert!(!tier.path().join("step-1-0ld").exists() && !tier.path().join("step-9-dead").exists());
+    assert!(tier.path().join("step-2-m1d").exists());
     // A missing tier is empty.
     assert_eq!(
         prune(&tier.path().join("absent"), 2, None, None, false).unwrap(),
@@ -255,4 +275,108 @@ async fn the_ranks_of_a_node_split_the_verification_and_share_the_copies() {
         assert!(sources.cheapest(damaged).is_none());
     }
     assert!(settled[2].2.ignored.is_empty());
+}
+
+/// Issue 41 item 6: a tier given the checkpoints' root (or a folder inside a checkpoint) is
+/// refused when the save starts, before anything is written, and the committed steps there stay
+/// whole; the prune would have taken every step folder without a record for a dead save's copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tier_that_holds_or_is_inside_checkpoints_is_refused_before_the_save_writes() {
+    let root = tempfile::tempdir().unwrap();
+    let (node_a, node_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    for step in 1..=2 {
+        save_step(root.path(), step, &[node_a.path(), node_b.path()]).await;
+    }
+    let manifests = |root: &Path| -> Vec<bool> {
+        (1..=3)
+            .map(|s| root.join(format!("step-{s}/manifest.json")).is_file())
+            .collect()
+    };
+    assert_eq!(manifests(root.path()), [true, true, false]);
+    for tier in [
+        root.path().to_path_buf(),
+        root.path().join("step-1").join("data"),
+    ] {
+        let outcomes = try_save_step(root.path(), 3, &[&tier, &tier]).await;
+        for (rank, outcome) in outcomes.iter().enumerate() {
+            let Err(e) = outcome else {
+                panic!(
+                    "rank {rank}: a save with the tier {} succeeded",
+                    tier.display()
+                );
+            };
+            assert!(
+                e.contains("memory tier") && e.contains(&tier.display().to_string()),
+                "rank {rank}: {e}"
+            );
+        }
+        assert_eq!(
+            manifests(root.path()),
+            [true, true, false],
+            "{}",
+            tier.display()
+        );
+        assert!(
+            !root.path().join("step-3").join("data").exists(),
+            "nothing of step 3 is written"
+        );
+        for step in 1..=2 {
+            Checkpoint::open(
+                tessera_storage::open(
+                    &root
+                        .path()
+                        .join(format!("step-{step}"))
+                        .display()
+                        .to_string(),
+                )
+                .unwrap(),
+            )
+            .await
+            .unwrap();
+        }
+    }
+    // The refusal names what it found.
+    let e = &try_save_step(root.path(), 3, &[root.path(), root.path()]).await[0];
+    let e = e.as_ref().unwrap_err();
+    assert!(e.contains("step-1") || e.contains("step-3"), "{e}");
+}
+
+/// Issue 41 item 6: a shared tier (`/dev/shm`) holds another program's folders; the prune of
+/// every save leaves them (and what they hold) alone, however old, and lists only copies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prune_removes_only_copies_tessera_made() {
+    let root = tempfile::tempdir().unwrap();
+    let (node_a, node_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    // Older than every copy: what the prune took for the copy of a save that died.
+    let foreign = node_a.path().join("another-program");
+    std::fs::create_dir_all(foreign.join("data")).unwrap();
+    std::fs::write(foreign.join("data").join("rank-0.bin"), b"not ours").unwrap();
+    // A folder named as a copy would be, without the marker: not ours either.
+    let lookalike = node_a.path().join("step-1-0123456789ab");
+    std::fs::create_dir_all(&lookalike).unwrap();
+    std::fs::write(lookalike.join("notes.txt"), b"kept").unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    for step in 1..=3 {
+        save_step(root.path(), step, &[node_a.path(), node_b.path()]).await;
+    }
+    assert_eq!(
+        std::fs::read(foreign.join("data").join("rank-0.bin")).unwrap(),
+        b"not ours"
+    );
+    assert_eq!(std::fs::read(lookalike.join("notes.txt")).unwrap(), b"kept");
+    let dry = prune(node_a.path(), 1, None, None, true).unwrap();
+    for path in dry.removed.iter().chain(&dry.kept) {
+        let name = path.file_name().unwrap().to_string_lossy();
+        assert!(
+            name.starts_with("step-2-") || name.starts_with("step-3-"),
+            "{name} is listed as a copy"
+        );
+        assert_ne!(path, &lookalike);
+    }
+    assert_eq!((dry.kept.len(), dry.removed.len()), (1, 1), "{dry:?}");
+    // A budget of nothing removes every copy, and still nothing else.
+    let done = prune(node_a.path(), 1, Some(0), None, false).unwrap();
+    assert_eq!((done.kept.len(), done.removed.len()), (0, 2), "{done:?}");
+    assert!(foreign.join("data").join("rank-0.bin").is_file());
+    assert!(lookalike.join("notes.txt").is_file());
 }

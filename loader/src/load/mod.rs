@@ -78,6 +78,10 @@ pub struct RankReport {
     /// (`bytes_read - bytes_from_memory_tier`).
     #[serde(default)]
     pub bytes_from_storage: u64,
+    /// Memory-tier copies that failed a read after they were verified (changed, truncated,
+    /// replaced), each named with why; what this rank read of them came from storage instead.
+    #[serde(default)]
+    pub memory_tier_fallbacks: Vec<String>,
     /// Bytes requested (read + checksum-block extension).
     pub bytes_fetched: u64,
     /// Of `bytes_fetched`, the bytes only verification needed (whole checksum blocks around
@@ -239,6 +243,7 @@ impl RankReport {
             bytes_read: stats.bytes_needed,
             bytes_from_memory_tier: stats.bytes_from_local_copies,
             bytes_from_storage: stats.bytes_needed - stats.bytes_from_local_copies,
+            memory_tier_fallbacks: stats.local_copy_fallbacks.clone(),
             bytes_fetched: stats.bytes_fetched,
             verify_extra_bytes: stats.verify_extra_bytes,
             read_amplification: ratio(

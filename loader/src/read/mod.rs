@@ -84,6 +84,9 @@ pub struct ReadStats {
     /// Of `bytes_needed`, the bytes of files read from local copies instead of the checkpoint's
     /// storage ([`ReadOptions::local_files`]: a memory tier's).
     pub bytes_from_local_copies: u64,
+    /// Local copies that failed a read (a changed byte, a truncation, not a regular file): each
+    /// named with why. Their bytes were read from the checkpoint's storage instead.
+    pub local_copy_fallbacks: Vec<String>,
     /// Bytes fetched only to complete checksum blocks.
     pub verify_extra_bytes: u64,
     /// Bytes checked against block checksums (0 when not verifying).
@@ -681,6 +684,7 @@ async fn read_runs(
         pieces,
         bytes_needed,
         bytes_from_local_copies,
+        local_copy_fallbacks: Vec::new(),
         bytes_fetched: schedule.bytes_fetched + positioned_bytes,
         verify_extra_bytes: if scheduler.verifying() || !checks.is_empty() {
             schedule.bytes_fetched.saturating_sub(needed_union)

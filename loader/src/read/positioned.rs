@@ -91,7 +91,13 @@ impl LocalPaths {
     /// naming the store path, as a read through the store says.
     pub(crate) fn open(&self, path: &object_store::path::Path) -> Result<File, LoaderError> {
         match (self.files.get(path.as_ref()), &self.root) {
-            (Some(file), _) => open_file(file, path),
+            // A memory-tier copy: only ever a regular file, opened without blocking (a FIFO in
+            // its place must not hold the load in `open(2)`); errors name the copy.
+            (Some(file), _) => crate::tier::open_regular(file).map_err(|e| LoaderError::Io {
+                action: "opening the memory-tier copy",
+                path: format!("{} (of {path})", file.display()),
+                source: e,
+            }),
             (None, Some(root)) => open_local(root, path),
             (None, None) => Err(LoaderError::MissingFile {
                 path: path.to_string(),
