@@ -560,3 +560,131 @@ fn dcp_and_safetensors_checkpoints_are_served_planned_and_loaded_like_torch() {
         check_reference(&dump, &json(&dir.join(format!("reference_{layout}.json"))));
     }
 }
+
+/// A one-rank DCP checkpoint torch 2.15 saved with DCP's ZStandard extension (every blob, tensors
+/// and objects, one zstd stream): `tests/fixtures/dcp_zstd_w1`, written by its `make.py`.
+fn zstd_fixture(into: &Path) -> PathBuf {
+    let to = into.join("ckpt");
+    support::copy_dir_writable(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dcp_zstd_w1/ckpt"),
+        &to,
+    );
+    to
+}
+
+/// The row-major bytes `make.py` saved for each tensor of the zstd fixture.
+fn zstd_fixture_tensors() -> HashMap<&'static str, (Vec<u64>, Vec<u8>)> {
+    let f32s = |v: Vec<f32>| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    // bfloat16 of small integers: the top half of their float32.
+    let bf16s = |v: Vec<f32>| {
+        v.iter()
+            .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
+    let w = (0..64 * 32).map(|i| i as f32 * 0.25).collect();
+    let e = (0..48).map(|i| i as f32 - 7.0).collect();
+    // The transpose of a [16, 24] arange: element (r, c) is c * 24 + r.
+    let t = (0..24)
+        .flat_map(|r| (0..16).map(move |c| (c * 24 + r) as f32))
+        .collect();
+    HashMap::from([
+        ("w", (vec![64, 32], f32s(w))),
+        ("e", (vec![12, 4], bf16s(e))),
+        ("t", (vec![24, 16], f32s(t))),
+        ("zeros", (vec![256, 256], vec![0u8; 256 * 256 * 4])),
+    ])
+}
+
+/// `verify` and `convert` read a compressed DCP checkpoint through its decoded bytes, as `load`
+/// does: every storage's and object's zip CRC-32 checked over the decoded bytes, the conversions
+/// give back what torch saved.
+#[test]
+fn zstd_dcp_checkpoints_verify_and_convert() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = zstd_fixture(tmp.path());
+    let text = ok(["verify", s(&dir)]).text();
+    assert!(
+        text.contains(": ok, PyTorch DCP: metadata, 6 blob headers and byte ranges are consistent; 4 tensor storages and 2 objects match their zip CRC-32"),
+        "{text}"
+    );
+
+    let expected = zstd_fixture_tensors();
+    let hf = tmp.path().join("hf");
+    ok([
+        "convert",
+        s(&dir),
+        "--format",
+        "safetensors",
+        "--out",
+        s(&hf),
+    ]);
+    let got = tensors_of(&hf.join("model-00001-of-00001.safetensors"));
+    assert_eq!(got.len(), expected.len());
+    for (fqn, (shape, bytes)) in &expected {
+        assert_eq!(&got[*fqn].0, shape, "{fqn}");
+        support::assert_same_bytes(&got[*fqn].1, bytes, fqn);
+    }
+
+    // A resharding conversion to native, verified, loaded back whole.
+    let layout = tmp.path().join("layout.json");
+    std::fs::write(
+        &layout,
+        r#"{"mesh": [{"name": "dp", "size": 2}], "rules": [{"match": "*", "placements": ["shard(0)"]}]}"#,
+    )
+    .unwrap();
+    let native = tmp.path().join("native/step-000011");
+    ok([
+        "convert",
+        s(&dir),
+        "--layout",
+        s(&layout),
+        "--out",
+        s(&native),
+    ]);
+    assert!(ok(["verify", s(&native)]).text().contains(": ok"));
+    let back = tmp.path().join("back");
+    ok([
+        "convert",
+        s(&native),
+        "--format",
+        "safetensors",
+        "--out",
+        s(&back),
+    ]);
+    let got = tensors_of(&back.join("model-00001-of-00001.safetensors"));
+    for (fqn, (_, bytes)) in &expected {
+        support::assert_same_bytes(&got[*fqn].1, bytes, fqn);
+    }
+}
+
+/// A byte flipped inside a compressed blob's stream is found by `verify` (and stops `convert`),
+/// naming the real file, the blob's byte range in it and the tensor.
+#[test]
+fn a_flipped_byte_in_a_zstd_dcp_blob_fails_verification_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = zstd_fixture(tmp.path());
+    // Tensor w's blob is bytes 914..6470 of __0_0.distcp (5556 compressed bytes of 8 KiB of
+    // storage); its middle holds the storage's literals, past the zip headers.
+    let distcp = dir.join("__0_0.distcp");
+    let mut bytes = std::fs::read(&distcp).unwrap();
+    bytes[914 + 2778] ^= 0x01;
+    std::fs::write(&distcp, &bytes).unwrap();
+    let blob = "bad blob in __0_0.distcp bytes 914..6470 (tensor w chunk [0..64, 0..32]): decoded from zstd: ";
+    let err = support::fails_verifying(["verify", s(&dir)]);
+    assert!(err.contains(blob), "{err}");
+    let hf = tmp.path().join("hf");
+    let err = support::fails_verifying([
+        "convert",
+        s(&dir),
+        "--format",
+        "safetensors",
+        "--out",
+        s(&hf),
+    ]);
+    assert!(
+        err.contains("before converting it (nothing was written"),
+        "{err}"
+    );
+    assert!(err.contains(blob), "{err}");
+    assert!(!hf.join("model.safetensors.index.json").exists());
+}

@@ -10,10 +10,11 @@ mod dcp_support;
 use std::path::{Path, PathBuf};
 
 use dcp_support::{
-    MetadataStyle, Properties, TensorSpec, dcp_metadata, expected, fixtures, open, read_tensor,
-    sha256,
+    MetadataStyle, Properties, TensorSpec, dcp_metadata, dcp_metadata_with_objects, expected,
+    fixtures, open, read_tensor, runtime, sha256, store_for,
 };
-use tessera_metadata::{DType, Format};
+use tessera_metadata::formats::dcp::{DcpVerifyReport, verify_dcp};
+use tessera_metadata::{DType, Format, OpenedCheckpoint};
 
 /// Blobs of fixture a: (fqn, offset, length) in `a_w1_plain/__0_0.distcp`.
 const BLOBS: [(&str, u64, u64); 4] = [
@@ -172,6 +173,146 @@ fn zstd_blobs_are_read_through_their_decoded_bytes() {
     assert_eq!(file.path, encoded.file_name());
     // The zip's CRC-32 still covers the decoded storage.
     assert!(chunk.crc32.is_some());
+}
+
+/// Writes `<tmp>/ckpt` with every blob of [`BLOBS`] (the object too) compressed as DCP's
+/// ZStandard extension writes it, `edit` applied to each decoded blob first (by its index).
+fn all_zstd(tmp: &Path, edit: impl Fn(usize, &mut Vec<u8>)) -> PathBuf {
+    let source = std::fs::read(fixtures().join("a_w1_plain/__0_0.distcp")).unwrap();
+    let mut data = Vec::new();
+    let mut at = Vec::new();
+    for (i, (_, offset, length)) in BLOBS.into_iter().enumerate() {
+        let mut blob = source[offset as usize..(offset + length) as usize].to_vec();
+        edit(i, &mut blob);
+        let packed = zstd::bulk::compress(&blob, 3).unwrap();
+        at.push((data.len() as u64, packed.len() as u64));
+        data.extend_from_slice(&packed);
+    }
+    let dir = tmp.join("ckpt");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("__0_0.distcp"), &data).unwrap();
+    let (f, z) = ("__0_0.distcp", vec!["stream.zstd/1"]);
+    let tensors = [
+        TensorSpec {
+            fqn: "model.final_ln.bias",
+            dtype: "float32",
+            shape: vec![64],
+            chunks: vec![(vec![0], vec![64], f, at[1].0, at[1].1, z.clone())],
+        },
+        TensorSpec {
+            fqn: "model.lm_head.weight",
+            dtype: "float32",
+            shape: vec![96, 64],
+            chunks: vec![(vec![0, 0], vec![96, 64], f, at[2].0, at[2].1, z.clone())],
+        },
+        TensorSpec {
+            fqn: "train_step",
+            dtype: "int64",
+            shape: vec![],
+            chunks: vec![(vec![], vec![], f, at[3].0, at[3].1, z.clone())],
+        },
+    ];
+    let objects = [(BLOBS[0].0, f, at[0].0, at[0].1, z)];
+    std::fs::write(
+        dir.join(".metadata"),
+        dcp_metadata_with_objects(MetadataStyle::TORCH_2_15, &tensors, &objects),
+    )
+    .unwrap();
+    dir
+}
+
+fn verify(dir: &Path, opened: &OpenedCheckpoint) -> DcpVerifyReport {
+    let (store, prefix) = store_for(dir);
+    runtime()
+        .block_on(verify_dcp(
+            store.as_ref(),
+            &prefix,
+            &opened.meta,
+            opened.dcp().unwrap(),
+            4,
+        ))
+        .unwrap()
+}
+
+/// `verify_dcp` checks a compressed blob's storage CRC-32 over its decoded bytes, and every
+/// member of a compressed object blob, reading the real file (not the decoded file's name).
+#[test]
+fn zstd_blobs_verify_over_their_decoded_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = all_zstd(tmp.path(), |_, _| {});
+    check(&dir);
+    let opened = open(&dir).unwrap();
+    let report = verify(&dir, &opened);
+    assert!(report.is_ok(), "{report:?}");
+    assert_eq!((report.tensors_checked, report.objects_checked), (3, 1));
+    // The decoded storages: 64 + 96 * 64 floats and one int64, and the object's blob.
+    assert!(report.bytes_checked >= (64 + 96 * 64) * 4 + 8, "{report:?}");
+}
+
+/// A storage byte changed before compression decodes cleanly, and is found by its CRC-32; a byte
+/// flipped in the compressed stream is found too. Each names the real file and the blob's
+/// compressed range in it.
+#[test]
+fn zstd_blobs_that_changed_fail_verification_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    // lm_head's storage starts at byte 704 of its blob (fixture a's blob_format_examples.txt).
+    let dir = all_zstd(&tmp.path().join("stored"), |i, blob| {
+        if i == 2 {
+            blob[704 + 100] ^= 0x01;
+        }
+    });
+    let opened = open(&dir).unwrap();
+    let report = verify(&dir, &opened);
+    let [bad] = report.bad.as_slice() else {
+        panic!("{report:?}");
+    };
+    let range = &opened.meta.files()[opened.meta.chunks_of(1)[0].bytes.file as usize]
+        .encoded
+        .clone()
+        .unwrap();
+    assert_eq!(bad.file, "__0_0.distcp");
+    assert_eq!(
+        (bad.start, bad.end),
+        (range.offset, range.offset + range.length)
+    );
+    assert_eq!(
+        bad.entry,
+        "tensor model.lm_head.weight chunk [0..96, 0..64]"
+    );
+    assert!(
+        bad.detail.starts_with("decoded from zstd: storage crc32 "),
+        "{}",
+        bad.detail
+    );
+
+    // A flipped bit in the middle of the compressed object blob (opened before the flip).
+    let dir = all_zstd(&tmp.path().join("flipped"), |_, _| {});
+    let opened = open(&dir).unwrap();
+    let object = &opened.meta.files()[opened.meta.objects()[0].file as usize]
+        .encoded
+        .clone()
+        .unwrap();
+    let path = dir.join("__0_0.distcp");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[(object.offset + object.length / 2) as usize] ^= 0x10;
+    std::fs::write(&path, bytes).unwrap();
+    let report = verify(&dir, &opened);
+    let [bad] = report.bad.as_slice() else {
+        panic!("{report:?}");
+    };
+    assert_eq!(
+        (bad.file.as_str(), bad.entry.as_str()),
+        ("__0_0.distcp", "object optim.param_groups.0.lr")
+    );
+    assert_eq!(
+        (bad.start, bad.end),
+        (object.offset, object.offset + object.length)
+    );
+    assert!(
+        bad.detail.starts_with("decoded from zstd: "),
+        "{}",
+        bad.detail
+    );
 }
 
 #[test]

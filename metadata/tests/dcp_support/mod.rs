@@ -364,6 +364,23 @@ pub fn dcp_metadata(
     tensors: &[TensorSpec],
     objects: &[(&str, &str, u64, u64)],
 ) -> Vec<u8> {
+    let objects: Vec<ObjectSpec> = objects
+        .iter()
+        .map(|&(fqn, file, offset, length)| (fqn, file, offset, length, vec![]))
+        .collect();
+    dcp_metadata_with_objects(style, tensors, &objects)
+}
+
+/// A bytes entry of a hand-written `.metadata`: (fqn, file, byte offset, byte length,
+/// transforms).
+pub type ObjectSpec<'a> = (&'a str, &'a str, u64, u64, Vec<&'static str>);
+
+/// [`dcp_metadata`] with bytes entries that may be stored with transforms.
+pub fn dcp_metadata_with_objects(
+    style: MetadataStyle,
+    tensors: &[TensorSpec],
+    objects: &[ObjectSpec],
+) -> Vec<u8> {
     const M: &str = "torch.distributed.checkpoint.metadata";
     let mut w = PickleWriter::new(style.proto);
     w.object(M, "Metadata", |w| {
@@ -478,14 +495,14 @@ pub fn dcp_metadata(
                         info(w, c.2, c.3, c.4, &c.5);
                     }
                 }
-                for (fqn, file, offset, length) in objects {
+                for (fqn, file, offset, length, transforms) in objects {
                     w.object(M, "MetadataIndex", |w| {
                         w.dict(|w| {
                             w.str("fqn").str(fqn);
                             w.str("index").none();
                         });
                     });
-                    info(w, file, *offset, *length, &[]);
+                    info(w, file, *offset, *length, transforms);
                 }
             });
             if style.storage_meta {

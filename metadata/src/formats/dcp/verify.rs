@@ -1,11 +1,14 @@
 //! Integrity of a DCP checkpoint's data: the zip CRC-32 of every tensor's storage member, streamed
-//! from its byte range (bounded memory), and every member of every non-tensor blob.
+//! from its byte range (bounded memory), and every member of every non-tensor blob. Blobs stored
+//! compressed (`stream.zstd/1`) are decoded from their real file as they stream, and checked
+//! over their decoded bytes.
 
 use futures::StreamExt;
 use object_store::path::Path;
 use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt};
 
 use super::{ChunkBlob, DcpDetails};
+use crate::encoded::{DecodeFailure, EncodedRange, decode_from_store};
 use crate::formats::native::{resolve, store_error};
 use crate::formats::torch::zip::read_archive;
 use crate::{CheckpointMeta, DataFile, MetadataError, ObjectMeta};
@@ -124,10 +127,14 @@ async fn check_tensor(
     files: &[DataFile],
     chunk: &ChunkBlob,
 ) -> Result<Outcome, MetadataError> {
-    let file = &files[chunk.file as usize].path;
+    let data_file = &files[chunk.file as usize];
     let Some(expected) = chunk.blob.data_crc32 else {
         return Ok(Outcome::Unchecked);
     };
+    if let Some(encoded) = &data_file.encoded {
+        return check_encoded_tensor(store, prefix, encoded, chunk, expected).await;
+    }
+    let file = &data_file.path;
     let path = resolve(prefix, file)?;
     let start = chunk.offset + chunk.blob.data_offset;
     let end = start + chunk.blob.data_len;
@@ -152,13 +159,143 @@ async fn check_tensor(
     ))
 }
 
+/// A tensor blob stored compressed: its file in the model ([`DataFile::encoded`]) stands for the
+/// decoded bytes and exists nowhere, so the real file's compressed range is decoded (streamed,
+/// to its end: the whole stream is checked, and only the storage's bytes are hashed) and the
+/// storage's CRC-32 computed over the decoded bytes, as the load checks them. A stream that does
+/// not decode is a bad blob like a CRC mismatch, named by the real file and the compressed range.
+async fn check_encoded_tensor(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    encoded: &EncodedRange,
+    chunk: &ChunkBlob,
+    expected: u32,
+) -> Result<Outcome, MetadataError> {
+    let path = resolve(prefix, &encoded.source)?;
+    let start = chunk.offset + chunk.blob.data_offset;
+    let end = start + chunk.blob.data_len;
+    let mut hasher = crc32fast::Hasher::new();
+    let mut covered = 0u64;
+    let mut sink = |offset: u64, bytes: &[u8]| {
+        let (lo, hi) = (start.max(offset), end.min(offset + bytes.len() as u64));
+        if lo < hi {
+            hasher.update(&bytes[(lo - offset) as usize..(hi - offset) as usize]);
+            covered += hi - lo;
+        }
+        true
+    };
+    let decoded = decode_from_store(
+        store,
+        &path,
+        encoded.offset..encoded.offset + encoded.length,
+        encoded.codec,
+        &mut sink,
+    )
+    .await;
+    let detail = match decoded {
+        Err(DecodeFailure::Store(source)) => {
+            return Err(store_error("reading", &path)(source));
+        }
+        Err(DecodeFailure::Invalid(detail)) => detail,
+        Ok(_) if covered != end - start => format!(
+            "the stream decodes to fewer bytes than the storage's end (byte {end}): {covered} of \
+             its {} bytes (changed since it was opened?)",
+            end - start
+        ),
+        Ok(_) => {
+            let actual = hasher.finalize();
+            if actual == expected {
+                return Ok(Outcome::Checked(covered));
+            }
+            format!(
+                "storage crc32 {actual:08x} but the zip records {expected:08x} (decoded bytes \
+                 {start}..{end})"
+            )
+        }
+    };
+    Ok(Outcome::Bad(
+        encoded_bad(encoded, chunk.entry.clone(), detail),
+        covered,
+    ))
+}
+
+/// A bad compressed blob, named by its real file and compressed byte range.
+fn encoded_bad(encoded: &EncodedRange, entry: String, detail: String) -> BadBlob {
+    BadBlob {
+        file: encoded.source.clone(),
+        entry,
+        start: encoded.offset,
+        end: encoded.offset + encoded.length,
+        detail: format!("decoded from {}: {detail}", encoded.codec.name()),
+    }
+}
+
+/// An object blob stored compressed: decoded whole (its length was capped when the checkpoint
+/// was opened; a stream that now decodes to more is refused at that length) and every member
+/// checked as for a plain object blob.
+async fn check_encoded_object(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    encoded: &EncodedRange,
+    object: &ObjectMeta,
+) -> Result<Outcome, MetadataError> {
+    let path = resolve(prefix, &encoded.source)?;
+    let entry = format!("object {}", object.key);
+    let want = object.offset + object.length;
+    let mut bytes: Vec<u8> = Vec::new();
+    let mut longer = false;
+    let mut sink = |offset: u64, decoded: &[u8]| {
+        let end = offset + decoded.len() as u64;
+        if end > want {
+            longer = true;
+            return false;
+        }
+        bytes.extend_from_slice(decoded);
+        true
+    };
+    let decoded = decode_from_store(
+        store,
+        &path,
+        encoded.offset..encoded.offset + encoded.length,
+        encoded.codec,
+        &mut sink,
+    )
+    .await;
+    let detail = match decoded {
+        Err(DecodeFailure::Store(source)) => {
+            return Err(store_error("reading", &path)(source));
+        }
+        Err(DecodeFailure::Invalid(detail)) => detail,
+        Ok(_) if longer || bytes.len() as u64 != want => format!(
+            "the stream decodes to {} bytes, not the {want} it had when opened (changed since?)",
+            if longer {
+                format!("more than {want}")
+            } else {
+                bytes.len().to_string()
+            }
+        ),
+        Ok(_) => match read_archive(&bytes[object.offset as usize..]) {
+            Ok(_) => return Ok(Outcome::Checked(object.length)),
+            Err(e) => e.to_string(),
+        },
+    };
+    Ok(Outcome::Bad(
+        encoded_bad(encoded, entry, detail),
+        bytes.len() as u64,
+    ))
+}
+
 async fn check_object(
     store: &dyn ObjectStore,
     prefix: &Path,
     files: &[DataFile],
     object: &ObjectMeta,
 ) -> Result<Outcome, MetadataError> {
-    let file = &files[object.file as usize].path;
+    let data_file = &files[object.file as usize];
+    if let Some(encoded) = &data_file.encoded {
+        return check_encoded_object(store, prefix, encoded, object).await;
+    }
+    let file = &data_file.path;
     let path = resolve(prefix, file)?;
     let (start, end) = (object.offset, object.offset + object.length);
     let bytes = store
