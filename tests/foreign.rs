@@ -657,6 +657,19 @@ fn zstd_dcp_checkpoints_verify_and_convert() {
     }
 }
 
+/// `inspect --json` decodes a compressed DCP checkpoint's objects through their decoded bytes.
+#[test]
+fn inspect_json_decodes_zstd_dcp_objects() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = zstd_fixture(tmp.path());
+    let doc: Value = serde_json::from_slice(&ok(["inspect", s(&dir), "--json"]).stdout).unwrap();
+    let objects = doc["objects"].as_array().unwrap();
+    let value = |key: &str| objects.iter().find(|o| o["key"] == key).unwrap()["value"].clone();
+    assert_eq!(value("step"), 11);
+    assert_eq!(value("lr"), 0.5);
+    assert_eq!(doc["dcp"]["index"]["compressed_blobs"], 4, "{}", doc["dcp"]);
+}
+
 /// A byte flipped inside a compressed blob's stream is found by `verify` (and stops `convert`),
 /// naming the real file, the blob's byte range in it and the tensor.
 #[test]

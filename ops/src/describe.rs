@@ -2,8 +2,11 @@
 //! (file and byte range), and the format's own details. `tessera inspect --json` prints it and the
 //! Python package's `tessera.inspect` returns it.
 
+use std::sync::Arc;
+
 use object_store::{ObjectStore, ObjectStoreExt};
 use serde_json::{Value, json};
+use tessera_loader::read::decoded::{DECODED_CACHE_BYTES, DecodedStore};
 use tessera_metadata::formats::SafetensorsLayout;
 use tessera_metadata::formats::dcp::decode_object;
 use tessera_metadata::{FormatDetails, OpenedCheckpoint};
@@ -71,7 +74,7 @@ pub async fn describe(location: &str, storage_options: &StorageOptions) -> Resul
             if let Some(megatron) = &dcp.megatron {
                 doc["megatron"] = json!(megatron);
             }
-            doc["objects"] = objects_json(store.as_ref(), &checkpoint).await?;
+            doc["objects"] = objects_json(&store, &checkpoint).await?;
         }
         FormatDetails::DeepSpeed(ds) => {
             doc["deepspeed"] = json!({
@@ -121,7 +124,7 @@ pub async fn describe(location: &str, storage_options: &StorageOptions) -> Resul
                     "user_defined_keys": c.user_defined_keys,
                 })).collect::<Vec<_>>(),
             });
-            doc["objects"] = objects_json(store.as_ref(), &checkpoint).await?;
+            doc["objects"] = objects_json(&store, &checkpoint).await?;
         }
         FormatDetails::Safetensors(st) => {
             doc["safetensors"] = json!({
@@ -150,19 +153,33 @@ pub fn layout_name(layout: SafetensorsLayout) -> &'static str {
 /// The non-tensor entries of a checkpoint, each with its decoded value when it is a simple
 /// Python value.
 pub async fn objects_json(
-    store: &dyn ObjectStore,
+    store: &Arc<dyn ObjectStore>,
     checkpoint: &OpenedCheckpoint,
 ) -> Result<Value, OpsError> {
     let meta = &checkpoint.meta;
     let location = checkpoint.root.clone();
+    // Data file paths are `/`-separated (ByteCheckpoint's `optimizer/__0_0.distcp`): one path
+    // part per segment, or the `/` would be escaped into the name.
+    let resolve = |file: &str| {
+        file.split('/')
+            .fold(location.clone(), |path, part| path.join(part))
+    };
+    // Objects saved compressed (DCP's ZStandard extension) are files of the model that exist
+    // only as decoded bytes: read through the loader's decoding view, as a load reads them.
+    let decoded = DecodedStore::for_files(
+        Arc::clone(store),
+        meta.files(),
+        |name| Ok(resolve(name)),
+        DECODED_CACHE_BYTES,
+    )?;
+    let store: &dyn ObjectStore = match &decoded {
+        Some(decoded) => decoded,
+        None => store.as_ref(),
+    };
     let mut objects = Vec::with_capacity(meta.objects().len());
     for object in meta.objects() {
         let file = &meta.files()[object.file as usize].path;
-        // Data file paths are `/`-separated (ByteCheckpoint's `optimizer/__0_0.distcp`): one
-        // path part per segment, or the `/` would be escaped into the name.
-        let path = file
-            .split('/')
-            .fold(location.clone(), |path, part| path.join(part));
+        let path = resolve(file);
         let bytes = store
             .get_range(&path, object.offset..object.offset + object.length)
             .await
