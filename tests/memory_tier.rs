@@ -157,3 +157,107 @@ fn a_load_reads_the_held_files_from_the_tier_and_the_rest_from_storage() {
         "{err}"
     );
 }
+
+/// Runs the CLI with `args` in `cwd`, killed after 120 s: a load blocked in `open(2)` on a FIFO
+/// fails the test instead of hanging it. Returns (exit code, stdout, stderr).
+fn run_bounded(cwd: &Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let mut child = std::process::Command::new(support::bin())
+        .args(args)
+        .current_dir(cwd)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > std::time::Duration::from_secs(120) {
+            child.kill().unwrap();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "tessera {args:?} did not end within 120 s (blocked in open(2)?): {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+/// Issue 41 items 7 and 13: `tessera load --memory-tier` with a FIFO in place of one copy reads
+/// that file from storage (naming the FIFO) instead of waiting in `open(2)` forever, and a tier
+/// named by a relative path is read like an absolute one.
+#[test]
+fn a_fifo_copy_is_read_from_storage_and_a_relative_tier_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt: PathBuf = synth_saved_as(dir.path(), &["fsdp", "--dp", "2"]);
+    let tier = dir.path().join("tier");
+    let per_file = leave_copies(&ckpt, &tier, &[0, 1]);
+    let layout = layout_file(dir.path(), "fsdp2.json", &["fsdp", "--dp", "2"]);
+
+    // Relative to the command's directory: `tier`.
+    let (code, out, err) = run_bounded(
+        dir.path(),
+        &[
+            "load",
+            s(&ckpt),
+            "--layout",
+            s(&layout),
+            "--check",
+            "--json",
+            "--memory-tier",
+            "tier",
+        ],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let report: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        report["totals"]["bytes_from_memory_tier"],
+        per_file[0] + per_file[1],
+        "{err}"
+    );
+
+    let fifo = std::fs::read_dir(&tier)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.is_dir())
+        .unwrap()
+        .join(&support::open(&ckpt).meta.files()[0].path);
+    std::fs::remove_file(&fifo).unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    for transport in ["inproc", "tcp"] {
+        let (code, out, err) = run_bounded(
+            dir.path(),
+            &[
+                "load",
+                s(&ckpt),
+                "--layout",
+                s(&layout),
+                "--check",
+                "--json",
+                "--transport",
+                transport,
+                "--memory-tier",
+                s(&tier),
+            ],
+        );
+        assert_eq!(code, Some(0), "{transport}: {err}");
+        let report: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(
+            report["totals"]["bytes_from_memory_tier"], per_file[1],
+            "{transport}"
+        );
+        assert!(
+            err.contains(&fifo.display().to_string()) && err.contains("a FIFO"),
+            "{transport}: {err}"
+        );
+    }
+}

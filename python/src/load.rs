@@ -597,7 +597,10 @@ pub fn load_into(
     };
     // Interruptible: Ctrl-C raises KeyboardInterrupt while ranks wait or read.
     block_on(py, async {
-        let (report, ignored) = run_load(job).await?;
+        let (report, mut ignored) = run_load(job).await?;
+        // Copies that failed a read after they were verified were read from storage instead:
+        // named with the ones never taken (each warned about by `tessera.load`).
+        ignored.extend(report.memory_tier_fallbacks.iter().cloned());
         let mut json = serde_json::to_value(&report)?;
         json["memory_tier_ignored"] = serde_json::json!(ignored);
         Ok(serde_json::to_string(&json)?)

@@ -237,6 +237,46 @@ def _rendezvous(
     return _tessera.rendezvous_endpoint(master_addr, None if master_port is None else int(master_port))
 
 
+def _memory_tier_dir(memory_tier: Union[str, "os.PathLike[str]", None]) -> Optional[str]:
+    """``memory_tier=`` as the front ends hand it on: an absolute path (a relative one is taken
+    from the current directory now, as the caller means it), None for no tier. An empty path
+    would be the current directory, which the prune and the copies would share with whatever
+    else is there: refused."""
+    if memory_tier is None:
+        return None
+    path = os.fspath(memory_tier)
+    if not isinstance(path, str):
+        path = os.fsdecode(path)
+    if not path.strip():
+        raise ValueError(
+            f"memory_tier={memory_tier!r}: an empty path would be the current directory; name a directory "
+            "of its own (e.g. /dev/shm/tessera/<run>), or pass memory_tier=None for no tier"
+        )
+    return os.path.abspath(path)
+
+
+#: What a count or byte budget of the memory tier may be: Rust's u64 (the tier's sizes).
+_MAX_U64 = 2**64 - 1
+
+
+def _memory_tier_int(value: Any, name: str, minimum: int, why: str) -> int:
+    """``value`` of argument ``name`` as an int in [minimum, 2**64 - 1], else a ValueError naming
+    the argument (``why`` says what the minimum means)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}={value!r}: not an integer") from None
+        if number != value:
+            raise ValueError(f"{name}={value!r}: not an integer")
+        value = number
+    if value < minimum:
+        raise ValueError(f"{name}={value}: {why}")
+    if value > _MAX_U64:
+        raise ValueError(f"{name}={value}: more than the largest value tessera takes (2**64 - 1)")
+    return int(value)
+
+
 def _storage_env(storage_options: Optional[Mapping[str, str]]) -> list:
     return [(str(k), str(v)) for k, v in (storage_options or {}).items()]
 
@@ -505,6 +545,7 @@ def load(
         KeyboardInterrupt: Ctrl-C, seen while reading and while waiting for peers.
     """
     state_dict, checkpoint_id = _dcp_order(state_dict, checkpoint_id, "load")
+    tier_dir = _memory_tier_dir(memory_tier)
     started = time.monotonic()
     # Stateful values (a module, an optimizer) load as DCP loads them: into their state_dict(),
     # handed to their load_state_dict() once everything loaded.
@@ -584,7 +625,7 @@ def load(
             opened, targets, group, verify=bool(verify), server=server, server_id=server_id,
             token=token if token is not None else os.environ.get("TESSERA_TOKEN"),
             timeout=float(timeout), progress=callback, read_order=read_order,
-            memory_tier=None if memory_tier is None else os.fspath(memory_tier),
+            memory_tier=tier_dir,
         )
         report.exchange = "process_group"
     else:
@@ -600,7 +641,7 @@ def load(
                 opened, targets, rank, world_size, rendezvous, server, server_id,
                 token if token is not None else os.environ.get("TESSERA_TOKEN"),
                 bool(verify), True, float(timeout), callback, read_order,
-                None if memory_tier is None else os.fspath(memory_tier),
+                tier_dir,
             )
         )
         report.exchange = "tcp" if rendezvous is not None and world_size > 1 else "none"

@@ -71,6 +71,13 @@ from ._tessera import TesseraError
 #: How :func:`async_save` can take its snapshot.
 SNAPSHOT_MODES = ("eager", "lazy", "multi_step")
 
+#: The most optimizer steps a multi-step snapshot (``steps=k``) spreads its copy over. GoCkpt's
+#: k is a handful (each part is at least one tensor, so beyond the number of parameters more
+#: steps only add empty parts), while the call sets up bookkeeping for every step at once
+#: (``steps=10**6`` took 1.3 GiB before any copy) and the checkpoint lags the call by k - 1
+#: steps. 1024 leaves every sensible k and refuses a step count passed by mistake.
+MAX_MULTI_STEPS = 1024
+
 #: Environment variable bounding the default staging pool, in bytes.
 POOL_BYTES_ENV = "TESSERA_SAVE_POOL_BYTES"
 
@@ -264,6 +271,20 @@ class SaveHandle:
         self._snapshot_error: Optional[BaseException] = None
         self._report: Any = None
         self._thread: Optional[threading.Thread] = None
+        # Lazy saves: the copies run in the save's thread while the job runs, and torch bumps a
+        # tensor's version counter only after an in-place kernel has written, so a check right
+        # after a copy can miss a kernel still writing. The check that counts is taken at a
+        # point in the job where its earlier kernels have ended (_check_point); the persist
+        # waits for it.
+        self._lazy = snapshot == "lazy"
+        self._entries: List["_Entry"] = []
+        self._timeout = 300.0
+        self._copied = threading.Event()
+        self._checked = threading.Event()
+        self._check_error: Optional[BaseException] = None
+        self._check_lock = threading.Lock()
+        #: The multi-step plan (tessera._multi_step.MultiStepSnapshot) of a multi-step save.
+        self._multi: Any = None
 
     def __repr__(self) -> str:
         state = "committed" if self._report is not None else "failed" if self._error else (
@@ -275,15 +296,69 @@ class SaveHandle:
         """Blocks until the snapshot is taken. After it returns the job may mutate its tensors.
 
         Raises the save's error if it failed before the snapshot was complete, and
-        ``TimeoutError`` when ``timeout`` seconds pass first."""
-        if not self._snapshot_done.wait(timeout):
+        ``TimeoutError`` when ``timeout`` seconds pass first.
+
+        Lazy saves: this is a point where the snapshot is checked (see :meth:`_check_point`), so
+        call it in the thread that changes the tensors (or after that thread's changes)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._check_point("handle.wait_snapshot()", timeout, final=False) or not self._snapshot_done.wait(
+            _left(deadline)
+        ):
             raise TimeoutError(f"rank {self.rank}: the snapshot of {self.checkpoint_id} took longer than {timeout} s")
         if self._snapshot_error is not None:
             raise self._snapshot_error
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Blocks until the save is committed or failed; whether it is done (False on timeout)."""
-        return self._done.wait(timeout)
+        """Blocks until the save is committed or failed; whether it is done (False on timeout).
+        Lazy saves: a point where the snapshot is checked, as :meth:`wait_snapshot` is."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._multi is not None and self._multi.pending():
+            # Only the job's own steps end the window; a timeout, if it comes, should say who waited.
+            self._multi.waited_in = threading.current_thread().name
+        if not self._check_point("handle.result()", timeout, final=False):
+            return False
+        return self._done.wait(_left(deadline))
+
+    def _check_point(self, where: str, timeout: Optional[float], *, final: bool) -> bool:
+        """A lazy snapshot's check, at ``where``: a point the job reached after every in-place
+        kernel it started before (the optimizer's next step, ``wait_snapshot()``, ``result()``,
+        the process's exit). Waits for the copies, then compares every tensor's version counter
+        with the one at the call: unchanged means no in-place write through the tensor (or a
+        view or ``detach()`` of it, which share the counter) ended before this point, and a
+        kernel still running would have to be one the job starts after it; so the copies, taken
+        between the call and this point, hold the state at the call. A moved counter fails the
+        save: the copy may hold part of the change, and nothing tells which part.
+
+        Returns False when the copies are not complete within ``timeout`` and ``final`` is
+        False (the caller may wait again); with ``final`` (the job goes on changing tensors now)
+        that fails the save instead. True once checked (the outcome is the save's)."""
+        if not self._lazy or self._checked.is_set():
+            return True
+        with self._check_lock:
+            if self._checked.is_set():
+                return True
+            if not self._copied.wait(timeout):
+                if not final:
+                    return False
+                self._check_error = TesseraError(
+                    f"{where} came before the lazy snapshot's copies were complete (within {timeout:g} s): the job "
+                    "changes the tensors from here on, so the copies cannot stand for the state at the call"
+                )
+            else:
+                changed = [
+                    e for e in self._entries if e.version is not None and e.source is not None and _version(e.source) != e.version
+                ]
+                if changed:
+                    e = changed[0]
+                    more = f" (and {len(changed) - 1} more tensors)" if len(changed) > 1 else ""
+                    self._check_error = ChangedBeforeCopy(
+                        f"tensor {e.fqn} was changed in place before its snapshot copy could be checked{more} (torch's "
+                        f"version counter moved from {e.version} to {_version(e.source)} between the call and {where}): "
+                        "the copy may hold part of that change; call handle.wait_snapshot() (or pass optimizer=) "
+                        "before changing what was saved"
+                    )
+            self._checked.set()
+            return True
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
@@ -291,7 +366,7 @@ class SaveHandle:
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         """The save's error, or None once committed."""
-        if not self._done.wait(timeout):
+        if not self.wait(timeout):
             raise TimeoutError(f"rank {self.rank}: the save of {self.checkpoint_id} is not done after {timeout} s")
         return self._error
 
@@ -301,6 +376,11 @@ class SaveHandle:
         if error is not None:
             raise error
         return self._report
+
+
+def _left(deadline: Optional[float]) -> Optional[float]:
+    """Seconds left until ``deadline`` (None: no deadline)."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _fail(handle: SaveHandle, error: BaseException) -> None:
@@ -378,6 +458,23 @@ def _snapshot(pool: StagingPool, entries: List[_Entry], ready: Dict[Any, Any]) -
                 _check_unchanged(e)
 
 
+def _await_check(handle: SaveHandle) -> None:
+    """A lazy save's persist waits for the check of its copies (SaveHandle._check_point), so
+    that a copy that may hold a change is never committed; bounded by the save's timeout."""
+    if not handle._checked.wait(handle._timeout):
+        with handle._check_lock:
+            if not handle._checked.is_set():
+                handle._check_error = TesseraError(
+                    f"the lazy snapshot was copied, but within {handle._timeout:g} s the job reached no point where "
+                    "the copy could be checked against later in-place changes (the next step of optimizer=, "
+                    "handle.wait_snapshot(), handle.result()); nothing is committed rather than a copy that may "
+                    "hold part of a change"
+                )
+                handle._checked.set()
+    if handle._check_error is not None:
+        raise handle._check_error
+
+
 def _run(
     handle: SaveHandle,
     pool: StagingPool,
@@ -395,7 +492,12 @@ def _run(
         refreshed = take_snapshot()
         if refreshed is not None:
             objects = refreshed
+        snapshot_seconds = time.monotonic() - snapshot_started
+        handle._copied.set()
+        if handle._lazy:
+            _await_check(handle)
     except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
+        handle._copied.set()  # a check point waiting for the copies goes on
         if not isinstance(e, TesseraError):
             e = TesseraError(f"snapshot failed: {type(e).__name__}: {e}")
         _fail(handle, e)
@@ -403,7 +505,6 @@ def _run(
         handle._snapshot_done.set()
         handle._done.set()
         return
-    snapshot_seconds = time.monotonic() - snapshot_started
     if handle.snapshot_mode != "multi_step":
         handle.copy_seconds = snapshot_seconds
     # The job's tensors are no longer read: drop them so the job may free or reuse them.
@@ -496,10 +597,10 @@ class StepHooks:
 
 
 class _StepGate:
-    """Holds the first step of each optimizer after a lazy save until its snapshot is complete.
-    A snapshot that is not done within the save's timeout lets the step go: the step then
-    changes tensors whose copies are not complete, which the copies detect
-    (:class:`ChangedBeforeCopy`), and the save fails instead of committing."""
+    """Holds the first step of each optimizer after a lazy save until its snapshot is complete
+    and checked (:meth:`SaveHandle._check_point`). A snapshot that is not done within the
+    save's timeout lets the step go and fails the save: the step changes tensors whose copies
+    are not complete."""
 
     def __init__(self, handle: SaveHandle, optimizers: Sequence[Any], timeout: float) -> None:
         self._handle = handle
@@ -510,7 +611,8 @@ class _StepGate:
 
     def _before_step(self, _optimizer: Any) -> None:
         began = time.monotonic()
-        self._handle._snapshot_done.wait(self._timeout)
+        # The step changes the tensors: the snapshot is checked here, or fails.
+        self._handle._check_point("the optimizer's next step", self._timeout, final=True)
         self._handle.step_wait_seconds += time.monotonic() - began
         self.remove()
 
@@ -610,13 +712,24 @@ def async_save(
         )
     if snapshot not in SNAPSHOT_MODES:
         raise ValueError(f"snapshot={snapshot!r}: choose one of {', '.join(SNAPSHOT_MODES)}")
-    if memory_tier is not None and int(memory_tier_keep) < 1:
-        raise ValueError(f"memory_tier_keep={memory_tier_keep}: a tier keeps at least the checkpoint just saved")
-    if memory_tier_max_bytes is not None and int(memory_tier_max_bytes) < 0:
-        raise ValueError(f"memory_tier_max_bytes={memory_tier_max_bytes}: a byte budget cannot be negative")
+    tier_dir = _api._memory_tier_dir(memory_tier)
+    if tier_dir is not None:
+        memory_tier_keep = _api._memory_tier_int(
+            memory_tier_keep, "memory_tier_keep", 1, "a tier keeps at least the checkpoint just saved"
+        )
+        if memory_tier_max_bytes is not None:
+            memory_tier_max_bytes = _api._memory_tier_int(
+                memory_tier_max_bytes, "memory_tier_max_bytes", 0, "a byte budget cannot be negative"
+            )
     optimizers = _optimizers(optimizer)
     if steps is not None and snapshot != "multi_step":
         raise ValueError(f"steps= is for snapshot='multi_step' (got snapshot={snapshot!r})")
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps > MAX_MULTI_STEPS:
+        raise ValueError(
+            f"steps={steps}: a multi-step snapshot spreads its copy over at most {MAX_MULTI_STEPS} optimizer "
+            "steps (its per-step bookkeeping is taken at the call, and the checkpoint stands for the state "
+            "steps - 1 steps later: a window that long outlasts any checkpoint interval)"
+        )
     # Stateful values (a module, an optimizer) save their state_dict(), as with dcp.save.
     original = state_dict
     if any(_state.is_stateful(v) for v in state_dict.values()):
@@ -673,8 +786,8 @@ def async_save(
             "storage_env": _api._storage_env(storage_options),
             "break_claim": bool(break_claim),
             "timeout": float(timeout),
-            "memory_tier": None if memory_tier is None else (
-                os.fspath(memory_tier), int(memory_tier_keep),
+            "memory_tier": None if tier_dir is None else (
+                tier_dir, int(memory_tier_keep),
                 None if memory_tier_max_bytes is None else int(memory_tier_max_bytes),
             ),
         }

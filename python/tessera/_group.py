@@ -304,6 +304,7 @@ def load_over_group(
             # bytes of arrays the caller may change.
             load.close()
     report = json.loads(load.finish(time.monotonic() - started, waited))
-    report["memory_tier_ignored"] = load.tier_ignored()
+    # Copies that failed a read after their check were read from storage: named with the rest.
+    report["memory_tier_ignored"] = load.tier_ignored() + report.get("memory_tier_fallbacks", [])
     return report
 

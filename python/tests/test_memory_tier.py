@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -300,3 +301,115 @@ def test_a_partial_read_next_to_a_plain_value_verifies_against_the_copy(tmp_path
     assert np.array_equal(tail[0], w[98:])
     assert (report.bytes_from_memory_tier, report.bytes_from_storage) == (tail[0].nbytes, 0)
     assert report.memory_tier_ignored == []
+
+
+def test_memory_tier_arguments_that_cannot_be_are_value_errors_naming_them(tmp_path, monkeypatch):
+    # Issue 41 item 14: memory_tier="" wrote into the current directory; counts past 2**64 - 1
+    # raised a bare OverflowError; steps=10**6 was taken (1.3 GiB of bookkeeping).
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    w = np.ones(64, np.float32)
+    with pytest.raises(ValueError, match=r"memory_tier='': an empty path would be the current directory"):
+        tessera.save({"w": w}, str(tmp_path / "a"), memory_tier="")
+    with pytest.raises(ValueError, match=r"memory_tier='': an empty path"):
+        tessera.load({"w": w}, str(tmp_path / "a"), memory_tier="", progress=False)
+    assert list(tmp_path.iterdir()) == [], "nothing is written anywhere"
+    for name in ("memory_tier_keep", "memory_tier_max_bytes"):
+        with pytest.raises(ValueError, match=rf"{name}=18446744073709551616: more than the largest value"):
+            tessera.save({"w": w}, str(tmp_path / "a"), memory_tier=tmp_path / "tier", **{name: 2**64})
+    with pytest.raises(ValueError, match=r"memory_tier_keep=1.5: not an integer"):
+        tessera.save({"w": w}, str(tmp_path / "a"), memory_tier=tmp_path / "tier", memory_tier_keep=1.5)
+    assert list(tmp_path.iterdir()) == []
+    # The largest budget there is, is one.
+    report = tessera.save({"w": w}, str(tmp_path / "a"), memory_tier=tmp_path / "tier", memory_tier_max_bytes=2**64 - 1)
+    assert report.memory_tier["bytes"] == w.nbytes
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"steps=1000000: a multi-step snapshot spreads its copy over at most 1024"):
+        tessera.async_save(
+            {"model": model}, str(tmp_path / "b"), snapshot="multi_step", steps=10**6, optimizer=optimizer
+        )
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_relative_memory_tier_saves_and_loads_like_an_absolute_one(tmp_path, monkeypatch):
+    # Issue 41 item 13: a relative tier failed every load ("Unable to convert path ... to URL").
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    w = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    report = tessera.save({"w": w}, "ckpt/step-1", step=1, memory_tier="tier")
+    assert Path(report.memory_tier["path"]).is_relative_to(tmp_path / "tier")
+    out = {"w": np.zeros_like(w)}
+    loaded = tessera.load(out, "ckpt/step-1", memory_tier="tier", progress=False)
+    assert np.array_equal(out["w"], w)
+    assert (loaded.bytes_from_memory_tier, loaded.bytes_from_storage) == (w.nbytes, 0)
+    assert loaded.memory_tier_ignored == []
+
+
+def test_a_tier_that_holds_checkpoints_is_refused_before_the_save_writes(tmp_path):
+    # Issue 41 item 6: memory_tier= set to the checkpoints' root had the third save's prune delete
+    # the committed steps 1 and 2 (every folder without a tier record looked like a dead save's).
+    import numpy as np
+
+    root = tmp_path / "run"
+    w = np.ones(1024, np.float32)
+    for step in (1, 2):
+        tessera.save({"w": w * step}, str(root / f"step-{step}"), step=step)
+    with pytest.raises(tessera.TesseraError, match=rf"memory tier {re.escape(str(root))}: the checkpoint being saved"):
+        tessera.save({"w": w * 3}, str(root / "step-3"), step=3, memory_tier=root)
+    assert not (root / "step-3" / "manifest.json").exists()
+    for step in (1, 2):
+        out = {"w": np.zeros_like(w)}
+        tessera.load(out, str(root / f"step-{step}"), progress=False)
+        assert np.array_equal(out["w"], w * step)
+    # A tier shared with another program: its folder outlives every save's prune.
+    tier = tmp_path / "shm"
+    foreign = tier / "other-program"
+    foreign.mkdir(parents=True)
+    (foreign / "state").write_bytes(b"theirs")
+    for step in (1, 2, 3):
+        tessera.save({"w": w * step}, str(tmp_path / "ok" / f"step-{step}"), step=step, memory_tier=tier, memory_tier_keep=1)
+    assert (foreign / "state").read_bytes() == b"theirs"
+    assert sorted(p.name[:7] for p in tier.iterdir() if p != foreign) == ["step-3-"]
+
+
+def test_a_fifo_in_place_of_a_copy_is_read_from_storage_instead_of_waited_on(tmp_path):
+    # Issue 41 item 7: a FIFO where a copy was hung every load in open(2), past every timeout. The
+    # load runs in a child process, bounded, so that a hang fails the test instead of stalling it.
+    import subprocess
+    import sys
+    import textwrap
+
+    import numpy as np
+
+    root, tier = tmp_path / "ckpt", tmp_path / "tier"
+    w = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    tessera.save({"w": w}, str(root), memory_tier=tier)
+    [copy] = list(tier.glob("*/data/*.bin"))
+    copy.unlink()
+    os.mkfifo(copy)
+    script = textwrap.dedent(
+        f"""
+        import json, warnings
+        import numpy as np
+        import tessera
+        out = {{"w": np.zeros((64, 64), np.float32)}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = tessera.load(out, {str(root)!r}, memory_tier={str(tier)!r}, progress=False, timeout=30)
+        print(json.dumps({{"sum": float(out["w"].sum()), "tier": report.bytes_from_memory_tier,
+                           "storage": report.bytes_from_storage, "ignored": report.memory_tier_ignored}}))
+        """
+    )
+    try:
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("tessera.load(memory_tier=) with a FIFO in place of a copy did not end within 120 s")
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["sum"] == float(w.sum())
+    assert (got["tier"], got["storage"]) == (0, w.nbytes)
+    assert len(got["ignored"]) == 1 and str(copy) in got["ignored"][0] and "a FIFO" in got["ignored"][0], got

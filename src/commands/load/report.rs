@@ -200,6 +200,12 @@ fn report_text(
             human::bytes(totals.bytes_from_memory_tier),
             human::bytes(totals.bytes_from_storage),
         );
+        // Copies that changed after they were verified: read from storage instead, named.
+        for r in reports {
+            for why in &r.memory_tier_fallbacks {
+                let _ = writeln!(out, "  rank {}: {why}", r.rank);
+            }
+        }
     }
     let boxes = sum(|r| r.boxes_verified);
     // Formats without checksums (and --no-verify) fetch nothing to verify: say nothing about it.
