@@ -271,20 +271,6 @@ class SaveHandle:
         self._snapshot_error: Optional[BaseException] = None
         self._report: Any = None
         self._thread: Optional[threading.Thread] = None
-        # Lazy saves: the copies run in the save's thread while the job runs, and torch bumps a
-        # tensor's version counter only after an in-place kernel has written, so a check right
-        # after a copy can miss a kernel still writing. The check that counts is taken at a
-        # point in the job where its earlier kernels have ended (_check_point); the persist
-        # waits for it.
-        self._lazy = snapshot == "lazy"
-        self._entries: List["_Entry"] = []
-        self._timeout = 300.0
-        self._copied = threading.Event()
-        self._checked = threading.Event()
-        self._check_error: Optional[BaseException] = None
-        self._check_lock = threading.Lock()
-        #: The multi-step plan (tessera._multi_step.MultiStepSnapshot) of a multi-step save.
-        self._multi: Any = None
 
     def __repr__(self) -> str:
         state = "committed" if self._report is not None else "failed" if self._error else (
@@ -296,69 +282,15 @@ class SaveHandle:
         """Blocks until the snapshot is taken. After it returns the job may mutate its tensors.
 
         Raises the save's error if it failed before the snapshot was complete, and
-        ``TimeoutError`` when ``timeout`` seconds pass first.
-
-        Lazy saves: this is a point where the snapshot is checked (see :meth:`_check_point`), so
-        call it in the thread that changes the tensors (or after that thread's changes)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._check_point("handle.wait_snapshot()", timeout, final=False) or not self._snapshot_done.wait(
-            _left(deadline)
-        ):
+        ``TimeoutError`` when ``timeout`` seconds pass first."""
+        if not self._snapshot_done.wait(timeout):
             raise TimeoutError(f"rank {self.rank}: the snapshot of {self.checkpoint_id} took longer than {timeout} s")
         if self._snapshot_error is not None:
             raise self._snapshot_error
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Blocks until the save is committed or failed; whether it is done (False on timeout).
-        Lazy saves: a point where the snapshot is checked, as :meth:`wait_snapshot` is."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._multi is not None and self._multi.pending():
-            # Only the job's own steps end the window; a timeout, if it comes, should say who waited.
-            self._multi.waited_in = threading.current_thread().name
-        if not self._check_point("handle.result()", timeout, final=False):
-            return False
-        return self._done.wait(_left(deadline))
-
-    def _check_point(self, where: str, timeout: Optional[float], *, final: bool) -> bool:
-        """A lazy snapshot's check, at ``where``: a point the job reached after every in-place
-        kernel it started before (the optimizer's next step, ``wait_snapshot()``, ``result()``,
-        the process's exit). Waits for the copies, then compares every tensor's version counter
-        with the one at the call: unchanged means no in-place write through the tensor (or a
-        view or ``detach()`` of it, which share the counter) ended before this point, and a
-        kernel still running would have to be one the job starts after it; so the copies, taken
-        between the call and this point, hold the state at the call. A moved counter fails the
-        save: the copy may hold part of the change, and nothing tells which part.
-
-        Returns False when the copies are not complete within ``timeout`` and ``final`` is
-        False (the caller may wait again); with ``final`` (the job goes on changing tensors now)
-        that fails the save instead. True once checked (the outcome is the save's)."""
-        if not self._lazy or self._checked.is_set():
-            return True
-        with self._check_lock:
-            if self._checked.is_set():
-                return True
-            if not self._copied.wait(timeout):
-                if not final:
-                    return False
-                self._check_error = TesseraError(
-                    f"{where} came before the lazy snapshot's copies were complete (within {timeout:g} s): the job "
-                    "changes the tensors from here on, so the copies cannot stand for the state at the call"
-                )
-            else:
-                changed = [
-                    e for e in self._entries if e.version is not None and e.source is not None and _version(e.source) != e.version
-                ]
-                if changed:
-                    e = changed[0]
-                    more = f" (and {len(changed) - 1} more tensors)" if len(changed) > 1 else ""
-                    self._check_error = ChangedBeforeCopy(
-                        f"tensor {e.fqn} was changed in place before its snapshot copy could be checked{more} (torch's "
-                        f"version counter moved from {e.version} to {_version(e.source)} between the call and {where}): "
-                        "the copy may hold part of that change; call handle.wait_snapshot() (or pass optimizer=) "
-                        "before changing what was saved"
-                    )
-            self._checked.set()
-            return True
+        """Blocks until the save is committed or failed; whether it is done (False on timeout)."""
+        return self._done.wait(timeout)
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
@@ -366,7 +298,7 @@ class SaveHandle:
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         """The save's error, or None once committed."""
-        if not self.wait(timeout):
+        if not self._done.wait(timeout):
             raise TimeoutError(f"rank {self.rank}: the save of {self.checkpoint_id} is not done after {timeout} s")
         return self._error
 
@@ -376,11 +308,6 @@ class SaveHandle:
         if error is not None:
             raise error
         return self._report
-
-
-def _left(deadline: Optional[float]) -> Optional[float]:
-    """Seconds left until ``deadline`` (None: no deadline)."""
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _fail(handle: SaveHandle, error: BaseException) -> None:
@@ -458,23 +385,6 @@ def _snapshot(pool: StagingPool, entries: List[_Entry], ready: Dict[Any, Any]) -
                 _check_unchanged(e)
 
 
-def _await_check(handle: SaveHandle) -> None:
-    """A lazy save's persist waits for the check of its copies (SaveHandle._check_point), so
-    that a copy that may hold a change is never committed; bounded by the save's timeout."""
-    if not handle._checked.wait(handle._timeout):
-        with handle._check_lock:
-            if not handle._checked.is_set():
-                handle._check_error = TesseraError(
-                    f"the lazy snapshot was copied, but within {handle._timeout:g} s the job reached no point where "
-                    "the copy could be checked against later in-place changes (the next step of optimizer=, "
-                    "handle.wait_snapshot(), handle.result()); nothing is committed rather than a copy that may "
-                    "hold part of a change"
-                )
-                handle._checked.set()
-    if handle._check_error is not None:
-        raise handle._check_error
-
-
 def _run(
     handle: SaveHandle,
     pool: StagingPool,
@@ -492,12 +402,7 @@ def _run(
         refreshed = take_snapshot()
         if refreshed is not None:
             objects = refreshed
-        snapshot_seconds = time.monotonic() - snapshot_started
-        handle._copied.set()
-        if handle._lazy:
-            _await_check(handle)
     except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
-        handle._copied.set()  # a check point waiting for the copies goes on
         if not isinstance(e, TesseraError):
             e = TesseraError(f"snapshot failed: {type(e).__name__}: {e}")
         _fail(handle, e)
@@ -505,6 +410,7 @@ def _run(
         handle._snapshot_done.set()
         handle._done.set()
         return
+    snapshot_seconds = time.monotonic() - snapshot_started
     if handle.snapshot_mode != "multi_step":
         handle.copy_seconds = snapshot_seconds
     # The job's tensors are no longer read: drop them so the job may free or reuse them.
@@ -597,10 +503,10 @@ class StepHooks:
 
 
 class _StepGate:
-    """Holds the first step of each optimizer after a lazy save until its snapshot is complete
-    and checked (:meth:`SaveHandle._check_point`). A snapshot that is not done within the
-    save's timeout lets the step go and fails the save: the step changes tensors whose copies
-    are not complete."""
+    """Holds the first step of each optimizer after a lazy save until its snapshot is complete.
+    A snapshot that is not done within the save's timeout lets the step go: the step then
+    changes tensors whose copies are not complete, which the copies detect
+    (:class:`ChangedBeforeCopy`), and the save fails instead of committing."""
 
     def __init__(self, handle: SaveHandle, optimizers: Sequence[Any], timeout: float) -> None:
         self._handle = handle
@@ -611,8 +517,7 @@ class _StepGate:
 
     def _before_step(self, _optimizer: Any) -> None:
         began = time.monotonic()
-        # The step changes the tensors: the snapshot is checked here, or fails.
-        self._handle._check_point("the optimizer's next step", self._timeout, final=True)
+        self._handle._snapshot_done.wait(self._timeout)
         self._handle.step_wait_seconds += time.monotonic() - began
         self.remove()
 
