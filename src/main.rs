@@ -323,7 +323,9 @@ enum Command {
         break_claims: bool,
         /// ROOT is a node's memory tier (the directory saves were given as `memory_tier=`):
         /// prune it to the newest --keep copies and at most --max-bytes, and remove what saves
-        /// that died before their commit left there.
+        /// that died before their commit left there. Only copy folders tessera made (with their
+        /// marker) are listed or removed; a ROOT that is, holds or lies inside a checkpoint is
+        /// refused.
         #[arg(long)]
         memory_tier: bool,
         /// With --memory-tier: checkpoints kept, newest first.

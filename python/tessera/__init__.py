@@ -531,7 +531,10 @@ def load(
             the ranks that need it; storage serves only what no node holds. A copy of another
             checkpoint (another step, another run, an uncommitted save) is never used, and a
             damaged one is read from storage instead (``report.memory_tier_ignored`` and a
-            warning say which and why). Any layout and world size. Not with ``server=``.
+            warning say which and why), as is one that is not a regular file (a FIFO is never
+            waited on) or that changes after it was verified and fails a read (the pieces not
+            yet read of it). A relative path is taken from the current directory at the call.
+            Any layout and world size. Not with ``server=``.
 
     Returns:
         :class:`LoadReport` of this rank (also readable as ``report["bytes_read"]``).
@@ -774,7 +777,10 @@ def save(
     each rank's data file there once the checkpoint committed, so that a restarted job of any
     layout loads it from memory (``tessera.load(..., memory_tier=DIR)``). The tier keeps the
     newest ``memory_tier_keep`` checkpoints and at most ``memory_tier_max_bytes``; ``tessera gc
-    DIR --memory-tier`` prunes it by hand.
+    DIR --memory-tier`` prunes it by hand. Only the copy folders tessera made there (each has its
+    marker, ``.tessera-tier-copy.json``) are ever removed: a tier may be shared with other
+    programs. A tier that is, holds or lies inside a checkpoint (the checkpoints' root, say) is
+    refused before anything is written, and ``memory_tier=""`` is a ``ValueError``.
 
     ``save`` is ``async_save(...).result()``: the same snapshot into the process's staging pool,
     then the persist, waited for here.
