@@ -144,3 +144,57 @@ def test_a_damaged_stream_is_refused_naming_its_file(compressed, tmp_path):
         tessera.load(state, str(damaged), progress=False, strict=False)
     message = str(refused.value)
     assert info.relative_path in message, message
+
+
+def _cli(*args: str):
+    import subprocess
+
+    from conftest import TESSERA_BIN
+
+    if not TESSERA_BIN.exists():
+        pytest.fail(f"{TESSERA_BIN} is missing: build it with `cargo build --bin tessera`")
+    return subprocess.run([str(TESSERA_BIN), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_the_cli_verifies_and_converts_it(compressed, tmp_path):
+    # Every blob is checked over its decoded bytes: 6 tensor storages (w and e in two halves,
+    # zeros once) and the step object.
+    run = _cli("verify", str(compressed))
+    assert run.returncode == 0, run.stderr
+    assert "ok, PyTorch DCP" in run.stdout and "match their zip CRC-32" in run.stdout, run.stdout
+    out = tmp_path / "hf"
+    run = _cli("convert", str(compressed), "--format", "safetensors", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    from safetensors.torch import load_file
+
+    got = load_file(str(out / "model-00001-of-00001.safetensors"))
+    w, e = _full()
+    assert torch.equal(got["w"], w)
+    assert torch.equal(got["e"], e)
+    assert torch.equal(got["zeros"], torch.zeros(256, 256))
+
+
+def test_the_cli_refuses_a_damaged_stream_naming_its_file(compressed, tmp_path):
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(compressed, damaged)
+    meta = dcp.FileSystemReader(str(damaged)).read_metadata()
+    index = next(i for i in meta.storage_data if i.fqn == "w" and i.offset is not None and i.offset[0] == 0)
+    info = meta.storage_data[index]
+    data_file = damaged / info.relative_path
+    raw = bytearray(data_file.read_bytes())
+    raw[info.offset + info.length // 2] ^= 0x20
+    data_file.write_bytes(bytes(raw))
+    # Either the stream no longer decodes (opening fails, exit 3) or it decodes to other bytes
+    # (the storage's CRC-32 does not match, exit 4): both name the file.
+    run = _cli("verify", str(damaged))
+    assert run.returncode in (3, 4), (run.returncode, run.stdout, run.stderr)
+    assert info.relative_path in run.stderr, run.stderr
+    # The real file, not the name its decoded bytes go by in the checkpoint model.
+    assert ".zstd not found" not in run.stderr, run.stderr
+    assert f"{info.relative_path} bytes {info.offset}..{info.offset + info.length}" in run.stderr, run.stderr
+    run = _cli("convert", str(damaged), "--format", "safetensors", "--out", str(tmp_path / "hf"))
+    assert run.returncode in (3, 4), (run.returncode, run.stdout, run.stderr)
+    assert info.relative_path in run.stderr, run.stderr
+    assert not (tmp_path / "hf" / "model.safetensors.index.json").exists()
