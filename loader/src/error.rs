@@ -101,6 +101,26 @@ pub enum LoaderError {
         /// Each difference: `rank 1 plans with --read-order storage but rank 0 with --read-order auto`.
         detail: String,
     },
+    /// Two ranks of one job hold rank plans that describe the bytes they pass each other
+    /// differently ([`crate::exchange::agree`]): a piece id that names other bytes on the other
+    /// rank, or a share one expects and the other does not send. Their rank plans come from
+    /// different plans (a plan server that answered ranks from different plans of the same
+    /// requests, ranks that planned other requests or another checkpoint), and exchanging
+    /// would place one rank's bytes where the other's plan says other bytes go. Refused on
+    /// both ranks before anything is exchanged.
+    #[error(
+        "rank {rank}: this rank's plan and the plan of {peers} disagree on what they pass each \
+         other (a piece id that names other bytes there, or a share one expects and the other \
+         does not send): the ranks hold rank plans of different plans (a plan server that \
+         answered the ranks from different plans, or ranks that planned other requests or \
+         another checkpoint); nothing was exchanged: plan the job again"
+    )]
+    PlansDisagree {
+        /// This rank.
+        rank: u32,
+        /// The ranks whose plans disagree with this one's, as text (`rank 1`, `ranks 1, 3`).
+        peers: String,
+    },
     /// A plan that does not fit what the loader was given (wrong rank, sizes that disagree).
     #[error("invalid plan: {detail}")]
     InvalidPlan {
@@ -241,6 +261,7 @@ impl LoaderError {
             | LoaderError::Checksum { .. }
             | LoaderError::JointChecksum(_)
             | LoaderError::RanksDisagree { .. }
+            | LoaderError::PlansDisagree { .. }
             | LoaderError::InvalidPlan { .. }
             | LoaderError::PlanForOtherCheckpoint { .. }
             | LoaderError::PlanWithoutIdentity { .. }

@@ -17,6 +17,7 @@ use support_read::*;
 use tessera_loader::LoaderError;
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::exchange::ExchangeMessages;
+use tessera_loader::exchange::agree::PLAN_DIGEST_TAG;
 use tessera_loader::exchange::direct::{
     ANSWER_TAG, Exposure, HELLO_TAG, ShareDescriptor, descriptor_tag,
 };
@@ -96,6 +97,16 @@ async fn against_a_hand_played_rank_0(
         async move { load_rank(&checkpoint, plan1, &rank1, &load_options()).await }
     });
 
+    // The plans' agreement first, as a real rank 0 holding this plan does.
+    rank0
+        .send(
+            1,
+            PLAN_DIGEST_TAG,
+            Bytes::copy_from_slice(&plans[0].peer_digests()[1].to_le_bytes()),
+        )
+        .await
+        .unwrap();
+    rank0.recv(1, PLAN_DIGEST_TAG).await.unwrap();
     let exposure = Exposure::new();
     rank0
         .send(1, HELLO_TAG, Bytes::from(exposure.hello()))

@@ -176,6 +176,20 @@ pub enum PlanError {
         /// The first disagreement: the piece, tensor, destination or file.
         detail: String,
     },
+    /// A rank plan whose destinations are not the rank's own requests in order
+    /// ([`RankPlan::check_destinations`](crate::RankPlan::check_destinations)): executing it
+    /// would fill the caller's buffers with other tensors' or other parts' bytes.
+    #[error(
+        "rank {rank}: the plan's destinations are not this rank's requests: {detail}; nothing \
+         was read (a plan server that planned other requests, or listed them in another order: \
+         plan it again)"
+    )]
+    NotTheRequests {
+        /// The rank whose plan it is.
+        rank: u32,
+        /// The first difference: the destination and the request at its place.
+        detail: String,
+    },
     /// A mesh (or explicit request list) with more ranks than a plan may have: checked before
     /// anything per rank is allocated, so that a typo cannot wrap the rank count or exhaust memory.
     #[error("{field} gives {ranks} ranks, more than the {limit} a plan may have")]

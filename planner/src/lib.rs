@@ -28,6 +28,7 @@ mod estimate;
 mod glob;
 pub mod joint;
 mod layout;
+mod peer_digest;
 mod plan;
 pub mod presets;
 mod rank_plan;

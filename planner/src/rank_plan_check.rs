@@ -10,9 +10,10 @@ use std::collections::HashMap;
 
 use tessera_metadata::{BoxIndex, CheckpointMeta, TensorBox, TensorMeta, row_major_strides};
 
+use crate::peer_digest::target_text;
 use crate::rank_plan::{place_runs, source_runs};
 use crate::request::{flat_index, global_strides};
-use crate::{PlanError, RankPlan, Target};
+use crate::{PlanError, RankPlan, Request, Target};
 
 /// Above this many saved boxes a tensor's boxes are looked up through an index instead of a scan.
 const INDEX_ABOVE: usize = 32;
@@ -182,6 +183,52 @@ impl RankPlan {
                     } else {
                         format!("filled with {bytes} bytes of pieces")
                     }
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl RankPlan {
+    /// Refuses a plan whose destinations are not `requests`, this rank's own requests resolved
+    /// against `meta` (the opened checkpoint): the same tensors and parts, in the same order,
+    /// one destination per request. The caller's buffers are its requests in order, so a plan
+    /// from elsewhere (a plan server) that lists two destinations the other way round would
+    /// fill each buffer with the other's bytes; [`RankPlan::check_against`] cannot see that,
+    /// as every destination is a valid part of its tensor.
+    pub fn check_destinations(
+        &self,
+        meta: &CheckpointMeta,
+        requests: &[Request],
+    ) -> Result<(), PlanError> {
+        let bad = |detail: String| PlanError::NotTheRequests {
+            rank: self.rank,
+            detail,
+        };
+        if self.destinations.len() != requests.len() {
+            return Err(bad(format!(
+                "the plan has {} destinations for this rank's {} requests",
+                self.destinations.len(),
+                requests.len()
+            )));
+        }
+        for (i, (dest, request)) in self.destinations.iter().zip(requests).enumerate() {
+            let planned = self
+                .tensors
+                .get(dest.tensor as usize)
+                .map(|t| t.fqn.as_str());
+            let asked = meta
+                .tensors()
+                .get(request.tensor as usize)
+                .map(|t| t.fqn.as_str());
+            if planned != asked || dest.target != request.target {
+                return Err(bad(format!(
+                    "destination {i} is {} of tensor {} but request {i} is {} of tensor {}",
+                    target_text(&dest.target),
+                    planned.unwrap_or("(none)"),
+                    target_text(&request.target),
+                    asked.unwrap_or("(none)"),
                 )));
             }
         }

@@ -122,6 +122,8 @@ where
                 ),
             });
         }
+        // The ring moves bytes between ranks: their plans must describe them alike.
+        crate::exchange::agree::agree_on_plan(self, plan).await?;
         let started = Instant::now();
         let mut by_blocks = options.clone();
         by_blocks.read.joint_checks = false;

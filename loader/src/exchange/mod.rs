@@ -15,6 +15,7 @@
 //! arrives before it is asked for, so no interleaving of groups and ranks can deadlock, and a rank
 //! waits at most one transport timeout for its slowest peer.
 
+pub mod agree;
 pub mod direct;
 pub(crate) mod drive;
 pub mod place;

@@ -3,8 +3,11 @@
 //! plan made for another version of the checkpoint is refused before any rank reads: a server's
 //! plan once, when it is created (and each rank plan again when the loader executes it).
 
+use std::sync::Arc;
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::plan_client::{CreatedPlan, PlanClient, PlanClientOptions, PlanTarget};
+
+use tessera_metadata::CheckpointMeta;
 use tessera_planner::{Plan, PlanOptions, PlanSummary, RankPlan, ReadSources, RequestSet};
 
 use crate::{OpsError, ResultExt};
@@ -30,6 +33,11 @@ pub enum JobPlan {
         client: PlanClient,
         /// The server's answer to the plan request.
         created: CreatedPlan,
+        /// What was asked, resolved here against the opened checkpoint: each rank plan's
+        /// destinations must be its rank's requests ([`RankPlan::check_destinations`]).
+        requests: RequestSet,
+        /// The opened checkpoint's metadata, which `requests` index.
+        meta: Arc<CheckpointMeta>,
     },
 }
 
@@ -86,7 +94,27 @@ impl JobPlan {
             location,
             server,
         )?;
-        Ok(JobPlan::Server { client, created })
+        // As the server resolves them (the same checkpoint, by identity): what each rank's plan
+        // must fill, in order.
+        let tensors = checkpoint.meta.tensors();
+        let requests = match target {
+            PlanTarget::Layout(layout) => layout.resolve(tensors),
+            PlanTarget::Requests(requests) => requests.resolve(tensors),
+        }
+        .with_context(|| format!("resolving what was asked of {url} against {location}"))?;
+        if requests.world_size() != created.world {
+            return Err(OpsError::invalid(format!(
+                "{url} planned {id} for {} ranks, but what was asked has {}",
+                created.world,
+                requests.world_size()
+            )));
+        }
+        Ok(JobPlan::Server {
+            client,
+            created,
+            requests,
+            meta: Arc::clone(&checkpoint.meta),
+        })
     }
 
     /// Ranks of the job.
@@ -105,14 +133,32 @@ impl JobPlan {
         }
     }
 
-    /// Rank `rank`'s plan.
+    /// Rank `rank`'s plan. A server's is refused unless its destinations are that rank's
+    /// requests, in order: the caller's buffers are the requests, and a plan listing two of them
+    /// the other way round would fill each with the other's bytes.
     pub async fn rank_plan(&self, rank: u32) -> Result<RankPlan, OpsError> {
         Ok(match self {
             JobPlan::Local(plan) => plan.rank_plan(rank)?,
-            JobPlan::Server { client, created } => client
-                .rank_plan(&created.plan, rank)
-                .await
-                .with_context(|| format!("fetching rank {rank}'s plan from the server"))?,
+            JobPlan::Server {
+                client,
+                created,
+                requests,
+                meta,
+            } => {
+                let plan = client
+                    .rank_plan(&created.plan, rank)
+                    .await
+                    .with_context(|| format!("fetching rank {rank}'s plan from the server"))?;
+                let Some(mine) = requests.ranks.get(rank as usize) else {
+                    return Err(tessera_planner::PlanError::RankOutOfRange {
+                        rank,
+                        world: requests.world_size(),
+                    }
+                    .into());
+                };
+                plan.check_destinations(meta, mine)?;
+                plan
+            }
         })
     }
 }
