@@ -2,7 +2,8 @@
 //! every box's and object's own crc32c, and no stray file under the checkpoint (on local disk
 //! also the staging files `<name>#<n>` a killed upload leaves, which the object store hides).
 //! PyTorch DCP: the structure (metadata, every blob's zip directory and `data.pkl`, byte ranges)
-//! and the zip CRC-32 of every tensor storage and object blob. safetensors: headers, byte ranges
+//! and the zip CRC-32 of every tensor storage and object blob (a blob saved compressed, DCP's
+//! ZStandard extension, over its decoded bytes, the whole stream decoded). safetensors: headers, byte ranges
 //! (no overlap, no hole, inside the file); the format records no checksums of the data.
 //! DeepSpeed: the torch.save files' structure and layout, and the zip CRC-32 of every record.
 //! ByteCheckpoint: the structure (metadata, every chunk's rebuild descriptor against its byte
