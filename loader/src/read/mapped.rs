@@ -52,11 +52,16 @@ impl StridedSource {
 /// Fills `target` with the runs of `source` from `file`. Errors name the store path (`path()`)
 /// and the read's whole byte span: a file that ends before the span does is a ShortRead with
 /// the bytes the file has of it.
+/// `mappable: false` reads every run with its own `pread`, never through a mapping: for files
+/// that may be truncated while they are read (a node's memory-tier copies, which other programs
+/// can reach), where a mapping would turn that into SIGBUS instead of a
+/// [`LoaderError::ShortRead`].
 pub(crate) fn read_strided(
     file: &File,
     target: &mut [u8],
     source: StridedSource,
     path: impl Fn() -> String,
+    mappable: bool,
 ) -> Result<(), LoaderError> {
     let run = source.run.max(1);
     let len = target.len() as u64;
@@ -92,7 +97,7 @@ pub(crate) fn read_strided(
             got: file_len.saturating_sub(source.offset),
         });
     }
-    if run >= MAPPED_RUN_LIMIT {
+    if run >= MAPPED_RUN_LIMIT || !mappable {
         for (i, chunk) in target.chunks_mut(run as usize).enumerate() {
             crate::read::positioned::read_exact_at(
                 file,
@@ -212,10 +217,43 @@ mod tests {
                 run,
                 stride,
             };
-            let mut target = vec![0u8; run as usize * count];
-            read_strided(&file, &mut target, source, || "data".into()).unwrap();
-            assert_eq!(target, expected(&data, source, count), "{source:?}");
+            for mappable in [true, false] {
+                let mut target = vec![0u8; run as usize * count];
+                read_strided(&file, &mut target, source, || "data".into(), mappable).unwrap();
+                assert_eq!(
+                    target,
+                    expected(&data, source, count),
+                    "{source:?} mappable {mappable}"
+                );
+            }
         }
+    }
+
+    /// A file that may shrink while it is read (a memory-tier copy) is read without a mapping:
+    /// truncated between reads, the next read is a short read, not SIGBUS.
+    #[test]
+    fn an_unmappable_file_truncated_between_reads_is_a_short_read() {
+        let data = vec![9u8; 3 * 4096];
+        let (dir, file) = file_of(&data);
+        let source = StridedSource {
+            offset: 100,
+            run: 16,
+            stride: 4096,
+        };
+        let mut target = vec![0u8; 48];
+        read_strided(&file, &mut target, source, || "copy".into(), false).unwrap();
+        assert_eq!(target, vec![9u8; 48]);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.path().join("data"))
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        let e = read_strided(&file, &mut target, source, || "copy".into(), false).unwrap_err();
+        assert_eq!(
+            crate::read::positioned::tests::short_read(e),
+            ("copy".to_string(), 100, 100 + 2 * 4096 + 16, 4096 - 100)
+        );
     }
 
     #[test]
@@ -228,8 +266,14 @@ mod tests {
                 stride: 9000,
             };
             let mut target = vec![0u8; 2 * run as usize];
-            let e = read_strided(&file, &mut target, source, || "step/__0_0.distcp".into())
-                .unwrap_err();
+            let e = read_strided(
+                &file,
+                &mut target,
+                source,
+                || "step/__0_0.distcp".into(),
+                true,
+            )
+            .unwrap_err();
             assert_eq!(
                 crate::read::positioned::tests::short_read(e),
                 ("step/__0_0.distcp".to_string(), 1000, 10_000 + run, 9000)
@@ -248,7 +292,7 @@ mod tests {
                 run,
                 stride,
             };
-            let e = read_strided(&file, &mut target, source, || "data".into()).unwrap_err();
+            let e = read_strided(&file, &mut target, source, || "data".into(), true).unwrap_err();
             assert!(
                 e.to_string().contains("does not divide into disjoint runs"),
                 "{e}"

@@ -111,6 +111,8 @@ impl LocalPaths {
 pub(crate) struct LocalFiles {
     paths: LocalPaths,
     opened: Vec<Option<File>>,
+    /// Per plan file: it is a memory-tier copy ([`LocalPaths::files`]), never mapped.
+    copies: Vec<bool>,
     /// Misaligned reads go through the bounce buffer ([`read_exact_at`]).
     bounce: bool,
 }
@@ -122,6 +124,7 @@ impl LocalFiles {
         Self {
             paths,
             opened: (0..count).map(|_| None).collect(),
+            copies: vec![false; count],
             bounce,
         }
     }
@@ -143,6 +146,9 @@ impl LocalFiles {
         };
         if slot.is_none() {
             *slot = Some(self.paths.open(&source.path)?);
+            if let Some(copy) = self.copies.get_mut(file as usize) {
+                *copy = self.paths.files.contains_key(source.path.as_ref());
+            }
         }
         Ok(())
     }
@@ -300,6 +306,13 @@ fn read_one(
                     stride,
                 },
                 path,
+                // A tier copy may be truncated while it is read: a mapping would make that
+                // SIGBUS, a read per run makes it a short read (and a read from storage).
+                !files
+                    .copies
+                    .get(read.file as usize)
+                    .copied()
+                    .unwrap_or(false),
             )?;
             (run.max(1), stride)
         }
