@@ -30,6 +30,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::exchange::ExchangeMessages;
+use tessera_loader::exchange::agree;
 use tessera_loader::exchange::direct::Exposure;
 use tessera_loader::exchange::protocol::{Action, ExchangeProtocol};
 use tessera_loader::exchange::relay::with_relay_buffers;
@@ -70,6 +71,9 @@ struct GroupState {
     /// storage order only to relay to others (`tessera_loader::exchange::relay`).
     buffers: Vec<Buffer>,
     plan: Option<Arc<RankPlan>>,
+    /// The plan's digests of what this rank and each rank pass each other
+    /// ([`RankPlan::peer_digests`]), taken when planned.
+    peer_digests: Option<Vec<u64>>,
     /// The plan's exchange messages, cut (and checked) when planned; the protocol takes them
     /// when the exchange starts.
     messages: Option<ExchangeMessages>,
@@ -107,6 +111,31 @@ fn parse_offers(offers: &[String]) -> Result<Vec<TierOffer>> {
                 .map_err(|e| anyhow!("rank {r}'s memory-tier offer is not valid: {e}"))
         })
         .collect()
+}
+
+/// The plan server a load names (`None` without one): its id of the checkpoint at `location` is
+/// `server_id`, else the location's last two components.
+fn plan_server(
+    location: &str,
+    server: Option<String>,
+    server_id: Option<String>,
+    token: Option<String>,
+) -> Result<Option<tessera_ops::load::PlanServer>> {
+    let Some(url) = server else {
+        return Ok(None);
+    };
+    let checkpoint_id = server_id
+        .or_else(|| tessera_loader::plan_client::server_checkpoint_id(location))
+        .ok_or_else(|| {
+            anyhow!(
+                "cannot tell the server's id of checkpoint {location:?}: pass server_id=\"<run>/<step>\""
+            )
+        })?;
+    Ok(Some(tessera_ops::load::PlanServer {
+        url,
+        checkpoint_id,
+        token,
+    }))
 }
 
 /// Shares go whole, one message each: this path exchanges after the whole read, so parts (which
@@ -312,6 +341,7 @@ fn prepare(
         wanted,
         buffers,
         plan: None,
+        peer_digests: None,
         messages: None,
         direct: false,
         read: None,
@@ -332,6 +362,96 @@ impl GroupLoad {
         let state = self.state();
         let mine: Vec<&ExplicitRequest> = state.wanted.iter().map(|w| &w.request).collect();
         serde_json::to_string(&mine).map_err(|e| py_error(e.into()))
+    }
+
+    /// What this rank tells the others before planning, as JSON text for the all-gather: the
+    /// checkpoint as it named and opened it, and the options it plans with (a plan `server` as
+    /// `plan` will be given it, the `read_order`). The process-group path compares what the
+    /// CLI's rendezvous compares ([`GroupLoad::check_job_terms`]).
+    #[pyo3(signature = (server=None, server_id=None, read_order=None))]
+    fn job_terms_json(
+        &self,
+        server: Option<String>,
+        server_id: Option<String>,
+        read_order: Option<&str>,
+    ) -> PyResult<String> {
+        use tessera_ops::load::agreement::{JobTerms, checkpoint_key, job_plan_terms};
+        let read_order = parse_read_order(read_order)?;
+        let state = self.state();
+        let server = plan_server(&state.location, server, server_id, None).map_err(py_error)?;
+        let planning = tessera_ops::load::plan_options(
+            true,
+            read_order,
+            false,
+            &tessera_ops::load::LoadSwitches::from_env(),
+        );
+        let terms = JobTerms {
+            location: state.location.clone(),
+            checkpoint: checkpoint_key(&state.checkpoint, &state.location)
+                .map_err(|e| py_error(e.into()))?,
+            plan: job_plan_terms(&state.checkpoint, &planning, &[], server.as_ref()),
+        };
+        serde_json::to_string(&terms).map_err(|e| py_error(e.into()))
+    }
+
+    /// Refuses a job whose ranks load different checkpoints or plan with different options,
+    /// given every rank's [`GroupLoad::job_terms_json`] in rank order: every rank checks the same
+    /// list and fails alike, naming the ranks and both checkpoints (or options).
+    fn check_job_terms(&self, all: Vec<String>) -> PyResult<()> {
+        use tessera_ops::load::agreement::{JobTerms, check_job_terms};
+        let rank = self.state().rank;
+        let all = all
+            .iter()
+            .enumerate()
+            .map(|(r, text)| {
+                serde_json::from_str::<JobTerms>(text).map_err(|e| {
+                    anyhow!("rank {r}'s checkpoint and plan options are not valid: {e}")
+                })
+            })
+            .collect::<Result<Vec<_>>>()
+            .map_err(py_error)?;
+        check_job_terms(rank, &all).map_err(|e| py_error(e.into()))
+    }
+
+    /// This rank's digests of what it and each rank pass each other
+    /// ([`RankPlan::peer_digests`]), 8 bytes little-endian per rank, for the all-gather after
+    /// planning ([`GroupLoad::check_plan_digests`]).
+    fn plan_digests<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let state = self.state();
+        let digests = state.peer_digests.as_ref().ok_or_else(|| {
+            py_error(anyhow!("rank {}: plan digests before the plan", state.rank))
+        })?;
+        let bytes: Vec<u8> = digests.iter().flat_map(|d| d.to_le_bytes()).collect();
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Refuses a plan that another rank's plan describes differently where the two pass each
+    /// other bytes, given every rank's [`GroupLoad::plan_digests`] in rank order: before any
+    /// byte is read or exchanged, naming the ranks.
+    fn check_plan_digests(&self, all: Vec<Bound<'_, PyBytes>>) -> PyResult<()> {
+        let state = self.state();
+        let result = (|| {
+            let mine = state
+                .peer_digests
+                .as_ref()
+                .ok_or_else(|| anyhow!("rank {}: checking plans before the plan", state.rank))?;
+            let me = state.rank as usize;
+            let theirs: Vec<(u32, Option<u64>)> = all
+                .iter()
+                .enumerate()
+                .filter(|(p, _)| *p != me)
+                .map(|(p, data)| {
+                    let digest = data
+                        .as_bytes()
+                        .get(me * 8..me * 8 + 8)
+                        .and_then(agree::decode_digest);
+                    (p as u32, digest)
+                })
+                .collect();
+            agree::check_digests(state.rank, mine, &theirs)?;
+            Ok(())
+        })();
+        result.map_err(py_error)
     }
 
     /// What this rank offers from its node's memory tier (its node and candidate copies), as
@@ -425,20 +545,7 @@ impl GroupLoad {
             })
             .collect::<Result<Vec<_>>>()
             .map_err(py_error)?;
-        let server = match server {
-            Some(url) => Some(tessera_ops::load::PlanServer {
-                checkpoint_id: server_id
-                    .or_else(|| tessera_loader::plan_client::server_checkpoint_id(&location))
-                    .ok_or_else(|| {
-                        py_error(anyhow!(
-                            "cannot tell the server's id of checkpoint {location:?}: pass server_id=\"<run>/<step>\""
-                        ))
-                    })?,
-                url,
-                token,
-            }),
-            None => None,
-        };
+        let server = plan_server(&location, server, server_id, token).map_err(py_error)?;
         let plan = block_on_cancellable(py, Some(&self.cancel), async {
             rank_plan_for(
                 &checkpoint,
@@ -462,6 +569,8 @@ impl GroupLoad {
                 state.buffers.len()
             )));
         }
+        // Of the plan as made (relaying adds scratch destinations that concern this rank only).
+        state.peer_digests = Some(plan.peer_digests());
         // Pieces read in storage order only to pass on get scratch destinations after the arrays.
         let plan = match with_relay_buffers(&plan) {
             Some(relaying) => {

@@ -458,6 +458,7 @@ def _dcp_errors(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @_dcp_errors
+@_group.joins_on_failure
 def load(
     state_dict: MutableMapping[str, Any],
     checkpoint_id: Union[str, "os.PathLike[str]", None] = None,
@@ -557,6 +558,10 @@ def load(
     if stateful:
         state_dict = {k: (v.state_dict() if k in stateful else v) for k, v in outer.items()}
     group = _group.default_group(process_group, exchange)
+    if group is not None:
+        # Whatever fails from here on is this rank's failure of the group's load (see
+        # `_group.joins_on_failure`): the other ranks hear of it instead of joining its next load.
+        _group.pending_load(group, timeout)
     if group is not None and (rank is not None or world_size is not None):
         raise ValueError("rank and world_size come from the process group; do not pass them with one")
     opened = _open(str(checkpoint_id), storage_options)

@@ -17,7 +17,10 @@ own deadline:
 
 Keys live under ``tessera/<group>/<n>/`` where n counts this process's loads over the group (every
 rank loads in the same order, as with any collective), so a failed load leaves nothing that a
-later one reads.
+later one reads. Every ``tessera.load`` over a group takes part, one that fails before its group
+step included (it publishes that failure: ``_group.joins_on_failure``), so the counts of the ranks
+stay in step; and the first step compares the checkpoint each rank opened, so two different loads
+are never joined.
 """
 
 from __future__ import annotations

@@ -5,9 +5,16 @@ deterministic: every rank gets the same plan) and reads its own pieces from stor
 exchange protocol (tessera_loader::exchange::protocol, the one tessera's own transports run)
 says which messages to send and receive, and `_drive` moves them with torch's point-to-point
 ops on the same group: gloo for CPU groups, NCCL (messages staged in device memory) for
-NCCL-only groups. No second rendezvous, no extra port; three agreements before the first byte
-of the exchange moves (the requests; the status and the folds of boxes read in parts after
-planning and reading; the status after checking those boxes).
+NCCL-only groups. No second rendezvous, no extra port; agreements before the first byte of the
+exchange moves: the requests, with each rank's checkpoint as opened and plan options (every rank
+refuses a job whose ranks opened different checkpoints or plan otherwise, as the CLI's rendezvous
+does); the digests of what each pair of ranks passes each other after planning (rank plans of
+different plans are refused before any read); the status and the folds of boxes read in parts
+after reading; the status after checking those boxes.
+
+Every rank takes part in every load's agreement, a load that fails before it reaches the group
+(a missing key) included (``joins_on_failure``): loads are matched by their number on each rank,
+so a rank that skipped one would join its next load to the others' current one.
 
 Failures are agreed on through the job's store, not the group (``_agreement``): a rank that
 fails is named on every rank within a poll, one that stops or dies within ``liveness`` seconds,
@@ -16,6 +23,7 @@ and none waits for the group's own timeout.
 
 from __future__ import annotations
 
+import functools
 import json
 import queue
 import threading
@@ -51,6 +59,66 @@ def default_group(process_group: Any, exchange: Optional[bool]) -> Any:
     if dist.get_world_size() <= 1:
         return None
     return dist.group.WORLD
+
+
+# The group (and timeout) of this thread's `tessera.load` from when it found its group until it
+# joins the group's agreement (`load_over_group`): a failure in between (a missing key, a dtype
+# that does not match, a checkpoint this rank cannot open) is still published to the group.
+_pending = threading.local()
+
+
+def pending_load(group: Any, timeout: Any) -> None:
+    """Notes that this thread's load runs over ``group`` (until it joins the agreement)."""
+    _pending.load = (group, timeout)
+
+
+def joins_on_failure(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` (``tessera.load``), publishing a failure it raises after finding its group
+    but before joining the group's agreement as this rank's failure of that load.
+
+    Every rank must take part in every load's agreement: loads over a group are matched by
+    their number on each rank (as collectives are), so a rank whose call raised before the
+    agreement would be one load behind, and its next load (a fallback to an older checkpoint)
+    would be joined with the other ranks' current one. Taking part with its failure keeps the
+    counts in step, and the other ranks fail at once naming it rather than waiting out
+    ``timeout=`` (or joining the wrong load)."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _pending.load = None
+        try:
+            return function(*args, **kwargs)
+        except BaseException as error:
+            pending = getattr(_pending, "load", None)
+            if pending is not None:
+                _publish_early_failure(*pending, error)
+            raise
+        finally:
+            _pending.load = None
+
+    return wrapper
+
+
+def _publish_early_failure(group: Any, timeout: Any, error: BaseException) -> None:
+    """Takes part in the agreement of the load ``error`` ended before it joined: the agreement's
+    first step, failed with ``error`` (published at once; the other ranks raise naming it)."""
+    _pending.load = None
+    try:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        try:
+            seconds = float(timeout)
+        except (TypeError, ValueError):
+            seconds = 300.0
+        agreement = _agreement.for_group(group, rank, world, seconds)
+    except Exception:  # no group to tell after all: the caller raises its error anyway
+        return
+    with agreement:
+        try:
+            agreement.gather("preparing its requests", error)
+        except BaseException:  # the error itself, raised again by the caller
+            pass
 
 
 def _transport_error(error: BaseException) -> str:
@@ -252,39 +320,56 @@ def load_over_group(
     agreement = _agreement.for_group(
         group, rank, world, timeout, on_failure=lambda reason: load is not None and load.cancel(reason)
     )
+    # From here every failure is this load's, published through its agreement.
+    _pending.load = None
     with agreement:
         error: Optional[BaseException] = None
         try:
             load = _tessera.group_load(opened, targets, rank, world, verify, memory_tier)
             offer = load.tier_offer_json()
-            # Requests and the memory-tier offer ride in one message (compact JSON holds no
-            # newline).
-            mine = (load.requests_json() + "\n" + offer).encode()
+            terms = load.job_terms_json(server, server_id, read_order)
+            # Requests, the memory-tier offer and the checkpoint and plan options ride in one
+            # message (compact JSON holds no newline).
+            mine = (load.requests_json() + "\n" + offer + "\n" + terms).encode()
         except Exception as e:
             error, mine = e, b""
-        gathered = [r.decode().split("\n", 1) for r in agreement.gather("preparing its requests", error, mine)]
+        gathered = [r.decode().split("\n", 2) for r in agreement.gather("preparing its requests", error, mine)]
         offers = [g[1] for g in gathered]
         # Second round, on every rank (an empty share without a tier): the ranks of a node split
-        # its copies and each verifies its share.
+        # its copies and each verifies its share. First, as the CLI's rendezvous does, every rank
+        # refuses a job whose ranks opened different checkpoints or plan with other options
+        # (every rank sees the same list, so every rank fails alike, naming them).
         try:
+            load.check_job_terms([g[2] for g in gathered])
             verified = load.verify_tier(offers).encode()
         except Exception as e:
             error, verified = e, b""
-        checked = [v.decode() for v in agreement.gather("verifying its memory-tier copies", error, verified)]
-        folds = b""
+        checked = [
+            v.decode() for v in agreement.gather("agreeing on the checkpoint or verifying its memory-tier copies", error, verified)
+        ]
+        digests = b""
         try:
             # Direct copies between ranks of one host where the group moves host memory.
             load.plan(
                 [g[0] for g in gathered], True, server, server_id, token, read_order, device.type == "cpu",
                 offers, checked,
             )
+            digests = load.plan_digests()
+        except Exception as e:
+            error = e
+        # Every rank's plan must describe what it and each other rank pass each other alike (rank
+        # plans of different plans, from a lying server, are refused here, before any read).
+        everyone = agreement.gather("planning its pieces", error, digests)
+        folds = b""
+        try:
+            load.check_plan_digests(everyone)
             # This rank's folds of saved boxes several ranks read in parts ride on the agreement
-            # (one for planning and reading: a rank that failed to plan is named there too);
-            # every rank then checks the boxes it holds bytes of before anything is exchanged.
+            # (a rank that failed to read is named there too); every rank then checks the boxes
+            # it holds bytes of before anything is exchanged.
             folds = load.read(progress)
         except Exception as e:
             error = e
-        everyone = agreement.gather("planning or reading its pieces", error, folds)
+        everyone = agreement.gather("agreeing on the plan or reading its pieces", error, folds)
         try:
             load.check_joint(everyone)
         except Exception as e:

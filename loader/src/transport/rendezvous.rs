@@ -91,7 +91,7 @@ impl RendezvousConfig {
 /// option, in rank 0's order: `rank 1 plans with --read-order storage but rank 0 with
 /// --read-order auto`. An option only one side names (a front end of another version) differs
 /// too.
-pub(crate) fn plan_differences(
+pub fn plan_differences(
     rank: u32,
     theirs: &[(String, String)],
     ours: &[(String, String)],

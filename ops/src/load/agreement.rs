@@ -11,9 +11,12 @@
 //! therefore what was opened, not what was typed: the checkpoint's identity (the digest of its
 //! metadata as read), and only where it has none its location made canonical.
 
+use serde::{Deserialize, Serialize};
+use tessera_loader::LoaderError;
 use tessera_loader::checkpoint::Checkpoint;
 #[cfg(doc)]
 use tessera_loader::transport::rendezvous::RendezvousConfig;
+use tessera_loader::transport::rendezvous::plan_differences;
 use tessera_planner::{PlanOptions, ReadOrder};
 
 use crate::OpsError;
@@ -68,6 +71,62 @@ pub fn job_plan_terms(
             filter,
         }),
     }
+}
+
+/// What one rank of a job that meets without tessera's rendezvous (a torch process group)
+/// tells the others, for [`check_job_terms`]: the same things the rendezvous compares.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobTerms {
+    /// The checkpoint as the rank named it (for the message).
+    pub location: String,
+    /// The checkpoint as the rank opened it ([`checkpoint_key`]).
+    pub checkpoint: String,
+    /// The options of its plan ([`job_plan_terms`]).
+    pub plan: Vec<(String, String)>,
+}
+
+/// Refuses, on rank `rank`, a job whose ranks (`all`, indexed by rank) load different
+/// checkpoints (as opened: another step, or the same path saved again between their opens), or
+/// plan with different options: each rank would plan a job its peers do not run, and bytes of
+/// one checkpoint would be placed by a plan of the other. Every rank checks the same list, so
+/// every rank fails alike, naming the ranks and both checkpoints (or options).
+pub fn check_job_terms(rank: u32, all: &[JobTerms]) -> Result<(), OpsError> {
+    let Some(first) = all.first() else {
+        return Ok(());
+    };
+    let checkpoints: Vec<String> = all
+        .iter()
+        .enumerate()
+        .skip(1)
+        .filter(|(_, t)| t.checkpoint != first.checkpoint)
+        .map(|(r, t)| {
+            format!(
+                "rank {r} loads {} ({}) but rank 0 loads {} ({})",
+                t.location, t.checkpoint, first.location, first.checkpoint
+            )
+        })
+        .collect();
+    if !checkpoints.is_empty() {
+        return Err(OpsError::invalid(format!(
+            "rank {rank}: the ranks of this job load different checkpoints: {}; every rank of a \
+             job must load the same checkpoint (nothing was read)",
+            checkpoints.join("; ")
+        )));
+    }
+    let options: Vec<String> = all
+        .iter()
+        .enumerate()
+        .skip(1)
+        .flat_map(|(r, t)| plan_differences(r as u32, &t.plan, &first.plan))
+        .collect();
+    if !options.is_empty() {
+        return Err(LoaderError::RanksDisagree {
+            rank,
+            detail: options.join("; "),
+        }
+        .into());
+    }
+    Ok(())
 }
 
 /// How a job's plan is made, as far as every rank must make it the same way.
@@ -159,8 +218,53 @@ pub fn plan_terms(planned_by: &PlannedBy<'_>) -> Vec<(String, String)> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranks_that_load_other_checkpoints_or_plan_otherwise_are_named() {
+        let terms = |location: &str, checkpoint: &str, order: &str| JobTerms {
+            location: location.to_string(),
+            checkpoint: checkpoint.to_string(),
+            plan: vec![("--read-order".to_string(), order.to_string())],
+        };
+        let same = [
+            terms("run/step-1", "native:a", "auto"),
+            terms("/abs/run/step-1", "native:a", "auto"),
+        ];
+        assert!(check_job_terms(1, &same).is_ok());
+        let err = check_job_terms(
+            0,
+            &[
+                terms("run/step-1", "native:a", "auto"),
+                terms("run/step-2", "native:b", "auto"),
+            ],
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            err,
+            "rank 0: the ranks of this job load different checkpoints: rank 1 loads run/step-2 \
+             (native:b) but rank 0 loads run/step-1 (native:a); every rank of a job must load the \
+             same checkpoint (nothing was read)"
+        );
+        let err = check_job_terms(
+            1,
+            &[
+                terms("a", "native:a", "auto"),
+                terms("a", "native:a", "storage"),
+            ],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains(
+                "rank 1 plans with --read-order storage but rank 0 with --read-order auto"
+            ),
+            "{err}"
+        );
+    }
 
     fn value<'a>(terms: &'a [(String, String)], name: &str) -> &'a str {
         terms
