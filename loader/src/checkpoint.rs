@@ -60,6 +60,62 @@ pub struct Checkpoint {
     pub durable_store: Option<Arc<dyn object_store::ObjectStore>>,
 }
 
+/// `error` with `how` (where the bytes were read from) added to the file it names, for the
+/// variants that name a data file by its store path.
+fn naming_copy(error: LoaderError, how: &str) -> LoaderError {
+    let named = |path: String| format!("{path} ({how})");
+    match error {
+        LoaderError::MissingFile { path } => LoaderError::MissingFile { path: named(path) },
+        LoaderError::ShortRead {
+            path,
+            start,
+            end,
+            got,
+        } => LoaderError::ShortRead {
+            path: named(path),
+            start,
+            end,
+            got,
+        },
+        LoaderError::Checksum {
+            path,
+            start,
+            end,
+            expected,
+            actual,
+        } => LoaderError::Checksum {
+            path: named(path),
+            start,
+            end,
+            expected,
+            actual,
+        },
+        LoaderError::Metadata(tessera_metadata::MetadataError::BoxChecksumMismatch {
+            path,
+            entry,
+            start,
+            end,
+            algorithm,
+            expected,
+            actual,
+        }) => LoaderError::Metadata(tessera_metadata::MetadataError::BoxChecksumMismatch {
+            path: named(path),
+            entry,
+            start,
+            end,
+            algorithm,
+            expected,
+            actual,
+        }),
+        LoaderError::JointChecksum(mut mismatch) => {
+            mismatch.path = named(std::mem::take(&mut mismatch.path));
+            LoaderError::JointChecksum(mismatch)
+        }
+        // The others name the copy themselves (opening it, the tier's store) or no file.
+        other => other,
+    }
+}
+
 /// What a DCP `.metadata` records beyond tensors and objects.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct DcpRecord {
@@ -354,7 +410,16 @@ impl Checkpoint {
                     done_local += piece.bytes;
                 }
                 if joint_pieces.contains(&piece.id) {
-                    return Err(error);
+                    let copy = tier_files.get(&path).cloned().unwrap_or_default();
+                    return Err(naming_copy(
+                        error,
+                        &format!(
+                            "read from the memory-tier copy {}, which failed after it was \
+                             verified; parts of this rank's reads were already checked jointly \
+                             with other ranks, so they cannot be read from storage instead",
+                            copy.display()
+                        ),
+                    ));
                 }
             }
             let copy = tier_files.remove(&path).unwrap_or_default();
@@ -409,6 +474,29 @@ impl Checkpoint {
             verifying,
         )
         .await
+        .map_err(|e| self.name_tier_copy(e))
+    }
+
+    /// A joint check that failed on a box of a file this node read from a memory-tier copy
+    /// names the copy: the parts were folded as they were read, so the mismatch is found only
+    /// after the exchange, too late to read them from storage instead, and the copy (which may
+    /// have changed after it was verified) is the likelier culprit than the durable file.
+    fn name_tier_copy(&self, error: LoaderError) -> LoaderError {
+        let LoaderError::JointChecksum(mut mismatch) = error else {
+            return error;
+        };
+        let copy = crate::read::resolve(&self.location.prefix, &mismatch.path)
+            .ok()
+            .and_then(|p| self.tier_files.get(p.as_ref()));
+        if let Some(copy) = copy {
+            mismatch.path = format!(
+                "{} (this node's ranks read it from the memory-tier copy {}, which may have \
+                 changed after it was verified)",
+                mismatch.path,
+                copy.display()
+            );
+        }
+        LoaderError::JointChecksum(mismatch)
     }
 
     /// The store path of data file `file` (an index into `meta.files()`), checked like a plan's

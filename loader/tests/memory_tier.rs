@@ -456,3 +456,78 @@ async fn a_copy_that_changes_after_its_check_is_read_from_storage_and_named() {
         }
     }
 }
+
+/// Issue 41 item 10, the case a fallback cannot cover: column slices of row-saved boxes are
+/// verified jointly (each rank folds its runs; the folds are checked after the exchange), so a
+/// copy changed after its check is found only once the parts were handed on. The load fails,
+/// and the error names the copy rather than only the intact durable file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jointly_checked_box_of_a_changed_copy_fails_naming_the_copy() {
+    const COLUMNS: &str = r#"{"mesh": [{"name": "tp", "size": 2}],
+        "rules": [{"match": "*norm*", "placements": ["replicate"]},
+                  {"match": "*.weight", "placements": ["shard(1)"]},
+                  {"match": "*", "placements": ["replicate"]}]}"#;
+    let (_dir, checkpoint) = synth_saved_by_rows(2).await;
+    let identity = checkpoint.meta.identity().unwrap().to_string();
+    let tier = tempfile::tempdir().unwrap();
+    for file in 0..2 {
+        leave_copy(&checkpoint, tier.path(), file, &identity);
+    }
+    let found = find_copies(tier.path(), &checkpoint.meta, &identity);
+    assert_eq!(found.file_indices(), vec![0, 1]);
+    // Every byte of every box of copy 1 changed after the check.
+    let changed = found.files[&1].clone();
+    let mut bytes = std::fs::read(&changed).unwrap();
+    for c in checkpoint
+        .meta
+        .chunks()
+        .iter()
+        .filter(|c| c.bytes.file == 1)
+    {
+        for at in c.bytes.offset..c.bytes.offset + c.bytes.length {
+            bytes[at as usize] ^= 0x5a;
+        }
+    }
+    std::fs::write(&changed, &bytes).unwrap();
+    let mut sources = ReadSources::none();
+    for file in 0..2 {
+        sources.add(file, SourceTier::NodeMemory, 0..2);
+    }
+    let requests = tessera_planner::Layout::from_json(COLUMNS)
+        .unwrap()
+        .resolve(checkpoint.meta.tensors())
+        .unwrap();
+    let own_columns = PlanOptions {
+        dedup: false,
+        ..PlanOptions::default()
+    };
+    let plan = checkpoint
+        .plan_with_sources(&requests, &own_columns, &sources)
+        .unwrap();
+    assert!(
+        (0..2).any(|r| !plan.rank_plan(r).unwrap().joint_checks.is_empty()),
+        "the column slices are checked jointly"
+    );
+    let view = checkpoint.with_tier_copies(&found).unwrap();
+    let mesh = InProcTransport::mesh(
+        2,
+        TransportOptions::with_timeout(std::time::Duration::from_secs(20)),
+    );
+    let options = LoadOptions::default();
+    let loads = mesh.iter().enumerate().map(|(rank, transport)| {
+        let rank_plan = plan.rank_plan(rank as u32).unwrap();
+        load_rank(&view, rank_plan, transport, &options)
+    });
+    let outcomes = futures::future::join_all(loads).await;
+    let errors: Vec<String> = outcomes
+        .into_iter()
+        .filter_map(|o| o.err().map(|e| e.to_string()))
+        .collect();
+    assert!(!errors.is_empty(), "a changed copy's column slices loaded");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains(&format!("memory-tier copy {}", changed.display()))),
+        "{errors:?}"
+    );
+}
