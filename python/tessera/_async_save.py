@@ -20,8 +20,21 @@ How the snapshot is taken (``snapshot=``):
       loss.backward()                    # the copies run meanwhile
       optimizer.step()                   # waits for them only if they are not done
 
-  A tensor changed in place before its copy was complete is detected by torch's version counter
-  (:class:`ChangedBeforeCopy`): the save fails, nothing is committed.
+  The copies are checked at a point where the job's own in-place kernels have ended: the
+  ``optimizer=``'s next step, ``handle.wait_snapshot()``, ``handle.result()`` (``wait()``,
+  ``exception()``), the next ``async_save``, or the end of the main thread; the persist waits
+  for that check (up to ``timeout``, then the save fails). A tensor whose version counter moved
+  between the call and that point fails the save (:class:`ChangedBeforeCopy`) and nothing is
+  committed. The check is not taken right after each copy because torch bumps the counter only
+  after an in-place kernel has written: a kernel still running then would be missed and a torn
+  tensor committed. A change that ended before the check point fails the save even if its copy
+  happened to be taken first: nothing tells which came first.
+
+  What the version counter cannot see is not detected: writes through ``tensor.data`` (it has a
+  counter of its own; ``detach()`` and views share the tensor's), ``.numpy()`` or DLPack views,
+  ``untyped_storage()``, native extensions, and in-place kernels another thread runs while the
+  check point is taken. A job that writes saved tensors so before the check point must use
+  ``snapshot="eager"``.
 
 - ``"multi_step"`` (GoCkpt, :mod:`tessera._multi_step`): the copy spread over ``steps`` optimizer
   steps, earlier parts brought forward by replaying the optimizer on the host.
@@ -271,6 +284,20 @@ class SaveHandle:
         self._snapshot_error: Optional[BaseException] = None
         self._report: Any = None
         self._thread: Optional[threading.Thread] = None
+        # Lazy saves: the copies run in the save's thread while the job runs, and torch bumps a
+        # tensor's version counter only after an in-place kernel has written, so a check right
+        # after a copy can miss a kernel still writing. The check that counts is taken at a
+        # point in the job where its earlier kernels have ended (_check_point); the persist
+        # waits for it.
+        self._lazy = snapshot == "lazy"
+        self._entries: List["_Entry"] = []
+        self._timeout = 300.0
+        self._copied = threading.Event()
+        self._checked = threading.Event()
+        self._check_error: Optional[BaseException] = None
+        self._check_lock = threading.Lock()
+        #: The multi-step plan (tessera._multi_step.MultiStepSnapshot) of a multi-step save.
+        self._multi: Any = None
 
     def __repr__(self) -> str:
         state = "committed" if self._report is not None else "failed" if self._error else (
@@ -282,15 +309,72 @@ class SaveHandle:
         """Blocks until the snapshot is taken. After it returns the job may mutate its tensors.
 
         Raises the save's error if it failed before the snapshot was complete, and
-        ``TimeoutError`` when ``timeout`` seconds pass first."""
-        if not self._snapshot_done.wait(timeout):
+        ``TimeoutError`` when ``timeout`` seconds pass first.
+
+        Lazy saves: this is a point where the snapshot is checked (see :meth:`_check_point`), so
+        call it in the thread that changes the tensors (or after that thread's changes)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._check_point("handle.wait_snapshot()", timeout, final=False) or not self._snapshot_done.wait(
+            _left(deadline)
+        ):
             raise TimeoutError(f"rank {self.rank}: the snapshot of {self.checkpoint_id} took longer than {timeout} s")
         if self._snapshot_error is not None:
             raise self._snapshot_error
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Blocks until the save is committed or failed; whether it is done (False on timeout)."""
-        return self._done.wait(timeout)
+        """Blocks until the save is committed or failed; whether it is done (False on timeout).
+        Lazy saves: a point where the snapshot is checked, as :meth:`wait_snapshot` is."""
+        return self._wait(timeout, "handle.result()")
+
+    def _wait(self, timeout: Optional[float], where: str) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._multi is not None and self._multi.pending():
+            # Only the job's own steps end the window; a timeout, if it comes, should say who waited.
+            self._multi.waited_in = threading.current_thread().name
+        if not self._check_point(where, timeout, final=False):
+            return False
+        return self._done.wait(_left(deadline))
+
+    def _check_point(self, where: str, timeout: Optional[float], *, final: bool) -> bool:
+        """A lazy snapshot's check, at ``where``: a point the job reached after every in-place
+        kernel it started before (the optimizer's next step, ``wait_snapshot()``, ``result()``,
+        the process's exit). Waits for the copies, then compares every tensor's version counter
+        with the one at the call: unchanged means no in-place write through the tensor (or a
+        view or ``detach()`` of it, which share the counter) ended before this point, and a
+        kernel still running would have to be one the job starts after it; so the copies, taken
+        between the call and this point, hold the state at the call. A moved counter fails the
+        save: the copy may hold part of the change, and nothing tells which part.
+
+        Returns False when the copies are not complete within ``timeout`` and ``final`` is
+        False (the caller may wait again); with ``final`` (the job goes on changing tensors now)
+        that fails the save instead. True once checked (the outcome is the save's)."""
+        if not self._lazy or self._checked.is_set():
+            return True
+        with self._check_lock:
+            if self._checked.is_set():
+                return True
+            if not self._copied.wait(timeout):
+                if not final:
+                    return False
+                self._check_error = TesseraError(
+                    f"{where} came before the lazy snapshot's copies were complete (within {timeout:g} s): the job "
+                    "changes the tensors from here on, so the copies cannot stand for the state at the call"
+                )
+            else:
+                changed = [
+                    e for e in self._entries if e.version is not None and e.source is not None and _version(e.source) != e.version
+                ]
+                if changed:
+                    e = changed[0]
+                    more = f" (and {len(changed) - 1} more tensors)" if len(changed) > 1 else ""
+                    self._check_error = ChangedBeforeCopy(
+                        f"tensor {e.fqn} was changed in place before its snapshot copy could be checked{more} (torch's "
+                        f"version counter moved from {e.version} to {_version(e.source)} between the call and {where}): "
+                        "the copy may hold part of that change; call handle.wait_snapshot() (or pass optimizer=) "
+                        "before changing what was saved"
+                    )
+            self._checked.set()
+            return True
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
@@ -298,7 +382,7 @@ class SaveHandle:
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         """The save's error, or None once committed."""
-        if not self._done.wait(timeout):
+        if not self.wait(timeout):
             raise TimeoutError(f"rank {self.rank}: the save of {self.checkpoint_id} is not done after {timeout} s")
         return self._error
 
@@ -308,6 +392,11 @@ class SaveHandle:
         if error is not None:
             raise error
         return self._report
+
+
+def _left(deadline: Optional[float]) -> Optional[float]:
+    """Seconds left until ``deadline`` (None: no deadline)."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _fail(handle: SaveHandle, error: BaseException) -> None:
@@ -385,6 +474,23 @@ def _snapshot(pool: StagingPool, entries: List[_Entry], ready: Dict[Any, Any]) -
                 _check_unchanged(e)
 
 
+def _await_check(handle: SaveHandle) -> None:
+    """A lazy save's persist waits for the check of its copies (SaveHandle._check_point), so
+    that a copy that may hold a change is never committed; bounded by the save's timeout."""
+    if not handle._checked.wait(handle._timeout):
+        with handle._check_lock:
+            if not handle._checked.is_set():
+                handle._check_error = TesseraError(
+                    f"the lazy snapshot was copied, but within {handle._timeout:g} s the job reached no point where "
+                    "the copy could be checked against later in-place changes (the next step of optimizer=, "
+                    "handle.wait_snapshot(), handle.result()); nothing is committed rather than a copy that may "
+                    "hold part of a change"
+                )
+                handle._checked.set()
+    if handle._check_error is not None:
+        raise handle._check_error
+
+
 def _run(
     handle: SaveHandle,
     pool: StagingPool,
@@ -402,7 +508,12 @@ def _run(
         refreshed = take_snapshot()
         if refreshed is not None:
             objects = refreshed
+        snapshot_seconds = time.monotonic() - snapshot_started
+        handle._copied.set()
+        if handle._lazy:
+            _await_check(handle)
     except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
+        handle._copied.set()  # a check point waiting for the copies goes on
         if not isinstance(e, TesseraError):
             e = TesseraError(f"snapshot failed: {type(e).__name__}: {e}")
         _fail(handle, e)
@@ -410,7 +521,6 @@ def _run(
         handle._snapshot_done.set()
         handle._done.set()
         return
-    snapshot_seconds = time.monotonic() - snapshot_started
     if handle.snapshot_mode != "multi_step":
         handle.copy_seconds = snapshot_seconds
     # The job's tensors are no longer read: drop them so the job may free or reuse them.
@@ -503,10 +613,10 @@ class StepHooks:
 
 
 class _StepGate:
-    """Holds the first step of each optimizer after a lazy save until its snapshot is complete.
-    A snapshot that is not done within the save's timeout lets the step go: the step then
-    changes tensors whose copies are not complete, which the copies detect
-    (:class:`ChangedBeforeCopy`), and the save fails instead of committing."""
+    """Holds the first step of each optimizer after a lazy save until its snapshot is complete
+    and checked (:meth:`SaveHandle._check_point`). A snapshot that is not done within the
+    save's timeout lets the step go and fails the save: the step changes tensors whose copies
+    are not complete."""
 
     def __init__(self, handle: SaveHandle, optimizers: Sequence[Any], timeout: float) -> None:
         self._handle = handle
@@ -517,7 +627,8 @@ class _StepGate:
 
     def _before_step(self, _optimizer: Any) -> None:
         began = time.monotonic()
-        self._handle._snapshot_done.wait(self._timeout)
+        # The step changes the tensors: the snapshot is checked here, or fails.
+        self._handle._check_point("the optimizer's next step", self._timeout, final=True)
         self._handle.step_wait_seconds += time.monotonic() - began
         self.remove()
 
@@ -573,15 +684,20 @@ def async_save(
       background while the job computes forward and backward, which only read parameters and
       optimizer state. With ``optimizer=`` (one or a list), a step pre-hook holds that optimizer's
       next ``step()`` until the copies are done, then removes itself; without it, call
-      ``handle.wait_snapshot()`` before changing anything saved. A torch tensor changed in place
-      before its copy was complete is detected (torch's version counter) and fails the save,
-      naming it: nothing is committed. Lazy saves take torch tensors only.
+      ``handle.wait_snapshot()`` before changing anything saved. That step (or
+      ``wait_snapshot()``, ``result()``, the next ``async_save``, the main thread's end) is where
+      the copies are checked: a torch tensor changed in place since the call (torch's version
+      counter) fails the save, naming it, and nothing is committed. Writes that bypass the
+      counter (``.data``, ``.numpy()``, native code) are not seen (see the module doc). Lazy
+      saves take torch tensors only.
     - ``snapshot="multi_step", steps=k, optimizer=opt`` (GoCkpt): the copy is spread over ``k``
       optimizer steps, one part of the parameters (with their optimizer state) per step, and the
       updates of the steps since each part was copied are replayed on the host copy with the same
       optimizer class, hyper-parameters and gradients, so the checkpoint holds the state as it is
       when the ``k``-th step after the call begins (``handle.steps_after_call == k - 1``; name the
-      checkpoint for that step). See :mod:`tessera._multi_step` for what it supports.
+      checkpoint for that step). A tensor changed outside the optimizer during the window fails
+      the save naming it; a second ``async_save`` while its steps are due fails at once. See
+      :mod:`tessera._multi_step` for what it supports.
 
     ``memory_tier=DIR`` also leaves each rank's data file in its node's memory tier once the
     checkpoint committed (see :func:`tessera.save`), after the persist, in the background.
@@ -596,7 +712,7 @@ def async_save(
 
     Raises at once (nothing started): ``TypeError``/``ValueError`` for a value tessera cannot save
     or a snapshot mode it cannot take, ``TesseraError`` when the state does not fit the pool's
-    bound.
+    bound or a multi-step save still waits for this job's optimizer steps.
     """
     global _IN_FLIGHT
     state_dict, checkpoint_id = _api._dcp_order(state_dict, checkpoint_id, "async_save")
@@ -664,9 +780,21 @@ def async_save(
     with _LOCK:
         waited_from = time.monotonic()
         previous = _IN_FLIGHT
+        if previous is not None and previous._multi is not None and previous._multi.pending():
+            # Waiting here would wait for optimizer steps that only this job can take (after this
+            # call returns): the training thread would stand still until the first save's timeout.
+            ran = previous._multi.steps_ran()
+            raise TesseraError(
+                f"rank {rank}: async_save of {checkpoint_id}: the multi-step save of {previous.checkpoint_id} "
+                f"still waits for optimizer steps ({ran} of {previous._multi.steps} ran), and a second save "
+                "waits for the one in flight: step the optimizer "
+                f"{previous._multi.steps - ran} more times (then this call waits only for its persist), or "
+                "save with snapshot='eager' or 'lazy' before a multi-step window; nothing was started"
+            )
         if previous is not None:
-            # The pool still holds the previous snapshot until its persist ends.
-            previous.wait()
+            # The pool still holds the previous snapshot until its persist ends (a lazy one is
+            # checked here: this thread's changes so far have ended).
+            previous._wait(None, f"the next async_save (of {checkpoint_id})")
         waited = time.monotonic() - waited_from
         pool.reserve(
             offset,
@@ -684,6 +812,7 @@ def async_save(
                 event.record(torch.cuda.current_stream(device))
                 ready[device] = event
         handle = SaveHandle(str(checkpoint_id), rank, world_size, snapshot)
+        handle._entries, handle._timeout, handle._multi = entries, float(timeout), multi
         native_args = {
             "path": str(checkpoint_id),
             "rendezvous": rendezvous,
@@ -739,6 +868,34 @@ def _objects_refresher(original: Mapping[str, Any]) -> Callable[[], Optional[Lis
         return _entries(fresh)[1]
 
     return refresh
+
+
+def _at_exit() -> None:
+    """Runs when the main thread ends, before the interpreter joins the save's thread (which is
+    not a daemon, so that a save in flight still commits). A multi-step save still waiting for
+    optimizer steps can get none now: it is abandoned at once instead of holding the process
+    for its timeout. A lazy save not yet checked is checked here: every kernel the main thread
+    started has ended."""
+    import sys
+
+    handle = _IN_FLIGHT
+    if handle is None or handle.done():
+        return
+    if handle._multi is not None and handle._multi.pending():
+        sys.stderr.write(f"tessera: rank {handle.rank}: {handle._multi.abandon('the process exits')}\n")
+    elif handle._lazy and not handle._checked.is_set():
+        handle._check_point("the process's exit", handle._timeout, final=True)
+        if handle._check_error is not None:
+            sys.stderr.write(
+                f"tessera: rank {handle.rank}: the lazy save of {handle.checkpoint_id} is not committed: "
+                f"{handle._check_error}\n"
+            )
+
+
+# threading's exit hooks run before it joins non-daemon threads (atexit's run after: too late).
+_register_at_exit = getattr(threading, "_register_atexit", None)
+if _register_at_exit is not None:
+    _register_at_exit(_at_exit)
 
 
 def in_flight() -> Optional[SaveHandle]:

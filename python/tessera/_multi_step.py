@@ -34,6 +34,22 @@ reference: a job that zeroes them in place (``zero_grad(set_to_none=False)``) be
 thread has replayed them is detected by torch's version counter, and the save fails instead of
 committing. Every wait is bounded by the save's ``timeout``; a job that stops stepping before
 ``k`` steps ran fails the save, naming how many ran.
+
+Changes outside the optimizer: the replay applies only the optimizer's updates, so the pre-hook
+of every step (in the training thread, where the job's in-place kernels have ended) compares the
+version counters of the parts copied so far with those read after the previous step (at the call
+for the first): a parameter or state tensor rescaled, clamped or loaded between two steps fails
+the save naming it, as does a tensor the optimizer does not update that changed at all since the
+call. Writes that bypass the counter (``.data``, ``.numpy()``, native code) are not seen, as for
+lazy snapshots.
+
+Tied weights (one parameter saved under several names, an embedding and the output projection)
+are copied and replayed once; every name gets the replayed value.
+
+The window needs the job's steps: a second ``async_save`` while steps are still due fails at once,
+naming this save and how many steps ran (waiting would wait for steps only the caller's thread can
+take); when the main thread ends inside the window the save is abandoned at once (stderr says
+after how many steps) instead of holding the process's exit for ``timeout``.
 """
 
 from __future__ import annotations
@@ -92,7 +108,17 @@ class MultiStepSnapshot:
         self.state_entries: Dict[int, Dict[str, Any]] = {}
         #: Entries the optimizer does not update (copied with part 0; must not change after).
         self.static: List[Any] = []
-        self._changed: Optional[str] = None
+        #: Entries the optimizer updates (parameters and their state), in part order.
+        self.updated: List[List[Any]] = []
+        #: A tensor saved under several names (tied weights): the entry the replay updates, and
+        #: the others, which get its bytes once the last part is replayed.
+        self.aliases: List[Tuple[Any, List[Any]]] = []
+        #: Each updated entry's version counter at the last point outside an optimizer step (the
+        #: call, then each step's post-hook), read in the training thread: between that point
+        #: and the next step's pre-hook only the job, not the optimizer, can have changed it.
+        self._marks: Dict[int, int] = {}
+        #: Thread name of a wait on the handle while steps were still due (said in a timeout).
+        self.waited_in: Optional[str] = None
         self._tasks: "queue.Queue[Tuple[str, Any]]" = queue.Queue()
         self._ready: List[threading.Event] = []
         self._failed = threading.Event()
@@ -120,7 +146,9 @@ class MultiStepSnapshot:
             )
         plan = cls()
         plan.steps, plan.rank, plan.timeout, plan.optimizer = steps, rank, float(timeout), optimizer
-        by_key: Dict[Tuple[int, int, str, Tuple[int, ...]], Any] = {}
+        # Every entry of a tensor: a weight tied to another (an embedding and the output
+        # projection) is one parameter under two names.
+        by_key: Dict[Tuple[int, int, str, Tuple[int, ...]], List[Any]] = {}
         for e in entries:
             if getattr(e.source, "device", None) is not None and e.source.device.type != "cpu":
                 raise TypeError(
@@ -128,15 +156,23 @@ class MultiStepSnapshot:
                     f"training; this tensor is on {e.source.device} (use snapshot='lazy')"
                 )
             if e.nbytes:
-                by_key[_key(e.source)] = e
+                by_key.setdefault(_key(e.source), []).append(e)
         claimed: set = set()
+
+        def claim(found: List[Any]) -> Any:
+            for alias in found:
+                claimed.add(id(alias))
+            if len(found) > 1:
+                plan.aliases.append((found[0], found[1:]))
+            return found[0]
         params: List[Tuple[int, Any, int]] = []  # (group, param, bytes)
         for g, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 local = _local(p.detach())
                 # An empty local shard (FSDP2 gives the last ranks none of a small tensor) has no
                 # bytes to copy, but its optimizer state may (Adam's step count).
-                entry = by_key.get(_key(local)) if local.numel() else None
+                found_param = by_key.get(_key(local)) if local.numel() else None
+                entry = claim(found_param) if found_param else None
                 if entry is None and local.numel():
                     raise ValueError(
                         f"snapshot='multi_step': a parameter the optimizer updates (shape {tuple(p.shape)}, group {g}) "
@@ -159,16 +195,13 @@ class MultiStepSnapshot:
                         named[state_name] = local_state  # nothing to copy: the replay's own
                         continue
                     found = by_key.get(_key(local_state))
-                    if found is None:
+                    if not found:
                         raise ValueError(
                             f"snapshot='multi_step': the optimizer's {state_name!r} of {what} is not in the "
                             "state dict being saved; save optimizer.state_dict() (or the optimizer) with the model"
                         )
-                    named[state_name] = found
-                    claimed.add(id(found))
-                    size += found.nbytes
-                if entry is not None:
-                    claimed.add(id(entry))
+                    named[state_name] = claim(found)
+                    size += named[state_name].nbytes
                 plan.param_entry[id(p)] = entry if entry is not None else local
                 plan.state_entries[id(p)] = named
                 params.append((g, p, size))
@@ -182,6 +215,7 @@ class MultiStepSnapshot:
             plan.part_params[part].append((g, p))
             plan.parts[part].extend(e for e in [plan.param_entry[id(p)], *plan.state_entries[id(p)].values()] if _is_entry(e))
             done += size
+        plan.updated = [list(part) for part in plan.parts]
         plan.static = [e for e in entries if id(e) not in claimed]
         plan.parts[0][:0] = plan.static
         plan._ready = [threading.Event() for _ in range(steps)]
@@ -197,6 +231,11 @@ class MultiStepSnapshot:
 
         self._handle = handle
         self._refresh_objects = refresh_objects
+        # At the call (the training thread): the versions _entries read are the marks of part
+        # 0's window, and the references of every copy's own check.
+        for part in self.updated:
+            for e in part:
+                self._marks[id(e)] = e.version
         self._tasks.put(("copy", 0))
         self._hooks = StepHooks.of(self.optimizer)
         self._hooks.before = self._before_step
@@ -207,6 +246,56 @@ class MultiStepSnapshot:
             self._hooks.release(self._before_step, self._after_step)
         self._hooks = None
 
+    def pending(self) -> bool:
+        """Whether the save still waits for optimizer steps (only the job can take them)."""
+        return not self._failed.is_set() and self._next_step < self.steps
+
+    def steps_ran(self) -> int:
+        """Optimizer steps after the call whose pre-hook the save has passed."""
+        return self._next_step
+
+    def abandon(self, why: str) -> str:
+        """Fails the save at once (no step will come: ``why``); returns what it says."""
+        message = (
+            f"the multi-step save of {self._handle.checkpoint_id} is abandoned: {why} after {self._next_step} of "
+            f"{self.steps} optimizer steps; nothing is committed"
+        )
+        self._fail(message)
+        return message
+
+    def _fail(self, message: str) -> None:
+        self._failed.set()
+        self._tasks.put(("fail", message))
+        self._detach()
+
+    def _changed_outside(self, upto: int) -> Optional[str]:
+        """What changed outside the optimizer before the step of part ``upto`` (training thread):
+        an updated entry of parts 0..``upto`` whose counter moved since the last post-hook (the
+        host copy does not have that change, and the replay applies only the optimizer's), or an
+        entry the optimizer does not update whose counter moved since the call."""
+        from ._async_save import _version
+
+        when = f"before optimizer step {upto + 1} of {self.steps} after the call"
+        for e in self.static:
+            if e.version is not None and _version(e.source) != e.version:
+                return (
+                    f"{e.fqn} was changed outside the optimizer {when} (torch's version counter moved from "
+                    f"{e.version} to {_version(e.source)}); the optimizer does not update it, so its copy (taken "
+                    "with part 0) is not its value at the step the checkpoint stands for (use snapshot='lazy' for "
+                    "state that changes outside the optimizer)"
+                )
+        for part in self.updated[: upto + 1]:
+            for e in part:
+                was = self._marks[id(e)]
+                if was is not None and _version(e.source) != was:
+                    return (
+                        f"{e.fqn} was changed outside the optimizer {when} (torch's version counter moved from {was} "
+                        f"to {_version(e.source)} between two steps): its host copy is brought forward by replaying "
+                        "the optimizer's updates only, so the checkpoint would hold a value the job never had (use "
+                        "snapshot='lazy' for state that changes outside the optimizer)"
+                    )
+        return None
+
     def _before_step(self, optimizer: Any) -> None:
         j = self._next_step
         began = time.monotonic()
@@ -214,19 +303,18 @@ class MultiStepSnapshot:
         self._handle.step_wait_seconds += time.monotonic() - began
         if self._failed.is_set() or not self._ready[j].is_set():
             # Failed, or not copied in time: the save fails (its thread says why); training goes on.
-            self._failed.set()
-            self._tasks.put(("stop", None))
-            self._detach()
+            self._fail(
+                f"step {j + 1} of {self.steps} after the call came before part {j} was copied within {self.timeout:g} s"
+            )
+            return
+        # Part j's copy ran between the last post-hook and now; the parts before it were brought
+        # forward by replaying steps. Either holds only if nothing but the optimizer changed them.
+        changed = self._changed_outside(j)
+        if changed is not None:
+            self._fail(changed)
             return
         self._next_step = j + 1
         if j == self.steps - 1:
-            # What the optimizer does not update was copied with part 0; it must still hold
-            # those values now, the step the checkpoint stands for.
-            from ._async_save import _version
-
-            changed = [e.fqn for e in self.static if e.version is not None and _version(e.source) != e.version]
-            if changed:
-                self._changed = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
             # The non-tensor values (a scheduler's learning rate, the optimizer's step count) as
             # of this step, taken here: the save's thread would read them whenever it gets to
             # them, after this step or the next had changed them. An error fails the save, not
@@ -248,8 +336,17 @@ class MultiStepSnapshot:
         self._tasks.put(("replay", (j, grads, hyper)))
 
     def _after_step(self, _optimizer: Any) -> None:
+        from ._async_save import _version
+
+        # Out of the optimizer's step: from here to the next pre-hook only the job changes tensors.
+        for part in self.updated:
+            for e in part:
+                self._marks[id(e)] = _version(e.source)
         j = self._next_step  # the next step's part: its copy runs during forward and backward
         if j < self.steps:
+            for e in self.parts[j]:
+                if id(e) in self._marks:
+                    e.version = self._marks[id(e)]  # what the copy's own check compares with
             self._tasks.put(("copy", j))
 
     # -- the save's thread --------------------------------------------------------------------
@@ -257,7 +354,7 @@ class MultiStepSnapshot:
     def run(self, handle: Any, pool: Any) -> Optional[List[Tuple[str, bytes]]]:
         """Copies and replays as the hooks queue them until the last part; returns the non-tensor
         values as of that step (or None when those of the call stand). Raises on any failure."""
-        from ._async_save import _snapshot, _version
+        from ._async_save import _snapshot
 
         self._pool = pool
         copy_seconds = 0.0
@@ -266,37 +363,36 @@ class MultiStepSnapshot:
                 try:
                     kind, arg = self._tasks.get(timeout=self.timeout)
                 except queue.Empty:
+                    waited = (
+                        f" (meanwhile thread {self.waited_in!r} waited for this save: the steps must run before "
+                        "handle.result())"
+                        if self.waited_in is not None
+                        else ""
+                    )
                     raise TesseraError(
                         f"rank {self.rank}: multi-step snapshot: {self._next_step} of {self.steps} optimizer steps "
-                        f"ran within {self.timeout:g} s; the checkpoint needs all {self.steps}"
+                        f"ran within {self.timeout:g} s; the checkpoint needs all {self.steps}{waited}"
                     ) from None
                 began = time.monotonic()
                 if kind == "copy":
-                    # The part's values as of now (steps since the call changed them): a change
-                    # while it is copied is what the copy must not miss.
-                    for e in self.parts[arg]:
-                        e.version = _version(e.source)
+                    # Each entry's version is its mark, read in the training thread when the
+                    # copy was queued; the pre-hook of the part's step checks it again.
                     _snapshot(pool, self.parts[arg], {})
                     self._ready[arg].set()
                 elif kind == "replay":
                     self._replay(*arg)
                 elif kind == "finish":
-                    if self._changed is not None:
-                        raise TesseraError(
-                            f"rank {self.rank}: multi-step snapshot: {self._changed} changed during the {self.steps} "
-                            "steps, but the optimizer does not update it, so its value at the last step was not "
-                            "copied (use snapshot='lazy' for state that changes outside the optimizer)"
-                        )
+                    for primary, aliases in self.aliases:
+                        value = _host(pool, primary)
+                        for alias in aliases:
+                            _host(pool, alias).copy_(value)  # the tied names hold the replayed value
                     handle.copy_seconds = copy_seconds
                     objects, error = arg
                     if error is not None:
                         raise error
                     return objects
                 else:
-                    raise TesseraError(
-                        f"rank {self.rank}: multi-step snapshot: step {self._next_step} of {self.steps} came before "
-                        f"part {self._next_step} was copied within {self.timeout:g} s"
-                    )
+                    raise TesseraError(f"rank {self.rank}: multi-step snapshot: {arg}")
                 copy_seconds += time.monotonic() - began
         except BaseException:
             self._failed.set()

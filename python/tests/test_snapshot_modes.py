@@ -332,3 +332,253 @@ def test_the_readmes_training_loop_runs_and_its_checkpoints_hold_the_state_at_ea
         tessera.load({"model": got}, f"ckpts/run/step-{step}", progress=False)
         for key, value in state.items():
             assert torch.equal(got[key], value), (step, key)
+
+
+# -- consistency: a lazy or multi-step checkpoint holds a state the job had, or fails ------------
+
+
+def test_a_lazy_copy_taken_while_an_in_place_kernel_runs_is_refused(tmp_path, monkeypatch):
+    """torch bumps a tensor's version counter only after the in-place kernel ran, so a copy
+    checked right after it can miss a kernel that is still writing: the check must come at a
+    point where no kernel of the job is in flight."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    w = torch.nn.Parameter(torch.arange(1 << 16, dtype=torch.float32))
+    at_call = w.detach().clone()
+    written, checked = threading.Event(), threading.Event()
+    real_copy, real_check = _async_save._copy_entry, _async_save._check_unchanged
+
+    def copy_after_the_write(*args):
+        written.wait(30)  # the kernel has written every element, its version bump is still to come
+        real_copy(*args)
+
+    def check_then_let_the_kernel_end(e):
+        try:
+            real_check(e)
+        finally:
+            checked.set()
+
+    class KernelStillRunning(TorchDispatchMode):
+        # Runs below the version bump (ADInplaceOrView bumps after this returns): this is the
+        # window in which a real kernel's writes are visible and the counter has not moved.
+        def __torch_dispatch__(self, func, types, args, kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mul_.Tensor:
+                written.set()
+                checked.wait(30)
+            return out
+
+    monkeypatch.setattr(_async_save, "_copy_entry", copy_after_the_write)
+    monkeypatch.setattr(_async_save, "_check_unchanged", check_then_let_the_kernel_end)
+    handle = tessera.async_save({"w": w}, str(tmp_path / "c"), snapshot="lazy")
+    with torch.no_grad(), KernelStillRunning():
+        w.mul_(2)  # a mistake: changed before wait_snapshot(); the save must not commit it
+    with pytest.raises(_async_save.ChangedBeforeCopy, match="tensor w was changed in place"):
+        handle.result(timeout=60)
+    assert not (tmp_path / "c" / "manifest.json").exists()
+    assert torch.equal(w.detach(), at_call * 2)
+
+
+def test_lazy_in_place_changes_right_after_the_call_never_commit_another_state(tmp_path):
+    """The issue's race, as a job writes it: no hooks, many trials. Every trial either fails
+    naming the tensor or commits exactly the values at the call."""
+    w = torch.nn.Parameter(torch.rand(1 << 22))  # 16 MiB: the copy and the kernel overlap
+    committed = 0
+    for trial in range(20):
+        at_call = w.detach().clone()
+        path = str(tmp_path / f"step-{trial}")
+        handle = tessera.async_save({"w": w}, path, snapshot="lazy")
+        with torch.no_grad():
+            w.mul_(2)
+        try:
+            handle.result(timeout=60)
+        except _async_save.ChangedBeforeCopy as e:
+            assert "tensor w was changed in place" in str(e), str(e)
+            assert not Path(path, "manifest.json").exists()
+            continue
+        got = {"w": torch.empty_like(at_call)}
+        tessera.load(got, path, progress=False)
+        assert torch.equal(got["w"], at_call), f"trial {trial} committed a state the job never had at the call"
+        committed += 1
+    assert committed == 0, "a change before the barrier is ambiguous: it must fail the save"
+
+
+LAZY_JOB_EXITS = r"""
+import sys, torch, tessera
+w = torch.nn.Parameter(torch.arange(4096, dtype=torch.float32))
+handle = tessera.async_save({"w": w}, sys.argv[1], snapshot="lazy", timeout=600)
+if sys.argv[2] == "change":
+    with torch.no_grad():
+        w.add_(1.0)
+if sys.argv[2] == "crash":
+    raise RuntimeError("the job crashed")
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "crash", "change"])
+def test_a_job_that_exits_after_a_lazy_save_commits_the_state_at_the_call_or_nothing(tmp_path, how):
+    import subprocess
+    import sys
+
+    path = tmp_path / "c"
+    done = subprocess.run([sys.executable, "-c", LAZY_JOB_EXITS, str(path), how], capture_output=True, text=True, timeout=120)
+    if how == "change":
+        # The change came before any point the save could check: nothing is committed, and the
+        # exit says why instead of leaving a silent gap.
+        assert not (path / "manifest.json").exists()
+        assert "tensor w was changed in place" in done.stderr, done.stderr
+        return
+    assert done.returncode == (0 if how == "exit" else 1), done.stderr
+    got = {"w": torch.empty(4096)}
+    tessera.load(got, str(path), progress=False)
+    assert torch.equal(got["w"], torch.arange(4096, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("where", ["after_its_copy", "before_the_last_step"])
+def test_multi_step_refuses_a_parameter_changed_outside_the_optimizer(tmp_path, kind, where):
+    model, optim, _ = _trained(kind, 7)
+    handle = tessera.async_save(
+        {"model": model, "optim": optim}, str(tmp_path / "c"), snapshot="multi_step", steps=3, optimizer=optim, timeout=60
+    )
+    for j in range(3):
+        _forward_backward(model, 70 + j)
+        if where == "after_its_copy" and j == 1:
+            with torch.no_grad():
+                model[0].weight.mul_(0.5)  # part 0 was copied before step 0: the replay cannot know
+        if where == "before_the_last_step" and j == 2:
+            with torch.no_grad():
+                model[4].weight.mul_(0.5)  # in the last part's copy window
+        optim.step()
+        optim.zero_grad()
+    with pytest.raises(tessera.TesseraError) as failed:
+        handle.result(timeout=60)
+    message = str(failed.value)
+    name = "model.0.weight" if where == "after_its_copy" else "model.4.weight"
+    assert f"{name} was changed outside the optimizer" in message, message
+    assert not (tmp_path / "c" / "manifest.json").exists()
+
+
+def test_a_second_async_save_in_a_multi_step_window_fails_at_once_naming_the_pending_save(tmp_path):
+    model, optim, sched = _trained("adamw", 8)
+    first = str(tmp_path / "step-1")
+    handle = tessera.async_save({"model": model, "optim": optim}, first, snapshot="multi_step", steps=3, optimizer=optim)
+    _forward_backward(model, 80)
+    optim.step()
+    optim.zero_grad()
+    outcome: dict = {}
+
+    def second_save():
+        try:
+            tessera.async_save({"model": model, "optim": optim}, str(tmp_path / "step-2"))
+        except BaseException as e:  # noqa: BLE001 - checked below
+            outcome["error"] = e
+
+    caller = threading.Thread(target=second_save, daemon=True)
+    caller.start()
+    caller.join(30)  # bounded: the first save's own timeout is 300 s
+    assert not caller.is_alive(), "the second async_save waited for optimizer steps its own thread must take"
+    error = outcome.get("error")
+    assert isinstance(error, tessera.TesseraError), outcome
+    assert f"the multi-step save of {first} still waits for optimizer steps (1 of 3 ran)" in str(error), str(error)
+    assert not (tmp_path / "step-2").exists()
+    # The first save goes on: the job steps on and it commits the state it stands for.
+    expected = None
+    for j in range(1, 3):
+        _forward_backward(model, 80 + j)
+        if j == 2:
+            expected = _clone_state(model, optim)
+        optim.step()
+        optim.zero_grad()
+    handle.result(timeout=60)
+    expected["optim"]["lrs"] = [g["lr"] for g in optim.param_groups]
+    _assert_checkpoint_is(first, "adamw", expected)
+
+
+def test_a_multi_step_save_that_times_out_says_a_thread_waited_for_it_instead_of_stepping(tmp_path):
+    model, optim, _ = _trained("sgd", 9)
+    handle = tessera.async_save(
+        {"model": model, "optim": optim}, str(tmp_path / "c"), snapshot="multi_step", steps=3, optimizer=optim, timeout=2
+    )
+    with pytest.raises(tessera.TesseraError) as failed:
+        handle.result(timeout=60)  # the job waits instead of taking the 3 steps: bounded by timeout=2
+    message = str(failed.value)
+    assert "0 of 3 optimizer steps ran within 2 s; the checkpoint needs all 3" in message, message
+    assert "thread 'MainThread' waited for this save: the steps must run before handle.result()" in message, message
+
+
+MULTI_STEP_JOB_CRASHES = r"""
+import sys, torch, tessera
+model = torch.nn.Linear(8, 8)
+optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+for _ in range(2):
+    model(torch.ones(2, 8)).sum().backward(); optim.step(); optim.zero_grad()
+handle = tessera.async_save({"m": model, "o": optim}, sys.argv[1], snapshot="multi_step", steps=3,
+                            optimizer=optim, timeout=600)
+model(torch.ones(2, 8)).sum().backward(); optim.step(); optim.zero_grad()
+raise RuntimeError("the job crashed inside the window")
+"""
+
+
+def test_a_job_that_crashes_in_a_multi_step_window_exits_without_waiting_for_the_timeout(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "c"
+    # timeout=600 in the job: a process held by its save would outlive this bound.
+    done = subprocess.run([sys.executable, "-c", MULTI_STEP_JOB_CRASHES, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "RuntimeError: the job crashed inside the window" in done.stderr
+    assert f"the multi-step save of {path} is abandoned: the process exits after 1 of 3 optimizer steps" in done.stderr, done.stderr
+    assert not (path / "manifest.json").exists()
+
+
+class _Tied(torch.nn.Module):
+    """A language model's shape in small: the output projection is the embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(32, 16)
+        self.mid = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mid(self.emb(tokens))))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_multi_step_saves_a_tied_weight_with_the_optimizers_updates(tmp_path, kind):
+    model = _Tied()
+    optim = (
+        torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        if kind == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    )
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 32, (8, 4), generator=g) for _ in range(6)]
+
+    def train(batch):
+        model(batch).pow(2).mean().backward()
+
+    for batch in batches[:2]:
+        train(batch)
+        optim.step()
+        optim.zero_grad()
+    assert "emb.weight" in model.state_dict() and "head.weight" in model.state_dict()
+    handle = tessera.async_save(
+        {"model": model, "optim": optim}, str(tmp_path / "c"), snapshot="multi_step", steps=3, optimizer=optim, timeout=60
+    )
+    expected = None
+    for j, batch in enumerate(batches[2:5]):
+        train(batch)
+        if j == 2:
+            expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        optim.step()
+        optim.zero_grad()
+    handle.result(timeout=60)
+    got = {k: torch.empty_like(v) for k, v in expected.items()}
+    tessera.load({"model": got}, str(tmp_path / "c"), progress=False, strict=False)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
