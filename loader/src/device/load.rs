@@ -122,7 +122,9 @@ where
                 ),
             });
         }
-        // The ring moves bytes between ranks: their plans must describe them alike.
+        // The ring moves bytes between ranks: their plans must describe them alike (a plan
+        // for another checkpoint is refused first, before any peer is contacted).
+        checkpoint.check_plan(plan)?;
         crate::exchange::agree::agree_on_plan(self, plan).await?;
         let started = Instant::now();
         let mut by_blocks = options.clone();

@@ -184,7 +184,10 @@ pub async fn load_rank_into<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
     check_rank(plan, transport.rank(), transport.world())?;
     check_buffer_sizes(plan, buffers.iter().map(|b| b.as_ref().len() as u64))
         .map_err(|detail| invalid(plan, detail))?;
-    // Before any peer is sent a byte: the ranks' plans describe what they pass each other alike.
+    // A plan for another checkpoint, or one that disagrees with its metadata, is refused before
+    // any peer is contacted; then, before any peer is sent a byte, the ranks' plans must
+    // describe what they pass each other alike.
+    checkpoint.check_plan(plan)?;
     crate::exchange::agree::agree_on_plan(transport, plan).await?;
     let started = Instant::now();
     // Pieces of boxes read in parts by several ranks are checked jointly after the reads.
