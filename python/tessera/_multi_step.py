@@ -30,9 +30,12 @@ Supported optimizers: ``torch.optim.SGD``, ``Adam`` and ``AdamW`` (exact classes
 may change the update). Their per-parameter state must be in the state dict being saved (as
 ``optimizer.state_dict()`` puts it there), so that each part's copy carries what the replay
 updates; an optimizer that has not stepped yet (no state) is refused. Gradients are read by
-reference: a job that zeroes them in place (``zero_grad(set_to_none=False)``) before the save's
-thread has replayed them is detected by torch's version counter, and the save fails instead of
-committing. Every wait is bounded by the save's ``timeout``; a job that stops stepping before
+reference: a job that zeroes them in place (``zero_grad(set_to_none=False)``) while the save's
+thread may still be replaying them (the replay was not done when the step ended) is detected by
+torch's version counter at the next step's pre-hook, and the save fails instead of committing
+(not right after the replay: the counter moves only after the zeroing kernel has written). Such
+a job's multi-step saves fail whenever a replay outlasts its step; ``set_to_none=True`` (torch's
+default) hands each step new gradient tensors and is never refused. Every wait is bounded by the save's ``timeout``; a job that stops stepping before
 ``k`` steps ran fails the save, naming how many ran.
 
 Changes outside the optimizer: the replay applies only the optimizer's updates, so the pre-hook
@@ -119,6 +122,13 @@ class MultiStepSnapshot:
         self._marks: Dict[int, int] = {}
         #: Thread name of a wait on the handle while steps were still due (said in a timeout).
         self.waited_in: Optional[str] = None
+        #: Per replayed step: set by the save's thread once the replay has read its gradients.
+        self._replayed: List[threading.Event] = []
+        #: The gradients handed to the last replay (step, [(param id, grad, version)]).
+        self._handed: Optional[Tuple[int, List[Tuple[int, Any, int]]]] = None
+        #: Those of a replay not done when its step ended: the job may change them in place
+        #: while it reads them, which only the next pre-hook can see for sure.
+        self._unreplayed: Optional[Tuple[int, List[Tuple[int, Any, int]]]] = None
         self._tasks: "queue.Queue[Tuple[str, Any]]" = queue.Queue()
         self._ready: List[threading.Event] = []
         self._failed = threading.Event()
@@ -219,6 +229,7 @@ class MultiStepSnapshot:
         plan.static = [e for e in entries if id(e) not in claimed]
         plan.parts[0][:0] = plan.static
         plan._ready = [threading.Event() for _ in range(steps)]
+        plan._replayed = [threading.Event() for _ in range(steps)]
         return plan
 
     # -- the training thread's side -----------------------------------------------------------
@@ -268,6 +279,27 @@ class MultiStepSnapshot:
         self._tasks.put(("fail", message))
         self._detach()
 
+    def _gradient_changed(self) -> Optional[str]:
+        """A gradient the job changed in place while a replay could still read it (training
+        thread, once that replay is done: the part copied after it is ready). Its version
+        counter moves only after the kernel wrote, so the replay's own check can miss a kernel
+        still writing; here every kernel the job started has ended."""
+        pending, self._unreplayed = self._unreplayed, None
+        if pending is None:
+            return None
+        step, grads = pending
+        for pid, grad, version in grads:
+            if int(grad._version) != version:
+                entry = self.param_entry[pid]
+                what = entry.fqn if _is_entry(entry) else "an empty shard"
+                return (
+                    f"the gradient of {what} was changed in place (torch's version counter moved from {version} to "
+                    f"{int(grad._version)}; zero_grad(set_to_none=False)?) while the save could still be replaying "
+                    f"step {step + 1} of {self.steps} with it; the replayed state may be wrong (zero gradients with "
+                    "set_to_none=True, the default, or use snapshot='lazy')"
+                )
+        return None
+
     def _changed_outside(self, upto: int) -> Optional[str]:
         """What changed outside the optimizer before the step of part ``upto`` (training thread):
         an updated entry of parts 0..``upto`` whose counter moved since the last post-hook (the
@@ -309,7 +341,7 @@ class MultiStepSnapshot:
             return
         # Part j's copy ran between the last post-hook and now; the parts before it were brought
         # forward by replaying steps. Either holds only if nothing but the optimizer changed them.
-        changed = self._changed_outside(j)
+        changed = self._changed_outside(j) or self._gradient_changed()
         if changed is not None:
             self._fail(changed)
             return
@@ -333,12 +365,17 @@ class MultiStepSnapshot:
                     local = _local(p.grad.detach())
                     grads.append((id(p), local, int(local._version)))
         hyper = [{k: copy.deepcopy(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        self._handed = (j, grads)
         self._tasks.put(("replay", (j, grads, hyper)))
 
     def _after_step(self, _optimizer: Any) -> None:
         from ._async_save import _version
 
         # Out of the optimizer's step: from here to the next pre-hook only the job changes tensors.
+        if self._handed is not None and not self._replayed[self._handed[0]].is_set():
+            # The job may now change those gradients in place while the replay reads them.
+            self._unreplayed = self._handed
+        self._handed = None
         for part in self.updated:
             for e in part:
                 self._marks[id(e)] = _version(e.source)
@@ -423,6 +460,8 @@ class MultiStepSnapshot:
                     f"rank {self.rank}: multi-step snapshot: the gradient of {what} was changed in place before "
                     "the save replayed its step (zero_grad(set_to_none=False)?); the replayed state would be wrong"
                 )
+        # A change still being written now is seen by the next pre-hook (_gradient_changed).
+        self._replayed[step].set()
 
     def _shadow_optimizer(self) -> Any:
         """The optimizer's class over the pool's copies of the parameters and their state."""

@@ -582,3 +582,48 @@ def test_multi_step_saves_a_tied_weight_with_the_optimizers_updates(tmp_path, ki
     tessera.load({"model": got}, str(tmp_path / "c"), progress=False, strict=False)
     for key, value in expected.items():
         assert torch.equal(got[key], value), key
+
+
+def test_multi_step_refuses_gradients_zeroed_in_place_while_the_replay_reads_them(tmp_path, monkeypatch):
+    """The replay reads the gradients by reference in the save's thread; a job that zeroes them
+    in place (zero_grad(set_to_none=False)) while it runs can hand it half-zeroed gradients, and
+    torch bumps their version counters only after the kernel: a check in the save's thread right
+    after the replay cannot see a kernel still writing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tessera import _multi_step
+
+    model, optim, _ = _trained("sgd", 10)
+    written, replayed = threading.Event(), threading.Event()
+    real_replay = _multi_step.MultiStepSnapshot._replay
+
+    def replay_after_the_zeroing(self, *args):
+        written.wait(30)  # the kernel has zeroed the gradients, its version bump is still to come
+        try:
+            real_replay(self, *args)
+        finally:
+            replayed.set()
+
+    class ZeroingStillRunning(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args, kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default):
+                written.set()
+                replayed.wait(30)
+            return out
+
+    monkeypatch.setattr(_multi_step.MultiStepSnapshot, "_replay", replay_after_the_zeroing)
+    handle = tessera.async_save(
+        {"model": model, "optim": optim}, str(tmp_path / "c"), snapshot="multi_step", steps=2, optimizer=optim, timeout=60
+    )
+    _forward_backward(model, 100)
+    optim.step()
+    with ZeroingStillRunning():
+        optim.zero_grad(set_to_none=False)
+    _forward_backward(model, 101)
+    optim.step()
+    with pytest.raises(tessera.TesseraError) as failed:
+        handle.result(timeout=60)
+    message = str(failed.value)
+    assert "the gradient of model.0.weight was changed in place" in message, message
+    assert not (tmp_path / "c" / "manifest.json").exists()
