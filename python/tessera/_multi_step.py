@@ -391,7 +391,7 @@ class MultiStepSnapshot:
     def run(self, handle: Any, pool: Any) -> Optional[List[Tuple[str, bytes]]]:
         """Copies and replays as the hooks queue them until the last part; returns the non-tensor
         values as of that step (or None when those of the call stand). Raises on any failure."""
-        from ._async_save import _snapshot
+        from ._async_save import ChangedBeforeCopy, _snapshot, _version
 
         self._pool = pool
         copy_seconds = 0.0
@@ -414,7 +414,17 @@ class MultiStepSnapshot:
                 if kind == "copy":
                     # Each entry's version is its mark, read in the training thread when the
                     # copy was queued; the pre-hook of the part's step checks it again.
-                    _snapshot(pool, self.parts[arg], {})
+                    try:
+                        _snapshot(pool, self.parts[arg], {})
+                    except ChangedBeforeCopy:
+                        # Said as the pre-hook would: no optimizer step ran since the copy was queued.
+                        e = next(e for e in self.parts[arg] if e.version is not None and _version(e.source) != e.version)
+                        raise TesseraError(
+                            f"rank {self.rank}: multi-step snapshot: {e.fqn} was changed outside the optimizer while "
+                            f"part {arg} was copied (torch's version counter moved from {e.version} to "
+                            f"{_version(e.source)} between two steps): the copy may hold part of that change (use "
+                            "snapshot='lazy' for state that changes outside the optimizer)"
+                        ) from None
                     self._ready[arg].set()
                 elif kind == "replay":
                     self._replay(*arg)
