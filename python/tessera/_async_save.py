@@ -298,6 +298,8 @@ class SaveHandle:
         self._check_lock = threading.Lock()
         #: The multi-step plan (tessera._multi_step.MultiStepSnapshot) of a multi-step save.
         self._multi: Any = None
+        #: Whether the job was handed the save's error (else the process's exit says it).
+        self._error_seen = False
 
     def __repr__(self) -> str:
         state = "committed" if self._report is not None else "failed" if self._error else (
@@ -319,6 +321,7 @@ class SaveHandle:
         ):
             raise TimeoutError(f"rank {self.rank}: the snapshot of {self.checkpoint_id} took longer than {timeout} s")
         if self._snapshot_error is not None:
+            self._error_seen = True
             raise self._snapshot_error
 
     def wait(self, timeout: Optional[float] = None) -> bool:
@@ -384,6 +387,7 @@ class SaveHandle:
         """The save's error, or None once committed."""
         if not self.wait(timeout):
             raise TimeoutError(f"rank {self.rank}: the save of {self.checkpoint_id} is not done after {timeout} s")
+        self._error_seen = self._error_seen or self._error is not None
         return self._error
 
     def result(self, timeout: Optional[float] = None) -> Any:
@@ -879,17 +883,23 @@ def _at_exit() -> None:
     import sys
 
     handle = _IN_FLIGHT
-    if handle is None or handle.done():
+    if handle is None:
         return
     if handle._multi is not None and handle._multi.pending():
         sys.stderr.write(f"tessera: rank {handle.rank}: {handle._multi.abandon('the process exits')}\n")
-    elif handle._lazy and not handle._checked.is_set():
+        return
+    if handle._lazy and not handle._checked.is_set() and not handle.done():
         handle._check_point("the process's exit", handle._timeout, final=True)
         if handle._check_error is not None:
             sys.stderr.write(
                 f"tessera: rank {handle.rank}: the lazy save of {handle.checkpoint_id} is not committed: "
                 f"{handle._check_error}\n"
             )
+            return
+    if handle.done() and handle._error is not None and not handle._error_seen:
+        # A save that failed before the job asked (an early lazy check, a persist error): the
+        # exit says so rather than leaving a checkpoint silently missing.
+        sys.stderr.write(f"tessera: the save is not committed: {handle._error}\n")
 
 
 # threading's exit hooks run before it joins non-daemon threads (atexit's run after: too late).
