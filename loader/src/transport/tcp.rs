@@ -327,6 +327,15 @@ async fn read_loop(mut read: OwnedReadHalf, peer: u32, mailbox: Arc<Mailbox>) {
                         "rank {peer} closed its connection without a goodbye (its process was killed or crashed)"
                     ),
                 );
+            } else if e.kind() == std::io::ErrorKind::ConnectionReset {
+                // A killed process's kernel resets, instead of closing, a connection that still
+                // had bytes it never read (a peer's share or digest in flight): the same death.
+                mailbox.peer_died(
+                    peer,
+                    format!(
+                        "rank {peer} closed its connection without a goodbye (its process was killed or crashed): {e}"
+                    ),
+                );
             } else {
                 mailbox.peer_died(peer, format!("the connection to rank {peer} failed: {e}"));
             }
