@@ -116,7 +116,7 @@ python-test: python-env
 	$(CARGO) build --locked -p tessera-storage --features testing --example s3_test_server
 	$(CARGO) build --locked --bin tessera
 	cd python && VIRTUAL_ENV=$(PYENV_ABS) $(PYENV_ABS)/bin/maturin develop --locked --features fault-injection
-	$(SKIP_SUMMARY) "Python tests" $(SKIPS) -- timeout 900 $(PYENV)/bin/pytest -q -rs python/tests
+	$(SKIP_SUMMARY) "Python tests" $(SKIPS) -- timeout 1800 $(PYENV)/bin/pytest -q -rs python/tests
 
 # Python-side overhead: `tessera.load` into NumPy arrays vs the CLI, same checkpoint, same run.
 python-bench: python-env
