@@ -108,7 +108,7 @@ python-env:
 	@$(PYENV)/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)")' 2>/dev/null || echo "python-env: installing torch==$(TORCH_VERSION) into $(PYENV) (about 5 GB with its CUDA runtime wheels; runs on CPU)"
 	@df -h $(dir $(PYENV_ABS)) | awk 'NR==2 {print "python-env: " $$4 " free on " $$6 " (torch with its CUDA runtime wheels takes about 5.5 GB)"}'
 	@for attempt in 1 2 3; do \
-	  $(PYENV)/bin/pip install -q --no-cache-dir --disable-pip-version-check 'maturin>=1.9,<2' 'numpy>=1.24' 'pytest>=8' 'ml_dtypes>=0.4' 'zstandard>=0.22' 'safetensors>=0.4' 'torch==$(TORCH_VERSION)' && exit 0; \
+	  $(PYENV)/bin/pip install -q --no-cache-dir --disable-pip-version-check 'maturin>=1.9,<2' 'numpy>=1.24' 'pytest>=8' 'ml_dtypes>=0.4' 'zstandard>=0.22' 'safetensors>=0.4' 'moto[server]>=5,<6' 'torch==$(TORCH_VERSION)' && exit 0; \
 	  echo "python-env: pip install failed (attempt $$attempt of 3; free space: $$(df -h $(dir $(PYENV_ABS)) | awk 'NR==2 {print $$4}'))" >&2; sleep 10; \
 	done; exit 1
 
