@@ -7,15 +7,17 @@
 mod native_support;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use native_support::{fixture, local_store, memory_store};
 use object_store::path::Path;
-use object_store::{ObjectStore, ObjectStoreExt};
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use tessera_metadata::formats::native::{
     NativeWriter, WriteOptions, open_checkpoint, read_latest, read_manifest, step_from_dir_name,
     verify_checkpoint,
 };
 use tessera_metadata::{DType, MetadataError, TensorBox, TensorMeta};
+use tessera_storage::testing::HookedStore;
 
 async fn exists(store: &dyn ObjectStore, path: &str) -> bool {
     match store.head(&Path::from(path)).await {
@@ -417,5 +419,50 @@ async fn a_commit_whose_latest_cannot_be_written_says_the_checkpoint_is_committe
     assert!(
         matches!(again, MetadataError::AlreadyCommitted { .. }),
         "{again}"
+    );
+}
+
+#[tokio::test]
+async fn a_commit_that_finds_latest_moved_since_it_read_it_does_not_move_it_back() {
+    let memory = memory_store();
+    // Armed, the hook plays another commit of a newer step: it moves the pointer to step 20
+    // between this commit's read of the pointer and its write.
+    let armed = Arc::new(AtomicBool::new(false));
+    let (inner, hook_armed) = (memory.clone(), armed.clone());
+    let store: Arc<dyn ObjectStore> = Arc::new(HookedStore::new(memory.clone(), move |path| {
+        let (store, armed, path) = (inner.clone(), hook_armed.clone(), path.clone());
+        Box::pin(async move {
+            if path.as_ref() == "run/latest" && armed.swap(false, Ordering::SeqCst) {
+                store
+                    .put(&path, PutPayload::from_static(b"step-000020"))
+                    .await?;
+            }
+            Ok(())
+        })
+    }));
+    let fx = fixture();
+    fx.write(
+        store.clone(),
+        &Path::from("run/step-000005"),
+        WriteOptions::default(),
+    )
+    .await
+    .unwrap();
+    armed.store(true, Ordering::SeqCst);
+    fx.write(
+        store.clone(),
+        &Path::from("run/step-000010"),
+        WriteOptions::default(),
+    )
+    .await
+    .unwrap();
+    assert!(!armed.load(Ordering::SeqCst), "the racing commit never ran");
+    assert_eq!(
+        read_latest(memory.as_ref(), &Path::from("run"))
+            .await
+            .unwrap()
+            .as_deref(),
+        Some("step-000020"),
+        "an older step's commit moved latest back"
     );
 }
