@@ -16,6 +16,7 @@
 
 use std::fmt;
 
+use bytes::Bytes;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 use serde::{Deserialize, Serialize};
@@ -26,6 +27,10 @@ use crate::OpsError;
 
 /// Name of the claim object inside the output location.
 pub const CLAIM_FILE: &str = ".tessera-claim.json";
+
+/// Creates of the claim tried when each one is refused by a claim that is gone by the time its
+/// holder is read (see [`Claim::take`]).
+const CREATE_ATTEMPTS: u32 = 3;
 
 /// Who holds a claim: what its body records.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -114,36 +119,53 @@ impl Claim {
             }
         }
         let holder = ClaimHolder::this_process(command);
-        let body = serde_json::to_vec_pretty(&holder).map_err(|source| OpsError::Message {
-            what: "the write claim".to_string(),
-            source,
-        })?;
-        let created = store
-            .put_opts(
-                &path,
-                PutPayload::from(body),
-                PutOptions::from(PutMode::Create),
-            )
-            .await;
-        match created {
-            Ok(_) => {}
-            Err(object_store::Error::AlreadyExists { .. }) => {
-                let holder = read_holder(store, &path)
-                    .await
-                    .ok()
-                    .flatten()
-                    .unwrap_or_else(|| "an unknown writer (the claim is unreadable)".to_string());
-                return Err(OpsError::Claimed {
-                    location: location.display.clone(),
-                    claim: path.to_string(),
-                    holder,
-                    how_to_break: options
-                        .how_to_break
-                        .clone()
-                        .unwrap_or_else(|| "rerun with --break-claim".to_string()),
-                });
+        let body = Bytes::from(serde_json::to_vec_pretty(&holder).map_err(|source| {
+            OpsError::Message {
+                what: "the write claim".to_string(),
+                source,
             }
-            Err(e) => return Err(store_error("creating the claim", &path, e)),
+        })?);
+        let mut attempt = 1;
+        loop {
+            let created = store
+                .put_opts(
+                    &path,
+                    PutPayload::from(body.clone()),
+                    PutOptions::from(PutMode::Create),
+                )
+                .await;
+            match created {
+                Ok(_) => break,
+                Err(object_store::Error::AlreadyExists { .. }) => {
+                    let holder = match read_holder(store, &path).await {
+                        Ok(Some(holder)) => holder,
+                        // The holder released its claim between the refused create and this
+                        // read (it committed or failed: a round trip on an object store, where
+                        // two writers racing meet it): the location is free, so the create is
+                        // tried again instead of naming a claim that is gone. A writer that
+                        // comes after a commit then fails on the manifest it finds. Bounded:
+                        // writers taking and releasing claims there nonstop would never end it.
+                        Ok(None) if attempt < CREATE_ATTEMPTS => {
+                            attempt += 1;
+                            continue;
+                        }
+                        Ok(None) => format!(
+                            "other writers (their claims came and went {CREATE_ATTEMPTS} times while this one tried to take it)"
+                        ),
+                        Err(_) => "an unknown writer (the claim is unreadable)".to_string(),
+                    };
+                    return Err(OpsError::Claimed {
+                        location: location.display.clone(),
+                        claim: path.to_string(),
+                        holder,
+                        how_to_break: options
+                            .how_to_break
+                            .clone()
+                            .unwrap_or_else(|| "rerun with --break-claim".to_string()),
+                    });
+                }
+                Err(e) => return Err(store_error("creating the claim", &path, e)),
+            }
         }
         let removed_staged = match tessera_storage::local_directory(&location.display) {
             // Not the claim's own staging files: another writer trying to take the claim right
@@ -215,4 +237,101 @@ pub fn host_name() -> String {
         .filter(|h| !h.is_empty())
         .or_else(|| std::env::var("HOSTNAME").ok())
         .unwrap_or_else(|| "unknown".to_string())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use object_store::memory::InMemory;
+    use tessera_storage::testing::HookedStore;
+
+    use super::*;
+
+    /// A location in `store` at `out`.
+    fn location(store: Arc<dyn ObjectStore>, out: &str) -> Location {
+        Location {
+            store,
+            prefix: Path::from(out),
+            display: format!("memory:///{out}"),
+            local_root: None,
+        }
+    }
+
+    /// Two writers racing on an object store: this one's create is refused by the other's
+    /// claim, which the other releases (it committed) before this one reads who holds it. The
+    /// claim was free by then, so this writer takes it rather than failing on "an unknown
+    /// writer (the claim is unreadable)", a claim that no longer existed (moto, issue 44).
+    #[tokio::test]
+    async fn a_claim_released_between_the_refusal_and_the_read_is_taken() {
+        let inner: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let refusals = Arc::new(AtomicU32::new(0));
+        let seen = Arc::clone(&refusals);
+        // The other writer's claim exists at the first create and is gone right after: the hook
+        // answers that create as the store would have, then lets the next one through.
+        let hooked = HookedStore::new(Arc::clone(&inner), move |path| {
+            let first =
+                path.filename() == Some(CLAIM_FILE) && seen.fetch_add(1, Ordering::SeqCst) == 0;
+            Box::pin(async move {
+                if first {
+                    Err(object_store::Error::AlreadyExists {
+                        path: CLAIM_FILE.to_string(),
+                        source: "held by the other writer".into(),
+                    })
+                } else {
+                    Ok(())
+                }
+            })
+        });
+        let at = location(Arc::new(hooked), "run/step-1");
+        let claim = Claim::take(&at, "tessera.save", &ClaimOptions::default())
+            .await
+            .unwrap();
+        assert_eq!(
+            refusals.load(Ordering::SeqCst),
+            2,
+            "refused once, then created"
+        );
+        let body = inner
+            .get(claim.path())
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
+        let holder: ClaimHolder = serde_json::from_slice(&body).unwrap();
+        assert_eq!(holder, claim.holder);
+        claim.release().await.unwrap();
+    }
+
+    /// A claim that stays refused but is never there to read (writers taking and releasing it
+    /// nonstop) ends after a bounded number of creates, saying so.
+    #[tokio::test]
+    async fn claims_that_keep_coming_and_going_end_the_attempts() {
+        let inner: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let hooked = HookedStore::new(inner, |path| {
+            let claim = path.filename() == Some(CLAIM_FILE);
+            Box::pin(async move {
+                if claim {
+                    Err(object_store::Error::AlreadyExists {
+                        path: CLAIM_FILE.to_string(),
+                        source: "held by another writer".into(),
+                    })
+                } else {
+                    Ok(())
+                }
+            })
+        });
+        let at = location(Arc::new(hooked), "run/step-1");
+        let error = Claim::take(&at, "tessera.save", &ClaimOptions::default())
+            .await
+            .unwrap_err();
+        let text = error.to_string();
+        assert!(
+            text.contains("their claims came and went 3 times"),
+            "{text}"
+        );
+    }
 }
