@@ -308,11 +308,12 @@ enum Command {
         #[command(flatten)]
         storage: StorageArgs,
     },
-    /// Remove what failed or killed saves left under a local root: directories with native data
-    /// files, metadata or a write claim but no manifest.json. A directory whose claim is held by
-    /// a live writer (a save in progress) is kept unless --break-claims.
+    /// Remove what failed or killed saves left under a storage root: directories with native
+    /// data files, metadata or a write claim but no manifest.json. A directory whose claim is
+    /// held by a live writer (a save in progress) is kept unless --break-claims.
     Gc {
-        /// Storage root: a local directory (or file:// URL), searched recursively.
+        /// Storage root: a local directory (or file:// URL), or an s3://, gs:// or az:// prefix,
+        /// searched recursively.
         root: String,
         /// List what would be removed; remove nothing.
         #[arg(long)]

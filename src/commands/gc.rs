@@ -1,4 +1,5 @@
-//! `tessera gc ROOT`: removes what failed or killed saves left under a local storage root.
+//! `tessera gc ROOT`: removes what failed or killed saves left under a storage root: a local
+//! directory, or a prefix of an object store (`s3://`, `gs://`, `az://`).
 //!
 //! A save that fails commits nothing, and one killed mid-write (`kill -9`, a lost host) also
 //! leaves its data files, its write claim and, on local disk, object_store's staging files
@@ -9,17 +10,28 @@
 //! Committed checkpoints and foreign-format directories (DCP, safetensors without a claim) are
 //! never touched, and gc does not descend into them.
 //!
+//! An object store has no directories: its root is listed once and the keys are grouped at their
+//! `/` into the directories a local root would have, then the same rules apply. (A killed
+//! writer's unfinished multipart uploads are not objects and no listing shows them; the store's
+//! own lifecycle rules, such as S3's AbortIncompleteMultipartUpload, remove those.)
+//!
 //! A leftover whose claim is held by a live writer is a save in progress and is kept: a claim
 //! names the holder's pid and host, so one from this host whose process is gone (or a zombie) is
 //! stale; one from another host cannot be checked from here and is kept too. `--break-claims`
 //! removes those anyway (only when their writers are surely gone, as for `--break-claim`).
 
+use std::collections::BTreeSet;
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
+use futures::TryStreamExt;
+use object_store::{ObjectStore, ObjectStoreExt};
 use serde::Serialize;
+use tessera_metadata::formats::native::MANIFEST_FILE;
 use tessera_ops::claim::{CLAIM_FILE, ClaimHolder, host_name};
+use tessera_storage::{RetryPolicy, RetryingStore};
 
 use crate::human;
 
@@ -73,12 +85,16 @@ enum ClaimState {
     Held { holder: String, reason: String },
 }
 
-/// Scans `root` (a local directory) and removes leftovers of failed saves.
+/// Scans `root` (a local directory or an object-store prefix) and removes leftovers of failed
+/// saves.
 pub fn run(root: &str, options: &GcOptions) -> Result<GcReport> {
     let Some(dir) = tessera_storage::local_directory(root) else {
-        bail!(
-            "tessera gc works on local directories (a path or file:// URL), not {root}: on an object store, list the prefixes without manifest.json and delete them with the store's own tools"
-        );
+        // gc is not called inside the command's runtime (a local root needs none).
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting the runtime for gc's storage requests")?;
+        return runtime.block_on(run_store(root, options));
     };
     let meta =
         std::fs::symlink_metadata(&dir).with_context(|| format!("reading {}", dir.display()))?;
@@ -102,31 +118,10 @@ pub fn run(root: &str, options: &GcOptions) -> Result<GcReport> {
             Ok(r) => r.display().to_string(),
             Err(_) => path.display().to_string(),
         };
-        let (holder, reason, keep) = match claim_state(&path, &this_host) {
-            ClaimState::None => (
-                None,
-                "no manifest and no write claim: a failed save".to_string(),
-                false,
-            ),
-            ClaimState::Stale { holder, reason } => (Some(holder), reason, false),
-            ClaimState::Held { holder, reason } if options.break_claims => (
-                Some(holder),
-                format!("{reason}; removed anyway (--break-claims)"),
-                false,
-            ),
-            ClaimState::Held { holder, reason } => (
-                Some(holder),
-                format!("{reason}; --break-claims removes it once that writer is surely gone"),
-                true,
-            ),
-        };
-        let entry = Leftover {
-            path: relative,
-            files,
-            bytes,
-            holder,
-            reason,
-        };
+        let claim = path.join(CLAIM_FILE);
+        let body = std::fs::read(&claim).ok();
+        let state = claim_state(body.as_deref(), &claim.display().to_string(), &this_host);
+        let (entry, keep) = leftover(relative, files, bytes, state, options);
         if keep {
             report.kept.push(entry);
             continue;
@@ -144,10 +139,7 @@ pub fn run(root: &str, options: &GcOptions) -> Result<GcReport> {
 /// Collects the leftover directories at or under `dir`, not descending into committed
 /// checkpoints or leftovers.
 fn find_leftovers(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
-    if dir
-        .join(tessera_metadata::formats::native::MANIFEST_FILE)
-        .exists()
-    {
+    if dir.join(MANIFEST_FILE).exists() {
         return Ok(());
     }
     if is_leftover(dir)? {
@@ -218,15 +210,181 @@ fn usage(dir: &Path) -> Result<(u64, u64)> {
     Ok((files, bytes))
 }
 
-fn claim_state(dir: &Path, this_host: &str) -> ClaimState {
-    let path = dir.join(CLAIM_FILE);
-    let Ok(body) = std::fs::read(&path) else {
+/// The report entry of a leftover and whether it is kept, from the state of its claim.
+fn leftover(
+    path: String,
+    files: u64,
+    bytes: u64,
+    state: ClaimState,
+    options: &GcOptions,
+) -> (Leftover, bool) {
+    let (holder, reason, keep) = match state {
+        ClaimState::None => (
+            None,
+            "no manifest and no write claim: a failed save".to_string(),
+            false,
+        ),
+        ClaimState::Stale { holder, reason } => (Some(holder), reason, false),
+        ClaimState::Held { holder, reason } if options.break_claims => (
+            Some(holder),
+            format!("{reason}; removed anyway (--break-claims)"),
+            false,
+        ),
+        ClaimState::Held { holder, reason } => (
+            Some(holder),
+            format!("{reason}; --break-claims removes it once that writer is surely gone"),
+            true,
+        ),
+    };
+    let entry = Leftover {
+        path,
+        files,
+        bytes,
+        holder,
+        reason,
+    };
+    (entry, keep)
+}
+
+/// `run` on an object-store root: one listing, grouped into directories at the keys' `/`.
+async fn run_store(root: &str, options: &GcOptions) -> Result<GcReport> {
+    let retry = RetryPolicy::default();
+    // `create_with`: it refuses the read-only http(s):// stores before anything is listed.
+    let location = tessera_storage::create_with(root, &super::storage_options(&retry))?;
+    let store: Arc<dyn ObjectStore> = Arc::new(RetryingStore::new(location.store, retry));
+    let objects: Vec<object_store::ObjectMeta> = store
+        .list(Some(&location.prefix))
+        .try_collect()
+        .await
+        .with_context(|| format!("listing {root}"))?;
+    // Every object as (its key relative to the root, its size, its key).
+    let mut files: Vec<(String, u64, object_store::path::Path)> = Vec::new();
+    for object in objects {
+        let Some(parts) = object.location.prefix_match(&location.prefix) else {
+            continue;
+        };
+        let relative = parts
+            .map(|part| part.as_ref().to_string())
+            .collect::<Vec<_>>()
+            .join("/");
+        files.push((relative, object.size, object.location));
+    }
+    let (committed, marked) = store_directories(files.iter().map(|(key, ..)| key.as_str()));
+    let this_host = host_name();
+    let mut report = GcReport {
+        root: root.to_string(),
+        dry_run: options.dry_run,
+        removed: Vec::new(),
+        kept: Vec::new(),
+        bytes_removed: 0,
+    };
+    for dir in &marked {
+        let inside: Vec<&(String, u64, object_store::path::Path)> = files
+            .iter()
+            .filter(|(key, ..)| dir.is_empty() || key.starts_with(&format!("{dir}/")))
+            .collect();
+        // A leftover inside a committed checkpoint or inside another leftover is not one of its
+        // own (a local root is not descended into there either).
+        if ancestors(dir).any(|a| committed.contains(a))
+            || ancestors(dir).any(|a| a.len() < dir.len() && marked.contains(a))
+        {
+            continue;
+        }
+        let claim_key = if dir.is_empty() {
+            CLAIM_FILE.to_string()
+        } else {
+            format!("{dir}/{CLAIM_FILE}")
+        };
+        let body = match inside.iter().find(|(key, ..)| *key == claim_key) {
+            None => None,
+            Some((_, _, path)) => match store.get(path).await {
+                Ok(got) => Some(
+                    got.bytes()
+                        .await
+                        .with_context(|| format!("reading {path}"))?,
+                ),
+                // Released since the listing: the writer finished or failed.
+                Err(object_store::Error::NotFound { .. }) => None,
+                Err(e) => return Err(e).with_context(|| format!("reading {path}")),
+            },
+        };
+        let shown = format!("{}/{claim_key}", root.trim_end_matches('/'));
+        let state = claim_state(body.as_deref(), &shown, &this_host);
+        let relative = if dir.is_empty() { "." } else { dir.as_str() };
+        let bytes = inside.iter().map(|(_, size, _)| size).sum();
+        let (entry, keep) = leftover(
+            relative.to_string(),
+            inside.len() as u64,
+            bytes,
+            state,
+            options,
+        );
+        if keep {
+            report.kept.push(entry);
+            continue;
+        }
+        if !options.dry_run {
+            // The claim last: no other writer can take the location while its files go.
+            let mut order = inside.clone();
+            order.sort_by_key(|(key, ..)| *key == claim_key);
+            for (_, _, path) in order {
+                match store.delete(path).await {
+                    Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                    Err(e) => {
+                        return Err(e)
+                            .with_context(|| format!("removing the leftover save {root}/{dir}"));
+                    }
+                }
+            }
+        }
+        report.bytes_removed += bytes;
+        report.removed.push(entry);
+    }
+    Ok(report)
+}
+
+/// The directories (`""` for the root) of an object-store root's keys that hold a committed
+/// checkpoint, and those that hold what only a native save writes ([`is_leftover`]'s rule).
+fn store_directories<'a>(
+    keys: impl Iterator<Item = &'a str>,
+) -> (BTreeSet<String>, BTreeSet<String>) {
+    let (mut committed, mut marked) = (BTreeSet::new(), BTreeSet::new());
+    for key in keys {
+        let (dir, name) = key.rsplit_once('/').unwrap_or(("", key));
+        if name == MANIFEST_FILE {
+            committed.insert(dir.to_string());
+        } else if name == CLAIM_FILE || name == "metadata.arrow" || name == "checksums.arrow" {
+            marked.insert(dir.to_string());
+        } else if let Some(parent) = (dir == "data")
+            .then_some("")
+            .or_else(|| dir.strip_suffix("/data"))
+        {
+            let base = name.rsplit_once('#').map_or(name, |(base, _)| base);
+            if base.ends_with(".bin") {
+                marked.insert(parent.to_string());
+            }
+        }
+    }
+    (committed, marked)
+}
+
+/// `dir` and every directory above it up to the root (`""`).
+fn ancestors(dir: &str) -> impl Iterator<Item = &str> {
+    std::iter::once("")
+        .chain(dir.match_indices('/').map(move |(at, _)| &dir[..at]))
+        .chain((!dir.is_empty()).then_some(dir))
+}
+
+/// The state of a leftover's claim from its body (`None`: there is none); `shown` names the
+/// claim in messages.
+fn claim_state(body: Option<&[u8]>, shown: &str, this_host: &str) -> ClaimState {
+    let Some(body) = body else {
         return ClaimState::None;
     };
-    let Ok(holder) = serde_json::from_slice::<ClaimHolder>(&body) else {
+    let Ok(holder) = serde_json::from_slice::<ClaimHolder>(body) else {
         return ClaimState::Held {
             holder: "an unknown writer".to_string(),
-            reason: format!("its claim {} is unreadable", path.display()),
+            reason: format!("its claim {shown} is unreadable"),
         };
     };
     let text = holder.to_string();
