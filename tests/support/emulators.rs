@@ -132,7 +132,7 @@ fn answer(error: &str) -> &str {
 
 /// The binary `variable` names, or why there is none (a skip reason).
 fn binary(variable: &str, what: &str) -> Result<PathBuf, String> {
-    let Some(path) = std::env::var_os(variable) else {
+    let Some(path) = std::env::var_os(variable).filter(|p| !p.is_empty()) else {
         return Err(format!(
             "{variable} is not set: it names {what} (`make test` installs it and sets it)"
         ));
