@@ -1,6 +1,7 @@
 //! What a checkpoint holds, as one JSON document: format, step, every tensor with its saved boxes
-//! (file and byte range), and the format's own details. `tessera inspect --json` prints it and the
-//! Python package's `tessera.inspect` returns it.
+//! (file and byte range), every plain (non-tensor) value with its decoded value, and the format's
+//! own details. `tessera inspect --json` prints it and the Python package's `tessera.inspect`
+//! returns it.
 
 use std::sync::Arc;
 
@@ -8,7 +9,8 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use serde_json::{Value, json};
 use tessera_loader::read::decoded::{DECODED_CACHE_BYTES, DecodedStore};
 use tessera_metadata::formats::SafetensorsLayout;
-use tessera_metadata::formats::dcp::decode_object;
+use tessera_metadata::formats::dcp::{decode_object, decode_pickle};
+use tessera_metadata::formats::native::DataPresence;
 use tessera_metadata::{FormatDetails, OpenedCheckpoint};
 use tessera_storage::StorageOptions;
 
@@ -16,8 +18,10 @@ use crate::OpsError;
 use crate::open::open_at_with;
 
 /// What `inspect --json` prints, as a JSON value: format, step, every tensor with its saved boxes
-/// (file and byte range), and the format's own details. Also what the Python package's
-/// `tessera.inspect` returns.
+/// (file and byte range), `objects` (every plain value: key, file, byte range and `value`, or
+/// `value_error` saying why it has none; the same shape for every format, empty for
+/// safetensors), and the format's own details. Also what the Python package's `tessera.inspect`
+/// returns.
 pub async fn describe(location: &str, storage_options: &StorageOptions) -> Result<Value, OpsError> {
     let (store, checkpoint) = open_at_with(location, storage_options).await?;
     let meta = &checkpoint.meta;
@@ -62,7 +66,28 @@ pub async fn describe(location: &str, storage_options: &StorageOptions) -> Resul
         "tensors": tensors,
     });
     match &checkpoint.details {
-        FormatDetails::Native { manifest } => doc["manifest"] = json!(manifest),
+        FormatDetails::Native { manifest } => {
+            doc["manifest"] = json!(manifest);
+            // A native checkpoint's plain values are listed as DCP's are (the manifest only
+            // counts them): tessera.save stores each as a plain-value pickle or raw bytes, and
+            // a converted DCP checkpoint keeps its torch.save blobs. A metadata-only checkpoint
+            // has no bytes to decode: its values are listed without one.
+            doc["objects"] = match manifest.data {
+                DataPresence::Present => objects_json(&store, &checkpoint).await?,
+                DataPresence::Absent => json!(
+                    meta.objects()
+                        .iter()
+                        .map(|object| json!({
+                            "key": object.key,
+                            "file": meta.files()[object.file as usize].path,
+                            "byte_offset": object.offset,
+                            "byte_length": object.length,
+                            "value_error": "a metadata-only checkpoint holds no data",
+                        }))
+                        .collect::<Vec<_>>()
+                ),
+            };
+        }
         FormatDetails::Dcp(dcp) => {
             doc["dcp"] = json!({
                 "metadata_files": dcp.metadata_files,
@@ -135,6 +160,9 @@ pub async fn describe(location: &str, storage_options: &StorageOptions) -> Resul
                     "metadata": f.header.metadata,
                 })).collect::<Vec<_>>(),
             });
+            // safetensors holds tensors only; the key is there so that every format's document
+            // has the same shape.
+            doc["objects"] = json!([]);
         }
     }
     Ok(doc)
@@ -151,7 +179,7 @@ pub fn layout_name(layout: SafetensorsLayout) -> &'static str {
 }
 
 /// The non-tensor entries of a checkpoint, each with its decoded value when it is a simple
-/// Python value.
+/// Python value ([`decode_stored`]).
 pub async fn objects_json(
     store: &Arc<dyn ObjectStore>,
     checkpoint: &OpenedCheckpoint,
@@ -194,11 +222,63 @@ pub async fn objects_json(
             "byte_offset": object.offset,
             "byte_length": object.length,
         });
-        match decode_object(&bytes) {
+        match decode_stored(&bytes) {
             Ok(value) => entry["value"] = value,
-            Err(e) => entry["value_error"] = json!(e.to_string()),
+            Err(e) => entry["value_error"] = json!(e),
         }
         objects.push(entry);
     }
     Ok(Value::Array(objects))
+}
+
+/// Raw bytes longer than this are not shown as a value (a JSON document is no place for a
+/// serialized blob); their length is.
+const MAX_RAW_BYTES_SHOWN: usize = 4096;
+
+/// The stored bytes of a plain value as JSON (the mapping of [`decode_object`]), told apart by
+/// how they start, as the Python package's `_objects.decode` tells them: a `torch.save` zip (DCP
+/// and ByteCheckpoint store every plain value so; a conversion keeps them), a bare pickle
+/// (`tessera.save`, protocol 2 or more), else the raw bytes `tessera.save` stores for a `bytes`
+/// or `io.BytesIO` value (`{"__bytes__": "<hex>"}`). The error says why there is no value.
+pub fn decode_stored(bytes: &[u8]) -> Result<Value, String> {
+    if bytes.starts_with(b"PK\x03\x04") {
+        return decode_object(bytes).map_err(|e| e.to_string());
+    }
+    if bytes.first() == Some(&0x80) {
+        return decode_pickle(bytes).map_err(|e| e.to_string());
+    }
+    if bytes.len() > MAX_RAW_BYTES_SHOWN {
+        return Err(format!(
+            "raw bytes ({} B), longer than the {MAX_RAW_BYTES_SHOWN} B shown",
+            bytes.len()
+        ));
+    }
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    Ok(json!({ "__bytes__": hex }))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stored_values_decode_by_how_they_start() {
+        // pickle.dumps(5, protocol=4) and pickle.dumps("run1", protocol=4), as tessera.save
+        // stores them.
+        assert_eq!(decode_stored(b"\x80\x04K\x05.").unwrap(), json!(5));
+        assert_eq!(
+            decode_stored(b"\x80\x04\x95\x08\x00\x00\x00\x00\x00\x00\x00\x8c\x04run1\x94.")
+                .unwrap(),
+            json!("run1")
+        );
+        assert_eq!(
+            decode_stored(b"\x00\x01raw").unwrap(),
+            json!({"__bytes__": "0001726177"})
+        );
+        let long = decode_stored(&[7u8; MAX_RAW_BYTES_SHOWN + 1]).unwrap_err();
+        assert_eq!(long, "raw bytes (4097 B), longer than the 4096 B shown");
+        let zip = decode_stored(b"PK\x03\x04 not a zip").unwrap_err();
+        assert!(zip.contains("not a readable torch.save zip"), "{zip}");
+    }
 }

@@ -4,9 +4,11 @@
 //!
 //! Both take the output's write claim (`tessera_ops::claim`) before writing anything and drop it
 //! after the commit or the failure, so a second writer into the same `--out` fails at once naming
-//! the first. What a killed convert leaves and how to resume is in `docs/writers.md`.
+//! the first. A convert that fails removes what it created on local disk ([`Leftovers`]). What a
+//! killed convert leaves and how to resume is in `docs/writers.md`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
@@ -25,17 +27,16 @@ use tessera_ops::claim::{Claim, ClaimOptions};
 use tessera_planner::{Layout, PlanOptions, Target, assign_writers};
 use tessera_storage::{Location, RetryPolicy};
 
-use super::select::TensorFilter;
+use super::select::{Selection, TensorFilter};
 use crate::human;
 
-/// Loads every rank of `layout` in this process.
+/// Loads every rank of `layout` in this process: the tensors `selection` takes, or all of them.
 async fn load_all(
     checkpoint: &Checkpoint,
     layout: &Layout,
-    convert: &ConvertOptions,
-    source: &str,
+    retry: &RetryPolicy,
+    selection: Option<&Selection>,
 ) -> Result<Vec<LoadedRank>> {
-    let retry = &convert.retry;
     let options = LoadOptions {
         read: ReadOptions {
             retry: retry.clone(),
@@ -45,9 +46,9 @@ async fn load_all(
         ..LoadOptions::default()
     };
     let mut requests = layout.resolve(checkpoint.meta.tensors())?;
-    convert
-        .filter
-        .apply(&mut requests, checkpoint.meta.tensors(), source)?;
+    if let Some(selection) = selection {
+        selection.retain(&mut requests);
+    }
     let plan = checkpoint.plan(&requests, &PlanOptions::default())?;
     let transports = InProcTransport::mesh(plan.world_size(), TransportOptions::default());
     let mut tasks = Vec::new();
@@ -77,7 +78,7 @@ pub struct ConvertOptions {
     pub break_claim: bool,
     /// Timeouts and attempts of both checkpoints' stores.
     pub retry: RetryPolicy,
-    /// Convert only the tensors this takes (`--include`, `--exclude`).
+    /// Convert only the tensors and plain values this takes (`--include`, `--exclude`).
     pub filter: TensorFilter,
 }
 
@@ -131,8 +132,27 @@ impl ConvertReport {
 }
 
 /// Runs `write` holding the write claim on `out`, and drops the claim afterwards whatever the
-/// outcome. A process that dies inside `write` leaves the claim (see the module docs).
+/// outcome. A process that dies inside `write` leaves the claim (see the module docs); one whose
+/// convert fails removes what it created on local disk first ([`Leftovers`]).
 async fn claimed<F, Fut>(out: &str, options: &ConvertOptions, write: F) -> Result<ConvertReport>
+where
+    F: FnOnce(Location) -> Fut,
+    Fut: std::future::Future<Output = Result<ConvertReport>>,
+{
+    let mut leftovers = Leftovers::before_writing(out);
+    let outcome = claimed_by(out, options, write, &mut leftovers).await;
+    if outcome.is_err() {
+        leftovers.remove_directories();
+    }
+    outcome
+}
+
+async fn claimed_by<F, Fut>(
+    out: &str,
+    options: &ConvertOptions,
+    write: F,
+    leftovers: &mut Leftovers,
+) -> Result<ConvertReport>
 where
     F: FnOnce(Location) -> Fut,
     Fut: std::future::Future<Output = Result<ConvertReport>>,
@@ -160,7 +180,12 @@ where
             "removed {staged}: an unfinished upload of an interrupted writer"
         ));
     }
+    leftovers.claimed();
     let outcome = write(target).await;
+    if outcome.is_err() {
+        // Under the claim: no other writer has files here that this one could take for its own.
+        leftovers.remove_files();
+    }
     let released = claim
         .release()
         .await
@@ -194,18 +219,26 @@ async fn to_layout_claimed(
     options: &ConvertOptions,
 ) -> Result<ConvertReport> {
     let checkpoint = open(source, out, &options.retry).await?;
-    let loaded = load_all(&checkpoint, &layout, options, source).await?;
     let all = checkpoint.meta.tensors();
+    // Plain values are taken or left by the same patterns as tensors; a filter may leave only
+    // plain values (a native checkpoint may hold no tensor).
+    let selection = if options.filter.is_everything() {
+        None
+    } else {
+        Some(
+            options
+                .filter
+                .select(all, checkpoint.meta.objects(), source)?,
+        )
+    };
+    let loaded = load_all(&checkpoint, &layout, &options.retry, selection.as_ref()).await?;
     // The layout resolves against every tensor (its stages see every layer); the output then
     // holds only the tensors the filter takes, renumbered in checkpoint order.
     let mut holdings = layout.resolve(all)?;
-    let (tensors, holdings) = if options.filter.is_everything() {
-        (all.to_vec(), holdings)
-    } else {
-        let taken = options.filter.select(all, source)?;
+    let (tensors, holdings) = if let Some(selection) = &selection {
         let mut renumbered = Vec::with_capacity(all.len());
         let mut tensors = Vec::new();
-        for (tensor, taken) in all.iter().zip(&taken) {
+        for (tensor, taken) in all.iter().zip(&selection.tensors) {
             renumbered.push(taken.then(|| tensors.len() as u32));
             if *taken {
                 tensors.push(tensor.clone());
@@ -221,6 +254,8 @@ async fn to_layout_claimed(
             });
         }
         (tensors, holdings)
+    } else {
+        (all.to_vec(), holdings)
     };
     let writes = assign_writers(&tensors, &holdings)?;
     let writer = NativeWriter::create(
@@ -255,7 +290,13 @@ async fn to_layout_claimed(
         }
         if rank == 0 {
             // Non-tensor objects ride along in rank 0's file.
-            for object in checkpoint.meta.objects() {
+            for (o, object) in checkpoint.meta.objects().iter().enumerate() {
+                if selection
+                    .as_ref()
+                    .is_some_and(|s| !s.objects.get(o).copied().unwrap_or(false))
+                {
+                    continue;
+                }
                 let path = checkpoint.file_path(object.file)?;
                 let bytes = checkpoint
                     .location
@@ -362,7 +403,24 @@ async fn to_safetensors_claimed(
     let checkpoint = open(source, out, &options.retry).await?;
     let everything =
         Layout::from_json(r#"{"mesh": [], "rules": [{"match": "*", "placements": []}]}"#)?;
-    let loaded = load_all(&checkpoint, &everything, options, source).await?;
+    // safetensors holds tensors only: a pattern may name plain values (they are left out
+    // anyway), but the export needs a tensor.
+    let selection = if options.filter.is_everything() {
+        None
+    } else {
+        let meta = &checkpoint.meta;
+        let selection = options
+            .filter
+            .select(meta.tensors(), meta.objects(), source)?;
+        if !selection.tensors.contains(&true) {
+            bail!(
+                "no tensor of {source} is left by {}, and a safetensors export holds only tensors",
+                options.filter.describe().join(" ")
+            );
+        }
+        Some(selection)
+    };
+    let loaded = load_all(&checkpoint, &everything, &options.retry, selection.as_ref()).await?;
     let rank = &loaded[0];
     let plan = &rank.plan;
     // Group tensors (in checkpoint order) into shards.
@@ -473,4 +531,111 @@ async fn open(source: &str, out: &str, retry: &RetryPolicy) -> Result<Checkpoint
             format!("verifying {source} before converting it (nothing was written to {out})")
         })?;
     Ok(checkpoint)
+}
+
+/// What a convert created on local disk, removed again when it fails: a failed convert leaves
+/// nothing it created behind (it used to leave its empty `--out`, or a half-written one). A
+/// directory that existed before the command is never removed, nor any file the command did not
+/// write. On object stores a failed native convert leaves its data files (no manifest: not a
+/// checkpoint) as a killed one does (`docs/writers.md`).
+#[derive(Debug, Default)]
+struct Leftovers {
+    /// `--out` on local disk (`None`: an object store).
+    out: Option<PathBuf>,
+    /// The outermost of `--out` and its parents that did not exist before the command.
+    created: Option<PathBuf>,
+    /// Files and directories under `--out` once the claim was taken (the claim among them);
+    /// `None` until then.
+    claimed_with: Option<BTreeSet<PathBuf>>,
+}
+
+impl Leftovers {
+    /// Notes what exists before anything is written to `out`.
+    fn before_writing(out: &str) -> Leftovers {
+        let Some(dir) = tessera_storage::local_directory(out) else {
+            return Leftovers::default();
+        };
+        let mut created = None;
+        let mut at = Some(dir.as_path());
+        while let Some(path) = at {
+            // symlink_metadata: a dangling link exists (it is someone's), it is not created here.
+            if path.symlink_metadata().is_ok() {
+                break;
+            }
+            created = Some(path.to_path_buf());
+            at = path.parent();
+        }
+        Leftovers {
+            out: Some(dir),
+            created,
+            claimed_with: None,
+        }
+    }
+
+    /// Notes what `--out` holds once this command holds its claim: everything else found there
+    /// after a failure is this command's.
+    fn claimed(&mut self) {
+        if let Some(out) = &self.out {
+            let mut entries = BTreeSet::new();
+            walk(out, &mut entries);
+            self.claimed_with = Some(entries);
+        }
+    }
+
+    /// Removes the files this command wrote under `--out` (staging files of uploads included),
+    /// and the directories it made there once empty. Only after [`Leftovers::claimed`] and while
+    /// the claim is held.
+    fn remove_files(&self) {
+        let (Some(out), Some(before)) = (&self.out, &self.claimed_with) else {
+            return;
+        };
+        let mut now = BTreeSet::new();
+        walk(out, &mut now);
+        // Deepest first, so a directory is empty by the time it is removed.
+        let made: Vec<&PathBuf> = now.difference(before).collect();
+        for path in made.into_iter().rev() {
+            let removed = match path.symlink_metadata() {
+                Ok(meta) if meta.is_dir() => std::fs::remove_dir(path),
+                Ok(_) => std::fs::remove_file(path),
+                Err(_) => continue,
+            };
+            if let Err(e) = removed {
+                eprintln!(
+                    "warning: the convert failed, and removing {} it wrote failed too: {e}",
+                    path.display()
+                );
+            }
+        }
+    }
+
+    /// Removes `--out` and the parents this command created, each only if empty (another writer
+    /// that made or filled one since keeps it).
+    fn remove_directories(&self) {
+        let (Some(out), Some(created)) = (&self.out, &self.created) else {
+            return;
+        };
+        let mut at = Some(out.as_path());
+        while let Some(path) = at {
+            if std::fs::remove_dir(path).is_err() || path == created {
+                break;
+            }
+            at = path.parent();
+        }
+    }
+}
+
+/// Every file and directory under `dir` (not `dir` itself; links not followed), into `found`.
+/// What cannot be read is left out: it is then kept, never removed.
+fn walk(dir: &Path, found: &mut BTreeSet<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        found.insert(path.clone());
+        if is_dir {
+            walk(&path, found);
+        }
+    }
 }

@@ -453,8 +453,12 @@ fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> 
             .with_context(|| format!("reading requests {path}"))?,
         _ => bail!("give exactly one of --layout or --requests"),
     };
-    args.filter
-        .apply(&mut requests, checkpoint.meta.tensors(), &args.checkpoint)?;
+    args.filter.apply(
+        &mut requests,
+        checkpoint.meta.tensors(),
+        checkpoint.meta.objects(),
+        &args.checkpoint,
+    )?;
     Ok(requests)
 }
 
