@@ -584,9 +584,9 @@ def load(
             if _state.outside_mesh(value):
                 continue  # this rank is not on the DTensor's mesh: it holds nothing of it
             if _state.is_meta(value):
-                import torch
-
-                value = torch.empty(value.shape, dtype=value.dtype)
+                # A tensor or DTensor with no storage (a model built on the meta device): a new
+                # one takes its place in the state dict, as dcp.load does, and is loaded.
+                value = _state.materialize(value)
                 materialized.append((path, value))
             boxes = (
                 _state.sharded_boxes(value) if _state.is_sharded_tensor(value)
@@ -732,7 +732,9 @@ def _json_text(what: str, value: Any) -> str:
 
 def inspect(checkpoint: str, *, storage_options: Optional[Mapping[str, str]] = None) -> dict:
     """What a checkpoint holds, as plain Python data (``tessera inspect --json``): format, step,
-    and every tensor with its dtype, shape and saved boxes (file, byte range)."""
+    every tensor with its dtype, shape and saved boxes (file, byte range), and ``objects``: every
+    plain (non-tensor) value with its key, file, byte range and decoded ``value`` (or
+    ``value_error`` saying why there is none), in the same shape for every format."""
     return json.loads(_tessera.inspect(str(checkpoint), _storage_env(storage_options)))
 
 

@@ -228,9 +228,55 @@ def outside_mesh(value: Any) -> bool:
 
 
 def is_meta(value: Any) -> bool:
-    """Whether ``value`` is a torch tensor on the meta device (no storage): DCP loads a new tensor
-    of its shape and dtype in its place; tessera does the same, in host memory."""
-    return is_torch_tensor(value) and not is_dtensor(value) and value.device.type == "meta"
+    """Whether ``value`` is a torch tensor or a DTensor on the meta device (no storage): DCP loads
+    a new tensor of its shape and dtype in its place (``materialize``), and so does tessera."""
+    return is_torch_tensor(value) and value.device.type == "meta"
+
+
+def _materialize_device() -> Any:
+    """Where ``dcp.load`` allocates a meta tensor's replacement
+    (``planner_helpers._init_state_dict``): the current device of the default process group's
+    device type (the host for gloo, the current GPU for NCCL); the host without a process group."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    with warnings.catch_warnings():
+        # It warns when a group has several backends (a device mesh registers gloo for CPU
+        # next to the default), then answers the host as dcp.load's call does.
+        warnings.simplefilter("ignore", UserWarning)
+        kind = dist.distributed_c10d._get_pg_default_device().type
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, getattr(torch, kind).current_device())
+
+
+def materialize(value: Any) -> Any:
+    """A tensor with storage in place of meta tensor ``value``, as ``dcp.load`` makes it: for a
+    DTensor a new one on the same mesh and placements whose local shard is allocated (global shape
+    and stride given, as a shard may be uneven); for a plain tensor one of its shape and dtype.
+    Its bytes are whatever the allocator left: the load fills them. Allocated contiguous
+    (``torch.empty``, where DCP's ``empty_like`` would copy a meta view's strides): tessera loads
+    into contiguous memory."""
+    import torch
+
+    device = _materialize_device()
+    if is_dtensor(value):
+        from torch.distributed.tensor import DTensor
+
+        local = value.to_local()
+        return DTensor.from_local(
+            torch.empty(local.shape, dtype=local.dtype, device=device),
+            device_mesh=value.device_mesh,
+            placements=value.placements,
+            run_check=False,
+            shape=value.size(),
+            stride=value.stride(),
+        )
+    return torch.empty(value.shape, dtype=value.dtype, device=device)
 
 
 def dtensor_box(key: str, dtensor: Any) -> Tuple[Any, List[int], List[int]]:
