@@ -228,7 +228,8 @@ enum Command {
         #[arg(long)]
         json: bool,
         /// Only tensors whose name matches this glob (`*` any run of characters, dots included;
-        /// `?` one character); repeatable. A pattern that matches no tensor is an error.
+        /// `?` one character); repeatable. Patterns also match the checkpoint's plain
+        /// (non-tensor) values' keys; one that matches neither is an error.
         #[arg(long, value_name = "GLOB")]
         include: Vec<String>,
         /// Leave out tensors whose name matches this glob (after --include); repeatable, e.g.
@@ -273,12 +274,14 @@ enum Command {
         /// see "Machine output" in `tessera --help`).
         #[arg(long)]
         json: bool,
-        /// Only tensors whose name matches this glob (`*` any run of characters, dots included;
-        /// `?` one character); repeatable. A pattern that matches no tensor is an error.
+        /// Only tensors and plain (non-tensor) values whose name matches this glob (`*` any run
+        /// of characters, dots included; `?` one character); repeatable. A pattern that matches
+        /// no tensor and no plain value is an error.
         #[arg(long, value_name = "GLOB")]
         include: Vec<String>,
-        /// Leave out tensors whose name matches this glob (after --include); repeatable, e.g.
-        /// `--exclude 'optim.*'` for the model weights only.
+        /// Leave out tensors and plain values whose name matches this glob (after --include);
+        /// repeatable, e.g. `--exclude 'optim.*'` for the model weights only, `--exclude
+        /// 'train_state.*'` to drop a train state.
         #[arg(long, value_name = "GLOB")]
         exclude: Vec<String>,
         #[command(flatten)]
