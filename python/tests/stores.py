@@ -10,8 +10,9 @@ Every store has one interface, so that one conformance list runs against all of 
 - ``url_for(path)``: the location tessera is given (``s3://<bucket>/<path>``).
 - ``env``: the variables a tessera process needs for it (``storage_options=`` of the Python calls,
   the environment of a ``tessera`` command): the endpoint and credentials users set for the store.
-- ``served(prefix)`` / ``reset()``: GET requests and body bytes the server sent for object keys
-  under ``prefix``, counted at the server (never by the client whose account is being checked).
+- ``served(prefix)`` / ``changes(prefix)`` / ``reset()``: GET requests and body bytes the server
+  sent for keys that start with ``prefix``, and the objects it created and deleted under it in
+  order, both recorded at the server (never by the client whose account is being checked).
 - ``upload(directory, path)``, ``keys(path)``, ``read(path)``, ``write(path, data)``: the test's
   own access to the store through the store's own client, to put fixtures there and to look at
   what tessera left behind.
