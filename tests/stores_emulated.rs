@@ -8,7 +8,8 @@
 //!   `plan`, a reshard `load` reading partial ranges (every byte checked against the synthetic
 //!   formula; no byte fetched beyond what the plan reads), `verify`, `convert` into the store
 //!   (the write claim, the manifest, `<run>/latest`), `serve --root az://...` listing both and
-//!   the run's latest; a claim held by another writer refusing a save that names it and writes
+//!   the run's latest; `gc` on the bucket removing what a killed convert left and nothing
+//!   committed; a claim held by another writer refusing a save that names it and writes
 //!   nothing; two converts racing for one step (one wins, the other fails naming the holder or
 //!   the committed checkpoint, nothing half-committed, no claim left); two commits of different
 //!   steps racing for `latest` (it names the newer).
@@ -18,9 +19,6 @@
 //!   1.54 answers the GCS XML API's object PUT, which object_store's GCS client sends, with "400
 //!   invalid uploadType" (fsouza/fake-gcs-server#1164), so those tests say `skipped:` with the
 //!   server's answer rather than pass.
-//!
-//! `tessera gc` is not in the list: it works on local directories only and says so for an
-//! object store URL.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 #[path = "support/emulators.rs"]
@@ -320,8 +318,58 @@ fn writes(store: &Emulator, layouts: &Layouts) {
     ));
     assert_eq!(u(&load["totals"], "bytes_unverified"), 0, "{load}");
 
+    // A convert killed after its first data file (as `kill -9` would) leaves its claim and that
+    // file; `gc` on the bucket removes them (the claim's pid on this host is gone) and nothing
+    // committed.
+    let killed = store.url("run/step-000006");
+    let output = command(
+        store,
+        &[
+            "convert",
+            &step1,
+            "--layout",
+            &layouts.fsdp4,
+            "--out",
+            &killed,
+        ],
+    )
+    .env("TESSERA_FAULT_ABORT_AFTER_FILES", "1")
+    .output()
+    .unwrap();
+    assert!(!output.status.success());
+    let left = list(store, "run/step-000006");
+    assert!(
+        left.contains(&CLAIM_FILE.to_string())
+            && left.contains(&"data/rank-00000.bin".to_string())
+            && !left.contains(&"manifest.json".to_string()),
+        "{left:?}"
+    );
+    let committed = (
+        list(store, "run/step-000001"),
+        list(store, "run/step-000002"),
+    );
+    let root = format!("{}://{}", store.scheme, store.bucket);
+    let gc = json(&ok(store, &["gc", &root, "--json"]));
+    let removed: Vec<&str> = gc["removed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(removed, ["run/step-000006"], "{gc}");
+    assert!(u(&gc, "bytes_removed") > 0, "{gc}");
+    assert!(list(store, "run/step-000006").is_empty());
+    assert_eq!(
+        (
+            list(store, "run/step-000001"),
+            list(store, "run/step-000002")
+        ),
+        committed
+    );
+
     let served = serve(store);
     let (catalog, run) = catalog(&served);
+    // The killed save never moved it.
     assert_eq!(run["latest"], "run/step-000002", "{run}");
     for id in ["run/step-000001", "run/step-000002"] {
         let listed = entry(&catalog, id);
