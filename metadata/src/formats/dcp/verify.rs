@@ -184,25 +184,14 @@ async fn check_encoded_tensor(
         }
         true
     };
-    let decoded = decode_from_store(
-        store,
-        &path,
-        encoded.offset..encoded.offset + encoded.length,
-        encoded.codec,
-        &mut sink,
-    )
-    .await;
-    let detail = match decoded {
-        Err(DecodeFailure::Store(source)) => {
-            return Err(store_error("reading", &path)(source));
-        }
-        Err(DecodeFailure::Invalid(detail)) => detail,
-        Ok(_) if covered != end - start => format!(
+    let detail = match decode_range(store, &path, encoded, &mut sink).await? {
+        Err(detail) => detail,
+        Ok(()) if covered != end - start => format!(
             "the stream decodes to fewer bytes than the storage's end (byte {end}): {covered} of \
              its {} bytes (changed since it was opened?)",
             end - start
         ),
-        Ok(_) => {
+        Ok(()) => {
             let actual = hasher.finalize();
             if actual == expected {
                 return Ok(Outcome::Checked(covered));
@@ -217,6 +206,29 @@ async fn check_encoded_tensor(
         encoded_bad(encoded, chunk.entry.clone(), detail),
         covered,
     ))
+}
+
+/// Decodes `encoded`'s compressed range of `path` into `sink`. A store that fails is an error of
+/// the verification; a stream that does not decode is the blob's fault: `Ok(Err(why))`.
+async fn decode_range(
+    store: &dyn ObjectStore,
+    path: &Path,
+    encoded: &EncodedRange,
+    sink: &mut (dyn FnMut(u64, &[u8]) -> bool + Send),
+) -> Result<Result<(), String>, MetadataError> {
+    match decode_from_store(
+        store,
+        path,
+        encoded.offset..encoded.offset + encoded.length,
+        encoded.codec,
+        sink,
+    )
+    .await
+    {
+        Ok(_) => Ok(Ok(())),
+        Err(DecodeFailure::Store(source)) => Err(store_error("reading", path)(source)),
+        Err(DecodeFailure::Invalid(detail)) => Ok(Err(detail)),
+    }
 }
 
 /// A bad compressed blob, named by its real file and compressed byte range.
@@ -253,20 +265,9 @@ async fn check_encoded_object(
         bytes.extend_from_slice(decoded);
         true
     };
-    let decoded = decode_from_store(
-        store,
-        &path,
-        encoded.offset..encoded.offset + encoded.length,
-        encoded.codec,
-        &mut sink,
-    )
-    .await;
-    let detail = match decoded {
-        Err(DecodeFailure::Store(source)) => {
-            return Err(store_error("reading", &path)(source));
-        }
-        Err(DecodeFailure::Invalid(detail)) => detail,
-        Ok(_) if longer || bytes.len() as u64 != want => format!(
+    let detail = match decode_range(store, &path, encoded, &mut sink).await? {
+        Err(detail) => detail,
+        Ok(()) if longer || bytes.len() as u64 != want => format!(
             "the stream decodes to {} bytes, not the {want} it had when opened (changed since?)",
             if longer {
                 format!("more than {want}")
@@ -274,7 +275,7 @@ async fn check_encoded_object(
                 bytes.len().to_string()
             }
         ),
-        Ok(_) => match read_archive(&bytes[object.offset as usize..]) {
+        Ok(()) => match read_archive(&bytes[object.offset as usize..]) {
             Ok(_) => return Ok(Outcome::Checked(object.length)),
             Err(e) => e.to_string(),
         },
