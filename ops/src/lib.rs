@@ -14,6 +14,9 @@
 //!   left after the commit, pruned to a budget); the load side finds it through
 //!   `tessera_loader::tier`.
 //! - [`claim`]: the exclusive claim a writer takes on its output before writing data.
+//! - [`job`]: a load job's rounds before the exchange (requests, memory tier, plan, plan
+//!   agreement, read, joint checks) as one state machine every front end pumps over its channel;
+//!   rank 0 plans once and each rank fetches only its own part.
 //! - [`coord`]: the small messages ranks exchange before they load or save (an all-gather over
 //!   the job's transport).
 
@@ -21,6 +24,7 @@ pub mod claim;
 pub mod coord;
 pub mod describe;
 mod error;
+pub mod job;
 pub mod load;
 pub mod memory_tier;
 pub mod open;

@@ -558,7 +558,12 @@ impl TierLoad {
     /// The second round: verifies the share of its node's candidates that falls to rank `rank`
     /// (the node's ranks, ascending, take its files in turn), given every rank's offer.
     pub fn verify_share(&self, meta: &CheckpointMeta, offers: &[TierOffer], rank: u32) -> Verified {
-        let node = node_ranks(offers, &self.offer.node);
+        self.verify_in_node(meta, &node_ranks(offers, &self.offer.node), rank)
+    }
+
+    /// [`TierLoad::verify_share`] given only the ranks of this rank's node (`node`, ascending):
+    /// all a rank needs to know of the job for its share.
+    pub fn verify_in_node(&self, meta: &CheckpointMeta, node: &[u32], rank: u32) -> Verified {
         let Some(position) = node.iter().position(|&r| r == rank) else {
             return self.candidates.verify(meta, |_| false);
         };
@@ -581,49 +586,86 @@ impl TierLoad {
         offers: &[TierOffer],
         verified: &[Verified],
     ) -> Result<(Checkpoint, ReadSources, TierCopies), OpsError> {
-        if offers.len() != verified.len() {
-            return Err(OpsError::invalid(format!(
-                "memory tier: {} offers but {} verifications gathered",
-                offers.len(),
-                verified.len()
-            )));
-        }
-        let mut sources = ReadSources::none();
-        let mut mine = TierCopies::default();
-        let mut nodes: Vec<&str> = offers
-            .iter()
-            .map(|o| o.node.as_str())
-            .filter(|n| !n.is_empty())
-            .collect();
-        nodes.sort_unstable();
-        nodes.dedup();
-        for node in nodes {
-            let ranks = node_ranks(offers, node);
-            let mut held: Vec<u32> = ranks
-                .iter()
-                .flat_map(|&r| verified[r as usize].files.iter().copied())
-                .collect();
-            held.sort_unstable();
-            held.dedup();
-            for &r in &ranks {
-                let offered = &offers[r as usize].files;
-                for &file in held.iter().filter(|f| offered.binary_search(f).is_ok()) {
-                    sources.add(file, SourceTier::NodeMemory, [r]);
-                }
-            }
-            if node == self.offer.node {
-                mine = self.candidates.accept(&held);
-                for &r in &ranks {
-                    for why in &verified[r as usize].ignored {
-                        if !mine.ignored.contains(why) {
-                            mine.ignored.push(why.clone());
-                        }
-                    }
-                }
-            }
-        }
-        Ok((checkpoint.with_tier_copies(&mine)?, sources, mine))
+        let sources = sources_of_verified(offers, verified)?;
+        let node = node_ranks(offers, &self.offer.node);
+        let node_verified: Vec<&Verified> = node.iter().map(|&r| &verified[r as usize]).collect();
+        let (view, mine) = self.accept_node(checkpoint, &node_verified)?;
+        Ok((view, sources, mine))
     }
+
+    /// This rank's view of `checkpoint` given what its node's ranks verified (`node_verified`:
+    /// theirs, this rank's included), and the copies it reads with what the node did not take
+    /// and why.
+    pub fn accept_node(
+        &self,
+        checkpoint: &Checkpoint,
+        node_verified: &[&Verified],
+    ) -> Result<(Checkpoint, TierCopies), OpsError> {
+        if self.offer.node.is_empty() {
+            return Ok((
+                checkpoint.with_tier_copies(&TierCopies::default())?,
+                TierCopies::default(),
+            ));
+        }
+        let mut held: Vec<u32> = node_verified
+            .iter()
+            .flat_map(|v| v.files.iter().copied())
+            .collect();
+        held.sort_unstable();
+        held.dedup();
+        let mut mine = self.candidates.accept(&held);
+        for verified in node_verified {
+            for why in &verified.ignored {
+                if !mine.ignored.contains(why) {
+                    mine.ignored.push(why.clone());
+                }
+            }
+        }
+        Ok((checkpoint.with_tier_copies(&mine)?, mine))
+    }
+}
+
+/// The planner's sources once every rank said what verified (`offers[r]`, `verified[r]`: rank
+/// r's): each node's verified copies, readable by the node's ranks that offered them.
+pub fn sources_of_verified(
+    offers: &[TierOffer],
+    verified: &[Verified],
+) -> Result<ReadSources, OpsError> {
+    if offers.len() != verified.len() {
+        return Err(OpsError::invalid(format!(
+            "memory tier: {} offers but {} verifications gathered",
+            offers.len(),
+            verified.len()
+        )));
+    }
+    let mut sources = ReadSources::none();
+    for ranks in nodes_of(offers).into_values() {
+        let mut held: Vec<u32> = ranks
+            .iter()
+            .flat_map(|&r| verified[r as usize].files.iter().copied())
+            .collect();
+        held.sort_unstable();
+        held.dedup();
+        for &r in &ranks {
+            let offered = &offers[r as usize].files;
+            for &file in held.iter().filter(|f| offered.binary_search(f).is_ok()) {
+                sources.add(file, SourceTier::NodeMemory, [r]);
+            }
+        }
+    }
+    Ok(sources)
+}
+
+/// Every node that some rank offers copies of, with its ranks (ascending), in one pass over the
+/// offers.
+pub fn nodes_of(offers: &[TierOffer]) -> std::collections::BTreeMap<&str, Vec<u32>> {
+    let mut nodes: std::collections::BTreeMap<&str, Vec<u32>> = std::collections::BTreeMap::new();
+    for (r, offer) in offers.iter().enumerate() {
+        if !offer.node.is_empty() {
+            nodes.entry(offer.node.as_str()).or_default().push(r as u32);
+        }
+    }
+    nodes
 }
 
 /// The ranks whose offer names `node`, ascending (none for the empty node).

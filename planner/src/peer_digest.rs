@@ -65,10 +65,35 @@ impl RankPlan {
     /// computes the same value for this rank exactly when the two plans describe those bytes
     /// alike. A piece id this plan does not hold digests as unknown (and so disagrees).
     pub fn peer_digests(&self) -> Vec<u64> {
+        let base = self.pair_base();
+        let mut all = vec![base.clone().finish_empty(); self.world as usize];
+        for (peer, digest) in self.pair_digests() {
+            if let Some(slot) = all.get_mut(peer as usize) {
+                *slot = digest;
+            }
+        }
+        all
+    }
+
+    /// The digest of a pair of ranks that pass each other nothing (what
+    /// [`RankPlan::peer_digests`] holds for every peer [`RankPlan::pair_digests`] does not list).
+    pub fn empty_pair_digest(&self) -> u64 {
+        self.pair_base().finish_empty()
+    }
+
+    fn pair_base(&self) -> Fnv {
         let mut base = Fnv::new();
         base.bytes(b"tessera rank-pair plan digest v1");
         base.u64(u64::from(self.world));
         base.bytes(self.checkpoint_identity.as_deref().unwrap_or("").as_bytes());
+        base
+    }
+
+    /// [`RankPlan::peer_digests`] of the peers this rank passes something (ascending), without
+    /// the world-long list: what the job's plan agreement sends, so that its cost grows with the
+    /// rank's peers, not with the job.
+    pub fn pair_digests(&self) -> Vec<(u32, u64)> {
+        let base = self.pair_base();
         let by_id: HashMap<u32, usize> = self
             .pieces
             .iter()
@@ -77,7 +102,8 @@ impl RankPlan {
             .collect();
         // Each entry's digest, per peer; sorted before they are folded, so that both ends (which
         // list the same shares in their own order of groups) fold them alike.
-        let mut entries: Vec<Vec<u64>> = vec![Vec::new(); self.world as usize];
+        let mut entries: std::collections::BTreeMap<u32, Vec<u64>> =
+            std::collections::BTreeMap::new();
         let share = |from: u32, to: u32, group: u32, round: u32, ids: &[u32]| {
             let mut h = Fnv::new();
             h.bytes(b"share");
@@ -103,9 +129,10 @@ impl RankPlan {
             }
             h.0
         };
+        let world = self.world;
         let mut add = |peer: u32, digest: u64| {
-            if let Some(list) = entries.get_mut(peer as usize) {
-                list.push(digest);
+            if peer < world {
+                entries.entry(peer).or_default().push(digest);
             }
         };
         for exchange in &self.exchanges {
@@ -151,13 +178,21 @@ impl RankPlan {
         }
         entries
             .into_iter()
-            .map(|mut list| {
+            .map(|(peer, mut list)| {
                 list.sort_unstable();
                 let mut h = base.clone();
                 h.u64s(list);
-                h.0
+                (peer, h.0)
             })
             .collect()
+    }
+}
+
+impl Fnv {
+    /// The digest of a base with no entries (as `pair_digests` folds an empty list).
+    fn finish_empty(mut self) -> u64 {
+        self.u64s(std::iter::empty());
+        self.0
     }
 }
 

@@ -30,7 +30,6 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::exchange::ExchangeMessages;
-use tessera_loader::exchange::agree;
 use tessera_loader::exchange::direct::Exposure;
 use tessera_loader::exchange::protocol::{Action, ExchangeProtocol};
 use tessera_loader::exchange::relay::with_relay_buffers;
@@ -38,15 +37,19 @@ use tessera_loader::load::RankReport;
 use tessera_loader::read::ReadStats;
 use tessera_loader::verify::joint;
 use tessera_metadata::TensorMeta;
-use tessera_planner::{ExplicitRequest, ExplicitRequests, RankPlan};
+use tessera_planner::{ExplicitRequests, RankPlan};
 
 use tessera_loader::tier::{TierCopies, Verified};
-use tessera_ops::memory_tier::{TierLoad, TierOffer};
+use tessera_ops::OpsError;
+use tessera_ops::job::{
+    Action as JobStep, Answer, Event, Hello, JobCoordinator, JobWork, PlannedRank, RankRounds,
+    Round, Taken, Verdict, planned_rank,
+};
+use tessera_ops::memory_tier::TierLoad;
 
 use crate::checkpoint::OpenedCheckpoint;
 use crate::load::{
-    TargetTuple, Wanted, fqn_of, load_options, parse_read_order, rank_plan_for, resolve_target,
-    single_device,
+    TargetTuple, Wanted, fqn_of, load_options, parse_read_order, resolve_target, single_device,
 };
 use crate::memory::{HostMemory, PyOwnedBytes, first_overlap};
 use crate::{Cancel, block_on_cancellable, py_error};
@@ -71,9 +74,10 @@ struct GroupState {
     /// storage order only to relay to others (`tessera_loader::exchange::relay`).
     buffers: Vec<Buffer>,
     plan: Option<Arc<RankPlan>>,
-    /// The plan's digests of what this rank and each rank pass each other
-    /// ([`RankPlan::peer_digests`]), taken when planned.
-    peer_digests: Option<Vec<u64>>,
+    /// The job's rounds before the exchange (`tessera_ops::job`), once started.
+    rounds: Option<RankRounds>,
+    /// Rank 0's part in them: the coordinator that plans for every rank.
+    coordinator: Option<JobCoordinator>,
     /// The plan's exchange messages, cut (and checked) when planned; the protocol takes them
     /// when the exchange starts.
     messages: Option<ExchangeMessages>,
@@ -99,18 +103,6 @@ struct GroupState {
     /// planned) the copies its node verified, which it reads.
     tier: TierLoad,
     tier_copies: TierCopies,
-}
-
-/// Every rank's tier offer from the gathered JSON texts.
-fn parse_offers(offers: &[String]) -> Result<Vec<TierOffer>> {
-    offers
-        .iter()
-        .enumerate()
-        .map(|(r, text)| {
-            serde_json::from_str::<TierOffer>(text)
-                .map_err(|e| anyhow!("rank {r}'s memory-tier offer is not valid: {e}"))
-        })
-        .collect()
 }
 
 /// The plan server a load names (`None` without one): its id of the checkpoint at `location` is
@@ -262,6 +254,241 @@ impl GroupState {
     }
 }
 
+/// One action of the job's rounds as the Python pump takes it: `kind` is "put" (`value` under
+/// `key`), "arrive" (every rank must reach `key`, the round), "get" (`keys` now, `None` where
+/// absent), "await" (`key` once written), "read" (this rank's pieces, then `job_step("read")`),
+/// "exchange" (the rounds are done) or "fail" (this rank failed `step`: publish `message`).
+#[pyclass(frozen, get_all, module = "tessera._tessera")]
+pub struct JobAction {
+    kind: &'static str,
+    key: String,
+    keys: Vec<String>,
+    value: Option<Py<PyBytes>>,
+    /// What the rank does in this round, as failures name it ("planning its pieces").
+    step: &'static str,
+    message: String,
+}
+
+impl JobAction {
+    fn new(kind: &'static str, round: Round) -> Self {
+        Self {
+            kind,
+            key: String::new(),
+            keys: Vec::new(),
+            value: None,
+            step: round.step(),
+            message: String::new(),
+        }
+    }
+
+    fn of(py: Python<'_>, action: JobStep, round: Round) -> Self {
+        match action {
+            JobStep::Put { key, value } => Self {
+                key,
+                value: Some(PyBytes::new(py, &value).unbind()),
+                ..Self::new("put", round)
+            },
+            JobStep::Arrive { round } => Self {
+                key: round.key_name().to_string(),
+                ..Self::new("arrive", round)
+            },
+            JobStep::Get { keys, round } => Self {
+                keys,
+                ..Self::new("get", round)
+            },
+            JobStep::Await { key, round } => Self {
+                key,
+                ..Self::new("await", round)
+            },
+            JobStep::Read => Self::new("read", Round::Read),
+            JobStep::Exchange => Self::new("exchange", round),
+        }
+    }
+
+    fn fail(round: Round, error: OpsError) -> Self {
+        Self {
+            message: format!("{:#}", anyhow::Error::from(error)),
+            ..Self::new("fail", round)
+        }
+    }
+}
+
+/// The local work of the job's rounds on this rank ([`JobWork`]): the coordinator's planning
+/// (rank 0), taking this rank's plan, its memory-tier share, the verdict and the joint checks.
+struct GroupWork<'a, 'py> {
+    state: &'a mut GroupState,
+    py: Python<'py>,
+    cancel: &'a Cancel,
+    /// Ctrl-C or a cancellation (another rank failed) during long work: raised as it is.
+    interrupted: &'a mut Option<PyErr>,
+}
+
+// The rounds' own error type ([`JobWork`]'s), returned as it is rather than boxed per call.
+#[allow(clippy::result_large_err)]
+impl GroupWork<'_, '_> {
+    /// Runs `work` with the GIL released, stopping on Ctrl-C or a cancellation (kept in
+    /// `interrupted`, reported to the rounds as this rank's failure).
+    fn wait<T: Send>(
+        &mut self,
+        work: impl Future<Output = Result<T, OpsError>> + Send,
+    ) -> Result<T, OpsError> {
+        match block_on_cancellable(self.py, Some(self.cancel), async { Ok(work.await) }) {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                let message = error.to_string();
+                *self.interrupted = Some(error);
+                Err(OpsError::invalid(message))
+            }
+        }
+    }
+
+    fn coordinator(&mut self) -> Result<JobCoordinator, OpsError> {
+        self.state.coordinator.take().ok_or_else(|| {
+            OpsError::invalid(format!(
+                "rank {}: asked to coordinate the job, which rank 0 does",
+                self.state.rank
+            ))
+        })
+    }
+
+    /// Takes this rank's plan (checked against its own requests and arrays) and cuts its
+    /// exchange messages, so that a plan whose exchange does not add up fails before any read.
+    fn take_plan(&mut self, plan: RankPlan) -> Result<PlannedRank> {
+        let state = &mut *self.state;
+        let rank = state.rank;
+        if plan.rank != rank || plan.world != state.world {
+            bail!(
+                "rank {rank}: the coordinator sent the plan of rank {} of {} ranks to rank {rank} of {}",
+                plan.rank,
+                plan.world,
+                state.world
+            );
+        }
+        let mine = ExplicitRequests {
+            ranks: vec![state.wanted.iter().map(|w| w.request.clone()).collect()],
+        }
+        .resolve(state.checkpoint.meta.tensors())?;
+        if let Some(requests) = mine.ranks.first() {
+            plan.check_destinations(&state.checkpoint.meta, requests)?;
+        }
+        // The plan's destinations are this rank's requests in order: check they are the arrays.
+        let sizes = state.buffers.iter().map(|b| b.as_ref().len() as u64);
+        if sizes.len() != plan.destinations.len()
+            || sizes.zip(&plan.destinations).any(|(len, d)| len != d.bytes)
+        {
+            bail!(
+                "rank {rank}: the plan's {} destinations do not match this rank's {} arrays",
+                plan.destinations.len(),
+                state.buffers.len()
+            );
+        }
+        // Of the plan as made (relaying adds scratch destinations that concern this rank only).
+        let planned = planned_rank(&plan);
+        // Pieces read in storage order only to pass on get scratch destinations after the arrays.
+        let plan = match with_relay_buffers(&plan) {
+            Some(relaying) => {
+                let caller = state.buffers.len();
+                for dest in &relaying.destinations[caller..] {
+                    state.buffers.push(Buffer::Scratch(
+                        tessera_loader::load::host_memory::zeroed_buffer(dest.bytes as usize),
+                    ));
+                }
+                relaying
+            }
+            None => plan,
+        };
+        let messages = ExchangeMessages::of_plan_in_parts(&plan, WHOLE_SHARES)?;
+        state.messages = Some(messages);
+        state.plan = Some(Arc::new(plan));
+        Ok(planned)
+    }
+}
+
+impl JobWork for GroupWork<'_, '_> {
+    fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
+        let mut coordinator = self.coordinator()?;
+        let answers = self.wait(async { coordinator.coordinate(&hellos).await });
+        self.state.coordinator = Some(coordinator);
+        answers
+    }
+
+    fn settle(&mut self, verified: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
+        let mut coordinator = self.coordinator()?;
+        let answers = self.wait(async { coordinator.settle(&verified).await });
+        self.state.coordinator = Some(coordinator);
+        answers
+    }
+
+    fn take(&mut self, answer: Bytes) -> Result<Taken, OpsError> {
+        let rank = self.state.rank;
+        match Answer::decode(rank, &answer)? {
+            Answer::Refused(refusal) => Err(refusal.error(rank)),
+            Answer::VerifyTier(node) => Ok(Taken::VerifyTier(node)),
+            Answer::Plan {
+                plan,
+                node_verified,
+            } => {
+                if !node_verified.is_empty() {
+                    let state = &mut *self.state;
+                    let theirs: Vec<&Verified> = node_verified.iter().collect();
+                    let (view, copies) = state.tier.accept_node(&state.checkpoint, &theirs)?;
+                    state.checkpoint = Arc::new(view);
+                    state.tier_copies = copies;
+                }
+                self.take_plan(*plan)
+                    .map(Taken::Planned)
+                    .map_err(|e| OpsError::invalid(format!("{e:#}")))
+            }
+        }
+    }
+
+    fn verify_tier(&mut self, node: Vec<u32>) -> Result<Bytes, OpsError> {
+        let state = &*self.state;
+        let (tier, meta, rank) = (&state.tier, &state.checkpoint.meta, state.rank);
+        let verified = self.py.detach(|| tier.verify_in_node(meta, &node, rank));
+        serde_json::to_vec(&verified)
+            .map(Bytes::from)
+            .map_err(|source| OpsError::Message {
+                what: format!("rank {rank}'s memory-tier verification"),
+                source,
+            })
+    }
+
+    fn agree(&mut self, reports: Vec<Bytes>) -> Result<Bytes, OpsError> {
+        Verdict::of_reports(&reports)?.encode()
+    }
+
+    fn accept(&mut self, verdict: Bytes) -> Result<(), OpsError> {
+        Verdict::accept(self.state.rank, &verdict)
+    }
+
+    fn check_joint(&mut self, folds: Vec<(u32, Bytes)>) -> Result<(), OpsError> {
+        let state = &mut *self.state;
+        let rank = state.rank;
+        let result = (|| -> Result<()> {
+            let plan = state.plan("checking jointly read boxes")?;
+            state.check_read("checking jointly read boxes")?;
+            let mut by_rank = joint::FoldsByRank::new();
+            if let Some((stats, _)) = &state.read {
+                by_rank.insert(rank, (state.verifying(), stats.joint_folds.clone()));
+            }
+            for (peer, data) in &folds {
+                by_rank.insert(*peer, joint::decode(rank, *peer, data, None)?);
+            }
+            joint::check_joint_boxes(
+                plan,
+                Some(&state.checkpoint.meta),
+                &by_rank,
+                state.verifying(),
+            )?;
+            Ok(())
+        })();
+        result.map_err(|e| OpsError::invalid(format!("{e:#}")))?;
+        state.joint_checked = true;
+        Ok(())
+    }
+}
+
 /// Checks the rank's entries (host memory only: CUDA tensors go through host staging in the
 /// Python layer) against the checkpoint and prepares the load.
 #[pyfunction]
@@ -341,7 +568,8 @@ fn prepare(
         wanted,
         buffers,
         plan: None,
-        peer_digests: None,
+        rounds: None,
+        coordinator: None,
         messages: None,
         direct: false,
         read: None,
@@ -357,245 +585,123 @@ fn prepare(
 
 #[pymethods]
 impl GroupLoad {
-    /// This rank's requests as JSON text (what the ranks all-gather).
-    fn requests_json(&self) -> PyResult<String> {
-        let state = self.state();
-        let mine: Vec<&ExplicitRequest> = state.wanted.iter().map(|w| &w.request).collect();
-        serde_json::to_string(&mine).map_err(|e| py_error(e.into()))
-    }
-
-    /// What this rank tells the others before planning, as JSON text for the all-gather: the
-    /// checkpoint as it named and opened it, and the options it plans with (a plan `server` as
-    /// `plan` will be given it, the `read_order`). The process-group path compares what the
-    /// CLI's rendezvous compares ([`GroupLoad::check_job_terms`]).
-    #[pyo3(signature = (server=None, server_id=None, read_order=None))]
-    fn job_terms_json(
+    /// Starts the job's rounds on this rank (`tessera_ops::job`): its hello (requests, memory-tier
+    /// offer, the checkpoint as opened and its plan options) goes to the coordinator, rank 0,
+    /// which plans once (here, or on `server`) for every rank. `direct`: the driver moves host
+    /// memory, so ranks of one host may copy shares straight out of each other's arrays.
+    /// Returns the first actions for the Python pump.
+    #[pyo3(signature = (*, server=None, server_id=None, token=None, read_order=None, direct=false))]
+    fn job_start(
         &self,
+        py: Python<'_>,
         server: Option<String>,
         server_id: Option<String>,
+        token: Option<String>,
         read_order: Option<&str>,
-    ) -> PyResult<String> {
+        direct: bool,
+    ) -> PyResult<Vec<JobAction>> {
         use tessera_ops::load::agreement::{JobTerms, checkpoint_key, job_plan_terms};
         let read_order = parse_read_order(read_order)?;
-        let state = self.state();
-        let server = plan_server(&state.location, server, server_id, None).map_err(py_error)?;
+        let mut state = self.state();
+        let state = &mut *state;
+        let server = plan_server(&state.location, server, server_id, token).map_err(py_error)?;
         let planning = tessera_ops::load::plan_options(
             true,
             read_order,
             false,
             &tessera_ops::load::LoadSwitches::from_env(),
         );
-        let terms = JobTerms {
-            location: state.location.clone(),
-            checkpoint: checkpoint_key(&state.checkpoint, &state.location)
-                .map_err(|e| py_error(e.into()))?,
-            plan: job_plan_terms(&state.checkpoint, &planning, &[], server.as_ref()),
+        let hello = Hello {
+            requests: state.wanted.iter().map(|w| w.request.clone()).collect(),
+            tier: state.tier.offer().clone(),
+            terms: JobTerms {
+                location: state.location.clone(),
+                checkpoint: checkpoint_key(&state.checkpoint, &state.location)
+                    .map_err(|e| py_error(e.into()))?,
+                plan: job_plan_terms(&state.checkpoint, &planning, &[], server.as_ref()),
+            },
         };
-        serde_json::to_string(&terms).map_err(|e| py_error(e.into()))
+        let hello = hello.encode().map_err(|e| py_error(e.into()))?;
+        if state.rank == 0 {
+            state.coordinator = Some(JobCoordinator::new(
+                Arc::clone(&state.checkpoint),
+                state.location.clone(),
+                planning,
+                server,
+                true,
+            ));
+        }
+        state.direct = direct;
+        let mut rounds = RankRounds::new(state.rank, state.world);
+        let actions = rounds.start(hello);
+        state.rounds = Some(rounds);
+        Ok(actions
+            .into_iter()
+            .map(|a| JobAction::of(py, a, Round::Requests))
+            .collect())
     }
 
-    /// Refuses a job whose ranks load different checkpoints or plan with different options,
-    /// given every rank's [`GroupLoad::job_terms_json`] in rank order: every rank checks the same
-    /// list and fails alike, naming the ranks and both checkpoints (or options).
-    fn check_job_terms(&self, all: Vec<String>) -> PyResult<()> {
-        use tessera_ops::load::agreement::{JobTerms, check_job_terms};
-        let rank = self.state().rank;
-        let all = all
-            .iter()
-            .enumerate()
-            .map(|(r, text)| {
-                serde_json::from_str::<JobTerms>(text).map_err(|e| {
-                    anyhow!("rank {r}'s checkpoint and plan options are not valid: {e}")
-                })
-            })
-            .collect::<Result<Vec<_>>>()
-            .map_err(py_error)?;
-        check_job_terms(rank, &all).map_err(|e| py_error(e.into()))
+    /// The job's next actions after `event` ("arrived"; "got" with the values fetched, `None`
+    /// for a key no rank wrote; "read" with this rank's folds), doing the local work of the
+    /// rounds here (the coordinator's plan, taking this rank's plan, the memory tier's share,
+    /// the joint checks). A failure comes back as one "fail" action naming the step, for the
+    /// pump to publish; Ctrl-C and a cancellation raise.
+    fn job_step(
+        &self,
+        py: Python<'_>,
+        event: &str,
+        values: Vec<Option<Vec<u8>>>,
+    ) -> PyResult<Vec<JobAction>> {
+        let event = match event {
+            "arrived" => Event::Arrived,
+            "got" => Event::Got(values.into_iter().map(|v| v.map(Bytes::from)).collect()),
+            "read" => Event::Read(Bytes::from(
+                values.into_iter().flatten().next().unwrap_or_default(),
+            )),
+            other => {
+                return Err(py_error(anyhow!(
+                    "job_step: unknown event {other:?} (arrived, got or read)"
+                )));
+            }
+        };
+        let mut state = self.state();
+        let state = &mut *state;
+        let mut rounds = state
+            .rounds
+            .take()
+            .ok_or_else(|| py_error(anyhow!("rank {}: job_step before job_start", state.rank)))?;
+        let mut interrupted = None;
+        let outcome = {
+            let mut work = GroupWork {
+                state,
+                py,
+                cancel: &self.cancel,
+                interrupted: &mut interrupted,
+            };
+            rounds.step(&mut work, event)
+        };
+        let round = rounds.round();
+        state.rounds = Some(rounds);
+        if let Some(error) = interrupted {
+            return Err(error);
+        }
+        Ok(match outcome {
+            Ok(actions) => actions
+                .into_iter()
+                .map(|a| JobAction::of(py, a, round))
+                .collect(),
+            Err(error) => vec![JobAction::fail(round, error)],
+        })
     }
 
-    /// This rank's digests of what it and each rank pass each other
-    /// ([`RankPlan::peer_digests`]), 8 bytes little-endian per rank, for the all-gather after
-    /// planning ([`GroupLoad::check_plan_digests`]).
-    fn plan_digests<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let state = self.state();
-        let digests = state.peer_digests.as_ref().ok_or_else(|| {
-            py_error(anyhow!("rank {}: plan digests before the plan", state.rank))
-        })?;
-        let bytes: Vec<u8> = digests.iter().flat_map(|d| d.to_le_bytes()).collect();
-        Ok(PyBytes::new(py, &bytes))
-    }
-
-    /// Refuses a plan that another rank's plan describes differently where the two pass each
-    /// other bytes, given every rank's [`GroupLoad::plan_digests`] in rank order: before any
-    /// byte is read or exchanged, naming the ranks.
-    fn check_plan_digests(&self, all: Vec<Bound<'_, PyBytes>>) -> PyResult<()> {
-        let state = self.state();
-        let result = (|| {
-            let mine = state
-                .peer_digests
-                .as_ref()
-                .ok_or_else(|| anyhow!("rank {}: checking plans before the plan", state.rank))?;
-            let me = state.rank as usize;
-            let theirs: Vec<(u32, Option<u64>)> = all
-                .iter()
-                .enumerate()
-                .filter(|(p, _)| *p != me)
-                .map(|(p, data)| {
-                    let digest = data
-                        .as_bytes()
-                        .get(me * 8..me * 8 + 8)
-                        .and_then(agree::decode_digest);
-                    (p as u32, digest)
-                })
-                .collect();
-            agree::check_digests(state.rank, mine, &theirs)?;
-            Ok(())
-        })();
-        result.map_err(py_error)
-    }
-
-    /// What this rank offers from its node's memory tier (its node and candidate copies), as
-    /// JSON text for the all-gather; `{"node": "", "files": []}` without a tier.
-    fn tier_offer_json(&self) -> PyResult<String> {
-        serde_json::to_string(self.state().tier.offer()).map_err(|e| py_error(e.into()))
-    }
-
-    /// Verifies this rank's share of its node's candidate copies, given every rank's offer
-    /// ([`GroupLoad::tier_offer_json`]); returns what verified, as JSON text for the second
-    /// all-gather. Reads the share whole (without the GIL).
-    fn verify_tier(&self, py: Python<'_>, offers: Vec<String>) -> PyResult<String> {
-        let offers = parse_offers(&offers).map_err(py_error)?;
-        let state = self.state();
-        let (tier, meta, rank) = (&state.tier, &state.checkpoint.meta, state.rank);
-        let verified = py.detach(|| tier.verify_share(meta, &offers, rank));
-        serde_json::to_string(&verified).map_err(|e| py_error(e.into()))
-    }
-
-    /// The memory-tier copies this rank's node did not take, with why (after `plan`).
+    /// The memory-tier copies this rank's node did not take, with why (after the plan).
     fn tier_ignored(&self) -> Vec<String> {
         self.state().tier_copies.ignored.clone()
     }
 
-    /// Plans the job from every rank's requests (`all_requests[r]`: rank r's
-    /// [`GroupLoad::requests_json`]), here or on `server`. `direct`: the driver moves host
-    /// memory, so ranks of one host may copy shares straight out of each other's arrays.
-    #[pyo3(signature = (all_requests, dedup, server=None, server_id=None, token=None, read_order=None, direct=false, tier_offers=None, tier_verified=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn plan(
-        &self,
-        py: Python<'_>,
-        all_requests: Vec<String>,
-        dedup: bool,
-        server: Option<String>,
-        server_id: Option<String>,
-        token: Option<String>,
-        read_order: Option<&str>,
-        direct: bool,
-        tier_offers: Option<Vec<String>>,
-        tier_verified: Option<Vec<String>>,
-    ) -> PyResult<()> {
-        let read_order = parse_read_order(read_order)?;
-        // Both tier rounds' results: this rank's view (the copies its node verified) and the
-        // planner's sources.
-        let sources = match (tier_offers, tier_verified) {
-            (Some(offers), Some(verified)) => {
-                let offers = parse_offers(&offers).map_err(py_error)?;
-                let verified = verified
-                    .iter()
-                    .enumerate()
-                    .map(|(r, text)| {
-                        serde_json::from_str::<Verified>(text).map_err(|e| {
-                            anyhow!("rank {r}'s memory-tier verification is not valid: {e}")
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()
-                    .map_err(py_error)?;
-                let mut state = self.state();
-                let (view, sources, copies) = state
-                    .tier
-                    .settle(&state.checkpoint, &offers, &verified)
-                    .map_err(|e| py_error(e.into()))?;
-                state.checkpoint = Arc::new(view);
-                state.tier_copies = copies;
-                sources
-            }
-            _ => tessera_planner::ReadSources::none(),
-        };
-        let (checkpoint, rank, world, location) = {
-            let state = self.state();
-            (
-                Arc::clone(&state.checkpoint),
-                state.rank,
-                state.world,
-                state.location.clone(),
-            )
-        };
-        if all_requests.len() != world as usize {
-            return Err(py_error(anyhow!(
-                "rank {rank}: {} ranks' requests gathered for a group of {world}",
-                all_requests.len()
-            )));
-        }
-        let ranks = all_requests
-            .iter()
-            .enumerate()
-            .map(|(r, text)| {
-                serde_json::from_str::<Vec<ExplicitRequest>>(text)
-                    .map_err(|e| anyhow!("rank {r}'s requests are not valid: {e}"))
-            })
-            .collect::<Result<Vec<_>>>()
-            .map_err(py_error)?;
-        let server = plan_server(&location, server, server_id, token).map_err(py_error)?;
-        let plan = block_on_cancellable(py, Some(&self.cancel), async {
-            rank_plan_for(
-                &checkpoint,
-                &location,
-                (ExplicitRequests { ranks }, rank),
-                dedup,
-                read_order,
-                (server.as_ref(), &sources),
-            )
-            .await
-        })?;
-        let mut state = self.state();
-        // The plan's destinations are this rank's requests in order: check they are the arrays.
-        let sizes = state.buffers.iter().map(|b| b.as_ref().len() as u64);
-        if sizes.len() != plan.destinations.len()
-            || sizes.zip(&plan.destinations).any(|(len, d)| len != d.bytes)
-        {
-            return Err(py_error(anyhow!(
-                "rank {rank}: the plan's {} destinations do not match this rank's {} arrays",
-                plan.destinations.len(),
-                state.buffers.len()
-            )));
-        }
-        // Of the plan as made (relaying adds scratch destinations that concern this rank only).
-        state.peer_digests = Some(plan.peer_digests());
-        // Pieces read in storage order only to pass on get scratch destinations after the arrays.
-        let plan = match with_relay_buffers(&plan) {
-            Some(relaying) => {
-                let caller = state.buffers.len();
-                for dest in &relaying.destinations[caller..] {
-                    state.buffers.push(Buffer::Scratch(
-                        tessera_loader::load::host_memory::zeroed_buffer(dest.bytes as usize),
-                    ));
-                }
-                relaying
-            }
-            None => plan,
-        };
-        // Cut now, so that a plan whose exchange does not add up fails before any read.
-        let messages = ExchangeMessages::of_plan_in_parts(&plan, WHOLE_SHARES)
-            .map_err(|e| py_error(e.into()))?;
-        state.messages = Some(messages);
-        state.plan = Some(Arc::new(plan));
-        state.direct = direct;
-        Ok(())
-    }
-
-    /// Reads this rank's own pieces, verified, straight into its arrays (interruptible).
-    /// Returns this rank's folds of the saved boxes it read in parts (joint checks), to
-    /// all-gather over the group.
+    /// Reads this rank's own pieces, verified, straight into its arrays (interruptible), when
+    /// the rounds say so. Returns this rank's folds of the saved boxes it read in parts (joint
+    /// checks), for `job_step("read", [folds])`.
     #[pyo3(signature = (progress=None))]
     fn read<'py>(
         &self,
@@ -615,7 +721,7 @@ impl GroupLoad {
             .map(|p| p.bytes)
             .sum();
         let mut options = load_options(state.verify, progress, total);
-        // Parts of boxes several ranks read are folded here and checked by `check_joint`.
+        // Parts of boxes several ranks read are folded here and checked in the joint checks.
         options.read.joint_checks = true;
         let checkpoint = Arc::clone(&state.checkpoint);
         let started = Instant::now();
@@ -627,44 +733,6 @@ impl GroupLoad {
         state.read = Some((stats, started.elapsed().as_secs_f64()));
         Ok(PyBytes::new(py, &folds))
     }
-
-    /// Checks every jointly read box this rank holds bytes of against every rank's folds
-    /// (what `read` returned on ranks 0..world, in rank order). Raises naming the box, its file and
-    /// readers when the parts do not add up to its crc32c.
-    fn check_joint(&self, folds: Vec<Bound<'_, PyBytes>>) -> PyResult<()> {
-        let mut state = self.state();
-        let result = (|| {
-            let plan = state.plan("checking jointly read boxes")?;
-            state.check_read("checking jointly read boxes")?;
-            if folds.len() != state.world as usize {
-                bail!(
-                    "rank {}: folds from {} ranks, expected {}",
-                    state.rank,
-                    folds.len(),
-                    state.world
-                );
-            }
-            let mut by_rank = joint::FoldsByRank::new();
-            for (peer, data) in folds.iter().enumerate() {
-                let peer = peer as u32;
-                by_rank.insert(
-                    peer,
-                    joint::decode(state.rank, peer, data.as_bytes(), None)?,
-                );
-            }
-            joint::check_joint_boxes(
-                plan,
-                Some(&state.checkpoint.meta),
-                &by_rank,
-                state.verifying(),
-            )?;
-            Ok(())
-        })();
-        result.map_err(py_error)?;
-        state.joint_checked = true;
-        Ok(())
-    }
-
     /// Starts the exchange once this rank's pieces are read: the first actions for the driver
     /// (the hand-shake where ranks may copy directly, the receives, the shares ready to go).
     fn exchange_start(&self) -> PyResult<Vec<PyAction>> {

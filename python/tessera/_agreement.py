@@ -1,18 +1,21 @@
 """The failure agreement of a load over a torch process group, through the job's c10d store.
 
 Collectives on the job's group (``all_gather_object``) wait for the group's own timeout, 30
-minutes by default, and fail with a gloo error that names no rank. tessera's steps before the
-exchange (the requests; every rank's outcome of planning and reading; of checking the boxes
-read in parts) go through the job's key-value store instead, where every rank waits with its
-own deadline:
+minutes by default, and fail with a gloo error that names no rank. the rounds of the load
+job before the exchange (``tessera_ops::job``: requests, memory tier, plan, plan agreement, read,
+joint checks) go through the job's key-value store instead: each rank puts its own keys and
+fetches only its own answers (rank 0, the coordinator, fetches every rank's), arrives at each
+round with one marker and one counter, and waits with its own deadline:
 
 - a rank that fails publishes its failure at once (one key, the first failure kept); every rank
   waiting in a step sees it within 0.1 s and raises naming that rank and its error, and a rank
   still planning or reading is cancelled within 100 ms (``GroupLoad.cancel``);
 - every rank that has started the load beats (a counter in the store, once a second, from a
   thread: a rank stopped by SIGSTOP, a debugger, a stuck read in a system call or killed stops
-  beating); a waiting rank that sees a missing rank's beat stand still for ``liveness`` seconds
-  fails naming it, so every rank fails within ``liveness`` + a few seconds;
+  beating); each waiting rank watches the beat of the next rank in rank order (so every rank is
+  watched by one, and the store serves O(world) calls a second in all), and one that sees it
+  stand still for ``liveness`` seconds publishes it as failed, so every rank fails within
+  ``liveness`` + a few seconds naming it;
 - a rank that never arrives (never started the load) is waited for until ``timeout``, then named.
 
 Keys live under ``tessera/<group>/<n>/`` where n counts this process's loads over the group (every
@@ -31,16 +34,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._tessera import TesseraError
 
-# How often a rank beats. A waiting rank looks whether every rank arrived with one store call,
-# first after 2 ms, then at doubling intervals up to 20 ms per 64 ranks (at most 0.1 s: a job of
-# many ranks costs the store few calls, a small one loses almost nothing to the poll), and for a
-# failure or a silent rank every 0.1 s. (`Store.wait` with a short timeout would wake at once,
-# but torch logs a warning for every wait that times out.)
+# How often a rank beats. A waiting rank looks whether what it waits for is there with one store
+# call, first after 2 ms, then at doubling intervals up to 20 ms per 64 ranks (at most 0.1 s: a
+# job of many ranks costs the store few calls, a small one loses almost nothing to the poll), for
+# a failure every 0.1 s, and at the next rank's beat once a second. (`Store.wait` with a short
+# timeout would wake at once, but torch logs a warning for every wait that times out.)
 _BEAT_S = 1.0
 _POLL_S = (0.002, 0.02)
 _LOOK_S = 0.1
-# Liveness scans cost one store call per rank: at most every this many seconds per 64 ranks.
-_SCAN_S_PER_64 = 1.0
 
 _loads: Dict[str, int] = {}
 _loads_lock = threading.Lock()
@@ -169,47 +170,75 @@ class Agreement:
             f"life for {self._liveness:g} s (stopped, hung in a system call, or killed)"
         )
 
-    # -- steps ------------------------------------------------------------------------------
-    def gather(self, step: str, error: Optional[BaseException], payload: bytes = b"") -> List[bytes]:
-        """Every rank's ``payload`` for ``step``, in rank order, once every rank got there without
-        failing. Raises this rank's ``error`` (after publishing it), or a ``TesseraError`` naming
-        the rank that failed, stopped or never arrived."""
-        self._step += 1
-        n = self._step
-        if error is not None:
-            self.fail(step, error)
-            raise error
+    # -- the job's channel (tessera_ops::job: the rounds say what to put, fetch and wait for) --
+    def _store_call(self, step: str, call: Callable[[], Any]) -> Any:
         try:
-            self._store.set(self._key(n, self._rank), payload)
-            arrived = self._store.add(self._key(n, "arrived"), 1)
-            if arrived == self._world:
-                # The last to arrive wakes the others (blocked in `_wait`) at once.
-                self._store.set(self._key(n, "all"), b"1")
-            else:
-                self._wait(n, step)
-            return list(self._store.multi_get([self._key(n, r) for r in range(self._world)]))
+            return call()
         except TesseraError:
             raise
         except Exception as e:
             raise TesseraError(
-                f"rank {self._rank}: the job's store stopped answering while the ranks agreed on "
-                f"{step} (the process hosting it, rank 0's or torchrun's agent, died?): "
-                f"{type(e).__name__}: {e}"
+                f"rank {self._rank}: the job's store stopped answering while {step} (the process "
+                f"hosting it, rank 0's or torchrun's agent, died?): {type(e).__name__}: {e}"
             ) from e
 
-    def _wait(self, n: int, step: str) -> None:
-        store, world = self._store, self._world
+    def put(self, key: str, value: bytes, step: str) -> None:
+        """Stores this rank's ``value`` under the load's ``key``."""
+        self._store_call(step, lambda: self._store.set(self._key("job", key), value))
+
+    def arrive(self, round_name: str, step: str) -> None:
+        """Returns once every rank arrived at ``round_name``: one marker and one counter per
+        rank; the last to arrive wakes the others. Raises naming the rank that failed, stopped or
+        never arrived."""
+        def arrive() -> None:
+            self._store.set(self._key("arrived", round_name, self._rank), b"1")
+            if self._store.add(self._key("arrived", round_name), 1) == self._world:
+                self._store.set(self._key("arrived", round_name, "all"), b"1")
+            else:
+                self._wait_for(self._key("arrived", round_name, "all"), step, round_name)
+
+        self._store_call(step, arrive)
+
+    def fetch(self, keys: List[str], step: str) -> List[Optional[bytes]]:
+        """The values of the load's ``keys`` now (after an arrival), ``None`` where no rank wrote
+        one."""
+        full = [self._key("job", k) for k in keys]
+        if not full:
+            return []
+
+        def fetch() -> List[Optional[bytes]]:
+            if self._store.check(full):
+                return list(self._store.multi_get(full))
+            return [self._store.get(k) if self._store.check([k]) else None for k in full]
+
+        return self._store_call(step, fetch)
+
+    def await_key(self, key: str, step: str) -> bytes:
+        """The value of the load's ``key`` once the coordinator (rank 0) wrote it."""
+        full = self._key("job", key)
+
+        def await_key() -> bytes:
+            self._wait_for(full, step, None)
+            return self._store.get(full)
+
+        return self._store_call(step, await_key)
+
+    def _wait_for(self, key: str, step: str, round_name: Optional[str]) -> None:
+        """Waits until ``key`` exists. Meanwhile every 0.1 s it looks for a published failure
+        and once a second at the beat of the next rank in rank order (each waiting rank watches
+        one: the job's liveness costs O(world) store calls a second in all, not per rank); at
+        ``timeout`` it names the ranks that never arrived at ``round_name`` (one scan), or the
+        coordinator that did not answer."""
+        store, world, rank = self._store, self._world, self._rank
         started = time.monotonic()
         deadline = started + self._timeout
-        scan_every = _SCAN_S_PER_64 * max(1.0, world / 64)
-        next_scan = started + min(scan_every, self._liveness / 2)
-        # Missing ranks that have started the load: (beat last seen, when it last changed).
+        next_watch = started + min(_BEAT_S, self._liveness / 2)
         beats: Dict[int, Tuple[int, float]] = {}
-        everyone = [self._key(n, "all")]
+        successor = (rank + 1) % world
         poll, poll_cap = _POLL_S[0], min(_LOOK_S, _POLL_S[1] * max(1.0, world / 64))
         next_look = started + _LOOK_S
         while True:
-            if store.check(everyone):
+            if store.check([key]):
                 return
             now = time.monotonic()
             if now < next_look:
@@ -218,25 +247,30 @@ class Agreement:
                 continue
             next_look = now + _LOOK_S
             self._raise_if_failed()
-            if now >= next_scan or now >= deadline:
-                next_scan = now + scan_every
-                missing = [r for r in range(world) if not store.check([self._key(n, r)])]
-                stalled = []
-                for r in missing:
-                    # Only a rank that has started the load (beaten once) can stop beating.
-                    beat, silent = self._silent_for(r, beats, now)
-                    if beat > 0 and silent >= self._liveness:
-                        stalled.append(r)
-                if stalled:
-                    raise self._stopped(stalled, step)
-                if now >= deadline and missing:
-                    self._settled = True
-                    self._publish(missing[0], step, f"did not arrive within {self._timeout:g} s "
-                                  f"(seen by rank {self._rank})")
+            if successor != rank and now >= next_watch:
+                next_watch = now + _BEAT_S
+                beat, silent = self._silent_for(successor, beats, now)
+                # Only a rank that has started the load (beaten once) can stop beating.
+                if beat > 0 and silent >= self._liveness:
+                    raise self._stopped([successor], step)
+            if now >= deadline:
+                self._settled = True
+                if round_name is None:
+                    self._publish(0, step, f"did not answer within {self._timeout:g} s "
+                                  f"(seen by rank {rank})")
                     raise TesseraError(
-                        f"rank {self._rank}: rank {_ranks(missing)} did not reach {step} within "
-                        f"{self._timeout:g} s (timeout=): never started the load, or too slow"
+                        f"rank {rank}: rank 0, the job's coordinator, did not answer while {step} "
+                        f"within {self._timeout:g} s (timeout=)"
                     )
+                missing = [r for r in range(world)
+                           if not store.check([self._key("arrived", round_name, r)])]
+                culprit = missing[0] if missing else rank
+                self._publish(culprit, step, f"did not arrive within {self._timeout:g} s "
+                              f"(seen by rank {rank})")
+                raise TesseraError(
+                    f"rank {rank}: rank {_ranks(missing or [culprit])} did not reach {step} within "
+                    f"{self._timeout:g} s (timeout=): never started the load, or too slow"
+                )
 
     def watch(self, step: str, ranks: List[int]) -> None:
         """Raises (without waiting) when a rank published a failure, or one of ``ranks`` (those

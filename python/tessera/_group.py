@@ -1,16 +1,19 @@
 """Loading as one job over the job's own ``torch.distributed`` process group.
 
-The ranks gather their requests through the job's store, each plans the whole job (the planner is
-deterministic: every rank gets the same plan) and reads its own pieces from storage; then the
-exchange protocol (tessera_loader::exchange::protocol, the one tessera's own transports run)
-says which messages to send and receive, and `_drive` moves them with torch's point-to-point
-ops on the same group: gloo for CPU groups, NCCL (messages staged in device memory) for
-NCCL-only groups. No second rendezvous, no extra port; agreements before the first byte of the
-exchange moves: the requests, with each rank's checkpoint as opened and plan options (every rank
-refuses a job whose ranks opened different checkpoints or plan otherwise, as the CLI's rendezvous
-does); the digests of what each pair of ranks passes each other after planning (rank plans of
-different plans are refused before any read); the status and the folds of boxes read in parts
-after reading; the status after checking those boxes.
+The load job's rounds before the exchange (``tessera_ops::job``, numbered as in ARCHITECTURE.md:
+1 requests, 2 memory tier, 3 plan, 4 plan agreement, 5 read, 6 joint checks) run in Rust and are
+pumped over the job's c10d store by ``_run_rounds``: each rank puts its hello (requests, tier
+offer, the checkpoint as opened and its plan options); rank 0 fetches every hello, refuses a job
+whose ranks opened different checkpoints or plan otherwise, plans the whole job once and puts
+each rank's own rank plan; each rank fetches only its own, checks it against its requests and
+reports the digests of what it passes its peers; rank 0 compares both ends of every pair (rank
+plans of different plans are refused before any read); each rank reads its pieces and checks the
+boxes read in parts with the folds of their other readers only. What a rank reads from the store
+grows with its own share, not with the world. Then the exchange protocol
+(tessera_loader::exchange::protocol, the one tessera's own transports run) says which messages to
+send and receive, and `_drive` moves them with torch's point-to-point ops on the same group: gloo
+for CPU groups, NCCL (messages staged in device memory) for NCCL-only groups. No second
+rendezvous, no extra port.
 
 Every rank takes part in every load's agreement, a load that fails before it reaches the group
 (a missing key) included (``joins_on_failure``): loads are matched by their number on each rank,
@@ -115,10 +118,7 @@ def _publish_early_failure(group: Any, timeout: Any, error: BaseException) -> No
     except Exception:  # no group to tell after all: the caller raises its error anyway
         return
     with agreement:
-        try:
-            agreement.gather("preparing its requests", error)
-        except BaseException:  # the error itself, raised again by the caller
-            pass
+        agreement.fail("preparing its requests", error)
 
 
 def _transport_error(error: BaseException) -> str:
@@ -292,6 +292,41 @@ def _drive(
         raise
 
 
+def _run_rounds(load: Any, agreement: Any, actions: List[Any], progress: Any) -> None:
+    """Pumps the load job's rounds (``tessera_ops::job``, in Rust: requests, memory tier, plan,
+    plan agreement, read, joint checks) over the job's store until they hand over to the
+    exchange. Rust decides every round and does its local work; this moves the keys: what to
+    put, where every rank must arrive, what to fetch or wait for. A failure the rounds report
+    is published under its step (every other rank raises naming this one) and raised here."""
+    while True:
+        event, values = "", []
+        for action in actions:
+            kind, step = action.kind, action.step
+            if kind == "put":
+                agreement.put(action.key, action.value, step)
+            elif kind == "arrive":
+                agreement.arrive(action.key, step)
+                event = "arrived"
+            elif kind == "get":
+                event, values = "got", agreement.fetch(action.keys, step)
+            elif kind == "await":
+                event, values = "got", [agreement.await_key(action.key, step)]
+            elif kind == "read":
+                try:
+                    folds = load.read(progress)
+                except Exception as e:
+                    agreement.fail_once(step, e)
+                    raise
+                event, values = "read", [bytes(folds)]
+            elif kind == "exchange":
+                return
+            else:  # "fail": this rank's failure in `step`
+                error = TesseraError(action.message)
+                agreement.fail(step, error)
+                raise error
+        actions = load.job_step(event, values)
+
+
 def load_over_group(
     opened: Any,
     targets: list,
@@ -323,58 +358,15 @@ def load_over_group(
     # From here every failure is this load's, published through its agreement.
     _pending.load = None
     with agreement:
-        error: Optional[BaseException] = None
         try:
             load = _tessera.group_load(opened, targets, rank, world, verify, memory_tier)
-            offer = load.tier_offer_json()
-            terms = load.job_terms_json(server, server_id, read_order)
-            # Requests, the memory-tier offer and the checkpoint and plan options ride in one
-            # message (compact JSON holds no newline).
-            mine = (load.requests_json() + "\n" + offer + "\n" + terms).encode()
-        except Exception as e:
-            error, mine = e, b""
-        gathered = [r.decode().split("\n", 2) for r in agreement.gather("preparing its requests", error, mine)]
-        offers = [g[1] for g in gathered]
-        # Second round, on every rank (an empty share without a tier): the ranks of a node split
-        # its copies and each verifies its share. First, as the CLI's rendezvous does, every rank
-        # refuses a job whose ranks opened different checkpoints or plan with other options
-        # (every rank sees the same list, so every rank fails alike, naming them).
-        try:
-            load.check_job_terms([g[2] for g in gathered])
-            verified = load.verify_tier(offers).encode()
-        except Exception as e:
-            error, verified = e, b""
-        checked = [
-            v.decode() for v in agreement.gather("agreeing on the checkpoint or verifying its memory-tier copies", error, verified)
-        ]
-        digests = b""
-        try:
             # Direct copies between ranks of one host where the group moves host memory.
-            load.plan(
-                [g[0] for g in gathered], True, server, server_id, token, read_order, device.type == "cpu",
-                offers, checked,
-            )
-            digests = load.plan_digests()
+            actions = load.job_start(server=server, server_id=server_id, token=token,
+                                     read_order=read_order, direct=device.type == "cpu")
         except Exception as e:
-            error = e
-        # Every rank's plan must describe what it and each other rank pass each other alike (rank
-        # plans of different plans, from a lying server, are refused here, before any read).
-        everyone = agreement.gather("planning its pieces", error, digests)
-        folds = b""
-        try:
-            load.check_plan_digests(everyone)
-            # This rank's folds of saved boxes several ranks read in parts ride on the agreement
-            # (a rank that failed to read is named there too); every rank then checks the boxes
-            # it holds bytes of before anything is exchanged.
-            folds = load.read(progress)
-        except Exception as e:
-            error = e
-        everyone = agreement.gather("agreeing on the plan or reading its pieces", error, folds)
-        try:
-            load.check_joint(everyone)
-        except Exception as e:
-            error = e
-        agreement.gather("checking the saved boxes read in parts", error)
+            agreement.fail("preparing its requests", e)
+            raise
+        _run_rounds(load, agreement, actions, progress)
 
         started = time.monotonic()
         deadline = started + timeout

@@ -83,12 +83,12 @@ def _rank(rank: int, port: int, phase: str, fault: str, out: str) -> None:
 @pytest.mark.parametrize(
     "phase,fault",
     [
-        ("plan", "fail"),
+        # job_step: the rounds' local work (taking the plan, its digests, the joint checks).
+        ("job_step", "fail"),
         ("read", "fail"),
-        ("plan", "stop"),
+        ("job_step", "stop"),
         ("read", "stop"),
         ("read", "kill"),
-        ("check_joint", "stop"),
         ("exchange_start", "kill"),
         ("exchange_start", "stop"),
     ],

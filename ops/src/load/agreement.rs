@@ -91,42 +91,75 @@ pub struct JobTerms {
 /// one checkpoint would be placed by a plan of the other. Every rank checks the same list, so
 /// every rank fails alike, naming the ranks and both checkpoints (or options).
 pub fn check_job_terms(rank: u32, all: &[JobTerms]) -> Result<(), OpsError> {
-    let Some(first) = all.first() else {
-        return Ok(());
-    };
-    let checkpoints: Vec<String> = all
+    match terms_refusal(all) {
+        Some(refusal) => Err(refusal.error(rank)),
+        None => Ok(()),
+    }
+}
+
+/// Why a job's ranks cannot load together ([`terms_refusal`]): what one rank (the job's
+/// coordinator) finds and every rank raises as its own error ([`TermsRefusal::error`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TermsRefusal {
+    /// Ranks opened different checkpoints: each `rank r loads A (key) but rank 0 loads B (key)`.
+    Checkpoints(Vec<String>),
+    /// Ranks plan with different options: each difference, naming the rank and option.
+    Options(Vec<String>),
+}
+
+impl TermsRefusal {
+    /// The error rank `rank` raises.
+    pub fn error(&self, rank: u32) -> OpsError {
+        match self {
+            TermsRefusal::Checkpoints(differences) => OpsError::invalid(format!(
+                "rank {rank}: the ranks of this job load different checkpoints: {}; every rank of a \
+                 job must load the same checkpoint (nothing was read)",
+                differences.join("; ")
+            )),
+            TermsRefusal::Options(differences) => LoaderError::RanksDisagree {
+                rank,
+                detail: differences.join("; "),
+            }
+            .into(),
+        }
+    }
+}
+
+/// The first reason `all` (every rank's terms, by rank) cannot load as one job, against rank
+/// 0's; `None` when they agree. At most the first 16 differences of a kind are listed.
+pub fn terms_refusal(all: &[JobTerms]) -> Option<TermsRefusal> {
+    const LISTED: usize = 16;
+    let first = all.first()?;
+    let differing: Vec<(usize, &JobTerms)> = all
         .iter()
         .enumerate()
         .skip(1)
         .filter(|(_, t)| t.checkpoint != first.checkpoint)
-        .map(|(r, t)| {
-            format!(
-                "rank {r} loads {} ({}) but rank 0 loads {} ({})",
-                t.location, t.checkpoint, first.location, first.checkpoint
-            )
-        })
         .collect();
-    if !checkpoints.is_empty() {
-        return Err(OpsError::invalid(format!(
-            "rank {rank}: the ranks of this job load different checkpoints: {}; every rank of a \
-             job must load the same checkpoint (nothing was read)",
-            checkpoints.join("; ")
-        )));
+    if !differing.is_empty() {
+        let mut listed: Vec<String> = differing
+            .iter()
+            .take(LISTED)
+            .map(|(r, t)| {
+                format!(
+                    "rank {r} loads {} ({}) but rank 0 loads {} ({})",
+                    t.location, t.checkpoint, first.location, first.checkpoint
+                )
+            })
+            .collect();
+        if differing.len() > LISTED {
+            listed.push(format!("{} ranks in all", differing.len()));
+        }
+        return Some(TermsRefusal::Checkpoints(listed));
     }
     let options: Vec<String> = all
         .iter()
         .enumerate()
         .skip(1)
         .flat_map(|(r, t)| plan_differences(r as u32, &t.plan, &first.plan))
+        .take(LISTED)
         .collect();
-    if !options.is_empty() {
-        return Err(LoaderError::RanksDisagree {
-            rank,
-            detail: options.join("; "),
-        }
-        .into());
-    }
-    Ok(())
+    (!options.is_empty()).then_some(TermsRefusal::Options(options))
 }
 
 /// How a job's plan is made, as far as every rank must make it the same way.
