@@ -443,3 +443,43 @@ pub(crate) fn exchanges_for(
     }
     exchanges
 }
+
+impl Plan {
+    /// Every joint check of the plan as one rank plan of rank 0 that holds nothing else (no
+    /// destinations, pieces or exchanges): the job's coordinator checks every jointly read box
+    /// against every reader's folds with it, in one place, instead of each member fetching the
+    /// folds of every other reader (whose number grows with the world in an all-to-all
+    /// reshard). Tensors are the checkpoint's, by index.
+    pub fn joint_checks_view(&self) -> RankPlan {
+        let meta = &*self.meta;
+        let chunks = meta.chunks();
+        let joint_checks = self
+            .joint_checks
+            .iter()
+            .enumerate()
+            .map(|(c, check)| {
+                let chunk = &chunks[check.chunk as usize];
+                JointCheck {
+                    id: c as u32,
+                    tensor: chunk.tensor,
+                    region: chunk.region.clone(),
+                    readers: check.readers.clone(),
+                    members: check.members.clone(),
+                    pieces: Vec::new(),
+                }
+            })
+            .collect();
+        RankPlan {
+            rank: 0,
+            world: self.world_size(),
+            files: Vec::new(),
+            tensors: meta.tensors().to_vec(),
+            destinations: Vec::new(),
+            pieces: Vec::new(),
+            exchanges: Vec::new(),
+            summary: RankSummary::default(),
+            checkpoint_identity: meta.identity().map(str::to_string),
+            joint_checks,
+        }
+    }
+}

@@ -353,7 +353,7 @@ impl GroupWork<'_, '_> {
 
     /// Takes this rank's plan (checked against its own requests and arrays) and cuts its
     /// exchange messages, so that a plan whose exchange does not add up fails before any read.
-    fn take_plan(&mut self, plan: RankPlan) -> Result<PlannedRank> {
+    fn take_plan(&mut self, plan: RankPlan, joint_at_coordinator: bool) -> Result<PlannedRank> {
         let state = &mut *self.state;
         let rank = state.rank;
         if plan.rank != rank || plan.world != state.world {
@@ -383,7 +383,7 @@ impl GroupWork<'_, '_> {
             );
         }
         // Of the plan as made (relaying adds scratch destinations that concern this rank only).
-        let planned = planned_rank(&plan);
+        let planned = planned_rank(&plan, joint_at_coordinator);
         // Pieces read in storage order only to pass on get scratch destinations after the arrays.
         let plan = match with_relay_buffers(&plan) {
             Some(relaying) => {
@@ -427,6 +427,7 @@ impl JobWork for GroupWork<'_, '_> {
             Answer::Plan {
                 plan,
                 node_verified,
+                joint_at_coordinator,
             } => {
                 if !node_verified.is_empty() {
                     let state = &mut *self.state;
@@ -435,7 +436,7 @@ impl JobWork for GroupWork<'_, '_> {
                     state.checkpoint = Arc::new(view);
                     state.tier_copies = copies;
                 }
-                self.take_plan(*plan)
+                self.take_plan(*plan, joint_at_coordinator)
                     .map(Taken::Planned)
                     .map_err(|e| OpsError::invalid(format!("{e:#}")))
             }
@@ -460,6 +461,17 @@ impl JobWork for GroupWork<'_, '_> {
 
     fn accept(&mut self, verdict: Bytes) -> Result<(), OpsError> {
         Verdict::accept(self.state.rank, &verdict)
+    }
+
+    fn check_joint_all(&mut self, folds: Vec<Option<Bytes>>) -> Result<(), OpsError> {
+        let verify = self.state.verifying();
+        let coordinator = self.state.coordinator.as_ref().ok_or_else(|| {
+            OpsError::invalid(format!(
+                "rank {}: asked to check every jointly read box, which rank 0 does",
+                self.state.rank
+            ))
+        })?;
+        coordinator.check_joint(&folds, verify)
     }
 
     fn check_joint(&mut self, folds: Vec<(u32, Bytes)>) -> Result<(), OpsError> {
@@ -686,10 +698,16 @@ impl GroupLoad {
             return Err(error);
         }
         Ok(match outcome {
-            Ok(actions) => actions
-                .into_iter()
-                .map(|a| JobAction::of(py, a, round))
-                .collect(),
+            Ok(actions) => {
+                // Reaching the exchange means the joint checks passed, here or at the coordinator.
+                if actions.iter().any(|a| matches!(a, JobStep::Exchange)) {
+                    state.joint_checked = true;
+                }
+                actions
+                    .into_iter()
+                    .map(|a| JobAction::of(py, a, round))
+                    .collect()
+            }
             Err(error) => vec![JobAction::fail(round, error)],
         })
     }

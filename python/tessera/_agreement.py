@@ -233,7 +233,9 @@ class Agreement:
         started = time.monotonic()
         deadline = started + self._timeout
         next_watch = started + min(_BEAT_S, self._liveness / 2)
-        beats: Dict[int, Tuple[int, float]] = {}
+        # The beats seen so far in this load (not only in this wait): a rank that stopped while
+        # this one worked (planned, read) is named as soon as this one waits again.
+        beats = self._watched
         successor = (rank + 1) % world
         poll, poll_cap = _POLL_S[0], min(_LOOK_S, _POLL_S[1] * max(1.0, world / 64))
         next_look = started + _LOOK_S
@@ -247,7 +249,7 @@ class Agreement:
                 continue
             next_look = now + _LOOK_S
             self._raise_if_failed()
-            if successor != rank and now >= next_watch:
+            if successor != rank and (now >= next_watch or successor not in beats):
                 next_watch = now + _BEAT_S
                 beat, silent = self._silent_for(successor, beats, now)
                 # Only a rank that has started the load (beaten once) can stop beating.

@@ -298,6 +298,7 @@ def _run_rounds(load: Any, agreement: Any, actions: List[Any], progress: Any) ->
     exchange. Rust decides every round and does its local work; this moves the keys: what to
     put, where every rank must arrive, what to fetch or wait for. A failure the rounds report
     is published under its step (every other rank raises naming this one) and raised here."""
+    step = "preparing its requests"
     while True:
         event, values = "", []
         for action in actions:
@@ -324,7 +325,11 @@ def _run_rounds(load: Any, agreement: Any, actions: List[Any], progress: Any) ->
                 error = TesseraError(action.message)
                 agreement.fail(step, error)
                 raise error
-        actions = load.job_step(event, values)
+        try:
+            actions = load.job_step(event, values)
+        except BaseException as e:  # Ctrl-C, or cancelled because another rank failed
+            agreement.fail_once(step, e)
+            raise
 
 
 def load_over_group(

@@ -12,6 +12,7 @@ use tessera_loader::LoaderError;
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::plan_client::PlanTarget;
 use tessera_loader::tier::Verified;
+use tessera_loader::verify::joint;
 use tessera_planner::{ExplicitRequest, ExplicitRequests, PlanOptions, RankPlan, ReadSources};
 
 use super::PlannedRank;
@@ -61,14 +62,52 @@ pub enum Answer {
         plan: Box<RankPlan>,
         /// The verifications of the node's ranks, this rank's included.
         node_verified: Vec<Verified>,
+        /// The coordinator checks every jointly read box (it made the whole plan); otherwise
+        /// (a server's plan) each rank checks its own with the other readers' folds.
+        joint_at_coordinator: bool,
     },
 }
 
+/// The largest answer a rank takes, decompressed (a rank plan of a few million pieces).
+const MAX_ANSWER_BYTES: u64 = 4 << 30;
+
 impl Answer {
-    /// Decodes the answer rank `rank` fetched.
+    /// The answer as it travels: its JSON length (8 bytes, little-endian), then the JSON
+    /// zstd-compressed (a rank plan names the same tensors and shapes piece after piece: about a
+    /// tenth of its JSON).
+    pub fn encode(&self) -> Result<Bytes, OpsError> {
+        let text = json(self, "an answer to a rank")?;
+        let packed = zstd::bulk::compress(&text, 3)
+            .map_err(|e| OpsError::invalid(format!("compressing an answer to a rank: {e}")))?;
+        let mut out = BytesMut::with_capacity(8 + packed.len());
+        out.put_u64_le(text.len() as u64);
+        out.extend_from_slice(&packed);
+        Ok(out.freeze())
+    }
+
+    /// Decodes the answer rank `rank` fetched ([`Answer::encode`]).
     pub fn decode(rank: u32, bytes: &[u8]) -> Result<Answer, OpsError> {
-        serde_json::from_slice(bytes).map_err(|source| OpsError::Message {
-            what: format!("rank {rank}'s answer from the job's coordinator (rank 0)"),
+        let what = || format!("rank {rank}'s answer from the job's coordinator (rank 0)");
+        let bad = |why: String| OpsError::invalid(format!("{}: {why}", what()));
+        let (mut head, packed) = bytes
+            .split_at_checked(8)
+            .ok_or_else(|| bad(format!("{} bytes, shorter than its header", bytes.len())))?;
+        let len = head.get_u64_le();
+        if len > MAX_ANSWER_BYTES {
+            return Err(bad(format!(
+                "it says it holds {len} bytes, more than {MAX_ANSWER_BYTES}"
+            )));
+        }
+        let text = zstd::bulk::decompress(packed, len as usize)
+            .map_err(|e| bad(format!("it does not decompress: {e}")))?;
+        if text.len() as u64 != len {
+            return Err(bad(format!(
+                "{} bytes decompressed where its header says {len}",
+                text.len()
+            )));
+        }
+        serde_json::from_slice(&text).map_err(|source| OpsError::Message {
+            what: what(),
             source,
         })
     }
@@ -97,6 +136,9 @@ pub struct JobCoordinator {
     pub dedup: bool,
     /// Between the two answers of a job with memory tiers: every rank's requests and offer.
     pending: Option<(Vec<Vec<ExplicitRequest>>, Vec<TierOffer>)>,
+    /// Every joint check of the plan made here ([`tessera_planner::Plan::joint_checks_view`]),
+    /// which the coordinator checks after the reads.
+    joint_view: Option<RankPlan>,
 }
 
 impl JobCoordinator {
@@ -116,6 +158,7 @@ impl JobCoordinator {
             server,
             dedup,
             pending: None,
+            joint_view: None,
         }
     }
 
@@ -130,7 +173,7 @@ impl JobCoordinator {
             .collect::<Result<Vec<_>, _>>()?;
         let terms: Vec<JobTerms> = hellos.iter().map(|h| h.terms.clone()).collect();
         if let Some(refusal) = terms_refusal(&terms) {
-            let answer = json(&Answer::Refused(refusal), "the refusal")?;
+            let answer = Answer::Refused(refusal).encode()?;
             return Ok(vec![answer; hellos.len()]);
         }
         let (requests, offers): (Vec<_>, Vec<_>) =
@@ -155,7 +198,7 @@ impl JobCoordinator {
         }
         let answers = node_of
             .into_iter()
-            .map(|node| json(&Answer::VerifyTier(node), "a memory-tier answer"))
+            .map(|node| Answer::VerifyTier(node).encode())
             .collect();
         self.pending = Some((requests, offers));
         answers
@@ -194,7 +237,7 @@ impl JobCoordinator {
 
     /// Plans the job once (here, or on the server) and answers each rank with its own rank plan.
     async fn plan_answers(
-        &self,
+        &mut self,
         requests: Vec<Vec<ExplicitRequest>>,
         sources: &ReadSources,
         node_verified: Option<Vec<Vec<Verified>>>,
@@ -217,16 +260,44 @@ impl JobCoordinator {
                 JobPlan::local_with_sources(&self.checkpoint, &set, &self.planning, sources)?
             }
         };
+        self.joint_view = match &plan {
+            JobPlan::Local(plan) => Some(plan.joint_checks_view()),
+            JobPlan::Server { .. } => None,
+        };
+        let joint_at_coordinator = self.joint_view.is_some();
         let mut node_verified = node_verified.unwrap_or_default().into_iter();
         let mut answers = Vec::with_capacity(world);
         for rank in 0..world as u32 {
             let answer = Answer::Plan {
                 plan: Box::new(plan.rank_plan(rank).await?),
                 node_verified: node_verified.next().unwrap_or_default(),
+                joint_at_coordinator,
             };
-            answers.push(json(&answer, "a rank's plan")?);
+            answers.push(answer.encode()?);
         }
         Ok(answers)
+    }
+}
+
+impl JobCoordinator {
+    /// Round 6 where the coordinator made the plan: checks every jointly read box of the job
+    /// against the folds of its readers (`folds[r]`: rank r's folds message, `None` when it read
+    /// no part of one), naming the box, its file and readers when the parts do not add up to its
+    /// checksum. `verify`: the load verifies (without it nothing is folded or checked).
+    pub fn check_joint(&self, folds: &[Option<Bytes>], verify: bool) -> Result<(), OpsError> {
+        let Some(view) = &self.joint_view else {
+            return Err(OpsError::invalid(
+                "the coordinator was asked to check the jointly read boxes of a plan it did not make",
+            ));
+        };
+        let mut by_rank = joint::FoldsByRank::new();
+        for (rank, data) in folds.iter().enumerate() {
+            if let Some(data) = data {
+                by_rank.insert(rank as u32, joint::decode(0, rank as u32, data, None)?);
+            }
+        }
+        joint::check_joint_boxes(view, Some(&self.checkpoint.meta), &by_rank, verify)?;
+        Ok(())
     }
 }
 
@@ -374,26 +445,32 @@ impl Verdict {
     }
 }
 
-/// What the rounds after the plan need of rank plan `plan`: its pair digests, whose folds it
-/// needs (the other readers of the boxes it checks jointly) and whether others need its own.
-pub fn planned_rank(plan: &RankPlan) -> PlannedRank {
+/// What the rounds after the plan need of rank plan `plan`: its pair digests, and for the joint
+/// checks whether it has any, whose folds it needs (the other readers of the boxes it checks,
+/// when each rank checks its own) and whether it puts its own (it reads parts of such boxes).
+/// `joint_at_coordinator`: the coordinator checks every box ([`JobCoordinator::check_joint`]).
+pub fn planned_rank(plan: &RankPlan, joint_at_coordinator: bool) -> PlannedRank {
     let me = plan.rank;
-    let mut fold_from: Vec<u32> = plan
-        .joint_checks
-        .iter()
-        .flat_map(|c| c.readers.iter().copied())
-        .filter(|&r| r != me)
-        .collect();
+    let mut fold_from: Vec<u32> = if joint_at_coordinator {
+        Vec::new()
+    } else {
+        plan.joint_checks
+            .iter()
+            .flat_map(|c| c.readers.iter().copied())
+            .filter(|&r| r != me)
+            .collect()
+    };
     fold_from.sort_unstable();
     fold_from.dedup();
-    let shares_folds = plan
-        .joint_checks
-        .iter()
-        .any(|c| c.readers.contains(&me) && c.members.iter().any(|&m| m != me));
+    let shares_folds = plan.joint_checks.iter().any(|c| {
+        c.readers.contains(&me) && (joint_at_coordinator || c.members.iter().any(|&m| m != me))
+    });
     PlannedRank {
         pairs: PairReport::of(plan).encode(),
         fold_from,
         shares_folds,
+        has_joint_checks: !plan.joint_checks.is_empty(),
+        joint_at_coordinator,
     }
 }
 

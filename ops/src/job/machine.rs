@@ -38,6 +38,10 @@ enum State {
     ReadArrive,
     /// Fetching the folds of the readers this rank checks boxes with.
     GetFolds,
+    /// The coordinator: fetching every rank's folds.
+    CollectFolds,
+    /// Waiting for the coordinator's word on the joint checks.
+    AwaitJoint,
     /// Joint checks done; waiting for every rank's.
     JointArrive,
     /// Handed over to the exchange.
@@ -91,7 +95,11 @@ impl RankRounds {
             State::AwaitPlanned | State::PlanArrive | State::CollectPairs => Round::Plan,
             State::AwaitVerdict => Round::PlanAgreement,
             State::Reading | State::ReadArrive => Round::Read,
-            State::GetFolds | State::JointArrive | State::Done => Round::JointChecks,
+            State::GetFolds
+            | State::CollectFolds
+            | State::AwaitJoint
+            | State::JointArrive
+            | State::Done => Round::JointChecks,
         }
     }
 
@@ -236,23 +244,42 @@ impl RankRounds {
                 Next::Actions(actions)
             }
             (S::ReadArrive, Event::Arrived) => {
-                let from = self
-                    .planned
-                    .as_ref()
-                    .map(|p| p.fold_from.clone())
-                    .unwrap_or_default();
-                if from.is_empty() {
+                let planned = self.planned.clone().unwrap_or_default();
+                if planned.joint_at_coordinator && self.coordinates() {
+                    self.state = S::CollectFolds;
+                    Next::Actions(vec![Action::Get {
+                        keys: self.every(keys::folds),
+                        round: Round::JointChecks,
+                    }])
+                } else if planned.joint_at_coordinator {
+                    self.state = S::AwaitJoint;
+                    Next::Actions(vec![Action::Await {
+                        key: keys::joint_checked(),
+                        round: Round::JointChecks,
+                    }])
+                } else if planned.has_joint_checks {
+                    self.state = S::GetFolds;
+                    Next::Actions(vec![Action::Get {
+                        keys: planned.fold_from.into_iter().map(keys::folds).collect(),
+                        round: Round::JointChecks,
+                    }])
+                } else {
                     self.state = S::JointArrive;
                     Next::Actions(vec![Action::Arrive {
                         round: Round::JointChecks,
                     }])
-                } else {
-                    self.state = S::GetFolds;
-                    Next::Actions(vec![Action::Get {
-                        keys: from.into_iter().map(keys::folds).collect(),
-                        round: Round::JointChecks,
-                    }])
                 }
+            }
+            (S::CollectFolds, Event::Got(values)) => {
+                if values.len() != self.world as usize {
+                    return Err(self.out_of_turn("folds of every rank"));
+                }
+                Next::Work(Work::CheckJointAll(values))
+            }
+            (S::AwaitJoint, Event::Got(values)) => {
+                self.one(values, "word on the joint checks")?;
+                self.state = S::Done;
+                Next::Actions(vec![Action::Exchange])
             }
             (S::GetFolds, Event::Got(values)) => {
                 let from = self
@@ -376,6 +403,24 @@ impl RankRounds {
         }
         self.state = State::Reading;
         Ok(Next::Actions(vec![Action::Read]))
+    }
+
+    /// The coordinator checked every jointly read box: its word for every rank.
+    pub(super) fn checked_all(&mut self) -> Result<Next, OpsError> {
+        if self.state != State::CollectFolds {
+            return Err(self.out_of_turn("the job's joint checks"));
+        }
+        self.state = State::AwaitJoint;
+        Ok(Next::Actions(vec![
+            Action::Put {
+                key: keys::joint_checked(),
+                value: Bytes::from_static(b"ok"),
+            },
+            Action::Await {
+                key: keys::joint_checked(),
+                round: Round::JointChecks,
+            },
+        ]))
     }
 
     /// This rank checked its jointly read boxes.

@@ -25,15 +25,18 @@
 //!    different plans (a server that lies across ranks) are refused before any read.
 //! 5. **read** ([`Round::Read`]): every rank reads its own pieces (verified) and puts its folds of
 //!    the saved boxes it read in parts.
-//! 6. **joint checks** ([`Round::JointChecks`]): each rank fetches the folds of the other readers
-//!    of the boxes it holds bytes of, checks them and arrives.
+//! 6. **joint checks** ([`Round::JointChecks`]): where the coordinator made the plan, it fetches
+//!    every rank's folds, checks every jointly read box and puts one word every rank waits for
+//!    (so no rank fetches the folds of every other reader: in an all-to-all reshard each box is
+//!    read in as many parts as there are ranks); with a server's plan each rank fetches the folds
+//!    of the other readers of the boxes it holds bytes of, checks them and arrives.
 //! 7. **exchange**: [`Action::Exchange`] hands over to the exchange protocol on the job's own
 //!    transport; then the report.
 //!
-//! Cost: a rank puts its own hello, pair digests and folds, and fetches its own answer, plan,
-//! the one verdict and the folds of the readers it shares boxes with: what it reads from the
-//! channel grows with its own share, not with the job. The coordinator fetches every hello and
-//! every rank's pair digests and puts every rank's answer: O(world) in all. The per-rank cost of
+//! Cost: a rank puts its own hello, pair digests and folds, and fetches its own answer (its rank
+//! plan, compressed) and two short words (the verdict, the joint checks): what it reads from the
+//! channel grows with its own plan, not with the job. The coordinator fetches every hello, pair
+//! report and folds message and puts every rank's answer: O(world) in all. The per-rank cost of
 //! each arrival is one counter and a poll of one key.
 
 mod coordinator;
@@ -163,6 +166,8 @@ pub enum Work {
     Accept(Bytes),
     /// This rank: the folds of the readers it shares jointly checked boxes with.
     CheckJoint(Vec<(u32, Bytes)>),
+    /// The coordinator: every rank's folds (`None`: it read no part of a jointly checked box).
+    CheckJointAll(Vec<Option<Bytes>>),
 }
 
 /// What taking an answer gave this rank.
@@ -181,8 +186,12 @@ pub struct PlannedRank {
     pub pairs: Bytes,
     /// The readers (other than this rank) of the boxes it checks jointly: whose folds it needs.
     pub fold_from: Vec<u32>,
-    /// Whether other ranks need this rank's folds (it reads parts of jointly checked boxes).
+    /// Whether this rank puts its folds (it reads parts of jointly checked boxes).
     pub shares_folds: bool,
+    /// Whether its plan has joint checks (it checks them, with or without other readers).
+    pub has_joint_checks: bool,
+    /// The coordinator checks every jointly read box; the rank waits for its word.
+    pub joint_at_coordinator: bool,
 }
 
 /// The local steps of a load job on one rank, as its front end does them.
@@ -201,6 +210,8 @@ pub trait JobWork {
     fn accept(&mut self, verdict: Bytes) -> Result<(), OpsError>;
     /// Checks the boxes this rank checks jointly against the other readers' folds.
     fn check_joint(&mut self, folds: Vec<(u32, Bytes)>) -> Result<(), OpsError>;
+    /// The coordinator: checks every jointly read box of the job against every rank's folds.
+    fn check_joint_all(&mut self, folds: Vec<Option<Bytes>>) -> Result<(), OpsError>;
 }
 
 impl RankRounds {
@@ -247,6 +258,10 @@ impl RankRounds {
                     work.check_joint(folds)?;
                     self.checked()?
                 }
+                Work::CheckJointAll(folds) => {
+                    work.check_joint_all(folds)?;
+                    self.checked_all()?
+                }
             };
         }
     }
@@ -281,5 +296,9 @@ pub mod keys {
     /// Rank `rank`'s folds of boxes read in parts.
     pub fn folds(rank: u32) -> String {
         format!("folds/{rank}")
+    }
+    /// The coordinator's word that every jointly read box checked.
+    pub fn joint_checked() -> String {
+        "joint".to_string()
     }
 }

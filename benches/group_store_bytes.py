@@ -1,0 +1,171 @@
+"""What a process-group load costs the job's c10d store, per rank, as the world grows.
+
+A real gloo job of W ranks (W = 4, 8, 16 by default: ``--worlds``) saves 200 float32 DTensors
+[64, 256] Shard(0) with ``dcp.save`` and loads them back as Shard(1) with ``tessera.load`` over
+the job's own group (the issue's reshard). Each rank wraps the store tessera's agreement uses
+and counts the calls it makes and the bytes it reads and writes (gloo's own rendezvous is not
+counted). Printed per W: mean and max bytes read and written per rank (rank 0, the coordinator,
+apart), store calls per rank, and whether every rank's values equal what was saved.
+
+    target/pyenv/bin/python benches/group_store_bytes.py --worlds 4,8,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests"))
+
+TENSORS, ROWS, COLS = 200, 64, 256
+
+
+class CountingStore:
+    """The job's store, counting what tessera's agreement moves through it."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.calls = 0
+        self.read = 0
+        self.written = 0
+        # Bytes read by kind of key (the part after the load's prefix, without rank numbers).
+        self.by_kind = {}
+
+    def _count(self, key, n) -> None:
+        key = key.decode() if isinstance(key, bytes) else key
+        kind = "/".join(p for p in key.split("/")[3:] if not p.isdigit()) or key
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + n
+
+    def set(self, key, value):
+        self.calls += 1
+        self.written += len(key) + len(value)
+        return self._inner.set(key, value)
+
+    def get(self, key):
+        self.calls += 1
+        value = self._inner.get(key)
+        self.read += len(value)
+        self._count(key, len(value))
+        return value
+
+    def multi_get(self, keys):
+        self.calls += 1
+        values = self._inner.multi_get(keys)
+        self.read += sum(len(v) for v in values)
+        for key, value in zip(keys, values):
+            self._count(key, len(value))
+        return values
+
+    def check(self, keys):
+        self.calls += 1
+        return self._inner.check(keys)
+
+    def add(self, key, amount):
+        self.calls += 1
+        self.written += len(key) + 8
+        self.read += 8
+        return self._inner.add(key, amount)
+
+    def compare_set(self, key, expected, desired):
+        self.calls += 1
+        self.written += len(key) + len(desired)
+        value = self._inner.compare_set(key, expected, desired)
+        self.read += len(value)
+        return value
+
+
+def _rank(rank: int, port: int, world: int, root: str, out: str) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from conftest import join_job
+
+    import tessera
+    from tessera import _agreement
+
+    join_job(rank, world, port, group_timeout=300)
+    mesh = init_device_mesh("cpu", (world,))
+    full = {f"layers.{i}.weight": torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + i
+            for i in range(TENSORS)}
+    saved = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    dcp.save(saved, checkpoint_id=root)
+    dist.barrier()
+    wanted = {k: distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]) for k in full}
+
+    counters = []
+    real = _agreement.for_group
+
+    def counted(*args, **kwargs):
+        agreement = real(*args, **kwargs)
+        agreement._store = CountingStore(agreement._store)
+        counters.append(agreement._store)
+        return agreement
+
+    _agreement.for_group = counted
+    started = time.monotonic()
+    tessera.load(wanted, root, progress=False, timeout=120)
+    seconds = time.monotonic() - started
+    right = all(
+        np.array_equal(wanted[k].to_local().numpy(), full[k][:, rank * COLS // world:(rank + 1) * COLS // world].numpy())
+        for k in full
+    )
+    store = counters[0]
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(
+        {"read": store.read, "written": store.written, "calls": store.calls, "right": right, "seconds": seconds,
+         "by_kind": store.by_kind}
+    ))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(world: int) -> dict:
+    from conftest import job_store
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
+        out.mkdir()
+        store = job_store(world)
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_rank, args=(r, store.port, world, str(Path(tmp) / "ckpt"), str(out)))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(600)
+            assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+        return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", default="4,8,16")
+    args = parser.parse_args()
+    print("| ranks | read per rank (mean / max, rank 0 apart) | written per rank | store calls per rank | rank 0 read / written | values right |")
+    print("|---|---|---|---|---|---|")
+    for world in map(int, args.worlds.split(",")):
+        results = run(world)
+        others = [results[r] for r in range(1, world)]
+        mean = lambda k: sum(o[k] for o in others) / len(others)  # noqa: E731
+        print(
+            f"| {world} | {mean('read') / 1024:.1f} / {max(o['read'] for o in others) / 1024:.1f} KiB "
+            f"| {mean('written') / 1024:.1f} KiB | {mean('calls'):.0f} "
+            f"| {results[0]['read'] / 1024:.1f} / {results[0]['written'] / 1024:.1f} KiB "
+            f"| {all(r['right'] for r in results.values())} |",
+            flush=True,
+        )
+        print(f"  rank 1 read by key: {results[1]['by_kind']}", flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TESSERA_LIVENESS_S", "30")
+    main()
