@@ -751,6 +751,7 @@ fn man(dir: Option<std::path::PathBuf>) -> Result<()> {
 }
 
 impl PresetArgs {
+    /// The planner's preset these arguments name.
     fn into_preset(self) -> Preset {
         match self {
             PresetArgs::Fsdp { dp } => Preset::Fsdp { dp },
@@ -772,6 +773,7 @@ impl PresetArgs {
 }
 
 impl PlanCommand {
+    /// The plan's arguments (`--json` is `--format json`).
     fn into_args(self) -> Result<commands::plan::PlanArgs> {
         Ok(commands::plan::PlanArgs {
             checkpoint: self.checkpoint,
@@ -873,6 +875,7 @@ impl LoadCommand {
 }
 
 impl ServeCommand {
+    /// The server's arguments, flag for flag.
     fn into_args(self) -> commands::serve::ServeArgs {
         commands::serve::ServeArgs {
             root: self.root,

@@ -1045,6 +1045,7 @@ struct FileTable {
 }
 
 impl FileTable {
+    /// The table of `files` (in data file order) of the save under `tag`.
     fn of(tag: Option<&str>, files: &[TorchFile]) -> Self {
         let mut identity = IdentityHasher::new(Format::DeepSpeed);
         identity.part(tag.unwrap_or("").as_bytes());
