@@ -106,149 +106,9 @@ enum Command {
         json: bool,
     },
     /// Plan loading a checkpoint into a layout (or explicit per-rank requests).
-    #[command(group(ArgGroup::new("target").required(true).args(["layout", "requests"])))]
-    Plan {
-        /// Checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
-        /// http(s):// URL.
-        checkpoint: String,
-        /// Target layout JSON file.
-        #[arg(long)]
-        layout: Option<String>,
-        /// Explicit requests JSON file: {"ranks": [[{"fqn", "offsets", "lengths"} | {"fqn", "flat": [s, e]}]]}.
-        #[arg(long)]
-        requests: Option<String>,
-        /// Print this rank's plan instead of the summary.
-        #[arg(long)]
-        rank: Option<u32>,
-        /// Output format: text for people (a rank plan's reads, buffers and peers), json, or
-        /// arrow (Arrow IPC; rank plans only).
-        #[arg(long, value_enum, default_value_t = FormatArg::Text)]
-        format: FormatArg,
-        /// The same as --format json (one JSON document on stdout, errors included).
-        #[arg(long, conflicts_with = "format")]
-        json: bool,
-        /// Also print the whole-plan summary (to stderr when a rank plan goes to stdout).
-        #[arg(long)]
-        summary: bool,
-        /// Every rank reads all it needs itself (no read dedup, no exchange).
-        #[arg(long)]
-        no_dedup: bool,
-        /// Most memory planning may take by the planner's estimate, in MiB (the bound of
-        /// `tessera serve`); over it the plan is refused before it starts, with the estimate.
-        #[arg(long, default_value_t = commands::serve::DEFAULT_PLAN_MEMORY_MIB)]
-        plan_memory_mib: u64,
-        #[command(flatten)]
-        storage: StorageArgs,
-    },
+    Plan(PlanCommand),
     /// Load a checkpoint into a layout: every rank here, or one rank of a real job (--rank).
-    #[command(group(ArgGroup::new("target").required(true).args(["layout", "requests"])))]
-    Load {
-        /// Checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
-        /// http(s):// URL.
-        checkpoint: String,
-        /// Target layout JSON file.
-        #[arg(long)]
-        layout: Option<String>,
-        /// Explicit requests JSON file.
-        #[arg(long)]
-        requests: Option<String>,
-        /// Write DIR/rank-<r>.safetensors with every tensor box each rank ends up with.
-        #[arg(long)]
-        dump: Option<String>,
-        /// How ranks exchange pieces: threads of this process, separate processes over TCP, or
-        /// separate processes over NCCL, GPU to GPU (needs --device cuda and one GPU per rank).
-        #[arg(long, value_enum, default_value_t = TransportArg::Inproc)]
-        transport: TransportArg,
-        /// Where the loaded tensors go: host memory (cpu), or GPU memory (cuda: each rank on
-        /// GPU LOCAL_RANK, or its rank modulo the GPU count; cuda:N: GPU N). GPU loading needs a
-        /// build with `--features cuda`.
-        #[arg(long, default_value = "cpu", value_parser = parse_device)]
-        device: DeviceSpec,
-        /// Run only this rank (a real job; rendezvous from --master-addr/--master-port or torchrun's
-        /// RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
-        #[arg(long)]
-        rank: Option<u32>,
-        /// World size (with --rank; must match the layout).
-        #[arg(long)]
-        world: Option<u32>,
-        /// Rendezvous host: where rank 0 listens (with --rank; default: MASTER_ADDR).
-        #[arg(long)]
-        master_addr: Option<String>,
-        /// Rendezvous port (with --rank; default: MASTER_PORT).
-        #[arg(long)]
-        master_port: Option<u16>,
-        /// Skip block checksum verification of what is read.
-        #[arg(long)]
-        no_verify: bool,
-        /// Every rank reads all it needs itself (no exchange).
-        #[arg(long)]
-        no_dedup: bool,
-        /// Largest gap in bytes between two small ranges of a file that one storage request may
-        /// span, reading the gap too (fewer requests for more bytes). Default: 0 for local
-        /// files, 65536 for object stores (s3://, gs://, az://, http(s)://). The report counts
-        /// the bytes transferred, gaps included.
-        #[arg(long, env = "TESSERA_COALESCE_GAP", value_name = "BYTES")]
-        coalesce_gap: Option<u64>,
-        /// Check every loaded byte against the synthetic value formula (synthetic checkpoints).
-        #[arg(long)]
-        check: bool,
-        /// This host's memory tier (the directory a save left copies in, `memory_tier=`): each
-        /// rank offers the copies of this checkpoint it finds there (each box verified), and
-        /// every piece held there is read from it, once, instead of from storage. With --rank,
-        /// each rank names its own node's tier. Not with --server or --transport nccl.
-        #[arg(long, value_name = "DIR")]
-        memory_tier: Option<String>,
-        /// Seconds a rank waits for a peer before failing: to join the rendezvous, to connect, or
-        /// to send; with --transport tcp, also how long the other ranks get after one failed.
-        /// The one timeout of the rendezvous: waiting ranks say whom they wait for meanwhile.
-        #[arg(long, default_value_t = 60.0)]
-        peer_timeout: f64,
-        /// Write the JSON report to a file: with --rank, that rank's report; otherwise
-        /// {"totals": ..., "ranks": [...]}. Both name read_amplification (data read / bytes
-        /// needed) and io_amplification (bytes fetched, checksum blocks included / bytes needed).
-        #[arg(long)]
-        report_json: Option<String>,
-        /// How saved chunks are read: `auto` lets the planner's cost model pick per chunk
-        /// between reading each rank's pieces where the target cuts them (`request`) and reading
-        /// a chunk in storage-order slabs whose parts other ranks need are relayed through the
-        /// exchange (`storage`: a column reshard of a row-sharded checkpoint then reads each byte
-        /// and checksum block once, in few requests). `--transport nccl` always reads by request.
-        #[arg(long, value_enum, default_value = "auto")]
-        read_order: ReadOrderArg,
-        /// Write the load's counters (bytes needed, read, requested, transferred; storage
-        /// requests and retries; bytes sent and received; seconds), one series per rank, in the
-        /// OpenMetrics text format, e.g. for a node_exporter textfile collector.
-        #[arg(long, value_name = "PATH")]
-        metrics_file: Option<String>,
-        /// No progress bar and no report on stdout.
-        #[arg(long)]
-        quiet: bool,
-        /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
-        /// see "Machine output" in `tessera --help`).
-        #[arg(long)]
-        json: bool,
-        /// Only tensors whose name matches this glob (`*` any run of characters, dots included;
-        /// `?` one character); repeatable. Patterns also match the checkpoint's plain
-        /// (non-tensor) values' keys; one that matches neither is an error.
-        #[arg(long, value_name = "GLOB")]
-        include: Vec<String>,
-        /// Leave out tensors whose name matches this glob (after --include); repeatable, e.g.
-        /// `--exclude 'optim.*'` for the model weights only.
-        #[arg(long, value_name = "GLOB")]
-        exclude: Vec<String>,
-        /// Fetch the plan from this tessera server (http://host:port) instead of planning here.
-        #[arg(long)]
-        server: Option<String>,
-        /// The checkpoint's id on the server, <run>/<step> (default: the location's last two
-        /// components).
-        #[arg(long)]
-        checkpoint_id: Option<String>,
-        /// Bearer token of the server.
-        #[arg(long, env = "TESSERA_TOKEN", hide_env_values = true)]
-        token: Option<String>,
-        #[command(flatten)]
-        storage: StorageArgs,
-    },
+    Load(LoadCommand),
     /// Re-save a checkpoint in another layout, or export consolidated safetensors.
     Convert {
         /// Source checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
@@ -344,56 +204,7 @@ enum Command {
         json: bool,
     },
     /// Serve the catalog and plan API of a storage root over HTTP (until Ctrl-C or SIGTERM).
-    Serve {
-        /// Catalog root: a local directory or URL (file://, s3://, gs://, az://, http(s)://)
-        /// holding <run>/<step> checkpoint directories.
-        #[arg(long)]
-        root: String,
-        /// Address to listen on (port 0 picks a free port; the bound address is printed).
-        #[arg(long, default_value = tessera_server::DEFAULT_ADDR)]
-        addr: String,
-        /// Bearer token every /v1 route and /metrics require (default: the TESSERA_TOKEN
-        /// variable; none leaves them open). /healthz and /readyz never need it.
-        #[arg(long)]
-        token: Option<String>,
-        /// Directory of a static web UI served at / (default: the built-in catalog browser).
-        #[arg(long)]
-        web_ui: Option<std::path::PathBuf>,
-        /// Allow browsers on this origin to call the API (repeatable; `*` for any). Off by default.
-        #[arg(long = "cors-origin")]
-        cors_origins: Vec<String>,
-        /// Memory for checkpoint metadata, in MiB.
-        #[arg(long, default_value_t = commands::serve::DEFAULT_METADATA_CACHE_MIB)]
-        metadata_cache_mib: u64,
-        /// Memory for computed plans, in MiB.
-        #[arg(long, default_value_t = commands::serve::DEFAULT_PLAN_CACHE_MIB)]
-        plan_cache_mib: u64,
-        /// Largest request body, in KiB.
-        #[arg(long, default_value_t = commands::serve::DEFAULT_BODY_LIMIT_KIB)]
-        body_limit_kib: usize,
-        /// Most memory one plan computation may take by the planner's estimate, in MiB (over
-        /// it a plan request is refused with 422 and the estimate).
-        #[arg(long, default_value_t = commands::serve::DEFAULT_PLAN_MEMORY_MIB)]
-        plan_memory_mib: u64,
-        /// Plan computations running at once.
-        #[arg(long, default_value_t = tessera_server::DEFAULT_PLAN_CONCURRENCY)]
-        plan_concurrency: usize,
-        /// Plan computations waiting beyond those running (one more gets 503 with Retry-After).
-        #[arg(long, default_value_t = tessera_server::DEFAULT_PLAN_QUEUE)]
-        plan_queue: usize,
-        /// Seconds a connection may take to send a request head (also how long an idle
-        /// keep-alive connection is kept).
-        #[arg(long, default_value_t = commands::serve::DEFAULT_HEADER_TIMEOUT_SECS)]
-        header_timeout_secs: u64,
-        /// Seconds a request may take to send its whole body, counted once from the end of its
-        /// head (408 past it).
-        #[arg(long, default_value_t = commands::serve::DEFAULT_BODY_TIMEOUT_SECS)]
-        body_timeout_secs: u64,
-        /// Connections served at once (one more replaces the connection idle longest; it is
-        /// closed on arrival only when every connection has a request in flight).
-        #[arg(long, default_value_t = tessera_server::DEFAULT_MAX_CONNECTIONS)]
-        max_connections: usize,
-    },
+    Serve(ServeCommand),
     /// Print a shell completion script, e.g. `tessera completions bash >
     /// ~/.local/share/bash-completion/completions/tessera`.
     Completions {
@@ -409,18 +220,221 @@ enum Command {
     },
 }
 
+/// `tessera plan`'s arguments (its help is the `Plan` variant's doc).
+#[derive(Args)]
+#[command(group(ArgGroup::new("target").required(true).args(["layout", "requests"])))]
+struct PlanCommand {
+    /// Checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
+    /// http(s):// URL.
+    checkpoint: String,
+    /// Target layout JSON file.
+    #[arg(long)]
+    layout: Option<String>,
+    /// Explicit requests JSON file: {"ranks": [[{"fqn", "offsets", "lengths"} | {"fqn", "flat": [s, e]}]]}.
+    #[arg(long)]
+    requests: Option<String>,
+    /// Print this rank's plan instead of the summary.
+    #[arg(long)]
+    rank: Option<u32>,
+    /// Output format: text for people (a rank plan's reads, buffers and peers), json, or
+    /// arrow (Arrow IPC; rank plans only).
+    #[arg(long, value_enum, default_value_t = FormatArg::Text)]
+    format: FormatArg,
+    /// The same as --format json (one JSON document on stdout, errors included).
+    #[arg(long, conflicts_with = "format")]
+    json: bool,
+    /// Also print the whole-plan summary (to stderr when a rank plan goes to stdout).
+    #[arg(long)]
+    summary: bool,
+    /// Every rank reads all it needs itself (no read dedup, no exchange).
+    #[arg(long)]
+    no_dedup: bool,
+    /// Most memory planning may take by the planner's estimate, in MiB (the bound of
+    /// `tessera serve`); over it the plan is refused before it starts, with the estimate.
+    #[arg(long, default_value_t = commands::serve::DEFAULT_PLAN_MEMORY_MIB)]
+    plan_memory_mib: u64,
+    #[command(flatten)]
+    storage: StorageArgs,
+}
+
+/// `tessera load`'s arguments (its help is the `Load` variant's doc).
+#[derive(Args)]
+#[command(group(ArgGroup::new("target").required(true).args(["layout", "requests"])))]
+struct LoadCommand {
+    /// Checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
+    /// http(s):// URL.
+    checkpoint: String,
+    /// Target layout JSON file.
+    #[arg(long)]
+    layout: Option<String>,
+    /// Explicit requests JSON file.
+    #[arg(long)]
+    requests: Option<String>,
+    /// Write DIR/rank-<r>.safetensors with every tensor box each rank ends up with.
+    #[arg(long)]
+    dump: Option<String>,
+    /// How ranks exchange pieces: threads of this process, separate processes over TCP, or
+    /// separate processes over NCCL, GPU to GPU (needs --device cuda and one GPU per rank).
+    #[arg(long, value_enum, default_value_t = TransportArg::Inproc)]
+    transport: TransportArg,
+    /// Where the loaded tensors go: host memory (cpu), or GPU memory (cuda: each rank on
+    /// GPU LOCAL_RANK, or its rank modulo the GPU count; cuda:N: GPU N). GPU loading needs a
+    /// build with `--features cuda`.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    device: DeviceSpec,
+    /// Run only this rank (a real job; rendezvous from --master-addr/--master-port or torchrun's
+    /// RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+    #[arg(long)]
+    rank: Option<u32>,
+    /// World size (with --rank; must match the layout).
+    #[arg(long)]
+    world: Option<u32>,
+    /// Rendezvous host: where rank 0 listens (with --rank; default: MASTER_ADDR).
+    #[arg(long)]
+    master_addr: Option<String>,
+    /// Rendezvous port (with --rank; default: MASTER_PORT).
+    #[arg(long)]
+    master_port: Option<u16>,
+    /// Skip block checksum verification of what is read.
+    #[arg(long)]
+    no_verify: bool,
+    /// Every rank reads all it needs itself (no exchange).
+    #[arg(long)]
+    no_dedup: bool,
+    /// Largest gap in bytes between two small ranges of a file that one storage request may
+    /// span, reading the gap too (fewer requests for more bytes). Default: 0 for local
+    /// files, 65536 for object stores (s3://, gs://, az://, http(s)://). The report counts
+    /// the bytes transferred, gaps included.
+    #[arg(long, env = "TESSERA_COALESCE_GAP", value_name = "BYTES")]
+    coalesce_gap: Option<u64>,
+    /// Check every loaded byte against the synthetic value formula (synthetic checkpoints).
+    #[arg(long)]
+    check: bool,
+    /// This host's memory tier (the directory a save left copies in, `memory_tier=`): each
+    /// rank offers the copies of this checkpoint it finds there (each box verified), and
+    /// every piece held there is read from it, once, instead of from storage. With --rank,
+    /// each rank names its own node's tier. Not with --server or --transport nccl.
+    #[arg(long, value_name = "DIR")]
+    memory_tier: Option<String>,
+    /// Seconds a rank waits for a peer before failing: to join the rendezvous, to connect, or
+    /// to send; with --transport tcp, also how long the other ranks get after one failed.
+    /// The one timeout of the rendezvous: waiting ranks say whom they wait for meanwhile.
+    #[arg(long, default_value_t = 60.0)]
+    peer_timeout: f64,
+    /// Write the JSON report to a file: with --rank, that rank's report; otherwise
+    /// {"totals": ..., "ranks": [...]}. Both name read_amplification (data read / bytes
+    /// needed) and io_amplification (bytes fetched, checksum blocks included / bytes needed).
+    #[arg(long)]
+    report_json: Option<String>,
+    /// How saved chunks are read: `auto` lets the planner's cost model pick per chunk
+    /// between reading each rank's pieces where the target cuts them (`request`) and reading
+    /// a chunk in storage-order slabs whose parts other ranks need are relayed through the
+    /// exchange (`storage`: a column reshard of a row-sharded checkpoint then reads each byte
+    /// and checksum block once, in few requests). `--transport nccl` always reads by request.
+    #[arg(long, value_enum, default_value = "auto")]
+    read_order: ReadOrderArg,
+    /// Write the load's counters (bytes needed, read, requested, transferred; storage
+    /// requests and retries; bytes sent and received; seconds), one series per rank, in the
+    /// OpenMetrics text format, e.g. for a node_exporter textfile collector.
+    #[arg(long, value_name = "PATH")]
+    metrics_file: Option<String>,
+    /// No progress bar and no report on stdout.
+    #[arg(long)]
+    quiet: bool,
+    /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
+    /// see "Machine output" in `tessera --help`).
+    #[arg(long)]
+    json: bool,
+    /// Only tensors whose name matches this glob (`*` any run of characters, dots included;
+    /// `?` one character); repeatable. Patterns also match the checkpoint's plain
+    /// (non-tensor) values' keys; one that matches neither is an error.
+    #[arg(long, value_name = "GLOB")]
+    include: Vec<String>,
+    /// Leave out tensors whose name matches this glob (after --include); repeatable, e.g.
+    /// `--exclude 'optim.*'` for the model weights only.
+    #[arg(long, value_name = "GLOB")]
+    exclude: Vec<String>,
+    /// Fetch the plan from this tessera server (http://host:port) instead of planning here.
+    #[arg(long)]
+    server: Option<String>,
+    /// The checkpoint's id on the server, <run>/<step> (default: the location's last two
+    /// components).
+    #[arg(long)]
+    checkpoint_id: Option<String>,
+    /// Bearer token of the server.
+    #[arg(long, env = "TESSERA_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    #[command(flatten)]
+    storage: StorageArgs,
+}
+
+/// `tessera serve`'s arguments (its help is the `Serve` variant's doc).
+#[derive(Args)]
+struct ServeCommand {
+    /// Catalog root: a local directory or URL (file://, s3://, gs://, az://, http(s)://)
+    /// holding <run>/<step> checkpoint directories.
+    #[arg(long)]
+    root: String,
+    /// Address to listen on (port 0 picks a free port; the bound address is printed).
+    #[arg(long, default_value = tessera_server::DEFAULT_ADDR)]
+    addr: String,
+    /// Bearer token every /v1 route and /metrics require (default: the TESSERA_TOKEN
+    /// variable; none leaves them open). /healthz and /readyz never need it.
+    #[arg(long)]
+    token: Option<String>,
+    /// Directory of a static web UI served at / (default: the built-in catalog browser).
+    #[arg(long)]
+    web_ui: Option<std::path::PathBuf>,
+    /// Allow browsers on this origin to call the API (repeatable; `*` for any). Off by default.
+    #[arg(long = "cors-origin")]
+    cors_origins: Vec<String>,
+    /// Memory for checkpoint metadata, in MiB.
+    #[arg(long, default_value_t = commands::serve::DEFAULT_METADATA_CACHE_MIB)]
+    metadata_cache_mib: u64,
+    /// Memory for computed plans, in MiB.
+    #[arg(long, default_value_t = commands::serve::DEFAULT_PLAN_CACHE_MIB)]
+    plan_cache_mib: u64,
+    /// Largest request body, in KiB.
+    #[arg(long, default_value_t = commands::serve::DEFAULT_BODY_LIMIT_KIB)]
+    body_limit_kib: usize,
+    /// Most memory one plan computation may take by the planner's estimate, in MiB (over
+    /// it a plan request is refused with 422 and the estimate).
+    #[arg(long, default_value_t = commands::serve::DEFAULT_PLAN_MEMORY_MIB)]
+    plan_memory_mib: u64,
+    /// Plan computations running at once.
+    #[arg(long, default_value_t = tessera_server::DEFAULT_PLAN_CONCURRENCY)]
+    plan_concurrency: usize,
+    /// Plan computations waiting beyond those running (one more gets 503 with Retry-After).
+    #[arg(long, default_value_t = tessera_server::DEFAULT_PLAN_QUEUE)]
+    plan_queue: usize,
+    /// Seconds a connection may take to send a request head (also how long an idle
+    /// keep-alive connection is kept).
+    #[arg(long, default_value_t = commands::serve::DEFAULT_HEADER_TIMEOUT_SECS)]
+    header_timeout_secs: u64,
+    /// Seconds a request may take to send its whole body, counted once from the end of its
+    /// head (408 past it).
+    #[arg(long, default_value_t = commands::serve::DEFAULT_BODY_TIMEOUT_SECS)]
+    body_timeout_secs: u64,
+    /// Connections served at once (one more replaces the connection idle longest; it is
+    /// closed on arrival only when every connection has a request in flight).
+    #[arg(long, default_value_t = tessera_server::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
+}
+
 impl Command {
     /// Whether the command was asked for machine output (`--json`, `plan --format json`): then
     /// an error, too, is a JSON document on stdout.
     fn json(&self) -> bool {
         match self {
             Command::Synth { json, .. }
-            | Command::Load { json, .. }
+            | Command::Load(LoadCommand { json, .. })
             | Command::Convert { json, .. }
             | Command::Inspect { json, .. }
             | Command::Verify { json, .. }
             | Command::Gc { json, .. } => *json,
-            Command::Plan { json, format, .. } => *json || matches!(format, FormatArg::Json),
+            Command::Plan(PlanCommand { json, format, .. }) => {
+                *json || matches!(format, FormatArg::Json)
+            }
             _ => false,
         }
     }
@@ -526,12 +540,6 @@ fn run(cli: Cli) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let stdout = |bytes: &[u8]| -> Result<()> {
-        let mut out = std::io::stdout().lock();
-        out.write_all(bytes)?;
-        out.flush()?;
-        Ok(())
-    };
     match cli.command {
         Command::Demo {
             dir,
@@ -548,23 +556,7 @@ fn run(cli: Cli) -> Result<()> {
             )))
         }
         Command::Layout { preset } => {
-            let preset = match preset {
-                PresetArgs::Fsdp { dp } => Preset::Fsdp { dp },
-                PresetArgs::MegatronGpt {
-                    tp,
-                    pp,
-                    dp,
-                    num_layers,
-                    zero1,
-                } => Preset::MegatronGpt(MegatronGpt {
-                    tp,
-                    pp,
-                    dp,
-                    num_layers,
-                    zero1,
-                }),
-            };
-            stdout((commands::layout::run(&preset)? + "\n").as_bytes())
+            stdout((commands::layout::run(&preset.into_preset())? + "\n").as_bytes())
         }
         Command::Synth {
             model,
@@ -588,123 +580,14 @@ fn run(cli: Cli) -> Result<()> {
                 metadata_only,
                 dist_optimizer: dist_optimizer_flat,
                 step,
-                progress: Some(std::sync::Arc::new(|w: &tessera_synth::FileWritten| {
-                    eprintln!(
-                        "  rank {:>5}: {} in {} ({}/{} files, {:.1}s)",
-                        w.rank,
-                        w.path,
-                        tessera::human::bytes(w.bytes),
-                        w.done,
-                        w.total,
-                        w.elapsed.as_secs_f64()
-                    );
-                })),
+                progress: Some(std::sync::Arc::new(print_file_written)),
             };
             let report = runtime.block_on(commands::synth::run(&out, &layout, &options))?;
-            if json {
-                stdout(format!("{:#}\n", serde_json::to_value(&report)?).as_bytes())
-            } else {
-                stdout((report.text() + "\n").as_bytes())
-            }
+            stdout_report(json, &report, || report.text() + "\n")
         }
-        Command::Plan {
-            checkpoint,
-            layout,
-            requests,
-            rank,
-            format,
-            json,
-            summary,
-            no_dedup,
-            plan_memory_mib,
-            storage,
-        } => {
-            let args = commands::plan::PlanArgs {
-                checkpoint,
-                layout,
-                requests,
-                rank,
-                format: match format {
-                    _ if json => Format::Json,
-                    FormatArg::Text => Format::Text,
-                    FormatArg::Json => Format::Json,
-                    FormatArg::Arrow => Format::Arrow,
-                },
-                summary,
-                no_dedup,
-                plan_memory_bytes: plan_memory_mib.saturating_mul(1024 * 1024),
-                retry: storage.policy()?,
-            };
-            stdout(&runtime.block_on(commands::plan::run(&args))?)
-        }
-        Command::Load {
-            checkpoint,
-            layout,
-            requests,
-            dump,
-            transport,
-            device,
-            rank,
-            world,
-            master_addr,
-            master_port,
-            no_verify,
-            no_dedup,
-            coalesce_gap,
-            check,
-            memory_tier,
-            peer_timeout,
-            report_json,
-            metrics_file,
-            read_order,
-            quiet,
-            json,
-            include,
-            exclude,
-            server,
-            checkpoint_id,
-            token,
-            storage,
-        } => {
-            if !(peer_timeout > 0.0 && peer_timeout.is_finite()) {
-                anyhow::bail!("--peer-timeout must be a positive number of seconds");
-            }
-            let args = commands::load::LoadArgs {
-                checkpoint,
-                layout,
-                requests,
-                dump,
-                transport: match transport {
-                    TransportArg::Inproc => commands::load::TransportKind::InProc,
-                    TransportArg::Tcp => commands::load::TransportKind::Tcp,
-                    TransportArg::Nccl => commands::load::TransportKind::Nccl,
-                },
-                device,
-                rank,
-                world,
-                master_addr,
-                master_port,
-                verify: !no_verify,
-                dedup: !no_dedup,
-                coalesce_gap,
-                check,
-                memory_tier,
-                report_json,
-                metrics_file,
-                read_order: match read_order {
-                    ReadOrderArg::Auto => tessera_planner::ReadOrder::Auto,
-                    ReadOrderArg::Request => tessera_planner::ReadOrder::Request,
-                    ReadOrderArg::Storage => tessera_planner::ReadOrder::Storage,
-                },
-                peer_timeout: std::time::Duration::from_secs_f64(peer_timeout),
-                quiet,
-                server,
-                checkpoint_id,
-                token,
-                retry: storage.policy()?,
-                filter: commands::select::TensorFilter { include, exclude },
-                json,
-            };
+        Command::Plan(plan) => stdout(&runtime.block_on(commands::plan::run(&plan.into_args()?))?),
+        Command::Load(load) => {
+            let args = load.into_args()?;
             let report = runtime.block_on(commands::load::run(&args))?;
             if args.quiet {
                 Ok(())
@@ -729,25 +612,15 @@ fn run(cli: Cli) -> Result<()> {
                 retry: storage.policy()?,
                 filter: commands::select::TensorFilter { include, exclude },
             };
-            let report = match (format, layout) {
-                (ConvertFormat::Native, Some(layout)) => runtime.block_on(
-                    commands::convert::to_layout(&checkpoint, &layout, &out, &options),
-                )?,
-                (ConvertFormat::Native, None) => {
-                    anyhow::bail!("convert to the native format needs --layout")
-                }
-                (ConvertFormat::Safetensors, None) => runtime.block_on(
-                    commands::convert::to_safetensors(&checkpoint, &out, max_shard_bytes, &options),
-                )?,
-                (ConvertFormat::Safetensors, Some(_)) => {
-                    anyhow::bail!("--format safetensors writes consolidated tensors; drop --layout")
-                }
-            };
-            if json {
-                stdout(format!("{:#}\n", serde_json::to_value(&report)?).as_bytes())
-            } else {
-                stdout(report.text().as_bytes())
-            }
+            let report = runtime.block_on(convert(
+                &checkpoint,
+                format,
+                layout.as_deref(),
+                &out,
+                max_shard_bytes,
+                &options,
+            ))?;
+            stdout_report(json, &report, || report.text())
         }
         Command::Inspect {
             checkpoint,
@@ -762,37 +635,7 @@ fn run(cli: Cli) -> Result<()> {
                 ))?
                 .as_bytes(),
         ),
-        Command::Serve {
-            root,
-            addr,
-            token,
-            web_ui,
-            cors_origins,
-            metadata_cache_mib,
-            plan_cache_mib,
-            body_limit_kib,
-            plan_memory_mib,
-            plan_concurrency,
-            plan_queue,
-            header_timeout_secs,
-            body_timeout_secs,
-            max_connections,
-        } => runtime.block_on(commands::serve::run(&commands::serve::ServeArgs {
-            root,
-            addr,
-            token,
-            web_ui,
-            cors_origins,
-            metadata_cache_mib,
-            plan_cache_mib,
-            body_limit_kib,
-            plan_memory_mib,
-            plan_concurrency,
-            plan_queue,
-            header_timeout_secs,
-            body_timeout_secs,
-            max_connections,
-        })),
+        Command::Serve(serve) => runtime.block_on(commands::serve::run(&serve.into_args())),
         Command::Verify {
             checkpoint,
             json,
@@ -809,37 +652,15 @@ fn run(cli: Cli) -> Result<()> {
             root,
             dry_run,
             break_claims,
-            memory_tier: true,
+            memory_tier,
             keep,
             max_bytes,
             json,
         } => {
-            if break_claims {
-                anyhow::bail!("--break-claims is for a storage root; a memory tier has no claims");
-            }
-            let pruned = commands::gc::prune_memory_tier(&root, keep, max_bytes, dry_run)?;
-            if json {
-                stdout(format!("{:#}\n", serde_json::to_value(&pruned)?).as_bytes())
+            if memory_tier {
+                gc_memory_tier(&root, dry_run, break_claims, keep, max_bytes, json)
             } else {
-                stdout(commands::gc::memory_tier_text(&root, &pruned, dry_run).as_bytes())
-            }
-        }
-        Command::Gc {
-            root,
-            dry_run,
-            break_claims,
-            json,
-            ..
-        } => {
-            let options = commands::gc::GcOptions {
-                dry_run,
-                break_claims,
-            };
-            let report = commands::gc::run(&root, &options)?;
-            if json {
-                stdout(commands::gc::json_report(&report)?.as_bytes())
-            } else {
-                stdout(commands::gc::text_report(&report).as_bytes())
+                gc(&root, dry_run, break_claims, json)
             }
         }
         Command::Completions { shell } => {
@@ -847,19 +668,230 @@ fn run(cli: Cli) -> Result<()> {
             clap_complete::generate(shell, &mut Cli::command(), "tessera", &mut out);
             stdout(&out)
         }
-        Command::Man { dir } => match dir {
-            Some(dir) => {
-                std::fs::create_dir_all(&dir)
-                    .with_context(|| format!("creating {}", dir.display()))?;
-                clap_mangen::generate_to(Cli::command(), &dir)
-                    .with_context(|| format!("writing man pages into {}", dir.display()))?;
-                stdout(format!("wrote the man pages into {}\n", dir.display()).as_bytes())
-            }
-            None => {
-                let mut out = Vec::new();
-                clap_mangen::Man::new(Cli::command()).render(&mut out)?;
-                stdout(&out)
-            }
-        },
+        Command::Man { dir } => man(dir),
+    }
+}
+
+/// Writes `bytes` to stdout and flushes them.
+fn stdout(bytes: &[u8]) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(bytes)?;
+    out.flush()?;
+    Ok(())
+}
+
+/// Writes a command's report to stdout: with --json as one pretty JSON document, else as the
+/// `text` it renders to.
+fn stdout_report(
+    json: bool,
+    report: &impl serde::Serialize,
+    text: impl FnOnce() -> String,
+) -> Result<()> {
+    if json {
+        stdout(format!("{:#}\n", serde_json::to_value(report)?).as_bytes())
+    } else {
+        stdout(text().as_bytes())
+    }
+}
+
+/// `synth`'s progress line on stderr, one per data file written.
+fn print_file_written(w: &tessera_synth::FileWritten) {
+    eprintln!(
+        "  rank {:>5}: {} in {} ({}/{} files, {:.1}s)",
+        w.rank,
+        w.path,
+        tessera::human::bytes(w.bytes),
+        w.done,
+        w.total,
+        w.elapsed.as_secs_f64()
+    );
+}
+
+/// `convert` to the format asked: the native format needs a layout, safetensors (consolidated
+/// tensors) refuses one.
+async fn convert(
+    checkpoint: &str,
+    format: ConvertFormat,
+    layout: Option<&str>,
+    out: &str,
+    max_shard_bytes: u64,
+    options: &commands::convert::ConvertOptions,
+) -> Result<commands::convert::ConvertReport> {
+    match (format, layout) {
+        (ConvertFormat::Native, Some(layout)) => {
+            commands::convert::to_layout(checkpoint, layout, out, options).await
+        }
+        (ConvertFormat::Native, None) => {
+            anyhow::bail!("convert to the native format needs --layout")
+        }
+        (ConvertFormat::Safetensors, None) => {
+            commands::convert::to_safetensors(checkpoint, out, max_shard_bytes, options).await
+        }
+        (ConvertFormat::Safetensors, Some(_)) => {
+            anyhow::bail!("--format safetensors writes consolidated tensors; drop --layout")
+        }
+    }
+}
+
+/// `man`: the man page on stdout, or one page per command written into `dir`.
+fn man(dir: Option<std::path::PathBuf>) -> Result<()> {
+    match dir {
+        Some(dir) => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            clap_mangen::generate_to(Cli::command(), &dir)
+                .with_context(|| format!("writing man pages into {}", dir.display()))?;
+            stdout(format!("wrote the man pages into {}\n", dir.display()).as_bytes())
+        }
+        None => {
+            let mut out = Vec::new();
+            clap_mangen::Man::new(Cli::command()).render(&mut out)?;
+            stdout(&out)
+        }
+    }
+}
+
+impl PresetArgs {
+    /// The planner's preset these arguments name.
+    fn into_preset(self) -> Preset {
+        match self {
+            PresetArgs::Fsdp { dp } => Preset::Fsdp { dp },
+            PresetArgs::MegatronGpt {
+                tp,
+                pp,
+                dp,
+                num_layers,
+                zero1,
+            } => Preset::MegatronGpt(MegatronGpt {
+                tp,
+                pp,
+                dp,
+                num_layers,
+                zero1,
+            }),
+        }
+    }
+}
+
+impl PlanCommand {
+    /// The plan's arguments (`--json` is `--format json`).
+    fn into_args(self) -> Result<commands::plan::PlanArgs> {
+        Ok(commands::plan::PlanArgs {
+            checkpoint: self.checkpoint,
+            layout: self.layout,
+            requests: self.requests,
+            rank: self.rank,
+            format: match self.format {
+                _ if self.json => Format::Json,
+                FormatArg::Text => Format::Text,
+                FormatArg::Json => Format::Json,
+                FormatArg::Arrow => Format::Arrow,
+            },
+            summary: self.summary,
+            no_dedup: self.no_dedup,
+            plan_memory_bytes: self.plan_memory_mib.saturating_mul(1024 * 1024),
+            retry: self.storage.policy()?,
+        })
+    }
+}
+
+/// `gc --memory-tier`: prunes a node's memory tier (claims are a storage root's, refused here).
+fn gc_memory_tier(
+    root: &str,
+    dry_run: bool,
+    break_claims: bool,
+    keep: usize,
+    max_bytes: Option<u64>,
+    json: bool,
+) -> Result<()> {
+    if break_claims {
+        anyhow::bail!("--break-claims is for a storage root; a memory tier has no claims");
+    }
+    let pruned = commands::gc::prune_memory_tier(root, keep, max_bytes, dry_run)?;
+    stdout_report(json, &pruned, || {
+        commands::gc::memory_tier_text(root, &pruned, dry_run)
+    })
+}
+
+/// `gc` of a storage root: removes what failed or killed saves left.
+fn gc(root: &str, dry_run: bool, break_claims: bool, json: bool) -> Result<()> {
+    let options = commands::gc::GcOptions {
+        dry_run,
+        break_claims,
+    };
+    let report = commands::gc::run(root, &options)?;
+    if json {
+        stdout(commands::gc::json_report(&report)?.as_bytes())
+    } else {
+        stdout(commands::gc::text_report(&report).as_bytes())
+    }
+}
+
+impl LoadCommand {
+    /// The load's arguments, after checking what clap cannot (a positive --peer-timeout).
+    fn into_args(self) -> Result<commands::load::LoadArgs> {
+        if !(self.peer_timeout > 0.0 && self.peer_timeout.is_finite()) {
+            anyhow::bail!("--peer-timeout must be a positive number of seconds");
+        }
+        Ok(commands::load::LoadArgs {
+            checkpoint: self.checkpoint,
+            layout: self.layout,
+            requests: self.requests,
+            dump: self.dump,
+            transport: match self.transport {
+                TransportArg::Inproc => commands::load::TransportKind::InProc,
+                TransportArg::Tcp => commands::load::TransportKind::Tcp,
+                TransportArg::Nccl => commands::load::TransportKind::Nccl,
+            },
+            device: self.device,
+            rank: self.rank,
+            world: self.world,
+            master_addr: self.master_addr,
+            master_port: self.master_port,
+            verify: !self.no_verify,
+            dedup: !self.no_dedup,
+            coalesce_gap: self.coalesce_gap,
+            check: self.check,
+            memory_tier: self.memory_tier,
+            report_json: self.report_json,
+            metrics_file: self.metrics_file,
+            read_order: match self.read_order {
+                ReadOrderArg::Auto => tessera_planner::ReadOrder::Auto,
+                ReadOrderArg::Request => tessera_planner::ReadOrder::Request,
+                ReadOrderArg::Storage => tessera_planner::ReadOrder::Storage,
+            },
+            peer_timeout: std::time::Duration::from_secs_f64(self.peer_timeout),
+            quiet: self.quiet,
+            server: self.server,
+            checkpoint_id: self.checkpoint_id,
+            token: self.token,
+            retry: self.storage.policy()?,
+            filter: commands::select::TensorFilter {
+                include: self.include,
+                exclude: self.exclude,
+            },
+            json: self.json,
+        })
+    }
+}
+
+impl ServeCommand {
+    /// The server's arguments, flag for flag.
+    fn into_args(self) -> commands::serve::ServeArgs {
+        commands::serve::ServeArgs {
+            root: self.root,
+            addr: self.addr,
+            token: self.token,
+            web_ui: self.web_ui,
+            cors_origins: self.cors_origins,
+            metadata_cache_mib: self.metadata_cache_mib,
+            plan_cache_mib: self.plan_cache_mib,
+            body_limit_kib: self.body_limit_kib,
+            plan_memory_mib: self.plan_memory_mib,
+            plan_concurrency: self.plan_concurrency,
+            plan_queue: self.plan_queue,
+            header_timeout_secs: self.header_timeout_secs,
+            body_timeout_secs: self.body_timeout_secs,
+            max_connections: self.max_connections,
+        }
     }
 }

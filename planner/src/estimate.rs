@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::mem::size_of;
 
 use rustc_hash::FxHashSet;
-use tessera_metadata::{BoxIndex, CheckpointMeta, TensorBox};
+use tessera_metadata::{BoxIndex, CheckpointMeta, SavedChunk, TensorBox, TensorMeta};
 
 use crate::layout::StageResolver;
 use crate::plan::{LocalPiece, target_boxes};
@@ -291,42 +291,7 @@ impl Layout {
                 Some(key) => *staged.entry(key).or_default() += 1,
                 None => unstaged += 1,
             }
-            // Distinct targets and grid cells, dim by dim.
-            let mut distinct = 1u64;
-            let mut nonempty = 1u64;
-            let mut cells = 1u64;
-            for (d, &n) in tensor.shape.iter().enumerate() {
-                let ks: Vec<u64> = rule_placements
-                    .iter()
-                    .zip(&self.mesh)
-                    .filter(|(p, _)| **p == Placement::Shard(d))
-                    .map(|(_, m)| u64::from(m.size))
-                    .collect();
-                let (count, starts) = shard_intervals(n, &ks);
-                let mut chunk_starts: Vec<u64> = chunks
-                    .iter()
-                    .filter(|c| !c.region.is_empty())
-                    .map(|c| c.region.offsets[d])
-                    .collect();
-                chunk_starts.sort_unstable();
-                chunk_starts.dedup();
-                let (nonempty_d, cells_d) = match starts {
-                    Some(mut starts) => {
-                        let nonempty_d = starts.len() as u64;
-                        starts.extend(chunk_starts);
-                        starts.sort_unstable();
-                        starts.dedup();
-                        (nonempty_d, starts.len() as u64)
-                    }
-                    None => (
-                        count.min(n),
-                        (count.min(n) + chunk_starts.len() as u64).min(n),
-                    ),
-                };
-                distinct = distinct.saturating_mul(count);
-                nonempty = nonempty.saturating_mul(nonempty_d);
-                cells = cells.saturating_mul(cells_d);
-            }
+            let (distinct, nonempty, cells) = self.grid(tensor, rule_placements, chunks);
             let distinct = distinct.clamp(1, holders.max(1));
             let pieces = cells.min(nonempty.saturating_mul(chunks.len() as u64));
             let (targets, pieces) = if options.dedup {
@@ -372,33 +337,86 @@ impl Layout {
             c.group_members = world;
         }
         // Each rank's request vector grows by push to the number of tensors it holds.
-        c.request_slots = if staged.is_empty() {
-            world * grown(unstaged)
-        } else {
-            let strides: Vec<u64> = (0..self.mesh.len())
-                .map(|i| {
-                    self.mesh[i + 1..]
-                        .iter()
-                        .map(|d| u64::from(d.size))
-                        .product()
-                })
-                .collect();
-            let staged: Vec<((usize, u32), u64)> = staged.into_iter().collect();
-            (0..world)
-                .map(|r| {
-                    let held = unstaged
-                        + staged
-                            .iter()
-                            .filter(|((i, s), _)| {
-                                (r / strides[*i]) % u64::from(self.mesh[*i].size) == u64::from(*s)
-                            })
-                            .map(|(_, n)| n)
-                            .sum::<u64>();
-                    grown(held)
-                })
-                .sum()
-        };
+        c.request_slots = self.request_slots(world, unstaged, staged);
         Ok(c.estimate())
+    }
+
+    /// A tensor's distinct targets, targets that hold elements and grid cells (the pieces the
+    /// targets cut out of its saved chunks, at most), counted dim by dim: per dim, the shard
+    /// intervals the placements split it into, and those cut again at the chunks' starts.
+    fn grid(
+        &self,
+        tensor: &TensorMeta,
+        rule_placements: &[Placement],
+        chunks: &[SavedChunk],
+    ) -> (u64, u64, u64) {
+        let mut distinct = 1u64;
+        let mut nonempty = 1u64;
+        let mut cells = 1u64;
+        for (d, &n) in tensor.shape.iter().enumerate() {
+            let ks: Vec<u64> = rule_placements
+                .iter()
+                .zip(&self.mesh)
+                .filter(|(p, _)| **p == Placement::Shard(d))
+                .map(|(_, m)| u64::from(m.size))
+                .collect();
+            let (count, starts) = shard_intervals(n, &ks);
+            let mut chunk_starts: Vec<u64> = chunks
+                .iter()
+                .filter(|c| !c.region.is_empty())
+                .map(|c| c.region.offsets[d])
+                .collect();
+            chunk_starts.sort_unstable();
+            chunk_starts.dedup();
+            let (nonempty_d, cells_d) = match starts {
+                Some(mut starts) => {
+                    let nonempty_d = starts.len() as u64;
+                    starts.extend(chunk_starts);
+                    starts.sort_unstable();
+                    starts.dedup();
+                    (nonempty_d, starts.len() as u64)
+                }
+                None => (
+                    count.min(n),
+                    (count.min(n) + chunk_starts.len() as u64).min(n),
+                ),
+            };
+            distinct = distinct.saturating_mul(count);
+            nonempty = nonempty.saturating_mul(nonempty_d);
+            cells = cells.saturating_mul(cells_d);
+        }
+        (distinct, nonempty, cells)
+    }
+
+    /// The request slots of every rank's request vector, which grows by push to the number of
+    /// tensors the rank holds: `unstaged` tensors held by every rank, and per (stage mesh dim,
+    /// stage) the tensors only that stage's ranks hold.
+    fn request_slots(&self, world: u64, unstaged: u64, staged: HashMap<(usize, u32), u64>) -> u64 {
+        if staged.is_empty() {
+            return world * grown(unstaged);
+        }
+        let strides: Vec<u64> = (0..self.mesh.len())
+            .map(|i| {
+                self.mesh[i + 1..]
+                    .iter()
+                    .map(|d| u64::from(d.size))
+                    .product()
+            })
+            .collect();
+        let staged: Vec<((usize, u32), u64)> = staged.into_iter().collect();
+        (0..world)
+            .map(|r| {
+                let held = unstaged
+                    + staged
+                        .iter()
+                        .filter(|((i, s), _)| {
+                            (r / strides[*i]) % u64::from(self.mesh[*i].size) == u64::from(*s)
+                        })
+                        .map(|(_, n)| n)
+                        .sum::<u64>();
+                grown(held)
+            })
+            .sum()
     }
 }
 

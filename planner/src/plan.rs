@@ -384,7 +384,49 @@ pub fn plan_with_sources(
     sources.check(world, meta.files().len())?;
 
     // 1. Destinations, and every tensor's requests as (rank, destination) in rank order.
-    let mut destinations: Vec<Vec<Destination>> = Vec::with_capacity(world as usize);
+    let (destinations, asked) = destinations(tensors, requests)?;
+
+    // 2. Per tensor: distinct targets intersected with the saved chunks.
+    let found = find_tensor_pieces(meta, requests, options, &asked)?;
+
+    // 3. Plan-wide ids in tensor order (deterministic whatever the thread timing): targets,
+    // pieces, groups, and which pieces make up each target.
+    let mut builder = PieceBuilder::new(world);
+    let mut ids = PlanIds {
+        dest_targets: destinations.iter().map(|d| vec![0; d.len()]).collect(),
+        target_count: 0,
+        memberships: Vec::new(),
+        unique_bytes_needed: 0,
+        slab_count: 0,
+    };
+    for (t, result) in found {
+        ids.add(&mut builder, t, result?);
+    }
+    let (target_piece_offsets, target_piece_ids) = ids.target_pieces();
+
+    builder.finish(
+        meta,
+        options,
+        sources,
+        ids.slab_count,
+        destinations,
+        Targets {
+            dest_targets: ids.dest_targets,
+            target_piece_offsets,
+            target_piece_ids,
+        },
+        ids.unique_bytes_needed,
+    )
+}
+
+/// Every rank's destinations (its requests, checked against the tensors), and per tensor the
+/// (rank, destination) pairs that ask for it, in rank order.
+#[allow(clippy::type_complexity)]
+fn destinations(
+    tensors: &[TensorMeta],
+    requests: &RequestSet,
+) -> Result<(Vec<Vec<Destination>>, Vec<Vec<(u32, u32)>>), PlanError> {
+    let mut destinations: Vec<Vec<Destination>> = Vec::with_capacity(requests.ranks.len());
     let mut asked: Vec<Vec<(u32, u32)>> = vec![Vec::new(); tensors.len()];
     for (rank, rank_requests) in requests.ranks.iter().enumerate() {
         let rank = rank as u32;
@@ -405,11 +447,20 @@ pub fn plan_with_sources(
         }
         destinations.push(rank_destinations);
     }
+    Ok((destinations, asked))
+}
 
-    // 2. Per tensor (independent, so spread over the cores): fold identical requests (DP
-    // replicas) into distinct targets, and intersect those with the saved chunks through a
-    // partition index.
-    let work: Vec<u32> = (0..tensors.len() as u32)
+/// Per tensor asked for (independent, so spread over the cores): folds identical requests (DP
+/// replicas) into distinct targets, and intersects those with the saved chunks through a
+/// partition index. The results come in tensor order.
+#[allow(clippy::type_complexity)]
+fn find_tensor_pieces<'r>(
+    meta: &Arc<CheckpointMeta>,
+    requests: &'r RequestSet,
+    options: &PlanOptions,
+    asked: &[Vec<(u32, u32)>],
+) -> Result<Vec<(u32, Result<TensorPieces<'r>, PlanError>)>, PlanError> {
+    let work: Vec<u32> = (0..asked.len() as u32)
         .filter(|&t| !asked[t as usize].is_empty())
         .collect();
     let workers = std::thread::available_parallelism()
@@ -449,41 +500,49 @@ pub fn plan_with_sources(
         });
     }
     found.sort_by_key(|(t, _)| *t);
+    Ok(found)
+}
 
-    // 3. Plan-wide ids in tensor order (deterministic whatever the thread timing): targets,
-    // pieces, groups, and which pieces make up each target.
-    let mut builder = PieceBuilder::new(world);
-    let mut dest_targets: Vec<Vec<u32>> = destinations.iter().map(|d| vec![0; d.len()]).collect();
-    let mut target_count = 0u32;
-    let mut memberships: Vec<(u32, u32)> = Vec::new();
-    let mut unique_bytes_needed = 0u64;
-    let mut slab_count = 0u32;
-    for (t, result) in found {
+/// The plan-wide numbering of what the workers found, tensor by tensor: target ids (by rank and
+/// destination), which pieces make up each target, storage-order slabs, and the bytes needed.
+struct PlanIds {
+    dest_targets: Vec<Vec<u32>>,
+    target_count: u32,
+    /// (target, piece) pairs.
+    memberships: Vec<(u32, u32)>,
+    unique_bytes_needed: u64,
+    slab_count: u32,
+}
+
+impl PlanIds {
+    /// Numbers tensor `t`'s targets and adds its pieces to `builder`, each with the group of
+    /// ranks that hold it.
+    fn add(&mut self, builder: &mut PieceBuilder, t: u32, found: TensorPieces<'_>) {
         let TensorPieces {
             targets,
             pieces,
             unique_bytes,
-        } = result?;
-        unique_bytes_needed += unique_bytes;
-        let base = target_count;
+        } = found;
+        self.unique_bytes_needed += unique_bytes;
+        let base = self.target_count;
         let mut target_group: Vec<u32> = vec![u32::MAX; targets.len()];
         for id in 0..targets.len() as u32 {
             for &(rank, dest) in targets.holders(id) {
-                dest_targets[rank as usize][dest as usize] = base + id;
+                self.dest_targets[rank as usize][dest as usize] = base + id;
             }
         }
-        target_count += targets.len() as u32;
+        self.target_count += targets.len() as u32;
         builder.pieces.reserve(pieces.len());
-        let slab_base = slab_count;
+        let slab_base = self.slab_count;
         for local in pieces {
             let slab = (local.slab != u32::MAX).then(|| {
-                slab_count = slab_count.max(slab_base + local.slab + 1);
+                self.slab_count = self.slab_count.max(slab_base + local.slab + 1);
                 slab_base + local.slab
             });
             let piece = builder.pieces.len() as u32;
             let group = match &local.holders {
                 Holders::Target(id) => {
-                    memberships.push((base + *id, piece));
+                    self.memberships.push((base + *id, piece));
                     let cached = &mut target_group[*id as usize];
                     if *cached == u32::MAX {
                         *cached = builder.group_of(targets.holders(*id).iter().map(|h| h.0));
@@ -491,7 +550,8 @@ pub fn plan_with_sources(
                     *cached
                 }
                 Holders::Cell(ids) => {
-                    memberships.extend(ids.iter().map(|&id| (base + id, piece)));
+                    self.memberships
+                        .extend(ids.iter().map(|&id| (base + id, piece)));
                     builder.group_of(
                         ids.iter()
                             .flat_map(|&id| targets.holders(id).iter().map(|h| h.0)),
@@ -509,34 +569,26 @@ pub fn plan_with_sources(
             });
         }
     }
-    // Counting sort of (target, piece) into a CSR; pieces stay ascending within a target.
-    let mut target_piece_offsets = vec![0u32; target_count as usize + 1];
-    for &(id, _) in &memberships {
-        target_piece_offsets[id as usize + 1] += 1;
-    }
-    for i in 0..target_count as usize {
-        target_piece_offsets[i + 1] += target_piece_offsets[i];
-    }
-    let mut fill = target_piece_offsets.clone();
-    let mut target_piece_ids = vec![0u32; memberships.len()];
-    for (id, piece) in memberships {
-        target_piece_ids[fill[id as usize] as usize] = piece;
-        fill[id as usize] += 1;
-    }
 
-    builder.finish(
-        meta,
-        options,
-        sources,
-        slab_count,
-        destinations,
-        Targets {
-            dest_targets,
-            target_piece_offsets,
-            target_piece_ids,
-        },
-        unique_bytes_needed,
-    )
+    /// Which pieces make up each target, as a CSR (offsets per target, piece ids): a counting
+    /// sort of the memberships, pieces ascending within a target.
+    fn target_pieces(&mut self) -> (Vec<u32>, Vec<u32>) {
+        let target_count = self.target_count as usize;
+        let mut target_piece_offsets = vec![0u32; target_count + 1];
+        for &(id, _) in &self.memberships {
+            target_piece_offsets[id as usize + 1] += 1;
+        }
+        for i in 0..target_count {
+            target_piece_offsets[i + 1] += target_piece_offsets[i];
+        }
+        let mut fill = target_piece_offsets.clone();
+        let mut target_piece_ids = vec![0u32; self.memberships.len()];
+        for (id, piece) in std::mem::take(&mut self.memberships) {
+            target_piece_ids[fill[id as usize] as usize] = piece;
+            fill[id as usize] += 1;
+        }
+        (target_piece_offsets, target_piece_ids)
+    }
 }
 
 /// Which pieces each rank's destinations are made of (see [`Plan::placements`]).
@@ -912,174 +964,12 @@ impl PieceBuilder {
             .map(|p| p.region.numel() * tensors[p.tensor as usize].dtype.size())
             .collect();
 
-        // 3. Readers. Pieces only one rank needs are that rank's; small pieces of wide groups are
-        // read by every holder; the shared ones and the storage-order slabs (each read whole by
-        // one rank that needs part of it) go, largest first, to the least-loaded candidate
-        // (worst-fit), which balances bytes read per rank. A piece of a file that a faster tier
-        // holds (`sources`) is read there: its candidates are the ranks that can read that copy,
-        // and the one chosen relays it when it needs none of it.
-        let file_of = |p: &Piece| meta.chunks()[p.chunk as usize].bytes.file;
-        let tier_readers = |p: &Piece| sources.cheapest(file_of(p)).map(|(_, ranks)| ranks);
-        let mut load = vec![0u64; self.world as usize];
-        let mut slab_pieces: Vec<Vec<u32>> = vec![Vec::new(); slab_count as usize];
-        let mut units: Vec<(u64, Unit)> = Vec::new();
-        for (i, p) in self.pieces.iter_mut().enumerate() {
-            let members = &self.groups[p.group as usize].members;
-            // Whether every rank that needs the piece may read it itself: no tier holds its file,
-            // or every one of them can read the tier's copy.
-            let holders_may_read = tier_readers(p)
-                .is_none_or(|ranks| members.iter().all(|m| ranks.binary_search(m).is_ok()));
-            if let Some(s) = p.slab {
-                slab_pieces[s as usize].push(i as u32);
-            } else if members.len() == 1 && holders_may_read {
-                p.reader = members[0];
-                load[members[0] as usize] += piece_bytes[i];
-            } else if holders_may_read
-                && piece_bytes[i] <= options.holder_read_max_bytes
-                && members.len() >= options.holder_read_min_members.max(2) as usize
-            {
-                p.reader = members[0];
-                p.read_by_holders = true;
-                for &m in members {
-                    load[m as usize] += piece_bytes[i];
-                }
-            } else {
-                units.push((piece_bytes[i], Unit::Piece(i as u32)));
-            }
-        }
-        for (s, pieces) in slab_pieces.iter().enumerate() {
-            let bytes = pieces.iter().map(|&i| piece_bytes[i as usize]).sum();
-            units.push((bytes, Unit::Slab(s as u32)));
-        }
-        // Largest first, ties in the order made (pieces by id, then slabs by id). Pieces come in
-        // few distinct sizes (one per tensor shard shape), so bucketing by size is a linear-time
-        // sort.
-        let mut by_size: FxHashMap<u64, Vec<Unit>> = FxHashMap::default();
-        for (bytes, unit) in units {
-            by_size.entry(bytes).or_default().push(unit);
-        }
-        let mut sizes: Vec<u64> = by_size.keys().copied().collect();
-        sizes.sort_unstable_by(|a, b| b.cmp(a));
-        let mut candidates: Vec<u32> = Vec::new();
-        let mut relayed = 0u64;
-        for (bytes, unit) in sizes
-            .iter()
-            .flat_map(|size| by_size[size].iter().map(move |&u| (*size, u)))
-        {
-            candidates.clear();
-            let first = match unit {
-                Unit::Piece(i) => i,
-                // A slab is one saved chunk's rows: one file.
-                Unit::Slab(s) => slab_pieces[s as usize][0],
-            };
-            match (unit, tier_readers(&self.pieces[first as usize])) {
-                (_, Some(ranks)) => {
-                    // Ranks that need the piece and can read the copy read it (no relay); only
-                    // when none can, a holder of the copy reads it and passes it on.
-                    let single = [first];
-                    let of_unit: &[u32] = match unit {
-                        Unit::Piece(_) => &single,
-                        Unit::Slab(s) => &slab_pieces[s as usize],
-                    };
-                    for &i in of_unit {
-                        let members = &self.groups[self.pieces[i as usize].group as usize].members;
-                        candidates
-                            .extend(members.iter().filter(|m| ranks.binary_search(m).is_ok()));
-                    }
-                    candidates.sort_unstable();
-                    candidates.dedup();
-                    if candidates.is_empty() {
-                        candidates.extend_from_slice(ranks);
-                    }
-                }
-                (Unit::Piece(i), None) => candidates.extend_from_slice(
-                    &self.groups[self.pieces[i as usize].group as usize].members,
-                ),
-                (Unit::Slab(s), None) => {
-                    for &i in &slab_pieces[s as usize] {
-                        let g = self.pieces[i as usize].group as usize;
-                        candidates.extend_from_slice(&self.groups[g].members);
-                    }
-                    candidates.sort_unstable();
-                    candidates.dedup();
-                }
-            }
-            let mut reader = candidates[0];
-            for &m in &candidates[1..] {
-                if load[m as usize] < load[reader as usize] {
-                    reader = m;
-                }
-            }
-            load[reader as usize] += bytes;
-            let single = [first];
-            let of_unit: &[u32] = match unit {
-                Unit::Piece(_) => &single,
-                Unit::Slab(s) => &slab_pieces[s as usize],
-            };
-            for &i in of_unit {
-                let g = self.pieces[i as usize].group;
-                let members = &self.groups[g as usize].members;
-                // The reader relays what it does not need itself (a slab's reader, a tier copy's
-                // reader): it joins the piece's ring so that the exchange hands the piece on.
-                if members.binary_search(&reader).is_err() {
-                    let with_reader: Vec<u32> = members.iter().copied().chain([reader]).collect();
-                    relayed += piece_bytes[i as usize];
-                    self.pieces[i as usize].group = self.group_of(with_reader.into_iter());
-                }
-                self.pieces[i as usize].reader = reader;
-            }
-        }
-        let mut from_tier = 0u64;
-        if !sources.is_empty() {
-            for (p, &bytes) in self.pieces.iter().zip(&piece_bytes) {
-                let file = file_of(p);
-                from_tier += if p.read_by_holders {
-                    let members = &self.groups[p.group as usize].members;
-                    let n = members
-                        .iter()
-                        .filter(|&&m| sources.reads_from_tier(file, m))
-                        .count();
-                    bytes * n as u64
-                } else if sources.reads_from_tier(file, p.reader) {
-                    bytes
-                } else {
-                    0
-                };
-            }
-        }
+        // 3. Readers, and what they read from a faster tier.
+        let (load, relayed) = self.assign_readers(meta, options, sources, slab_count, &piece_bytes);
+        let from_tier = self.bytes_from_tier(meta, sources, &piece_bytes);
 
-        // 4. Indexes for per-rank extraction, built in linear time: each rank's reads in id
-        // order, and each group's exchanged pieces by (reader, id) by walking the readers in rank
-        // order.
-        let mut reads: Vec<Vec<u32>> = vec![Vec::new(); self.world as usize];
-        for (i, p) in self.pieces.iter().enumerate() {
-            if p.read_by_holders {
-                for &m in &self.groups[p.group as usize].members {
-                    reads[m as usize].push(i as u32);
-                }
-            } else {
-                reads[p.reader as usize].push(i as u32);
-            }
-        }
-        let mut group_pieces: Vec<Vec<u32>> = vec![Vec::new(); self.groups.len()];
-        for rank_reads in &reads {
-            for &i in rank_reads {
-                let p = &self.pieces[i as usize];
-                let g = p.group as usize;
-                if self.groups[g].members.len() > 1 && !p.read_by_holders {
-                    group_pieces[g].push(i);
-                }
-            }
-        }
-        let mut rank_groups: Vec<Vec<u32>> = vec![Vec::new(); self.world as usize];
-        for (g, group) in self.groups.iter().enumerate() {
-            if group.members.len() > 1 && !group_pieces[g].is_empty() {
-                for &m in &group.members {
-                    rank_groups[m as usize].push(g as u32);
-                }
-            }
-        }
-
+        // 4. Indexes for per-rank extraction.
+        let (reads, group_pieces, rank_groups) = self.rank_indexes();
         let joint_checks = if options.joint_checks {
             joint_checks(meta, &self.pieces, &self.groups, options.block_checksums)
         } else {
@@ -1124,4 +1014,216 @@ impl PieceBuilder {
             summary,
         })
     }
+
+    /// Chooses every piece's reader; returns the bytes each rank reads and the bytes relayed.
+    /// Pieces only one rank needs are that rank's; small pieces of wide groups are read by every
+    /// holder; the shared ones and the storage-order slabs (each read whole by one rank that needs
+    /// part of it) go, largest first, to the least-loaded candidate (worst-fit), which balances
+    /// bytes read per rank. A piece of a file that a faster tier holds (`sources`) is read there:
+    /// its candidates are the ranks that can read that copy, and the one chosen relays it when it
+    /// needs none of it.
+    fn assign_readers(
+        &mut self,
+        meta: &CheckpointMeta,
+        options: &PlanOptions,
+        sources: &ReadSources,
+        slab_count: u32,
+        piece_bytes: &[u64],
+    ) -> (Vec<u64>, u64) {
+        let mut load = vec![0u64; self.world as usize];
+        let mut slab_pieces: Vec<Vec<u32>> = vec![Vec::new(); slab_count as usize];
+        let mut units: Vec<(u64, Unit)> = Vec::new();
+        for (i, p) in self.pieces.iter_mut().enumerate() {
+            let members = &self.groups[p.group as usize].members;
+            // Whether every rank that needs the piece may read it itself: no tier holds its file,
+            // or every one of them can read the tier's copy.
+            let holders_may_read = tier_readers(meta, sources, p)
+                .is_none_or(|ranks| members.iter().all(|m| ranks.binary_search(m).is_ok()));
+            if let Some(s) = p.slab {
+                slab_pieces[s as usize].push(i as u32);
+            } else if members.len() == 1 && holders_may_read {
+                p.reader = members[0];
+                load[members[0] as usize] += piece_bytes[i];
+            } else if holders_may_read
+                && piece_bytes[i] <= options.holder_read_max_bytes
+                && members.len() >= options.holder_read_min_members.max(2) as usize
+            {
+                p.reader = members[0];
+                p.read_by_holders = true;
+                for &m in members {
+                    load[m as usize] += piece_bytes[i];
+                }
+            } else {
+                units.push((piece_bytes[i], Unit::Piece(i as u32)));
+            }
+        }
+        for (s, pieces) in slab_pieces.iter().enumerate() {
+            let bytes = pieces.iter().map(|&i| piece_bytes[i as usize]).sum();
+            units.push((bytes, Unit::Slab(s as u32)));
+        }
+        // Largest first, ties in the order made (pieces by id, then slabs by id). Pieces come in
+        // few distinct sizes (one per tensor shard shape), so bucketing by size is a linear-time
+        // sort.
+        let mut by_size: FxHashMap<u64, Vec<Unit>> = FxHashMap::default();
+        for (bytes, unit) in units {
+            by_size.entry(bytes).or_default().push(unit);
+        }
+        let mut sizes: Vec<u64> = by_size.keys().copied().collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        let mut candidates: Vec<u32> = Vec::new();
+        let mut relayed = 0u64;
+        for (bytes, unit) in sizes
+            .iter()
+            .flat_map(|size| by_size[size].iter().map(move |&u| (*size, u)))
+        {
+            let first = match unit {
+                Unit::Piece(i) => i,
+                // A slab is one saved chunk's rows: one file.
+                Unit::Slab(s) => slab_pieces[s as usize][0],
+            };
+            let single = [first];
+            let of_unit: &[u32] = match unit {
+                Unit::Piece(_) => &single,
+                Unit::Slab(s) => &slab_pieces[s as usize],
+            };
+            let tier = tier_readers(meta, sources, &self.pieces[first as usize]);
+            self.candidates(unit, of_unit, tier, &mut candidates);
+            let mut reader = candidates[0];
+            for &m in &candidates[1..] {
+                if load[m as usize] < load[reader as usize] {
+                    reader = m;
+                }
+            }
+            load[reader as usize] += bytes;
+            relayed += self.set_reader(of_unit, reader, piece_bytes);
+        }
+        (load, relayed)
+    }
+
+    /// The ranks that may read a shared piece or slab (`of_unit`: its pieces) into `out`. With
+    /// a tier copy of its file (`tier`: the ranks that can read the copy), the ranks that need
+    /// it and can read the copy (no relay), or, only when none can, every holder of the copy;
+    /// otherwise the members of its pieces' groups.
+    fn candidates(&self, unit: Unit, of_unit: &[u32], tier: Option<&[u32]>, out: &mut Vec<u32>) {
+        out.clear();
+        match (unit, tier) {
+            (_, Some(ranks)) => {
+                for &i in of_unit {
+                    let members = &self.groups[self.pieces[i as usize].group as usize].members;
+                    out.extend(members.iter().filter(|m| ranks.binary_search(m).is_ok()));
+                }
+                out.sort_unstable();
+                out.dedup();
+                if out.is_empty() {
+                    out.extend_from_slice(ranks);
+                }
+            }
+            (Unit::Piece(i), None) => {
+                out.extend_from_slice(&self.groups[self.pieces[i as usize].group as usize].members)
+            }
+            (Unit::Slab(_), None) => {
+                for &i in of_unit {
+                    let g = self.pieces[i as usize].group as usize;
+                    out.extend_from_slice(&self.groups[g].members);
+                }
+                out.sort_unstable();
+                out.dedup();
+            }
+        }
+    }
+
+    /// Makes `reader` the reader of the pieces `of_unit`; returns the bytes it relays. The
+    /// reader relays what it does not need itself (a slab's reader, a tier copy's reader): it
+    /// joins the piece's ring so that the exchange hands the piece on.
+    fn set_reader(&mut self, of_unit: &[u32], reader: u32, piece_bytes: &[u64]) -> u64 {
+        let mut relayed = 0u64;
+        for &i in of_unit {
+            let g = self.pieces[i as usize].group;
+            let members = &self.groups[g as usize].members;
+            if members.binary_search(&reader).is_err() {
+                let with_reader: Vec<u32> = members.iter().copied().chain([reader]).collect();
+                relayed += piece_bytes[i as usize];
+                self.pieces[i as usize].group = self.group_of(with_reader.into_iter());
+            }
+            self.pieces[i as usize].reader = reader;
+        }
+        relayed
+    }
+
+    /// Bytes the readers read from a faster tier's copies rather than from storage (every
+    /// holder's read counted for pieces read by their holders).
+    fn bytes_from_tier(
+        &self,
+        meta: &CheckpointMeta,
+        sources: &ReadSources,
+        piece_bytes: &[u64],
+    ) -> u64 {
+        let mut from_tier = 0u64;
+        if sources.is_empty() {
+            return from_tier;
+        }
+        for (p, &bytes) in self.pieces.iter().zip(piece_bytes) {
+            let file = meta.chunks()[p.chunk as usize].bytes.file;
+            from_tier += if p.read_by_holders {
+                let members = &self.groups[p.group as usize].members;
+                let n = members
+                    .iter()
+                    .filter(|&&m| sources.reads_from_tier(file, m))
+                    .count();
+                bytes * n as u64
+            } else if sources.reads_from_tier(file, p.reader) {
+                bytes
+            } else {
+                0
+            };
+        }
+        from_tier
+    }
+
+    /// The indexes per-rank extraction uses, built in linear time: each rank's reads in id order
+    /// (`reads`), each group's exchanged pieces by (reader, id) by walking the readers in rank
+    /// order (`group_pieces`), and each rank's groups that exchange something (`rank_groups`).
+    #[allow(clippy::type_complexity)]
+    fn rank_indexes(&self) -> (Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<Vec<u32>>) {
+        let mut reads: Vec<Vec<u32>> = vec![Vec::new(); self.world as usize];
+        for (i, p) in self.pieces.iter().enumerate() {
+            if p.read_by_holders {
+                for &m in &self.groups[p.group as usize].members {
+                    reads[m as usize].push(i as u32);
+                }
+            } else {
+                reads[p.reader as usize].push(i as u32);
+            }
+        }
+        let mut group_pieces: Vec<Vec<u32>> = vec![Vec::new(); self.groups.len()];
+        for rank_reads in &reads {
+            for &i in rank_reads {
+                let p = &self.pieces[i as usize];
+                let g = p.group as usize;
+                if self.groups[g].members.len() > 1 && !p.read_by_holders {
+                    group_pieces[g].push(i);
+                }
+            }
+        }
+        let mut rank_groups: Vec<Vec<u32>> = vec![Vec::new(); self.world as usize];
+        for (g, group) in self.groups.iter().enumerate() {
+            if group.members.len() > 1 && !group_pieces[g].is_empty() {
+                for &m in &group.members {
+                    rank_groups[m as usize].push(g as u32);
+                }
+            }
+        }
+        (reads, group_pieces, rank_groups)
+    }
+}
+
+/// The ranks that can read the copy of the piece's file that a faster tier holds, if one does.
+fn tier_readers<'s>(
+    meta: &CheckpointMeta,
+    sources: &'s ReadSources,
+    p: &Piece,
+) -> Option<&'s [u32]> {
+    sources
+        .cheapest(meta.chunks()[p.chunk as usize].bytes.file)
+        .map(|(_, ranks)| ranks)
 }

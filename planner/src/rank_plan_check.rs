@@ -13,7 +13,7 @@ use tessera_metadata::{BoxIndex, CheckpointMeta, TensorBox, TensorMeta, row_majo
 use crate::peer_digest::target_text;
 use crate::rank_plan::{place_runs, source_runs};
 use crate::request::{flat_index, global_strides};
-use crate::{PlanError, RankPlan, Request, Target};
+use crate::{PlanError, RankPiece, RankPlan, Request, SourceRead, Target};
 
 /// Above this many saved boxes a tensor's boxes are looked up through an index instead of a scan.
 const INDEX_ABOVE: usize = 32;
@@ -26,146 +26,35 @@ impl RankPlan {
     /// say. The error names the rank and the piece. Pure, and linear in the plan (each piece's
     /// saved box is looked up through an index for tensors saved in many boxes).
     pub fn check_against(&self, meta: &CheckpointMeta) -> Result<(), PlanError> {
-        let bad = |detail: String| PlanError::DisagreesWithCheckpoint {
-            rank: self.rank,
-            detail,
-        };
-        // The plan's tensors, as indices into the opened metadata.
-        let mut by_name: HashMap<&str, u32> = HashMap::with_capacity(meta.tensors().len());
-        for (i, t) in meta.tensors().iter().enumerate() {
-            by_name.insert(t.fqn.as_str(), i as u32);
-        }
-        let mut opened = Vec::with_capacity(self.tensors.len());
-        for t in &self.tensors {
-            let Some(&index) = by_name.get(t.fqn.as_str()) else {
-                return Err(bad(format!("tensor {} is not in the checkpoint", t.fqn)));
-            };
-            let there = &meta.tensors()[index as usize];
-            if there.dtype != t.dtype || there.shape != t.shape {
-                return Err(bad(format!(
-                    "tensor {} is {} {:?} in the plan but {} {:?} in the checkpoint",
-                    t.fqn, t.dtype, t.shape, there.dtype, there.shape
-                )));
-            }
-            opened.push(index);
-        }
-        let tensor_of = |local: u32, what: &str| -> Result<(&TensorMeta, u32), PlanError> {
-            match opened.get(local as usize) {
-                Some(&index) => Ok((&self.tensors[local as usize], index)),
-                None => Err(bad(format!(
-                    "{what} names tensor #{local} but the plan lists {} tensors",
-                    self.tensors.len()
-                ))),
-            }
-        };
-        for (d, dest) in self.destinations.iter().enumerate() {
-            let (tensor, _) = tensor_of(dest.tensor, &format!("destination {d}"))?;
-            let within = match &dest.target {
-                Target::Box(b) => inside(b, &tensor.shape),
-                Target::Flat { start, end } => start <= end && *end <= tensor.numel(),
-            };
-            if !within || dest.bytes != dest.target.numel() * tensor.dtype.size() {
-                return Err(bad(format!(
-                    "destination {d} ({} bytes of tensor {}, {:?}) is not a part of the tensor \
-                     {:?} of that size",
-                    dest.bytes, tensor.fqn, dest.target, tensor.shape
-                )));
-            }
-        }
-        let mut indexes: HashMap<u32, BoxIndex> = HashMap::new();
-        let mut candidates: Vec<u32> = Vec::new();
+        let mut check = AgainstCheckpoint::new(self, meta)?;
+        check.destinations()?;
         // What lands in each destination: its bytes, and the boxes of the pieces placed there.
         let mut placed: Vec<(u64, Vec<TensorBox>)> = vec![(0, Vec::new()); self.destinations.len()];
         for piece in &self.pieces {
-            let (tensor, index) = tensor_of(piece.tensor, &format!("piece {}", piece.id))?;
+            let (tensor, index) = check.tensor_of(piece.tensor, &format!("piece {}", piece.id))?;
             let esize = tensor.dtype.size();
-            let piece_bad = |detail: String| {
-                bad(format!(
-                    "piece {} ({} {:?}+{:?}): {detail}",
-                    piece.id, tensor.fqn, piece.region.offsets, piece.region.lengths
-                ))
-            };
             if !inside(&piece.region, &tensor.shape) {
-                return Err(piece_bad(format!(
-                    "outside the tensor's shape {:?}",
-                    tensor.shape
-                )));
+                return Err(check.piece_error(
+                    piece,
+                    tensor,
+                    format!("outside the tensor's shape {:?}", tensor.shape),
+                ));
             }
             if piece.bytes != piece.region.numel() * esize {
-                return Err(piece_bad(format!(
-                    "{} bytes where the box holds {}",
-                    piece.bytes,
-                    piece.region.numel() * esize
-                )));
+                return Err(check.piece_error(
+                    piece,
+                    tensor,
+                    format!(
+                        "{} bytes where the box holds {}",
+                        piece.bytes,
+                        piece.region.numel() * esize
+                    ),
+                ));
             }
             if let Some(read) = &piece.read {
-                let Some(file) = self.files.get(read.file as usize) else {
-                    return Err(piece_bad(format!(
-                        "reads file #{} but the plan lists {} files",
-                        read.file,
-                        self.files.len()
-                    )));
-                };
-                let chunks = meta.chunks_of(index);
-                candidates.clear();
-                if chunks.len() > INDEX_ABOVE {
-                    indexes
-                        .entry(index)
-                        .or_insert_with(|| {
-                            BoxIndex::build(chunks.iter().map(|c| c.region.clone()).collect())
-                        })
-                        .query(&piece.region, &mut candidates);
-                } else {
-                    candidates.extend(0..chunks.len() as u32);
-                }
-                let matches = candidates.iter().any(|&c| {
-                    let chunk = &chunks[c as usize];
-                    chunk.region.contains(&piece.region)
-                        && meta
-                            .files()
-                            .get(chunk.bytes.file as usize)
-                            .is_some_and(|f| f.path == *file)
-                        && source_runs(chunk, &piece.region, esize) == read.runs
-                });
-                if !matches {
-                    return Err(piece_bad(format!(
-                        "no saved box of the tensor holds it at the bytes the plan reads ({file} \
-                         from byte {}, {} runs of {} bytes)",
-                        read.runs.src_offset,
-                        read.runs.num_runs(),
-                        read.runs.run_bytes
-                    )));
-                }
+                check.read(piece, tensor, index, read)?;
             }
-            let wire = row_major_strides(&piece.region.lengths);
-            for place in &piece.places {
-                let Some(dest) = self.destinations.get(place.destination as usize) else {
-                    return Err(piece_bad(format!(
-                        "lands in destination {} but the plan has {}",
-                        place.destination,
-                        self.destinations.len()
-                    )));
-                };
-                let holds = dest.tensor == piece.tensor
-                    && match &dest.target {
-                        Target::Box(b) => b.contains(&piece.region),
-                        Target::Flat { start, end } => {
-                            // An empty piece lands nowhere.
-                            flat_span(&piece.region, &tensor.shape)
-                                .is_none_or(|(first, last)| *start <= first && last < *end)
-                        }
-                    };
-                if !holds || place_runs(tensor, &piece.region, &dest.target, &wire) != place.runs {
-                    return Err(piece_bad(format!(
-                        "its placement in destination {} ({:?} of tensor #{}) is not where the \
-                         piece lies in it",
-                        place.destination, dest.target, dest.tensor
-                    )));
-                }
-                let into = &mut placed[place.destination as usize];
-                into.0 += piece.bytes;
-                into.1.push(piece.region.clone());
-            }
+            check.places(piece, tensor, &mut placed)?;
         }
         // Every byte of every destination is placed exactly once: the boxes placed there are
         // disjoint (each inside the destination, checked above) and fill it.
@@ -173,7 +62,7 @@ impl RankPlan {
             let overlap = BoxIndex::build(boxes).find_overlap();
             if bytes != dest.bytes || overlap.is_some() {
                 let tensor = &self.tensors[dest.tensor as usize];
-                return Err(bad(format!(
+                return Err(check.error(format!(
                     "destination {d} ({} {:?}, {} bytes) is {}",
                     tensor.fqn,
                     dest.target,
@@ -185,6 +74,203 @@ impl RankPlan {
                     }
                 )));
             }
+        }
+        Ok(())
+    }
+}
+
+/// A rank plan being checked against the opened checkpoint's metadata
+/// ([`RankPlan::check_against`]): the plan's tensors as indices into the metadata, and the box
+/// indexes of tensors saved in many boxes, built on first use.
+struct AgainstCheckpoint<'a> {
+    plan: &'a RankPlan,
+    meta: &'a CheckpointMeta,
+    /// Per plan tensor, its index in the metadata.
+    opened: Vec<u32>,
+    indexes: HashMap<u32, BoxIndex>,
+    /// Scratch for box lookups.
+    candidates: Vec<u32>,
+}
+
+impl<'a> AgainstCheckpoint<'a> {
+    /// Looks the plan's tensors up in the metadata: each must be there with the same dtype and
+    /// shape.
+    fn new(plan: &'a RankPlan, meta: &'a CheckpointMeta) -> Result<Self, PlanError> {
+        let mut check = AgainstCheckpoint {
+            plan,
+            meta,
+            opened: Vec::with_capacity(plan.tensors.len()),
+            indexes: HashMap::new(),
+            candidates: Vec::new(),
+        };
+        let mut by_name: HashMap<&str, u32> = HashMap::with_capacity(meta.tensors().len());
+        for (i, t) in meta.tensors().iter().enumerate() {
+            by_name.insert(t.fqn.as_str(), i as u32);
+        }
+        for t in &plan.tensors {
+            let Some(&index) = by_name.get(t.fqn.as_str()) else {
+                return Err(check.error(format!("tensor {} is not in the checkpoint", t.fqn)));
+            };
+            let there = &meta.tensors()[index as usize];
+            if there.dtype != t.dtype || there.shape != t.shape {
+                return Err(check.error(format!(
+                    "tensor {} is {} {:?} in the plan but {} {:?} in the checkpoint",
+                    t.fqn, t.dtype, t.shape, there.dtype, there.shape
+                )));
+            }
+            check.opened.push(index);
+        }
+        Ok(check)
+    }
+
+    fn error(&self, detail: String) -> PlanError {
+        PlanError::DisagreesWithCheckpoint {
+            rank: self.plan.rank,
+            detail,
+        }
+    }
+
+    /// An error about `piece` (of `tensor`), naming it.
+    fn piece_error(&self, piece: &RankPiece, tensor: &TensorMeta, detail: String) -> PlanError {
+        self.error(format!(
+            "piece {} ({} {:?}+{:?}): {detail}",
+            piece.id, tensor.fqn, piece.region.offsets, piece.region.lengths
+        ))
+    }
+
+    /// The plan's tensor `local` (named by `what`) and its index in the metadata.
+    fn tensor_of(&self, local: u32, what: &str) -> Result<(&'a TensorMeta, u32), PlanError> {
+        match self.opened.get(local as usize) {
+            Some(&index) => Ok((&self.plan.tensors[local as usize], index)),
+            None => Err(self.error(format!(
+                "{what} names tensor #{local} but the plan lists {} tensors",
+                self.plan.tensors.len()
+            ))),
+        }
+    }
+
+    /// Every destination is a part of its tensor, of the bytes that part holds.
+    fn destinations(&self) -> Result<(), PlanError> {
+        for (d, dest) in self.plan.destinations.iter().enumerate() {
+            let (tensor, _) = self.tensor_of(dest.tensor, &format!("destination {d}"))?;
+            let within = match &dest.target {
+                Target::Box(b) => inside(b, &tensor.shape),
+                Target::Flat { start, end } => start <= end && *end <= tensor.numel(),
+            };
+            if !within || dest.bytes != dest.target.numel() * tensor.dtype.size() {
+                return Err(self.error(format!(
+                    "destination {d} ({} bytes of tensor {}, {:?}) is not a part of the tensor \
+                     {:?} of that size",
+                    dest.bytes, tensor.fqn, dest.target, tensor.shape
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The piece's read takes its bytes from a saved box of its tensor (metadata index `index`)
+    /// that holds it: the box's file, and the runs of the piece within the box.
+    fn read(
+        &mut self,
+        piece: &RankPiece,
+        tensor: &TensorMeta,
+        index: u32,
+        read: &SourceRead,
+    ) -> Result<(), PlanError> {
+        let meta = self.meta;
+        let esize = tensor.dtype.size();
+        let Some(file) = self.plan.files.get(read.file as usize) else {
+            return Err(self.piece_error(
+                piece,
+                tensor,
+                format!(
+                    "reads file #{} but the plan lists {} files",
+                    read.file,
+                    self.plan.files.len()
+                ),
+            ));
+        };
+        let chunks = meta.chunks_of(index);
+        self.candidates.clear();
+        if chunks.len() > INDEX_ABOVE {
+            self.indexes
+                .entry(index)
+                .or_insert_with(|| {
+                    BoxIndex::build(chunks.iter().map(|c| c.region.clone()).collect())
+                })
+                .query(&piece.region, &mut self.candidates);
+        } else {
+            self.candidates.extend(0..chunks.len() as u32);
+        }
+        let matches = self.candidates.iter().any(|&c| {
+            let chunk = &chunks[c as usize];
+            chunk.region.contains(&piece.region)
+                && meta
+                    .files()
+                    .get(chunk.bytes.file as usize)
+                    .is_some_and(|f| f.path == *file)
+                && source_runs(chunk, &piece.region, esize) == read.runs
+        });
+        if !matches {
+            return Err(self.piece_error(
+                piece,
+                tensor,
+                format!(
+                    "no saved box of the tensor holds it at the bytes the plan reads ({file} \
+                     from byte {}, {} runs of {} bytes)",
+                    read.runs.src_offset,
+                    read.runs.num_runs(),
+                    read.runs.run_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Each placement of the piece puts it where it lies in a destination of its tensor that
+    /// holds it; adds its bytes and box to what lands there (`placed`).
+    fn places(
+        &self,
+        piece: &RankPiece,
+        tensor: &TensorMeta,
+        placed: &mut [(u64, Vec<TensorBox>)],
+    ) -> Result<(), PlanError> {
+        let wire = row_major_strides(&piece.region.lengths);
+        for place in &piece.places {
+            let Some(dest) = self.plan.destinations.get(place.destination as usize) else {
+                return Err(self.piece_error(
+                    piece,
+                    tensor,
+                    format!(
+                        "lands in destination {} but the plan has {}",
+                        place.destination,
+                        self.plan.destinations.len()
+                    ),
+                ));
+            };
+            let holds = dest.tensor == piece.tensor
+                && match &dest.target {
+                    Target::Box(b) => b.contains(&piece.region),
+                    Target::Flat { start, end } => {
+                        // An empty piece lands nowhere.
+                        flat_span(&piece.region, &tensor.shape)
+                            .is_none_or(|(first, last)| *start <= first && last < *end)
+                    }
+                };
+            if !holds || place_runs(tensor, &piece.region, &dest.target, &wire) != place.runs {
+                return Err(self.piece_error(
+                    piece,
+                    tensor,
+                    format!(
+                        "its placement in destination {} ({:?} of tensor #{}) is not where the \
+                         piece lies in it",
+                        place.destination, dest.target, dest.tensor
+                    ),
+                ));
+            }
+            let into = &mut placed[place.destination as usize];
+            into.0 += piece.bytes;
+            into.1.push(piece.region.clone());
         }
         Ok(())
     }

@@ -571,15 +571,76 @@ def load(
     to_fqn = _state.renamer(rename)
     report = LoadReport()
 
-    targets, keep_alive, copy_back, wanted_objects, missing = [], [], [], [], []
-    materialized = []
+    found = _load_targets(state_dict, tensors, objects, to_fqn, cast, group is not None, report)
+    if found.missing:
+        if strict:
+            raise TesseraError(_missing_message(str(checkpoint_id), found.missing, sorted(tensors) + sorted(objects)))
+        report.missing_keys = [key for key, _fqn in found.missing]
+
+    # Non-tensor values are read and decoded before any tensor is touched (a value that does not
+    # decode fails the load early) and set only after every tensor loaded.
+    decoded = _read_objects(opened, found.wanted_objects, allow_pickle)
+
+    raw, report.exchange = _load_bytes(
+        opened, found.targets, group, rank=rank, world_size=world_size, exchange=exchange,
+        master_addr=master_addr, master_port=master_port, verify=bool(verify), server=server,
+        server_id=server_id, token=token if token is not None else os.environ.get("TESSERA_TOKEN"),
+        timeout=float(timeout), progress=_progress_callback(progress), read_order=read_order,
+        memory_tier=tier_dir,
+    )
+    for name, value in raw.items():
+        if hasattr(report, name):
+            setattr(report, name, value)
+    for why in report.memory_tier_ignored:
+        warnings.warn(f"rank {report.rank}: memory tier {os.fspath(memory_tier)}: {why}", stacklevel=2)
+    _warn_unverified(str(checkpoint_id), bool(verify), report.bytes_unverified)
+
+    _copy_back(found.copy_back, report)
+    found.keep_alive.clear()
+    _set_loaded(outer, state_dict, stateful, decoded + found.materialized)
+    report.tensors_loaded = len(found.targets)
+    report.objects_loaded = len(decoded)
+    report.total_seconds = time.monotonic() - started
+    return report
+
+
+@dataclass
+class _LoadTargets:
+    """What :func:`load` does with a state dict's entries, as :func:`_load_targets` sorts them."""
+
+    # The load targets, the arrays they fill (kept alive until the load ends) and the staged
+    # copies to copy into their tensors afterwards (``(tensor, staged)``).
+    targets: list = field(default_factory=list)
+    keep_alive: list = field(default_factory=list)
+    copy_back: list = field(default_factory=list)
+    # Non-tensor values to read: ``(key, fqn, path, value)``.
+    wanted_objects: list = field(default_factory=list)
+    # Keys the checkpoint lacks: ``(key, fqn)``.
+    missing: list = field(default_factory=list)
+    # Meta tensors replaced by new ones to load: ``(path, tensor)``, set into the state dict.
+    materialized: list = field(default_factory=list)
+
+
+def _load_targets(
+    state_dict: Any,
+    tensors: Dict[str, Any],
+    objects: set,
+    to_fqn: Callable[[str], Any],
+    cast: bool,
+    grouped: bool,
+    report: LoadReport,
+) -> _LoadTargets:
+    """Sorts the flattened ``state_dict``'s entries: tensors into load targets (a target per
+    local shard of a sharded tensor), non-tensor values the checkpoint holds (``objects``) into
+    values to read, the rest into missing keys."""
+    found = _LoadTargets()
     for key, path, value in _state.flatten(state_dict):
         fqn = to_fqn(key)
         if not isinstance(fqn, str):
             raise TypeError(f"rename({key!r}) returned a {type(fqn).__name__}, not a str")
         if _state.is_tensor_entry(value):
             if fqn not in tensors:
-                missing.append((key, fqn))
+                found.missing.append((key, fqn))
                 continue
             if _state.outside_mesh(value):
                 continue  # this rank is not on the DTensor's mesh: it holds nothing of it
@@ -587,7 +648,7 @@ def load(
                 # A tensor or DTensor with no storage (a model built on the meta device): a new
                 # one takes its place in the state dict, as dcp.load does, and is loaded.
                 value = _state.materialize(value)
-                materialized.append((path, value))
+                found.materialized.append((path, value))
             boxes = (
                 _state.sharded_boxes(value) if _state.is_sharded_tensor(value)
                 else _state.chunk_boxes(fqn, value) if _state.plans_by_chunks(value)
@@ -596,70 +657,82 @@ def load(
             if boxes is not None:
                 # Each local shard is a box of the global tensor, loaded in place.
                 for local, offsets in boxes:
-                    filled, back = _destination(
-                        key, fqn, local, tensors[fqn]["dtype"], cast, group is not None, report
-                    )
-                    targets.append(_state.load_target(fqn, filled, offsets, None))
-                    keep_alive.append(filled)
+                    filled, back = _destination(key, fqn, local, tensors[fqn]["dtype"], cast, grouped, report)
+                    found.targets.append(_state.load_target(fqn, filled, offsets, None))
+                    found.keep_alive.append(filled)
                     if back is not None:
-                        copy_back.append(back)
+                        found.copy_back.append(back)
                 continue
             array, offsets, flat_start = _state.entry_array(key, value)
-            filled, back = _destination(key, fqn, array, tensors[fqn]["dtype"], cast, group is not None, report)
-            targets.append(_state.load_target(fqn, filled, offsets, flat_start))
-            keep_alive.append(filled)
+            filled, back = _destination(key, fqn, array, tensors[fqn]["dtype"], cast, grouped, report)
+            found.targets.append(_state.load_target(fqn, filled, offsets, flat_start))
+            found.keep_alive.append(filled)
             if back is not None:
-                copy_back.append(back)
+                found.copy_back.append(back)
         elif fqn in objects:
-            wanted_objects.append((key, fqn, path, value))
+            found.wanted_objects.append((key, fqn, path, value))
         else:
-            missing.append((key, fqn))
-    if missing:
-        if strict:
-            raise TesseraError(_missing_message(str(checkpoint_id), missing, sorted(tensors) + sorted(objects)))
-        report.missing_keys = [key for key, _fqn in missing]
+            found.missing.append((key, fqn))
+    return found
 
-    # Non-tensor values are read and decoded before any tensor is touched (a value that does not
-    # decode fails the load early) and set only after every tensor loaded.
+
+def _read_objects(opened: Any, wanted_objects: list, allow_pickle: bool) -> list:
+    """Reads and decodes the non-tensor values ``wanted_objects`` (``(key, fqn, path, value)``)
+    from the checkpoint: ``(path, decoded value)`` each."""
     stored = opened.read_objects([fqn for _k, fqn, _p, _v in wanted_objects]) if wanted_objects else []
-    decoded = [
+    return [
         (path, _objects.decode(key, data, like, allow_pickle=allow_pickle, archived=opened.format == "dcp"))
         for (key, _fqn, path, like), data in zip(wanted_objects, stored)
     ]
 
-    callback = _progress_callback(progress)
+
+def _load_bytes(
+    opened: Any,
+    targets: list,
+    group: Any,
+    *,
+    rank: Optional[int],
+    world_size: Optional[int],
+    exchange: Optional[bool],
+    master_addr: Optional[str],
+    master_port: Optional[int],
+    verify: bool,
+    server: Optional[str],
+    server_id: Optional[str],
+    token: Optional[str],
+    timeout: float,
+    progress: Optional[Progress],
+    read_order: Optional[str],
+    memory_tier: Optional[str],
+) -> Tuple[dict, str]:
+    """Loads the tensor ``targets``: over the torch process ``group``, or alone or over tessera's
+    own rendezvous without one. Returns the load's report fields and how the ranks exchanged."""
     if group is not None:
         raw = _group.load_over_group(
-            opened, targets, group, verify=bool(verify), server=server, server_id=server_id,
-            token=token if token is not None else os.environ.get("TESSERA_TOKEN"),
-            timeout=float(timeout), progress=callback, read_order=read_order,
-            memory_tier=tier_dir,
+            opened, targets, group, verify=verify, server=server, server_id=server_id,
+            token=token, timeout=timeout, progress=progress, read_order=read_order,
+            memory_tier=memory_tier,
         )
-        report.exchange = "process_group"
-    else:
-        rank, world_size = _ranks(rank, world_size)
-        rendezvous = _rendezvous(master_addr, master_port) if exchange else None
-        if exchange and world_size > 1 and rendezvous is None:
-            raise ValueError(
-                "exchange=True needs a rendezvous: initialize torch.distributed (or pass process_group), "
-                "pass master_addr and master_port, or run under torchrun (MASTER_ADDR, MASTER_PORT)"
-            )
-        raw = json.loads(
-            _tessera.load_into(
-                opened, targets, rank, world_size, rendezvous, server, server_id,
-                token if token is not None else os.environ.get("TESSERA_TOKEN"),
-                bool(verify), True, float(timeout), callback, read_order,
-                tier_dir,
-            )
+        return raw, "process_group"
+    rank, world_size = _ranks(rank, world_size)
+    rendezvous = _rendezvous(master_addr, master_port) if exchange else None
+    if exchange and world_size > 1 and rendezvous is None:
+        raise ValueError(
+            "exchange=True needs a rendezvous: initialize torch.distributed (or pass process_group), "
+            "pass master_addr and master_port, or run under torchrun (MASTER_ADDR, MASTER_PORT)"
         )
-        report.exchange = "tcp" if rendezvous is not None and world_size > 1 else "none"
-    for name, value in raw.items():
-        if hasattr(report, name):
-            setattr(report, name, value)
-    for why in report.memory_tier_ignored:
-        warnings.warn(f"rank {report.rank}: memory tier {os.fspath(memory_tier)}: {why}", stacklevel=2)
-    _warn_unverified(str(checkpoint_id), bool(verify), report.bytes_unverified)
+    raw = json.loads(
+        _tessera.load_into(
+            opened, targets, rank, world_size, rendezvous, server, server_id, token,
+            verify, True, timeout, progress, read_order, memory_tier,
+        )
+    )
+    return raw, "tcp" if rendezvous is not None and world_size > 1 else "none"
 
+
+def _copy_back(copy_back: list, report: LoadReport) -> None:
+    """Copies the staged arrays into the tensors they stand for (``(tensor, staged)``), counting
+    what went to a GPU (and the time until it is there) in ``report``."""
     h2d_started = time.monotonic()
     for dst, staged in copy_back:
         _copy_into(dst, staged)
@@ -670,8 +743,13 @@ def load(
 
         torch.cuda.synchronize()
         report.h2d_seconds += time.monotonic() - h2d_started
-    del keep_alive
-    for path, value in decoded + materialized:
+
+
+def _set_loaded(outer: Any, state_dict: Any, stateful: Dict[Any, Any], values: list) -> None:
+    """Sets the loaded non-tensor and materialized ``values`` (``(path, value)``) into
+    ``state_dict``, hands the Stateful entries their state dicts, and assigns every other
+    top-level value back into the caller's mapping ``outer``."""
+    for path, value in values:
         _state.set_element(state_dict, path, value)
     for key, value in stateful.items():
         value.load_state_dict(state_dict[key])
@@ -681,11 +759,6 @@ def load(
     for key in sorted(state_dict.keys(), key=str):
         if key not in stateful and key in outer:
             outer[key] = state_dict[key]
-    report.tensors_loaded = len(targets)
-    report.objects_loaded = len(decoded)
-    report.total_seconds = time.monotonic() - started
-    return report
-
 
 def plan(
     checkpoint: str,

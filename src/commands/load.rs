@@ -25,6 +25,7 @@ use tessera_loader::exchange::place;
 use tessera_loader::load::{LoadOptions, RankReport};
 use tessera_loader::plan_client::{PlanTarget, server_checkpoint_id};
 use tessera_loader::read::ReadOptions;
+use tessera_loader::tier::TierCopies;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
 use tessera_ops::load::agreement;
@@ -189,46 +190,8 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         }
         _ => None,
     };
-    let mut open_options = super::open_options();
-    if let Some(dir) = &shared_cache {
-        open_options.dcp.cache_dir = Some(dir.path().to_path_buf());
-    }
-    let location =
-        tessera_storage::open_with(&args.checkpoint, &super::storage_options(&args.retry))?;
-    tessera_ops::open::check_local(&args.checkpoint)
-        .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
-    let checkpoint = Checkpoint::open_with(location, &open_options)
-        .await
-        .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
-    for warning in &checkpoint.warnings {
-        eprintln!("warning: {warning}");
-    }
-    if !checkpoint.has_data {
-        bail!(
-            "{}: a metadata-only checkpoint has no data to load",
-            args.checkpoint
-        );
-    }
-    // A rank of a job (--rank) verifies its share of its node's copies with the other ranks
-    // (below); this command's own ranks share one tier, verified here once.
-    let opened = checkpoint.clone();
-    let (checkpoint, tier) = match &args.memory_tier {
-        Some(_) if args.server.is_some() => bail!(
-            "--memory-tier: a plan server plans reads from storage only; drop --server to read from the tier"
-        ),
-        Some(_) if args.transport == TransportKind::Nccl => {
-            bail!("--memory-tier is not supported with --transport nccl yet; use --transport tcp")
-        }
-        Some(_) if args.rank.is_some() => (checkpoint, None),
-        Some(dir) => {
-            let (view, copies) = view_with_tier(&checkpoint, std::path::Path::new(dir))?;
-            for why in &copies.ignored {
-                eprintln!("warning: memory tier {dir}: {why}");
-            }
-            (view, Some(copies))
-        }
-        None => (checkpoint, None),
-    };
+    let opened = open_checkpoint(args, shared_cache.as_ref().map(|d| d.path())).await?;
+    let (checkpoint, tier) = with_memory_tier(args, opened.clone())?;
     let switches = LoadSwitches::from_env();
     let started = Instant::now();
     let planning = plan_options(
@@ -237,25 +200,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         args.transport == TransportKind::Nccl,
         &switches,
     );
-    let plan = match &args.server {
-        Some(_) if !args.filter.is_everything() => bail!(
-            "--include/--exclude filter a plan made here; a server plans every tensor (drop --server)"
-        ),
-        Some(server) => plan_on_server(args, server, &checkpoint).await?,
-        None => {
-            let requests = requests_for(args, &checkpoint)?;
-            // Every rank of this command (in-process, or spawned on this host) sees the same
-            // tier; a rank of a job over several hosts (--rank) plans again with every rank's
-            // offer once the ranks meet.
-            let offers = match (&tier, args.rank) {
-                (Some(copies), None) => {
-                    vec![copies.file_indices(); requests.world_size() as usize]
-                }
-                _ => Vec::new(),
-            };
-            JobPlan::local_with_sources(&checkpoint, &requests, &planning, &sources_of(&offers))?
-        }
-    };
+    let plan = job_plan(args, &checkpoint, tier.as_ref(), &planning).await?;
     let plan_seconds = started.elapsed().as_secs_f64();
     let options = load_options(args, &switches);
     // One bound for every wait on a peer, rendezvous included (it had its own 300 s default).
@@ -270,53 +215,13 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     }
 
     if let Some(rank) = args.rank {
-        let world = plan.world();
-        if let Some(w) = args.world
-            && w != world
-        {
-            bail!("--world {w} but the layout has {world} ranks");
-        }
-        let config = rendezvous(args, &checkpoint, &planning, rank, world)?;
-        let memory = RankMemory::for_rank(args, rank, true)?;
-        let rank_plan = plan.rank_plan(rank).await?;
-        let report = match args.transport {
-            #[cfg(feature = "cuda")]
-            TransportKind::Nccl => {
-                gpu::load_nccl(
-                    args,
-                    &checkpoint,
-                    rank_plan,
-                    &config,
-                    transport_options,
-                    &memory,
-                    &options,
-                )
-                .await?
-            }
-            _ => {
-                let transport = TcpTransport::connect(&config, transport_options).await?;
-                // Every rank takes part (offering nothing without a tier), so that ranks that
-                // disagree on --memory-tier still meet.
-                let found = TierLoad::find(
-                    &opened,
-                    args.memory_tier.as_deref().map(std::path::Path::new),
-                );
-                let (view, sources, copies) = settle_over(&found, &opened, &transport).await?;
-                for why in &copies.ignored {
-                    eprintln!("warning: memory tier: {why}");
-                }
-                let rank_plan = if args.memory_tier.is_some() {
-                    let requests = requests_for(args, &view)?;
-                    JobPlan::local_with_sources(&view, &requests, &planning, &sources)?
-                        .rank_plan(rank)
-                        .await?
-                } else {
-                    rank_plan
-                };
-                let checkpoint = view;
-                load_one(args, &checkpoint, rank_plan, &transport, &memory, &options).await?
-            }
+        let job = JobAt {
+            opened: &opened,
+            checkpoint: &checkpoint,
+            plan: &plan,
+            planning: &planning,
         };
+        let (report, memory) = load_rank(args, rank, &job, transport_options, &options).await?;
         if let Some(path) = &args.report_json {
             std::fs::write(path, serde_json::to_vec(&report)?)
                 .with_context(|| format!("writing {path}"))?;
@@ -367,6 +272,159 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         plan_seconds,
         &kind,
     ))
+}
+
+/// Opens the checkpoint to load (its DCP blob index shared through `shared_cache` when given),
+/// saying its warnings; a metadata-only checkpoint is refused.
+async fn open_checkpoint(
+    args: &LoadArgs,
+    shared_cache: Option<&std::path::Path>,
+) -> Result<Checkpoint> {
+    let mut open_options = super::open_options();
+    if let Some(dir) = shared_cache {
+        open_options.dcp.cache_dir = Some(dir.to_path_buf());
+    }
+    let location =
+        tessera_storage::open_with(&args.checkpoint, &super::storage_options(&args.retry))?;
+    tessera_ops::open::check_local(&args.checkpoint)
+        .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
+    let checkpoint = Checkpoint::open_with(location, &open_options)
+        .await
+        .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
+    for warning in &checkpoint.warnings {
+        eprintln!("warning: {warning}");
+    }
+    if !checkpoint.has_data {
+        bail!(
+            "{}: a metadata-only checkpoint has no data to load",
+            args.checkpoint
+        );
+    }
+    Ok(checkpoint)
+}
+
+/// The checkpoint as this command plans it, and the memory tier copies its ranks share. A rank
+/// of a job (--rank) verifies its share of its node's copies with the other ranks (in
+/// [`load_rank`]); this command's own ranks share one tier, verified here once.
+fn with_memory_tier(
+    args: &LoadArgs,
+    checkpoint: Checkpoint,
+) -> Result<(Checkpoint, Option<TierCopies>)> {
+    Ok(match &args.memory_tier {
+        Some(_) if args.server.is_some() => bail!(
+            "--memory-tier: a plan server plans reads from storage only; drop --server to read from the tier"
+        ),
+        Some(_) if args.transport == TransportKind::Nccl => {
+            bail!("--memory-tier is not supported with --transport nccl yet; use --transport tcp")
+        }
+        Some(_) if args.rank.is_some() => (checkpoint, None),
+        Some(dir) => {
+            let (view, copies) = view_with_tier(&checkpoint, std::path::Path::new(dir))?;
+            for why in &copies.ignored {
+                eprintln!("warning: memory tier {dir}: {why}");
+            }
+            (view, Some(copies))
+        }
+        None => (checkpoint, None),
+    })
+}
+
+/// The job's plan: from the plan server (--server), or made here, reading what `tier` holds
+/// from it.
+async fn job_plan(
+    args: &LoadArgs,
+    checkpoint: &Checkpoint,
+    tier: Option<&TierCopies>,
+    planning: &PlanOptions,
+) -> Result<JobPlan> {
+    Ok(match &args.server {
+        Some(_) if !args.filter.is_everything() => bail!(
+            "--include/--exclude filter a plan made here; a server plans every tensor (drop --server)"
+        ),
+        Some(server) => plan_on_server(args, server, checkpoint).await?,
+        None => {
+            let requests = requests_for(args, checkpoint)?;
+            // Every rank of this command (in-process, or spawned on this host) sees the same
+            // tier; a rank of a job over several hosts (--rank) plans again with every rank's
+            // offer once the ranks meet.
+            let offers = match (tier, args.rank) {
+                (Some(copies), None) => {
+                    vec![copies.file_indices(); requests.world_size() as usize]
+                }
+                _ => Vec::new(),
+            };
+            JobPlan::local_with_sources(checkpoint, &requests, planning, &sources_of(&offers))?
+        }
+    })
+}
+
+/// What one rank of a job (--rank) loads from: the checkpoint as opened (whose node tier copies
+/// it offers), as planned, the job's plan and the options it was planned with.
+struct JobAt<'a> {
+    opened: &'a Checkpoint,
+    checkpoint: &'a Checkpoint,
+    plan: &'a JobPlan,
+    planning: &'a PlanOptions,
+}
+
+/// Loads this process's one rank of a job: meets the other ranks, settles the memory tier
+/// copies with them (planning again over those when there is a tier), and loads over TCP (or
+/// NCCL) into the rank's memory, which it returns with the report.
+async fn load_rank(
+    args: &LoadArgs,
+    rank: u32,
+    job: &JobAt<'_>,
+    transport_options: TransportOptions,
+    options: &LoadOptions,
+) -> Result<(RankReport, RankMemory)> {
+    let world = job.plan.world();
+    if let Some(w) = args.world
+        && w != world
+    {
+        bail!("--world {w} but the layout has {world} ranks");
+    }
+    let config = rendezvous(args, job.checkpoint, job.planning, rank, world)?;
+    let memory = RankMemory::for_rank(args, rank, true)?;
+    let rank_plan = job.plan.rank_plan(rank).await?;
+    let report = match args.transport {
+        #[cfg(feature = "cuda")]
+        TransportKind::Nccl => {
+            gpu::load_nccl(
+                args,
+                job.checkpoint,
+                rank_plan,
+                &config,
+                transport_options,
+                &memory,
+                options,
+            )
+            .await?
+        }
+        _ => {
+            let transport = TcpTransport::connect(&config, transport_options).await?;
+            // Every rank takes part (offering nothing without a tier), so that ranks that
+            // disagree on --memory-tier still meet.
+            let found = TierLoad::find(
+                job.opened,
+                args.memory_tier.as_deref().map(std::path::Path::new),
+            );
+            let (view, sources, copies) = settle_over(&found, job.opened, &transport).await?;
+            for why in &copies.ignored {
+                eprintln!("warning: memory tier: {why}");
+            }
+            let rank_plan = if args.memory_tier.is_some() {
+                let requests = requests_for(args, &view)?;
+                JobPlan::local_with_sources(&view, &requests, job.planning, &sources)?
+                    .rank_plan(rank)
+                    .await?
+            } else {
+                rank_plan
+            };
+            let checkpoint = view;
+            load_one(args, &checkpoint, rank_plan, &transport, &memory, options).await?
+        }
+    };
+    Ok((report, memory))
 }
 
 /// Where one rank's buffers live.

@@ -30,7 +30,7 @@ use std::collections::HashMap;
 
 use tessera_metadata::formats::native::BlockChecksums;
 use tessera_metadata::{BoxChecksum, CheckpointMeta, MetadataError};
-use tessera_planner::{RankPiece, RankPlan, StridedRuns};
+use tessera_planner::{RankPiece, RankPlan, SourceRead, StridedRuns};
 
 pub mod decoded;
 pub(crate) mod mapped;
@@ -343,254 +343,41 @@ async fn read_runs(
         });
     }
 
-    // `verify: false` turns off every checksum, the boxes' too.
-    let mut boxes = meta.filter(|_| options.verify).map(BoxLookup::new);
-    let block_checksums = checksums.filter(|_| options.verify);
-    let mut sources: Vec<Source> = Vec::new();
-    // Ranges verified by block checksums (extended to whole blocks when fetched).
-    let mut ranges: Vec<FileRange> = Vec::new();
-    // Saved boxes fetched whole and checked against their own crc32c: no checksum blocks.
-    let mut box_ranges: Vec<FileRange> = Vec::new();
-    // What the pieces verified by box need of their file (for the accounting of what
-    // verification added).
-    let mut box_needed: Vec<FileRange> = Vec::new();
-    let mut checks: Vec<BoxCrc> = Vec::new();
-    let mut check_of: HashMap<(u32, u64), usize> = HashMap::new();
-    let mut piece_ranges: Vec<FileRange> = Vec::new();
-    // Saved boxes this rank reads a part of and verifies with the other readers after the read
-    // (joint checks): their pieces are fetched exactly, without checksum blocks, and folded.
-    let mut joint: Vec<JointRead> = Vec::new();
-    let mut joint_of: HashMap<u32, usize> = HashMap::new();
-    if let (true, Some(meta)) = (options.joint_checks && options.verify, meta) {
-        for check in plan.joint_checks.iter().filter(|c| !c.pieces.is_empty()) {
-            let saved = crate::verify::joint::saved_box(meta, plan, check)?;
-            let Some(file) = plan.files.iter().position(|f| *f == saved.key) else {
-                return Err(LoaderError::InvalidPlan {
-                    detail: format!(
-                        "rank {}: joint check {}: the plan reads no part of {} ({})",
-                        plan.rank, check.id, saved.entry, saved.key
-                    ),
-                });
-            };
-            for &piece in &check.pieces {
-                joint_of.insert(piece, joint.len());
-            }
-            joint.push(JointRead::new(check.id, file as u32, saved));
-        }
-    }
-    let mut local = match (LocalPaths::of(options), targets) {
-        (Some(paths), Some(_)) => Some(LocalFiles::new(paths, files.len(), options.bounce_reads)),
-        _ => None,
-    };
-    let mut positioned: Vec<PositionedSource> = Vec::new();
-    // Box checks of positioned pieces: each its own, never folded from scheduled parts.
-    let mut positioned_checks: Vec<BoxCrc> = Vec::new();
-    let mut pieces = 0usize;
-    let mut bytes_needed = 0u64;
-    let mut bytes_from_local_copies = 0u64;
-    let mut bytes_unverified = 0u64;
+    let mut sort = ReadSort::new(plan, checksums, meta, options, targets, &files)?;
     for (index, piece) in plan.pieces.iter().enumerate() {
         let Some(read) = &piece.read else {
             continue;
         };
-        pieces += 1;
-        bytes_needed += piece.bytes;
-        if read.file as usize >= files.len() {
-            return Err(LoaderError::InvalidPlan {
-                detail: format!(
-                    "rank {}: piece {} reads file #{} but the plan lists {} files",
-                    plan.rank,
-                    piece.id,
-                    read.file,
-                    files.len()
-                ),
-            });
-        }
-        let runs = Runs::new(&read.runs, piece.bytes).map_err(|why| LoaderError::InvalidPlan {
-            detail: format!("rank {}: piece {}: {why}", plan.rank, piece.id),
-        })?;
-        if piece.bytes == 0 {
+        if sort.add(index, piece, read)? {
             deliver(Delivery::Complete(index))?;
-            continue;
         }
-        let file = &files[read.file as usize];
-        if options.local_files.contains_key(file.path.as_ref()) {
-            bytes_from_local_copies += piece.bytes;
-        }
-        // Read by position when the piece's wire is one stretch of the file landing in one
-        // stretch of a destination, and its verification (if any) is its own box's crc32c.
-        let target = targets.and_then(|t| t.get(index).copied().flatten());
-        let joint_read = joint_of.get(&piece.id).copied();
-        // A piece of a joint check reads the checked box's file, whichever way it is read.
-        if let Some(j) = joint_read
-            && joint[j].file != read.file
-        {
-            return Err(LoaderError::InvalidPlan {
-                detail: format!(
-                    "rank {}: piece {} of joint check {} reads another file than {}",
-                    plan.rank, piece.id, joint[j].check, joint[j].saved.key
-                ),
-            });
-        }
-        if let (Some(local), Some((dest, dst_start)), None) = (local.as_mut(), target, joint_read)
-            && runs.is_identity()
-            && local.readable(file)
-        {
-            let own_box = boxes
-                .as_mut()
-                .and_then(|b| b.whole_box(plan, piece, &runs, (read.file, file)));
-            if own_box.is_some() || block_checksums.is_none() {
-                if own_box.is_none() && options.verify {
-                    bytes_unverified += runs.total;
-                }
-                local.open(read.file, file)?;
-                let check = own_box.map(|check| {
-                    positioned_checks.push(check);
-                    positioned_checks.len() - 1
-                });
-                positioned.push(PositionedSource {
-                    piece: index,
-                    file: read.file,
-                    offset: runs.src_offset,
-                    len: runs.total,
-                    strided: None,
-                    dest,
-                    dst_start,
-                    check,
-                    joint: None,
-                });
-                continue;
-            }
-        }
-        // A column slice (one run per saved row, the runs landing back to back in one stretch of
-        // a destination) is read by position too when it is checked jointly (its runs folded as
-        // they are read) or nothing checks it: a format without block checksums, or no
-        // verification ([`mapped`]).
-        if let (Some(local), Some((dest, dst_start)), Some(strided)) =
-            (local.as_mut(), target, runs.single_stride())
-            && (joint_read.is_some() || block_checksums.is_none() || !options.verify)
-            && local.readable(file)
-            && boxes
-                .as_mut()
-                .and_then(|b| b.whole_box(plan, piece, &runs, (read.file, file)))
-                .is_none()
-        {
-            if let Some(j) = joint_read {
-                piece_ranges.clear();
-                runs.src_ranges(read.file, &mut piece_ranges);
-                for r in &piece_ranges {
-                    joint[j].add_by_position(*r, plan.rank)?;
-                }
-            } else if options.verify {
-                bytes_unverified += runs.total;
-            }
-            local.open(read.file, file)?;
-            positioned.push(PositionedSource {
-                piece: index,
-                file: read.file,
-                offset: runs.src_offset,
-                len: runs.total,
-                strided: Some(strided),
-                dest,
-                dst_start,
-                check: None,
-                joint: joint_read,
-            });
-            continue;
-        }
-        piece_ranges.clear();
-        runs.src_ranges(read.file, &mut piece_ranges);
-        if let Some(j) = joint_read {
-            for r in &piece_ranges {
-                joint[j].add(*r, plan.rank)?;
-            }
-            box_ranges.extend_from_slice(&piece_ranges);
-            box_needed.extend_from_slice(&piece_ranges);
-            sources.push(Source {
-                piece: index,
-                file: read.file,
-                runs,
-                check: None,
-            });
-            continue;
-        }
-        // A whole box is checked by its own crc32c (which also proves the metadata points it at
-        // its own bytes). A part of a box is too when fetching the whole box costs no more than
-        // the checksum blocks around the part: a small tensor split over ranks otherwise costs
-        // a whole 64 KiB block on each side of every rank's slice of it.
-        let check = match boxes.as_mut() {
-            Some(b) => match b.whole_box(plan, piece, &runs, (read.file, file)) {
-                Some(check) => Some(check),
-                None => match (
-                    block_checksums,
-                    b.containing_box(plan, piece, &runs, (read.file, file)),
-                ) {
-                    (Some(blocks), Some(check)) => {
-                        let cost = block_cost(blocks, &file.key, &piece_ranges)?;
-                        (check.end - check.start <= cost).then_some(check)
-                    }
-                    _ => None,
-                },
-            },
-            None => None,
-        };
-        let check = match check {
-            Some(check) => {
-                let key = (read.file, check.start);
-                let at = match check_of.get(&key) {
-                    Some(&at) => at,
-                    None => {
-                        box_ranges.push(FileRange {
-                            file: read.file,
-                            start: check.start,
-                            end: check.end,
-                        });
-                        checks.push(check);
-                        check_of.insert(key, checks.len() - 1);
-                        checks.len() - 1
-                    }
-                };
-                box_needed.extend_from_slice(&piece_ranges);
-                Some(at)
-            }
-            None => {
-                ranges.extend_from_slice(&piece_ranges);
-                if block_checksums.is_none() && options.verify {
-                    // No checksum covers a part of a box read alone (a format without
-                    // blocks, a box no joint check partitions): said in the report.
-                    bytes_unverified += runs.total;
-                }
-                None
-            }
-        };
-        sources.push(Source {
-            piece: index,
-            file: read.file,
-            runs,
-            check,
-        });
     }
+    let (sorted, local) = sort.finish();
+    let SortedReads {
+        sources,
+        ranges,
+        box_ranges,
+        box_needed,
+        checks,
+        mut joint,
+        positioned,
+        mut positioned_checks,
+        pieces,
+        bytes_needed,
+        bytes_from_local_copies,
+        bytes_unverified,
+    } = sorted;
 
     // Distinct bytes the pieces need, before `ranges` moves into the schedule.
     let needed_union = union_len(ranges.iter().chain(&box_needed).copied().collect());
     drop(box_needed);
     let scheduler = RangeScheduler::new(store, files, checksums, options);
     let schedule = scheduler.schedule_checked(ranges, box_ranges)?;
-    let index = SpanIndex::new(
-        sources
-            .iter()
-            .map(|s| (s.file, s.runs.src_offset, s.runs.src_end)),
-    );
-    let check_index = SpanIndex::new(checks.iter().map(|c| (c.file, c.start, c.end)));
     let mut joint_left = Vec::with_capacity(joint.len());
     for j in &mut joint {
         joint_left.push(j.seal(plan.rank)?);
     }
-    let joint_index = SpanIndex::new(joint.iter().map(|j| (j.file, j.saved.start, j.saved.end)));
-    let mut remaining: Vec<u64> = sources.iter().map(|s| s.runs.total).collect();
-    // Per box check: the sources whose bytes are all in but whose box is not yet verified.
-    let mut waiting: Vec<Vec<usize>> = vec![Vec::new(); checks.len()];
-    let mut boxes_verified = 0u64;
+    let mut assembly = Assembly::new(sources, checks, joint);
 
     let mut positioned_stats = (0u64, 0u64);
     if let Some(local) = &local {
@@ -599,86 +386,21 @@ async fn read_runs(
             scheduler.files(),
             options,
             &positioned,
-            (&mut positioned_checks, &mut joint),
+            (&mut positioned_checks, &mut assembly.joint),
             &mut deliver,
             progress,
         )
         .await?;
-        boxes_verified += positioned_checks.len() as u64;
+        assembly.boxes_verified += positioned_checks.len() as u64;
     }
 
     let fetched = scheduler
         .fetch_with(&schedule.parts, &schedule.caller_checked, |part, bytes| {
-            let mut delivered = 0u64;
-            for s in index.overlapping(part) {
-                let source = &mut sources[s];
-                let piece = source.piece;
-                let copied = source
-                    .runs
-                    .copy_from(part.start, bytes, |wire_offset, run| {
-                        deliver(Delivery::Bytes(piece, wire_offset, run))
-                    })?;
-                delivered += copied;
-                remaining[s] -= copied;
-                if copied > 0 && remaining[s] == 0 {
-                    // A piece whose box is still being checked completes when the check does.
-                    match source.check {
-                        Some(c) if !checks[c].done() => waiting[c].push(s),
-                        _ => deliver(Delivery::Complete(piece))?,
-                    }
-                }
-            }
-            for j in joint_index.overlapping(part) {
-                joint[j].fold_part(part.start, bytes);
-            }
-            for c in check_index.overlapping(part) {
-                let check = &mut checks[c];
-                if check.fold(part.start, bytes) && check.done() {
-                    check.finish()?;
-                    boxes_verified += 1;
-                    for s in std::mem::take(&mut waiting[c]) {
-                        deliver(Delivery::Complete(sources[s].piece))?;
-                    }
-                }
-            }
-            if let (Some(progress), true) = (progress, delivered > 0) {
-                progress(delivered);
-            }
-            Ok(())
+            assembly.part(part, bytes, &mut deliver, progress)
         })
         .await?;
+    assembly.check_complete(plan, &joint_left)?;
 
-    if let Some((source, left)) = sources.iter().zip(&remaining).find(|(_, left)| **left > 0) {
-        let piece = &plan.pieces[source.piece];
-        return Err(LoaderError::InvalidPlan {
-            detail: format!(
-                "rank {}: piece {}: {} of its {} bytes were never fetched",
-                plan.rank, piece.id, left, piece.bytes
-            ),
-        });
-    }
-    if let Some(check) = checks.iter().find(|c| !c.done()) {
-        return Err(LoaderError::InvalidPlan {
-            detail: format!(
-                "rank {}: {} of {} was never fetched whole",
-                plan.rank, check.entry, check.path
-            ),
-        });
-    }
-    for (j, want) in joint.iter().zip(&joint_left) {
-        if j.fold.bytes() != *want {
-            return Err(LoaderError::InvalidPlan {
-                detail: format!(
-                    "rank {}: joint check {}: {} of the {} bytes this rank reads of {} were fetched",
-                    plan.rank,
-                    j.check,
-                    j.fold.bytes(),
-                    want,
-                    j.saved.entry
-                ),
-            });
-        }
-    }
     let (positioned_reads, positioned_bytes) = positioned_stats;
     Ok(ReadStats {
         pieces,
@@ -686,21 +408,509 @@ async fn read_runs(
         bytes_from_local_copies,
         local_copy_fallbacks: Vec::new(),
         bytes_fetched: schedule.bytes_fetched + positioned_bytes,
-        verify_extra_bytes: if scheduler.verifying() || !checks.is_empty() {
+        verify_extra_bytes: if scheduler.verifying() || !assembly.checks.is_empty() {
             schedule.bytes_fetched.saturating_sub(needed_union)
         } else {
             0
         },
         bytes_verified: fetched.bytes_verified,
-        boxes_verified,
+        boxes_verified: assembly.boxes_verified,
         bytes_unverified,
         bytes_transferred: fetched.bytes_transferred + positioned_bytes,
         requests: fetched.requests + positioned_reads,
         parts: fetched.parts + positioned_reads,
         retries: fetched.retries,
-        joint_folds: joint.iter().map(JointRead::result).collect(),
+        joint_folds: assembly.joint.iter().map(JointRead::result).collect(),
         elapsed: started.elapsed(),
     })
+}
+
+/// What [`ReadSort`] leaves for the fetch: every read piece, sorted by how it is read and
+/// verified, and the counts of the read's stats that the sorting already knows.
+#[derive(Default)]
+struct SortedReads {
+    /// Pieces fetched through the scheduler.
+    sources: Vec<Source>,
+    /// Ranges verified by block checksums (extended to whole blocks when fetched).
+    ranges: Vec<FileRange>,
+    /// Saved boxes fetched whole and checked against their own crc32c: no checksum blocks.
+    box_ranges: Vec<FileRange>,
+    /// What the pieces verified by box need of their file (for the accounting of what
+    /// verification added).
+    box_needed: Vec<FileRange>,
+    checks: Vec<BoxCrc>,
+    /// Saved boxes this rank reads a part of and verifies with the other readers after the read
+    /// (joint checks): their pieces are fetched exactly, without checksum blocks, and folded.
+    joint: Vec<JointRead>,
+    /// Pieces read by position straight into their destination.
+    positioned: Vec<PositionedSource>,
+    /// Box checks of positioned pieces: each its own, never folded from scheduled parts.
+    positioned_checks: Vec<BoxCrc>,
+    pieces: usize,
+    bytes_needed: u64,
+    bytes_from_local_copies: u64,
+    bytes_unverified: u64,
+}
+
+/// Sorts the pieces this rank reads by how each is read and verified: by position straight into
+/// its destination (a whole stretch or a column slice of a local file), or scheduled from the
+/// store and checked by its box's crc32c, by block checksums, jointly with the other readers of
+/// its box, or not at all.
+struct ReadSort<'a> {
+    plan: &'a RankPlan,
+    options: &'a ReadOptions,
+    files: &'a [SourceFile],
+    targets: Option<&'a [Option<(usize, u64)>]>,
+    /// `None` when not verifying: `verify: false` turns off every checksum, the boxes' too.
+    boxes: Option<BoxLookup<'a>>,
+    block_checksums: Option<&'a BlockChecksums>,
+    /// The local files positioned reads go through (only for reads with destinations).
+    local: Option<LocalFiles>,
+    /// Box check (index into `out.checks`) by (file, box start): the pieces of one box share it.
+    check_of: HashMap<(u32, u64), usize>,
+    /// Joint read (index into `out.joint`) by piece id.
+    joint_of: HashMap<u32, usize>,
+    /// One piece's source ranges (reused).
+    piece_ranges: Vec<FileRange>,
+    out: SortedReads,
+}
+
+impl<'a> ReadSort<'a> {
+    /// Sets the sort up: the joint checks this rank takes part in (only when verifying with
+    /// joint checks on), and the local files when positioned reads are possible.
+    fn new(
+        plan: &'a RankPlan,
+        checksums: Option<&'a BlockChecksums>,
+        meta: Option<&'a CheckpointMeta>,
+        options: &'a ReadOptions,
+        targets: Option<&'a [Option<(usize, u64)>]>,
+        files: &'a [SourceFile],
+    ) -> Result<Self, LoaderError> {
+        let mut out = SortedReads::default();
+        let mut joint_of: HashMap<u32, usize> = HashMap::new();
+        if let (true, Some(meta)) = (options.joint_checks && options.verify, meta) {
+            for check in plan.joint_checks.iter().filter(|c| !c.pieces.is_empty()) {
+                let saved = crate::verify::joint::saved_box(meta, plan, check)?;
+                let Some(file) = plan.files.iter().position(|f| *f == saved.key) else {
+                    return Err(LoaderError::InvalidPlan {
+                        detail: format!(
+                            "rank {}: joint check {}: the plan reads no part of {} ({})",
+                            plan.rank, check.id, saved.entry, saved.key
+                        ),
+                    });
+                };
+                for &piece in &check.pieces {
+                    joint_of.insert(piece, out.joint.len());
+                }
+                out.joint.push(JointRead::new(check.id, file as u32, saved));
+            }
+        }
+        let local = match (LocalPaths::of(options), targets) {
+            (Some(paths), Some(_)) => {
+                Some(LocalFiles::new(paths, files.len(), options.bounce_reads))
+            }
+            _ => None,
+        };
+        Ok(ReadSort {
+            plan,
+            options,
+            files,
+            targets,
+            boxes: meta.filter(|_| options.verify).map(BoxLookup::new),
+            block_checksums: checksums.filter(|_| options.verify),
+            local,
+            check_of: HashMap::new(),
+            joint_of,
+            piece_ranges: Vec::new(),
+            out,
+        })
+    }
+
+    /// The sorted reads and the local files the positioned ones go through.
+    fn finish(self) -> (SortedReads, Option<LocalFiles>) {
+        (self.out, self.local)
+    }
+
+    /// Sorts piece `index` (`read` is how this rank reads it); true when it is empty, so
+    /// complete at once.
+    fn add(
+        &mut self,
+        index: usize,
+        piece: &RankPiece,
+        read: &SourceRead,
+    ) -> Result<bool, LoaderError> {
+        let plan = self.plan;
+        self.out.pieces += 1;
+        self.out.bytes_needed += piece.bytes;
+        if read.file as usize >= self.files.len() {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "rank {}: piece {} reads file #{} but the plan lists {} files",
+                    plan.rank,
+                    piece.id,
+                    read.file,
+                    self.files.len()
+                ),
+            });
+        }
+        let runs = Runs::new(&read.runs, piece.bytes).map_err(|why| LoaderError::InvalidPlan {
+            detail: format!("rank {}: piece {}: {why}", plan.rank, piece.id),
+        })?;
+        if piece.bytes == 0 {
+            return Ok(true);
+        }
+        let files = self.files;
+        let file = &files[read.file as usize];
+        if self.options.local_files.contains_key(file.path.as_ref()) {
+            self.out.bytes_from_local_copies += piece.bytes;
+        }
+        let target = self.targets.and_then(|t| t.get(index).copied().flatten());
+        let joint_read = self.joint_of.get(&piece.id).copied();
+        // A piece of a joint check reads the checked box's file, whichever way it is read.
+        if let Some(j) = joint_read
+            && self.out.joint[j].file != read.file
+        {
+            let joint = &self.out.joint[j];
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "rank {}: piece {} of joint check {} reads another file than {}",
+                    plan.rank, piece.id, joint.check, joint.saved.key
+                ),
+            });
+        }
+        let at = PieceAt {
+            index,
+            piece,
+            file: (read.file, file),
+            target,
+            joint: joint_read,
+        };
+        if !self.read_whole_by_position(&at, &runs)? && !self.read_slice_by_position(&at, &runs)? {
+            self.schedule(&at, runs)?;
+        }
+        Ok(false)
+    }
+
+    /// Reads the piece by position when its wire is one stretch of a local file landing in one
+    /// stretch of a destination, and its verification (if any) is its own box's crc32c; false
+    /// when it is not read so.
+    fn read_whole_by_position(
+        &mut self,
+        at: &PieceAt<'_>,
+        runs: &Runs,
+    ) -> Result<bool, LoaderError> {
+        let (file_index, file) = at.file;
+        let (Some(local), Some((dest, dst_start)), None) =
+            (self.local.as_mut(), at.target, at.joint)
+        else {
+            return Ok(false);
+        };
+        if !(runs.is_identity() && local.readable(file)) {
+            return Ok(false);
+        }
+        let own_box = self
+            .boxes
+            .as_mut()
+            .and_then(|b| b.whole_box(self.plan, at.piece, runs, at.file));
+        if own_box.is_none() && self.block_checksums.is_some() {
+            return Ok(false);
+        }
+        if own_box.is_none() && self.options.verify {
+            self.out.bytes_unverified += runs.total;
+        }
+        local.open(file_index, file)?;
+        let check = own_box.map(|check| {
+            self.out.positioned_checks.push(check);
+            self.out.positioned_checks.len() - 1
+        });
+        self.out.positioned.push(PositionedSource {
+            piece: at.index,
+            file: file_index,
+            offset: runs.src_offset,
+            len: runs.total,
+            strided: None,
+            dest,
+            dst_start,
+            check,
+            joint: None,
+        });
+        Ok(true)
+    }
+
+    /// Reads a column slice (one run per saved row, the runs landing back to back in one stretch
+    /// of a destination) by position too when it is checked jointly (its runs folded as they are
+    /// read) or nothing checks it: a format without block checksums, or no verification
+    /// ([`mapped`]). False when it is not read so.
+    fn read_slice_by_position(
+        &mut self,
+        at: &PieceAt<'_>,
+        runs: &Runs,
+    ) -> Result<bool, LoaderError> {
+        let (file_index, file) = at.file;
+        let plan = self.plan;
+        let (Some(local), Some((dest, dst_start)), Some(strided)) =
+            (self.local.as_mut(), at.target, runs.single_stride())
+        else {
+            return Ok(false);
+        };
+        if !((at.joint.is_some() || self.block_checksums.is_none() || !self.options.verify)
+            && local.readable(file)
+            && self
+                .boxes
+                .as_mut()
+                .and_then(|b| b.whole_box(plan, at.piece, runs, at.file))
+                .is_none())
+        {
+            return Ok(false);
+        }
+        if let Some(j) = at.joint {
+            self.piece_ranges.clear();
+            runs.src_ranges(file_index, &mut self.piece_ranges);
+            for r in &self.piece_ranges {
+                self.out.joint[j].add_by_position(*r, plan.rank)?;
+            }
+        } else if self.options.verify {
+            self.out.bytes_unverified += runs.total;
+        }
+        local.open(file_index, file)?;
+        self.out.positioned.push(PositionedSource {
+            piece: at.index,
+            file: file_index,
+            offset: runs.src_offset,
+            len: runs.total,
+            strided: Some(strided),
+            dest,
+            dst_start,
+            check: None,
+            joint: at.joint,
+        });
+        Ok(true)
+    }
+
+    /// Schedules the piece's runs from the store: folded into its joint check, or checked by a
+    /// box's crc32c, or by block checksums (or by nothing, said in the report).
+    fn schedule(&mut self, at: &PieceAt<'_>, runs: Runs) -> Result<(), LoaderError> {
+        let (file_index, _) = at.file;
+        self.piece_ranges.clear();
+        runs.src_ranges(file_index, &mut self.piece_ranges);
+        if let Some(j) = at.joint {
+            for r in &self.piece_ranges {
+                self.out.joint[j].add(*r, self.plan.rank)?;
+            }
+            self.out.box_ranges.extend_from_slice(&self.piece_ranges);
+            self.out.box_needed.extend_from_slice(&self.piece_ranges);
+            self.out.sources.push(Source {
+                piece: at.index,
+                file: file_index,
+                runs,
+                check: None,
+            });
+            return Ok(());
+        }
+        let check = match self.box_check(at, &runs)? {
+            Some(check) => {
+                let key = (file_index, check.start);
+                let check_at = match self.check_of.get(&key) {
+                    Some(&check_at) => check_at,
+                    None => {
+                        self.out.box_ranges.push(FileRange {
+                            file: file_index,
+                            start: check.start,
+                            end: check.end,
+                        });
+                        self.out.checks.push(check);
+                        self.check_of.insert(key, self.out.checks.len() - 1);
+                        self.out.checks.len() - 1
+                    }
+                };
+                self.out.box_needed.extend_from_slice(&self.piece_ranges);
+                Some(check_at)
+            }
+            None => {
+                self.out.ranges.extend_from_slice(&self.piece_ranges);
+                if self.block_checksums.is_none() && self.options.verify {
+                    // No checksum covers a part of a box read alone (a format without
+                    // blocks, a box no joint check partitions): said in the report.
+                    self.out.bytes_unverified += runs.total;
+                }
+                None
+            }
+        };
+        self.out.sources.push(Source {
+            piece: at.index,
+            file: file_index,
+            runs,
+            check,
+        });
+        Ok(())
+    }
+
+    /// The box check of a scheduled piece, if any. A whole box is checked by its own crc32c
+    /// (which also proves the metadata points it at its own bytes). A part of a box is too when
+    /// fetching the whole box costs no more than the checksum blocks around the part: a small
+    /// tensor split over ranks otherwise costs a whole 64 KiB block on each side of every rank's
+    /// slice of it. Needs the piece's ranges in `piece_ranges`.
+    fn box_check(&mut self, at: &PieceAt<'_>, runs: &Runs) -> Result<Option<BoxCrc>, LoaderError> {
+        let Some(b) = self.boxes.as_mut() else {
+            return Ok(None);
+        };
+        if let Some(check) = b.whole_box(self.plan, at.piece, runs, at.file) {
+            return Ok(Some(check));
+        }
+        match (
+            self.block_checksums,
+            b.containing_box(self.plan, at.piece, runs, at.file),
+        ) {
+            (Some(blocks), Some(check)) => {
+                let cost = block_cost(blocks, &at.file.1.key, &self.piece_ranges)?;
+                Ok((check.end - check.start <= cost).then_some(check))
+            }
+            _ => Ok(None),
+        }
+    }
+}
+
+/// A piece being sorted, with what the sort looked up for it.
+struct PieceAt<'p> {
+    /// Index into the plan's pieces.
+    index: usize,
+    piece: &'p RankPiece,
+    /// Index into the plan's files, and the file.
+    file: (u32, &'p SourceFile),
+    /// Where its wire bytes land as one stretch of one destination, if they do.
+    target: Option<(usize, u64)>,
+    /// Its joint check (index into the joint reads), if any.
+    joint: Option<usize>,
+}
+
+/// Assembles the scheduled pieces from the fetched parts: copies each part's bytes into every
+/// run it overlaps, folds them into the box and joint checks it covers, and completes a piece
+/// once its last byte is in and the box check it waits for (if any) has passed.
+struct Assembly {
+    sources: Vec<Source>,
+    source_index: SpanIndex,
+    /// Per source: bytes not yet delivered.
+    remaining: Vec<u64>,
+    checks: Vec<BoxCrc>,
+    check_index: SpanIndex,
+    /// Per box check: the sources whose bytes are all in but whose box is not yet verified.
+    waiting: Vec<Vec<usize>>,
+    joint: Vec<JointRead>,
+    joint_index: SpanIndex,
+    boxes_verified: u64,
+}
+
+impl Assembly {
+    fn new(sources: Vec<Source>, checks: Vec<BoxCrc>, joint: Vec<JointRead>) -> Self {
+        let source_index = SpanIndex::new(
+            sources
+                .iter()
+                .map(|s| (s.file, s.runs.src_offset, s.runs.src_end)),
+        );
+        let check_index = SpanIndex::new(checks.iter().map(|c| (c.file, c.start, c.end)));
+        let joint_index =
+            SpanIndex::new(joint.iter().map(|j| (j.file, j.saved.start, j.saved.end)));
+        Assembly {
+            remaining: sources.iter().map(|s| s.runs.total).collect(),
+            waiting: vec![Vec::new(); checks.len()],
+            sources,
+            source_index,
+            checks,
+            check_index,
+            joint,
+            joint_index,
+            boxes_verified: 0,
+        }
+    }
+
+    /// Takes in one fetched part (`bytes` are the file bytes of `part`).
+    fn part(
+        &mut self,
+        part: FileRange,
+        bytes: &[u8],
+        deliver: &mut impl FnMut(Delivery<'_>) -> Result<(), LoaderError>,
+        progress: Option<&(dyn Fn(u64) + Sync)>,
+    ) -> Result<(), LoaderError> {
+        let mut delivered = 0u64;
+        for s in self.source_index.overlapping(part) {
+            let source = &mut self.sources[s];
+            let piece = source.piece;
+            let copied = source
+                .runs
+                .copy_from(part.start, bytes, |wire_offset, run| {
+                    deliver(Delivery::Bytes(piece, wire_offset, run))
+                })?;
+            delivered += copied;
+            self.remaining[s] -= copied;
+            if copied > 0 && self.remaining[s] == 0 {
+                // A piece whose box is still being checked completes when the check does.
+                match source.check {
+                    Some(c) if !self.checks[c].done() => self.waiting[c].push(s),
+                    _ => deliver(Delivery::Complete(piece))?,
+                }
+            }
+        }
+        for j in self.joint_index.overlapping(part) {
+            self.joint[j].fold_part(part.start, bytes);
+        }
+        for c in self.check_index.overlapping(part) {
+            let check = &mut self.checks[c];
+            if check.fold(part.start, bytes) && check.done() {
+                check.finish()?;
+                self.boxes_verified += 1;
+                for s in std::mem::take(&mut self.waiting[c]) {
+                    deliver(Delivery::Complete(self.sources[s].piece))?;
+                }
+            }
+        }
+        if let (Some(progress), true) = (progress, delivered > 0) {
+            progress(delivered);
+        }
+        Ok(())
+    }
+
+    /// After the fetch: every scheduled piece, box check and joint fold got all its bytes
+    /// (`joint_left`: what each joint read was sealed with). A plan whose runs the schedule
+    /// does not cover is refused here rather than handing on pieces with holes.
+    fn check_complete(&self, plan: &RankPlan, joint_left: &[u64]) -> Result<(), LoaderError> {
+        if let Some((source, left)) = self
+            .sources
+            .iter()
+            .zip(&self.remaining)
+            .find(|(_, left)| **left > 0)
+        {
+            let piece = &plan.pieces[source.piece];
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "rank {}: piece {}: {} of its {} bytes were never fetched",
+                    plan.rank, piece.id, left, piece.bytes
+                ),
+            });
+        }
+        if let Some(check) = self.checks.iter().find(|c| !c.done()) {
+            return Err(LoaderError::InvalidPlan {
+                detail: format!(
+                    "rank {}: {} of {} was never fetched whole",
+                    plan.rank, check.entry, check.path
+                ),
+            });
+        }
+        for (j, want) in self.joint.iter().zip(joint_left) {
+            if j.fold.bytes() != *want {
+                return Err(LoaderError::InvalidPlan {
+                    detail: format!(
+                        "rank {}: joint check {}: {} of the {} bytes this rank reads of {} were fetched",
+                        plan.rank,
+                        j.check,
+                        j.fold.bytes(),
+                        want,
+                        j.saved.entry
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Reads the `positioned` pieces straight into their destinations (through `deliver`) in

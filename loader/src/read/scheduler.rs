@@ -383,17 +383,12 @@ impl<'a> RangeScheduler<'a> {
         mut on_part: impl FnMut(FileRange, &[u8]) -> Result<(), LoaderError>,
     ) -> Result<FetchStats, LoaderError> {
         let max_in_flight = self.options.max_in_flight.max(1);
-        let budget = self.options.max_buffered_bytes;
         let backoff = self.options.retry.backoff();
         let mut stats = FetchStats::default();
         let mut tasks: JoinSet<Result<Vec<Fetched>, LoaderError>> = JoinSet::new();
         // What each task fetches: spans of the file (one `get_range` each, or all in one
         // `get_ranges` call on a store that reads ranges exactly), each with the parts it holds.
         let mut task_parts: HashMap<task::Id, Vec<Segment>> = HashMap::new();
-        let gap = self.options.coalesce_gap.unwrap_or(0);
-        let multi_range = self.options.exact_multi_range.unwrap_or(false);
-        // One request spans at most a part size, gaps included: the bound the part size sets.
-        let max_span = self.options.part_size.max(1);
         // One task (this one) launches requests and consumes their bytes, so a counter is all the
         // byte budget needs: a request's bytes (gaps included) are reserved when it starts and
         // released when `on_part` has consumed its parts.
@@ -402,73 +397,23 @@ impl<'a> RangeScheduler<'a> {
         // to part (at most the parts in flight), not into a fresh allocation per request whose
         // pages the kernel must fault in and zero: the first load of a process paid most of its
         // store-path reads in page faults (BENCHMARKS.md, issue 16).
-        let local = LocalPaths::of(&self.options)
-            .map(|paths| Arc::new(LocalParts::new(paths, max_span, self.options.bounce_reads)));
+        let local = LocalPaths::of(&self.options).map(|paths| {
+            Arc::new(LocalParts::new(
+                paths,
+                self.options.part_size.max(1),
+                self.options.bounce_reads,
+            ))
+        });
         let mut next = 0;
         loop {
             while next < parts.len() && tasks.len() < max_in_flight {
-                let part = parts[next];
-                // A part larger than the whole budget goes alone: waiting for more room than
-                // exists would never end.
-                if reserved > 0 && reserved.saturating_add(part.len()) > budget {
+                let Some((path, segments, task_bytes)) =
+                    self.next_request(parts, &mut next, reserved)?
+                else {
                     break;
-                }
-                let file = self.file(part.file)?;
-                // Small parts (the rows of a column slice) ride together in one `get_range` when
-                // the gaps between them are at most `coalesce_gap`: one request instead of
-                // thousands, at the price of the gap bytes, which are counted. Only ranges that
-                // are small in their own right: parts cut from a large range are part-size long
-                // and go one per request.
-                let small = SMALL_PART.min(self.options.part_size / 4);
-                let mut segments = vec![Segment {
-                    parts: vec![next],
-                    span: part.start..part.end,
-                }];
-                let mut task_bytes = part.len();
-                let mut count = 1;
-                next += 1;
-                while part.len() < small
-                    && next < parts.len()
-                    && count < MAX_PARTS_PER_REQUEST
-                    && parts[next].file == part.file
-                    && parts[next].len() < small
-                {
-                    let candidate = parts[next];
-                    let Some(last) = segments.last_mut() else {
-                        break;
-                    };
-                    let spanned = candidate.start >= last.span.end
-                        && candidate.start - last.span.end <= gap
-                        && candidate.end - last.span.start <= max_span;
-                    let added = if spanned {
-                        candidate.end - last.span.end
-                    } else {
-                        candidate.len()
-                    };
-                    if reserved.saturating_add(task_bytes + added) > budget {
-                        break;
-                    }
-                    if spanned {
-                        last.span.end = candidate.end;
-                        last.parts.push(next);
-                    } else if multi_range && task_bytes + added <= SMALL_PART {
-                        // A store that reads several ranges exactly in one call (local files:
-                        // one open, one read each) takes the small parts the gap keeps apart
-                        // together, as many as fit in SMALL_PART.
-                        segments.push(Segment {
-                            parts: vec![next],
-                            span: candidate.start..candidate.end,
-                        });
-                    } else {
-                        break;
-                    }
-                    task_bytes += added;
-                    count += 1;
-                    next += 1;
-                }
+                };
                 reserved += task_bytes;
                 let store = Arc::clone(&self.store);
-                let path = file.path.clone();
                 let spans: Vec<Range<u64>> = segments.iter().map(|s| s.span.clone()).collect();
                 let handle = match (&local, spans.as_slice()) {
                     // One span of a local file: read by position into a reused buffer.
@@ -487,25 +432,8 @@ impl<'a> RangeScheduler<'a> {
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
                 // Only a runtime shutting down cancels a request task.
                 Err(e) => {
-                    let request = task_parts.remove(&e.id()).and_then(|segments| {
-                        let first = segments.first()?;
-                        let last = segments.last()?;
-                        let file = parts.get(*first.parts.first()?)?.file;
-                        Some((file, first.span.start..last.span.end))
-                    });
-                    let (path, action) = match request {
-                        Some((file, span)) => (
-                            self.file(file)?.path.to_string(),
-                            format!("reading bytes {}..{} of", span.start, span.end),
-                        ),
-                        None => (String::new(), "reading".to_string()),
-                    };
-                    return Err(StorageError::Store {
-                        action,
-                        path,
-                        source: object_store::Error::JoinError { source: e },
-                    }
-                    .into());
+                    let segments = task_parts.remove(&e.id());
+                    return Err(self.cancelled(parts, segments, e));
                 }
             };
             let Some(segments) = index else {
@@ -515,40 +443,170 @@ impl<'a> RangeScheduler<'a> {
             };
             let fetched = result?;
             stats.requests += 1;
-            for (segment, fetched) in segments.into_iter().zip(fetched) {
-                let span = segment.span;
-                stats.retries += u64::from(fetched.retries);
-                stats.bytes_transferred += fetched.bytes.len() as u64;
-                for index in segment.parts {
-                    let part = parts[index];
-                    stats.parts += 1;
-                    stats.bytes_fetched += part.len();
-                    // `fetch_spans` checked the length of every span, so every slice is in it.
-                    let from = usize::try_from(part.start - span.start).unwrap_or(usize::MAX);
-                    let to = usize::try_from(part.end - span.start).unwrap_or(usize::MAX);
-                    let Some(bytes) = fetched.bytes.get(from..to) else {
-                        return Err(LoaderError::InvalidPlan {
-                            detail: format!(
-                                "part {}..{} lies outside its request {}..{}",
-                                part.start, part.end, span.start, span.end
-                            ),
-                        });
-                    };
-                    // Verified here rather than in the request task: crc32c runs at memory speed
-                    // (CPU CRC instructions), far above what storage delivers, and the checksums
-                    // stay borrowed.
-                    let checked_by_caller = caller_checked.get(index).copied().unwrap_or(false);
-                    if let (Some(checksums), false) = (self.checksums, checked_by_caller) {
-                        let file = self.file(part.file)?;
-                        verify(checksums, file, part.start, bytes)?;
-                        stats.bytes_verified += part.len();
-                    }
-                    on_part(part, bytes)?;
-                }
-                reserved -= span.end - span.start;
-            }
+            reserved -= self.hand_on(
+                parts,
+                caller_checked,
+                (segments, fetched),
+                &mut stats,
+                &mut on_part,
+            )?;
         }
         Ok(stats)
+    }
+
+    /// The next storage request: the part `parts[*next]` and, when it is small, the small parts
+    /// of the same file after it that ride along; `next` moves past them. `None` when the byte
+    /// budget (with `reserved` bytes taken) has no room for it. Returns the file's path, the
+    /// request's spans with their parts, and its bytes, gaps included.
+    fn next_request(
+        &self,
+        parts: &[FileRange],
+        next: &mut usize,
+        reserved: u64,
+    ) -> Result<Option<(Path, Vec<Segment>, u64)>, LoaderError> {
+        let budget = self.options.max_buffered_bytes;
+        let gap = self.options.coalesce_gap.unwrap_or(0);
+        let multi_range = self.options.exact_multi_range.unwrap_or(false);
+        // One request spans at most a part size, gaps included: the bound the part size sets.
+        let max_span = self.options.part_size.max(1);
+        let part = parts[*next];
+        // A part larger than the whole budget goes alone: waiting for more room than exists
+        // would never end.
+        if reserved > 0 && reserved.saturating_add(part.len()) > budget {
+            return Ok(None);
+        }
+        let file = self.file(part.file)?;
+        // Small parts (the rows of a column slice) ride together in one `get_range` when the
+        // gaps between them are at most `coalesce_gap`: one request instead of thousands, at the
+        // price of the gap bytes, which are counted. Only ranges that are small in their own
+        // right: parts cut from a large range are part-size long and go one per request.
+        let small = SMALL_PART.min(self.options.part_size / 4);
+        let mut segments = vec![Segment {
+            parts: vec![*next],
+            span: part.start..part.end,
+        }];
+        let mut task_bytes = part.len();
+        let mut count = 1;
+        *next += 1;
+        while part.len() < small
+            && *next < parts.len()
+            && count < MAX_PARTS_PER_REQUEST
+            && parts[*next].file == part.file
+            && parts[*next].len() < small
+        {
+            let candidate = parts[*next];
+            let Some(last) = segments.last_mut() else {
+                break;
+            };
+            let spanned = candidate.start >= last.span.end
+                && candidate.start - last.span.end <= gap
+                && candidate.end - last.span.start <= max_span;
+            let added = if spanned {
+                candidate.end - last.span.end
+            } else {
+                candidate.len()
+            };
+            if reserved.saturating_add(task_bytes + added) > budget {
+                break;
+            }
+            if spanned {
+                last.span.end = candidate.end;
+                last.parts.push(*next);
+            } else if multi_range && task_bytes + added <= SMALL_PART {
+                // A store that reads several ranges exactly in one call (local files: one open,
+                // one read each) takes the small parts the gap keeps apart together, as many as
+                // fit in SMALL_PART.
+                segments.push(Segment {
+                    parts: vec![*next],
+                    span: candidate.start..candidate.end,
+                });
+            } else {
+                break;
+            }
+            task_bytes += added;
+            count += 1;
+            *next += 1;
+        }
+        Ok(Some((file.path.clone(), segments, task_bytes)))
+    }
+
+    /// The error of a request task that was cancelled (`segments`: what it fetched, if known),
+    /// naming the file and bytes it was reading.
+    fn cancelled(
+        &self,
+        parts: &[FileRange],
+        segments: Option<Vec<Segment>>,
+        e: task::JoinError,
+    ) -> LoaderError {
+        let request = segments.and_then(|segments| {
+            let first = segments.first()?;
+            let last = segments.last()?;
+            let file = parts.get(*first.parts.first()?)?.file;
+            Some((file, first.span.start..last.span.end))
+        });
+        let (path, action) = match request {
+            Some((file, span)) => match self.file(file) {
+                Ok(file) => (
+                    file.path.to_string(),
+                    format!("reading bytes {}..{} of", span.start, span.end),
+                ),
+                Err(error) => return error,
+            },
+            None => (String::new(), "reading".to_string()),
+        };
+        StorageError::Store {
+            action,
+            path,
+            source: object_store::Error::JoinError { source: e },
+        }
+        .into()
+    }
+
+    /// Hands the parts of a finished request (its segments and what was fetched for each) to
+    /// `on_part`, each verified against the block checksums unless `caller_checked` says the
+    /// caller checks it, counting them in `stats`; returns the bytes the request had reserved.
+    fn hand_on(
+        &self,
+        parts: &[FileRange],
+        caller_checked: &[bool],
+        (segments, fetched): (Vec<Segment>, Vec<Fetched>),
+        stats: &mut FetchStats,
+        on_part: &mut impl FnMut(FileRange, &[u8]) -> Result<(), LoaderError>,
+    ) -> Result<u64, LoaderError> {
+        let mut released = 0;
+        for (segment, fetched) in segments.into_iter().zip(fetched) {
+            let span = segment.span;
+            stats.retries += u64::from(fetched.retries);
+            stats.bytes_transferred += fetched.bytes.len() as u64;
+            for index in segment.parts {
+                let part = parts[index];
+                stats.parts += 1;
+                stats.bytes_fetched += part.len();
+                // `fetch_spans` checked the length of every span, so every slice is in it.
+                let from = usize::try_from(part.start - span.start).unwrap_or(usize::MAX);
+                let to = usize::try_from(part.end - span.start).unwrap_or(usize::MAX);
+                let Some(bytes) = fetched.bytes.get(from..to) else {
+                    return Err(LoaderError::InvalidPlan {
+                        detail: format!(
+                            "part {}..{} lies outside its request {}..{}",
+                            part.start, part.end, span.start, span.end
+                        ),
+                    });
+                };
+                // Verified here rather than in the request task: crc32c runs at memory speed
+                // (CPU CRC instructions), far above what storage delivers, and the checksums
+                // stay borrowed.
+                let checked_by_caller = caller_checked.get(index).copied().unwrap_or(false);
+                if let (Some(checksums), false) = (self.checksums, checked_by_caller) {
+                    let file = self.file(part.file)?;
+                    verify(checksums, file, part.start, bytes)?;
+                    stats.bytes_verified += part.len();
+                }
+                on_part(part, bytes)?;
+            }
+            released += span.end - span.start;
+        }
+        Ok(released)
     }
 }
 

@@ -800,6 +800,92 @@ async fn master(
     deadline: Instant,
 ) -> Result<(u64, Vec<SocketAddr>, TcpListener), LoaderError> {
     let world = config.world;
+    let (master, own, own_addr) = master_listeners(config).await?;
+    let mut ins = CheckIns::new(world);
+    let mut pending = FuturesUnordered::new();
+    let sleep = tokio::time::sleep_until(deadline);
+    tokio::pin!(sleep);
+    let mut progress = Progress::new(options);
+    loop {
+        if ins.count == world {
+            ins.drop_closed();
+            if ins.count == world {
+                break;
+            }
+        }
+        // Ranks in and ranks missing are this job's; its ranks' plan options are compared only
+        // once all are in, when every one of them can be told.
+        tokio::select! {
+            () = progress.tick() => {
+                // Where they should connect and how many are in: a rank started with another
+                // address or port shows up here as the one never counted.
+                progress.say_with(
+                    0,
+                    &format!(
+                        "{} to join at {}:{}",
+                        ranks_text(&missing(&ins.have, world)),
+                        config.master_addr,
+                        config.master_port
+                    ),
+                    &format!("{} of {world} in{}", ins.count, ins.refused.progress_note()),
+                );
+            }
+            accepted = master.accept() => {
+                // A failed accept (a connection reset before it was taken) only loses that one.
+                if let Ok((stream, _)) = accepted {
+                    let _ = stream.set_nodelay(true);
+                    pending.push(read_hello(stream));
+                }
+            }
+            Some(incoming) = pending.next(), if !pending.is_empty() => {
+                ins.take(incoming, config);
+            }
+            () = &mut sleep => {
+                let disagree = disagreements(&ins.checked_in, &config.plan);
+                let detail = format!(
+                    "rank 0: only {} of {world} ranks checked in within {:?}; missing ranks {:?}{}{}",
+                    ins.count,
+                    options.connect_timeout,
+                    missing(&ins.have, world),
+                    ins.refused.in_error(config.master_port),
+                    if disagree.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; and ranks that are in plan with other options: {}", disagree.join("; "))
+                    }
+                );
+                // The ranks that did check in learn which did not now, instead of waiting out
+                // their own deadline for a table that will not come.
+                tell_all(&mut ins.checked_in, &refusal(GAVE_UP, &detail)).await;
+                return Err(rendezvous(detail));
+            }
+        }
+    }
+
+    let mut checked_in = ins.checked_in;
+    let disagree = disagreements(&checked_in, &config.plan);
+    if !disagree.is_empty() {
+        let detail = disagree.join("; ");
+        tell_all(&mut checked_in, &refusal(CALLED_OFF, &detail)).await;
+        return Err(LoaderError::RanksDisagree { rank: 0, detail });
+    }
+    drop(pending);
+    drop(master);
+
+    let session = new_session(config.master_port);
+    let mut table = vec![own_addr; world as usize];
+    for hello in checked_in.iter().flatten() {
+        table[hello.rank as usize] = hello.addr;
+    }
+    send_table(&mut checked_in, session, &table, deadline).await?;
+    Ok((session, table, own))
+}
+
+/// Rank 0's listeners: the rendezvous address the other ranks check in at, and its own mesh
+/// listener (with its address) on the same interface.
+async fn master_listeners(
+    config: &RendezvousConfig,
+) -> Result<(TcpListener, TcpListener, SocketAddr), LoaderError> {
     let master = TcpListener::bind((config.master_addr.as_str(), config.master_port))
         .await
         .map_err(|e| {
@@ -818,168 +904,144 @@ async fn master(
     let own_addr = own
         .local_addr()
         .map_err(|e| rendezvous(format!("rank 0: its listener has no address: {e}")))?;
+    Ok((master, own, own_addr))
+}
 
-    let mut checked_in: Vec<Option<Hello>> = (0..world).map(|_| None).collect();
-    let mut have = vec![false; world as usize];
-    have[0] = true;
-    let mut count = 1;
-    let mut refused = Refused::default();
-    let mut pending = FuturesUnordered::new();
-    let sleep = tokio::time::sleep_until(deadline);
-    tokio::pin!(sleep);
-    let mut progress = Progress::new(options);
-    loop {
-        if count == world {
-            // A hello whose connection closed since (a stray that said hello and left, a rank
-            // that died) would get a table it cannot use and fail the mesh: its place is open
-            // again, and the wait goes on. (A close still in flight is not seen here; the mesh
-            // then fails on that rank, naming it.)
-            for slot in 1..world as usize {
-                if let Some(gone) = checked_in[slot].take_if(|hello| !still_open(&hello.stream)) {
-                    refused.note(format!(
+/// The ranks that have checked in with rank 0 (their hellos, by rank), and the connections
+/// refused meanwhile.
+struct CheckIns {
+    world: u32,
+    checked_in: Vec<Option<Hello>>,
+    /// Ranks in (rank 0 from the start).
+    have: Vec<bool>,
+    count: u32,
+    refused: Refused,
+}
+
+impl CheckIns {
+    fn new(world: u32) -> Self {
+        let mut have = vec![false; world as usize];
+        have[0] = true;
+        CheckIns {
+            world,
+            checked_in: (0..world).map(|_| None).collect(),
+            have,
+            count: 1,
+            refused: Refused::default(),
+        }
+    }
+
+    /// Once every rank is in: a hello whose connection closed since (a stray that said hello and
+    /// left, a rank that died) would get a table it cannot use and fail the mesh, so its place
+    /// is open again and the wait goes on. (A close still in flight is not seen here; the mesh
+    /// then fails on that rank, naming it.)
+    fn drop_closed(&mut self) {
+        for slot in 1..self.world as usize {
+            if let Some(gone) = self.checked_in[slot].take_if(|hello| !still_open(&hello.stream)) {
+                self.refused.note(format!(
+                    "dropped rank {slot} from {}: its connection closed after its hello",
+                    from(gone.peer)
+                ));
+                self.have[slot] = false;
+                self.count -= 1;
+            }
+        }
+    }
+
+    /// Takes in what a connection said. Whatever is wrong with one connection (another job's
+    /// rank on this port, a misconfigured rank, a stranger) is that connection's trouble: it is
+    /// refused and said, and the job's own ranks are still waited for until the deadline.
+    fn take(&mut self, incoming: Incoming, config: &RendezvousConfig) {
+        let hello = match incoming {
+            Incoming::Hello(hello) => hello,
+            Incoming::Silent => return,
+            Incoming::Foreign { peer, what, stream } => {
+                if let Some(stream) = stream {
+                    refuse(stream, &what);
+                }
+                self.refused
+                    .note(format!("refused a connection from {}: {what}", from(peer)));
+                return;
+            }
+        };
+        if let Some(why) = self.wrong(&hello, config) {
+            self.refused.note(format!(
+                "refused a hello from {} as rank {}: {why}",
+                from(hello.peer),
+                hello.rank
+            ));
+            refuse(hello.stream, &why);
+            return;
+        }
+        let slot = hello.rank as usize;
+        if !self.have[slot] {
+            self.have[slot] = true;
+            self.count += 1;
+        }
+        self.checked_in[slot] = Some(hello);
+    }
+
+    /// Why `hello` is not a rank of this job that can check in now, if it is not: another world
+    /// size, rank or job, or a rank already in (whose place a new hello takes only when the
+    /// first one's connection closed).
+    fn wrong(&mut self, hello: &Hello, config: &RendezvousConfig) -> Option<String> {
+        let world = self.world;
+        let slot = hello.rank as usize;
+        if hello.world != world {
+            Some(format!(
+                "it says the world has {} ranks but rank 0 has WORLD_SIZE={world}",
+                hello.world
+            ))
+        } else if hello.rank == 0 {
+            Some(
+                "it checked in as rank 0, which is the master's own rank (two ranks 0?)"
+                    .to_string(),
+            )
+        } else if hello.rank >= world {
+            Some(format!(
+                "it checked in as rank {} but the world has ranks 0..{world}",
+                hello.rank
+            ))
+        } else if hello.job != config.job {
+            Some(format!(
+                "it loads job {:016x} but rank 0 loads job {:016x} (another checkpoint, layout or option, or another job on port {})",
+                hello.job, config.job, config.master_port
+            ))
+        } else {
+            match &self.checked_in[slot] {
+                // The rank that checked in first left (a restarted rank comes back with a new
+                // connection): the new one takes its place.
+                Some(first) if !still_open(&first.stream) => {
+                    self.refused.note(format!(
                         "dropped rank {slot} from {}: its connection closed after its hello",
-                        from(gone.peer)
+                        from(first.peer)
                     ));
-                    have[slot] = false;
-                    count -= 1;
+                    None
                 }
-            }
-            if count == world {
-                break;
-            }
-        }
-        // Ranks in and ranks missing are this job's; its ranks' plan options are compared only
-        // once all are in, when every one of them can be told.
-        tokio::select! {
-            () = progress.tick() => {
-                // Where they should connect and how many are in: a rank started with another
-                // address or port shows up here as the one never counted.
-                progress.say_with(
-                    0,
-                    &format!(
-                        "{} to join at {}:{}",
-                        ranks_text(&missing(&have, world)),
-                        config.master_addr,
-                        config.master_port
-                    ),
-                    &format!("{count} of {world} in{}", refused.progress_note()),
-                );
-            }
-            accepted = master.accept() => {
-                // A failed accept (a connection reset before it was taken) only loses that one.
-                if let Ok((stream, _)) = accepted {
-                    let _ = stream.set_nodelay(true);
-                    pending.push(read_hello(stream));
-                }
-            }
-            Some(incoming) = pending.next(), if !pending.is_empty() => {
-                // Whatever is wrong with one connection (another job's rank on this port, a
-                // misconfigured rank, a stranger) is that connection's trouble: it is refused
-                // and said, and the job's own ranks are still waited for until the deadline.
-                let hello = match incoming {
-                    Incoming::Hello(hello) => hello,
-                    Incoming::Silent => continue,
-                    Incoming::Foreign { peer, what, stream } => {
-                        if let Some(stream) = stream {
-                            refuse(stream, &what);
-                        }
-                        refused.note(format!("refused a connection from {}: {what}", from(peer)));
-                        continue;
-                    }
-                };
-                let slot = hello.rank as usize;
-                let wrong = if hello.world != world {
-                    Some(format!(
-                        "it says the world has {} ranks but rank 0 has WORLD_SIZE={world}",
-                        hello.world
-                    ))
-                } else if hello.rank == 0 {
-                    Some("it checked in as rank 0, which is the master's own rank (two ranks 0?)".to_string())
-                } else if hello.rank >= world {
-                    Some(format!(
-                        "it checked in as rank {} but the world has ranks 0..{world}",
-                        hello.rank
-                    ))
-                } else if hello.job != config.job {
-                    Some(format!(
-                        "it loads job {:016x} but rank 0 loads job {:016x} (another checkpoint, layout or option, or another job on port {})",
-                        hello.job, config.job, config.master_port
-                    ))
-                } else {
-                    match &checked_in[slot] {
-                        // The rank that checked in first left (a restarted rank comes back
-                        // with a new connection): the new one takes its place.
-                        Some(first) if !still_open(&first.stream) => {
-                            refused.note(format!(
-                                "dropped rank {slot} from {}: its connection closed after its hello",
-                                from(first.peer)
-                            ));
-                            None
-                        }
-                        Some(first) => Some(format!(
-                            "rank {} already checked in from {} (two processes with the same RANK?)",
-                            hello.rank,
-                            from(first.peer)
-                        )),
-                        None => None,
-                    }
-                };
-                if let Some(why) = wrong {
-                    refused.note(format!(
-                        "refused a hello from {} as rank {}: {why}",
-                        from(hello.peer),
-                        hello.rank
-                    ));
-                    refuse(hello.stream, &why);
-                    continue;
-                }
-                if !have[slot] {
-                    have[slot] = true;
-                    count += 1;
-                }
-                checked_in[slot] = Some(hello);
-            }
-            () = &mut sleep => {
-                let disagree = disagreements(&checked_in, &config.plan);
-                let detail = format!(
-                    "rank 0: only {count} of {world} ranks checked in within {:?}; missing ranks {:?}{}{}",
-                    options.connect_timeout,
-                    missing(&have, world),
-                    refused.in_error(config.master_port),
-                    if disagree.is_empty() {
-                        String::new()
-                    } else {
-                        format!("; and ranks that are in plan with other options: {}", disagree.join("; "))
-                    }
-                );
-                // The ranks that did check in learn which did not now, instead of waiting out
-                // their own deadline for a table that will not come.
-                tell_all(&mut checked_in, &refusal(GAVE_UP, &detail)).await;
-                return Err(rendezvous(detail));
+                Some(first) => Some(format!(
+                    "rank {} already checked in from {} (two processes with the same RANK?)",
+                    hello.rank,
+                    from(first.peer)
+                )),
+                None => None,
             }
         }
     }
+}
 
-    let disagree = disagreements(&checked_in, &config.plan);
-    if !disagree.is_empty() {
-        let detail = disagree.join("; ");
-        tell_all(&mut checked_in, &refusal(CALLED_OFF, &detail)).await;
-        return Err(LoaderError::RanksDisagree { rank: 0, detail });
-    }
-    drop(pending);
-    drop(master);
-
-    let session = new_session(config.master_port);
-    let mut table = vec![own_addr; world as usize];
-    for hello in checked_in.iter().flatten() {
-        table[hello.rank as usize] = hello.addr;
-    }
+/// Sends every rank that checked in the session and the address table, by `deadline`.
+async fn send_table(
+    checked_in: &mut [Option<Hello>],
+    session: u64,
+    table: &[SocketAddr],
+    deadline: Instant,
+) -> Result<(), LoaderError> {
     let mut message = Vec::new();
     message.put_slice(TABLE);
     message.put_u32_le(VERSION);
     message.put_u64_le(session);
-    message.put_u32_le(world);
-    for addr in &table {
+    message.put_u32_le(table.len() as u32);
+    for addr in table {
         put_addr(&mut message, addr);
     }
     for hello in checked_in.iter_mut().flatten() {
@@ -991,7 +1053,7 @@ async fn master(
             )));
         }
     }
-    Ok((session, table, own))
+    Ok(())
 }
 
 /// Ranks other than 0: reach the master, report this rank's listener, receive the table.

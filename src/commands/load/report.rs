@@ -160,16 +160,7 @@ fn report_text(
     plan_seconds: f64,
     kind: &str,
 ) -> String {
-    let sum = |f: fn(&RankReport) -> u64| reports.iter().map(f).sum::<u64>();
-    let max = |f: fn(&RankReport) -> f64| reports.iter().map(f).fold(0.0, f64::max);
-    let needed = sum(|r| r.bytes_needed);
     let totals = LoadTotals::new(plan, reports);
-    let (read, fetched, unique) = (
-        totals.bytes_read,
-        totals.bytes_fetched,
-        totals.unique_needed,
-    );
-    let total = max(|r| r.total_seconds);
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -177,6 +168,39 @@ fn report_text(
         args.checkpoint,
         reports.len(),
         plan.world()
+    );
+    bytes_lines(&mut out, args, reports, &totals);
+    format_lines(&mut out, args, checkpoint, &totals);
+    time_lines(&mut out, args, reports, plan_seconds);
+    if args.check {
+        let _ = writeln!(
+            out,
+            "check                every byte matches the synthetic formula"
+        );
+    }
+    if let Some(dir) = &args.dump {
+        let _ = writeln!(out, "dump                 {dir}/rank-<r>.safetensors");
+    }
+    out
+}
+
+/// A figure summed over the ranks' reports.
+fn sum(reports: &[RankReport], f: fn(&RankReport) -> u64) -> u64 {
+    reports.iter().map(f).sum::<u64>()
+}
+
+/// A figure of the slowest rank (the largest of the ranks' reports).
+fn max(reports: &[RankReport], f: fn(&RankReport) -> f64) -> f64 {
+    reports.iter().map(f).fold(0.0, f64::max)
+}
+
+/// The report's byte counts: needed, read (from a memory tier too), fetched, transferred.
+fn bytes_lines(out: &mut String, args: &LoadArgs, reports: &[RankReport], totals: &LoadTotals) {
+    let needed = sum(reports, |r| r.bytes_needed);
+    let (read, fetched, unique) = (
+        totals.bytes_read,
+        totals.bytes_fetched,
+        totals.unique_needed,
     );
     let _ = writeln!(
         out,
@@ -207,7 +231,7 @@ fn report_text(
             }
         }
     }
-    let boxes = sum(|r| r.boxes_verified);
+    let boxes = sum(reports, |r| r.boxes_verified);
     // Formats without checksums (and --no-verify) fetch nothing to verify: say nothing about it.
     let verification = if totals.verify_extra_bytes > 0 || boxes > 0 {
         format!(
@@ -221,8 +245,8 @@ fn report_text(
         out,
         "bytes fetched        {} ({verification}{} requests, {} retries)",
         human::bytes(fetched),
-        sum(|r| r.requests),
-        sum(|r| r.retries)
+        sum(reports, |r| r.requests),
+        sum(reports, |r| r.retries)
     );
     let _ = writeln!(
         out,
@@ -240,6 +264,11 @@ fn report_text(
         totals.transfer_amplification,
         human::bytes(totals.bytes_transferred.saturating_sub(fetched)),
     );
+}
+
+/// What the format's reading verified, and what opening it read of zip headers.
+fn format_lines(out: &mut String, args: &LoadArgs, checkpoint: &Checkpoint, totals: &LoadTotals) {
+    let read = totals.bytes_read;
     match checkpoint.format {
         Format::Native => {}
         Format::Dcp if args.verify => {
@@ -292,7 +321,16 @@ fn report_text(
         };
         let _ = writeln!(out, "zip headers          {line}");
     }
-    let (exchanged, direct) = (sum(|r| r.bytes_sent), sum(|r| r.bytes_received_direct));
+}
+
+/// Bytes exchanged, the time each phase took (slowest rank), throughput and the upload to GPU.
+fn time_lines(out: &mut String, args: &LoadArgs, reports: &[RankReport], plan_seconds: f64) {
+    let needed = sum(reports, |r| r.bytes_needed);
+    let total = max(reports, |r| r.total_seconds);
+    let (exchanged, direct) = (
+        sum(reports, |r| r.bytes_sent),
+        sum(reports, |r| r.bytes_received_direct),
+    );
     let _ = writeln!(
         out,
         "bytes exchanged      {}{}",
@@ -311,9 +349,9 @@ fn report_text(
     let _ = writeln!(
         out,
         "time                 plan {plan_seconds:.3} s, read {:.3} s, exchange {:.3} s ({:.3} s of it waiting on peers), total {total:.3} s (slowest rank)",
-        max(|r| r.read_seconds),
-        max(|r| r.exchange_seconds),
-        max(|r| r.exchange_wait_seconds)
+        max(reports, |r| r.read_seconds),
+        max(reports, |r| r.exchange_seconds),
+        max(reports, |r| r.exchange_wait_seconds)
     );
     let _ = writeln!(
         out,
@@ -324,9 +362,9 @@ fn report_text(
             0.0
         }
     );
-    let h2d_bytes = sum(|r| r.h2d_bytes);
+    let h2d_bytes = sum(reports, |r| r.h2d_bytes);
     if args.device.is_cuda() {
-        let h2d_seconds = max(|r| r.h2d_seconds);
+        let h2d_seconds = max(reports, |r| r.h2d_seconds);
         let _ = writeln!(
             out,
             "h2d                  {} in {h2d_seconds:.3} s (slowest rank), {:.2} GB/s through pinned staging",
@@ -338,14 +376,4 @@ fn report_text(
             }
         );
     }
-    if args.check {
-        let _ = writeln!(
-            out,
-            "check                every byte matches the synthetic formula"
-        );
-    }
-    if let Some(dir) = &args.dump {
-        let _ = writeln!(out, "dump                 {dir}/rank-<r>.safetensors");
-    }
-    out
 }

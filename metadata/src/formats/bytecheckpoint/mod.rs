@@ -52,7 +52,7 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 
 use crate::formats::dcp::{
-    DcpMetadata, DcpOptions, METADATA_FILE, StorageInfo, check_range, parse_metadata,
+    DcpMetadata, DcpOptions, DcpTensor, METADATA_FILE, StorageInfo, check_range, parse_metadata,
 };
 use crate::formats::native::{read_whole, resolve, store_error};
 use crate::formats::torch::blob::{TensorBlob, TensorDescriptor, parse_tensor_descriptor};
@@ -359,61 +359,131 @@ pub async fn open_bytecheckpoint(
     options: &DcpOptions,
 ) -> Result<BcCheckpoint, MetadataError> {
     let root = &location.root;
-    let mut identity = IdentityHasher::new(Format::ByteCheckpoint);
-    let mut tensors: Vec<TensorMeta> = Vec::new();
-    let mut chunks: Vec<SavedChunk> = Vec::new();
-    let mut objects: Vec<ObjectMeta> = Vec::new();
-    let mut files: Vec<DataFile> = Vec::new();
-    let mut file_index: HashMap<String, u32> = HashMap::new();
-    let mut details = BcDetails {
-        version: None,
-        components: Vec::new(),
-        followed: location.followed.clone(),
+    let mut b = BcBuilder {
+        identity: IdentityHasher::new(Format::ByteCheckpoint),
+        tensors: Vec::new(),
+        chunks: Vec::new(),
+        objects: Vec::new(),
+        files: Vec::new(),
+        file_index: HashMap::new(),
+        flat_params: FlatParams::new(),
+        details: BcDetails {
+            version: None,
+            components: Vec::new(),
+            followed: location.followed.clone(),
+        },
     };
-    let mut add_file = |path: String, size: u64, identity: &mut IdentityHasher| -> u32 {
-        *file_index.entry(path.clone()).or_insert_with(|| {
-            identity.part(path.as_bytes()).part(&size.to_le_bytes());
-            files.push(DataFile {
+    for component in &location.components {
+        let dir = resolve_dir(root, &component.dir)?;
+        if component.listing.files.contains_key(METADATA_FILE) {
+            b.add_component(store, component, &dir, options).await?;
+        } else {
+            b.add_object_files(component);
+        }
+    }
+    if b.details.components.is_empty() {
+        return Err(MetadataError::Invalid {
+            what: format!(
+                "{root}: no ByteCheckpoint component (model/, optimizer/, extra_state/) found"
+            ),
+        });
+    }
+    let BcBuilder {
+        identity,
+        tensors,
+        chunks,
+        objects,
+        files,
+        details,
+        ..
+    } = b;
+    let meta =
+        CheckpointMeta::new(tensors, chunks, objects, files)?.with_identity(identity.finish());
+    validate(&meta)?;
+    Ok(BcCheckpoint { meta, details })
+}
+
+/// The checkpoint model being built component by component, and its identity: every metadata
+/// file read and every data file's name and size, in the order they are met.
+struct BcBuilder {
+    identity: IdentityHasher,
+    tensors: Vec<TensorMeta>,
+    chunks: Vec<SavedChunk>,
+    objects: Vec<ObjectMeta>,
+    files: Vec<DataFile>,
+    /// Data file index by path relative to the root.
+    file_index: HashMap<String, u32>,
+    /// How a decomposed FSDP save's flat parameters split: from the model's `.metadata`, and
+    /// used for the optimizer's too (read after it, at a save's root).
+    flat_params: FlatParams,
+    details: BcDetails,
+}
+
+/// A component with a `.metadata` being read: where it is and what its metadata says.
+struct ComponentAt<'c> {
+    component: &'c BcComponent,
+    /// Its directory.
+    dir: &'c Path,
+    /// Its `.metadata` (for messages).
+    path: &'c Path,
+    fields: &'c BcFields,
+}
+
+impl BcBuilder {
+    /// The index of the data file at `path` (relative to the root), added the first time.
+    fn add_file(&mut self, path: String, size: u64) -> u32 {
+        *self.file_index.entry(path.clone()).or_insert_with(|| {
+            self.identity
+                .part(path.as_bytes())
+                .part(&size.to_le_bytes());
+            self.files.push(DataFile {
                 path,
                 size: Some(size),
                 encoded: None,
             });
-            (files.len() - 1) as u32
+            (self.files.len() - 1) as u32
         })
-    };
-    let mut flat_params = FlatParams::new();
-    for component in &location.components {
-        let dir = resolve_dir(root, &component.dir)?;
-        if !component.listing.files.contains_key(METADATA_FILE) {
-            // Per-rank torch.save files: each one object over the whole file.
-            for (name, &size) in &component.listing.files {
-                if !is_object_file(name) {
-                    continue;
-                }
-                let stem = name.trim_end_matches(".pt");
-                let stem = stem
-                    .strip_prefix(&format!("{}_", component.name))
-                    .unwrap_or(stem);
-                let file = add_file(join(&component.dir, name), size, &mut identity);
-                objects.push(ObjectMeta {
-                    key: format!("{}{stem}", namespace_or(component)),
-                    file,
-                    offset: 0,
-                    length: size,
-                    crc32c: None,
-                });
+    }
+
+    /// A component without a `.metadata`: per-rank torch.save files, each one object over the
+    /// whole file.
+    fn add_object_files(&mut self, component: &BcComponent) {
+        for (name, &size) in &component.listing.files {
+            if !is_object_file(name) {
+                continue;
             }
-            details.components.push(BcComponentDetails {
-                name: component.name.clone(),
-                dir: component.dir.clone(),
-                metadata_file: None,
-                metadata: DcpMetadata::default(),
-                version: None,
-                user_defined_keys: Vec::new(),
-                metadata_bytes: 0,
+            let stem = name.trim_end_matches(".pt");
+            let stem = stem
+                .strip_prefix(&format!("{}_", component.name))
+                .unwrap_or(stem);
+            let file = self.add_file(join(&component.dir, name), size);
+            self.objects.push(ObjectMeta {
+                key: format!("{}{stem}", namespace_or(component)),
+                file,
+                offset: 0,
+                length: size,
+                crc32c: None,
             });
-            continue;
         }
+        self.details.components.push(BcComponentDetails {
+            name: component.name.clone(),
+            dir: component.dir.clone(),
+            metadata_file: None,
+            metadata: DcpMetadata::default(),
+            version: None,
+            user_defined_keys: Vec::new(),
+            metadata_bytes: 0,
+        });
+    }
+
+    /// A component with a `.metadata` (in `dir`): its tensors and objects.
+    async fn add_component(
+        &mut self,
+        store: &dyn ObjectStore,
+        component: &BcComponent,
+        dir: &Path,
+        options: &DcpOptions,
+    ) -> Result<(), MetadataError> {
         let path = dir.clone().join(METADATA_FILE);
         let size = component.listing.files[METADATA_FILE];
         if size > options.limits.max_input as u64 {
@@ -428,98 +498,35 @@ pub async fn open_bytecheckpoint(
         }
         let bytes = read_whole(store, &path).await?;
         let metadata_name = join(&component.dir, METADATA_FILE);
-        identity.part(metadata_name.as_bytes()).part(&bytes);
+        self.identity.part(metadata_name.as_bytes()).part(&bytes);
         // torch's fields through the DCP reader, ByteCheckpoint's here: two passes of the VM
         // over the same bytes keep the DCP reader unaware of this format.
         let metadata = parse_metadata(&bytes, path.as_ref(), &options.limits)?;
         let fields = parse_bc_fields(&bytes, path.as_ref(), &options.limits)?;
-        if details.version.is_none() {
-            details.version = fields.version.clone();
+        if self.details.version.is_none() {
+            self.details.version = fields.version.clone();
         }
-        let ns = namespace_or(component);
-        let mut file_of = |relative: &str,
-                           identity: &mut IdentityHasher|
-         -> Result<(u32, Path, u64), MetadataError> {
-            let full = resolve(&dir, relative)?;
-            let Some(&size) = component.listing.files.get(relative) else {
-                return Err(MetadataError::Invalid {
-                    what: format!("data file {full} (named in {path}) does not exist"),
-                });
-            };
-            Ok((
-                add_file(join(&component.dir, relative), size, identity),
-                full,
-                size,
-            ))
-        };
         // A decomposed FSDP save: the model's `.metadata` says how its flat parameters split;
         // the optimizer's (read after it, at a save's root) uses the same layouts.
         if !fields.flat_params.is_empty() {
-            flat_params = fields.flat_params.clone();
+            self.flat_params = fields.flat_params.clone();
         }
+        let at = ComponentAt {
+            component,
+            dir,
+            path: &path,
+            fields: &fields,
+        };
         for tensor in &metadata.tensors {
-            let fqn = format!("{ns}{}", tensor.fqn);
-            let mut located = Vec::with_capacity(tensor.chunks.len());
-            for chunk in &tensor.chunks {
-                let region = TensorBox::new(chunk.offsets.clone(), chunk.sizes.clone());
-                let info = &chunk.storage;
-                let (file, full, size) = file_of(&info.relative_path, &mut identity)?;
-                check_range(&fqn, &region.to_string(), &full, info, size)?;
-                let bad = |detail: String| MetadataError::Blob {
-                    path: full.to_string(),
-                    start: info.offset,
-                    end: info.offset.saturating_add(info.length),
-                    entry: format!("tensor {fqn} chunk {region}"),
-                    detail,
-                };
-                let key = (tensor.fqn.clone(), Some(chunk.offsets.clone()));
-                let descriptor = match fields.descriptors.get(&key) {
-                    Some(Some(bytes)) => parse_tensor_descriptor(bytes, &DESCRIPTOR_LIMITS)
-                        .map_err(|e| bad(format!("its rebuild descriptor in {path}: {e}")))?,
-                    Some(None) => {
-                        return Err(bad(format!(
-                            "{path} records no rebuild descriptor for it (None in all_tensor_metadata)"
-                        )));
-                    }
-                    None => {
-                        return Err(bad(format!(
-                            "{path} has no all_tensor_metadata entry for it"
-                        )));
-                    }
-                };
-                located
-                    .push(locate(&descriptor, tensor.dtype, 0, &region, info, file).map_err(bad)?);
-            }
-            match flat_param_of(&flat_params, &tensor.fqn) {
-                Some((key, state)) if tensor.shape.len() == 1 => {
-                    let derived = unflatten(&flat_params[key], key, state, tensor, &located)
-                        .map_err(|detail| MetadataError::Invalid {
-                            what: format!("{path}: flat parameter {fqn}: {detail}"),
-                        })?;
-                    for (name, shape, mut parts) in derived {
-                        let t = tensors.len() as u32;
-                        tensors.push(TensorMeta::new(format!("{ns}{name}"), tensor.dtype, shape));
-                        parts.iter_mut().for_each(|c| c.tensor = t);
-                        chunks.extend(parts);
-                    }
-                }
-                _ => {
-                    let t = tensors.len() as u32;
-                    tensors.push(TensorMeta::new(
-                        fqn.clone(),
-                        tensor.dtype,
-                        tensor.shape.clone(),
-                    ));
-                    chunks.extend(located.into_iter().map(|c| SavedChunk { tensor: t, ..c }));
-                }
-            }
+            self.add_tensor(&at, tensor)?;
         }
+        let ns = namespace_or(component);
         for object in &metadata.objects {
             let key = format!("{ns}{}", object.fqn);
             let info = &object.storage;
-            let (file, full, size) = file_of(&info.relative_path, &mut identity)?;
+            let (file, full, size) = self.file_of(&at, &info.relative_path)?;
             check_range(&key, "(object)", &full, info, size)?;
-            objects.push(ObjectMeta {
+            self.objects.push(ObjectMeta {
                 key,
                 file,
                 offset: info.offset,
@@ -527,7 +534,7 @@ pub async fn open_bytecheckpoint(
                 crc32c: None,
             });
         }
-        details.components.push(BcComponentDetails {
+        self.details.components.push(BcComponentDetails {
             name: component.name.clone(),
             dir: component.dir.clone(),
             metadata_file: Some(metadata_name),
@@ -536,18 +543,97 @@ pub async fn open_bytecheckpoint(
             user_defined_keys: fields.user_defined_keys,
             metadata_bytes: bytes.len() as u64,
         });
+        Ok(())
     }
-    if details.components.is_empty() {
-        return Err(MetadataError::Invalid {
-            what: format!(
-                "{root}: no ByteCheckpoint component (model/, optimizer/, extra_state/) found"
-            ),
-        });
+
+    /// The data file `relative` (to the component's directory) that the component's metadata
+    /// names: its index, full path and size. A file not in the directory is refused.
+    fn file_of(
+        &mut self,
+        at: &ComponentAt<'_>,
+        relative: &str,
+    ) -> Result<(u32, Path, u64), MetadataError> {
+        let full = resolve(at.dir, relative)?;
+        let Some(&size) = at.component.listing.files.get(relative) else {
+            return Err(MetadataError::Invalid {
+                what: format!("data file {full} (named in {}) does not exist", at.path),
+            });
+        };
+        Ok((
+            self.add_file(join(&at.component.dir, relative), size),
+            full,
+            size,
+        ))
     }
-    let meta =
-        CheckpointMeta::new(tensors, chunks, objects, files)?.with_identity(identity.finish());
-    validate(&meta)?;
-    Ok(BcCheckpoint { meta, details })
+
+    /// One saved tensor: each chunk located from its storage info and rebuild descriptor, then
+    /// added as it is, or, for a flat parameter of a decomposed FSDP save, as the parameters
+    /// it holds.
+    fn add_tensor(
+        &mut self,
+        at: &ComponentAt<'_>,
+        tensor: &DcpTensor,
+    ) -> Result<(), MetadataError> {
+        let ns = namespace_or(at.component);
+        let path = at.path;
+        let fqn = format!("{ns}{}", tensor.fqn);
+        let mut located = Vec::with_capacity(tensor.chunks.len());
+        for chunk in &tensor.chunks {
+            let region = TensorBox::new(chunk.offsets.clone(), chunk.sizes.clone());
+            let info = &chunk.storage;
+            let (file, full, size) = self.file_of(at, &info.relative_path)?;
+            check_range(&fqn, &region.to_string(), &full, info, size)?;
+            let bad = |detail: String| MetadataError::Blob {
+                path: full.to_string(),
+                start: info.offset,
+                end: info.offset.saturating_add(info.length),
+                entry: format!("tensor {fqn} chunk {region}"),
+                detail,
+            };
+            let key = (tensor.fqn.clone(), Some(chunk.offsets.clone()));
+            let descriptor = match at.fields.descriptors.get(&key) {
+                Some(Some(bytes)) => parse_tensor_descriptor(bytes, &DESCRIPTOR_LIMITS)
+                    .map_err(|e| bad(format!("its rebuild descriptor in {path}: {e}")))?,
+                Some(None) => {
+                    return Err(bad(format!(
+                        "{path} records no rebuild descriptor for it (None in all_tensor_metadata)"
+                    )));
+                }
+                None => {
+                    return Err(bad(format!(
+                        "{path} has no all_tensor_metadata entry for it"
+                    )));
+                }
+            };
+            located.push(locate(&descriptor, tensor.dtype, 0, &region, info, file).map_err(bad)?);
+        }
+        match flat_param_of(&self.flat_params, &tensor.fqn) {
+            Some((key, state)) if tensor.shape.len() == 1 => {
+                let derived = unflatten(&self.flat_params[key], key, state, tensor, &located)
+                    .map_err(|detail| MetadataError::Invalid {
+                        what: format!("{path}: flat parameter {fqn}: {detail}"),
+                    })?;
+                for (name, shape, mut parts) in derived {
+                    let t = self.tensors.len() as u32;
+                    self.tensors
+                        .push(TensorMeta::new(format!("{ns}{name}"), tensor.dtype, shape));
+                    parts.iter_mut().for_each(|c| c.tensor = t);
+                    self.chunks.extend(parts);
+                }
+            }
+            _ => {
+                let t = self.tensors.len() as u32;
+                self.tensors.push(TensorMeta::new(
+                    fqn.clone(),
+                    tensor.dtype,
+                    tensor.shape.clone(),
+                ));
+                self.chunks
+                    .extend(located.into_iter().map(|c| SavedChunk { tensor: t, ..c }));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Name of the FSDP flat parameter in keys (`torch.distributed.fsdp._unshard_param_utils.FLAT_PARAM`).

@@ -183,13 +183,141 @@ pub async fn open_dcp(
             what: format!("{prefix}: no {METADATA_FILE}, so this is not a DCP checkpoint"),
         });
     }
-    let mut digest = crc32fast::Hasher::new();
-    let mut digest_c = 0u32;
     // The checkpoint's identity: the metadata files as read, and (below) the data files' sizes.
     let mut identity = IdentityHasher::new(Format::Dcp);
+    let read = read_metadata(store, prefix, listing, &names, options, &mut identity).await?;
+    let metadata = merge(read.parts, prefix)?;
+    let metadata_path = resolve(prefix, &names[0])?.to_string();
+    let reformulations = megatron::reformulations(&metadata, &metadata_path)?;
+    let config = read_megatron_config(store, prefix, listing, &mut identity).await?;
+    let megatron = MegatronDetails::detect(listing, config, &metadata, &reformulations);
+    // Megatron ≤0.18 keeps the common state in common.pt next to the DCP files.
+    let common_file = megatron
+        .as_ref()
+        .and_then(|m| m.common_state.as_deref())
+        .filter(|c| *c == megatron::COMMON_FILE);
+
+    let (mut files, file_index) =
+        data_files(store, prefix, listing, &names, &metadata, common_file).await?;
+    let mut size_digest = 0u32;
+    for file in &files {
+        identity
+            .part(file.path.as_bytes())
+            .part(&file.size.unwrap_or(0).to_le_bytes());
+        size_digest = crc32c::crc32c_append(
+            size_digest,
+            format!("{}\t{}\n", file.path, file.size.unwrap_or(0)).as_bytes(),
+        );
+    }
+
+    let refs = blob_refs(prefix, &metadata, &file_index, &files)?;
+    check_blobs_apart(&refs)?;
+    let mut objects = Vec::with_capacity(metadata.objects.len());
+    for object in &metadata.objects {
+        objects.push(object_meta(store, prefix, object, &file_index, &mut files, options).await?);
+    }
+    if let Some(common) = common_file {
+        let file = file_index[common];
+        objects.push(ObjectMeta {
+            key: common.to_string(),
+            file,
+            offset: 0,
+            length: files[file as usize].size.unwrap_or(0),
+            crc32c: None,
+        });
+    }
+
+    let key = format!(
+        "{:x}-{:08x}-{:08x}-{size_digest:08x}",
+        read.bytes, read.crc32, read.crc32c
+    );
+    let mut stats = IndexStats {
+        blobs: refs.len() as u64,
+        compressed_blobs: refs.iter().filter(|(_, r)| r.encoded.is_some()).count() as u64,
+        metadata_bytes: read.bytes,
+        ..IndexStats::default()
+    };
+    let index = blob_index(store, options, &key, &refs, &mut stats).await?;
+
+    // The checkpoint model.
+    let mut model = ModelBuilder {
+        tensors: Vec::with_capacity(metadata.tensors.len()),
+        chunks: Vec::with_capacity(refs.len()),
+        blobs: Vec::with_capacity(refs.len()),
+        files,
+    };
+    let mut k = 0usize;
+    for (t, tensor) in metadata.tensors.iter().enumerate() {
+        let reformulation = reformulations.get(t).and_then(Option::as_ref);
+        model.tensors.push(TensorMeta::new(
+            tensor.fqn.clone(),
+            tensor.dtype,
+            reformulation.map_or_else(|| tensor.shape.clone(), |r| r.shape.clone()),
+        ));
+        for chunk in &tensor.chunks {
+            let (file, blob_ref) = &refs[k];
+            let Some(blob) = index.get(k) else {
+                return Err(MetadataError::Invalid {
+                    what: format!("{prefix}: the blob index is shorter than the chunk list"),
+                });
+            };
+            k += 1;
+            model.add_chunk(
+                t as u32,
+                tensor,
+                chunk,
+                reformulation,
+                (*file, blob_ref),
+                blob,
+            )?;
+        }
+    }
+    let ModelBuilder {
+        tensors,
+        chunks,
+        blobs,
+        files,
+    } = model;
+    let meta =
+        CheckpointMeta::new(tensors, chunks, objects, files)?.with_identity(identity.finish());
+    validate(&meta)?;
+    stats.seconds = started.elapsed().as_secs_f64();
+    Ok(DcpCheckpoint {
+        meta,
+        details: DcpDetails {
+            metadata,
+            blobs,
+            stats,
+            metadata_files: names,
+            megatron,
+        },
+    })
+}
+
+/// The metadata files as read: each parsed, and their bytes' size, CRC-32 and crc32c (all files
+/// in order), which with the data files' sizes key the blob index caches.
+struct MetadataRead {
+    parts: Vec<DcpMetadata>,
+    bytes: u64,
+    crc32: u32,
+    crc32c: u32,
+}
+
+/// Reads and parses every metadata file `names` lists (each within the input cap), adding each
+/// to the checkpoint's `identity`.
+async fn read_metadata(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    listing: &Listing,
+    names: &[String],
+    options: &DcpOptions,
+    identity: &mut IdentityHasher,
+) -> Result<MetadataRead, MetadataError> {
+    let mut digest = crc32fast::Hasher::new();
+    let mut digest_c = 0u32;
     let mut metadata_bytes = 0u64;
     let mut parts = Vec::with_capacity(names.len());
-    for name in &names {
+    for name in names {
         let path = resolve(prefix, name)?;
         let size = listing.files.get(name).copied();
         if size == Some(0) {
@@ -217,18 +345,25 @@ pub async fn open_dcp(
         metadata_bytes += bytes.len() as u64;
         parts.push(parse_metadata(&bytes, path.as_ref(), &options.limits)?);
     }
-    let metadata = merge(parts, prefix)?;
-    let metadata_path = resolve(prefix, &names[0])?.to_string();
-    let reformulations = megatron::reformulations(&metadata, &metadata_path)?;
-    let config = read_megatron_config(store, prefix, listing, &mut identity).await?;
-    let megatron = MegatronDetails::detect(listing, config, &metadata, &reformulations);
-    // Megatron ≤0.18 keeps the common state in common.pt next to the DCP files.
-    let common_file = megatron
-        .as_ref()
-        .and_then(|m| m.common_state.as_deref())
-        .filter(|c| *c == megatron::COMMON_FILE);
+    Ok(MetadataRead {
+        parts,
+        bytes: metadata_bytes,
+        crc32: digest.finalize(),
+        crc32c: digest_c,
+    })
+}
 
-    // Data files: sizes from the listing (or a HEAD for files in subdirectories).
+/// The data files every tensor chunk and object (and Megatron's `common.pt`) lies in, in name
+/// order, with their index by name: sizes from the listing, or a HEAD for files in
+/// subdirectories. A file `names` (the metadata files) point at that does not exist is refused.
+async fn data_files<'m>(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    listing: &Listing,
+    names: &[String],
+    metadata: &'m DcpMetadata,
+    common_file: Option<&'m str>,
+) -> Result<(Vec<DataFile>, HashMap<&'m str, u32>), MetadataError> {
     let mut file_names: BTreeSet<&str> = BTreeSet::new();
     for tensor in &metadata.tensors {
         for chunk in &tensor.chunks {
@@ -269,18 +404,17 @@ pub async fn open_dcp(
             encoded: None,
         });
     }
-    let mut size_digest = 0u32;
-    for file in &files {
-        identity
-            .part(file.path.as_bytes())
-            .part(&file.size.unwrap_or(0).to_le_bytes());
-        size_digest = crc32c::crc32c_append(
-            size_digest,
-            format!("{}\t{}\n", file.path, file.size.unwrap_or(0)).as_bytes(),
-        );
-    }
+    Ok((files, file_index))
+}
 
-    // The blobs to index, checked against their files first.
+/// The tensor blobs to index, in chunk order, each checked against its file first (its range
+/// within the file, its transforms one that is read).
+fn blob_refs(
+    prefix: &Path,
+    metadata: &DcpMetadata,
+    file_index: &HashMap<&str, u32>,
+    files: &[DataFile],
+) -> Result<Vec<(u32, index::BlobRef)>, MetadataError> {
     let mut refs = Vec::new();
     for tensor in &metadata.tensors {
         for chunk in &tensor.chunks {
@@ -305,236 +439,220 @@ pub async fn open_dcp(
             ));
         }
     }
-    check_blobs_apart(&refs)?;
-    let mut objects = Vec::with_capacity(metadata.objects.len());
-    for object in &metadata.objects {
-        let info = &object.storage;
-        let file = file_index[info.relative_path.as_str()];
-        let path = resolve(prefix, &info.relative_path)?;
-        check_range(
-            &object.fqn,
-            "(object)",
-            &path,
-            info,
-            files[file as usize].size.unwrap_or(0),
-        )?;
-        let encoded =
-            transform_codec(&info.transforms, &path, || format!("object {}", object.fqn))?;
-        let (file, offset, length) = match encoded {
-            None => (file, info.offset, info.length),
-            // Objects are small pickles: decoded once here for their length, again when read.
+    Ok(refs)
+}
+
+/// An object's entry in the model, its range checked against its file. A compressed object
+/// lies in a file of its decoded bytes, added to `files`.
+async fn object_meta(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    object: &DcpObject,
+    file_index: &HashMap<&str, u32>,
+    files: &mut Vec<DataFile>,
+    options: &DcpOptions,
+) -> Result<ObjectMeta, MetadataError> {
+    let info = &object.storage;
+    let file = file_index[info.relative_path.as_str()];
+    let path = resolve(prefix, &info.relative_path)?;
+    check_range(
+        &object.fqn,
+        "(object)",
+        &path,
+        info,
+        files[file as usize].size.unwrap_or(0),
+    )?;
+    let encoded = transform_codec(&info.transforms, &path, || format!("object {}", object.fqn))?;
+    let (file, offset, length) = match encoded {
+        None => (file, info.offset, info.length),
+        // Objects are small pickles: decoded once here for their length, again when read.
+        Some(codec) => {
+            let length =
+                decoded_length(store, &path, info, codec, &object.fqn, &options.limits).await?;
+            let range = EncodedRange {
+                source: info.relative_path.clone(),
+                offset: info.offset,
+                length: info.length,
+                codec,
+            };
+            (decoded_file(files, range, length), 0, length)
+        }
+    };
+    Ok(ObjectMeta {
+        key: object.fqn.clone(),
+        file,
+        offset,
+        length,
+        crc32c: None,
+    })
+}
+
+/// The blob index under `key`: from the memory cache, the cache directory, or built by reading
+/// every blob's zip headers (then stored in both caches). Says in `stats` where it came from
+/// and what building it read.
+async fn blob_index(
+    store: &dyn ObjectStore,
+    options: &DcpOptions,
+    key: &str,
+    refs: &[(u32, index::BlobRef)],
+    stats: &mut IndexStats,
+) -> Result<Arc<Vec<TensorBlob>>, MetadataError> {
+    let cached = options.cache.as_ref().and_then(|c| c.get(key));
+    if let Some(index) = cached
+        && index.len() == refs.len()
+    {
+        stats.source = IndexSource::Memory;
+        return Ok(index);
+    }
+    let from_disk = options
+        .cache_dir
+        .as_deref()
+        .and_then(|dir| index::read_disk(dir, key, refs.len()));
+    let index = match from_disk {
+        Some(blobs) => {
+            stats.source = IndexSource::Disk;
+            Arc::new(blobs)
+        }
+        None => {
+            let just_refs: Vec<index::BlobRef> = refs.iter().map(|(_, r)| r.clone()).collect();
+            let (blobs, fetched) =
+                index::index_blobs(store, &just_refs, options.concurrency).await?;
+            stats.requests = fetched.requests;
+            stats.bytes_read = fetched.bytes;
+            if let Some(dir) = &options.cache_dir {
+                index::write_disk(dir, key, &blobs);
+            }
+            Arc::new(blobs)
+        }
+    };
+    if let Some(cache) = &options.cache {
+        cache.insert(key, Arc::clone(&index));
+    }
+    Ok(index)
+}
+
+/// The checkpoint model being built from the indexed blobs: tensors, their saved chunks, each
+/// chunk's blob, and the data files (to which compressed blobs add files of their decoded
+/// bytes).
+struct ModelBuilder {
+    tensors: Vec<TensorMeta>,
+    chunks: Vec<SavedChunk>,
+    blobs: Vec<ChunkBlob>,
+    files: Vec<DataFile>,
+}
+
+impl ModelBuilder {
+    /// Adds the saved chunk(s) of one `.metadata` chunk of tensor `t` from its indexed `blob`,
+    /// after checking the blob holds what `.metadata` says: a plain chunk, or the flat ranges of
+    /// a Megatron `reformulation`.
+    fn add_chunk(
+        &mut self,
+        t: u32,
+        tensor: &DcpTensor,
+        chunk: &DcpChunk,
+        reformulation: Option<&Reformulation>,
+        (file, blob_ref): (u32, &index::BlobRef),
+        blob: &TensorBlob,
+    ) -> Result<(), MetadataError> {
+        let bad = |detail: String| MetadataError::Blob {
+            path: blob_ref.path.to_string(),
+            start: blob_ref.offset,
+            end: blob_ref.offset + blob_ref.length,
+            entry: blob_ref.entry.clone(),
+            detail,
+        };
+        if blob.dtype != tensor.dtype {
+            return Err(bad(format!(
+                "holds {} but .metadata says {}",
+                blob.dtype, tensor.dtype
+            )));
+        }
+        if blob.size != chunk.sizes {
+            return Err(bad(format!(
+                "holds a tensor of size {:?} but .metadata says the chunk has sizes {:?}",
+                blob.size, chunk.sizes
+            )));
+        }
+        // Parsing guarantees this; an index from the cache directory is checked again.
+        if blob
+            .data_offset
+            .checked_add(blob.data_len)
+            .is_none_or(|end| blob_ref.encoded.is_none() && end > blob_ref.length)
+        {
+            return Err(bad(format!(
+                "its storage at bytes {}..+{} lies outside the {}-byte blob (a stale cache?)",
+                blob.data_offset, blob.data_len, blob_ref.length
+            )));
+        }
+        let span = blob.span_bytes().map_err(&bad)?;
+        let esize = tensor.dtype.size();
+        let strides = stored_strides(blob, &chunk.sizes);
+        // An encoded blob's chunk lies in the blob's decoded bytes, a file of its own that
+        // can be read up to the end of the storage.
+        let (file, blob_start) = match blob_ref.encoded {
+            None => (file, blob_ref.offset),
             Some(codec) => {
-                let length =
-                    decoded_length(store, &path, info, codec, &object.fqn, &options.limits).await?;
+                let info = &chunk.storage;
                 let range = EncodedRange {
                     source: info.relative_path.clone(),
                     offset: info.offset,
                     length: info.length,
                     codec,
                 };
-                (decoded_file(&mut files, range, length), 0, length)
+                let visible = blob.data_offset.saturating_add(blob.data_len);
+                (decoded_file(&mut self.files, range, visible), 0)
             }
         };
-        objects.push(ObjectMeta {
-            key: object.fqn.clone(),
-            file,
-            offset,
-            length,
-            crc32c: None,
-        });
-    }
-    if let Some(common) = common_file {
-        let file = file_index[common];
-        objects.push(ObjectMeta {
-            key: common.to_string(),
-            file,
-            offset: 0,
-            length: files[file as usize].size.unwrap_or(0),
-            crc32c: None,
-        });
-    }
-
-    // The index: memory, disk, or built.
-    let key = format!(
-        "{metadata_bytes:x}-{:08x}-{digest_c:08x}-{size_digest:08x}",
-        digest.finalize()
-    );
-    let mut stats = IndexStats {
-        blobs: refs.len() as u64,
-        compressed_blobs: refs.iter().filter(|(_, r)| r.encoded.is_some()).count() as u64,
-        metadata_bytes,
-        ..IndexStats::default()
-    };
-    let cached = options.cache.as_ref().and_then(|c| c.get(&key));
-    let index: Arc<Vec<TensorBlob>> = match cached {
-        Some(index) if index.len() == refs.len() => {
-            stats.source = IndexSource::Memory;
-            index
-        }
-        _ => {
-            let from_disk = options
-                .cache_dir
-                .as_deref()
-                .and_then(|dir| index::read_disk(dir, &key, refs.len()));
-            let index = match from_disk {
-                Some(blobs) => {
-                    stats.source = IndexSource::Disk;
-                    Arc::new(blobs)
-                }
-                None => {
-                    let just_refs: Vec<index::BlobRef> =
-                        refs.iter().map(|(_, r)| r.clone()).collect();
-                    let (blobs, fetched) =
-                        index::index_blobs(store, &just_refs, options.concurrency).await?;
-                    stats.requests = fetched.requests;
-                    stats.bytes_read = fetched.bytes;
-                    if let Some(dir) = &options.cache_dir {
-                        index::write_disk(dir, &key, &blobs);
-                    }
-                    Arc::new(blobs)
-                }
-            };
-            if let Some(cache) = &options.cache {
-                cache.insert(&key, Arc::clone(&index));
-            }
-            index
-        }
-    };
-
-    // The checkpoint model.
-    let mut tensors = Vec::with_capacity(metadata.tensors.len());
-    let mut chunks = Vec::with_capacity(refs.len());
-    let mut blobs = Vec::with_capacity(refs.len());
-    let mut k = 0usize;
-    for (t, tensor) in metadata.tensors.iter().enumerate() {
-        let reformulation = reformulations.get(t).and_then(Option::as_ref);
-        tensors.push(TensorMeta::new(
-            tensor.fqn.clone(),
-            tensor.dtype,
-            reformulation.map_or_else(|| tensor.shape.clone(), |r| r.shape.clone()),
-        ));
-        for chunk in &tensor.chunks {
-            let (file, blob_ref) = &refs[k];
-            let Some(blob) = index.get(k) else {
-                return Err(MetadataError::Invalid {
-                    what: format!("{prefix}: the blob index is shorter than the chunk list"),
-                });
-            };
-            k += 1;
-            let bad = |detail: String| MetadataError::Blob {
-                path: blob_ref.path.to_string(),
-                start: blob_ref.offset,
-                end: blob_ref.offset + blob_ref.length,
-                entry: blob_ref.entry.clone(),
-                detail,
-            };
-            if blob.dtype != tensor.dtype {
-                return Err(bad(format!(
-                    "holds {} but .metadata says {}",
-                    blob.dtype, tensor.dtype
-                )));
-            }
-            if blob.size != chunk.sizes {
-                return Err(bad(format!(
-                    "holds a tensor of size {:?} but .metadata says the chunk has sizes {:?}",
-                    blob.size, chunk.sizes
-                )));
-            }
-            // Parsing guarantees this; an index from the cache directory is checked again.
-            if blob
-                .data_offset
-                .checked_add(blob.data_len)
-                .is_none_or(|end| blob_ref.encoded.is_none() && end > blob_ref.length)
-            {
-                return Err(bad(format!(
-                    "its storage at bytes {}..+{} lies outside the {}-byte blob (a stale cache?)",
-                    blob.data_offset, blob.data_len, blob_ref.length
-                )));
-            }
-            let span = blob.span_bytes().map_err(&bad)?;
-            let esize = tensor.dtype.size();
-            let strides = stored_strides(blob, &chunk.sizes);
-            // An encoded blob's chunk lies in the blob's decoded bytes, a file of its own that
-            // can be read up to the end of the storage.
-            let (file, blob_start) = match blob_ref.encoded {
-                None => (*file, blob_ref.offset),
-                Some(codec) => {
-                    let info = &chunk.storage;
-                    let range = EncodedRange {
-                        source: info.relative_path.clone(),
-                        offset: info.offset,
-                        length: info.length,
-                        codec,
-                    };
-                    let visible = blob.data_offset.saturating_add(blob.data_len);
-                    (decoded_file(&mut files, range, visible), 0)
-                }
-            };
-            let offset = blob_start
-                .checked_add(blob.data_offset)
-                .and_then(|o| o.checked_add(blob.storage_offset.checked_mul(esize)?))
-                .ok_or_else(|| bad("storage offset overflows".to_string()))?;
-            match reformulation {
-                None => chunks.push(SavedChunk {
-                    tensor: t as u32,
-                    region: TensorBox::new(chunk.offsets.clone(), chunk.sizes.clone()),
-                    bytes: ByteMeta {
-                        file,
-                        offset,
-                        length: span,
-                        strides,
-                    },
-                    crc32c: None,
-                    // The zip's CRC-32 covers the blob's whole storage: a check of this box
-                    // exactly when the storage is the box's bytes, each once (torch.save of
-                    // DCP's clones: no storage offset, no gaps, no element stored twice).
-                    crc32: blob.data_crc32.filter(|_| {
-                        blob.storage_offset == 0
-                            && span == blob.data_len
-                            && region_numel(&chunk.sizes).checked_mul(esize) == Some(span)
-                    }),
-                }),
-                Some(r) => {
-                    // A flat range of one TP-local box: its elements lie back to back.
-                    if strides.is_some() {
-                        return Err(bad(format!(
-                            "a Megatron flattened chunk stored with strides {:?}, not contiguous",
-                            blob.stride
-                        )));
-                    }
-                    let (parent, start, end) =
-                        r.chunk(&chunk.offsets, &chunk.sizes).map_err(&bad)?;
-                    chunks.extend(flat_range_chunks(
-                        t as u32, &parent, start, end, file, offset, esize,
-                    ));
-                }
-            }
-            blobs.push(ChunkBlob {
-                entry: blob_ref.entry.clone(),
-                file,
-                offset: blob_start,
-                length: match blob_ref.encoded {
-                    None => blob_ref.length,
-                    Some(_) => blob.data_offset.saturating_add(blob.data_len),
+        let offset = blob_start
+            .checked_add(blob.data_offset)
+            .and_then(|o| o.checked_add(blob.storage_offset.checked_mul(esize)?))
+            .ok_or_else(|| bad("storage offset overflows".to_string()))?;
+        match reformulation {
+            None => self.chunks.push(SavedChunk {
+                tensor: t,
+                region: TensorBox::new(chunk.offsets.clone(), chunk.sizes.clone()),
+                bytes: ByteMeta {
+                    file,
+                    offset,
+                    length: span,
+                    strides,
                 },
-                blob: blob.clone(),
-            });
+                crc32c: None,
+                // The zip's CRC-32 covers the blob's whole storage: a check of this box
+                // exactly when the storage is the box's bytes, each once (torch.save of
+                // DCP's clones: no storage offset, no gaps, no element stored twice).
+                crc32: blob.data_crc32.filter(|_| {
+                    blob.storage_offset == 0
+                        && span == blob.data_len
+                        && region_numel(&chunk.sizes).checked_mul(esize) == Some(span)
+                }),
+            }),
+            Some(r) => {
+                // A flat range of one TP-local box: its elements lie back to back.
+                if strides.is_some() {
+                    return Err(bad(format!(
+                        "a Megatron flattened chunk stored with strides {:?}, not contiguous",
+                        blob.stride
+                    )));
+                }
+                let (parent, start, end) = r.chunk(&chunk.offsets, &chunk.sizes).map_err(&bad)?;
+                self.chunks.extend(flat_range_chunks(
+                    t, &parent, start, end, file, offset, esize,
+                ));
+            }
         }
+        self.blobs.push(ChunkBlob {
+            entry: blob_ref.entry.clone(),
+            file,
+            offset: blob_start,
+            length: match blob_ref.encoded {
+                None => blob_ref.length,
+                Some(_) => blob.data_offset.saturating_add(blob.data_len),
+            },
+            blob: blob.clone(),
+        });
+        Ok(())
     }
-    let meta =
-        CheckpointMeta::new(tensors, chunks, objects, files)?.with_identity(identity.finish());
-    validate(&meta)?;
-    stats.seconds = started.elapsed().as_secs_f64();
-    Ok(DcpCheckpoint {
-        meta,
-        details: DcpDetails {
-            metadata,
-            blobs,
-            stats,
-            metadata_files: names,
-            megatron,
-        },
-    })
 }
 
 /// The codec of a blob stored with DCP `transform_descriptors` (`None` without any), or

@@ -363,76 +363,170 @@ pub async fn open_deepspeed(
         Some(tag) => resolve(prefix, tag)?,
         None => prefix.clone(),
     };
-    let relative = |name: &str| match &tag {
-        Some(tag) => format!("{tag}/{name}"),
-        None => name.to_string(),
-    };
-    // Which files are which.
-    let mut models: BTreeMap<Option<usize>, String> = BTreeMap::new();
-    let mut optims: BTreeMap<usize, (String, bool)> = BTreeMap::new();
-    for name in listing.files.keys() {
-        match classify(name) {
-            None => {}
-            Some(Kind::Model { mp, .. } | Kind::Optim { mp, .. }) if mp != 0 => {
-                return Err(MetadataError::Unsupported {
-                    path: dir.clone().join(name.as_str()).to_string(),
-                    detail: format!(
-                        "a model-parallel DeepSpeed save (mp_rank_{mp:02}): its tensor-parallel shards \
-                         do not record how they split each parameter (convert it with DeepSpeed's \
-                         ds_to_universal.py first)"
-                    ),
-                });
-            }
-            Some(Kind::Other) => {
-                return Err(MetadataError::Unsupported {
-                    path: dir.clone().join(name.as_str()).to_string(),
-                    detail: "a pipeline-layer or MoE expert states file: DeepSpeed pipeline and \
-                             expert-parallel saves are not read (only ZeRO data parallelism)"
-                        .to_string(),
-                });
-            }
-            Some(Kind::Model { dp, .. }) => {
-                models.insert(dp, name.clone());
-            }
-            Some(Kind::Optim { dp, bf16, .. }) => {
-                if let Some((other, _)) = optims.insert(dp, (name.clone(), bf16)) {
-                    return Err(MetadataError::Invalid {
-                        what: format!(
-                            "{dir}: {other} and {name} are both optimizer states of data-parallel rank {dp}"
+    let roles = FileRoles::classify(&dir, listing)?;
+    let names = roles.read_order();
+    let files = read_files(store, &dir, tag.as_deref(), &names, listing).await?;
+    let file_of: HashMap<&str, u32> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.as_str(), i as u32))
+        .collect();
+
+    let model_file = &files[0];
+    let model: ModelStates = decode(model_file, "DeepSpeed model states", states::model_states)?;
+    let mut ranks: Vec<(u32, OptimStates)> = Vec::with_capacity(roles.optims.len());
+    for (name, _) in roles.optims.values() {
+        let f = file_of[name.as_str()];
+        let o: OptimStates = decode(
+            &files[f as usize],
+            "DeepSpeed optimizer states",
+            states::optim_states,
+        )?;
+        ranks.push((f, o));
+    }
+    let bf16 = roles.optims.values().any(|(_, b)| *b);
+    let stage = zero_stage(&files, &ranks, bf16)?;
+
+    let mut b = Builder::default();
+    let parts = Partitions::locate(&files, &ranks, stage, &model, model_file)?;
+    parts.check_slice_mappings()?;
+    parts.add_params(&mut b)?;
+    parts.add_moments(&mut b)?;
+    let model_files = model_files(&dir, &roles, &file_of, &files, &model, stage)?;
+    add_frozen(&mut b, &model, &files, &model_files)?;
+    add_module(&mut b, &model, model_file, stage)?;
+    add_tied(&mut b, &model)?;
+    let (objects, values) = objects(&model, model_file, &files, &ranks);
+
+    let table = FileTable::of(tag.as_deref(), &files);
+    let Builder {
+        tensors, chunks, ..
+    } = b;
+    let meta = CheckpointMeta::new(tensors, chunks, objects, table.data_files)?
+        .with_identity(table.identity);
+    validate(&meta)?;
+    Ok(DeepSpeedCheckpoint {
+        meta,
+        details: DeepSpeedDetails {
+            tag,
+            zero_stage: stage,
+            dp_world_size: roles.optims.len(),
+            ds_version: model.ds_version.clone(),
+            objects: values,
+            records: table.records,
+            requests: table.requests,
+            bytes_read: table.bytes_read,
+        },
+    })
+}
+
+/// Which file of a tag directory is which: model states by data-parallel rank (`None` for
+/// ZeRO-1/2's one file), optimizer states by rank (with whether they are bf16's), and the model
+/// states file read first (its pickle names the parameters).
+struct FileRoles {
+    models: BTreeMap<Option<usize>, String>,
+    optims: BTreeMap<usize, (String, bool)>,
+    first_model: String,
+}
+
+impl FileRoles {
+    /// Sorts the listing's files into roles, refusing model-parallel, pipeline and MoE saves,
+    /// two optimizer states files of one rank, ranks missing, and a save without model states.
+    fn classify(dir: &Path, listing: &Listing) -> Result<Self, MetadataError> {
+        let mut models: BTreeMap<Option<usize>, String> = BTreeMap::new();
+        let mut optims: BTreeMap<usize, (String, bool)> = BTreeMap::new();
+        for name in listing.files.keys() {
+            match classify(name) {
+                None => {}
+                Some(Kind::Model { mp, .. } | Kind::Optim { mp, .. }) if mp != 0 => {
+                    return Err(MetadataError::Unsupported {
+                        path: dir.clone().join(name.as_str()).to_string(),
+                        detail: format!(
+                            "a model-parallel DeepSpeed save (mp_rank_{mp:02}): its tensor-parallel shards \
+                             do not record how they split each parameter (convert it with DeepSpeed's \
+                             ds_to_universal.py first)"
                         ),
                     });
                 }
+                Some(Kind::Other) => {
+                    return Err(MetadataError::Unsupported {
+                        path: dir.clone().join(name.as_str()).to_string(),
+                        detail:
+                            "a pipeline-layer or MoE expert states file: DeepSpeed pipeline and \
+                                 expert-parallel saves are not read (only ZeRO data parallelism)"
+                                .to_string(),
+                    });
+                }
+                Some(Kind::Model { dp, .. }) => {
+                    models.insert(dp, name.clone());
+                }
+                Some(Kind::Optim { dp, bf16, .. }) => {
+                    if let Some((other, _)) = optims.insert(dp, (name.clone(), bf16)) {
+                        return Err(MetadataError::Invalid {
+                            what: format!(
+                                "{dir}: {other} and {name} are both optimizer states of data-parallel rank {dp}"
+                            ),
+                        });
+                    }
+                }
             }
         }
+        let world = optims.len();
+        if let Some((&last, _)) = optims.last_key_value()
+            && last + 1 != world
+        {
+            return Err(MetadataError::Invalid {
+                what: format!(
+                    "{dir}: optimizer states of data-parallel ranks {:?}: ranks 0..{} expected (a save that did not finish on every rank?)",
+                    optims.keys().collect::<Vec<_>>(),
+                    last + 1
+                ),
+            });
+        }
+        let Some(first_model) = models.get(&None).or_else(|| models.get(&Some(0))) else {
+            return Err(MetadataError::Invalid {
+                what: format!(
+                    "{dir}: no mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt"
+                ),
+            });
+        };
+        let first_model = first_model.clone();
+        Ok(FileRoles {
+            models,
+            optims,
+            first_model,
+        })
     }
-    let world = optims.len();
-    if let Some((&last, _)) = optims.last_key_value()
-        && last + 1 != world
-    {
-        return Err(MetadataError::Invalid {
-            what: format!(
-                "{dir}: optimizer states of data-parallel ranks {:?}: ranks 0..{} expected (a save that did not finish on every rank?)",
-                optims.keys().collect::<Vec<_>>(),
-                last + 1
-            ),
-        });
-    }
-    let Some(first_model) = models.get(&None).or_else(|| models.get(&Some(0))) else {
-        return Err(MetadataError::Invalid {
-            what: format!(
-                "{dir}: no mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt"
-            ),
-        });
-    };
-    let first_model = first_model.clone();
 
-    // Read every file's directory and pickle.
-    let mut names: Vec<String> = vec![first_model.clone()];
-    names.extend(models.values().filter(|n| **n != first_model).cloned());
-    names.extend(optims.values().map(|(n, _)| n.clone()));
+    /// The files to read, the first model states first (file 0), then the other model states,
+    /// then the optimizer states in rank order: the order of the checkpoint's data files.
+    fn read_order(&self) -> Vec<String> {
+        let mut names: Vec<String> = vec![self.first_model.clone()];
+        names.extend(
+            self.models
+                .values()
+                .filter(|n| **n != self.first_model)
+                .cloned(),
+        );
+        names.extend(self.optims.values().map(|(n, _)| n.clone()));
+        names
+    }
+}
+
+/// Reads every file's zip directory and pickle, [`CONCURRENCY`] at a time, in `names` order.
+async fn read_files(
+    store: &dyn ObjectStore,
+    dir: &Path,
+    tag: Option<&str>,
+    names: &[String],
+    listing: &Listing,
+) -> Result<Vec<TorchFile>, MetadataError> {
+    let relative = |name: &str| match tag {
+        Some(tag) => format!("{tag}/{name}"),
+        None => name.to_string(),
+    };
     let files: Vec<Result<TorchFile, MetadataError>> =
         futures::stream::iter(names.iter().map(|name| {
-            let dir = &dir;
             let relative = &relative;
             async move {
                 let path = resolve(dir, name)?;
@@ -443,26 +537,18 @@ pub async fn open_deepspeed(
         .buffered(CONCURRENCY)
         .collect()
         .await;
-    let files: Vec<TorchFile> = files.into_iter().collect::<Result<_, _>>()?;
-    let file_of: HashMap<&str, u32> = names
-        .iter()
-        .enumerate()
-        .map(|(i, n)| (n.as_str(), i as u32))
-        .collect();
+    files.into_iter().collect()
+}
 
-    let model_file = &files[0];
-    let model: ModelStates = decode(model_file, "DeepSpeed model states", states::model_states)?;
-    let mut ranks: Vec<(u32, OptimStates)> = Vec::with_capacity(world);
-    for (name, _) in optims.values() {
-        let f = file_of[name.as_str()];
-        let o: OptimStates = decode(
-            &files[f as usize],
-            "DeepSpeed optimizer states",
-            states::optim_states,
-        )?;
-        ranks.push((f, o));
-    }
-    let bf16 = optims.values().any(|(_, b)| *b);
+/// The ZeRO stage every optimizer states file agrees on (0 without any), after checking that
+/// each rank's file fits the others: same stage, partition counts equal to the files found, the
+/// same number of flat groups.
+fn zero_stage(
+    files: &[TorchFile],
+    ranks: &[(u32, OptimStates)],
+    bf16: bool,
+) -> Result<u64, MetadataError> {
+    let world = ranks.len();
     let stage = match ranks.first() {
         None => 0,
         Some((f, o)) => match o.zero_stage {
@@ -475,7 +561,7 @@ pub async fn open_deepspeed(
             }
         },
     };
-    for (f, o) in &ranks {
+    for (f, o) in ranks {
         let file = &files[*f as usize];
         if o.zero_stage.unwrap_or(stage) != stage {
             return Err(file.error(format!(
@@ -509,38 +595,81 @@ pub async fn open_deepspeed(
     if stage > 3 {
         return Err(files[ranks[0].0 as usize].error(format!("unknown zero_stage {stage}")));
     }
+    Ok(stage)
+}
 
-    let mut b = Builder::default();
-    // The flat partitions of every rank, located.
-    let mut flats: Vec<Vec<Located<'_>>> = Vec::with_capacity(world);
-    for (r, (f, o)) in ranks.iter().enumerate() {
-        let torch = &files[*f as usize];
-        let mut located = Vec::with_capacity(o.flat_groups.len());
-        for (g, t) in o.flat_groups.iter().enumerate() {
-            let l = Located::new(*f, torch, t, format!("rank {r} flat fp32 group {g}"))?;
-            if l.tensor.size.len() != 1 {
-                return Err(l.error(format!(
-                    "is a tensor of size {:?}, not a flat partition",
-                    l.tensor.size
-                )));
+/// The flat partitions of every rank, located, and which elements of which trainable parameter
+/// each holds: what the steps adding the parameters and their optimizer moments share.
+struct Partitions<'f> {
+    files: &'f [TorchFile],
+    /// Each rank's optimizer states file (its index in `files`) and decoded states.
+    ranks: &'f [(u32, OptimStates)],
+    stage: u64,
+    /// Each rank's flat fp32 groups.
+    flats: Vec<Vec<Located<'f>>>,
+    /// Trainable parameters (name, shape) in `param_shapes` order.
+    params: Vec<(String, Vec<u64>)>,
+    /// Runs of a parameter's elements in a rank's flat group.
+    pieces: Vec<Piece>,
+}
+
+impl<'f> Partitions<'f> {
+    /// Locates every rank's flat groups (1-D, contiguous) and lays the parameters of
+    /// `param_shapes` out over them as `zero_to_fp32.py` does.
+    fn locate(
+        files: &'f [TorchFile],
+        ranks: &'f [(u32, OptimStates)],
+        stage: u64,
+        model: &ModelStates,
+        model_file: &TorchFile,
+    ) -> Result<Self, MetadataError> {
+        let mut flats: Vec<Vec<Located<'f>>> = Vec::with_capacity(ranks.len());
+        for (r, (f, o)) in ranks.iter().enumerate() {
+            let torch = &files[*f as usize];
+            let mut located = Vec::with_capacity(o.flat_groups.len());
+            for (g, t) in o.flat_groups.iter().enumerate() {
+                let l = Located::new(*f, torch, t, format!("rank {r} flat fp32 group {g}"))?;
+                if l.tensor.size.len() != 1 {
+                    return Err(l.error(format!(
+                        "is a tensor of size {:?}, not a flat partition",
+                        l.tensor.size
+                    )));
+                }
+                l.contiguous_start()?;
+                located.push(l);
             }
-            l.contiguous_start()?;
-            located.push(l);
+            flats.push(located);
         }
-        flats.push(located);
+        let mut parts = Partitions {
+            files,
+            ranks,
+            stage,
+            flats,
+            params: Vec::new(),
+            pieces: Vec::new(),
+        };
+        if stage >= 1 {
+            parts.lay_out(model, model_file)?;
+        }
+        Ok(parts)
     }
 
-    // Trainable parameters: names, shapes and where their elements are.
-    let mut params: Vec<(String, Vec<u64>)> = Vec::new();
-    let mut pieces: Vec<Piece> = Vec::new();
-    if stage >= 1 {
-        let lens: Vec<Vec<u64>> = flats
+    /// Trainable parameters: names, shapes and where their elements are (per group for
+    /// ZeRO-1/2, across all groups for ZeRO-3).
+    fn lay_out(
+        &mut self,
+        model: &ModelStates,
+        model_file: &TorchFile,
+    ) -> Result<(), MetadataError> {
+        let rank0 = &self.files[self.ranks[0].0 as usize];
+        let lens: Vec<Vec<u64>> = self
+            .flats
             .iter()
             .map(|g| g.iter().map(Located::numel).collect())
             .collect();
-        if stage <= 2 {
+        if self.stage <= 2 {
             if model.param_shapes.len() != lens[0].len() {
-                return Err(files[ranks[0].0 as usize].error(format!(
+                return Err(rank0.error(format!(
                     "{} flat groups but param_shapes in {} lists {} groups",
                     lens[0].len(),
                     model_file.name,
@@ -548,16 +677,16 @@ pub async fn open_deepspeed(
                 )));
             }
             for (g, group) in model.param_shapes.iter().enumerate() {
-                let base = params.len();
+                let base = self.params.len();
                 let mut numels = Vec::with_capacity(group.len());
                 for (name, shape) in group {
                     numels.push(numel(shape)?);
-                    params.push((name.clone(), shape.clone()));
+                    self.params.push((name.clone(), shape.clone()));
                 }
                 let saved: Vec<u64> = lens.iter().map(|l| l[g]).collect();
-                let group_pieces = layout::zero12_pieces(g, &numels, &saved)
-                    .map_err(|e| files[ranks[0].0 as usize].error(e))?;
-                pieces.extend(group_pieces.into_iter().map(|mut p| {
+                let group_pieces =
+                    layout::zero12_pieces(g, &numels, &saved).map_err(|e| rank0.error(e))?;
+                self.pieces.extend(group_pieces.into_iter().map(|mut p| {
                     p.param += base;
                     p
                 }));
@@ -567,163 +696,198 @@ pub async fn open_deepspeed(
             for group in &model.param_shapes {
                 for (name, shape) in group {
                     numels.push(numel(shape)?);
-                    params.push((name.clone(), shape.clone()));
+                    self.params.push((name.clone(), shape.clone()));
                 }
             }
-            pieces = layout::zero3_pieces(&numels, &lens)
-                .map_err(|e| files[ranks[0].0 as usize].error(e))?;
+            self.pieces = layout::zero3_pieces(&numels, &lens).map_err(|e| rank0.error(e))?;
         }
-    }
-    // param_slice_mappings, where saved, must agree with the layout.
-    for (r, (f, o)) in ranks.iter().enumerate() {
-        if stage > 2 {
-            break;
-        }
-        for (g, mapping) in o.slice_mappings.iter().enumerate() {
-            for (name, n, start) in mapping {
-                if *n == 0 {
-                    continue;
-                }
-                let found = pieces
-                    .iter()
-                    .find(|p| p.rank == r && p.group == g && params[p.param].0 == *name);
-                let ok = found.is_some_and(|p| p.end - p.start == *n && p.at == *start);
-                if !ok {
-                    return Err(files[*f as usize].error(format!(
-                        "tensor {name}: param_slice_mappings[{g}] puts {n} elements at {start} of this partition, but param_shapes order puts {}",
-                        found.map_or("none here".to_string(), |p| format!("{} at {}", p.end - p.start, p.at))
-                    )));
-                }
-            }
-        }
-    }
-    let mut param_tensor = Vec::with_capacity(params.len());
-    for (i, (name, shape)) in params.iter().enumerate() {
-        let dtype = pieces
-            .iter()
-            .find(|p| p.param == i)
-            .map_or(DType::F32, |p| flats[p.rank][p.group].tensor.dtype);
-        param_tensor.push(b.add(name, dtype, shape.clone())?);
-    }
-    for p in &pieces {
-        let flat = &flats[p.rank][p.group];
-        let t = param_tensor[p.param];
-        if flat.tensor.dtype != b.tensors[t as usize].dtype {
-            return Err(flat.error(format!(
-                "holds {} but other ranks hold tensor {} as {}",
-                flat.tensor.dtype, params[p.param].0, b.tensors[t as usize].dtype
-            )));
-        }
-        let start = flat.contiguous_start()?;
-        let esize = flat.tensor.dtype.size();
-        b.chunks.extend(flat_range_chunks(
-            t,
-            &TensorBox::whole(&params[p.param].1),
-            p.start,
-            p.end,
-            flat.file,
-            start + p.at * esize,
-            esize,
-        ));
+        Ok(())
     }
 
-    // Optimizer moments: the same positions in the moment tensors of the same partitions.
-    let mut moment_tensors: HashMap<(usize, String), u32> = HashMap::new();
-    let mut moments_located: HashMap<(usize, usize, String), Located<'_>> = HashMap::new();
-    for (r, (f, o)) in ranks.iter().enumerate() {
-        for (g, keys) in o.moments.iter().enumerate() {
-            for (key, t) in keys {
-                let l = Located::new(
-                    *f,
-                    &files[*f as usize],
-                    t,
-                    format!("rank {r} optimizer {key} of flat group {g}"),
-                )?;
-                let need = flats[r][g].numel();
-                if l.tensor.size.len() != 1 || l.numel() < need {
-                    return Err(l.error(format!(
-                        "has size {:?}, but the partition it belongs to has {need} elements",
-                        l.tensor.size
-                    )));
+    /// `param_slice_mappings`, where saved (ZeRO-1/2), must agree with the layout.
+    fn check_slice_mappings(&self) -> Result<(), MetadataError> {
+        if self.stage > 2 {
+            return Ok(());
+        }
+        for (r, (f, o)) in self.ranks.iter().enumerate() {
+            for (g, mapping) in o.slice_mappings.iter().enumerate() {
+                for (name, n, start) in mapping {
+                    if *n == 0 {
+                        continue;
+                    }
+                    let found = self
+                        .pieces
+                        .iter()
+                        .find(|p| p.rank == r && p.group == g && self.params[p.param].0 == *name);
+                    let ok = found.is_some_and(|p| p.end - p.start == *n && p.at == *start);
+                    if !ok {
+                        return Err(self.files[*f as usize].error(format!(
+                            "tensor {name}: param_slice_mappings[{g}] puts {n} elements at {start} of this partition, but param_shapes order puts {}",
+                            found.map_or("none here".to_string(), |p| format!("{} at {}", p.end - p.start, p.at))
+                        )));
+                    }
                 }
-                l.contiguous_start()?;
-                moments_located.insert((r, g, key.clone()), l);
             }
         }
+        Ok(())
     }
-    if let Some((_, first)) = ranks.first() {
-        for (i, (name, shape)) in params.iter().enumerate() {
-            let Some(p0) = pieces.iter().find(|p| p.param == i) else {
-                continue;
-            };
-            for (key, t) in first.moments.get(p0.group).into_iter().flatten() {
-                let fqn = format!("{OPTIMIZER_PREFIX}{name}.{key}");
-                let tensor = b.add(&fqn, t.dtype, shape.clone())?;
-                moment_tensors.insert((i, key.clone()), tensor);
-            }
+
+    /// Adds every trainable parameter (the fp32 master weights) and the flat-range chunks of its
+    /// pieces.
+    fn add_params(&self, b: &mut Builder) -> Result<(), MetadataError> {
+        let mut param_tensor = Vec::with_capacity(self.params.len());
+        for (i, (name, shape)) in self.params.iter().enumerate() {
+            let dtype = self
+                .pieces
+                .iter()
+                .find(|p| p.param == i)
+                .map_or(DType::F32, |p| self.flats[p.rank][p.group].tensor.dtype);
+            param_tensor.push(b.add(name, dtype, shape.clone())?);
         }
-    }
-    for p in &pieces {
-        for ((i, key), &tensor) in &moment_tensors {
-            if *i != p.param {
-                continue;
-            }
-            let Some(l) = moments_located.get(&(p.rank, p.group, key.clone())) else {
-                return Err(files[ranks[p.rank].0 as usize].error(format!(
-                    "tensor {}: no optimizer {key} for flat group {}, which rank 0 has",
-                    params[p.param].0, p.group
-                )));
-            };
-            if l.tensor.dtype != b.tensors[tensor as usize].dtype {
-                return Err(l.error(format!(
-                    "holds {} but rank 0 holds {}",
-                    l.tensor.dtype, b.tensors[tensor as usize].dtype
+        for p in &self.pieces {
+            let flat = &self.flats[p.rank][p.group];
+            let t = param_tensor[p.param];
+            if flat.tensor.dtype != b.tensors[t as usize].dtype {
+                return Err(flat.error(format!(
+                    "holds {} but other ranks hold tensor {} as {}",
+                    flat.tensor.dtype, self.params[p.param].0, b.tensors[t as usize].dtype
                 )));
             }
-            let esize = l.tensor.dtype.size();
+            let start = flat.contiguous_start()?;
+            let esize = flat.tensor.dtype.size();
             b.chunks.extend(flat_range_chunks(
-                tensor,
-                &TensorBox::whole(&params[p.param].1),
+                t,
+                &TensorBox::whole(&self.params[p.param].1),
                 p.start,
                 p.end,
-                l.file,
-                l.contiguous_start()? + p.at * esize,
+                flat.file,
+                start + p.at * esize,
                 esize,
             ));
         }
+        Ok(())
     }
 
-    // Frozen parameters: whole in the model states (ZeRO-1/2), or each rank's slice (ZeRO-3).
-    let model_files: Vec<(u32, ModelStates)> = if stage == 3 {
-        let mut out = Vec::new();
-        for dp in 0..world {
-            let Some(name) = models.get(&Some(dp)) else {
-                return Err(MetadataError::Invalid {
-                    what: format!(
-                        "{dir}: ZeRO-3 save without zero_pp_rank_{dp}_mp_rank_00_model_states.pt"
-                    ),
-                });
-            };
-            let f = file_of[name.as_str()];
-            let states = if f == 0 {
-                model.clone()
-            } else {
-                decode(
-                    &files[f as usize],
-                    "DeepSpeed model states",
-                    states::model_states,
-                )?
-            };
-            out.push((f, states));
+    /// Adds the optimizer moments: the same positions in the moment tensors of the same
+    /// partitions, one tensor per parameter and key rank 0 saves.
+    fn add_moments(&self, b: &mut Builder) -> Result<(), MetadataError> {
+        let mut moment_tensors: HashMap<(usize, String), u32> = HashMap::new();
+        let mut moments_located: HashMap<(usize, usize, String), Located<'_>> = HashMap::new();
+        for (r, (f, o)) in self.ranks.iter().enumerate() {
+            for (g, keys) in o.moments.iter().enumerate() {
+                for (key, t) in keys {
+                    let l = Located::new(
+                        *f,
+                        &self.files[*f as usize],
+                        t,
+                        format!("rank {r} optimizer {key} of flat group {g}"),
+                    )?;
+                    let need = self.flats[r][g].numel();
+                    if l.tensor.size.len() != 1 || l.numel() < need {
+                        return Err(l.error(format!(
+                            "has size {:?}, but the partition it belongs to has {need} elements",
+                            l.tensor.size
+                        )));
+                    }
+                    l.contiguous_start()?;
+                    moments_located.insert((r, g, key.clone()), l);
+                }
+            }
         }
-        out
-    } else {
-        vec![(0, model.clone())]
-    };
+        if let Some((_, first)) = self.ranks.first() {
+            for (i, (name, shape)) in self.params.iter().enumerate() {
+                let Some(p0) = self.pieces.iter().find(|p| p.param == i) else {
+                    continue;
+                };
+                for (key, t) in first.moments.get(p0.group).into_iter().flatten() {
+                    let fqn = format!("{OPTIMIZER_PREFIX}{name}.{key}");
+                    let tensor = b.add(&fqn, t.dtype, shape.clone())?;
+                    moment_tensors.insert((i, key.clone()), tensor);
+                }
+            }
+        }
+        for p in &self.pieces {
+            for ((i, key), &tensor) in &moment_tensors {
+                if *i != p.param {
+                    continue;
+                }
+                let Some(l) = moments_located.get(&(p.rank, p.group, key.clone())) else {
+                    return Err(self.files[self.ranks[p.rank].0 as usize].error(format!(
+                        "tensor {}: no optimizer {key} for flat group {}, which rank 0 has",
+                        self.params[p.param].0, p.group
+                    )));
+                };
+                if l.tensor.dtype != b.tensors[tensor as usize].dtype {
+                    return Err(l.error(format!(
+                        "holds {} but rank 0 holds {}",
+                        l.tensor.dtype, b.tensors[tensor as usize].dtype
+                    )));
+                }
+                let esize = l.tensor.dtype.size();
+                b.chunks.extend(flat_range_chunks(
+                    tensor,
+                    &TensorBox::whole(&self.params[p.param].1),
+                    p.start,
+                    p.end,
+                    l.file,
+                    l.contiguous_start()? + p.at * esize,
+                    esize,
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The model states that hold the frozen parameters, with their file index: every rank's file
+/// for ZeRO-3 (each holds its slice), the one file otherwise.
+fn model_files(
+    dir: &Path,
+    roles: &FileRoles,
+    file_of: &HashMap<&str, u32>,
+    files: &[TorchFile],
+    model: &ModelStates,
+    stage: u64,
+) -> Result<Vec<(u32, ModelStates)>, MetadataError> {
+    if stage != 3 {
+        return Ok(vec![(0, model.clone())]);
+    }
+    let mut out = Vec::new();
+    for dp in 0..roles.optims.len() {
+        let Some(name) = roles.models.get(&Some(dp)) else {
+            return Err(MetadataError::Invalid {
+                what: format!(
+                    "{dir}: ZeRO-3 save without zero_pp_rank_{dp}_mp_rank_00_model_states.pt"
+                ),
+            });
+        };
+        let f = file_of[name.as_str()];
+        let states = if f == 0 {
+            model.clone()
+        } else {
+            decode(
+                &files[f as usize],
+                "DeepSpeed model states",
+                states::model_states,
+            )?
+        };
+        out.push((f, states));
+    }
+    Ok(out)
+}
+
+/// Adds the frozen parameters: whole in the model states (ZeRO-1/2), or each rank's slice
+/// (ZeRO-3), in rank order.
+fn add_frozen(
+    b: &mut Builder,
+    model: &ModelStates,
+    files: &[TorchFile],
+    model_files: &[(u32, ModelStates)],
+) -> Result<(), MetadataError> {
     for (name, shape) in &model.frozen_param_shapes {
         let n = numel(shape)?;
         let mut located = Vec::new();
-        for (f, states) in &model_files {
+        for (f, states) in model_files {
             let Some((_, t)) = states
                 .frozen_param_fragments
                 .iter()
@@ -768,10 +932,18 @@ pub async fn open_deepspeed(
             )));
         }
     }
+    Ok(())
+}
 
-    // The module's state dict: buffers (and, without ZeRO, the parameters) by name, everything
-    // as saved under `module.`; ZeRO-3's empty placeholders of partitioned parameters are left
-    // out.
+/// Adds the module's state dict: buffers (and, without ZeRO, the parameters) by name,
+/// everything as saved under `module.`; ZeRO-3's empty placeholders of partitioned parameters
+/// are left out.
+fn add_module(
+    b: &mut Builder,
+    model: &ModelStates,
+    model_file: &TorchFile,
+    stage: u64,
+) -> Result<(), MetadataError> {
     let shapes: HashMap<&str, &Vec<u64>> = model
         .param_shapes
         .iter()
@@ -797,7 +969,11 @@ pub async fn open_deepspeed(
             b.chunks.push(l.whole_chunk(tensor)?);
         }
     }
-    // Tied parameters under their second name too.
+    Ok(())
+}
+
+/// Adds tied parameters under their second name too (the chunks of the first, copied).
+fn add_tied(b: &mut Builder, model: &ModelStates) -> Result<(), MetadataError> {
     for (alias, source) in &model.shared_params {
         if b.index.contains_key(alias) {
             continue;
@@ -818,9 +994,18 @@ pub async fn open_deepspeed(
             .collect();
         b.chunks.extend(copies);
     }
+    Ok(())
+}
 
-    // Objects: the other model-state entries and the optimizer's param groups, each pointing at
-    // the pickle that holds it (values decoded here: a pickle entry has no byte range of its own).
+/// Objects: the other model-state entries and the optimizer's param groups, each pointing at
+/// the pickle that holds it, and their values (decoded here: a pickle entry has no byte range of
+/// its own).
+fn objects(
+    model: &ModelStates,
+    model_file: &TorchFile,
+    files: &[TorchFile],
+    ranks: &[(u32, OptimStates)],
+) -> (Vec<ObjectMeta>, Vec<(String, Option<Json>)>) {
     let mut objects = Vec::new();
     let mut values = Vec::new();
     for (key, value) in &model.objects {
@@ -846,49 +1031,52 @@ pub async fn open_deepspeed(
         });
         values.push(("optimizer.param_groups".to_string(), Some(groups.clone())));
     }
+    (objects, values)
+}
 
-    // Identity: the tag, and every file's name, size and pickle.
-    let mut identity = IdentityHasher::new(Format::DeepSpeed);
-    identity.part(tag.as_deref().unwrap_or("").as_bytes());
-    let mut data_files = Vec::with_capacity(files.len());
-    let mut records = Vec::new();
-    let (mut requests, mut bytes_read) = (0u64, 0u64);
-    for (i, file) in files.iter().enumerate() {
-        identity
-            .part(file.name.as_bytes())
-            .part(&file.size.to_le_bytes())
-            .part(&file.pkl);
-        data_files.push(DataFile {
-            path: file.name.clone(),
-            size: Some(file.size),
-            encoded: None,
-        });
-        records.push((i as u32, file.pkl_record.clone()));
-        let mut recs: Vec<&Record> = file.records.values().collect();
-        recs.sort_by_key(|r| r.range.start);
-        records.extend(recs.into_iter().map(|r| (i as u32, r.clone())));
-        requests += file.requests;
-        bytes_read += file.bytes_read;
-    }
-    let Builder {
-        tensors, chunks, ..
-    } = b;
-    let meta =
-        CheckpointMeta::new(tensors, chunks, objects, data_files)?.with_identity(identity.finish());
-    validate(&meta)?;
-    Ok(DeepSpeedCheckpoint {
-        meta,
-        details: DeepSpeedDetails {
-            tag,
-            zero_stage: stage,
-            dp_world_size: world,
-            ds_version: model.ds_version.clone(),
-            objects: values,
+/// What the checkpoint records of its files: the data files, every record for verification,
+/// the identity (the tag, and every file's name, size and pickle), and what opening cost.
+struct FileTable {
+    data_files: Vec<DataFile>,
+    records: Vec<(u32, Record)>,
+    identity: String,
+    requests: u64,
+    bytes_read: u64,
+}
+
+impl FileTable {
+    /// The table of `files` (in data file order) of the save under `tag`.
+    fn of(tag: Option<&str>, files: &[TorchFile]) -> Self {
+        let mut identity = IdentityHasher::new(Format::DeepSpeed);
+        identity.part(tag.unwrap_or("").as_bytes());
+        let mut data_files = Vec::with_capacity(files.len());
+        let mut records = Vec::new();
+        let (mut requests, mut bytes_read) = (0u64, 0u64);
+        for (i, file) in files.iter().enumerate() {
+            identity
+                .part(file.name.as_bytes())
+                .part(&file.size.to_le_bytes())
+                .part(&file.pkl);
+            data_files.push(DataFile {
+                path: file.name.clone(),
+                size: Some(file.size),
+                encoded: None,
+            });
+            records.push((i as u32, file.pkl_record.clone()));
+            let mut recs: Vec<&Record> = file.records.values().collect();
+            recs.sort_by_key(|r| r.range.start);
+            records.extend(recs.into_iter().map(|r| (i as u32, r.clone())));
+            requests += file.requests;
+            bytes_read += file.bytes_read;
+        }
+        FileTable {
+            data_files,
             records,
+            identity: identity.finish(),
             requests,
             bytes_read,
-        },
-    })
+        }
+    }
 }
 
 #[cfg(test)]

@@ -108,69 +108,31 @@ pub async fn read(
     name: String,
     size: u64,
 ) -> Result<TorchFile, MetadataError> {
-    let mut seg = Segments::new(size);
-    let mut requests = 0u64;
-    let mut bytes_read = 0u64;
-    let tail = size.saturating_sub(TAIL)..size;
-    seg.add(tail.start, fetch(store, &path, tail.clone()).await?);
-    requests += 1;
-    bytes_read += tail.end - tail.start;
-    // The directory: at most one more read (a directory larger than the tail).
-    let mut dir = None;
-    for _ in 0..3 {
-        match zip::read_directory(&seg) {
-            Ok(d) => {
-                dir = Some(d);
-                break;
-            }
-            Err(ZipError::Bad(detail)) => return Err(file_error(&path, size, detail)),
-            Err(ZipError::Need(range)) => {
-                if range.end - range.start > MAX_DIRECTORY {
-                    return Err(file_error(
-                        &path,
-                        size,
-                        format!(
-                            "its zip directory needs bytes {}..{}, over the {MAX_DIRECTORY}-byte cap",
-                            range.start, range.end
-                        ),
-                    ));
-                }
-                let bytes = fetch(store, &path, range.clone()).await?;
-                requests += 1;
-                bytes_read += range.end - range.start;
-                seg.add(range.start, bytes);
-            }
-        }
-    }
-    let Some(dir) = dir else {
-        return Err(file_error(
-            &path,
-            size,
-            "its zip directory cannot be located",
-        ));
+    let mut archive = Archive {
+        store,
+        path,
+        size,
+        seg: Segments::new(size),
+        requests: 0,
+        bytes_read: 0,
     };
+    let tail = size.saturating_sub(TAIL)..size;
+    archive.read_into(tail).await?;
+    let dir = archive.directory().await?;
     let Some((pkl, prefix)) = dir.torch_data_pkl() else {
-        return Err(file_error(
-            &path,
-            size,
-            "no data.pkl member: not a torch.save file",
-        ));
+        return Err(archive.error("no data.pkl member: not a torch.save file"));
     };
     let prefix = prefix.to_string();
     if pkl.size > LIMITS.max_input as u64 {
-        return Err(file_error(
-            &path,
-            size,
-            format!(
-                "{} is {} bytes, over the {}-byte cap",
-                pkl.name, pkl.size, LIMITS.max_input
-            ),
-        ));
+        return Err(archive.error(format!(
+            "{} is {} bytes, over the {}-byte cap",
+            pkl.name, pkl.size, LIMITS.max_input
+        )));
     }
     if let Some(order) = dir.find(&format!("{prefix}byteorder"))
         && order.size > 16
     {
-        return Err(file_error(&path, size, "a byteorder member over 16 bytes"));
+        return Err(archive.error("a byteorder member over 16 bytes"));
     }
     // Local headers of data.pkl, byteorder and every storage record, read concurrently.
     let wanted: Vec<&zip::Entry> = dir
@@ -184,37 +146,14 @@ pub async fn read(
                     .is_some_and(|rest| rest.starts_with("data/"))
         })
         .collect();
-    let headers: Vec<Range<u64>> = wanted
-        .iter()
-        .map(|e| {
-            let start = e.local_header_offset.min(size);
-            start..start.saturating_add(30 + e.name.len() as u64).min(size)
-        })
-        .collect();
-    let fetched: Vec<Result<(u64, Bytes), MetadataError>> =
-        futures::stream::iter(headers.iter().cloned().map(|range| {
-            let path = &path;
-            async move {
-                let bytes = fetch(store, path, range.clone()).await?;
-                Ok((range.start, bytes))
-            }
-        }))
-        .buffer_unordered(CONCURRENCY)
-        .collect()
-        .await;
-    for part in fetched {
-        let (start, bytes) = part?;
-        requests += 1;
-        bytes_read += bytes.len() as u64;
-        seg.add(start, bytes);
-    }
+    archive.read_local_headers(&wanted).await?;
     let mut records = HashMap::new();
     let mut pkl_record = None;
     let mut byteorder = None;
     for entry in wanted {
-        let range = zip::data_range(&seg, &dir, entry)
+        let range = zip::data_range(&archive.seg, &dir, entry)
             .and_then(|r| zip::check_stored(entry).map(|()| r))
-            .map_err(|e| file_error(&path, size, e.to_string()))?;
+            .map_err(|e| archive.error(e.to_string()))?;
         let record = Record {
             member: entry.name.clone(),
             range,
@@ -229,47 +168,122 @@ pub async fn read(
         }
     }
     let Some(pkl_record) = pkl_record else {
-        return Err(file_error(
-            &path,
-            size,
-            "data.pkl has no readable local header",
-        ));
+        return Err(archive.error("data.pkl has no readable local header"));
     };
     if let Some(order) = byteorder {
-        let bytes = fetch(store, &path, order.range.clone()).await?;
-        requests += 1;
-        if &bytes[..] != b"little" {
-            return Err(file_error(
-                &path,
-                size,
-                format!(
-                    "byteorder is {:?}; only little-endian storages are read",
-                    String::from_utf8_lossy(&bytes)
-                ),
-            ));
-        }
+        archive.check_byteorder(&order).await?;
     }
-    let pkl_bytes = fetch(store, &path, pkl_record.range.clone()).await?;
-    requests += 1;
-    bytes_read += pkl_bytes.len() as u64;
-    if crc32fast::hash(&pkl_bytes) != pkl_record.crc32 {
-        return Err(file_error(
-            &path,
-            size,
-            format!(
-                "{} does not match the CRC-32 its zip directory records (a damaged file)",
-                pkl_record.member
-            ),
-        ));
-    }
+    let pkl_bytes = archive.read_pickle(&pkl_record).await?;
     Ok(TorchFile {
         name,
-        path,
+        path: archive.path,
         size,
         pkl: pkl_bytes,
         pkl_record,
         records,
-        requests,
-        bytes_read,
+        requests: archive.requests,
+        bytes_read: archive.bytes_read,
     })
+}
+
+/// A torch.save archive being taken apart: the bytes of it read so far, and what reading them
+/// cost.
+struct Archive<'s> {
+    store: &'s dyn ObjectStore,
+    path: Path,
+    size: u64,
+    seg: Segments,
+    requests: u64,
+    bytes_read: u64,
+}
+
+impl Archive<'_> {
+    fn error(&self, detail: impl Into<String>) -> MetadataError {
+        file_error(&self.path, self.size, detail)
+    }
+
+    /// Reads `range` into the bytes known.
+    async fn read_into(&mut self, range: Range<u64>) -> Result<(), MetadataError> {
+        let bytes = fetch(self.store, &self.path, range.clone()).await?;
+        self.requests += 1;
+        self.bytes_read += range.end - range.start;
+        self.seg.add(range.start, bytes);
+        Ok(())
+    }
+
+    /// The zip directory, from the tail read and at most one more read (a directory larger
+    /// than the tail), capped at [`MAX_DIRECTORY`] bytes.
+    async fn directory(&mut self) -> Result<zip::Directory, MetadataError> {
+        for _ in 0..3 {
+            match zip::read_directory(&self.seg) {
+                Ok(d) => return Ok(d),
+                Err(ZipError::Bad(detail)) => return Err(self.error(detail)),
+                Err(ZipError::Need(range)) => {
+                    if range.end - range.start > MAX_DIRECTORY {
+                        return Err(self.error(format!(
+                            "its zip directory needs bytes {}..{}, over the {MAX_DIRECTORY}-byte cap",
+                            range.start, range.end
+                        )));
+                    }
+                    self.read_into(range).await?;
+                }
+            }
+        }
+        Err(self.error("its zip directory cannot be located"))
+    }
+
+    /// Reads the local headers of `entries`, [`CONCURRENCY`] at a time.
+    async fn read_local_headers(&mut self, entries: &[&zip::Entry]) -> Result<(), MetadataError> {
+        let size = self.size;
+        let headers: Vec<Range<u64>> = entries
+            .iter()
+            .map(|e| {
+                let start = e.local_header_offset.min(size);
+                start..start.saturating_add(30 + e.name.len() as u64).min(size)
+            })
+            .collect();
+        let (store, path) = (self.store, &self.path);
+        let fetched: Vec<Result<(u64, Bytes), MetadataError>> =
+            futures::stream::iter(headers.iter().cloned().map(|range| async move {
+                let bytes = fetch(store, path, range.clone()).await?;
+                Ok((range.start, bytes))
+            }))
+            .buffer_unordered(CONCURRENCY)
+            .collect()
+            .await;
+        for part in fetched {
+            let (start, bytes) = part?;
+            self.requests += 1;
+            self.bytes_read += bytes.len() as u64;
+            self.seg.add(start, bytes);
+        }
+        Ok(())
+    }
+
+    /// Refuses storages that are not little-endian (the `byteorder` member says).
+    async fn check_byteorder(&mut self, order: &Record) -> Result<(), MetadataError> {
+        let bytes = fetch(self.store, &self.path, order.range.clone()).await?;
+        self.requests += 1;
+        if &bytes[..] != b"little" {
+            return Err(self.error(format!(
+                "byteorder is {:?}; only little-endian storages are read",
+                String::from_utf8_lossy(&bytes)
+            )));
+        }
+        Ok(())
+    }
+
+    /// Reads the pickle and checks it against the CRC-32 of the zip directory.
+    async fn read_pickle(&mut self, pkl_record: &Record) -> Result<Bytes, MetadataError> {
+        let pkl_bytes = fetch(self.store, &self.path, pkl_record.range.clone()).await?;
+        self.requests += 1;
+        self.bytes_read += pkl_bytes.len() as u64;
+        if crc32fast::hash(&pkl_bytes) != pkl_record.crc32 {
+            return Err(self.error(format!(
+                "{} does not match the CRC-32 its zip directory records (a damaged file)",
+                pkl_record.member
+            )));
+        }
+        Ok(pkl_bytes)
+    }
 }
