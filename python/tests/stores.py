@@ -684,8 +684,17 @@ def _serve_proxied(config: dict) -> None:
 
     port = config["port"]
     events = {"azure": _azure_events, "gcs": _gcs_events}[config["kind"]]
+    def die_with_the_proxy() -> None:
+        # Linux's PR_SET_PDEATHSIG: the emulator gets SIGTERM when this process ends, even when
+        # it is killed and its cleanup below never runs, so no emulator outlives its proxy.
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
     emulator = subprocess.Popen(
         config["command"], cwd=config["cwd"], stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr,
+        preexec_fn=die_with_the_proxy,
     )
     gets: List[list] = []
     changes: List[tuple] = []
