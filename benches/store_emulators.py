@@ -174,7 +174,7 @@ def main() -> None:
                             )
                             results = dict(results)
                         # Every GET body the store sent in this load: data, .metadata, listings.
-                        served = store._ask("served /")
+                        served = store.served_all()
                         seconds = max(r["seconds"] for r in results.values())
                         runs.setdefault((store.name, dim, how), []).append(
                             (seconds, served["get_body_bytes"], served["get_requests"])

@@ -79,6 +79,15 @@ class Store:
         included), counted by the server as it sent them."""
         raise NotImplementedError
 
+    def _ask(self, line: str) -> dict:
+        """One command line to the server's process (see ``_lines``) and its JSON answer."""
+        raise NotImplementedError
+
+    def served_all(self) -> Dict[str, int]:
+        """:meth:`served` for every path the server answered: objects, listings, and other API
+        routes (gcsfs reads GCS objects through ``/download/storage/v1/...``)."""
+        return self._ask("served /")
+
     def changes(self, prefix: str) -> List[tuple]:
         """``("create" | "delete", key)`` for each object under ``prefix`` (keys relative to
         it) that a request created or deleted, in the order the server answered them."""
