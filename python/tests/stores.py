@@ -12,7 +12,9 @@ Every store has one interface, so that one conformance list runs against all of 
   the environment of a ``tessera`` command): the endpoint and credentials users set for the store.
 - ``served(prefix)`` / ``changes(prefix)`` / ``reset()``: GET requests and body bytes the server
   sent for keys that start with ``prefix``, and the objects it created and deleted under it in
-  order, both recorded at the server (never by the client whose account is being checked).
+  order, both recorded at the server (never by the client whose account is being checked);
+  ``served_all()`` for every path the server answered (the benchmark's count).
+- ``writes()``: ``None``, or why tessera cannot commit into the store (the tests that write skip).
 - ``upload(directory, path)``, ``keys(path)``, ``read(path)``, ``write(path, data)``: the test's
   own access to the store through the store's own client, to put fixtures there and to look at
   what tessera left behind.
