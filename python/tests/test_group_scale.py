@@ -1,0 +1,91 @@
+"""What a load over a torch process group costs the job's c10d store per rank does not grow with
+the world where each rank's own share does not: a real gloo job of 2 and then 4 ranks loads
+every float32 tensor of a DCP checkpoint whole on every rank (an eval job's load: each saved
+chunk read once and passed on), counting what tessera's rounds read from and write to the store
+on each rank. Rank 0 (the job's coordinator) reads every rank's hello; every other rank reads
+its own answer (its rank plan) and two short words, whatever the world size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import expected_tensors, fixture, join_job, run_job
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+import tessera  # noqa: E402
+
+C = "c_w4_dp2_tp2"
+
+
+class _Counting:
+    """The job's store, counting the bytes tessera's agreement reads from it, by key kind."""
+
+    def __init__(self, inner) -> None:
+        self._inner, self.read, self.by_kind = inner, 0, {}
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _count(self, key, n: int) -> None:
+        key = key.decode() if isinstance(key, bytes) else key
+        kind = "/".join(p for p in key.split("/")[3:] if not p.isdigit())
+        self.read += n
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + n
+
+    def get(self, key):
+        value = self._inner.get(key)
+        self._count(key, len(value))
+        return value
+
+    def multi_get(self, keys):
+        values = self._inner.multi_get(keys)
+        for key, value in zip(keys, values):
+            self._count(key, len(value))
+        return values
+
+
+def _rank(rank: int, port: int, world: int, out: str) -> None:
+    from conftest import empty, sha256
+    from tessera import _agreement
+
+    join_job(rank, world, port)
+    counters = []
+    real = _agreement.for_group
+
+    def counted(*args, **kwargs):
+        agreement = real(*args, **kwargs)
+        agreement._store = _Counting(agreement._store)
+        counters.append(agreement._store)
+        return agreement
+
+    _agreement.for_group = counted
+    tensors = {f: t for f, t in expected_tensors(C).items() if t["dtype"] == "float32"}
+    state = {f: empty("float32", t["shape"]) for f, t in tensors.items()}
+    tessera.load(state, str(fixture(C)), progress=False, timeout=120)
+    right = all(sha256(state[f]) == t["sha256"] for f, t in tensors.items())
+    store = counters[0]
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({"read": store.read, "by_kind": store.by_kind, "right": right}))
+
+
+def test_a_rank_reads_no_more_of_the_store_at_four_ranks_than_at_two(tmp_path):
+    reads = {}
+    for world in (2, 4):
+        out = tmp_path / f"w{world}"
+        out.mkdir()
+        results = run_job(_rank, world, (world,), out)
+        for rank, result in results.items():
+            assert result["right"], f"world {world} rank {rank}: wrong values"
+        reads[world] = results
+        for rank in range(1, world):
+            kinds = results[rank]["by_kind"]
+            # Its own answer and two words: nothing of any other rank's.
+            assert set(kinds) == {"job/answer", "job/verdict", "job/joint"}, kinds
+    two = max(reads[2][r]["read"] for r in range(1, 2))
+    four = max(reads[4][r]["read"] for r in range(1, 4))
+    assert four <= 1.5 * two, f"a rank read {four} bytes of the store at world 4 and {two} at world 2"
+    # The coordinator reads every rank's hello: its share grows with the world.
+    assert reads[4][0]["by_kind"]["job/hello"] > reads[2][0]["by_kind"]["job/hello"]
