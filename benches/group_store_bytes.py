@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
 import tempfile
@@ -26,60 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests")
 TENSORS, ROWS, COLS = 200, 64, 256
 
 
-class CountingStore:
-    """The job's store, counting what tessera's agreement moves through it."""
-
-    def __init__(self, inner) -> None:
-        self._inner = inner
-        self.calls = 0
-        self.read = 0
-        self.written = 0
-        # Bytes read by kind of key (the part after the load's prefix, without rank numbers).
-        self.by_kind = {}
-
-    def _count(self, key, n) -> None:
-        key = key.decode() if isinstance(key, bytes) else key
-        kind = "/".join(p for p in key.split("/")[3:] if not p.isdigit()) or key
-        self.by_kind[kind] = self.by_kind.get(kind, 0) + n
-
-    def set(self, key, value):
-        self.calls += 1
-        self.written += len(key) + len(value)
-        return self._inner.set(key, value)
-
-    def get(self, key):
-        self.calls += 1
-        value = self._inner.get(key)
-        self.read += len(value)
-        self._count(key, len(value))
-        return value
-
-    def multi_get(self, keys):
-        self.calls += 1
-        values = self._inner.multi_get(keys)
-        self.read += sum(len(v) for v in values)
-        for key, value in zip(keys, values):
-            self._count(key, len(value))
-        return values
-
-    def check(self, keys):
-        self.calls += 1
-        return self._inner.check(keys)
-
-    def add(self, key, amount):
-        self.calls += 1
-        self.written += len(key) + 8
-        self.read += 8
-        return self._inner.add(key, amount)
-
-    def compare_set(self, key, expected, desired):
-        self.calls += 1
-        self.written += len(key) + len(desired)
-        value = self._inner.compare_set(key, expected, desired)
-        self.read += len(value)
-        return value
-
-
 def _rank(rank: int, port: int, world: int, root: str, out: str) -> None:
     import numpy as np
     import torch
@@ -88,10 +33,9 @@ def _rank(rank: int, port: int, world: int, root: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from conftest import join_job
+    from conftest import counting_agreements, join_job
 
     import tessera
-    from tessera import _agreement
 
     join_job(rank, world, port, group_timeout=300)
     mesh = init_device_mesh("cpu", (world,))
@@ -102,16 +46,7 @@ def _rank(rank: int, port: int, world: int, root: str, out: str) -> None:
     dist.barrier()
     wanted = {k: distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]) for k in full}
 
-    counters = []
-    real = _agreement.for_group
-
-    def counted(*args, **kwargs):
-        agreement = real(*args, **kwargs)
-        agreement._store = CountingStore(agreement._store)
-        counters.append(agreement._store)
-        return agreement
-
-    _agreement.for_group = counted
+    counters = counting_agreements()
     started = time.monotonic()
     tessera.load(wanted, root, progress=False, timeout=120)
     seconds = time.monotonic() - started
@@ -129,21 +64,12 @@ def _rank(rank: int, port: int, world: int, root: str, out: str) -> None:
 
 
 def run(world: int) -> dict:
-    from conftest import job_store
+    from conftest import run_job
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out"
         out.mkdir()
-        store = job_store(world)
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_rank, args=(r, store.port, world, str(Path(tmp) / "ckpt"), str(out)))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(600)
-            assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
-        return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
+        return run_job(_rank, world, (world, str(Path(tmp) / "ckpt")), out, timeout=600)
 
 
 def main() -> None:

@@ -13,14 +13,13 @@
 //! its requests with the saved chunks, pickled at 179 bytes each, measured with torch 2.15 on
 //! Megatron-like names) gathered on its coordinator and the global plan scattered back.
 #![allow(missing_docs, clippy::unwrap_used)]
-#![allow(unsafe_code)]
 
+#[path = "support/heap.rs"]
+mod heap;
 #[path = "support/model.rs"]
 mod model;
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -34,7 +33,7 @@ use tessera_ops::load::agreement::{JobTerms, checkpoint_key, job_plan_terms};
 use tessera_ops::memory_tier::TierOffer;
 use tessera_planner::baseline::all_pairs_read_items;
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
-use tessera_planner::{ExplicitRequest, PlanOptions, Target};
+use tessera_planner::{ExplicitRequests, PlanOptions};
 use tessera_storage::Location;
 use tessera_synth::{SynthOptions, synthesize};
 
@@ -43,39 +42,6 @@ use model::bench_model;
 /// Pickled bytes of one DCP `ReadItem` in a `LoadPlan` (torch 2.15, Megatron-like names, 2-D
 /// boxes), measured once: `pickle.dumps(LoadPlan(items))` / len(items) for 1,000 items.
 const DCP_READ_ITEM_BYTES: u64 = 179;
-
-struct CountingAlloc;
-
-static LIVE: AtomicU64 = AtomicU64::new(0);
-static PEAK: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: forwards to the system allocator unchanged; only counts sizes.
-unsafe impl GlobalAlloc for CountingAlloc {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let live = LIVE.fetch_add(layout.size() as u64, Ordering::Relaxed) + layout.size() as u64;
-        PEAK.fetch_max(live, Ordering::Relaxed);
-        // SAFETY: same contract as the caller's.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as u64, Ordering::Relaxed);
-        // SAFETY: same contract as the caller's.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
-#[global_allocator]
-static ALLOC: CountingAlloc = CountingAlloc;
-
-fn reset_peak() -> u64 {
-    let live = LIVE.load(Ordering::Relaxed);
-    PEAK.store(live, Ordering::Relaxed);
-    live
-}
-
-fn peak_since(base: u64) -> u64 {
-    PEAK.load(Ordering::Relaxed).saturating_sub(base)
-}
 
 /// One simulated rank's local work: the real coordinator on rank 0, the real plan intake on
 /// every rank; what taking its plan cost.
@@ -92,11 +58,11 @@ struct SimRank<'a> {
 impl JobWork for SimRank<'_> {
     fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
         let coordinator = self.coordinator.as_mut().unwrap();
-        let base = reset_peak();
+        let base = heap::reset_peak();
         let started = Instant::now();
         let answers = self.runtime.block_on(coordinator.coordinate(&hellos));
         self.coordinate_s = started.elapsed().as_secs_f64();
-        self.coordinate_peak = peak_since(base);
+        self.coordinate_peak = heap::peak_since(base);
         answers
     }
 
@@ -105,7 +71,7 @@ impl JobWork for SimRank<'_> {
     }
 
     fn take(&mut self, answer: Bytes) -> Result<Taken, OpsError> {
-        let base = reset_peak();
+        let base = heap::reset_peak();
         let started = Instant::now();
         let taken = match Answer::decode(self.rank, &answer)? {
             Answer::Plan {
@@ -116,7 +82,7 @@ impl JobWork for SimRank<'_> {
             other => return Err(OpsError::invalid(format!("unexpected answer {other:?}"))),
         };
         self.take_s = started.elapsed().as_secs_f64();
-        self.take_peak = peak_since(base);
+        self.take_peak = heap::peak_since(base);
         Ok(taken)
     }
 
@@ -229,29 +195,13 @@ fn main() {
             .unwrap()
             .resolve(checkpoint.meta.tensors())
             .unwrap();
-        let tensors = checkpoint.meta.tensors();
-        let hellos: Vec<Bytes> = requests
+        let explicit = ExplicitRequests::of(&requests, checkpoint.meta.tensors());
+        let hellos: Vec<Bytes> = explicit
             .ranks
-            .iter()
-            .map(|mine| {
+            .into_iter()
+            .map(|requests| {
                 Hello {
-                    requests: mine
-                        .iter()
-                        .map(|r| {
-                            let fqn = tensors[r.tensor as usize].fqn.clone();
-                            match &r.target {
-                                Target::Box(b) => ExplicitRequest::Box {
-                                    fqn,
-                                    offsets: b.offsets.to_vec(),
-                                    lengths: b.lengths.to_vec(),
-                                },
-                                Target::Flat { start, end } => ExplicitRequest::Flat {
-                                    fqn,
-                                    flat: [*start, *end],
-                                },
-                            }
-                        })
-                        .collect(),
+                    requests,
                     tier: TierOffer::default(),
                     terms: terms.clone(),
                 }

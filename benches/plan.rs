@@ -11,14 +11,13 @@
 //! `flat` (Megatron's distributed optimizer, `synth --dist-optimizer-flat`: the layout without
 //! `--zero1`, each DP rank saving flat ranges of the TP-local boxes).
 #![allow(missing_docs, clippy::unwrap_used)]
-#![allow(unsafe_code)]
 
+#[path = "support/heap.rs"]
+mod heap;
 #[path = "support/model.rs"]
 mod model;
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use object_store::local::LocalFileSystem;
@@ -31,44 +30,6 @@ use tessera_storage::Location;
 use tessera_synth::{SynthOptions, synthesize};
 
 use model::bench_model;
-
-/// Counts live heap bytes and their peak, so memory is measured exactly per phase (RSS would
-/// include memory freed by earlier phases and kept by the allocator).
-struct CountingAlloc;
-
-static LIVE: AtomicU64 = AtomicU64::new(0);
-static PEAK: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: forwards to the system allocator unchanged; only counts sizes.
-#[allow(unsafe_code)]
-unsafe impl GlobalAlloc for CountingAlloc {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let live = LIVE.fetch_add(layout.size() as u64, Ordering::Relaxed) + layout.size() as u64;
-        PEAK.fetch_max(live, Ordering::Relaxed);
-        // SAFETY: same contract as the caller's.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as u64, Ordering::Relaxed);
-        // SAFETY: same contract as the caller's.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
-#[global_allocator]
-static ALLOC: CountingAlloc = CountingAlloc;
-
-/// Starts a memory phase: the peak restarts from what is live now.
-fn reset_peak() -> u64 {
-    let live = LIVE.load(Ordering::Relaxed);
-    PEAK.store(live, Ordering::Relaxed);
-    live
-}
-
-/// Peak heap growth since `reset_peak` returned `base`.
-fn peak_since(base: u64) -> u64 {
-    PEAK.load(Ordering::Relaxed).saturating_sub(base)
-}
 
 fn gib(b: u64) -> f64 {
     b as f64 / (1u64 << 30) as f64
@@ -162,7 +123,7 @@ fn run(model: tessera_synth::Model, flat: bool) {
         manifest.metadata.size as f64 / (1 << 20) as f64
     );
 
-    let base = reset_peak();
+    let base = heap::reset_peak();
     let started = Instant::now();
     let checkpoint = runtime
         .block_on(open_checkpoint(location.store.as_ref(), &location.prefix))
@@ -171,8 +132,8 @@ fn run(model: tessera_synth::Model, flat: bool) {
     let meta = Arc::new(checkpoint.meta);
     println!(
         "metadata load (read + crc + decode + validate): {load_s:.2} s, peak heap {:.2} GiB, resident {:.2} GiB",
-        gib(peak_since(base)),
-        gib(LIVE.load(Ordering::Relaxed) - base)
+        gib(heap::peak_since(base)),
+        gib(heap::live() - base)
     );
 
     for target in targets {
@@ -184,13 +145,13 @@ fn run(model: tessera_synth::Model, flat: bool) {
             if target.zero1 { " zero1" } else { "" }
         );
         let layout = megatron_gpt(target).unwrap();
-        let base = reset_peak();
+        let base = heap::reset_peak();
         let started = Instant::now();
         let requests = layout.resolve(meta.tensors()).unwrap();
         let resolve_s = started.elapsed().as_secs_f64();
         let p = plan(&meta, &requests, &PlanOptions::default()).unwrap();
         let total_s = started.elapsed().as_secs_f64();
-        let peak = peak_since(base);
+        let peak = heap::peak_since(base);
         let s = p.summary().clone();
         if std::env::var_os("TESSERA_BENCH_PLAN_ONLY").is_some() {
             println!("target {name}: plan {total_s:.3} s");
@@ -213,11 +174,11 @@ fn run(model: tessera_synth::Model, flat: bool) {
         let mean = extract.iter().sum::<f64>() / extract.len() as f64;
 
         drop(p);
-        let base = reset_peak();
+        let base = heap::reset_peak();
         let started = Instant::now();
         let items = all_pairs_read_items(&meta, &requests);
         let baseline_s = started.elapsed().as_secs_f64();
-        let baseline_peak = peak_since(base);
+        let baseline_peak = heap::peak_since(base);
         let pairs: usize = items.iter().map(Vec::len).sum();
         drop(items);
 

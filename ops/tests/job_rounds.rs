@@ -19,7 +19,7 @@ use tessera_ops::job::{
 use tessera_ops::load::agreement::{JobTerms, checkpoint_key, job_plan_terms};
 use tessera_ops::memory_tier::TierOffer;
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
-use tessera_planner::{ExplicitRequest, PlanOptions, Target};
+use tessera_planner::{ExplicitRequests, PlanOptions};
 use tessera_storage::Location;
 use tessera_synth::{Model, SynthOptions, synthesize};
 
@@ -104,28 +104,11 @@ impl Job {
         .unwrap()
         .resolve(self.checkpoint.meta.tensors())
         .unwrap();
-        let tensors = self.checkpoint.meta.tensors();
-        requests
+        ExplicitRequests::of(&requests, self.checkpoint.meta.tensors())
             .ranks
-            .iter()
-            .map(|mine| Hello {
-                requests: mine
-                    .iter()
-                    .map(|r| {
-                        let fqn = tensors[r.tensor as usize].fqn.clone();
-                        match &r.target {
-                            Target::Box(b) => ExplicitRequest::Box {
-                                fqn,
-                                offsets: b.offsets.to_vec(),
-                                lengths: b.lengths.to_vec(),
-                            },
-                            Target::Flat { start, end } => ExplicitRequest::Flat {
-                                fqn,
-                                flat: [*start, *end],
-                            },
-                        }
-                    })
-                    .collect(),
+            .into_iter()
+            .map(|requests| Hello {
+                requests,
                 tier: TierOffer::default(),
                 terms: self.terms(),
             })

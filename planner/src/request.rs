@@ -106,6 +106,35 @@ impl ExplicitRequests {
         })
     }
 
+    /// The explicit form of resolved `requests` (`tensors`: what their indices name): what a
+    /// rank sends when its requests come from a layout, by name, as a user would write them.
+    pub fn of(requests: &RequestSet, tensors: &[TensorMeta]) -> Self {
+        let explicit = |r: &Request| {
+            let fqn = tensors
+                .get(r.tensor as usize)
+                .map(|t| t.fqn.clone())
+                .unwrap_or_default();
+            match &r.target {
+                Target::Box(b) => ExplicitRequest::Box {
+                    fqn,
+                    offsets: b.offsets.to_vec(),
+                    lengths: b.lengths.to_vec(),
+                },
+                Target::Flat { start, end } => ExplicitRequest::Flat {
+                    fqn,
+                    flat: [*start, *end],
+                },
+            }
+        };
+        Self {
+            ranks: requests
+                .ranks
+                .iter()
+                .map(|mine| mine.iter().map(explicit).collect())
+                .collect(),
+        }
+    }
+
     /// Resolves FQNs against the checkpoint's tensors and checks every request fits its tensor.
     pub fn resolve(&self, tensors: &[TensorMeta]) -> Result<RequestSet, PlanError> {
         // Rank numbers are u32 everywhere downstream: refuse a list they cannot number.

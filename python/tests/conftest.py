@@ -185,10 +185,10 @@ def join_job(rank: int, world: int, port: int, group_timeout: float = 60.0) -> N
     )
 
 
-def run_job(target, world: int, args: tuple, out: Path) -> dict:
+def run_job(target, world: int, args: tuple, out: Path, timeout: float = 120) -> dict:
     """Runs ``target(rank, port, *args, out)`` in ``world`` spawned rank processes over one job
     store; each writes ``out/rank<r>.json``. Returns those documents by rank; every rank must
-    exit 0 within 120 s."""
+    exit 0 within ``timeout`` seconds."""
     import multiprocessing as mp
 
     store = job_store(world)
@@ -197,6 +197,76 @@ def run_job(target, world: int, args: tuple, out: Path) -> dict:
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
+        p.join(timeout)
         assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
+
+
+class CountingStore:
+    """A job's c10d store that counts what goes through it: calls, bytes read and written, and
+    bytes read by kind of key (the part after tessera's load prefix ``tessera/<group>/<n>/``,
+    rank numbers left out). Wrap the store of a load's agreement with ``counting_agreements``."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.calls = self.read = self.written = 0
+        self.by_kind: dict = {}
+
+    def _count(self, key, n: int) -> None:
+        key = key.decode() if isinstance(key, bytes) else key
+        kind = "/".join(p for p in key.split("/")[3:] if not p.isdigit()) or key
+        self.read += n
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + n
+
+    def set(self, key, value):
+        self.calls += 1
+        self.written += len(key) + len(value)
+        return self._inner.set(key, value)
+
+    def get(self, key):
+        self.calls += 1
+        value = self._inner.get(key)
+        self._count(key, len(value))
+        return value
+
+    def multi_get(self, keys):
+        self.calls += 1
+        values = self._inner.multi_get(keys)
+        for key, value in zip(keys, values):
+            self._count(key, len(value))
+        return values
+
+    def check(self, keys):
+        self.calls += 1
+        return self._inner.check(keys)
+
+    def add(self, key, amount):
+        self.calls += 1
+        self.written += len(key) + 8
+        self.read += 8
+        return self._inner.add(key, amount)
+
+    def compare_set(self, key, expected, desired):
+        self.calls += 1
+        self.written += len(key) + len(desired)
+        value = self._inner.compare_set(key, expected, desired)
+        self.read += len(value)
+        return value
+
+
+def counting_agreements() -> list:
+    """In a rank's process: from now on every load's agreement goes through a ``CountingStore``;
+    returns the list the stores are appended to, one per load."""
+    from tessera import _agreement
+
+    stores = []
+    real = _agreement.for_group
+
+    def counted(*args, **kwargs):
+        agreement = real(*args, **kwargs)
+        agreement._store = CountingStore(agreement._store)
+        stores.append(agreement._store)
+        return agreement
+
+    _agreement.for_group = counted
+    return stores

@@ -21,48 +21,11 @@ import tessera  # noqa: E402
 C = "c_w4_dp2_tp2"
 
 
-class _Counting:
-    """The job's store, counting the bytes tessera's agreement reads from it, by key kind."""
-
-    def __init__(self, inner) -> None:
-        self._inner, self.read, self.by_kind = inner, 0, {}
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def _count(self, key, n: int) -> None:
-        key = key.decode() if isinstance(key, bytes) else key
-        kind = "/".join(p for p in key.split("/")[3:] if not p.isdigit())
-        self.read += n
-        self.by_kind[kind] = self.by_kind.get(kind, 0) + n
-
-    def get(self, key):
-        value = self._inner.get(key)
-        self._count(key, len(value))
-        return value
-
-    def multi_get(self, keys):
-        values = self._inner.multi_get(keys)
-        for key, value in zip(keys, values):
-            self._count(key, len(value))
-        return values
-
-
 def _rank(rank: int, port: int, world: int, out: str) -> None:
-    from conftest import empty, sha256
-    from tessera import _agreement
+    from conftest import counting_agreements, empty, sha256
 
     join_job(rank, world, port)
-    counters = []
-    real = _agreement.for_group
-
-    def counted(*args, **kwargs):
-        agreement = real(*args, **kwargs)
-        agreement._store = _Counting(agreement._store)
-        counters.append(agreement._store)
-        return agreement
-
-    _agreement.for_group = counted
+    counters = counting_agreements()
     tensors = {f: t for f, t in expected_tensors(C).items() if t["dtype"] == "float32"}
     state = {f: empty("float32", t["shape"]) for f, t in tensors.items()}
     tessera.load(state, str(fixture(C)), progress=False, timeout=120)
