@@ -164,8 +164,10 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(group::group_load, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_dtype, m)?)?;
     m.add_function(wrap_pyfunction!(load::plan, m)?)?;
+    m.add_class::<load::LoadRequest>()?;
     m.add_function(wrap_pyfunction!(load::load_into, m)?)?;
     m.add_function(wrap_pyfunction!(load::rendezvous_endpoint, m)?)?;
+    m.add_class::<save::SaveRequest>()?;
     m.add_function(wrap_pyfunction!(save::save, m)?)?;
     Ok(())
 }

@@ -540,28 +540,82 @@ pub fn rendezvous_endpoint(
     Ok(addr.zip(port))
 }
 
-/// Loads into caller-owned memory; returns the rank's report as JSON text.
+/// What a load of one rank asks, besides the checkpoint and its entries: the typed request
+/// [`load_into`] takes (Python sets its fields by name; each has a default).
+#[pyclass(module = "tessera._tessera", get_all, set_all, from_py_object)]
+#[derive(Clone, Debug)]
+pub struct LoadRequest {
+    /// This rank.
+    rank: u32,
+    /// The job's ranks.
+    world: u32,
+    /// Rank 0's address and port, for tessera's own rendezvous (`None`: no exchange).
+    rendezvous: Rendezvous,
+    /// A tessera server that plans instead, its id of the checkpoint, its token.
+    server: Option<String>,
+    checkpoint_id: Option<String>,
+    token: Option<String>,
+    /// Verify what is read against the checkpoint's checksums.
+    verify: bool,
+    /// Read each shared piece once and exchange it.
+    dedup: bool,
+    /// Seconds a rank waits for its peers.
+    timeout_s: f64,
+    /// `auto`, `request` or `storage` (`None`: the planner's cost model).
+    read_order: Option<String>,
+    /// The node's memory tier to read copies from.
+    memory_tier: Option<String>,
+}
+
+#[pymethods]
+impl LoadRequest {
+    /// A request with every field at its default (one rank, verified, deduplicated, 300 s).
+    #[new]
+    fn new() -> Self {
+        Self {
+            rank: 0,
+            world: 1,
+            rendezvous: None,
+            server: None,
+            checkpoint_id: None,
+            token: None,
+            verify: true,
+            dedup: true,
+            timeout_s: 300.0,
+            read_order: None,
+            memory_tier: None,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{self:?}")
+    }
+}
+
+/// Loads into caller-owned memory as `request` says; returns the rank's report as JSON text.
 #[pyfunction]
-#[pyo3(signature = (checkpoint, targets, rank, world, rendezvous, server, checkpoint_id, token, verify, dedup, timeout_s, progress, read_order=None, memory_tier=None))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (checkpoint, targets, request, progress=None))]
 pub fn load_into(
     py: Python<'_>,
     checkpoint: PyRef<'_, OpenedCheckpoint>,
     targets: Vec<TargetTuple>,
-    rank: u32,
-    world: u32,
-    rendezvous: Rendezvous,
-    server: Option<String>,
-    checkpoint_id: Option<String>,
-    token: Option<String>,
-    verify: bool,
-    dedup: bool,
-    timeout_s: f64,
+    request: LoadRequest,
     progress: Option<Py<PyAny>>,
-    read_order: Option<&str>,
-    memory_tier: Option<String>,
 ) -> PyResult<String> {
-    let read_order = parse_read_order(read_order)?;
+    let LoadRequest {
+        rank,
+        world,
+        rendezvous,
+        server,
+        checkpoint_id,
+        token,
+        verify,
+        dedup,
+        timeout_s,
+        read_order,
+        memory_tier,
+    } = request;
+    let read_order = parse_read_order(read_order.as_deref())?;
     let server = match server {
         Some(url) => Some(PlanServer {
             checkpoint_id: match checkpoint_id {

@@ -213,28 +213,75 @@ async fn connect(
         .with_context(|| format!("rank {rank} joining the save of {path} at {addr}:{port}"))
 }
 
+/// What a save of one rank asks, besides where and what: the typed request [`save`] takes
+/// (Python sets its fields by name; each has a default).
+#[pyclass(module = "tessera._tessera", get_all, set_all, from_py_object)]
+#[derive(Clone, Debug)]
+pub struct SaveRequest {
+    /// This rank.
+    rank: u32,
+    /// The job's ranks.
+    world: u32,
+    /// Rank 0's address and port, where the ranks meet to commit (`None`: one rank).
+    rendezvous: Option<(String, u16)>,
+    /// The step recorded in the manifest.
+    step: Option<u64>,
+    /// Storage settings (credentials, endpoint) by name.
+    storage_env: Vec<(String, String)>,
+    /// Remove a killed job's write claim first.
+    break_claim: bool,
+    /// Seconds a rank waits for its peers.
+    timeout_s: f64,
+    /// The node's memory tier: its directory, copies kept, bytes allowed.
+    memory_tier: Option<(String, usize, Option<u64>)>,
+}
+
+#[pymethods]
+impl SaveRequest {
+    /// A request with every field at its default (one rank, 300 s).
+    #[new]
+    fn new() -> Self {
+        Self {
+            rank: 0,
+            world: 1,
+            rendezvous: None,
+            step: None,
+            storage_env: Vec::new(),
+            break_claim: false,
+            timeout_s: 300.0,
+            memory_tier: None,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{self:?}")
+    }
+}
+
 /// Saves boxes (and byte objects) as a native checkpoint at `path`; returns JSON:
 /// `{"manifest": …, "write_retries": n, "injected_write_faults": n or null, "warning": …,
-/// "memory_tier": null | {"path", "bytes", "skipped", "pruned"} | {"error"}}`. `memory_tier`:
+/// "memory_tier": null | {"path", "bytes", "skipped", "pruned"} | {"error"}}`. The request's `memory_tier`:
 /// `(dir, keep, max_bytes)` of the node's memory tier this rank leaves its file in after the
 /// commit.
 #[pyfunction]
-#[pyo3(signature = (path, boxes, objects, rank, world, rendezvous, step, storage_env, break_claim, timeout_s, memory_tier=None))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (path, boxes, objects, request))]
 pub fn save(
     py: Python<'_>,
     path: String,
     boxes: Vec<BoxTuple>,
     objects: Vec<(String, Vec<u8>)>,
-    rank: u32,
-    world: u32,
-    rendezvous: Option<(String, u16)>,
-    step: Option<u64>,
-    storage_env: Vec<(String, String)>,
-    break_claim: bool,
-    timeout_s: f64,
-    memory_tier: Option<(String, usize, Option<u64>)>,
+    request: SaveRequest,
 ) -> PyResult<String> {
+    let SaveRequest {
+        rank,
+        world,
+        rendezvous,
+        step,
+        storage_env,
+        break_claim,
+        timeout_s,
+        memory_tier,
+    } = request;
     let job = SaveJob {
         path,
         boxes,

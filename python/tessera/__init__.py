@@ -218,6 +218,15 @@ def _env_int(name: str) -> Optional[int]:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _typed(kind: Any, **fields: Any) -> Any:
+    """A typed request of the Rust module (``LoadRequest``, ``SaveRequest``) with ``fields`` set
+    by name: a misspelt field raises instead of shifting a positional list."""
+    request = kind()
+    for name, value in fields.items():
+        setattr(request, name, value)
+    return request
+
+
 def _ranks(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
     rank = rank if rank is not None else _env_int("RANK")
     world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
@@ -721,12 +730,12 @@ def _load_bytes(
             "exchange=True needs a rendezvous: initialize torch.distributed (or pass process_group), "
             "pass master_addr and master_port, or run under torchrun (MASTER_ADDR, MASTER_PORT)"
         )
-    raw = json.loads(
-        _tessera.load_into(
-            opened, targets, rank, world_size, rendezvous, server, server_id, token,
-            verify, True, timeout, progress, read_order, memory_tier,
-        )
+    request = _typed(
+        _tessera.LoadRequest, rank=rank, world=world_size, rendezvous=rendezvous, server=server,
+        checkpoint_id=server_id, token=token, verify=verify, dedup=True, timeout_s=timeout,
+        read_order=read_order, memory_tier=memory_tier,
     )
+    raw = json.loads(_tessera.load_into(opened, targets, request, progress))
     return raw, "tcp" if rendezvous is not None and world_size > 1 else "none"
 
 

@@ -537,11 +537,13 @@ def _run(
     handle._snapshot_done.set()
     persist_started = time.monotonic()
     try:
-        saved = _tessera.save(
-            native_args["path"], boxes, objects, handle.rank, handle.world_size, native_args["rendezvous"],
-            native_args["step"], native_args["storage_env"], native_args["break_claim"], native_args["timeout"],
-            native_args["memory_tier"],
+        request = _api._typed(
+            _tessera.SaveRequest, rank=handle.rank, world=handle.world_size,
+            rendezvous=native_args["rendezvous"], step=native_args["step"],
+            storage_env=native_args["storage_env"], break_claim=native_args["break_claim"],
+            timeout_s=native_args["timeout"], memory_tier=native_args["memory_tier"],
         )
+        saved = _tessera.save(native_args["path"], boxes, objects, request)
         import json
 
         saved = json.loads(saved)

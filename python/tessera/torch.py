@@ -228,10 +228,10 @@ class StorageReader(dcp.StorageReader):
         if targets:
             # Each rank plans alone (rank 0 of 1): DCP gives no rendezvous to exchange over, so
             # the timeout (which bounds waiting on peers) never applies.
-            report = _tessera.load_into(
-                opened, targets, 0, 1, None, None, None, None,
-                self.verify, True, _NO_PEERS_TIMEOUT_S, None,
+            request = _api._typed(
+                _tessera.LoadRequest, verify=bool(self.verify), timeout_s=_NO_PEERS_TIMEOUT_S
             )
+            report = _tessera.load_into(opened, targets, request)
             self.report = json.loads(report)
             _api._warn_unverified(self.path, bool(self.verify), int(self.report.get("bytes_unverified", 0)))
         for r in regions:

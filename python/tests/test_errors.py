@@ -135,7 +135,7 @@ def test_cuda_destinations_need_the_cuda_build_or_a_driver():
     with pytest.raises(tessera.TesseraError, match=r"no CUDA support|CUDA driver"):
         _tessera.load_into(
             _tessera.open_checkpoint(str(fixture(C)), []), [_target("model.final_ln.weight", a, 0)],
-            0, 1, None, None, None, None, True, True, 10.0, None,
+            tessera._typed(_tessera.LoadRequest, timeout_s=10.0),
         )
 
 
@@ -150,5 +150,16 @@ def test_host_and_cuda_destinations_in_one_call_are_refused():
         _tessera.load_into(
             _tessera.open_checkpoint(str(fixture(C)), []),
             [_target("model.final_ln.weight", a, None), _target("model.final_ln.bias", b, 1)],
-            0, 1, None, None, None, None, True, True, 10.0, None,
+            tessera._typed(_tessera.LoadRequest, timeout_s=10.0),
         )
+
+
+def test_a_load_request_refuses_a_field_it_does_not_have():
+    from tessera import _tessera
+
+    request = tessera._typed(_tessera.LoadRequest, rank=1, world=2, read_order="storage")
+    assert (request.rank, request.world, request.read_order, request.verify) == (1, 2, "storage", True)
+    with pytest.raises(AttributeError, match="raed_order"):
+        tessera._typed(_tessera.LoadRequest, raed_order="storage")
+    with pytest.raises(AttributeError, match="brake_claim"):
+        tessera._typed(_tessera.SaveRequest, brake_claim=True)
