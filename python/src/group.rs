@@ -7,17 +7,17 @@
 //! there, not in Python.
 //!
 //! The steps, each a method the Python layer calls in order on every rank:
-//! 1. [`group_load`]: the rank's state-dict entries checked against the checkpoint;
-//!    [`GroupLoad::requests_json`] is what the ranks all-gather over the group.
-//! 2. [`GroupLoad::plan`]: every rank plans the whole job from every rank's requests (the planner
-//!    is deterministic, so all get the same plan) or fetches its part from a plan server.
-//! 3. [`GroupLoad::read`]: the rank's own pieces, read (verified) straight into its arrays; it
-//!    returns the rank's folds of boxes read in parts, which the ranks all-gather with their
-//!    status and check ([`GroupLoad::check_joint`]).
-//! 4. The exchange: [`GroupLoad::exchange_start`] hands out the first actions (send these bytes,
-//!    receive that message), [`GroupLoad::exchange_sent`] and [`GroupLoad::exchange_received`]
-//!    take completions and hand out the next, until [`GroupLoad::exchange_done`].
-//! 5. [`GroupLoad::finish`]: checks that every message was placed and returns the report. A load
+//! 1. [`group_load`]: the rank's state-dict entries checked against the checkpoint.
+//! 2. The load job's rounds (`tessera_ops::job`): [`GroupLoad::job_start`] and
+//!    [`GroupLoad::job_step`] hand the Python pump what to put in the job's store, where to
+//!    arrive and what to fetch or wait for, and do the rounds' local work here (rank 0 plans the
+//!    whole job once; each rank takes its own rank plan; rank 0 checks the pair digests and the
+//!    jointly read boxes); [`GroupLoad::read`] reads the rank's own pieces (verified) straight
+//!    into its arrays when the rounds say so.
+//! 3. The exchange ([`GroupLoad::exchange`], a [`GroupExchange`]): `start` hands out the first
+//!    actions (send these bytes, receive that message), `sent` and `received` take completions
+//!    and hand out the next, until `waiting_on` says it is over.
+//! 4. [`GroupLoad::finish`]: checks that every message was placed and returns the report. A load
 //!    that did not get here is never reported as done.
 
 use std::collections::HashMap;
@@ -57,7 +57,7 @@ use crate::{Cancel, block_on_cancellable, py_error};
 /// One rank's load over a process group (see the module docs).
 #[pyclass(frozen, module = "tessera._tessera")]
 pub struct GroupLoad {
-    state: Mutex<GroupState>,
+    state: Arc<Mutex<GroupState>>,
     /// Set by `cancel` from the failure agreement's thread while `plan` or `read` runs (which
     /// hold `state`): another rank failed, so this one stops within 100 ms.
     cancel: Cancel,
@@ -501,6 +501,129 @@ impl JobWork for GroupWork<'_, '_> {
     }
 }
 
+/// The exchange of one rank's load over a process group ([`GroupLoad::exchange`]): the
+/// protocol's actions handed to the Python driver, and the completions it reports back.
+#[pyclass(frozen, module = "tessera._tessera")]
+pub struct GroupExchange {
+    state: Arc<Mutex<GroupState>>,
+}
+
+impl GroupExchange {
+    fn state(&self) -> MutexGuard<'_, GroupState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[pymethods]
+impl GroupExchange {
+    /// Starts the exchange once this rank's pieces are read: the first actions for the driver
+    /// (the hand-shake where ranks may copy directly, the receives, the shares ready to go).
+    fn start(&self) -> PyResult<Vec<PyAction>> {
+        let mut state = self.state();
+        let state = &mut *state;
+        let result = (|| {
+            state.check_read("exchanging")?;
+            let plan = Arc::clone(state.plan("exchanging")?);
+            let Some(messages) = state.messages.take() else {
+                bail!("rank {}: the exchange started twice", state.rank);
+            };
+            let hello = if state.direct {
+                let offers = state.cross_memory;
+                let exposure = state.exposure.get_or_insert_with(Exposure::new);
+                Some(Bytes::from(exposure.offer(offers)))
+            } else {
+                None
+            };
+            let mut protocol = ExchangeProtocol::new(plan, messages, hello, state.cross_memory);
+            let mut actions = protocol.start();
+            actions.extend(protocol.all_read(&state.buffers)?);
+            protocol.reads_done()?;
+            state.protocol = Some(protocol);
+            Ok(state.hand_out(actions))
+        })();
+        result.map_err(py_error)
+    }
+
+    /// Operation `operation` (a send) went out: the next actions.
+    fn sent(&self, operation: u64) -> PyResult<Vec<PyAction>> {
+        let mut state = self.state();
+        let result = (|| {
+            let Some(Operation::Send { to, tag, .. }) = state.operations.remove(&operation) else {
+                bail!(
+                    "rank {}: operation {operation} is not a send in flight",
+                    state.rank
+                );
+            };
+            let actions = state.protocol("sending")?.sent(to, tag);
+            Ok(state.hand_out(actions))
+        })();
+        result.map_err(py_error)
+    }
+
+    /// Operation `operation` (a receive) got its message: `nbytes` bytes at `address` in
+    /// `buffer` (the tensor holding them, kept alive while tessera needs them). Places what
+    /// arrived and returns the next actions.
+    fn received(
+        &self,
+        operation: u64,
+        buffer: Py<PyAny>,
+        address: usize,
+        nbytes: usize,
+    ) -> PyResult<Vec<PyAction>> {
+        let mut state = self.state();
+        let state = &mut *state;
+        let result = (|| {
+            let Some(Operation::Recv { from, tag }) = state.operations.remove(&operation) else {
+                bail!(
+                    "rank {}: operation {operation} is not a receive in flight",
+                    state.rank
+                );
+            };
+            // SAFETY: Python passes the data address and length of the received uint8 tensor
+            // `buffer`, which nothing else touches and which the Bytes keeps referenced.
+            #[allow(unsafe_code)]
+            let memory = unsafe { HostMemory::new(address, nbytes) }
+                .ok_or_else(|| anyhow!("operation {operation}: null address"))?;
+            let data = Bytes::from_owner(PyOwnedBytes::new(buffer, memory));
+            let protocol = state.protocol.as_mut().ok_or_else(|| {
+                anyhow!("rank {}: receiving before the exchange started", state.rank)
+            })?;
+            let mut actions = protocol.received(from, tag, data)?;
+            actions.extend(protocol.pump(&mut state.buffers)?);
+            Ok(state.hand_out(actions))
+        })();
+        result.map_err(py_error)
+    }
+
+    /// The ranks the exchange still waits on; `None` once it is over (every share placed and
+    /// delivered).
+    fn waiting_on(&self) -> Option<Vec<u32>> {
+        match self.state().protocol.as_ref() {
+            Some(p) if p.is_done() => None,
+            Some(p) => Some(p.waiting_on()),
+            None => Some(Vec::new()),
+        }
+    }
+
+    /// What this rank says before it fails (negative acknowledgements of the direct shares it
+    /// did not copy, so that their senders fail at once).
+    fn farewell(&self) -> Vec<PyAction> {
+        let mut state = self.state();
+        let actions = state
+            .protocol
+            .as_mut()
+            .map(|p| p.farewell())
+            .unwrap_or_default();
+        state.hand_out(actions)
+    }
+
+    /// Ends this rank's offer of its memory: peers copying from it now fail rather than keep
+    /// bytes of arrays that may change. Called when the exchange ends, whatever its outcome.
+    fn close(&self) {
+        self.state().exposure = None;
+    }
+}
+
 /// Checks the rank's entries (host memory only: CUDA tensors go through host staging in the
 /// Python layer) against the checkpoint and prepares the load.
 #[pyfunction]
@@ -517,7 +640,7 @@ pub fn group_load(
     let opened = &*checkpoint;
     py.detach(|| prepare(opened, targets, rank, world, verify, memory_tier.as_deref()))
         .map(|state| GroupLoad {
-            state: Mutex::new(state),
+            state: Arc::new(Mutex::new(state)),
             cancel: Cancel::default(),
         })
         .map_err(py_error)
@@ -712,11 +835,6 @@ impl GroupLoad {
         })
     }
 
-    /// The memory-tier copies this rank's node did not take, with why (after the plan).
-    fn tier_ignored(&self) -> Vec<String> {
-        self.state().tier_copies.ignored.clone()
-    }
-
     /// Reads this rank's own pieces, verified, straight into its arrays (interruptible), when
     /// the rounds say so. Returns this rank's folds of the saved boxes it read in parts (joint
     /// checks), for `job_step("read", [folds])`.
@@ -751,109 +869,12 @@ impl GroupLoad {
         state.read = Some((stats, started.elapsed().as_secs_f64()));
         Ok(PyBytes::new(py, &folds))
     }
-    /// Starts the exchange once this rank's pieces are read: the first actions for the driver
-    /// (the hand-shake where ranks may copy directly, the receives, the shares ready to go).
-    fn exchange_start(&self) -> PyResult<Vec<PyAction>> {
-        let mut state = self.state();
-        let state = &mut *state;
-        let result = (|| {
-            state.check_read("exchanging")?;
-            let plan = Arc::clone(state.plan("exchanging")?);
-            let Some(messages) = state.messages.take() else {
-                bail!("rank {}: the exchange started twice", state.rank);
-            };
-            let hello = if state.direct {
-                let offers = state.cross_memory;
-                let exposure = state.exposure.get_or_insert_with(Exposure::new);
-                Some(Bytes::from(exposure.offer(offers)))
-            } else {
-                None
-            };
-            let mut protocol = ExchangeProtocol::new(plan, messages, hello, state.cross_memory);
-            let mut actions = protocol.start();
-            actions.extend(protocol.all_read(&state.buffers)?);
-            protocol.reads_done()?;
-            state.protocol = Some(protocol);
-            Ok(state.hand_out(actions))
-        })();
-        result.map_err(py_error)
-    }
-
-    /// Operation `operation` (a send) went out: the next actions.
-    fn exchange_sent(&self, operation: u64) -> PyResult<Vec<PyAction>> {
-        let mut state = self.state();
-        let result = (|| {
-            let Some(Operation::Send { to, tag, .. }) = state.operations.remove(&operation) else {
-                bail!(
-                    "rank {}: operation {operation} is not a send in flight",
-                    state.rank
-                );
-            };
-            let actions = state.protocol("sending")?.sent(to, tag);
-            Ok(state.hand_out(actions))
-        })();
-        result.map_err(py_error)
-    }
-
-    /// Operation `operation` (a receive) got its message: `nbytes` bytes at `address` in
-    /// `buffer` (the tensor holding them, kept alive while tessera needs them). Places what
-    /// arrived and returns the next actions.
-    fn exchange_received(
-        &self,
-        operation: u64,
-        buffer: Py<PyAny>,
-        address: usize,
-        nbytes: usize,
-    ) -> PyResult<Vec<PyAction>> {
-        let mut state = self.state();
-        let state = &mut *state;
-        let result = (|| {
-            let Some(Operation::Recv { from, tag }) = state.operations.remove(&operation) else {
-                bail!(
-                    "rank {}: operation {operation} is not a receive in flight",
-                    state.rank
-                );
-            };
-            // SAFETY: Python passes the data address and length of the received uint8 tensor
-            // `buffer`, which nothing else touches and which the Bytes keeps referenced.
-            #[allow(unsafe_code)]
-            let memory = unsafe { HostMemory::new(address, nbytes) }
-                .ok_or_else(|| anyhow!("operation {operation}: null address"))?;
-            let data = Bytes::from_owner(PyOwnedBytes::new(buffer, memory));
-            let protocol = state.protocol.as_mut().ok_or_else(|| {
-                anyhow!("rank {}: receiving before the exchange started", state.rank)
-            })?;
-            let mut actions = protocol.received(from, tag, data)?;
-            actions.extend(protocol.pump(&mut state.buffers)?);
-            Ok(state.hand_out(actions))
-        })();
-        result.map_err(py_error)
-    }
-
-    /// Whether the exchange is over (every share placed and delivered).
-    fn exchange_done(&self) -> bool {
-        self.state().protocol.as_ref().is_some_and(|p| p.is_done())
-    }
-
-    /// The ranks the exchange still waits on.
-    fn exchange_waiting_on(&self) -> Vec<u32> {
-        self.state()
-            .protocol
-            .as_ref()
-            .map(|p| p.waiting_on())
-            .unwrap_or_default()
-    }
-
-    /// What this rank says before it fails (negative acknowledgements of the direct shares it
-    /// did not copy, so that their senders fail at once).
-    fn exchange_farewell(&self) -> Vec<PyAction> {
-        let mut state = self.state();
-        let actions = state
-            .protocol
-            .as_mut()
-            .map(|p| p.farewell())
-            .unwrap_or_default();
-        state.hand_out(actions)
+    /// The exchange of this load (`tessera_loader::exchange::protocol`), for the driver to run
+    /// once the rounds handed over to it.
+    fn exchange(&self) -> GroupExchange {
+        GroupExchange {
+            state: Arc::clone(&self.state),
+        }
     }
 
     /// Stops this rank's planning or reading within 100 ms, raising `reason`: another rank of the
@@ -863,14 +884,9 @@ impl GroupLoad {
         self.cancel.cancel(reason);
     }
 
-    /// Ends this rank's offer of its memory: peers copying from it now fail rather than keep
-    /// bytes of arrays that may change. Called when the exchange ends, whatever its outcome.
-    fn close(&self) {
-        self.state().exposure = None;
-    }
-
-    /// The rank's report as JSON text, once its pieces are read and every message it expects is
-    /// placed; an error naming what is missing otherwise. `exchange_wait_seconds`: of
+    /// The rank's report as JSON text (with `memory_tier_ignored`: the tier copies not taken or
+    /// read from storage after all, each with why), once its pieces are read and every message
+    /// it expects is placed; an error naming what is missing otherwise. `exchange_wait_seconds`: of
     /// `exchange_seconds`, the time the driver waited on the group's messages.
     fn finish(&self, exchange_seconds: f64, exchange_wait_seconds: f64) -> PyResult<String> {
         let mut state = self.state();
@@ -913,7 +929,13 @@ impl GroupLoad {
             );
             report.bytes_received_direct = exchanged.bytes_received_direct;
             report.exchange_wait_seconds = exchange_wait_seconds.min(exchange_seconds).max(0.0);
-            Ok(serde_json::to_string(&report)?)
+            // The memory-tier copies this rank's node did not take, with why, and those that
+            // failed a read after their check (read from storage instead).
+            let mut ignored = state.tier_copies.ignored.clone();
+            ignored.extend(report.memory_tier_fallbacks.iter().cloned());
+            let mut json = serde_json::to_value(&report)?;
+            json["memory_tier_ignored"] = serde_json::json!(ignored);
+            Ok(serde_json::to_string(&json)?)
         })();
         result.map_err(py_error)
     }

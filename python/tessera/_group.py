@@ -145,7 +145,7 @@ def _host_view(address: int, nbytes: int) -> Any:
 
 
 def _drive(
-    load: Any, dist: Any, group: Any, rank: int, device: Any, global_rank: Callable[[int], int],
+    exchange: Any, dist: Any, group: Any, rank: int, device: Any, global_rank: Callable[[int], int],
     timeout: float, deadline: float, agreement: Any,
 ) -> float:
     """Moves the bytes the exchange protocol asks for with torch's point-to-point ops on
@@ -236,15 +236,15 @@ def _drive(
 
     waited = 0.0
     try:
-        post(load.exchange_start())
-        while not load.exchange_done():
+        post(exchange.start())
+        while exchange.waiting_on() is not None:
             idle = time.monotonic()
             try:
                 done, error = completions.get(timeout=0.05)
             except queue.Empty:
                 waited += time.monotonic() - idle
                 # A peer that failed or stopped is named within seconds, not at the deadline.
-                agreement.watch("exchanging its pieces", load.exchange_waiting_on())
+                agreement.watch("exchanging its pieces", exchange.waiting_on() or [])
                 if time.monotonic() > deadline + 5:
                     error, done = TimeoutError("no completion"), None
                 else:
@@ -254,24 +254,24 @@ def _drive(
             if isinstance(error, TimeoutError):
                 raise TesseraError(
                     f"rank {rank}: the exchange over the process group timed out after {timeout:g} s "
-                    f"(waiting on the messages of ranks {load.exchange_waiting_on()})"
+                    f"(waiting on the messages of ranks {exchange.waiting_on() or []})"
                 )
             if error is not None:
                 raise error
             if done is None:
                 continue
             if done[0] == "sent":
-                post(load.exchange_sent(done[1]))
+                post(exchange.sent(done[1]))
             elif done[0] == "size":
                 _kind, op, peer, tag, size = done
                 receive(op, peer, tag, int(size.item()))
             else:
                 _kind, op, buffer = done
                 if buffer is None:
-                    post(load.exchange_received(op, None, 0, 0))
+                    post(exchange.received(op, None, 0, 0))
                 else:
                     data = buffer if buffer.device.type == "cpu" else buffer.cpu()
-                    post(load.exchange_received(op, data, data.data_ptr(), data.numel()))
+                    post(exchange.received(op, data, data.data_ptr(), data.numel()))
         # Every operation posted has completed (the protocol heard of each that mattered; a
         # framed length went before its message): let their waiters return before the caller
         # may tear the group down under them.
@@ -283,7 +283,7 @@ def _drive(
         try:
             works = [
                 dist.isend(_host_view(address, nbytes).clone(), dst=global_rank(peer), group=group, tag=tag)
-                for _op, _kind, peer, tag, nbytes, address in load.exchange_farewell()
+                for _op, _kind, peer, tag, nbytes, address in exchange.farewell()
             ]
             for work in works:
                 work.wait(timedelta(seconds=2))
@@ -376,17 +376,16 @@ def load_over_group(
         started = time.monotonic()
         deadline = started + timeout
         global_rank = lambda r: dist.get_global_rank(group, r) if group is not dist.group.WORLD else r  # noqa: E731
+        exchange = load.exchange()
         try:
-            waited = _drive(load, dist, group, rank, device, global_rank, timeout, deadline, agreement)
+            waited = _drive(exchange, dist, group, rank, device, global_rank, timeout, deadline, agreement)
         except Exception as e:
             agreement.fail_once("exchanging its pieces", e)
             raise
         finally:
             # Peers still copying out of this rank's arrays fail from here on rather than keep
             # bytes of arrays the caller may change.
-            load.close()
-    report = json.loads(load.finish(time.monotonic() - started, waited))
-    # Copies that failed a read after their check were read from storage: named with the rest.
-    report["memory_tier_ignored"] = load.tier_ignored() + report.get("memory_tier_fallbacks", [])
-    return report
+            exchange.close()
+    # With the memory-tier copies not taken (or read from storage after all), each with why.
+    return json.loads(load.finish(time.monotonic() - started, waited))
 

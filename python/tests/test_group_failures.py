@@ -89,8 +89,8 @@ def _rank(rank: int, port: int, phase: str, fault: str, out: str) -> None:
         ("job_step", "stop"),
         ("read", "stop"),
         ("read", "kill"),
-        ("exchange_start", "kill"),
-        ("exchange_start", "stop"),
+        ("exchange", "kill"),
+        ("exchange", "stop"),
     ],
 )
 def test_every_rank_fails_within_seconds_naming_the_rank(tmp_path, phase, fault):
