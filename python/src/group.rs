@@ -141,10 +141,22 @@ enum Operation {
     Recv { from: u32, tag: u64 },
 }
 
-/// An action as the Python driver takes it: `(operation id, kind, peer, pair tag, bytes,
-/// address)`; kind 0 send, 1 framed send, 2 receive (bytes -1: framed, any length); a send's
-/// bytes lie at `address` until the driver reports it sent.
-type PyAction = (u64, u8, u32, u32, i64, usize);
+/// An action of the exchange as the Python driver takes it.
+#[pyclass(frozen, get_all, module = "tessera._tessera")]
+pub struct ExchangeAction {
+    /// The operation's id, which the driver reports back when it completes.
+    op: u64,
+    /// "send", "send_framed" (its length goes first, under `tag + 1`) or "recv".
+    kind: &'static str,
+    /// The peer rank in the group.
+    peer: u32,
+    /// The pair tag to send or receive under.
+    tag: u32,
+    /// Bytes sent or expected; -1: a framed message of any length.
+    nbytes: i64,
+    /// Where a send's bytes lie (they stay there until the driver reports the send done).
+    address: usize,
+}
 
 /// A destination of the load: one of the caller's arrays, or a relayed piece's scratch.
 enum Buffer {
@@ -196,7 +208,7 @@ impl GroupState {
     }
 
     /// `actions` as the driver takes them, each registered under a fresh operation id.
-    fn hand_out(&mut self, actions: Vec<Action>) -> Vec<PyAction> {
+    fn hand_out(&mut self, actions: Vec<Action>) -> Vec<ExchangeAction> {
         actions
             .into_iter()
             .map(|action| {
@@ -210,14 +222,14 @@ impl GroupState {
                         data,
                         framed,
                     } => {
-                        let out = (
-                            id,
-                            u8::from(framed),
-                            to,
-                            pair_tag,
-                            data.len() as i64,
-                            data.as_ptr() as usize,
-                        );
+                        let out = ExchangeAction {
+                            op: id,
+                            kind: if framed { "send_framed" } else { "send" },
+                            peer: to,
+                            tag: pair_tag,
+                            nbytes: data.len() as i64,
+                            address: data.as_ptr() as usize,
+                        };
                         self.operations.insert(
                             id,
                             Operation::Send {
@@ -236,7 +248,14 @@ impl GroupState {
                     } => {
                         self.operations.insert(id, Operation::Recv { from, tag });
                         let bytes = bytes.map_or(-1, |b| i64::try_from(b).unwrap_or(i64::MAX));
-                        (id, 2, from, pair_tag, bytes, 0)
+                        ExchangeAction {
+                            op: id,
+                            kind: "recv",
+                            peer: from,
+                            tag: pair_tag,
+                            nbytes: bytes,
+                            address: 0,
+                        }
                     }
                 }
             })
@@ -518,7 +537,7 @@ impl GroupExchange {
 impl GroupExchange {
     /// Starts the exchange once this rank's pieces are read: the first actions for the driver
     /// (the hand-shake where ranks may copy directly, the receives, the shares ready to go).
-    fn start(&self) -> PyResult<Vec<PyAction>> {
+    fn start(&self) -> PyResult<Vec<ExchangeAction>> {
         let mut state = self.state();
         let state = &mut *state;
         let result = (|| {
@@ -545,7 +564,7 @@ impl GroupExchange {
     }
 
     /// Operation `operation` (a send) went out: the next actions.
-    fn sent(&self, operation: u64) -> PyResult<Vec<PyAction>> {
+    fn sent(&self, operation: u64) -> PyResult<Vec<ExchangeAction>> {
         let mut state = self.state();
         let result = (|| {
             let Some(Operation::Send { to, tag, .. }) = state.operations.remove(&operation) else {
@@ -569,7 +588,7 @@ impl GroupExchange {
         buffer: Py<PyAny>,
         address: usize,
         nbytes: usize,
-    ) -> PyResult<Vec<PyAction>> {
+    ) -> PyResult<Vec<ExchangeAction>> {
         let mut state = self.state();
         let state = &mut *state;
         let result = (|| {
@@ -607,7 +626,7 @@ impl GroupExchange {
 
     /// What this rank says before it fails (negative acknowledgements of the direct shares it
     /// did not copy, so that their senders fail at once).
-    fn farewell(&self) -> Vec<PyAction> {
+    fn farewell(&self) -> Vec<ExchangeAction> {
         let mut state = self.state();
         let actions = state
             .protocol

@@ -161,6 +161,7 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(checkpoint::open_checkpoint, m)?)?;
     m.add_class::<group::GroupLoad>()?;
     m.add_class::<group::GroupExchange>()?;
+    m.add_class::<group::ExchangeAction>()?;
     m.add_class::<group::JobAction>()?;
     m.add_function(wrap_pyfunction!(group::group_load, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_dtype, m)?)?;

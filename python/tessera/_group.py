@@ -130,10 +130,6 @@ def _transport_error(error: BaseException) -> str:
     return text.split(". This is typically caused", 1)[0]
 
 
-# Kinds of the actions the exchange protocol hands this driver (see `_tessera.GroupLoad`).
-_SEND, _SEND_FRAMED, _RECV = 0, 1, 2
-
-
 def _host_view(address: int, nbytes: int) -> Any:
     """A uint8 tensor over ``nbytes`` bytes of tessera's memory at ``address`` (no copy): the
     bytes of a message the protocol keeps alive until it hears the message went out."""
@@ -215,22 +211,23 @@ def _drive(
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         wait_for(peer, irecv(buffer, peer, tag), "recv", ("received", op, buffer), buffer)
 
-    def post(actions: List[Tuple[int, int, int, int, int, int]]) -> None:
-        for op, kind, peer, tag, nbytes, address in actions:
-            if kind == _RECV:
+    def post(actions: List[Any]) -> None:
+        for action in actions:
+            op, kind, peer, tag, nbytes = action.op, action.kind, action.peer, action.tag, action.nbytes
+            if kind == "recv":
                 if nbytes < 0:
                     size = torch.zeros(1, dtype=torch.int64)
                     wait_for(peer, irecv(size, peer, tag + 1), "recv", ("size", op, peer, tag, size), size)
                 else:
                     receive(op, peer, tag, nbytes)
                 continue
-            if kind == _SEND_FRAMED:
+            if kind == "send_framed":
                 size = torch.tensor([nbytes], dtype=torch.int64)
                 wait_for(peer, isend(size, peer, tag + 1), "send", None, size)
             if nbytes == 0:
                 completions.put((("sent", op), None))
                 continue
-            data = _host_view(address, nbytes)
+            data = _host_view(action.address, nbytes)
             buffer = data if device.type == "cpu" else data.to(device)
             wait_for(peer, isend(buffer, peer, tag), "send", ("sent", op), buffer)
 
@@ -282,8 +279,8 @@ def _drive(
         # Peers whose shares this rank did not copy hear so now, and fail at once naming it.
         try:
             works = [
-                dist.isend(_host_view(address, nbytes).clone(), dst=global_rank(peer), group=group, tag=tag)
-                for _op, _kind, peer, tag, nbytes, address in exchange.farewell()
+                dist.isend(_host_view(a.address, a.nbytes).clone(), dst=global_rank(a.peer), group=group, tag=a.tag)
+                for a in exchange.farewell()
             ]
             for work in works:
                 work.wait(timedelta(seconds=2))
