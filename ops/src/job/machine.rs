@@ -180,9 +180,10 @@ impl RankRounds {
             }
             (S::Hello, Event::Arrived) => {
                 self.state = S::AwaitAnswer;
+                // The coordinator plans while the ranks wait for its answer.
                 Next::Actions(vec![Action::Await {
                     key: keys::answer(rank),
-                    round: Round::Requests,
+                    round: Round::Plan,
                 }])
             }
             (S::CollectHellos, Event::Got(values)) => {
@@ -310,7 +311,7 @@ impl RankRounds {
     /// [`Work::Settle`]): put under each rank's key; then it waits for its own, as every rank.
     pub(super) fn answered(&mut self, answers: Vec<Bytes>) -> Result<Next, OpsError> {
         let (key, round, next): (fn(u32) -> String, Round, State) = match self.state {
-            State::CollectHellos => (keys::answer, Round::Requests, State::AwaitAnswer),
+            State::CollectHellos => (keys::answer, Round::Plan, State::AwaitAnswer),
             State::CollectVerified => (keys::planned, Round::Plan, State::AwaitPlanned),
             _ => return Err(self.out_of_turn("answers")),
         };
