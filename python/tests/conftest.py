@@ -79,6 +79,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> tuple:
+    """``n`` distinct free ports (held at once while chosen, so no two are the same): e.g. torch's
+    store and tessera's rendezvous, rather than trusting that the port after torch's is free."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return tuple(s.getsockname()[1] for s in sockets)
+    finally:
+        for s in sockets:
+            s.close()
+
+
 TARGET = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
 S3_SERVER = Path(
     os.environ.get("TESSERA_S3_TEST_SERVER", TARGET / "debug" / "examples" / "s3_test_server")
@@ -128,7 +141,13 @@ def s3_server(tmp_path_factory):
         yield server
     finally:
         proc.stdin.close()
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            # The test server shuts down gracefully, waiting for its clients' idle keep-alive
+            # connections; one still held open by this process keeps it waiting: end it.
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 TESSERA_BIN = Path(os.environ.get("TESSERA_BIN", TARGET / "debug" / "tessera"))

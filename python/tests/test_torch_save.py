@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from conftest import free_port
+from conftest import free_ports
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
@@ -52,11 +52,16 @@ def _bytes(t):
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _init(rank, world, port):
+def _init(rank, world, ports):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    # torch's store and tessera's rendezvous (the save's commit) each on a port chosen free.
+    torch_port, tessera_port = ports
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(torch_port), TESSERA_PORT=str(tessera_port), RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world)
     return init_device_mesh("cpu", (world,))
 
@@ -145,7 +150,7 @@ def test_tessera_save_from_3_ranks_loads_into_2_ranks_shard1(tmp_path):
 
     path = str(tmp_path / "native")
     out = mp.Manager().dict()
-    mp.spawn(_save_rank, args=(free_port(), path, out), nprocs=3, join=True)
+    mp.spawn(_save_rank, args=(free_ports(2), path, out), nprocs=3, join=True)
     assert [out[r]["world_size"] for r in range(3)] == [3, 3, 3]
     assert out[0]["local_rows"] == {"model.w": 3, "model.v": 2, "model.e": 1, "model.i": 3}
     assert out[2]["local_rows"] == {"model.w": 1, "model.v": 1, "model.e": 1, "model.i": 3}
@@ -153,7 +158,7 @@ def test_tessera_save_from_3_ranks_loads_into_2_ranks_shard1(tmp_path):
     assert os.path.exists(os.path.join(path, "manifest.json"))
     assert not os.path.exists(os.path.join(path, ".metadata"))
 
-    mp.spawn(_load_rank, args=(free_port(), path, out), nprocs=2, join=True)
+    mp.spawn(_load_rank, args=(free_ports(2), path, out), nprocs=2, join=True)
     for rank in range(2):
         failure = out[("dcp", rank)]
         assert failure is not None, "dcp.load with FileSystemReader read a native checkpoint"
