@@ -1,7 +1,7 @@
 """The failure agreement of a load over a torch process group, through the job's c10d store.
 
 Collectives on the job's group (``all_gather_object``) wait for the group's own timeout, 30
-minutes by default, and fail with a gloo error that names no rank. the rounds of the load
+minutes by default, and fail with a gloo error that names no rank. The rounds of the load
 job before the exchange (``tessera_ops::job``: requests, memory tier, plan, plan agreement, read,
 joint checks) go through the job's key-value store instead: each rank puts its own keys and
 fetches only its own answers (rank 0, the coordinator, fetches every rank's), arrives at each
@@ -70,7 +70,6 @@ class Agreement:
         self._rank, self._world = rank, world
         self._timeout, self._liveness = timeout, min(liveness, timeout)
         self._on_failure = on_failure
-        self._step = 0
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._beat, name="tessera-agreement", daemon=True)
         # Whether a failure is already known to every rank (published here, or read from the

@@ -95,8 +95,9 @@ pub fn check_digests(
     })
 }
 
-/// `rank 1`, or `ranks 1, 2, 3` (the first eight, then how many in all).
-fn ranks_text(ranks: &[u32]) -> String {
+/// `rank 1`, or `ranks 1, 2, 3` (the first eight, then how many in all): the peers of
+/// [`LoaderError::PlansDisagree`].
+pub fn ranks_text(ranks: &[u32]) -> String {
     match ranks {
         [one] => format!("rank {one}"),
         _ => {

@@ -419,16 +419,7 @@ impl Verdict {
             })
             .collect();
         if !mine.is_empty() {
-            let peers = match mine.as_slice() {
-                [one] => format!("rank {one}"),
-                _ => format!(
-                    "ranks {}",
-                    mine.iter()
-                        .map(u32::to_string)
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-            };
+            let peers = tessera_loader::exchange::agree::ranks_text(&mine);
             return Err(LoaderError::PlansDisagree { rank, peers }.into());
         }
         let pairs: Vec<String> = verdict

@@ -103,11 +103,6 @@ impl RankRounds {
         }
     }
 
-    /// Whether the rounds handed over to the exchange.
-    pub fn done(&self) -> bool {
-        self.state == State::Done
-    }
-
     /// Round 1: put this rank's hello and arrive.
     pub fn start(&mut self, hello: Bytes) -> Vec<Action> {
         self.state = State::Hello;
