@@ -57,7 +57,7 @@ def _rank(rank: int, port: int, world: int, root: str, out: str) -> None:
     store = counters[0]
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(
         {"read": store.read, "written": store.written, "calls": store.calls, "right": right, "seconds": seconds,
-         "by_kind": store.by_kind}
+         "by_kind": store.by_kind, "written_by_kind": store.written_by_kind}
     ))
     dist.barrier()
     dist.destroy_process_group()
@@ -90,6 +90,8 @@ def main() -> None:
             flush=True,
         )
         print(f"  rank 1 read by key: {results[1]['by_kind']}", flush=True)
+        print(f"  rank 1 written by key: {results[1]['written_by_kind']}", flush=True)
+        print(f"  rank 0 read by key: {results[0]['by_kind']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -230,16 +230,23 @@ class CountingStore:
         self._inner = inner
         self.calls = self.read = self.written = 0
         self.by_kind: dict = {}
+        self.written_by_kind: dict = {}
+
+    @staticmethod
+    def _kind(key) -> str:
+        key = key.decode() if isinstance(key, bytes) else key
+        return "/".join(p for p in key.split("/")[3:] if not p.isdigit()) or key
 
     def _count(self, key, n: int) -> None:
-        key = key.decode() if isinstance(key, bytes) else key
-        kind = "/".join(p for p in key.split("/")[3:] if not p.isdigit()) or key
+        kind = self._kind(key)
         self.read += n
         self.by_kind[kind] = self.by_kind.get(kind, 0) + n
 
     def set(self, key, value):
         self.calls += 1
         self.written += len(key) + len(value)
+        kind = self._kind(key)
+        self.written_by_kind[kind] = self.written_by_kind.get(kind, 0) + len(key) + len(value)
         return self._inner.set(key, value)
 
     def get(self, key):

@@ -72,11 +72,15 @@ pub enum Answer {
 const MAX_ANSWER_BYTES: u64 = 4 << 30;
 
 impl Answer {
-    /// The answer as it travels: its JSON length (8 bytes, little-endian), then the JSON
-    /// zstd-compressed (a rank plan names the same tensors and shapes piece after piece: about a
-    /// tenth of its JSON).
+    /// The answer as it travels: its JSON length (8 bytes, little-endian), then the JSON,
+    /// reshaped into columns of differences ([`super::packed`]: a rank plan's pieces step
+    /// through ids and offsets by the same amounts), zstd-compressed.
     pub fn encode(&self) -> Result<Bytes, OpsError> {
-        let text = json(self, "an answer to a rank")?;
+        let value = serde_json::to_value(self).map_err(|source| OpsError::Message {
+            what: "an answer to a rank".to_string(),
+            source,
+        })?;
+        let text = json(&super::packed::pack(&value), "an answer to a rank")?;
         let packed = zstd::bulk::compress(&text, 3)
             .map_err(|e| OpsError::invalid(format!("compressing an answer to a rank: {e}")))?;
         let mut out = BytesMut::with_capacity(8 + packed.len());
@@ -106,7 +110,13 @@ impl Answer {
                 text.len()
             )));
         }
-        serde_json::from_slice(&text).map_err(|source| OpsError::Message {
+        let packed: serde_json::Value =
+            serde_json::from_slice(&text).map_err(|source| OpsError::Message {
+                what: what(),
+                source,
+            })?;
+        let value = super::packed::unpack(packed).map_err(bad)?;
+        serde_json::from_value(value).map_err(|source| OpsError::Message {
             what: what(),
             source,
         })

@@ -42,6 +42,7 @@
 mod coordinator;
 mod machine;
 pub mod memory_board;
+pub mod packed;
 
 pub use coordinator::{Answer, Hello, JobCoordinator, PairReport, Verdict, planned_rank};
 pub use machine::RankRounds;

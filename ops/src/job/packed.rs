@@ -1,0 +1,352 @@
+//! A JSON value reshaped so that a compressor sees a plan's regularity: arrays of records become
+//! records of columns, arrays of equal-length integer tuples become columns, and integer columns
+//! become first value plus differences. A rank plan lists piece after piece whose ids, offsets
+//! and file positions step by the same amount (an all-to-all reshard gives a rank one piece per
+//! saved shard of every tensor): as rows of JSON numbers each piece costs zstd about twenty
+//! bytes, as differences the steps repeat and cost next to nothing, so a rank's answer grows with
+//! what is irregular in its plan, not with the world.
+//!
+//! The reshaping is exact ([`unpack`] of [`pack`] is the value) and says nothing about the
+//! schema: it works on any JSON value. Marker keys start with U+0001; an object key that starts
+//! with it is escaped by one more.
+
+use serde_json::{Map, Number, Value};
+
+/// Marks `{MARK_DELTA: [first, d1, d2, ...]}`: an integer array as differences.
+const MARK_DELTA: &str = "\u{1}d";
+/// Marks `{MARK_COLUMNS: {key: column, ...}, MARK_LEN: n}`: n records with the same keys.
+const MARK_COLUMNS: &str = "\u{1}c";
+/// Marks `{MARK_TUPLES: [column, ...], MARK_LEN: n}`: n integer tuples of one length.
+const MARK_TUPLES: &str = "\u{1}t";
+/// Marks `{MARK_RAGGED: [all items' elements], MARK_LENGTHS: [each item's length]}`: arrays of
+/// any lengths, flattened (so that one-element lists of records become one column of records).
+const MARK_RAGGED: &str = "\u{1}r";
+/// The lengths of a ragged record's arrays.
+const MARK_LENGTHS: &str = "\u{1}l";
+/// The row count of a columns or tuples record.
+const MARK_LEN: &str = "\u{1}n";
+/// The first character of every marker key.
+const MARK: char = '\u{1}';
+
+/// `value` reshaped into columns and differences (see the module doc).
+pub fn pack(value: &Value) -> Value {
+    match value {
+        Value::Array(items) => pack_array(items),
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(key, value)| (escape(key), pack(value)))
+                .collect(),
+        ),
+        scalar => scalar.clone(),
+    }
+}
+
+/// The value [`pack`] was given; an error names what is not one of its shapes.
+pub fn unpack(value: Value) -> Result<Value, String> {
+    match value {
+        Value::Array(items) => items.into_iter().map(unpack).collect::<Result<_, _>>(),
+        Value::Object(map) => unpack_object(map),
+        scalar => Ok(scalar),
+    }
+}
+
+fn pack_array(items: &[Value]) -> Value {
+    if items.len() < 2 {
+        return Value::Array(items.iter().map(pack).collect());
+    }
+    if let Some(ints) = integers(items) {
+        return delta(&ints);
+    }
+    if let Some(records) = same_keys(items) {
+        let columns: Map<String, Value> = records
+            .into_iter()
+            .map(|key| {
+                let column: Vec<Value> = items.iter().map(|item| item[key].clone()).collect();
+                (escape(key), pack_array(&column))
+            })
+            .collect();
+        return marked(MARK_COLUMNS, Value::Object(columns), items.len());
+    }
+    if let Some(width) = tuple_width(items) {
+        let columns: Vec<Value> = (0..width)
+            .map(|i| {
+                let column: Vec<i64> = items
+                    .iter()
+                    .map(|item| item[i].as_i64().unwrap_or_default())
+                    .collect();
+                delta(&column)
+            })
+            .collect();
+        return marked(MARK_TUPLES, Value::Array(columns), items.len());
+    }
+    if items.iter().all(Value::is_array) {
+        let lengths: Vec<i64> = items
+            .iter()
+            .map(|item| item.as_array().map_or(0, Vec::len) as i64)
+            .collect();
+        let flat: Vec<Value> = items
+            .iter()
+            .filter_map(Value::as_array)
+            .flatten()
+            .cloned()
+            .collect();
+        let mut map = Map::new();
+        map.insert(MARK_RAGGED.to_string(), pack_array(&flat));
+        map.insert(MARK_LENGTHS.to_string(), delta(&lengths));
+        return Value::Object(map);
+    }
+    Value::Array(items.iter().map(pack).collect())
+}
+
+fn marked(mark: &str, body: Value, len: usize) -> Value {
+    let mut map = Map::new();
+    map.insert(mark.to_string(), body);
+    map.insert(MARK_LEN.to_string(), Value::from(len as u64));
+    Value::Object(map)
+}
+
+/// The items as integers when every one is an integer that fits an `i64` (so every difference
+/// fits an `i128` and is written exactly).
+fn integers(items: &[Value]) -> Option<Vec<i64>> {
+    items.iter().map(|item| item.as_i64()).collect()
+}
+
+/// The keys, when every item is an object with the same keys (and at least one).
+fn same_keys(items: &[Value]) -> Option<Vec<&str>> {
+    let first = items.first()?.as_object()?;
+    if first.is_empty() {
+        return None;
+    }
+    let keys: Vec<&str> = first.keys().map(String::as_str).collect();
+    items[1..]
+        .iter()
+        .all(|item| {
+            item.as_object().is_some_and(|map| {
+                map.len() == keys.len() && keys.iter().all(|key| map.contains_key(*key))
+            })
+        })
+        .then_some(keys)
+}
+
+/// The tuples' length, when every item is a non-empty array of that many `i64` integers.
+fn tuple_width(items: &[Value]) -> Option<usize> {
+    let width = items.first()?.as_array()?.len();
+    (width > 0
+        && items.iter().all(|item| {
+            item.as_array().is_some_and(|tuple| {
+                tuple.len() == width && tuple.iter().all(|v| v.as_i64().is_some())
+            })
+        }))
+    .then_some(width)
+}
+
+fn delta(ints: &[i64]) -> Value {
+    let mut previous = 0i128;
+    let steps: Vec<Value> = ints
+        .iter()
+        .map(|&value| {
+            let step = i128::from(value) - previous;
+            previous = i128::from(value);
+            number(step)
+        })
+        .collect();
+    let mut map = Map::new();
+    map.insert(MARK_DELTA.to_string(), Value::Array(steps));
+    Value::Object(map)
+}
+
+/// An `i128` difference as JSON (within `i64` or `u64` since both ends fit an `i64`).
+fn number(value: i128) -> Value {
+    match i64::try_from(value) {
+        Ok(small) => Value::from(small),
+        // Differences of two i64 values lie in (-2^64, 2^64): above i64::MAX they fit a u64;
+        // below i64::MIN JSON has no exact number for them, so they travel as text.
+        Err(_) => {
+            u64::try_from(value).map_or_else(|_| Value::String(value.to_string()), Value::from)
+        }
+    }
+}
+
+fn undelta(steps: Vec<Value>) -> Result<Vec<i64>, String> {
+    let mut previous = 0i128;
+    steps
+        .into_iter()
+        .map(|step| {
+            let step = match &step {
+                Value::Number(n) => n
+                    .as_i64()
+                    .map(i128::from)
+                    .or_else(|| n.as_u64().map(i128::from)),
+                Value::String(text) => text.parse::<i128>().ok(),
+                _ => None,
+            }
+            .ok_or_else(|| format!("a difference {step} that is not an integer"))?;
+            previous += step;
+            i64::try_from(previous).map_err(|_| format!("an integer {previous} out of range"))
+        })
+        .collect()
+}
+
+fn unpack_object(mut map: Map<String, Value>) -> Result<Value, String> {
+    if map.len() == 1
+        && let Some(steps) = map.remove(MARK_DELTA)
+    {
+        let Value::Array(steps) = steps else {
+            return Err("differences that are not an array".to_string());
+        };
+        return Ok(Value::Array(
+            undelta(steps)?
+                .into_iter()
+                .map(|v| Value::Number(Number::from(v)))
+                .collect(),
+        ));
+    }
+    if map.len() == 2
+        && let (Some(flat), Some(lengths)) = (map.get(MARK_RAGGED), map.get(MARK_LENGTHS))
+    {
+        return ragged(flat.clone(), lengths.clone());
+    }
+    if map.len() == 2
+        && let Some(len) = map.get(MARK_LEN).and_then(Value::as_u64)
+    {
+        let len = len as usize;
+        if let Some(Value::Object(columns)) = map.remove(MARK_COLUMNS) {
+            return records(columns, len);
+        }
+        if let Some(Value::Array(columns)) = map.remove(MARK_TUPLES) {
+            return tuples(columns, len);
+        }
+    }
+    map.into_iter()
+        .map(|(key, value)| Ok((unescape(key), unpack(value)?)))
+        .collect::<Result<Map<_, _>, String>>()
+        .map(Value::Object)
+}
+
+fn column(values: Value, len: usize, what: &str) -> Result<Vec<Value>, String> {
+    match unpack(values)? {
+        Value::Array(column) if column.len() == len => Ok(column),
+        other => Err(format!(
+            "{what}: a column that is not {len} values: {other}"
+        )),
+    }
+}
+
+fn records(columns: Map<String, Value>, len: usize) -> Result<Value, String> {
+    let mut rows = vec![Map::new(); len];
+    for (key, values) in columns {
+        let key = unescape(key);
+        for (row, value) in rows.iter_mut().zip(column(values, len, &key)?) {
+            row.insert(key.clone(), value);
+        }
+    }
+    Ok(Value::Array(rows.into_iter().map(Value::Object).collect()))
+}
+
+fn tuples(columns: Vec<Value>, len: usize) -> Result<Value, String> {
+    let mut rows = vec![Vec::with_capacity(columns.len()); len];
+    for values in columns {
+        for (row, value) in rows.iter_mut().zip(column(values, len, "tuples")?) {
+            row.push(value);
+        }
+    }
+    Ok(Value::Array(rows.into_iter().map(Value::Array).collect()))
+}
+
+fn ragged(flat: Value, lengths: Value) -> Result<Value, String> {
+    let Value::Array(lengths) = unpack(lengths)? else {
+        return Err("ragged lengths that are not an array".to_string());
+    };
+    let lengths: Vec<usize> = lengths
+        .iter()
+        .map(|len| len.as_u64().map(|len| len as usize))
+        .collect::<Option<_>>()
+        .ok_or("ragged lengths that are not counts")?;
+    let total = lengths.iter().sum();
+    let mut flat = column(flat, total, "ragged arrays")?.into_iter();
+    Ok(Value::Array(
+        lengths
+            .into_iter()
+            .map(|len| Value::Array(flat.by_ref().take(len).collect()))
+            .collect(),
+    ))
+}
+
+fn escape(key: &str) -> String {
+    if key.starts_with(MARK) {
+        format!("{MARK}{key}")
+    } else {
+        key.to_string()
+    }
+}
+
+fn unescape(key: String) -> String {
+    match key.strip_prefix(MARK) {
+        Some(rest) => rest.to_string(),
+        None => key,
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn round_trip(value: Value) {
+        let packed = pack(&value);
+        let text = serde_json::to_string(&packed).unwrap();
+        let back = unpack(serde_json::from_str(&text).unwrap()).unwrap();
+        assert_eq!(back, value, "packed as {text}");
+    }
+
+    #[test]
+    fn every_shape_comes_back_exactly() {
+        round_trip(json!(null));
+        round_trip(json!([]));
+        round_trip(json!([1]));
+        round_trip(json!([1, 2, 3, 5, 8]));
+        round_trip(json!([i64::MAX, i64::MIN, 0, i64::MIN, i64::MAX]));
+        round_trip(json!([u64::MAX, 1, 2]));
+        round_trip(json!([1.5, 2.5]));
+        round_trip(json!([[1, 2], [3, 4], [5, 6]]));
+        round_trip(json!([[1, 2], [3], [5, 6]]));
+        round_trip(json!([[], []]));
+        round_trip(json!([[{"a": 1}], [], [{"a": 2}, {"a": 3}], ["x"]]));
+        round_trip(json!([[[1, 2]], [[3, 4], [5]]]));
+        round_trip(json!({"\u{1}r": [1], "\u{1}l": [1]}));
+        round_trip(json!([{}, {}]));
+        round_trip(json!([{"a": 1, "b": [1, 2]}, {"a": 2, "b": [3, 4]}]));
+        round_trip(json!([{"a": 1}, {"b": 2}]));
+        round_trip(json!([{"a": 1}, {"a": 2, "b": 2}]));
+        round_trip(json!([{"a": null}, {"a": {"x": [1, 2, 3]}}, {"a": 3}]));
+        round_trip(json!({"\u{1}d": [1, 2], "\u{1}n": 2, "\u{1}\u{1}c": "x"}));
+        round_trip(json!([{"\u{1}d": [1, 2]}, {"\u{1}d": [3]}]));
+        round_trip(json!([{"\u{1}c": {}, "\u{1}n": 0}, {"\u{1}c": {}, "\u{1}n": 1}]));
+        round_trip(
+            json!({"pieces": [{"id": 3, "region": {"offsets": [0, 64], "lengths": [16, 64]}},
+                                     {"id": 7, "region": {"offsets": [16, 64], "lengths": [16, 64]}}]}),
+        );
+    }
+
+    #[test]
+    fn a_regular_run_packs_to_repeated_steps() {
+        let rows: Vec<Value> = (0..100)
+            .map(|i| json!({"id": 4 * i + 1, "offsets": [16 * i, 64]}))
+            .collect();
+        let packed = serde_json::to_string(&pack(&Value::Array(rows))).unwrap();
+        assert!(packed.contains("[1,4,4,4"), "{packed}");
+        assert!(packed.contains("[0,16,16,16"), "{packed}");
+        assert!(packed.contains("[64,0,0,0"), "{packed}");
+    }
+
+    #[test]
+    fn what_is_not_a_packed_shape_is_refused_naming_it() {
+        let error = unpack(json!({"\u{1}d": [1, "x"]})).unwrap_err();
+        assert!(error.contains("not an integer"), "{error}");
+        let error = unpack(json!({"\u{1}c": {"a": [1, 2]}, "\u{1}n": 3})).unwrap_err();
+        assert!(error.contains("not 3 values"), "{error}");
+        let error = unpack(json!({"\u{1}r": [1, 2], "\u{1}l": {"\u{1}d": [1, 2]}})).unwrap_err();
+        assert!(error.contains("not 4 values"), "{error}");
+    }
+}
