@@ -34,16 +34,16 @@ pub struct Hello {
 }
 
 impl Hello {
-    /// JSON bytes.
+    /// As it travels ([`super::packed::to_wire`]: a rank's requests step through boxes evenly).
     pub fn encode(&self) -> Result<Bytes, OpsError> {
-        json(self, "this rank's hello")
+        super::packed::to_wire(self, "this rank's hello")
     }
 
     fn decode(rank: usize, bytes: &[u8]) -> Result<Hello, OpsError> {
-        serde_json::from_slice(bytes).map_err(|source| OpsError::Message {
-            what: format!("rank {rank}'s hello (requests, memory-tier offer, checkpoint)"),
-            source,
-        })
+        super::packed::from_wire(
+            bytes,
+            &format!("rank {rank}'s hello (requests, memory-tier offer, checkpoint)"),
+        )
     }
 }
 
@@ -68,58 +68,19 @@ pub enum Answer {
     },
 }
 
-/// The largest answer a rank takes, decompressed (a rank plan of a few million pieces).
-const MAX_ANSWER_BYTES: u64 = 4 << 30;
-
 impl Answer {
-    /// The answer as it travels: its JSON length (8 bytes, little-endian), then the JSON,
-    /// reshaped into columns of differences ([`super::packed`]: a rank plan's pieces step
-    /// through ids and offsets by the same amounts), zstd-compressed.
+    /// As it travels ([`super::packed::to_wire`]: a rank plan's pieces step through ids and
+    /// offsets by the same amounts).
     pub fn encode(&self) -> Result<Bytes, OpsError> {
-        let value = serde_json::to_value(self).map_err(|source| OpsError::Message {
-            what: "an answer to a rank".to_string(),
-            source,
-        })?;
-        let text = json(&super::packed::pack(&value), "an answer to a rank")?;
-        let packed = zstd::bulk::compress(&text, 3)
-            .map_err(|e| OpsError::invalid(format!("compressing an answer to a rank: {e}")))?;
-        let mut out = BytesMut::with_capacity(8 + packed.len());
-        out.put_u64_le(text.len() as u64);
-        out.extend_from_slice(&packed);
-        Ok(out.freeze())
+        super::packed::to_wire(self, "an answer to a rank")
     }
 
     /// Decodes the answer rank `rank` fetched ([`Answer::encode`]).
     pub fn decode(rank: u32, bytes: &[u8]) -> Result<Answer, OpsError> {
-        let what = || format!("rank {rank}'s answer from the job's coordinator (rank 0)");
-        let bad = |why: String| OpsError::invalid(format!("{}: {why}", what()));
-        let (mut head, packed) = bytes
-            .split_at_checked(8)
-            .ok_or_else(|| bad(format!("{} bytes, shorter than its header", bytes.len())))?;
-        let len = head.get_u64_le();
-        if len > MAX_ANSWER_BYTES {
-            return Err(bad(format!(
-                "it says it holds {len} bytes, more than {MAX_ANSWER_BYTES}"
-            )));
-        }
-        let text = zstd::bulk::decompress(packed, len as usize)
-            .map_err(|e| bad(format!("it does not decompress: {e}")))?;
-        if text.len() as u64 != len {
-            return Err(bad(format!(
-                "{} bytes decompressed where its header says {len}",
-                text.len()
-            )));
-        }
-        let packed: serde_json::Value =
-            serde_json::from_slice(&text).map_err(|source| OpsError::Message {
-                what: what(),
-                source,
-            })?;
-        let value = super::packed::unpack(packed).map_err(bad)?;
-        serde_json::from_value(value).map_err(|source| OpsError::Message {
-            what: what(),
-            source,
-        })
+        super::packed::from_wire(
+            bytes,
+            &format!("rank {rank}'s answer from the job's coordinator (rank 0)"),
+        )
     }
 }
 

@@ -10,11 +10,17 @@
 //! schema: it works on any JSON value. Marker keys start with U+0001; an object key that starts
 //! with it is escaped by one more.
 
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Map, Number, Value};
+
+use crate::OpsError;
 
 /// Marks `{MARK_DELTA: [first, d1, d2, ...]}`: an integer array as differences.
 const MARK_DELTA: &str = "\u{1}d";
-/// Marks `{MARK_COLUMNS: {key: column, ...}, MARK_LEN: n}`: n records with the same keys.
+/// Marks `{MARK_COLUMNS: {key: column, ...}, MARK_LEN: n}`: n records, a column per key (with
+/// `MARK_MASK: {key: [0 or 1 per record]}` for keys some records lack).
 const MARK_COLUMNS: &str = "\u{1}c";
 /// Marks `{MARK_TUPLES: [column, ...], MARK_LEN: n}`: n integer tuples of one length.
 const MARK_TUPLES: &str = "\u{1}t";
@@ -23,10 +29,60 @@ const MARK_TUPLES: &str = "\u{1}t";
 const MARK_RAGGED: &str = "\u{1}r";
 /// The lengths of a ragged record's arrays.
 const MARK_LENGTHS: &str = "\u{1}l";
+/// Which records have a column's key (columns some records lack).
+const MARK_MASK: &str = "\u{1}m";
 /// The row count of a columns or tuples record.
 const MARK_LEN: &str = "\u{1}n";
 /// The first character of every marker key.
 const MARK: char = '\u{1}';
+
+/// The largest message a rank takes, unpacked (a rank plan of a few million pieces).
+const MAX_MESSAGE_BYTES: u64 = 4 << 30;
+
+/// `value` as it travels between ranks: the length of its packed JSON (8 bytes, little-endian),
+/// then that JSON zstd-compressed. `what` names it in errors.
+pub fn to_wire<T: Serialize>(value: &T, what: &str) -> Result<Bytes, OpsError> {
+    let message = |source| OpsError::Message {
+        what: what.to_string(),
+        source,
+    };
+    let text = serde_json::to_vec(&pack(&serde_json::to_value(value).map_err(message)?))
+        .map_err(message)?;
+    let packed = zstd::bulk::compress(&text, 3)
+        .map_err(|e| OpsError::invalid(format!("compressing {what}: {e}")))?;
+    let mut out = BytesMut::with_capacity(8 + packed.len());
+    out.put_u64_le(text.len() as u64);
+    out.extend_from_slice(&packed);
+    Ok(out.freeze())
+}
+
+/// The value [`to_wire`] sent; an error names `what` (whose message it is) and what is wrong.
+pub fn from_wire<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, OpsError> {
+    let bad = |why: String| OpsError::invalid(format!("{what}: {why}"));
+    let (mut head, packed) = bytes
+        .split_at_checked(8)
+        .ok_or_else(|| bad(format!("{} bytes, shorter than its header", bytes.len())))?;
+    let len = head.get_u64_le();
+    if len > MAX_MESSAGE_BYTES {
+        return Err(bad(format!(
+            "it says it holds {len} bytes, more than {MAX_MESSAGE_BYTES}"
+        )));
+    }
+    let text = zstd::bulk::decompress(packed, len as usize)
+        .map_err(|e| bad(format!("it does not decompress: {e}")))?;
+    if text.len() as u64 != len {
+        return Err(bad(format!(
+            "{} bytes decompressed where its header says {len}",
+            text.len()
+        )));
+    }
+    let message = |source| OpsError::Message {
+        what: what.to_string(),
+        source,
+    };
+    let value = unpack(serde_json::from_slice(&text).map_err(message)?).map_err(bad)?;
+    serde_json::from_value(value).map_err(message)
+}
 
 /// `value` reshaped into columns and differences (see the module doc).
 pub fn pack(value: &Value) -> Value {
@@ -57,15 +113,8 @@ fn pack_array(items: &[Value]) -> Value {
     if let Some(ints) = integers(items) {
         return delta(&ints);
     }
-    if let Some(records) = same_keys(items) {
-        let columns: Map<String, Value> = records
-            .into_iter()
-            .map(|key| {
-                let column: Vec<Value> = items.iter().map(|item| item[key].clone()).collect();
-                (escape(key), pack_array(&column))
-            })
-            .collect();
-        return marked(MARK_COLUMNS, Value::Object(columns), items.len());
+    if let Some(keys) = record_keys(items) {
+        return pack_records(items, &keys);
     }
     if let Some(width) = tuple_width(items) {
         let columns: Vec<Value> = (0..width)
@@ -111,21 +160,47 @@ fn integers(items: &[Value]) -> Option<Vec<i64>> {
     items.iter().map(|item| item.as_i64()).collect()
 }
 
-/// The keys, when every item is an object with the same keys (and at least one).
-fn same_keys(items: &[Value]) -> Option<Vec<&str>> {
-    let first = items.first()?.as_object()?;
-    if first.is_empty() {
-        return None;
+/// Every key of the items, in order of first appearance, when every item is an object (and
+/// some has a key).
+fn record_keys(items: &[Value]) -> Option<Vec<&str>> {
+    let mut keys: Vec<&str> = Vec::new();
+    for item in items {
+        for key in item.as_object()?.keys() {
+            if !keys.contains(&key.as_str()) {
+                keys.push(key);
+            }
+        }
     }
-    let keys: Vec<&str> = first.keys().map(String::as_str).collect();
-    items[1..]
-        .iter()
-        .all(|item| {
-            item.as_object().is_some_and(|map| {
-                map.len() == keys.len() && keys.iter().all(|key| map.contains_key(*key))
-            })
-        })
-        .then_some(keys)
+    (!keys.is_empty()).then_some(keys)
+}
+
+/// Records as one column per key; a key some records lack has a column of the values present
+/// and a mask (1: present) under [`MARK_MASK`].
+fn pack_records(items: &[Value], keys: &[&str]) -> Value {
+    let mut columns = Map::new();
+    let mut masks = Map::new();
+    for &key in keys {
+        let present: Vec<i64> = items
+            .iter()
+            .map(|item| i64::from(item.get(key).is_some()))
+            .collect();
+        let column: Vec<Value> = items
+            .iter()
+            .filter_map(|item| item.get(key))
+            .cloned()
+            .collect();
+        if column.len() < items.len() {
+            masks.insert(escape(key), delta(&present));
+        }
+        columns.insert(escape(key), pack_array(&column));
+    }
+    let mut map = Map::new();
+    map.insert(MARK_COLUMNS.to_string(), Value::Object(columns));
+    map.insert(MARK_LEN.to_string(), Value::from(items.len() as u64));
+    if !masks.is_empty() {
+        map.insert(MARK_MASK.to_string(), Value::Object(masks));
+    }
+    Value::Object(map)
 }
 
 /// The tuples' length, when every item is a non-empty array of that many `i64` integers.
@@ -206,15 +281,23 @@ fn unpack_object(mut map: Map<String, Value>) -> Result<Value, String> {
     {
         return ragged(flat.clone(), lengths.clone());
     }
-    if map.len() == 2
-        && let Some(len) = map.get(MARK_LEN).and_then(Value::as_u64)
-    {
+    if let Some(len) = map.get(MARK_LEN).and_then(Value::as_u64) {
         let len = len as usize;
-        if let Some(Value::Object(columns)) = map.remove(MARK_COLUMNS) {
-            return records(columns, len);
+        if map.len() == 2
+            && let Some(Value::Array(columns)) = map.get(MARK_TUPLES)
+        {
+            return tuples(columns.clone(), len);
         }
-        if let Some(Value::Array(columns)) = map.remove(MARK_TUPLES) {
-            return tuples(columns, len);
+        let masked = map.contains_key(MARK_MASK);
+        if map.len() == 2 + usize::from(masked)
+            && let Some(Value::Object(columns)) = map.remove(MARK_COLUMNS)
+        {
+            let masks = match map.remove(MARK_MASK) {
+                Some(Value::Object(masks)) => masks,
+                None => Map::new(),
+                Some(other) => return Err(format!("record masks that are not an object: {other}")),
+            };
+            return records(columns, masks, len);
         }
     }
     map.into_iter()
@@ -232,13 +315,33 @@ fn column(values: Value, len: usize, what: &str) -> Result<Vec<Value>, String> {
     }
 }
 
-fn records(columns: Map<String, Value>, len: usize) -> Result<Value, String> {
+fn records(
+    columns: Map<String, Value>,
+    mut masks: Map<String, Value>,
+    len: usize,
+) -> Result<Value, String> {
     let mut rows = vec![Map::new(); len];
     for (key, values) in columns {
+        let present: Vec<bool> = match masks.remove(&key) {
+            Some(mask) => match unpack(mask)? {
+                Value::Array(mask) if mask.len() == len => {
+                    mask.iter().map(|bit| bit.as_u64() == Some(1)).collect()
+                }
+                other => return Err(format!("a mask that is not {len} values: {other}")),
+            },
+            None => vec![true; len],
+        };
         let key = unescape(key);
-        for (row, value) in rows.iter_mut().zip(column(values, len, &key)?) {
-            row.insert(key.clone(), value);
+        let count = present.iter().filter(|&&p| p).count();
+        let mut values = column(values, count, &key)?.into_iter();
+        for (row, _) in rows.iter_mut().zip(&present).filter(|(_, p)| **p) {
+            if let Some(value) = values.next() {
+                row.insert(key.clone(), value);
+            }
         }
+    }
+    if let Some(key) = masks.keys().next() {
+        return Err(format!("a mask for {key}, which has no column"));
     }
     Ok(Value::Array(rows.into_iter().map(Value::Object).collect()))
 }
@@ -318,6 +421,8 @@ mod tests {
         round_trip(json!([{}, {}]));
         round_trip(json!([{"a": 1, "b": [1, 2]}, {"a": 2, "b": [3, 4]}]));
         round_trip(json!([{"a": 1}, {"b": 2}]));
+        round_trip(json!([{"a": 1}, {}, {"a": 3, "b": [1]}, {"b": [2, 3]}]));
+        round_trip(json!([{"\u{1}m": 1}, {"\u{1}n": 2}]));
         round_trip(json!([{"a": 1}, {"a": 2, "b": 2}]));
         round_trip(json!([{"a": null}, {"a": {"x": [1, 2, 3]}}, {"a": 3}]));
         round_trip(json!({"\u{1}d": [1, 2], "\u{1}n": 2, "\u{1}\u{1}c": "x"}));
@@ -346,6 +451,14 @@ mod tests {
         assert!(error.contains("not an integer"), "{error}");
         let error = unpack(json!({"\u{1}c": {"a": [1, 2]}, "\u{1}n": 3})).unwrap_err();
         assert!(error.contains("not 3 values"), "{error}");
+        let error = unpack(
+            json!({"\u{1}c": {"a": [1, 2]}, "\u{1}n": 3, "\u{1}m": {"a": {"\u{1}d": [1, -1, 0]}}}),
+        )
+        .unwrap_err();
+        assert!(
+            error.contains("a: a column that is not 1 values"),
+            "{error}"
+        );
         let error = unpack(json!({"\u{1}r": [1, 2], "\u{1}l": {"\u{1}d": [1, 2]}})).unwrap_err();
         assert!(error.contains("not 4 values"), "{error}");
     }
