@@ -394,6 +394,7 @@ fn unescape(key: String) -> String {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
     use serde_json::json;
 
     fn round_trip(value: Value) {
@@ -432,6 +433,51 @@ mod tests {
             json!({"pieces": [{"id": 3, "region": {"offsets": [0, 64], "lengths": [16, 64]}},
                                      {"id": 7, "region": {"offsets": [16, 64], "lengths": [16, 64]}}]}),
         );
+    }
+
+    /// Any JSON value: scalars (integers at the i64/u64 edges, floats, marker-like strings) in
+    /// arrays and objects (keys that look like markers included), nested a few levels.
+    fn any_value() -> impl Strategy<Value = Value> {
+        let key = prop_oneof![
+            Just("a".to_string()),
+            Just("b".to_string()),
+            Just("\u{1}d".to_string()),
+            Just("\u{1}c".to_string()),
+            Just("\u{1}n".to_string()),
+            Just("\u{1}m".to_string()),
+            Just("\u{1}r".to_string()),
+            Just("\u{1}l".to_string()),
+            Just("\u{1}t".to_string()),
+        ];
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            (0i64..8).prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            prop_oneof![Just(i64::MIN), Just(i64::MAX)].prop_map(Value::from),
+            // Quarters: JSON text carries them exactly (serde_json parses others to the nearest).
+            (-4_000_000i64..4_000_000).prop_map(|q| Value::from(q as f64 / 4.0)),
+            "[a-z\u{1}]{0,3}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(4, 64, 6, move |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                prop::collection::vec((key.clone(), inner), 0..4)
+                    .prop_map(|entries| Value::Object(entries.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+        #[test]
+        fn any_value_packs_and_unpacks_to_itself(value in any_value()) {
+            let packed = pack(&value);
+            let text = serde_json::to_string(&packed).unwrap();
+            let back = unpack(serde_json::from_str(&text).unwrap()).unwrap();
+            prop_assert_eq!(back, value, "packed as {}", text);
+        }
     }
 
     #[test]
