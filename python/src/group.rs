@@ -48,10 +48,9 @@ use tessera_ops::job::{
 use tessera_ops::memory_tier::TierLoad;
 
 use crate::checkpoint::OpenedCheckpoint;
-use crate::load::{
-    TargetTuple, Wanted, fqn_of, load_options, parse_read_order, resolve_target, single_device,
-};
+use crate::load::{Wanted, fqn_of, load_options, parse_read_order, resolve_target, single_device};
 use crate::memory::{HostMemory, PyOwnedBytes, first_overlap};
+use crate::records::LoadTarget;
 use crate::{Cancel, block_on_cancellable, py_error};
 
 /// One rank's load over a process group (see the module docs).
@@ -650,7 +649,7 @@ impl GroupExchange {
 pub fn group_load(
     py: Python<'_>,
     checkpoint: PyRef<'_, OpenedCheckpoint>,
-    targets: Vec<TargetTuple>,
+    targets: Vec<LoadTarget>,
     rank: u32,
     world: u32,
     verify: bool,
@@ -667,7 +666,7 @@ pub fn group_load(
 
 fn prepare(
     opened: &OpenedCheckpoint,
-    targets: Vec<TargetTuple>,
+    targets: Vec<LoadTarget>,
     rank: u32,
     world: u32,
     verify: bool,

@@ -1,8 +1,9 @@
 //! The native module (`tessera._tessera`) of the tessera Python package: loading a checkpoint
 //! (native, PyTorch DCP, safetensors; local or object store) into memory a running job already
 //! owns, planning, inspecting and saving. The Python layer (`python/tessera/__init__.py`) turns
-//! state dicts (NumPy arrays, torch tensors, DTensors) into the flat descriptions these functions
-//! take; everything that touches storage, plans or other ranks is the Rust loader's.
+//! state dicts (NumPy arrays, torch tensors, DTensors) into the typed records these functions
+//! take (`records`: an entry to load into, a box a save holds; `LoadRequest`, `SaveRequest`);
+//! everything that touches storage, plans or other ranks is the Rust loader's.
 //!
 //! Every function releases the GIL while it works and runs on one process-wide tokio runtime.
 //! Errors are `tessera.TesseraError` with the loader's message (it names the file, tensor, rank or
@@ -12,6 +13,7 @@ mod checkpoint;
 mod group;
 mod load;
 mod memory;
+mod records;
 mod save;
 
 use std::future::Future;
@@ -166,9 +168,11 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(group::group_load, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_dtype, m)?)?;
     m.add_function(wrap_pyfunction!(load::plan, m)?)?;
+    m.add_class::<records::LoadTarget>()?;
     m.add_class::<load::LoadRequest>()?;
     m.add_function(wrap_pyfunction!(load::load_into, m)?)?;
     m.add_function(wrap_pyfunction!(load::rendezvous_endpoint, m)?)?;
+    m.add_class::<records::HeldBox>()?;
     m.add_class::<save::SaveRequest>()?;
     m.add_function(wrap_pyfunction!(save::save, m)?)?;
     Ok(())

@@ -32,23 +32,8 @@ use crate::memory::{HostMemory, first_overlap};
 use tessera_ops::coord;
 
 use crate::checkpoint::OpenedCheckpoint;
+use crate::records::LoadTarget;
 use crate::{block_on, py_error, runtime, storage_options};
-
-/// One entry of a state dict as the Python layer describes it:
-/// `(fqn, dtype, shape, offsets, flat_start, address, nbytes, cuda_device)`. `offsets` is the
-/// box's start for a part of the tensor (`None`: the whole tensor); `flat_start` makes it the flat
-/// range `[flat_start, flat_start + numel)` instead; `cuda_device` is the ordinal of the CUDA
-/// device the memory is on (`None`: host memory).
-pub(crate) type TargetTuple = (
-    String,
-    String,
-    Vec<u64>,
-    Option<Vec<u64>>,
-    Option<u64>,
-    usize,
-    usize,
-    Option<u32>,
-);
 
 /// A state-dict entry, checked against the checkpoint.
 #[derive(Debug)]
@@ -66,9 +51,18 @@ fn shape_text(shape: &[u64]) -> String {
 pub(crate) fn resolve_target(
     tensors: &HashMap<&str, &TensorMeta>,
     location: &str,
-    target: TargetTuple,
+    target: LoadTarget,
 ) -> Result<Wanted> {
-    let (fqn, dtype, shape, offsets, flat_start, address, nbytes, _device) = target;
+    let LoadTarget {
+        fqn,
+        dtype,
+        shape,
+        offsets,
+        flat_start,
+        address,
+        nbytes,
+        cuda_device: _,
+    } = target;
     let Some(meta) = tensors.get(fqn.as_str()) else {
         bail!(
             "tensor {fqn:?} is not in checkpoint {location} ({} tensors; `tessera.inspect` lists them)",
@@ -287,7 +281,7 @@ pub(crate) fn load_options(verify: bool, progress: Option<Py<PyAny>>, total: u64
 struct LoadJob {
     location: String,
     checkpoint: Arc<Checkpoint>,
-    targets: Vec<TargetTuple>,
+    targets: Vec<LoadTarget>,
     rank: u32,
     world: u32,
     rendezvous: Rendezvous,
@@ -423,8 +417,8 @@ enum Memory {
 }
 
 /// The one device every target is on (`None`: host memory); a mix is refused.
-pub(crate) fn single_device(targets: &[TargetTuple]) -> Result<Option<u32>> {
-    let mut devices = targets.iter().map(|t| (t.7, t.0.as_str()));
+pub(crate) fn single_device(targets: &[LoadTarget]) -> Result<Option<u32>> {
+    let mut devices = targets.iter().map(|t| (t.cuda_device, t.fqn.as_str()));
     let Some((first, first_fqn)) = devices.next() else {
         return Ok(None);
     };
@@ -598,7 +592,7 @@ impl LoadRequest {
 pub fn load_into(
     py: Python<'_>,
     checkpoint: PyRef<'_, OpenedCheckpoint>,
-    targets: Vec<TargetTuple>,
+    targets: Vec<LoadTarget>,
     request: LoadRequest,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<String> {

@@ -12,7 +12,7 @@ use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, TransportOptions};
 use tessera_ops::coord;
 use tessera_ops::memory_tier::MemoryTier;
-use tessera_ops::save::{HeldBox, Holdings, SaveOptions, save_rank};
+use tessera_ops::save::{Holdings, SaveOptions, save_rank};
 
 #[cfg(feature = "fault-injection")]
 use std::sync::{Arc, Mutex};
@@ -28,16 +28,13 @@ pub const TEST_FAULTS_ENV: &str = "TESSERA_TEST_FAULTS";
 use tessera_storage::StorageOptions;
 
 use crate::memory::HostMemory;
+use crate::records::HeldBox;
 use crate::{block_on, storage_options};
-
-/// One held box as the Python layer describes it:
-/// `(fqn, dtype, global_shape, offsets, lengths, address, nbytes)`.
-type BoxTuple = (String, String, Vec<u64>, Vec<u64>, Vec<u64>, usize, usize);
 
 /// Everything one `save` call needs, owned.
 struct SaveJob {
     path: String,
-    boxes: Vec<BoxTuple>,
+    boxes: Vec<HeldBox>,
     objects: Vec<(String, Vec<u8>)>,
     rank: u32,
     world: u32,
@@ -55,17 +52,26 @@ async fn run_save(job: SaveJob) -> Result<String> {
         objects: job.objects.iter().map(|(k, _)| k.clone()).collect(),
     };
     let mut memory = Vec::with_capacity(job.boxes.len());
-    for (fqn, dtype, shape, offsets, lengths, address, nbytes) in job.boxes {
+    for HeldBox {
+        fqn,
+        dtype,
+        global_shape,
+        offsets,
+        lengths,
+        address,
+        nbytes,
+    } in job.boxes
+    {
         // SAFETY: the Python layer passes the data address and byte length of a C-contiguous
         // array it keeps referenced until this call returns; it is only read.
         #[allow(unsafe_code)]
         let m = unsafe { HostMemory::new(address, nbytes) }
             .ok_or_else(|| anyhow!("tensor {fqn}: null data address"))?;
         memory.push(m);
-        held.boxes.push(HeldBox {
+        held.boxes.push(tessera_ops::save::HeldBox {
             fqn,
             dtype,
-            shape,
+            shape: global_shape,
             offsets,
             lengths,
         });
@@ -268,7 +274,7 @@ impl SaveRequest {
 pub fn save(
     py: Python<'_>,
     path: String,
-    boxes: Vec<BoxTuple>,
+    boxes: Vec<HeldBox>,
     objects: Vec<(String, Vec<u8>)>,
     request: SaveRequest,
 ) -> PyResult<String> {

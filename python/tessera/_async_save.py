@@ -532,7 +532,10 @@ def _run(
     for e in entries:
         region = pool._array[e.pool_offset : e.pool_offset + e.nbytes]
         address = int(region.__array_interface__["data"][0])
-        boxes.append((e.fqn, e.dtype, e.shape, e.offsets, e.lengths, address, e.nbytes))
+        boxes.append(_tessera.HeldBox(
+            fqn=e.fqn, dtype=e.dtype, global_shape=e.shape, offsets=e.offsets, lengths=e.lengths,
+            address=address, nbytes=e.nbytes,
+        ))
         e.source = None
     handle._snapshot_done.set()
     persist_started = time.monotonic()

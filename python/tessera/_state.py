@@ -7,6 +7,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
+from . import _tessera
+
 
 @dataclass(frozen=True)
 class Box:
@@ -318,12 +320,15 @@ def entry_array(fqn: str, value: Any) -> Tuple[Any, Optional[List[int]], Optiona
     return value, None, None
 
 
-def load_target(fqn: str, array: Any, offsets: Optional[List[int]], flat_start: Optional[int]) -> tuple:
-    """The native module's target tuple for one array."""
+def load_target(fqn: str, array: Any, offsets: Optional[List[int]], flat_start: Optional[int]) -> Any:
+    """The native module's typed record (``LoadTarget``) of the entry ``fqn`` loaded into ``array``."""
     dtype, shape, address, nbytes, device = memory(fqn, array, writable=True)
     if flat_start is not None:
         shape = [int(nbytes // max(1, itemsize(array)))]
-    return (fqn, dtype, shape, offsets, flat_start, address, nbytes, device)
+    return _tessera.LoadTarget(
+        fqn=fqn, dtype=dtype, shape=shape, offsets=offsets, flat_start=flat_start, address=address,
+        nbytes=nbytes, cuda_device=device,
+    )
 
 
 Rename = Union[None, Mapping[str, str], Callable[[str], str]]

@@ -351,17 +351,16 @@ class _Region:
     dest: torch.Tensor
     into: torch.Tensor
 
-    def target(self) -> tuple:
-        """The native module's target tuple (see ``tessera._load_target``)."""
-        return (
-            self.fqn,
-            str(self.into.dtype).replace("torch.", ""),
-            self.lengths,
-            self.offsets,
-            None,
-            int(self.into.data_ptr()),
-            int(self.into.numel() * self.into.element_size()),
-            None,
+    def target(self) -> _tessera.LoadTarget:
+        """The native module's typed record of this region (see ``tessera._state.load_target``):
+        host memory, always (``_stage_where_needed`` stages the rest)."""
+        return _tessera.LoadTarget(
+            fqn=self.fqn,
+            dtype=str(self.into.dtype).replace("torch.", ""),
+            shape=self.lengths,
+            offsets=self.offsets,
+            address=int(self.into.data_ptr()),
+            nbytes=int(self.into.numel() * self.into.element_size()),
         )
 
 # URL schemes tessera-storage opens (storage/src): everything else is a local path.

@@ -124,7 +124,12 @@ def test_torchrun_environment_is_the_default(monkeypatch):
 
 
 def _target(fqn, array, device):
-    return (fqn, str(array.dtype), list(array.shape), None, None, array.ctypes.data, array.nbytes, device)
+    from tessera import _tessera
+
+    return _tessera.LoadTarget(
+        fqn=fqn, dtype=str(array.dtype), shape=list(array.shape), address=array.ctypes.data, nbytes=array.nbytes,
+        cuda_device=device,
+    )
 
 
 def test_cuda_destinations_need_the_cuda_build_or_a_driver():
