@@ -13,11 +13,9 @@ use object_store::path::Path;
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_ops::OpsError;
 use tessera_ops::job::memory_board::run_rounds;
-use tessera_ops::job::{
-    Answer, Hello, JobCoordinator, JobWork, PairReport, PlannedRank, Taken, Verdict, planned_rank,
-};
+use tessera_ops::job::{Hello, JobCoordinator, JobWork, PairReport, RankWork, Taken, Verdict};
 use tessera_ops::load::agreement::{JobTerms, checkpoint_key, job_plan_terms};
-use tessera_ops::memory_tier::TierOffer;
+use tessera_ops::memory_tier::{TierLoad, TierOffer};
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
 use tessera_planner::{ExplicitRequests, PlanOptions};
 use tessera_storage::Location;
@@ -116,42 +114,55 @@ impl Job {
     }
 
     fn ranks(&self, world: u32) -> Vec<Rank<'_>> {
-        (0..world)
-            .map(|rank| Rank {
-                rank,
-                job: self,
-                coordinator: (rank == 0).then(|| {
-                    JobCoordinator::new(
+        self.hellos(world)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, hello)| {
+                let rank = rank as u32;
+                let mut work = RankWork::new(
+                    rank,
+                    world,
+                    Arc::clone(&self.checkpoint),
+                    hello.requests,
+                    TierLoad::default(),
+                    false,
+                );
+                if rank == 0 {
+                    work.coordinate_with(JobCoordinator::new(
                         Arc::clone(&self.checkpoint),
                         self.name.clone(),
                         PlanOptions::default(),
                         None,
                         true,
-                    )
-                }),
-                answer_bytes: 0,
-                planned: None,
-                tamper: false,
+                    ));
+                }
+                Rank {
+                    rank,
+                    job: self,
+                    work,
+                    answer_bytes: 0,
+                    tamper: false,
+                }
             })
             .collect()
     }
 }
 
-/// One rank's local work: the real coordinator on rank 0, the real plan intake everywhere.
+/// One rank's local work: every front end's (`RankWork`: the real coordinator on rank 0, the
+/// real plan intake, checked against the rank's own requests, everywhere), which a rank may lie
+/// around.
 struct Rank<'a> {
     rank: u32,
     job: &'a Job,
-    coordinator: Option<JobCoordinator>,
+    work: RankWork,
     answer_bytes: u64,
-    planned: Option<PlannedRank>,
     /// Reports a digest for its first peer that its plan does not hold.
     tamper: bool,
 }
 
 impl JobWork for Rank<'_> {
     fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
-        let coordinator = self.coordinator.as_mut().unwrap();
-        self.job.runtime.block_on(coordinator.coordinate(&hellos))
+        self.job.runtime.block_on(self.work.coordinate(hellos))
     }
 
     fn settle(&mut self, _verified: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
@@ -160,26 +171,19 @@ impl JobWork for Rank<'_> {
 
     fn take(&mut self, answer: Bytes) -> Result<Taken, OpsError> {
         self.answer_bytes = answer.len() as u64;
-        match Answer::decode(self.rank, &answer)? {
-            Answer::Refused(refusal) => Err(refusal.error(self.rank)),
-            Answer::VerifyTier(_) => unreachable!("no memory tier here"),
-            Answer::Plan {
-                plan,
-                joint_at_coordinator,
-                ..
-            } => {
-                let mut planned = planned_rank(&plan, joint_at_coordinator);
-                if self.tamper {
-                    let mut report = PairReport::of(&plan);
-                    let peer = (self.rank + 1) % plan.world;
-                    report.pairs.retain(|&(p, _)| p != peer);
-                    report.pairs.push((peer, 0xbad));
-                    report.pairs.sort_unstable();
-                    planned.pairs = report.encode();
-                }
-                self.planned = Some(planned.clone());
+        let taken = self.work.take(answer)?;
+        match (taken, self.tamper) {
+            (Taken::Planned(mut planned), true) => {
+                let plan = self.work.plan().unwrap();
+                let mut report = PairReport::of(plan);
+                let peer = (self.rank + 1) % plan.world;
+                report.pairs.retain(|&(p, _)| p != peer);
+                report.pairs.push((peer, 0xbad));
+                report.pairs.sort_unstable();
+                planned.pairs = report.encode();
                 Ok(Taken::Planned(planned))
             }
+            (taken, _) => Ok(taken),
         }
     }
 
@@ -188,11 +192,11 @@ impl JobWork for Rank<'_> {
     }
 
     fn agree(&mut self, reports: Vec<Bytes>) -> Result<Bytes, OpsError> {
-        Verdict::of_reports(&reports)?.encode()
+        self.work.agree(&reports)
     }
 
     fn accept(&mut self, verdict: Bytes) -> Result<(), OpsError> {
-        Verdict::accept(self.rank, &verdict)
+        self.work.accept(&verdict)
     }
 
     fn check_joint(&mut self, _folds: Vec<(u32, Bytes)>) -> Result<(), OpsError> {
@@ -200,10 +204,7 @@ impl JobWork for Rank<'_> {
     }
 
     fn check_joint_all(&mut self, folds: Vec<Option<Bytes>>) -> Result<(), OpsError> {
-        self.coordinator
-            .as_ref()
-            .unwrap()
-            .check_joint(&folds, false)
+        self.work.check_joint_all(&folds)
     }
 }
 

@@ -42,9 +42,11 @@
 mod coordinator;
 mod machine;
 pub mod memory_board;
+mod rank_work;
 
 pub use coordinator::{Answer, Hello, JobCoordinator, PairReport, Verdict, planned_rank};
 pub use machine::RankRounds;
+pub use rank_work::{AsyncJobWork, RankWork};
 
 use bytes::Bytes;
 
