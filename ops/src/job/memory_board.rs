@@ -49,6 +49,9 @@ impl std::fmt::Display for JobFailure {
     }
 }
 
+// The failing rank's error is in the text already: no source, so that a chain does not say it twice.
+impl std::error::Error for JobFailure {}
+
 /// A rank's turn: its rounds, the actions it has yet to move, and what it waits on.
 struct Turn {
     rounds: RankRounds,

@@ -43,6 +43,7 @@ mod coordinator;
 mod machine;
 pub mod memory_board;
 mod rank_work;
+pub mod transport_board;
 
 pub use coordinator::{Answer, Hello, JobCoordinator, PairReport, Verdict, planned_rank};
 pub use machine::RankRounds;
