@@ -17,18 +17,20 @@ use futures::future::BoxFuture;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
 use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::load::LoadOptions;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
 use tessera_ops::OpsError;
+use tessera_ops::job::host::{HostLoad, load_host};
 use tessera_ops::job::memory_board::{JobFailure, run_rounds};
-use tessera_ops::job::transport_board::run_job;
+use tessera_ops::job::transport_board::{ReadPieces, run_job};
 use tessera_ops::job::{
     AsyncJobWork, Hello, JobCoordinator, JobWork, PairReport, RankWork, Round, Taken, Verdict,
 };
 use tessera_ops::load::agreement::{JobTerms, checkpoint_key, job_plan_terms};
 use tessera_ops::memory_tier::{TierLoad, TierOffer};
 use tessera_planner::presets::{MegatronGpt, megatron_gpt};
-use tessera_planner::{ExplicitRequests, PlanOptions, RankPlan};
+use tessera_planner::{ExplicitRequests, PlanOptions, RankPlan, Target};
 use tessera_storage::Location;
 use tessera_synth::{Model, SynthOptions, synthesize};
 
@@ -41,6 +43,11 @@ struct Job {
 }
 
 fn saved() -> Job {
+    saved_with(true)
+}
+
+/// A tp2 dp2 checkpoint of GptTiny; with its data unless `metadata_only`.
+fn saved_with(metadata_only: bool) -> Job {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -71,7 +78,7 @@ fn saved() -> Job {
             &SynthOptions {
                 model: Model::GptTiny,
                 optimizer: true,
-                metadata_only: true,
+                metadata_only,
                 dist_optimizer: None,
                 step: Some(1),
                 progress: None,
@@ -360,6 +367,28 @@ enum Plays {
     Dies,
 }
 
+/// A rank's read as `plays` says, counted in `reads`.
+struct Reader {
+    plays: Plays,
+    reads: Arc<AtomicUsize>,
+}
+
+impl ReadPieces<Over> for Reader {
+    fn read<'a>(&'a mut self, over: &'a mut Over) -> BoxFuture<'a, Result<Bytes, OpsError>> {
+        Box::pin(async move {
+            self.reads.fetch_add(1, Ordering::SeqCst);
+            match self.plays {
+                Plays::ReadFails => Err(OpsError::invalid(format!(
+                    "rank {}: storage refused shard-7",
+                    over.work.rank()
+                ))),
+                Plays::ReadsForever => futures::future::pending().await,
+                _ => Ok(over.work.read_done(Vec::new())),
+            }
+        })
+    }
+}
+
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 fn free_port() -> u16 {
@@ -411,26 +440,9 @@ async fn run_over<T: Transport + 'static>(
                 drop(transport);
                 return None;
             }
-            let outcome = run_job(
-                Arc::new(transport),
-                TIMEOUT,
-                &mut over,
-                hello,
-                move |over: &mut Over| -> BoxFuture<'_, Result<Bytes, OpsError>> {
-                    Box::pin(async move {
-                        reads.fetch_add(1, Ordering::SeqCst);
-                        match plays {
-                            Plays::ReadFails => Err(OpsError::invalid(format!(
-                                "rank {}: storage refused shard-7",
-                                over.work.rank()
-                            ))),
-                            Plays::ReadsForever => futures::future::pending().await,
-                            _ => Ok(over.work.read_done(Vec::new())),
-                        }
-                    })
-                },
-            )
-            .await;
+            let mut reader = Reader { plays, reads };
+            let outcome =
+                run_job(Arc::new(transport), TIMEOUT, &mut over, hello, &mut reader).await;
             Some(outcome.map(|()| Arc::clone(over.work.plan().unwrap())))
         }));
     }
@@ -601,4 +613,101 @@ fn over_a_transport_ranks_that_opened_other_checkpoints_each_raise_the_refusal()
             }
         },
     );
+}
+
+/// Every rank's whole load over the transport (`job::host::load_host`): the rounds, the read,
+/// the joint checks, the exchange; then every loaded byte is the synthetic value it should be.
+#[test]
+fn over_a_transport_every_rank_loads_its_bytes() {
+    let job = saved_with(false);
+    let world = 4;
+    let hellos = job.hellos(world);
+    let load = |transports: Vec<Box<dyn FnOnce() -> BoxedLoad + Send>>| {
+        job.runtime.block_on(async {
+            let tasks: Vec<_> = transports.into_iter().map(|t| tokio::spawn(t())).collect();
+            let mut loads = Vec::new();
+            for task in tasks {
+                loads.push(task.await.unwrap());
+            }
+            loads
+        })
+    };
+    let inproc = InProcTransport::mesh(world, TransportOptions::with_timeout(TIMEOUT))
+        .into_iter()
+        .map(|t| host_rank(&job, t, &hellos))
+        .collect();
+    let tcp = job
+        .runtime
+        .block_on(tcp_mesh(world))
+        .into_iter()
+        .map(|t| host_rank(&job, t, &hellos))
+        .collect();
+    for (how, loads) in [("in-process", load(inproc)), ("tcp", load(tcp))] {
+        let mut received = 0;
+        for (r, loaded) in loads.into_iter().enumerate() {
+            let loaded = loaded.unwrap_or_else(|e| panic!("{how} rank {r}: {e}"));
+            assert_eq!(loaded.plan.rank, r as u32, "{how}");
+            assert_eq!(loaded.buffers.len(), hellos[r].requests.len(), "{how}");
+            for (dest, buffer) in loaded.plan.destinations.iter().zip(&loaded.buffers) {
+                let tensor = &loaded.plan.tensors[dest.tensor as usize];
+                match &dest.target {
+                    Target::Box(region) => tessera_synth::check_box(tensor, region, buffer),
+                    Target::Flat { start, end } => {
+                        tessera_synth::check_flat(tensor, *start, *end, buffer)
+                    }
+                }
+                .unwrap_or_else(|e| panic!("{how} rank {r} {}: {e}", tensor.fqn));
+            }
+            assert_eq!(loaded.report.bytes_needed, loaded.plan.summary.bytes_needed);
+            received += loaded.report.bytes_received;
+            let summary = loaded.work.job_summary().unwrap();
+            assert_eq!(summary.ranks, world, "{how}");
+        }
+        // DP replicas read each piece once and pass it on: the exchange moved bytes.
+        assert!(received > 0, "{how}: nothing was exchanged");
+    }
+}
+
+type BoxedLoad =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<HostLoad, OpsError>> + Send>>;
+
+/// Rank `transport.rank()`'s whole load, ready to spawn.
+fn host_rank<T: Transport + 'static>(
+    job: &Job,
+    transport: T,
+    hellos: &[Hello],
+) -> Box<dyn FnOnce() -> BoxedLoad + Send> {
+    let rank = transport.rank();
+    let hello = &hellos[rank as usize];
+    let mut work = RankWork::new(
+        rank,
+        transport.world(),
+        Arc::clone(&job.checkpoint),
+        hello.requests.clone(),
+        TierLoad::default(),
+        true,
+    );
+    if rank == 0 {
+        work.coordinate_with(JobCoordinator::new(
+            Arc::clone(&job.checkpoint),
+            job.name.clone(),
+            PlanOptions::default(),
+            None,
+            true,
+        ));
+    }
+    let hello = hello.encode().unwrap();
+    Box::new(move || {
+        Box::pin(async move {
+            load_host(
+                Arc::new(transport),
+                TIMEOUT,
+                work,
+                hello,
+                &LoadOptions::default(),
+                None,
+            )
+            .await
+        })
+    })
 }

@@ -40,6 +40,7 @@
 //! each arrival is one counter and a poll of one key.
 
 mod coordinator;
+pub mod host;
 mod machine;
 pub mod memory_board;
 mod rank_work;
@@ -47,6 +48,7 @@ pub mod transport_board;
 
 pub use coordinator::{Answer, Hello, JobCoordinator, PairReport, Verdict, planned_rank};
 pub use machine::RankRounds;
+pub use memory_board::JobFailure;
 pub use rank_work::{AsyncJobWork, RankWork};
 
 use bytes::Bytes;

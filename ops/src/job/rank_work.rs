@@ -11,7 +11,7 @@ use bytes::Bytes;
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::tier::{TierCopies, Verified};
 use tessera_loader::verify::joint::{self, JointFold};
-use tessera_planner::{ExplicitRequest, ExplicitRequests, RankPlan};
+use tessera_planner::{ExplicitRequest, ExplicitRequests, PlanSummary, RankPlan};
 
 use super::machine::Next;
 use super::{Answer, Event, JobCoordinator, RankRounds, Taken, Verdict, Work, planned_rank};
@@ -31,6 +31,8 @@ pub struct RankWork {
     tier_copies: TierCopies,
     coordinator: Option<JobCoordinator>,
     plan: Option<Arc<RankPlan>>,
+    /// The whole job's plan in numbers, as the coordinator sent it with this rank's plan.
+    summary: Option<PlanSummary>,
     /// This rank's folds of the boxes it read in parts, and whether its read verified (folded).
     folds: Option<(bool, Vec<JointFold>)>,
     joint_checked: bool,
@@ -58,6 +60,7 @@ impl RankWork {
             tier_copies: TierCopies::default(),
             coordinator: None,
             plan: None,
+            summary: None,
             folds: None,
             joint_checked: false,
         }
@@ -102,6 +105,11 @@ impl RankWork {
     /// This rank's plan as the coordinator made it, once taken.
     pub fn plan(&self) -> Option<&Arc<RankPlan>> {
         self.plan.as_ref()
+    }
+
+    /// The whole job's plan in numbers, once this rank's plan is taken.
+    pub fn job_summary(&self) -> Option<&PlanSummary> {
+        self.summary.as_ref()
     }
 
     /// Whether the boxes this rank read or received in parts were checked (here or at the
@@ -150,6 +158,7 @@ impl RankWork {
                 plan,
                 node_verified,
                 joint_at_coordinator,
+                summary,
             } => {
                 if !node_verified.is_empty() {
                     let theirs: Vec<&Verified> = node_verified.iter().collect();
@@ -160,6 +169,7 @@ impl RankWork {
                 self.check_plan(&plan)?;
                 let planned = planned_rank(&plan, joint_at_coordinator);
                 self.plan = Some(Arc::new(*plan));
+                self.summary = summary;
                 Ok(Taken::Planned(planned))
             }
         }

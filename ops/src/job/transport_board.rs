@@ -47,22 +47,43 @@ const ROUNDS: [Round; 6] = [
     Round::JointChecks,
 ];
 
-/// A rank's failure as the board passes it on: the rank, its round and its error as text.
+/// A rank's failure as the board passes it on: the rank, its round and its error as text, or
+/// (`died`) what rank 0's transport said of its connection's end.
 #[derive(Clone, Debug)]
 struct Failure {
     rank: u32,
     round: Round,
     message: String,
+    died: bool,
 }
 
-impl From<Failure> for JobFailure {
-    fn from(f: Failure) -> Self {
+impl Failure {
+    /// The failure as rank `me` raises it: a rank that died as its own transport would name it
+    /// (`rank {me}: transport to rank {dead} failed: ...`), another rank's error as it said it.
+    fn on(self, me: u32) -> JobFailure {
+        let error = if self.died {
+            OpsError::from(LoaderError::Transport {
+                rank: me,
+                peer: self.rank,
+                detail: self.message,
+            })
+        } else {
+            OpsError::invalid(self.message)
+        };
         JobFailure {
-            rank: f.rank,
-            round: f.round,
-            error: Box::new(OpsError::invalid(f.message)),
+            rank: self.rank,
+            round: self.round,
+            error: Box::new(error),
         }
     }
+}
+
+/// How a rank reads its pieces when the rounds say so ([`Action::Read`]): its folds of the boxes
+/// it read in parts, encoded. The reader keeps what the read leaves (buffers, stats) for the
+/// front end; `work` is the rank's own.
+pub trait ReadPieces<W>: Send {
+    /// Reads this rank's pieces.
+    fn read<'a>(&'a mut self, work: &'a mut W) -> BoxFuture<'a, Result<Bytes, OpsError>>;
 }
 
 /// What a peer sends rank 0.
@@ -245,6 +266,7 @@ impl Reply {
                 out.put_u8(2);
                 out.put_u32_le(f.rank);
                 put_round(&mut out, f.round);
+                out.put_u8(u8::from(f.died));
                 out.extend_from_slice(f.message.as_bytes());
             }
         }
@@ -274,11 +296,13 @@ impl Reply {
             2 => {
                 let rank = r.u32()?;
                 let round = r.round()?;
+                let died = r.u8()? != 0;
                 let message = String::from_utf8_lossy(&r.0.split_off(0)).into_owned();
                 Reply::Failed(Failure {
                     rank,
                     round,
                     message,
+                    died,
                 })
             }
             other => return Err(format!("unknown reply {other}")),
@@ -400,6 +424,7 @@ impl Board {
                 Failure {
                     rank: missing.first().copied().unwrap_or(0),
                     round,
+                    died: false,
                     message: format!(
                         "rank 0 waited {timeout:?} for ranks {} to arrive at round {} ({}); they may have died or hang",
                         tessera_loader::exchange::agree::ranks_text(&missing),
@@ -419,6 +444,7 @@ impl Board {
             |_| Failure {
                 rank: 0,
                 round,
+                died: false,
                 message: format!(
                     "rank 0 did not write {key} within {timeout:?} in round {} ({})",
                     round.number(),
@@ -467,11 +493,22 @@ async fn serve<T: Transport>(board: Arc<Board>, transport: Arc<T>, peer: u32) {
             // where they happen. Once rank 0 reached the exchange, only its word that it did
             // too is due.
             Err(LoaderError::PeerTimeout { .. }) if !board.lock().finished => continue,
+            // Its connection ended: every rank names it as its own transport would.
+            Err(LoaderError::Transport { detail, .. }) => {
+                board.fail(Failure {
+                    rank: peer,
+                    round,
+                    message: detail,
+                    died: true,
+                });
+                return;
+            }
             Err(error) => {
                 board.fail(Failure {
                     rank: peer,
                     round,
                     message: error.to_string(),
+                    died: false,
                 });
                 return;
             }
@@ -482,6 +519,7 @@ async fn serve<T: Transport>(board: Arc<Board>, transport: Arc<T>, peer: u32) {
                 let failure = board.fail(Failure {
                     rank: peer,
                     round,
+                    died: false,
                     message: format!(
                         "rank 0: rank {peer}'s message of the job's rounds does not decode: {why}"
                     ),
@@ -515,6 +553,7 @@ async fn serve<T: Transport>(board: Arc<Board>, transport: Arc<T>, peer: u32) {
                     rank: peer,
                     round,
                     message,
+                    died: false,
                 });
                 return;
             }
@@ -571,7 +610,7 @@ impl<T: Transport + 'static> Side<T> {
             match transport.recv(0, REPLY_TAG).await {
                 Ok(bytes) => {
                     return match Reply::decode(bytes) {
-                        Ok(Reply::Failed(failure)) => Err(failure.into()),
+                        Ok(Reply::Failed(failure)) => Err(failure.on(transport.rank())),
                         Ok(reply) => Ok(reply),
                         Err(why) => Err(JobFailure {
                             rank: 0,
@@ -621,7 +660,7 @@ impl<T: Transport + 'static> Side<T> {
 
     async fn arrive(&self, round: Round) -> Result<(), JobFailure> {
         match self {
-            Side::Holder { board, .. } => Ok(board.arrive(0, round).await?),
+            Side::Holder { board, .. } => board.arrive(0, round).await.map_err(|f| f.on(0)),
             Side::Peer { transport } => {
                 Self::send(transport, Request::Arrive(round), round).await?;
                 match Self::reply(transport, round).await? {
@@ -661,7 +700,7 @@ impl<T: Transport + 'static> Side<T> {
 
     async fn await_key(&self, key: String, round: Round) -> Result<Bytes, JobFailure> {
         match self {
-            Side::Holder { board, .. } => Ok(board.await_key(&key, round).await?),
+            Side::Holder { board, .. } => board.await_key(&key, round).await.map_err(|f| f.on(0)),
             Side::Peer { .. } => {
                 let mut values = self.values(Request::Await { key, round }, round, 1).await?;
                 values.pop().flatten().ok_or_else(|| JobFailure {
@@ -678,12 +717,12 @@ impl<T: Transport + 'static> Side<T> {
     /// Resolves when another rank failed (while this one reads).
     async fn watch(&self, round: Round) -> JobFailure {
         match self {
-            Side::Holder { board, .. } => board.failed().await.into(),
+            Side::Holder { board, .. } => board.failed().await.on(0),
             Side::Peer { transport } => loop {
                 match transport.recv(0, REPLY_TAG).await {
                     Ok(bytes) => {
                         return match Reply::decode(bytes) {
-                            Ok(Reply::Failed(failure)) => failure.into(),
+                            Ok(Reply::Failed(failure)) => failure.on(transport.rank()),
                             Ok(other) => Self::out_of_turn(transport.rank(), round, &other),
                             Err(why) => JobFailure {
                                 rank: 0,
@@ -717,6 +756,7 @@ impl<T: Transport + 'static> Side<T> {
                     rank: failure.rank,
                     round: failure.round,
                     message,
+                    died: false,
                 });
             }
             Side::Peer { transport } => {
@@ -743,7 +783,7 @@ impl<T: Transport + 'static> Side<T> {
                     let _ = server.await;
                 }
                 match board.lock().failure.clone() {
-                    Some(failure) => Err(failure.into()),
+                    Some(failure) => Err(failure.on(0)),
                     None => Ok(()),
                 }
             }
@@ -765,12 +805,12 @@ pub async fn run_job<T, W, R>(
     timeout: Duration,
     work: &mut W,
     hello: Bytes,
-    read: R,
+    read: &mut R,
 ) -> Result<(), JobFailure>
 where
     T: Transport + 'static,
     W: AsyncJobWork,
-    R: for<'a> FnOnce(&'a mut W) -> BoxFuture<'a, Result<Bytes, OpsError>>,
+    R: ReadPieces<W>,
 {
     let (rank, world) = (transport.rank(), transport.world());
     let mut side = if rank == 0 {
@@ -811,12 +851,12 @@ async fn drive<T, W, R>(
     world: u32,
     work: &mut W,
     hello: Bytes,
-    read: R,
+    read: &mut R,
 ) -> Result<(), JobFailure>
 where
     T: Transport + 'static,
     W: AsyncJobWork,
-    R: for<'a> FnOnce(&'a mut W) -> BoxFuture<'a, Result<Bytes, OpsError>>,
+    R: ReadPieces<W>,
 {
     let mut rounds = RankRounds::new(rank, world);
     let mut queue: VecDeque<Action> = rounds.start(hello).into();
@@ -861,7 +901,7 @@ where
                     return Err(failure);
                 };
                 let folds = tokio::select! {
-                    folds = read(work) => folds,
+                    folds = read.read(work) => folds,
                     failure = side.watch(Round::Read) => return Err(failure),
                 };
                 match folds {
