@@ -31,6 +31,8 @@ pub struct HostLoad {
     pub report: RankReport,
     /// Its work in the rounds.
     pub work: RankWork,
+    /// Seconds until it held its plan, agreed (the rounds before its read).
+    pub plan_seconds: f64,
 }
 
 /// Called on every rank once its plan is taken, before it reads (a front end sizes its progress
@@ -46,6 +48,7 @@ struct HostRead<'o> {
     /// The plan with scratch destinations for pieces read only to pass on, and their buffers.
     relaying: Option<(RankPlan, Vec<Vec<u8>>)>,
     stats: Option<(ReadStats, f64)>,
+    plan_seconds: f64,
 }
 
 impl ReadPieces<RankWork> for HostRead<'_> {
@@ -57,6 +60,8 @@ impl ReadPieces<RankWork> for HostRead<'_> {
                     work.rank()
                 ))
             })?);
+            self.plan_seconds = self.started.elapsed().as_secs_f64();
+            let started = Instant::now();
             if let (Some(on_planned), Some(summary)) = (&self.on_planned, work.job_summary()) {
                 on_planned(summary);
             }
@@ -85,7 +90,7 @@ impl ReadPieces<RankWork> for HostRead<'_> {
                 }
             };
             let folds = work.read_done(stats.joint_folds.clone());
-            self.stats = Some((stats, self.started.elapsed().as_secs_f64()));
+            self.stats = Some((stats, started.elapsed().as_secs_f64()));
             Ok(folds)
         })
     }
@@ -116,6 +121,7 @@ pub async fn load_host<T: Transport + 'static>(
         buffers: Vec::new(),
         relaying: None,
         stats: None,
+        plan_seconds: 0.0,
     };
     run_job(
         Arc::clone(&transport),
@@ -130,6 +136,7 @@ pub async fn load_host<T: Transport + 'static>(
         mut buffers,
         relaying,
         stats,
+        plan_seconds,
         ..
     } = reader;
     let (plan, Some((stats, read_seconds))) = (work.plan().cloned(), stats) else {
@@ -166,5 +173,6 @@ pub async fn load_host<T: Transport + 'static>(
         buffers,
         report,
         work,
+        plan_seconds,
     })
 }

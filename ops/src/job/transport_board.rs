@@ -469,9 +469,14 @@ impl Board {
     }
 }
 
-/// Rank 0 serves peer `peer` until it reaches the exchange, fails or dies.
+/// Rank 0 serves peer `peer` until it reaches the exchange, fails or dies. After another rank
+/// failed, what the peer asks for that is there is still given (the verdict on the plan: every
+/// rank raises its own refusal) and a wait that would go on ends with the failure; a peer busy
+/// reading its pieces, which asks nothing, is told at once.
 async fn serve<T: Transport>(board: Arc<Board>, transport: Arc<T>, peer: u32) {
     let mut round = Round::Requests;
+    // The peer took the verdict and reads its pieces: it asks nothing until it is done.
+    let mut reading = false;
     let tell = |reply: Reply| {
         let transport = Arc::clone(&transport);
         async move {
@@ -480,19 +485,46 @@ async fn serve<T: Transport>(board: Arc<Board>, transport: Arc<T>, peer: u32) {
         }
     };
     loop {
-        let received = tokio::select! {
-            received = transport.recv(peer, BOARD_TAG) => received,
-            failure = board.failed() => {
-                tell(Reply::Failed(failure)).await;
-                return;
+        let received = if reading {
+            tokio::select! {
+                biased;
+                received = transport.recv(peer, BOARD_TAG) => received,
+                failure = board.failed() => {
+                    tell(Reply::Failed(failure)).await;
+                    return;
+                }
             }
+        } else {
+            transport.recv(peer, BOARD_TAG).await
         };
         let bytes = match received {
             Ok(bytes) => bytes,
             // A peer reading or waiting says nothing for a while: the waits on it are bounded
             // where they happen. Once rank 0 reached the exchange, only its word that it did
-            // too is due.
-            Err(LoaderError::PeerTimeout { .. }) if !board.lock().finished => continue,
+            // too is due; once a rank failed, a peer that says nothing is not waited for.
+            Err(LoaderError::PeerTimeout { .. }) => {
+                let (finished, failure) = {
+                    let state = board.lock();
+                    (state.finished, state.failure.clone())
+                };
+                if let Some(failure) = failure {
+                    tell(Reply::Failed(failure)).await;
+                    return;
+                }
+                if finished {
+                    board.fail(Failure {
+                        rank: peer,
+                        round,
+                        died: false,
+                        message: format!(
+                            "rank 0: rank {peer} did not say within {:?} that it reached the exchange",
+                            board.timeout
+                        ),
+                    });
+                    return;
+                }
+                continue;
+            }
             // Its connection ended: every rank names it as its own transport would.
             Err(LoaderError::Transport { detail, .. }) => {
                 board.fail(Failure {
@@ -513,6 +545,7 @@ async fn serve<T: Transport>(board: Arc<Board>, transport: Arc<T>, peer: u32) {
                 return;
             }
         };
+        reading = false;
         let request = match Request::decode(bytes) {
             Ok(request) => request,
             Err(why) => {
@@ -543,6 +576,7 @@ async fn serve<T: Transport>(board: Arc<Board>, transport: Arc<T>, peer: u32) {
             }
             Request::Await { key, round: r } => {
                 round = r;
+                reading = r == Round::PlanAgreement;
                 board
                     .await_key(&key, r)
                     .await
