@@ -21,7 +21,7 @@ use tessera_loader::load::LoadOptions;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
 use tessera_ops::OpsError;
-use tessera_ops::job::host::{HostLoad, load_host};
+use tessera_ops::job::host::{HostJob, HostLoad};
 use tessera_ops::job::memory_board::{JobFailure, run_rounds};
 use tessera_ops::job::transport_board::{ReadPieces, run_job};
 use tessera_ops::job::{
@@ -671,43 +671,25 @@ fn over_a_transport_every_rank_loads_its_bytes() {
 type BoxedLoad =
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<HostLoad, OpsError>> + Send>>;
 
-/// Rank `transport.rank()`'s whole load, ready to spawn.
+/// Rank `transport.rank()`'s whole load (`HostJob::load_rank`), ready to spawn.
 fn host_rank<T: Transport + 'static>(
     job: &Job,
     transport: T,
     hellos: &[Hello],
 ) -> Box<dyn FnOnce() -> BoxedLoad + Send> {
-    let rank = transport.rank();
-    let hello = &hellos[rank as usize];
-    let mut work = RankWork::new(
-        rank,
-        transport.world(),
-        Arc::clone(&job.checkpoint),
-        hello.requests.clone(),
-        TierLoad::default(),
-        true,
-    );
-    if rank == 0 {
-        work.coordinate_with(JobCoordinator::new(
-            Arc::clone(&job.checkpoint),
-            job.name.clone(),
-            PlanOptions::default(),
-            None,
-            true,
-        ));
-    }
-    let hello = hello.encode().unwrap();
+    let job = HostJob {
+        checkpoint: Arc::clone(&job.checkpoint),
+        location: job.name.clone(),
+        requests: Arc::new(hellos.iter().map(|h| h.requests.clone()).collect()),
+        planning: PlanOptions::default(),
+        filter: Vec::new(),
+        server: None,
+        memory_tier: None,
+        verify: true,
+        options: LoadOptions::default(),
+        timeout: TIMEOUT,
+    };
     Box::new(move || {
-        Box::pin(async move {
-            load_host(
-                Arc::new(transport),
-                TIMEOUT,
-                work,
-                hello,
-                &LoadOptions::default(),
-                None,
-            )
-            .await
-        })
+        Box::pin(async move { job.load_rank(transport.rank(), transport, None).await })
     })
 }

@@ -29,11 +29,9 @@ use tessera_loader::plan_client::server_checkpoint_id;
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
-use tessera_ops::job::host::{HostLoad, OnPlanned, load_host};
-use tessera_ops::job::{Hello, JobCoordinator, RankWork};
-use tessera_ops::load::agreement::{self, JobTerms};
+use tessera_ops::job::host::{HostJob, HostLoad, OnPlanned};
+use tessera_ops::load::agreement;
 use tessera_ops::load::{LoadSwitches, PlanServer, plan_options};
-use tessera_ops::memory_tier::TierLoad;
 use tessera_planner::{
     ExplicitRequest, ExplicitRequests, PlanOptions, PlanSummary, ReadOrder, RequestSet,
 };
@@ -280,8 +278,8 @@ fn plan_server(args: &LoadArgs) -> Result<Option<PlanServer>> {
     }))
 }
 
-/// One load job as this command runs its ranks: the flags, the checkpoint as opened, every
-/// rank's requests, the plan options, the plan server and the load options.
+/// One load job as this command runs its ranks: the flags, and what every rank loads with
+/// (`tessera_ops::job::host::HostJob`).
 #[derive(Clone)]
 pub(crate) struct Job {
     args: LoadArgs,
@@ -297,11 +295,8 @@ impl Job {
         self.requests.len() as u32
     }
 
-    /// Loads rank `rank` over `transport` into host memory (`tessera_ops::job::host`), then
-    /// checks and dumps its buffers; `on_planned` sees the job's plan in numbers before it reads.
-    /// Its part in the rounds: its work (rank 0 the coordinator, which plans the job once, here
-    /// or on the server) and its hello (its requests, its memory-tier offer, the checkpoint as
-    /// opened and the plan's options).
+    /// Loads rank `rank` over `transport` into host memory, then checks and dumps its buffers;
+    /// `on_planned` sees the job's plan in numbers before it reads.
     async fn load_host_rank<T: Transport + 'static>(
         &self,
         rank: u32,
@@ -309,48 +304,20 @@ impl Job {
         on_planned: Option<OnPlanned>,
     ) -> Result<HostLoad> {
         let args = &self.args;
-        let requests = self.requests[rank as usize].clone();
-        let tier = TierLoad::find(
-            &self.opened,
-            args.memory_tier.as_deref().map(std::path::Path::new),
-        );
-        let hello = Hello {
-            requests: requests.clone(),
-            tier: tier.offer().clone(),
-            terms: JobTerms {
-                location: args.checkpoint.clone(),
-                checkpoint: agreement::checkpoint_key(&self.opened, &args.checkpoint)?,
-                plan: plan_terms(args, &self.opened, &self.planning),
-            },
-        }
-        .encode()?;
-        let mut work = RankWork::new(
-            rank,
-            self.world(),
-            Arc::clone(&self.opened),
-            requests,
-            tier,
-            args.verify,
-        );
-        if rank == 0 {
-            work.coordinate_with(JobCoordinator::new(
-                Arc::clone(&self.opened),
-                args.checkpoint.clone(),
-                self.planning.clone(),
-                self.server.clone(),
-                args.dedup,
-            ));
-        }
-        let loaded = load_host(
-            Arc::new(transport),
-            self.args.peer_timeout,
-            work,
-            hello,
-            &self.options,
-            on_planned,
-        )
-        .await?;
-        finish::finish_rank(&self.args, &loaded.plan, &loaded.buffers)?;
+        let job = HostJob {
+            checkpoint: Arc::clone(&self.opened),
+            location: args.checkpoint.clone(),
+            requests: Arc::clone(&self.requests),
+            planning: self.planning.clone(),
+            filter: args.filter.describe(),
+            server: self.server.clone(),
+            memory_tier: args.memory_tier.as_ref().map(std::path::PathBuf::from),
+            verify: args.verify,
+            options: self.options.clone(),
+            timeout: args.peer_timeout,
+        };
+        let loaded = job.load_rank(rank, transport, on_planned).await?;
+        finish::finish_rank(args, &loaded.plan, &loaded.buffers)?;
         Ok(loaded)
     }
 }
@@ -375,7 +342,7 @@ async fn load_rank(job: &Job, rank: u32, transport_options: TransportOptions) ->
     {
         bail!("--world {w} but the layout has {world} ranks");
     }
-    let config = rendezvous(args, &job.opened, &job.planning, rank, world)?;
+    let config = rendezvous(job, rank)?;
     let transport = TcpTransport::connect(&config, transport_options).await?;
     let loaded = job.load_host_rank(rank, transport, None).await?;
     for why in &loaded.work.tier_copies().ignored {
@@ -431,33 +398,11 @@ async fn load_all_inproc(
             job.load_host_rank(rank as u32, transport, on_planned).await
         }));
     }
-    let mut loads = Vec::with_capacity(tasks.len());
-    let mut failures = Vec::new();
-    let mut classes = Vec::new();
-    for (rank, task) in tasks.into_iter().enumerate() {
-        match task.await {
-            Ok(Ok(loaded)) => loads.push(loaded),
-            Ok(Err(e)) => {
-                classes.push(crate::exit::classify(&e));
-                failures.push(format!("rank {rank}: {e}"));
-            }
-            Err(e) => {
-                classes.push(crate::exit::ErrorClass::Other);
-                failures.push(format!("rank {rank}: task failed: {e}"));
-            }
-        }
-    }
+    let loads = join_ranks(tasks).await;
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    if !failures.is_empty() {
-        // Its own type: the exit code is that of the rank whose trouble made the others fail.
-        return Err(crate::exit::RanksFailed {
-            failures,
-            class: crate::exit::root_class(classes),
-        }
-        .into());
-    }
+    let loads = loads?;
     let first = loads.first().context("a job of no ranks")?;
     // The node's ranks share one tier and its verdicts: said once.
     for why in &first.work.tier_copies().ignored {
@@ -469,6 +414,35 @@ async fn load_all_inproc(
         reports: loads.into_iter().map(|l| l.report).collect(),
     };
     Ok((loaded, "in-process".to_string()))
+}
+
+/// Waits for every rank's task (each in rank order); their failures as one error naming each
+/// rank, whose exit code is that of the rank whose trouble made the others fail.
+async fn join_ranks<T>(tasks: Vec<tokio::task::JoinHandle<Result<T>>>) -> Result<Vec<T>> {
+    let mut done = Vec::with_capacity(tasks.len());
+    let mut failures = Vec::new();
+    let mut classes = Vec::new();
+    for (rank, task) in tasks.into_iter().enumerate() {
+        match task.await {
+            Ok(Ok(value)) => done.push(value),
+            Ok(Err(e)) => {
+                classes.push(crate::exit::classify(&e));
+                failures.push(format!("rank {rank}: {e}"));
+            }
+            Err(e) => {
+                classes.push(crate::exit::ErrorClass::Other);
+                failures.push(format!("rank {rank}: task failed: {e}"));
+            }
+        }
+    }
+    if !failures.is_empty() {
+        return Err(crate::exit::RanksFailed {
+            failures,
+            class: crate::exit::root_class(classes),
+        }
+        .into());
+    }
+    Ok(done)
 }
 
 /// Opens the checkpoint to load (its DCP blob index shared through `shared_cache` when given),
@@ -548,42 +522,13 @@ fn job_fingerprint(args: &LoadArgs, checkpoint: &Checkpoint, world: u32) -> Resu
     Ok(agreement::job_fingerprint(&key, &parts, world))
 }
 
-/// The options of this job's plan that every rank must share: planned here with `planning` (as
-/// `checkpoint` plans with them) and the tensor filter, or on the server.
-fn plan_terms(
-    args: &LoadArgs,
-    checkpoint: &Checkpoint,
-    planning: &PlanOptions,
-) -> Vec<(String, String)> {
-    let server = args.server.as_ref().map(|url| PlanServer {
-        url: url.clone(),
-        // As the plan was asked for (`plan_on_server`, which fails when there is none).
-        checkpoint_id: args
-            .checkpoint_id
-            .clone()
-            .or_else(|| server_checkpoint_id(&args.checkpoint))
-            .unwrap_or_default(),
-        token: None,
-    });
-    agreement::job_plan_terms(
-        checkpoint,
-        planning,
-        &args.filter.describe(),
-        server.as_ref(),
-    )
-}
-
 /// Rank `rank`'s rendezvous by the one rule of `tessera_ops::load::rendezvous` (flags, then
 /// `TESSERA_PORT`, then torchrun's `MASTER_ADDR` and `MASTER_PORT + 1`), for this job only, and
-/// with the plan options every rank must share.
-fn rendezvous(
-    args: &LoadArgs,
-    checkpoint: &Checkpoint,
-    planning: &PlanOptions,
-    rank: u32,
-    world: u32,
-) -> Result<RendezvousConfig> {
-    let job = job_fingerprint(args, checkpoint, world)?;
+/// with the options of its plan every rank must share (planned here with the job's options and
+/// tensor filter, or on the server).
+fn rendezvous(job: &Job, rank: u32) -> Result<RendezvousConfig> {
+    let (args, world) = (&job.args, job.world());
+    let fingerprint = job_fingerprint(args, &job.opened, world)?;
     let config = tessera_ops::load::rendezvous::rank_rendezvous(
         args.master_addr.as_deref(),
         args.master_port,
@@ -591,7 +536,11 @@ fn rendezvous(
         world,
         |name| std::env::var(name).ok(),
     )?;
-    Ok(config
-        .with_job(job)
-        .with_plan(plan_terms(args, checkpoint, planning)))
+    let terms = agreement::job_plan_terms(
+        &job.opened,
+        &job.planning,
+        &args.filter.describe(),
+        job.server.as_ref(),
+    );
+    Ok(config.with_job(fingerprint).with_plan(terms))
 }

@@ -3,22 +3,122 @@
 //! rounds ([`super::transport_board::run_job`]: rank 0 plans once, each rank takes its own plan,
 //! the plan agreement, the read of its own pieces, the joint checks), then the exchange of what
 //! it read with its peers ([`tessera_loader::exchange::exchange_after_read`]), then its report.
+//! [`HostJob`] is what every rank of one job loads with; [`HostJob::load_rank`] one rank's load.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
+use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::exchange::relay::{self, Slot, with_relay_buffers};
 use tessera_loader::exchange::{exchange_after_read, place};
 use tessera_loader::load::{LoadOptions, RankReport};
 use tessera_loader::read::ReadStats;
 use tessera_loader::transport::Transport;
-use tessera_planner::{PlanSummary, RankPlan};
+use tessera_planner::{ExplicitRequest, PlanOptions, PlanSummary, RankPlan};
 
 use super::transport_board::{ReadPieces, run_job};
-use super::{JobFailure, RankWork, Round};
+use super::{Hello, JobCoordinator, JobFailure, RankWork, Round};
 use crate::OpsError;
+use crate::load::PlanServer;
+use crate::load::agreement::{JobTerms, checkpoint_key, job_plan_terms};
+use crate::memory_tier::TierLoad;
+
+/// One load job as the ranks a front end plays over a transport load it: the checkpoint as
+/// opened and as named, every rank's requests, how rank 0 plans (here with `planning` and the
+/// tensor `filter`'s flags, or on `server`), the memory tier each rank offers, and how each
+/// reads.
+#[derive(Clone)]
+pub struct HostJob {
+    /// The checkpoint as opened.
+    pub checkpoint: Arc<Checkpoint>,
+    /// How the user named it.
+    pub location: String,
+    /// Every rank's requests, by rank.
+    pub requests: Arc<Vec<Vec<ExplicitRequest>>>,
+    /// The planner's options (dedup among them).
+    pub planning: PlanOptions,
+    /// The tensor filter's flags as given (empty: every tensor), which every rank must share.
+    pub filter: Vec<String>,
+    /// The tessera server that plans instead, if any.
+    pub server: Option<PlanServer>,
+    /// This host's memory tier, if any.
+    pub memory_tier: Option<PathBuf>,
+    /// Whether reads verify.
+    pub verify: bool,
+    /// The load's options.
+    pub options: LoadOptions,
+    /// The transport's timeout, which bounds every wait of the rounds.
+    pub timeout: Duration,
+}
+
+impl HostJob {
+    /// Ranks in the job.
+    pub fn world(&self) -> u32 {
+        self.requests.len() as u32
+    }
+
+    /// Loads rank `rank` over `transport` ([`load_host`]): its hello (its requests, its
+    /// memory-tier offer, the checkpoint as opened and the plan's options) and its work (rank 0
+    /// the coordinator, which plans the job once, here or on the server).
+    pub async fn load_rank<T: Transport + 'static>(
+        &self,
+        rank: u32,
+        transport: T,
+        on_planned: Option<OnPlanned>,
+    ) -> Result<HostLoad, OpsError> {
+        let requests = self.requests.get(rank as usize).cloned().ok_or_else(|| {
+            OpsError::invalid(format!(
+                "rank {rank} is outside a job of {} ranks",
+                self.world()
+            ))
+        })?;
+        let tier = TierLoad::find(&self.checkpoint, self.memory_tier.as_deref());
+        let hello = Hello {
+            requests: requests.clone(),
+            tier: tier.offer().clone(),
+            terms: JobTerms {
+                location: self.location.clone(),
+                checkpoint: checkpoint_key(&self.checkpoint, &self.location)?,
+                plan: job_plan_terms(
+                    &self.checkpoint,
+                    &self.planning,
+                    &self.filter,
+                    self.server.as_ref(),
+                ),
+            },
+        }
+        .encode()?;
+        let mut work = RankWork::new(
+            rank,
+            self.world(),
+            Arc::clone(&self.checkpoint),
+            requests,
+            tier,
+            self.verify,
+        );
+        if rank == 0 {
+            work.coordinate_with(JobCoordinator::new(
+                Arc::clone(&self.checkpoint),
+                self.location.clone(),
+                self.planning.clone(),
+                self.server.clone(),
+                self.planning.dedup,
+            ));
+        }
+        load_host(
+            Arc::new(transport),
+            self.timeout,
+            work,
+            hello,
+            &self.options,
+            on_planned,
+        )
+        .await
+    }
+}
 
 /// What a rank's load left: its plan, its buffers (one per plan destination, loaded), its report
 /// and its work (the memory-tier copies it read, the job's plan in numbers).

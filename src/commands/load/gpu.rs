@@ -147,7 +147,7 @@ async fn load_rank(
     {
         bail!("--world {w} but the layout has {world} ranks");
     }
-    let config = rendezvous(args, checkpoint, &job.planning, rank, world)?;
+    let config = rendezvous(job, rank)?;
     let device = open_device(args, rank, true)?;
     let rank_plan = plan.rank_plan(rank).await?;
     let report = match args.transport {
@@ -240,33 +240,11 @@ async fn load_all_inproc(
             load_one(&args, &checkpoint, rank_plan, &transport, &device, &options).await
         }));
     }
-    let mut reports = Vec::with_capacity(tasks.len());
-    let mut failures = Vec::new();
-    let mut classes = Vec::new();
-    for (rank, task) in tasks.into_iter().enumerate() {
-        match task.await {
-            Ok(Ok(report)) => reports.push(report),
-            Ok(Err(e)) => {
-                classes.push(crate::exit::classify(&e));
-                failures.push(format!("rank {rank}: {e}"));
-            }
-            Err(e) => {
-                classes.push(crate::exit::ErrorClass::Other);
-                failures.push(format!("rank {rank}: task failed: {e}"));
-            }
-        }
-    }
+    let reports = super::join_ranks(tasks).await;
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    if !failures.is_empty() {
-        // Its own type: the exit code is that of the rank whose trouble made the others fail.
-        return Err(crate::exit::RanksFailed {
-            failures,
-            class: crate::exit::root_class(classes),
-        }
-        .into());
-    }
+    let reports = reports?;
     devices.dedup();
     Ok((reports, format!("in-process, {}", devices.join(" "))))
 }
