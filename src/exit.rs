@@ -184,7 +184,7 @@ fn ops(e: &OpsError) -> Option<ErrorClass> {
         OpsError::Metadata(e) => metadata(e),
         OpsError::Loader(e) => loader(e),
         OpsError::PlanClient(e) => plan_client(e),
-        OpsError::RanksFailed { .. } => Some(ErrorClass::PeerFailed),
+        OpsError::RanksFailed { .. } | OpsError::RankFailed { .. } => Some(ErrorClass::PeerFailed),
         OpsError::Context { inner, .. } => ops(inner),
         _ => None,
     }

@@ -135,6 +135,17 @@ pub enum OpsError {
         /// The committed manifest.
         manifest: Box<Manifest>,
     },
+    /// Another rank of a load job failed, so this one stopped: its error as it told the job's
+    /// coordinator (`tessera_ops::job::transport_board`).
+    #[error("rank {rank} failed {step}: {detail}")]
+    RankFailed {
+        /// The rank that failed first.
+        rank: u32,
+        /// What it was doing (`reading its pieces`).
+        step: &'static str,
+        /// Its error.
+        detail: String,
+    },
     /// An error with what the operation was doing when it happened. The message includes the
     /// inner error's, so the inner error is not also this one's `source()` (a chain printer would
     /// repeat it).
@@ -166,6 +177,7 @@ impl OpsError {
             OpsError::PlanClient(e) => e.is_permanent(),
             OpsError::Message { .. } | OpsError::Invalid { .. } | OpsError::Claimed { .. } => true,
             OpsError::RanksFailed { .. }
+            | OpsError::RankFailed { .. }
             | OpsError::TooLateToCommit { .. }
             | OpsError::NoAnswer { .. } => false,
             OpsError::NotCommitted { permanent, .. } => *permanent,

@@ -28,27 +28,23 @@ use anyhow::{Result, anyhow, bail};
 use bytes::Bytes;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::exchange::ExchangeMessages;
 use tessera_loader::exchange::direct::Exposure;
 use tessera_loader::exchange::protocol::{Action, ExchangeProtocol};
 use tessera_loader::exchange::relay::with_relay_buffers;
 use tessera_loader::load::RankReport;
 use tessera_loader::read::ReadStats;
-use tessera_loader::verify::joint;
 use tessera_metadata::TensorMeta;
-use tessera_planner::{ExplicitRequests, RankPlan};
+use tessera_planner::RankPlan;
 
-use tessera_loader::tier::{TierCopies, Verified};
 use tessera_ops::OpsError;
 use tessera_ops::job::{
-    Action as JobStep, Answer, Event, Hello, JobCoordinator, JobWork, PlannedRank, RankRounds,
-    Round, Taken, Verdict, planned_rank,
+    Action as JobStep, Event, Hello, JobCoordinator, JobWork, RankRounds, RankWork, Round, Taken,
 };
 use tessera_ops::memory_tier::TierLoad;
 
 use crate::checkpoint::OpenedCheckpoint;
-use crate::load::{Wanted, fqn_of, load_options, parse_read_order, resolve_target, single_device};
+use crate::load::{fqn_of, load_options, parse_read_order, resolve_target, single_device};
 use crate::memory::{HostMemory, PyOwnedBytes, first_overlap};
 use crate::records::LoadTarget;
 use crate::{Cancel, block_on_cancellable, py_error};
@@ -64,19 +60,18 @@ pub struct GroupLoad {
 
 struct GroupState {
     location: String,
-    checkpoint: Arc<Checkpoint>,
+    /// The rounds' local work on this rank (`tessera_ops::job::RankWork`): the checkpoint as it
+    /// reads it, its requests and memory tier, rank 0's coordinator, the plan as made.
+    job: RankWork,
     rank: u32,
     world: u32,
     verify: bool,
-    wanted: Vec<Wanted>,
     /// The caller's arrays, then (once planned) a scratch buffer per piece this rank reads in
     /// storage order only to relay to others (`tessera_loader::exchange::relay`).
     buffers: Vec<Buffer>,
     plan: Option<Arc<RankPlan>>,
     /// The job's rounds before the exchange (`tessera_ops::job`), once started.
     rounds: Option<RankRounds>,
-    /// Rank 0's part in them: the coordinator that plans for every rank.
-    coordinator: Option<JobCoordinator>,
     /// The plan's exchange messages, cut (and checked) when planned; the protocol takes them
     /// when the exchange starts.
     messages: Option<ExchangeMessages>,
@@ -95,13 +90,6 @@ struct GroupState {
     next_operation: u64,
     /// Whether this rank offers and accepts direct copies (`TESSERA_CROSS_MEMORY`).
     cross_memory: bool,
-    /// Whether the boxes this rank read or received in parts were checked against every
-    /// reader's folds (`check_joint`; `tessera_loader::verify::joint`).
-    joint_checked: bool,
-    /// This rank's side of the memory tiers (`memory_tier=`): its candidate copies, then (once
-    /// planned) the copies its node verified, which it reads.
-    tier: TierLoad,
-    tier_copies: TierCopies,
 }
 
 /// The plan server a load names (`None` without one): its id of the checkpoint at `location` is
@@ -188,11 +176,6 @@ impl GroupLoad {
 }
 
 impl GroupState {
-    /// Whether this rank's read verified (and so folded its parts of jointly checked boxes).
-    fn verifying(&self) -> bool {
-        self.checkpoint.verifies(self.verify)
-    }
-
     fn plan(&self, step: &str) -> Result<&Arc<RankPlan>> {
         self.plan
             .as_ref()
@@ -331,8 +314,10 @@ impl JobAction {
     }
 }
 
-/// The local work of the job's rounds on this rank ([`JobWork`]): the coordinator's planning
-/// (rank 0), taking this rank's plan, its memory-tier share, the verdict and the joint checks.
+/// The local work of the job's rounds on this rank ([`JobWork`]): `tessera_ops::job::RankWork`'s
+/// (the coordinator's planning on rank 0, taking this rank's plan, its memory-tier share, the
+/// verdict and the joint checks), with the GIL released while it plans or verifies, and this
+/// rank's arrays checked against its plan.
 struct GroupWork<'a, 'py> {
     state: &'a mut GroupState,
     py: Python<'py>,
@@ -341,54 +326,36 @@ struct GroupWork<'a, 'py> {
     interrupted: &'a mut Option<PyErr>,
 }
 
+/// Runs `work` with the GIL released, stopping on Ctrl-C or a cancellation (kept in
+/// `interrupted`, reported to the rounds as this rank's failure).
 // The rounds' own error type ([`JobWork`]'s), returned as it is rather than boxed per call.
 #[allow(clippy::result_large_err)]
-impl GroupWork<'_, '_> {
-    /// Runs `work` with the GIL released, stopping on Ctrl-C or a cancellation (kept in
-    /// `interrupted`, reported to the rounds as this rank's failure).
-    fn wait<T: Send>(
-        &mut self,
-        work: impl Future<Output = Result<T, OpsError>> + Send,
-    ) -> Result<T, OpsError> {
-        match block_on_cancellable(self.py, Some(self.cancel), async { Ok(work.await) }) {
-            Ok(outcome) => outcome,
-            Err(error) => {
-                let message = error.to_string();
-                *self.interrupted = Some(error);
-                Err(OpsError::invalid(message))
-            }
+fn wait<T: Send>(
+    py: Python<'_>,
+    cancel: &Cancel,
+    interrupted: &mut Option<PyErr>,
+    work: impl Future<Output = Result<T, OpsError>> + Send,
+) -> Result<T, OpsError> {
+    match block_on_cancellable(py, Some(cancel), async { Ok(work.await) }) {
+        Ok(outcome) => outcome,
+        Err(error) => {
+            let message = error.to_string();
+            *interrupted = Some(error);
+            Err(OpsError::invalid(message))
         }
     }
+}
 
-    fn coordinator(&mut self) -> Result<JobCoordinator, OpsError> {
-        self.state.coordinator.take().ok_or_else(|| {
-            OpsError::invalid(format!(
-                "rank {}: asked to coordinate the job, which rank 0 does",
-                self.state.rank
-            ))
-        })
-    }
-
-    /// Takes this rank's plan (checked against its own requests and arrays) and cuts its
-    /// exchange messages, so that a plan whose exchange does not add up fails before any read.
-    fn take_plan(&mut self, plan: RankPlan, joint_at_coordinator: bool) -> Result<PlannedRank> {
+impl GroupWork<'_, '_> {
+    /// Checks the plan `RankWork` took against this rank's arrays and cuts its exchange
+    /// messages, so that a plan whose exchange does not add up fails before any read.
+    fn take_plan(&mut self) -> Result<()> {
         let state = &mut *self.state;
         let rank = state.rank;
-        if plan.rank != rank || plan.world != state.world {
-            bail!(
-                "rank {rank}: the coordinator sent the plan of rank {} of {} ranks to rank {rank} of {}",
-                plan.rank,
-                plan.world,
-                state.world
-            );
-        }
-        let mine = ExplicitRequests {
-            ranks: vec![state.wanted.iter().map(|w| w.request.clone()).collect()],
-        }
-        .resolve(state.checkpoint.meta.tensors())?;
-        if let Some(requests) = mine.ranks.first() {
-            plan.check_destinations(&state.checkpoint.meta, requests)?;
-        }
+        let plan = state
+            .job
+            .plan()
+            .ok_or_else(|| anyhow!("rank {rank}: the plan was not taken"))?;
         // The plan's destinations are this rank's requests in order: check they are the arrays.
         let sizes = state.buffers.iter().map(|b| b.as_ref().len() as u64);
         if sizes.len() != plan.destinations.len()
@@ -400,10 +367,8 @@ impl GroupWork<'_, '_> {
                 state.buffers.len()
             );
         }
-        // Of the plan as made (relaying adds scratch destinations that concern this rank only).
-        let planned = planned_rank(&plan, joint_at_coordinator);
         // Pieces read in storage order only to pass on get scratch destinations after the arrays.
-        let plan = match with_relay_buffers(&plan) {
+        let plan = match with_relay_buffers(plan) {
             Some(relaying) => {
                 let caller = state.buffers.len();
                 for dest in &relaying.destinations[caller..] {
@@ -411,111 +376,64 @@ impl GroupWork<'_, '_> {
                         tessera_loader::load::host_memory::zeroed_buffer(dest.bytes as usize),
                     ));
                 }
-                relaying
+                Arc::new(relaying)
             }
-            None => plan,
+            None => Arc::clone(plan),
         };
         let messages = ExchangeMessages::of_plan_in_parts(&plan, WHOLE_SHARES)?;
         state.messages = Some(messages);
-        state.plan = Some(Arc::new(plan));
-        Ok(planned)
+        state.plan = Some(plan);
+        Ok(())
     }
 }
 
 impl JobWork for GroupWork<'_, '_> {
     fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
-        let mut coordinator = self.coordinator()?;
-        let answers = self.wait(async { coordinator.coordinate(&hellos).await });
-        self.state.coordinator = Some(coordinator);
-        answers
+        let job = &mut self.state.job;
+        wait(
+            self.py,
+            self.cancel,
+            self.interrupted,
+            job.coordinate(hellos),
+        )
     }
 
     fn settle(&mut self, verified: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
-        let mut coordinator = self.coordinator()?;
-        let answers = self.wait(async { coordinator.settle(&verified).await });
-        self.state.coordinator = Some(coordinator);
-        answers
+        let job = &mut self.state.job;
+        wait(self.py, self.cancel, self.interrupted, job.settle(verified))
     }
 
     fn take(&mut self, answer: Bytes) -> Result<Taken, OpsError> {
-        let rank = self.state.rank;
-        match Answer::decode(rank, &answer)? {
-            Answer::Refused(refusal) => Err(refusal.error(rank)),
-            Answer::VerifyTier(node) => Ok(Taken::VerifyTier(node)),
-            Answer::Plan {
-                plan,
-                node_verified,
-                joint_at_coordinator,
-            } => {
-                if !node_verified.is_empty() {
-                    let state = &mut *self.state;
-                    let theirs: Vec<&Verified> = node_verified.iter().collect();
-                    let (view, copies) = state.tier.accept_node(&state.checkpoint, &theirs)?;
-                    state.checkpoint = Arc::new(view);
-                    state.tier_copies = copies;
-                }
-                self.take_plan(*plan, joint_at_coordinator)
-                    .map(Taken::Planned)
-                    .map_err(|e| OpsError::invalid(format!("{e:#}")))
-            }
+        let taken = self.state.job.take(answer)?;
+        if matches!(taken, Taken::Planned(_)) {
+            self.take_plan()
+                .map_err(|e| OpsError::invalid(format!("{e:#}")))?;
         }
+        Ok(taken)
     }
 
+    // Verifying reads the node's copies: the GIL is released meanwhile, and the rounds' own
+    // error comes back through `detach` as it is.
+    #[allow(clippy::result_large_err)]
     fn verify_tier(&mut self, node: Vec<u32>) -> Result<Bytes, OpsError> {
-        let state = &*self.state;
-        let (tier, meta, rank) = (&state.tier, &state.checkpoint.meta, state.rank);
-        let verified = self.py.detach(|| tier.verify_in_node(meta, &node, rank));
-        serde_json::to_vec(&verified)
-            .map(Bytes::from)
-            .map_err(|source| OpsError::Message {
-                what: format!("rank {rank}'s memory-tier verification"),
-                source,
-            })
+        let job = &self.state.job;
+        self.py.detach(|| job.verify_tier(&node))
     }
 
     fn agree(&mut self, reports: Vec<Bytes>) -> Result<Bytes, OpsError> {
-        Verdict::of_reports(&reports)?.encode()
+        self.state.job.agree(&reports)
     }
 
     fn accept(&mut self, verdict: Bytes) -> Result<(), OpsError> {
-        Verdict::accept(self.state.rank, &verdict)
+        self.state.job.accept(&verdict)
     }
 
     fn check_joint_all(&mut self, folds: Vec<Option<Bytes>>) -> Result<(), OpsError> {
-        let verify = self.state.verifying();
-        let coordinator = self.state.coordinator.as_ref().ok_or_else(|| {
-            OpsError::invalid(format!(
-                "rank {}: asked to check every jointly read box, which rank 0 does",
-                self.state.rank
-            ))
-        })?;
-        coordinator.check_joint(&folds, verify)
+        self.state.job.check_joint_all(&folds)
     }
 
     fn check_joint(&mut self, folds: Vec<(u32, Bytes)>) -> Result<(), OpsError> {
-        let state = &mut *self.state;
-        let rank = state.rank;
-        let result = (|| -> Result<()> {
-            let plan = state.plan("checking jointly read boxes")?;
-            state.check_read("checking jointly read boxes")?;
-            let mut by_rank = joint::FoldsByRank::new();
-            if let Some((stats, _)) = &state.read {
-                by_rank.insert(rank, (state.verifying(), stats.joint_folds.clone()));
-            }
-            for (peer, data) in &folds {
-                by_rank.insert(*peer, joint::decode(rank, *peer, data, None)?);
-            }
-            joint::check_joint_boxes(
-                plan,
-                Some(&state.checkpoint.meta),
-                &by_rank,
-                state.verifying(),
-            )?;
-            Ok(())
-        })();
-        result.map_err(|e| OpsError::invalid(format!("{e:#}")))?;
-        state.joint_checked = true;
-        Ok(())
+        self.state.job.check_joint(&folds)
     }
 }
 
@@ -710,19 +628,23 @@ fn prepare(
         buffers.push(Buffer::Caller(memory));
     }
     let tier = TierLoad::find(&opened.checkpoint, memory_tier.map(std::path::Path::new));
+    let requests = wanted.iter().map(|w| w.request.clone()).collect();
     Ok(GroupState {
         location: opened.location.clone(),
-        checkpoint: Arc::clone(&opened.checkpoint),
-        tier,
-        tier_copies: TierCopies::default(),
+        job: RankWork::new(
+            rank,
+            world,
+            Arc::clone(&opened.checkpoint),
+            requests,
+            tier,
+            verify,
+        ),
         rank,
         world,
         verify,
-        wanted,
         buffers,
         plan: None,
         rounds: None,
-        coordinator: None,
         messages: None,
         direct: false,
         read: None,
@@ -732,7 +654,6 @@ fn prepare(
         operations: HashMap::new(),
         next_operation: 0,
         cross_memory: tessera_ops::load::LoadSwitches::from_env().cross_memory,
-        joint_checked: false,
     })
 }
 
@@ -765,19 +686,19 @@ impl GroupLoad {
             &tessera_ops::load::LoadSwitches::from_env(),
         );
         let hello = Hello {
-            requests: state.wanted.iter().map(|w| w.request.clone()).collect(),
-            tier: state.tier.offer().clone(),
+            requests: state.job.requests().to_vec(),
+            tier: state.job.tier().offer().clone(),
             terms: JobTerms {
                 location: state.location.clone(),
-                checkpoint: checkpoint_key(&state.checkpoint, &state.location)
+                checkpoint: checkpoint_key(state.job.checkpoint(), &state.location)
                     .map_err(|e| py_error(e.into()))?,
-                plan: job_plan_terms(&state.checkpoint, &planning, &[], server.as_ref()),
+                plan: job_plan_terms(state.job.checkpoint(), &planning, &[], server.as_ref()),
             },
         };
         let hello = hello.encode().map_err(|e| py_error(e.into()))?;
         if state.rank == 0 {
-            state.coordinator = Some(JobCoordinator::new(
-                Arc::clone(&state.checkpoint),
+            state.job.coordinate_with(JobCoordinator::new(
+                Arc::clone(state.job.checkpoint()),
                 state.location.clone(),
                 planning,
                 server,
@@ -842,7 +763,7 @@ impl GroupLoad {
             Ok(actions) => {
                 // Reaching the exchange means the joint checks passed, here or at the coordinator.
                 if actions.iter().any(|a| matches!(a, JobStep::Exchange)) {
-                    state.joint_checked = true;
+                    state.job.reached_exchange();
                 }
                 actions
                     .into_iter()
@@ -877,13 +798,13 @@ impl GroupLoad {
         let mut options = load_options(state.verify, progress, total);
         // Parts of boxes several ranks read are folded here and checked in the joint checks.
         options.read.joint_checks = true;
-        let checkpoint = Arc::clone(&state.checkpoint);
+        let checkpoint = Arc::clone(state.job.checkpoint());
         let started = Instant::now();
         let buffers = &mut state.buffers;
         let stats = block_on_cancellable(py, Some(&self.cancel), async {
             Ok(checkpoint.read_into(&plan, &options, buffers).await?)
         })?;
-        let folds = joint::encode(state.verifying(), &stats.joint_folds);
+        let folds = state.job.read_done(stats.joint_folds.clone());
         state.read = Some((stats, started.elapsed().as_secs_f64()));
         Ok(PyBytes::new(py, &folds))
     }
@@ -915,7 +836,7 @@ impl GroupLoad {
             let Some((stats, read_seconds)) = &state.read else {
                 unreachable!("checked above")
             };
-            if !plan.joint_checks.is_empty() && !state.joint_checked {
+            if !plan.joint_checks.is_empty() && !state.job.joint_checked() {
                 bail!(
                     "rank {}: the saved boxes this rank read or received in parts were never \
                      checked against the other readers' folds: the load is incomplete",
@@ -949,7 +870,7 @@ impl GroupLoad {
             report.exchange_wait_seconds = exchange_wait_seconds.min(exchange_seconds).max(0.0);
             // The memory-tier copies this rank's node did not take, with why, and those that
             // failed a read after their check (read from storage instead).
-            let mut ignored = state.tier_copies.ignored.clone();
+            let mut ignored = state.job.tier_copies().ignored.clone();
             ignored.extend(report.memory_tier_fallbacks.iter().cloned());
             let mut json = serde_json::to_value(&report)?;
             json["memory_tier_ignored"] = serde_json::json!(ignored);

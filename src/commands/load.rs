@@ -2,9 +2,12 @@
 //! separate processes over TCP or NCCL on loopback) or one rank of a real job (`--rank`), into
 //! host memory or GPU memory (`--device cuda[:N]`, feature `cuda`), with a report.
 //!
-//! What a rank's load *is* (the plan source, the rendezvous rule, the options, the pipeline into
-//! host or CUDA memory) is `tessera_ops::load`, shared with the Python package; here are the
-//! flags, the ranks this command plays itself, and the rendering.
+//! A rank's load into host memory is the load job's rounds over the job's own transport
+//! (`tessera_ops::job`: rank 0 plans once, every rank takes its own plan, the ranks agree on it,
+//! read, check the saved boxes read in parts and exchange; `tessera_ops::job::host`), shared with
+//! the Python package's torch path. Here are the flags, the ranks this command plays itself
+//! (tasks of this process, or `--rank` processes it spawns), and the rendering. GPU memory
+//! (`--device cuda`) loads through the CUDA pipeline with a plan made by every rank (`gpu`).
 
 mod finish;
 #[cfg(feature = "cuda")]
@@ -15,23 +18,23 @@ mod spawn;
 
 use std::io::IsTerminal;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::device::{CUDA_BUILT, DeviceSpec, cuda_not_built};
-use tessera_loader::exchange::place;
 use tessera_loader::load::{LoadOptions, RankReport};
-use tessera_loader::plan_client::{PlanTarget, server_checkpoint_id};
+use tessera_loader::plan_client::server_checkpoint_id;
 use tessera_loader::read::ReadOptions;
-use tessera_loader::tier::TierCopies;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
+use tessera_ops::job::host::{HostJob, HostLoad, OnPlanned};
 use tessera_ops::load::agreement;
-use tessera_ops::load::{Destination, JobPlan, LoadSwitches, PlanServer, plan_options};
-use tessera_ops::memory_tier::{TierLoad, settle_over, sources_of, view_with_tier};
-use tessera_planner::{ExplicitRequests, PlanOptions, RankPlan, ReadOrder, RequestSet};
+use tessera_ops::load::{LoadSwitches, PlanServer, plan_options};
+use tessera_planner::{
+    ExplicitRequest, ExplicitRequests, PlanOptions, PlanSummary, ReadOrder, RequestSet,
+};
 
 pub use finish::dump_names;
 
@@ -117,34 +120,6 @@ pub struct LoadArgs {
     pub json: bool,
 }
 
-/// The server's plan of this job: `--server` with the checkpoint's id there (`--checkpoint-id`, by
-/// default the last two components of the location) and the layout or requests.
-async fn plan_on_server(args: &LoadArgs, server: &str, checkpoint: &Checkpoint) -> Result<JobPlan> {
-    let id = match &args.checkpoint_id {
-        Some(id) => id.clone(),
-        None => server_checkpoint_id(&args.checkpoint).with_context(|| {
-            format!(
-                "cannot tell the server-side id of {}; give --checkpoint-id <run>/<step>",
-                args.checkpoint
-            )
-        })?,
-    };
-    let target = match (&args.layout, &args.requests) {
-        (Some(layout), None) => PlanTarget::Layout(super::read_layout(layout)?),
-        (None, Some(path)) => PlanTarget::Requests(
-            ExplicitRequests::from_json(&super::read_text(path)?)
-                .with_context(|| format!("reading requests {path}"))?,
-        ),
-        _ => bail!("give exactly one of --layout or --requests"),
-    };
-    let server = PlanServer {
-        url: server.to_string(),
-        checkpoint_id: id,
-        token: args.token.clone(),
-    };
-    Ok(JobPlan::on_server(checkpoint, &args.checkpoint, &server, &target, args.dedup).await?)
-}
-
 /// Refuses what this build or the arguments cannot do, before any work.
 fn check_device(args: &LoadArgs) -> Result<()> {
     if args.device.is_cuda() && !CUDA_BUILT {
@@ -190,19 +165,25 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         }
         _ => None,
     };
-    let opened = open_checkpoint(args, shared_cache.as_ref().map(|d| d.path())).await?;
-    let (checkpoint, tier) = with_memory_tier(args, opened.clone())?;
+    let shared_cache = shared_cache.as_ref().map(|d| d.path());
+    let opened = open_checkpoint(args, shared_cache).await?;
+    check_plan_flags(args)?;
     let switches = LoadSwitches::from_env();
-    let started = Instant::now();
     let planning = plan_options(
         args.dedup,
         Some(args.read_order),
         args.transport == TransportKind::Nccl,
         &switches,
     );
-    let plan = job_plan(args, &checkpoint, tier.as_ref(), &planning).await?;
-    let plan_seconds = started.elapsed().as_secs_f64();
-    let options = load_options(args, &switches);
+    let requests = requests_for(args, &opened)?;
+    let job = Job {
+        args: args.clone(),
+        server: plan_server(args)?,
+        requests: Arc::new(ExplicitRequests::of(&requests, opened.meta.tensors()).ranks),
+        opened: Arc::new(opened),
+        planning,
+        options: load_options(args, &switches),
+    };
     // One bound for every wait on a peer, rendezvous included (it had its own 300 s default).
     let transport_options = TransportOptions {
         timeout: args.peer_timeout,
@@ -210,68 +191,258 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         progress_every: Some(progress_interval(args.peer_timeout)),
     };
     #[cfg(feature = "cuda")]
-    if args.rank.is_none() {
-        gpu::check_nccl(args, plan.world())?;
+    if args.device.is_cuda() {
+        return gpu::run(&job, &requests, transport_options, shared_cache).await;
     }
-
     if let Some(rank) = args.rank {
-        let job = JobAt {
-            opened: &opened,
-            checkpoint: &checkpoint,
-            plan: &plan,
-            planning: &planning,
-        };
-        let (report, memory) = load_rank(args, rank, &job, transport_options, &options).await?;
-        if let Some(path) = &args.report_json {
-            std::fs::write(path, serde_json::to_vec(&report)?)
-                .with_context(|| format!("writing {path}"))?;
-        }
-        if let Some(path) = &args.metrics_file {
-            metrics::write_metrics(path, std::slice::from_ref(&report))?;
-        }
-        let kind = match memory.label() {
-            None => "tcp, one rank".to_string(),
-            Some(device) => format!("{}, one rank, {device}", args.transport.name()),
-        };
-        return Ok(report::report(
-            args,
-            &checkpoint,
-            &plan,
-            &[report],
-            plan_seconds,
-            &kind,
-        ));
+        return load_rank(&job, rank, transport_options).await;
     }
-
-    let (reports, kind) = match args.transport {
-        TransportKind::InProc => {
-            load_all_inproc(args, &checkpoint, &plan, options, transport_options).await?
-        }
+    let (loaded, kind) = match args.transport {
+        TransportKind::InProc => load_all_inproc(&job, transport_options).await?,
         TransportKind::Tcp | TransportKind::Nccl => {
-            let reports =
-                spawn::load_all_tcp(args, plan.world(), shared_cache.as_ref().map(|d| d.path()))
-                    .await?;
-            let mut kind = format!("{} processes on 127.0.0.1", args.transport.name());
-            if args.device.is_cuda() {
-                kind.push_str(&format!(", {}", args.device));
-            }
-            (reports, kind)
+            let world = job.world();
+            let loaded = spawn::load_all_tcp(args, world, shared_cache).await?;
+            let kind = format!("{} processes on 127.0.0.1", args.transport.name());
+            (loaded, kind)
         }
     };
+    finish_job(&job, &loaded, &kind)
+}
+
+/// The report of every rank of the job, with the files `--report-json` and `--metrics-file` ask
+/// for.
+fn finish_job(job: &Job, loaded: &Loaded, kind: &str) -> Result<String> {
+    let args = &job.args;
     if let Some(path) = &args.report_json {
-        report::write_all_ranks_json(path, &plan, &reports)?;
+        report::write_all_ranks_json(path, &loaded.summary, &loaded.reports)?;
     }
     if let Some(path) = &args.metrics_file {
-        metrics::write_metrics(path, &reports)?;
+        metrics::write_metrics(path, &loaded.reports)?;
     }
     Ok(report::report(
         args,
-        &checkpoint,
-        &plan,
-        &reports,
-        plan_seconds,
-        &kind,
+        &job.opened,
+        &loaded.summary,
+        &loaded.reports,
+        loaded.plan_seconds,
+        kind,
     ))
+}
+
+/// What the ranks of a load reported: each rank's report, the job's plan in numbers and how long
+/// planning took.
+pub(crate) struct Loaded {
+    pub(crate) reports: Vec<RankReport>,
+    pub(crate) summary: PlanSummary,
+    pub(crate) plan_seconds: f64,
+}
+
+/// Refuses flags that cannot plan together, before any rank starts.
+fn check_plan_flags(args: &LoadArgs) -> Result<()> {
+    match &args.memory_tier {
+        Some(_) if args.server.is_some() => bail!(
+            "--memory-tier: a plan server plans reads from storage only; drop --server to read from the tier"
+        ),
+        Some(_) if args.transport == TransportKind::Nccl => {
+            bail!("--memory-tier is not supported with --transport nccl yet; use --transport tcp")
+        }
+        _ => {}
+    }
+    if args.server.is_some() && !args.filter.is_everything() {
+        bail!(
+            "--include/--exclude filter a plan made here; a server plans every tensor (drop --server)"
+        );
+    }
+    Ok(())
+}
+
+/// The tessera server that plans the job (`--server`), with the checkpoint's id there
+/// (`--checkpoint-id`, by default the last two components of the location).
+fn plan_server(args: &LoadArgs) -> Result<Option<PlanServer>> {
+    let Some(url) = &args.server else {
+        return Ok(None);
+    };
+    let checkpoint_id = match &args.checkpoint_id {
+        Some(id) => id.clone(),
+        None => server_checkpoint_id(&args.checkpoint).with_context(|| {
+            format!(
+                "cannot tell the server-side id of {}; give --checkpoint-id <run>/<step>",
+                args.checkpoint
+            )
+        })?,
+    };
+    Ok(Some(PlanServer {
+        url: url.clone(),
+        checkpoint_id,
+        token: args.token.clone(),
+    }))
+}
+
+/// One load job as this command runs its ranks: the flags, and what every rank loads with
+/// (`tessera_ops::job::host::HostJob`).
+#[derive(Clone)]
+pub(crate) struct Job {
+    args: LoadArgs,
+    opened: Arc<Checkpoint>,
+    requests: Arc<Vec<Vec<ExplicitRequest>>>,
+    planning: PlanOptions,
+    server: Option<PlanServer>,
+    options: LoadOptions,
+}
+
+impl Job {
+    fn world(&self) -> u32 {
+        self.requests.len() as u32
+    }
+
+    /// Loads rank `rank` over `transport` into host memory, then checks and dumps its buffers;
+    /// `on_planned` sees the job's plan in numbers before it reads.
+    async fn load_host_rank<T: Transport + 'static>(
+        &self,
+        rank: u32,
+        transport: T,
+        on_planned: Option<OnPlanned>,
+    ) -> Result<HostLoad> {
+        let args = &self.args;
+        let job = HostJob {
+            checkpoint: Arc::clone(&self.opened),
+            location: args.checkpoint.clone(),
+            requests: Arc::clone(&self.requests),
+            planning: self.planning.clone(),
+            filter: args.filter.describe(),
+            server: self.server.clone(),
+            memory_tier: args.memory_tier.as_ref().map(std::path::PathBuf::from),
+            verify: args.verify,
+            options: self.options.clone(),
+            timeout: args.peer_timeout,
+        };
+        let loaded = job.load_rank(rank, transport, on_planned).await?;
+        finish::finish_rank(args, &loaded.plan, &loaded.buffers)?;
+        Ok(loaded)
+    }
+}
+
+/// The job's plan in numbers as a rank took it.
+fn summary_of(loaded: &HostLoad) -> Result<PlanSummary> {
+    loaded.work.job_summary().cloned().with_context(|| {
+        format!(
+            "rank {}: the coordinator's answer did not say the job's plan",
+            loaded.plan.rank
+        )
+    })
+}
+
+/// This process's one rank of a job (`--rank`): meets the other ranks at the rendezvous and runs
+/// its load over TCP.
+async fn load_rank(job: &Job, rank: u32, transport_options: TransportOptions) -> Result<String> {
+    let args = &job.args;
+    let world = job.world();
+    if let Some(w) = args.world
+        && w != world
+    {
+        bail!("--world {w} but the layout has {world} ranks");
+    }
+    let config = rendezvous(job, rank)?;
+    let transport = TcpTransport::connect(&config, transport_options).await?;
+    let loaded = job.load_host_rank(rank, transport, None).await?;
+    for why in &loaded.work.tier_copies().ignored {
+        eprintln!("warning: memory tier: {why}");
+    }
+    let summary = summary_of(&loaded)?;
+    if let Some(path) = &args.report_json {
+        spawn::write_rank_json(path, &loaded.report, &summary, loaded.plan_seconds)?;
+    }
+    if let Some(path) = &args.metrics_file {
+        metrics::write_metrics(path, std::slice::from_ref(&loaded.report))?;
+    }
+    Ok(report::report(
+        args,
+        &job.opened,
+        &summary,
+        &[loaded.report],
+        loaded.plan_seconds,
+        "tcp, one rank",
+    ))
+}
+
+/// Every rank of the job in this process, each on its own task over an in-process mesh; returns
+/// what they reported and how the ranks ran.
+async fn load_all_inproc(
+    job: &Job,
+    transport_options: TransportOptions,
+) -> Result<(Loaded, String)> {
+    let mut job = job.clone();
+    // A bar only where a person watches: not with --quiet, not into a pipe or a log file. Its
+    // length is the job's bytes to read, known once rank 0 planned.
+    let bar = (!job.args.quiet && std::io::stderr().is_terminal()).then(|| {
+        let bar = ProgressBar::new(0);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "  read {binary_bytes} of {binary_total_bytes} ({percent}%) {wide_bar} {binary_bytes_per_sec}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        bar
+    });
+    let on_planned = bar.clone().map(|bar| -> OnPlanned {
+        Arc::new(move |summary: &PlanSummary| bar.set_length(summary.bytes_read))
+    });
+    if let Some(bar) = bar.clone() {
+        job.options.progress = Some(Arc::new(move |bytes| bar.inc(bytes)));
+    }
+    let transports = InProcTransport::mesh(job.world(), transport_options);
+    let mut tasks = Vec::with_capacity(transports.len());
+    for (rank, transport) in transports.into_iter().enumerate() {
+        let (job, on_planned) = (job.clone(), on_planned.clone());
+        tasks.push(tokio::spawn(async move {
+            job.load_host_rank(rank as u32, transport, on_planned).await
+        }));
+    }
+    let loads = join_ranks(tasks).await;
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let loads = loads?;
+    let first = loads.first().context("a job of no ranks")?;
+    // The node's ranks share one tier and its verdicts: said once.
+    for why in &first.work.tier_copies().ignored {
+        eprintln!("warning: memory tier: {why}");
+    }
+    let loaded = Loaded {
+        summary: summary_of(first)?,
+        plan_seconds: first.plan_seconds,
+        reports: loads.into_iter().map(|l| l.report).collect(),
+    };
+    Ok((loaded, "in-process".to_string()))
+}
+
+/// Waits for every rank's task (each in rank order); their failures as one error naming each
+/// rank, whose exit code is that of the rank whose trouble made the others fail.
+async fn join_ranks<T>(tasks: Vec<tokio::task::JoinHandle<Result<T>>>) -> Result<Vec<T>> {
+    let mut done = Vec::with_capacity(tasks.len());
+    let mut failures = Vec::new();
+    let mut classes = Vec::new();
+    for (rank, task) in tasks.into_iter().enumerate() {
+        match task.await {
+            Ok(Ok(value)) => done.push(value),
+            Ok(Err(e)) => {
+                classes.push(crate::exit::classify(&e));
+                failures.push(format!("rank {rank}: {e}"));
+            }
+            Err(e) => {
+                classes.push(crate::exit::ErrorClass::Other);
+                failures.push(format!("rank {rank}: task failed: {e}"));
+            }
+        }
+    }
+    if !failures.is_empty() {
+        return Err(crate::exit::RanksFailed {
+            failures,
+            class: crate::exit::root_class(classes),
+        }
+        .into());
+    }
+    Ok(done)
 }
 
 /// Opens the checkpoint to load (its DCP blob index shared through `shared_cache` when given),
@@ -301,196 +472,6 @@ async fn open_checkpoint(
         );
     }
     Ok(checkpoint)
-}
-
-/// The checkpoint as this command plans it, and the memory tier copies its ranks share. A rank
-/// of a job (--rank) verifies its share of its node's copies with the other ranks (in
-/// [`load_rank`]); this command's own ranks share one tier, verified here once.
-fn with_memory_tier(
-    args: &LoadArgs,
-    checkpoint: Checkpoint,
-) -> Result<(Checkpoint, Option<TierCopies>)> {
-    Ok(match &args.memory_tier {
-        Some(_) if args.server.is_some() => bail!(
-            "--memory-tier: a plan server plans reads from storage only; drop --server to read from the tier"
-        ),
-        Some(_) if args.transport == TransportKind::Nccl => {
-            bail!("--memory-tier is not supported with --transport nccl yet; use --transport tcp")
-        }
-        Some(_) if args.rank.is_some() => (checkpoint, None),
-        Some(dir) => {
-            let (view, copies) = view_with_tier(&checkpoint, std::path::Path::new(dir))?;
-            for why in &copies.ignored {
-                eprintln!("warning: memory tier {dir}: {why}");
-            }
-            (view, Some(copies))
-        }
-        None => (checkpoint, None),
-    })
-}
-
-/// The job's plan: from the plan server (--server), or made here, reading what `tier` holds
-/// from it.
-async fn job_plan(
-    args: &LoadArgs,
-    checkpoint: &Checkpoint,
-    tier: Option<&TierCopies>,
-    planning: &PlanOptions,
-) -> Result<JobPlan> {
-    Ok(match &args.server {
-        Some(_) if !args.filter.is_everything() => bail!(
-            "--include/--exclude filter a plan made here; a server plans every tensor (drop --server)"
-        ),
-        Some(server) => plan_on_server(args, server, checkpoint).await?,
-        None => {
-            let requests = requests_for(args, checkpoint)?;
-            // Every rank of this command (in-process, or spawned on this host) sees the same
-            // tier; a rank of a job over several hosts (--rank) plans again with every rank's
-            // offer once the ranks meet.
-            let offers = match (tier, args.rank) {
-                (Some(copies), None) => {
-                    vec![copies.file_indices(); requests.world_size() as usize]
-                }
-                _ => Vec::new(),
-            };
-            JobPlan::local_with_sources(checkpoint, &requests, planning, &sources_of(&offers))?
-        }
-    })
-}
-
-/// What one rank of a job (--rank) loads from: the checkpoint as opened (whose node tier copies
-/// it offers), as planned, the job's plan and the options it was planned with.
-struct JobAt<'a> {
-    opened: &'a Checkpoint,
-    checkpoint: &'a Checkpoint,
-    plan: &'a JobPlan,
-    planning: &'a PlanOptions,
-}
-
-/// Loads this process's one rank of a job: meets the other ranks, settles the memory tier
-/// copies with them (planning again over those when there is a tier), and loads over TCP (or
-/// NCCL) into the rank's memory, which it returns with the report.
-async fn load_rank(
-    args: &LoadArgs,
-    rank: u32,
-    job: &JobAt<'_>,
-    transport_options: TransportOptions,
-    options: &LoadOptions,
-) -> Result<(RankReport, RankMemory)> {
-    let world = job.plan.world();
-    if let Some(w) = args.world
-        && w != world
-    {
-        bail!("--world {w} but the layout has {world} ranks");
-    }
-    let config = rendezvous(args, job.checkpoint, job.planning, rank, world)?;
-    let memory = RankMemory::for_rank(args, rank, true)?;
-    let rank_plan = job.plan.rank_plan(rank).await?;
-    let report = match args.transport {
-        #[cfg(feature = "cuda")]
-        TransportKind::Nccl => {
-            gpu::load_nccl(
-                args,
-                job.checkpoint,
-                rank_plan,
-                &config,
-                transport_options,
-                &memory,
-                options,
-            )
-            .await?
-        }
-        _ => {
-            let transport = TcpTransport::connect(&config, transport_options).await?;
-            // Every rank takes part (offering nothing without a tier), so that ranks that
-            // disagree on --memory-tier still meet.
-            let found = TierLoad::find(
-                job.opened,
-                args.memory_tier.as_deref().map(std::path::Path::new),
-            );
-            let (view, sources, copies) = settle_over(&found, job.opened, &transport).await?;
-            for why in &copies.ignored {
-                eprintln!("warning: memory tier: {why}");
-            }
-            let rank_plan = if args.memory_tier.is_some() {
-                let requests = requests_for(args, &view)?;
-                JobPlan::local_with_sources(&view, &requests, job.planning, &sources)?
-                    .rank_plan(rank)
-                    .await?
-            } else {
-                rank_plan
-            };
-            let checkpoint = view;
-            load_one(args, &checkpoint, rank_plan, &transport, &memory, options).await?
-        }
-    };
-    Ok((report, memory))
-}
-
-/// Where one rank's buffers live.
-enum RankMemory {
-    /// Host memory.
-    Host,
-    /// A CUDA device (`--device cuda[:N]`).
-    #[cfg(feature = "cuda")]
-    Cuda(tessera_loader::device::cuda::CudaDevice),
-}
-
-impl RankMemory {
-    /// Rank `rank`'s memory as `--device` says; `from_env`: a rank of a real job (its GPU from
-    /// torchrun's `LOCAL_RANK`), else a rank this process plays itself.
-    fn for_rank(args: &LoadArgs, rank: u32, from_env: bool) -> Result<RankMemory> {
-        match args.device {
-            DeviceSpec::Cpu => Ok(RankMemory::Host),
-            #[cfg(feature = "cuda")]
-            DeviceSpec::Cuda(_) => Ok(RankMemory::Cuda(gpu::open_device(args, rank, from_env)?)),
-            #[cfg(not(feature = "cuda"))]
-            DeviceSpec::Cuda(_) => {
-                let _ = (rank, from_env);
-                Err(cuda_not_built(&format!("--device {}", args.device)).into())
-            }
-        }
-    }
-
-    /// The device's label (`cuda:0 (NVIDIA H100 ...)`); `None` for host memory.
-    fn label(&self) -> Option<String> {
-        match self {
-            RankMemory::Host => None,
-            #[cfg(feature = "cuda")]
-            RankMemory::Cuda(device) => Some(device.label()),
-        }
-    }
-}
-
-/// Loads rank `plan.rank` over `transport` into `memory` (the pipeline every front end shares,
-/// `tessera_ops::load::load_rank`), then checks and dumps its buffers.
-async fn load_one<T: Transport>(
-    args: &LoadArgs,
-    checkpoint: &Checkpoint,
-    plan: RankPlan,
-    transport: &T,
-    memory: &RankMemory,
-    options: &LoadOptions,
-) -> Result<RankReport> {
-    match memory {
-        RankMemory::Host => {
-            let mut buffers = place::allocate(&plan);
-            let report = tessera_ops::load::load_rank(
-                checkpoint,
-                &plan,
-                transport,
-                Destination::Host(&mut buffers),
-                options,
-            )
-            .await?;
-            finish::finish_rank(args, &plan, &buffers)?;
-            Ok(report)
-        }
-        #[cfg(feature = "cuda")]
-        RankMemory::Cuda(device) => {
-            gpu::load_one(args, checkpoint, plan, transport, device, options).await
-        }
-    }
 }
 
 fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> {
@@ -541,42 +522,13 @@ fn job_fingerprint(args: &LoadArgs, checkpoint: &Checkpoint, world: u32) -> Resu
     Ok(agreement::job_fingerprint(&key, &parts, world))
 }
 
-/// The options of this job's plan that every rank must share: planned here with `planning` (as
-/// `checkpoint` plans with them) and the tensor filter, or on the server.
-fn plan_terms(
-    args: &LoadArgs,
-    checkpoint: &Checkpoint,
-    planning: &PlanOptions,
-) -> Vec<(String, String)> {
-    let server = args.server.as_ref().map(|url| PlanServer {
-        url: url.clone(),
-        // As the plan was asked for (`plan_on_server`, which fails when there is none).
-        checkpoint_id: args
-            .checkpoint_id
-            .clone()
-            .or_else(|| server_checkpoint_id(&args.checkpoint))
-            .unwrap_or_default(),
-        token: None,
-    });
-    agreement::job_plan_terms(
-        checkpoint,
-        planning,
-        &args.filter.describe(),
-        server.as_ref(),
-    )
-}
-
 /// Rank `rank`'s rendezvous by the one rule of `tessera_ops::load::rendezvous` (flags, then
 /// `TESSERA_PORT`, then torchrun's `MASTER_ADDR` and `MASTER_PORT + 1`), for this job only, and
-/// with the plan options every rank must share.
-fn rendezvous(
-    args: &LoadArgs,
-    checkpoint: &Checkpoint,
-    planning: &PlanOptions,
-    rank: u32,
-    world: u32,
-) -> Result<RendezvousConfig> {
-    let job = job_fingerprint(args, checkpoint, world)?;
+/// with the options of its plan every rank must share (planned here with the job's options and
+/// tensor filter, or on the server).
+fn rendezvous(job: &Job, rank: u32) -> Result<RendezvousConfig> {
+    let (args, world) = (&job.args, job.world());
+    let fingerprint = job_fingerprint(args, &job.opened, world)?;
     let config = tessera_ops::load::rendezvous::rank_rendezvous(
         args.master_addr.as_deref(),
         args.master_port,
@@ -584,80 +536,11 @@ fn rendezvous(
         world,
         |name| std::env::var(name).ok(),
     )?;
-    Ok(config
-        .with_job(job)
-        .with_plan(plan_terms(args, checkpoint, planning)))
-}
-
-/// Every rank of the job in this process, each on its own task over an in-process mesh (each on
-/// its GPU with `--device cuda`); returns the reports and how the ranks ran.
-async fn load_all_inproc(
-    args: &LoadArgs,
-    checkpoint: &Checkpoint,
-    plan: &JobPlan,
-    mut options: LoadOptions,
-    transport_options: TransportOptions,
-) -> Result<(Vec<RankReport>, String)> {
-    let world = plan.world();
-    let total = plan.summary().bytes_read;
-    // A bar only where a person watches: not with --quiet, not into a pipe or a log file.
-    let bar = (!args.quiet && std::io::stderr().is_terminal()).then(|| {
-        let bar = ProgressBar::new(total);
-        bar.set_style(
-            ProgressStyle::with_template(
-                "  read {binary_bytes} of {binary_total_bytes} ({percent}%) {wide_bar} {binary_bytes_per_sec}",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
-        bar
-    });
-    if let Some(bar) = bar.clone() {
-        options.progress = Some(Arc::new(move |bytes| bar.inc(bytes)));
-    }
-    let transports = InProcTransport::mesh(world, transport_options);
-    let mut tasks = Vec::with_capacity(world as usize);
-    let mut devices = Vec::new();
-    for (rank, transport) in transports.into_iter().enumerate() {
-        let rank = rank as u32;
-        let memory = RankMemory::for_rank(args, rank, false)?;
-        devices.extend(memory.label());
-        let rank_plan = plan.rank_plan(rank).await?;
-        let (args, checkpoint, options) = (args.clone(), checkpoint.clone(), options.clone());
-        tasks.push(tokio::spawn(async move {
-            load_one(&args, &checkpoint, rank_plan, &transport, &memory, &options).await
-        }));
-    }
-    let mut reports = Vec::with_capacity(tasks.len());
-    let mut failures = Vec::new();
-    let mut classes = Vec::new();
-    for (rank, task) in tasks.into_iter().enumerate() {
-        match task.await {
-            Ok(Ok(report)) => reports.push(report),
-            Ok(Err(e)) => {
-                classes.push(crate::exit::classify(&e));
-                failures.push(format!("rank {rank}: {e}"));
-            }
-            Err(e) => {
-                classes.push(crate::exit::ErrorClass::Other);
-                failures.push(format!("rank {rank}: task failed: {e}"));
-            }
-        }
-    }
-    if let Some(bar) = bar {
-        bar.finish_and_clear();
-    }
-    if !failures.is_empty() {
-        // Its own type: the exit code is that of the rank whose trouble made the others fail.
-        return Err(crate::exit::RanksFailed {
-            failures,
-            class: crate::exit::root_class(classes),
-        }
-        .into());
-    }
-    devices.dedup();
-    let mut kind = "in-process".to_string();
-    if !devices.is_empty() {
-        kind.push_str(&format!(", {}", devices.join(" ")));
-    }
-    Ok((reports, kind))
+    let terms = agreement::job_plan_terms(
+        &job.opened,
+        &job.planning,
+        &args.filter.describe(),
+        job.server.as_ref(),
+    );
+    Ok(config.with_job(fingerprint).with_plan(terms))
 }

@@ -531,3 +531,31 @@ pub async fn run_exchange_messages<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
     let (_, _, stats) = drive::drive(transport, protocol, buffers, None, Instant::now()).await?;
     Ok(stats)
 }
+
+/// The exchange of a rank whose own reads are done (a load job's rounds read, check the jointly
+/// read boxes, then exchange: `tessera_ops::job`): every share of `plan` over `transport`, sent
+/// in parts of `options.share_part_bytes`, straight from memory to memory between ranks of one
+/// host where the transport allows it and `options.cross_memory` is on, placing what arrives in
+/// `buffers` (one per plan destination, every piece this rank reads already in place).
+pub async fn exchange_after_read<T: Transport, B: AsMut<[u8]> + AsRef<[u8]>>(
+    plan: &RankPlan,
+    transport: &T,
+    options: &crate::load::LoadOptions,
+    buffers: &mut [B],
+) -> Result<ExchangeStats, LoaderError> {
+    check_rank(plan, transport.rank(), transport.world())?;
+    check_buffer_sizes(plan, buffers.iter().map(|b| b.as_ref().len() as u64))
+        .map_err(|detail| invalid(plan, detail))?;
+    let messages = ExchangeMessages::of_plan_in_parts(
+        plan,
+        options.share_part_bytes.unwrap_or(SHARE_PART_BYTES),
+    )?;
+    // Declared before everything that may hold its addresses: dropped (token zeroed) last.
+    let exposure = direct::Exposure::new();
+    let hello = transport
+        .direct_copies()
+        .then(|| bytes::Bytes::from(exposure.offer(options.cross_memory)));
+    let protocol = protocol::ExchangeProtocol::new(plan, messages, hello, options.cross_memory);
+    let (_, _, stats) = drive::drive(transport, protocol, buffers, None, Instant::now()).await?;
+    Ok(stats)
+}

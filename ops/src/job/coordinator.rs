@@ -13,7 +13,9 @@ use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::plan_client::PlanTarget;
 use tessera_loader::tier::Verified;
 use tessera_loader::verify::joint;
-use tessera_planner::{ExplicitRequest, ExplicitRequests, PlanOptions, RankPlan, ReadSources};
+use tessera_planner::{
+    ExplicitRequest, ExplicitRequests, PlanOptions, PlanSummary, RankPlan, ReadSources,
+};
 
 use super::PlannedRank;
 use crate::OpsError;
@@ -65,6 +67,9 @@ pub enum Answer {
         /// The coordinator checks every jointly read box (it made the whole plan); otherwise
         /// (a server's plan) each rank checks its own with the other readers' folds.
         joint_at_coordinator: bool,
+        /// The whole job's plan in numbers, for a rank's report of the job.
+        #[serde(default)]
+        summary: Option<PlanSummary>,
     },
 }
 
@@ -236,6 +241,7 @@ impl JobCoordinator {
             JobPlan::Server { .. } => None,
         };
         let joint_at_coordinator = self.joint_view.is_some();
+        let summary = plan.summary().clone();
         let mut node_verified = node_verified.unwrap_or_default().into_iter();
         let mut answers = Vec::with_capacity(world);
         for rank in 0..world as u32 {
@@ -243,6 +249,7 @@ impl JobCoordinator {
                 plan: Box::new(plan.rank_plan(rank).await?),
                 node_verified: node_verified.next().unwrap_or_default(),
                 joint_at_coordinator,
+                summary: Some(summary.clone()),
             };
             answers.push(answer.encode()?);
         }

@@ -49,6 +49,26 @@ impl std::fmt::Display for JobFailure {
     }
 }
 
+impl JobFailure {
+    /// The failure as rank `me` raises it: its own error as it is (and a rank that died as its
+    /// own transport names it), another rank's as [`OpsError::RankFailed`].
+    pub fn on_rank(self, me: u32) -> OpsError {
+        let died = matches!(&*self.error, OpsError::Loader(e)
+            if matches!(**e, tessera_loader::LoaderError::Transport { .. }));
+        if self.rank == me || died {
+            return *self.error;
+        }
+        OpsError::RankFailed {
+            rank: self.rank,
+            step: self.round.step(),
+            detail: self.error.to_string(),
+        }
+    }
+}
+
+// The failing rank's error is in the text already: no source, so that a chain does not say it twice.
+impl std::error::Error for JobFailure {}
+
 /// A rank's turn: its rounds, the actions it has yet to move, and what it waits on.
 struct Turn {
     rounds: RankRounds,

@@ -40,12 +40,17 @@
 //! each arrival is one counter and a poll of one key.
 
 mod coordinator;
+pub mod host;
 mod machine;
 pub mod memory_board;
 pub mod packed;
+mod rank_work;
+pub mod transport_board;
 
 pub use coordinator::{Answer, Hello, JobCoordinator, PairReport, Verdict, planned_rank};
 pub use machine::RankRounds;
+pub use memory_board::JobFailure;
+pub use rank_work::{AsyncJobWork, RankWork};
 
 use bytes::Bytes;
 

@@ -8,7 +8,7 @@ use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::load::RankReport;
 use tessera_metadata::Format;
 use tessera_metadata::formats::dcp::IndexSource;
-use tessera_ops::load::JobPlan;
+use tessera_planner::PlanSummary;
 
 use super::LoadArgs;
 use crate::human;
@@ -57,9 +57,9 @@ pub struct LoadTotals {
 }
 
 impl LoadTotals {
-    fn new(plan: &JobPlan, reports: &[RankReport]) -> Self {
+    fn new(plan: &PlanSummary, reports: &[RankReport]) -> Self {
         let sum = |f: fn(&RankReport) -> u64| reports.iter().map(f).sum::<u64>();
-        let unique = plan.summary().unique_bytes_needed;
+        let unique = plan.unique_bytes_needed;
         let (read, fetched) = (sum(|r| r.bytes_read), sum(|r| r.bytes_fetched));
         LoadTotals {
             ranks: reports.len(),
@@ -89,7 +89,7 @@ impl LoadTotals {
 /// The `--report-json` of a load of several ranks: the totals and every rank's own report.
 pub(super) fn write_all_ranks_json(
     path: &str,
-    plan: &JobPlan,
+    plan: &PlanSummary,
     reports: &[RankReport],
 ) -> Result<()> {
     let json = serde_json::json!({
@@ -104,7 +104,7 @@ pub(super) fn write_all_ranks_json(
 pub(super) fn report(
     args: &LoadArgs,
     checkpoint: &Checkpoint,
-    plan: &JobPlan,
+    plan: &PlanSummary,
     reports: &[RankReport],
     plan_seconds: f64,
     kind: &str,
@@ -132,7 +132,7 @@ pub(super) fn report(
 fn report_json(
     args: &LoadArgs,
     checkpoint: &Checkpoint,
-    plan: &JobPlan,
+    plan: &PlanSummary,
     reports: &[RankReport],
     plan_seconds: f64,
     kind: &str,
@@ -141,11 +141,11 @@ fn report_json(
         "checkpoint": args.checkpoint,
         "format": checkpoint.format.name(),
         "transport": kind,
-        "world": plan.world(),
+        "world": plan.ranks,
         "ranks_loaded": reports.len(),
         "verified": args.verify,
         "plan_seconds": plan_seconds,
-        "plan": plan.summary(),
+        "plan": plan,
         "totals": LoadTotals::new(plan, reports),
         "ranks": reports,
     });
@@ -155,7 +155,7 @@ fn report_json(
 fn report_text(
     args: &LoadArgs,
     checkpoint: &Checkpoint,
-    plan: &JobPlan,
+    plan: &PlanSummary,
     reports: &[RankReport],
     plan_seconds: f64,
     kind: &str,
@@ -167,7 +167,7 @@ fn report_text(
         "loaded {} into {} of {} ranks ({kind})",
         args.checkpoint,
         reports.len(),
-        plan.world()
+        plan.ranks
     );
     bytes_lines(&mut out, args, reports, &totals);
     format_lines(&mut out, args, checkpoint, &totals);

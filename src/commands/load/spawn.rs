@@ -6,16 +6,30 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use tessera_loader::load::RankReport;
-use tessera_planner::ReadOrder;
+use tessera_planner::{PlanSummary, ReadOrder};
 
-use super::{LoadArgs, TransportKind};
+use super::{LoadArgs, Loaded, TransportKind};
+
+/// A rank's `--report-json`: its report, with the job's plan in numbers and how long planning
+/// took, which the parent of spawned ranks reports the job with.
+pub(super) fn write_rank_json(
+    path: &str,
+    report: &RankReport,
+    summary: &PlanSummary,
+    plan_seconds: f64,
+) -> Result<()> {
+    let mut json = serde_json::to_value(report)?;
+    json["plan"] = serde_json::to_value(summary)?;
+    json["plan_seconds"] = serde_json::json!(plan_seconds);
+    std::fs::write(path, serde_json::to_vec(&json)?).with_context(|| format!("writing {path}"))
+}
 
 /// Runs every rank as its own `tessera load --rank` process, rendezvousing on a free loopback port.
 pub(super) async fn load_all_tcp(
     args: &LoadArgs,
     world: u32,
     shared_cache: Option<&std::path::Path>,
-) -> Result<Vec<RankReport>> {
+) -> Result<Loaded> {
     let port = {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
         listener.local_addr()?.port()
@@ -120,15 +134,22 @@ pub(super) async fn load_all_tcp(
     let mut failures = Vec::new();
     let mut classes = Vec::new();
     let mut reports = Vec::new();
+    let mut planned = None;
     for (rank, report, outcome) in outcomes {
         match outcome {
             RankOutcome::Succeeded => {
                 let text = std::fs::read(&report)
                     .with_context(|| format!("reading rank {rank}'s report"))?;
-                reports.push(
-                    serde_json::from_slice(&text)
-                        .with_context(|| format!("parsing rank {rank}'s report"))?,
-                );
+                let parse = || -> Result<(RankReport, PlanSummary, f64)> {
+                    let json: serde_json::Value = serde_json::from_slice(&text)?;
+                    let plan_seconds = json["plan_seconds"].as_f64().unwrap_or(0.0);
+                    let summary = serde_json::from_value(json["plan"].clone())?;
+                    Ok((serde_json::from_value(json)?, summary, plan_seconds))
+                };
+                let (report, summary, plan_seconds) =
+                    parse().with_context(|| format!("parsing rank {rank}'s report"))?;
+                reports.push(report);
+                planned.get_or_insert((summary, plan_seconds));
             }
             RankOutcome::Failed(message) => {
                 // Killed or vanished: to its peers, a peer that failed.
@@ -150,7 +171,12 @@ pub(super) async fn load_all_tcp(
         }
         .into());
     }
-    Ok(reports)
+    let (summary, plan_seconds) = planned.context("a job of no ranks")?;
+    Ok(Loaded {
+        reports,
+        summary,
+        plan_seconds,
+    })
 }
 
 /// How one rank process ended.
@@ -191,9 +217,12 @@ async fn supervise(
                         // Progress ("rank 0: waiting for ranks 2,3 to join") and the
                         // rendezvous's refusals of connections that are not the job's are
                         // passed on as they come, so that a waiting load is not silent.
-                        if line.starts_with("rank ")
+                        // So are rank 0's word on the memory tier's copies it did not take
+                        // (every rank here shares this host's tier and its verdicts).
+                        if (line.starts_with("rank ")
                             && (line.contains(": waiting for ")
-                                || line.ends_with("; still waiting for this job's ranks"))
+                                || line.ends_with("; still waiting for this job's ranks")))
+                            || (rank == 0 && line.starts_with("warning: memory tier"))
                         {
                             eprintln!("{line}");
                         } else {

@@ -1,0 +1,278 @@
+//! One rank's whole load job into host buffers over the job's own transport, the driver every
+//! front end with a [`Transport`] shares (the CLI's in-process ranks, its `--rank` processes): the
+//! rounds ([`super::transport_board::run_job`]: rank 0 plans once, each rank takes its own plan,
+//! the plan agreement, the read of its own pieces, the joint checks), then the exchange of what
+//! it read with its peers ([`tessera_loader::exchange::exchange_after_read`]), then its report.
+//! [`HostJob`] is what every rank of one job loads with; [`HostJob::load_rank`] one rank's load.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use tessera_loader::checkpoint::Checkpoint;
+use tessera_loader::exchange::relay::{self, Slot, with_relay_buffers};
+use tessera_loader::exchange::{exchange_after_read, place};
+use tessera_loader::load::{LoadOptions, RankReport};
+use tessera_loader::read::ReadStats;
+use tessera_loader::transport::Transport;
+use tessera_planner::{ExplicitRequest, PlanOptions, PlanSummary, RankPlan};
+
+use super::transport_board::{ReadPieces, run_job};
+use super::{Hello, JobCoordinator, JobFailure, RankWork, Round};
+use crate::OpsError;
+use crate::load::PlanServer;
+use crate::load::agreement::{JobTerms, checkpoint_key, job_plan_terms};
+use crate::memory_tier::TierLoad;
+
+/// One load job as the ranks a front end plays over a transport load it: the checkpoint as
+/// opened and as named, every rank's requests, how rank 0 plans (here with `planning` and the
+/// tensor `filter`'s flags, or on `server`), the memory tier each rank offers, and how each
+/// reads.
+#[derive(Clone)]
+pub struct HostJob {
+    /// The checkpoint as opened.
+    pub checkpoint: Arc<Checkpoint>,
+    /// How the user named it.
+    pub location: String,
+    /// Every rank's requests, by rank.
+    pub requests: Arc<Vec<Vec<ExplicitRequest>>>,
+    /// The planner's options (dedup among them).
+    pub planning: PlanOptions,
+    /// The tensor filter's flags as given (empty: every tensor), which every rank must share.
+    pub filter: Vec<String>,
+    /// The tessera server that plans instead, if any.
+    pub server: Option<PlanServer>,
+    /// This host's memory tier, if any.
+    pub memory_tier: Option<PathBuf>,
+    /// Whether reads verify.
+    pub verify: bool,
+    /// The load's options.
+    pub options: LoadOptions,
+    /// The transport's timeout, which bounds every wait of the rounds.
+    pub timeout: Duration,
+}
+
+impl HostJob {
+    /// Ranks in the job.
+    pub fn world(&self) -> u32 {
+        self.requests.len() as u32
+    }
+
+    /// Loads rank `rank` over `transport` ([`load_host`]): its hello (its requests, its
+    /// memory-tier offer, the checkpoint as opened and the plan's options) and its work (rank 0
+    /// the coordinator, which plans the job once, here or on the server).
+    pub async fn load_rank<T: Transport + 'static>(
+        &self,
+        rank: u32,
+        transport: T,
+        on_planned: Option<OnPlanned>,
+    ) -> Result<HostLoad, OpsError> {
+        let requests = self.requests.get(rank as usize).cloned().ok_or_else(|| {
+            OpsError::invalid(format!(
+                "rank {rank} is outside a job of {} ranks",
+                self.world()
+            ))
+        })?;
+        let tier = TierLoad::find(&self.checkpoint, self.memory_tier.as_deref());
+        let hello = Hello {
+            requests: requests.clone(),
+            tier: tier.offer().clone(),
+            terms: JobTerms {
+                location: self.location.clone(),
+                checkpoint: checkpoint_key(&self.checkpoint, &self.location)?,
+                plan: job_plan_terms(
+                    &self.checkpoint,
+                    &self.planning,
+                    &self.filter,
+                    self.server.as_ref(),
+                ),
+            },
+        }
+        .encode()?;
+        let mut work = RankWork::new(
+            rank,
+            self.world(),
+            Arc::clone(&self.checkpoint),
+            requests,
+            tier,
+            self.verify,
+        );
+        if rank == 0 {
+            work.coordinate_with(JobCoordinator::new(
+                Arc::clone(&self.checkpoint),
+                self.location.clone(),
+                self.planning.clone(),
+                self.server.clone(),
+                self.planning.dedup,
+            ));
+        }
+        load_host(
+            Arc::new(transport),
+            self.timeout,
+            work,
+            hello,
+            &self.options,
+            on_planned,
+        )
+        .await
+    }
+}
+
+/// What a rank's load left: its plan, its buffers (one per plan destination, loaded), its report
+/// and its work (the memory-tier copies it read, the job's plan in numbers).
+pub struct HostLoad {
+    /// This rank's plan.
+    pub plan: Arc<RankPlan>,
+    /// Its loaded buffers, one per destination of `plan`.
+    pub buffers: Vec<Vec<u8>>,
+    /// Its report.
+    pub report: RankReport,
+    /// Its work in the rounds.
+    pub work: RankWork,
+    /// Seconds until it held its plan, agreed (the rounds before its read).
+    pub plan_seconds: f64,
+}
+
+/// Called on every rank once its plan is taken, before it reads (a front end sizes its progress
+/// bar by the job's bytes to read).
+pub type OnPlanned = Arc<dyn Fn(&PlanSummary) + Send + Sync>;
+
+/// The read of the rounds into host buffers: what it leaves for the exchange.
+struct HostRead<'o> {
+    options: &'o LoadOptions,
+    on_planned: Option<OnPlanned>,
+    started: Instant,
+    buffers: Vec<Vec<u8>>,
+    /// The plan with scratch destinations for pieces read only to pass on, and their buffers.
+    relaying: Option<(RankPlan, Vec<Vec<u8>>)>,
+    stats: Option<(ReadStats, f64)>,
+    plan_seconds: f64,
+}
+
+impl ReadPieces<RankWork> for HostRead<'_> {
+    fn read<'a>(&'a mut self, work: &'a mut RankWork) -> BoxFuture<'a, Result<Bytes, OpsError>> {
+        Box::pin(async move {
+            let plan = Arc::clone(work.plan().ok_or_else(|| {
+                OpsError::invalid(format!(
+                    "rank {}: reading before the plan was taken",
+                    work.rank()
+                ))
+            })?);
+            self.plan_seconds = self.started.elapsed().as_secs_f64();
+            let started = Instant::now();
+            if let (Some(on_planned), Some(summary)) = (&self.on_planned, work.job_summary()) {
+                on_planned(summary);
+            }
+            self.buffers = place::allocate(&plan);
+            let checkpoint = Arc::clone(work.checkpoint());
+            let stats = match with_relay_buffers(&plan) {
+                None => {
+                    checkpoint
+                        .read_into(&plan, self.options, &mut self.buffers)
+                        .await?
+                }
+                Some(relaying) => {
+                    let mut slots = relay::slots(&relaying, &mut self.buffers);
+                    let stats = checkpoint
+                        .read_into(&relaying, self.options, &mut slots)
+                        .await?;
+                    let scratch = slots
+                        .into_iter()
+                        .filter_map(|slot| match slot {
+                            Slot::Scratch(bytes) => Some(bytes),
+                            Slot::Caller(_) => None,
+                        })
+                        .collect();
+                    self.relaying = Some((relaying, scratch));
+                    stats
+                }
+            };
+            let folds = work.read_done(stats.joint_folds.clone());
+            self.stats = Some((stats, started.elapsed().as_secs_f64()));
+            Ok(folds)
+        })
+    }
+}
+
+/// Loads rank `transport.rank()` of a job: its rounds over `transport` (`hello`, its
+/// [`super::Hello`] encoded; `work`, with the coordinator on rank 0), its read with `options`,
+/// the exchange, and its report. `timeout`: the transport's, which bounds every wait of the
+/// rounds. An error is this rank's own, or names the rank that failed first
+/// ([`JobFailure::on_rank`]).
+pub async fn load_host<T: Transport + 'static>(
+    transport: Arc<T>,
+    timeout: Duration,
+    mut work: RankWork,
+    hello: Bytes,
+    options: &LoadOptions,
+    on_planned: Option<OnPlanned>,
+) -> Result<HostLoad, OpsError> {
+    let rank = transport.rank();
+    let started = Instant::now();
+    // Pieces of boxes read in parts by several ranks are folded, and checked in the rounds.
+    let mut options = options.clone();
+    options.read.joint_checks = true;
+    let mut reader = HostRead {
+        options: &options,
+        on_planned,
+        started,
+        buffers: Vec::new(),
+        relaying: None,
+        stats: None,
+        plan_seconds: 0.0,
+    };
+    run_job(
+        Arc::clone(&transport),
+        timeout,
+        &mut work,
+        hello,
+        &mut reader,
+    )
+    .await
+    .map_err(|failure: JobFailure| failure.on_rank(rank))?;
+    let HostRead {
+        mut buffers,
+        relaying,
+        stats,
+        plan_seconds,
+        ..
+    } = reader;
+    let (plan, Some((stats, read_seconds))) = (work.plan().cloned(), stats) else {
+        return Err(OpsError::invalid(format!(
+            "rank {rank}: the job's rounds reached the exchange before this rank read ({})",
+            Round::Read.step()
+        )));
+    };
+    let plan = plan.ok_or_else(|| OpsError::invalid(format!("rank {rank}: no plan")))?;
+    let exchanged = match relaying {
+        None => exchange_after_read(&plan, &*transport, &options, &mut buffers).await?,
+        Some((relaying, scratch)) => {
+            let mut slots: Vec<Slot<'_, Vec<u8>>> = buffers
+                .iter_mut()
+                .map(Slot::Caller)
+                .chain(scratch.into_iter().map(Slot::Scratch))
+                .collect();
+            exchange_after_read(&relaying, &*transport, &options, &mut slots).await?
+        }
+    };
+    let total = started.elapsed().as_secs_f64();
+    let mut report = RankReport::of_host_load(
+        &plan,
+        &stats,
+        read_seconds,
+        (exchanged.bytes_sent, exchanged.bytes_received),
+        exchanged.elapsed.as_secs_f64(),
+        total,
+    );
+    report.bytes_received_direct = exchanged.bytes_received_direct;
+    report.exchange_wait_seconds = exchanged.waited.as_secs_f64();
+    Ok(HostLoad {
+        plan,
+        buffers,
+        report,
+        work,
+        plan_seconds,
+    })
+}
