@@ -82,6 +82,7 @@ fn largest_answer(world: u64, checksums: bool) -> usize {
                 plan: Box::new(rank_plan.clone()),
                 node_verified: Vec::new(),
                 joint_at_coordinator: true,
+                summary: Some(plan.summary().clone()),
             };
             let bytes = answer.encode().unwrap();
             // What travels is what was planned.

@@ -242,19 +242,80 @@ impl JobCoordinator {
         };
         let joint_at_coordinator = self.joint_view.is_some();
         let summary = plan.summary().clone();
-        let mut node_verified = node_verified.unwrap_or_default().into_iter();
-        let mut answers = Vec::with_capacity(world);
-        for rank in 0..world as u32 {
-            let answer = Answer::Plan {
-                plan: Box::new(plan.rank_plan(rank).await?),
-                node_verified: node_verified.next().unwrap_or_default(),
+        let node_verified = node_verified.unwrap_or_default();
+        let answer = |rank: u32, plan: RankPlan| {
+            Answer::Plan {
+                plan: Box::new(plan),
+                node_verified: node_verified
+                    .get(rank as usize)
+                    .cloned()
+                    .unwrap_or_default(),
                 joint_at_coordinator,
                 summary: Some(summary.clone()),
-            };
-            answers.push(answer.encode()?);
+            }
+            .encode()
+        };
+        match &plan {
+            // Cutting and packing every rank's plan is the coordinator's other O(world) work
+            // beside planning: spread over the cores it has.
+            JobPlan::Local(local) => {
+                in_parallel(world, |rank| answer(rank, local.rank_plan(rank)?))
+            }
+            JobPlan::Server { .. } => {
+                let mut answers = Vec::with_capacity(world);
+                for rank in 0..world as u32 {
+                    answers.push(answer(rank, plan.rank_plan(rank).await?)?);
+                }
+                Ok(answers)
+            }
         }
-        Ok(answers)
     }
+}
+
+/// `each(rank)` for ranks `0..world` on this machine's cores (each thread takes every n-th
+/// rank), in rank order; the first error in rank order wins.
+fn in_parallel(
+    world: usize,
+    each: impl Fn(u32) -> Result<Bytes, OpsError> + Sync,
+) -> Result<Vec<Bytes>, OpsError> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, world.max(1));
+    let mut results: Vec<Option<Result<Bytes, OpsError>>> = (0..world).map(|_| None).collect();
+    std::thread::scope(|scope| {
+        let each = &each;
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                scope.spawn(move || {
+                    (t..world)
+                        .step_by(threads)
+                        .map(|rank| (rank, each(rank as u32)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for handle in handles {
+            match handle.join() {
+                Ok(done) => {
+                    for (rank, result) in done {
+                        results[rank] = Some(result);
+                    }
+                }
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+    });
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(rank, result)| {
+            result.unwrap_or_else(|| {
+                Err(OpsError::invalid(format!(
+                    "rank {rank}'s answer was not made"
+                )))
+            })
+        })
+        .collect()
 }
 
 impl JobCoordinator {

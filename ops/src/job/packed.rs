@@ -46,7 +46,7 @@ pub fn to_wire<T: Serialize>(value: &T, what: &str) -> Result<Bytes, OpsError> {
         what: what.to_string(),
         source,
     };
-    let text = serde_json::to_vec(&pack(&serde_json::to_value(value).map_err(message)?))
+    let text = serde_json::to_vec(&pack(serde_json::to_value(value).map_err(message)?))
         .map_err(message)?;
     let packed = zstd::bulk::compress(&text, 3)
         .map_err(|e| OpsError::invalid(format!("compressing {what}: {e}")))?;
@@ -84,16 +84,17 @@ pub fn from_wire<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, Ops
     serde_json::from_value(value).map_err(message)
 }
 
-/// `value` reshaped into columns and differences (see the module doc).
-pub fn pack(value: &Value) -> Value {
+/// `value` reshaped into columns and differences (see the module doc). It takes the value:
+/// every part moves into its column once, nothing is copied.
+pub fn pack(value: Value) -> Value {
     match value {
         Value::Array(items) => pack_array(items),
         Value::Object(map) => Value::Object(
-            map.iter()
-                .map(|(key, value)| (escape(key), pack(value)))
+            map.into_iter()
+                .map(|(key, value)| (escape(&key), pack(value)))
                 .collect(),
         ),
-        scalar => scalar.clone(),
+        scalar => scalar,
     }
 }
 
@@ -106,17 +107,17 @@ pub fn unpack(value: Value) -> Result<Value, String> {
     }
 }
 
-fn pack_array(items: &[Value]) -> Value {
+fn pack_array(items: Vec<Value>) -> Value {
     if items.len() < 2 {
-        return Value::Array(items.iter().map(pack).collect());
+        return Value::Array(items.into_iter().map(pack).collect());
     }
-    if let Some(ints) = integers(items) {
+    if let Some(ints) = integers(&items) {
         return delta(&ints);
     }
-    if let Some(keys) = record_keys(items) {
-        return pack_records(items, &keys);
+    if let Some(keys) = record_keys(&items) {
+        return pack_records(items, keys);
     }
-    if let Some(width) = tuple_width(items) {
+    if let Some(width) = tuple_width(&items) {
         let columns: Vec<Value> = (0..width)
             .map(|i| {
                 let column: Vec<i64> = items
@@ -134,17 +135,18 @@ fn pack_array(items: &[Value]) -> Value {
             .map(|item| item.as_array().map_or(0, Vec::len) as i64)
             .collect();
         let flat: Vec<Value> = items
-            .iter()
-            .filter_map(Value::as_array)
-            .flatten()
-            .cloned()
+            .into_iter()
+            .flat_map(|item| match item {
+                Value::Array(inner) => inner,
+                _ => Vec::new(),
+            })
             .collect();
         let mut map = Map::new();
-        map.insert(MARK_RAGGED.to_string(), pack_array(&flat));
+        map.insert(MARK_RAGGED.to_string(), pack_array(flat));
         map.insert(MARK_LENGTHS.to_string(), delta(&lengths));
         return Value::Object(map);
     }
-    Value::Array(items.iter().map(pack).collect())
+    Value::Array(items.into_iter().map(pack).collect())
 }
 
 fn marked(mark: &str, body: Value, len: usize) -> Value {
@@ -160,43 +162,67 @@ fn integers(items: &[Value]) -> Option<Vec<i64>> {
     items.iter().map(|item| item.as_i64()).collect()
 }
 
-/// Every key of the items, in order of first appearance, when every item is an object (and
-/// some has a key).
-fn record_keys(items: &[Value]) -> Option<Vec<&str>> {
-    let mut keys: Vec<&str> = Vec::new();
-    for item in items {
-        for key in item.as_object()?.keys() {
-            if !keys.contains(&key.as_str()) {
-                keys.push(key);
-            }
+/// Every key of the items, sorted, when every item is an object (and some has a key). Most
+/// arrays are records of one shape: an item whose keys are the first's costs one comparison per
+/// key (a map's keys iterate sorted).
+fn record_keys(items: &[Value]) -> Option<Vec<String>> {
+    let first = items.first()?.as_object()?;
+    let mut keys: Vec<String> = first.keys().cloned().collect();
+    let mut merged = false;
+    for item in &items[1..] {
+        let map = item.as_object()?;
+        if map.len() == keys.len() && map.keys().zip(&keys).all(|(a, b)| a == b) {
+            continue;
         }
+        keys.extend(map.keys().cloned());
+        merged = true;
+    }
+    if merged {
+        keys.sort_unstable();
+        keys.dedup();
     }
     (!keys.is_empty()).then_some(keys)
 }
 
-/// Records as one column per key; a key some records lack has a column of the values present
-/// and a mask (1: present) under [`MARK_MASK`].
-fn pack_records(items: &[Value], keys: &[&str]) -> Value {
-    let mut columns = Map::new();
+/// Records as one column per key (`keys` sorted, as a map's keys iterate); a key some records
+/// lack has a column of the values present and a mask (1: present) under [`MARK_MASK`].
+fn pack_records(items: Vec<Value>, keys: Vec<String>) -> Value {
+    let len = items.len();
+    let mut columns: Vec<Vec<Value>> = keys.iter().map(|_| Vec::with_capacity(len)).collect();
+    let mut present: Vec<Vec<i64>> = keys.iter().map(|_| Vec::with_capacity(len)).collect();
+    for item in items {
+        let Value::Object(mut map) = item else {
+            continue;
+        };
+        // serde_json's maps iterate sorted unless a crate in the build turns on its
+        // `preserve_order`: then look each key up.
+        let mut rest = keys.iter();
+        if map.keys().all(|name| rest.any(|key| key == name)) {
+            let mut entries = map.into_iter().peekable();
+            for (k, key) in keys.iter().enumerate() {
+                let here = entries.next_if(|(name, _)| name == key);
+                present[k].push(i64::from(here.is_some()));
+                columns[k].extend(here.map(|(_, value)| value));
+            }
+        } else {
+            for (k, key) in keys.iter().enumerate() {
+                let here = map.remove(key);
+                present[k].push(i64::from(here.is_some()));
+                columns[k].extend(here);
+            }
+        }
+    }
+    let mut packed = Map::new();
     let mut masks = Map::new();
-    for &key in keys {
-        let present: Vec<i64> = items
-            .iter()
-            .map(|item| i64::from(item.get(key).is_some()))
-            .collect();
-        let column: Vec<Value> = items
-            .iter()
-            .filter_map(|item| item.get(key))
-            .cloned()
-            .collect();
-        if column.len() < items.len() {
+    for ((key, column), present) in keys.iter().zip(columns).zip(present) {
+        if column.len() < len {
             masks.insert(escape(key), delta(&present));
         }
-        columns.insert(escape(key), pack_array(&column));
+        packed.insert(escape(key), pack_array(column));
     }
     let mut map = Map::new();
-    map.insert(MARK_COLUMNS.to_string(), Value::Object(columns));
-    map.insert(MARK_LEN.to_string(), Value::from(items.len() as u64));
+    map.insert(MARK_COLUMNS.to_string(), Value::Object(packed));
+    map.insert(MARK_LEN.to_string(), Value::from(len as u64));
     if !masks.is_empty() {
         map.insert(MARK_MASK.to_string(), Value::Object(masks));
     }
@@ -276,22 +302,24 @@ fn unpack_object(mut map: Map<String, Value>) -> Result<Value, String> {
                 .collect(),
         ));
     }
-    if map.len() == 2
-        && let (Some(flat), Some(lengths)) = (map.get(MARK_RAGGED), map.get(MARK_LENGTHS))
-    {
-        return ragged(flat.clone(), lengths.clone());
+    if map.len() == 2 && map.contains_key(MARK_RAGGED) && map.contains_key(MARK_LENGTHS) {
+        let flat = map.remove(MARK_RAGGED).unwrap_or_default();
+        let lengths = map.remove(MARK_LENGTHS).unwrap_or_default();
+        return ragged(flat, lengths);
     }
     if let Some(len) = map.get(MARK_LEN).and_then(Value::as_u64) {
         let len = len as usize;
-        if map.len() == 2
-            && let Some(Value::Array(columns)) = map.get(MARK_TUPLES)
-        {
-            return tuples(columns.clone(), len);
+        if map.len() == 2 && map.contains_key(MARK_TUPLES) {
+            return match map.remove(MARK_TUPLES) {
+                Some(Value::Array(columns)) => tuples(columns, len),
+                other => Err(format!("tuples that are not columns: {other:?}")),
+            };
         }
         let masked = map.contains_key(MARK_MASK);
-        if map.len() == 2 + usize::from(masked)
-            && let Some(Value::Object(columns)) = map.remove(MARK_COLUMNS)
-        {
+        if map.len() == 2 + usize::from(masked) && map.contains_key(MARK_COLUMNS) {
+            let Some(Value::Object(columns)) = map.remove(MARK_COLUMNS) else {
+                return Err("records whose columns are not an object".to_string());
+            };
             let masks = match map.remove(MARK_MASK) {
                 Some(Value::Object(masks)) => masks,
                 None => Map::new(),
@@ -398,7 +426,7 @@ mod tests {
     use serde_json::json;
 
     fn round_trip(value: Value) {
-        let packed = pack(&value);
+        let packed = pack(value.clone());
         let text = serde_json::to_string(&packed).unwrap();
         let back = unpack(serde_json::from_str(&text).unwrap()).unwrap();
         assert_eq!(back, value, "packed as {text}");
@@ -473,7 +501,7 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(512))]
         #[test]
         fn any_value_packs_and_unpacks_to_itself(value in any_value()) {
-            let packed = pack(&value);
+            let packed = pack(value.clone());
             let text = serde_json::to_string(&packed).unwrap();
             let back = unpack(serde_json::from_str(&text).unwrap()).unwrap();
             prop_assert_eq!(back, value, "packed as {}", text);
@@ -485,7 +513,7 @@ mod tests {
         let rows: Vec<Value> = (0..100)
             .map(|i| json!({"id": 4 * i + 1, "offsets": [16 * i, 64]}))
             .collect();
-        let packed = serde_json::to_string(&pack(&Value::Array(rows))).unwrap();
+        let packed = serde_json::to_string(&pack(Value::Array(rows))).unwrap();
         assert!(packed.contains("[1,4,4,4"), "{packed}");
         assert!(packed.contains("[0,16,16,16"), "{packed}");
         assert!(packed.contains("[64,0,0,0"), "{packed}");
@@ -495,6 +523,10 @@ mod tests {
     fn what_is_not_a_packed_shape_is_refused_naming_it() {
         let error = unpack(json!({"\u{1}d": [1, "x"]})).unwrap_err();
         assert!(error.contains("not an integer"), "{error}");
+        let error = unpack(json!({"\u{1}c": [1, 2], "\u{1}n": 2})).unwrap_err();
+        assert!(error.contains("columns are not an object"), "{error}");
+        let error = unpack(json!({"\u{1}t": 5, "\u{1}n": 2})).unwrap_err();
+        assert!(error.contains("tuples that are not columns"), "{error}");
         let error = unpack(json!({"\u{1}c": {"a": [1, 2]}, "\u{1}n": 3})).unwrap_err();
         assert!(error.contains("not 3 values"), "{error}");
         let error = unpack(
