@@ -69,7 +69,9 @@ def publisher(rank, port, world, registry, name, steps, control, extra) -> None:
     try:
         for step in steps:
             ranks = {} if world > 1 else {"rank": 0, "world_size": 1}
-            pub = tessera.publish(row_shard(step, rank, world), name, step=step, registry=registry, keep=3, **ranks)
+            pub = tessera.publish(
+                row_shard(step, rank, world), name, step=step, registry=registry, keep=extra.get("keep", 3), **ranks
+            )
             reports.append(pub.result(60).to_dict())
         if extra.get("incomplete_step") is not None:
             # Rank 0 of a 2-rank publication whose rank 1 never publishes: never committed.
@@ -91,6 +93,14 @@ def publisher(rank, port, world, registry, name, steps, control, extra) -> None:
         (control / f"ready-rank{rank}.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
         raise
     (control / f"ready-rank{rank}.json").write_text(json.dumps({"reports": reports, "pid": os.getpid()}))
+    if extra.get("later"):
+        # Steps published once the test says so (after it took a lease, say).
+        _wait_for(control / "go", None)
+        later = []
+        for step in extra["later"]:
+            pub = tessera.publish(row_shard(step, rank, world), name, step=step, registry=registry, keep=extra["keep"])
+            later.append(pub.result(60).to_dict())
+        (control / f"later-rank{rank}.json").write_text(json.dumps(later))
     deadline = time.monotonic() + 300
     while not (control / "stop").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -220,6 +230,33 @@ def test_a_dead_publisher_fails_the_load_naming_its_rank(publishers):
     assert "publisher rank 0" in str(err.value), str(err.value)
 
 
+def test_older_steps_are_retired_past_keep_unless_a_consumer_leases_them(publishers):
+    from tessera import _live
+
+    pub = publishers("kept", steps=[1, 2, 3], extra={"keep": 2, "later": [4]})
+    reports = pub.ready[0]["reports"]
+    assert reports[2]["retired"] == [1]
+    registry = str(pub.registry)
+    state = {"b": torch.zeros(ROWS)}
+    with pytest.raises(TesseraError, match="step 1 of live publication kept is not committed"):
+        tessera.load(state, "live://kept@1", registry=registry, progress=False, strict=False)
+
+    # A consumer's lease on step 2 keeps it served past keep=2 when step 4 comes.
+    _step, location = _live.resolve("live://kept@2", registry)
+    with _live.Lease(location, 60):
+        (pub.control / "go").write_text("")
+        _wait_for(pub.control / "later-rank0.json", pub.procs[0])
+        later = json.loads((pub.control / "later-rank0.json").read_text())
+        assert later[0]["step"] == 4
+        assert later[0]["leased"] == [2] and later[0]["retired"] == []
+        report = tessera.load(state, "live://kept@2", registry=registry, progress=False, strict=False)
+        assert report.step == 2
+        assert torch.equal(state["b"], full_state(2)["b"])
+    report = tessera.load(state, "live://kept", registry=registry, progress=False, strict=False)
+    assert report.step == 4
+    assert torch.equal(state["b"], full_state(4)["b"])
+
+
 def consumer(rank, port, registry, url, out) -> None:
     """A rank of the 2-rank consuming gloo job: loads its TP-like column half of every matrix
     (and the whole vector) and writes what it got."""
@@ -285,3 +322,72 @@ def test_a_publisher_rank_that_died_fails_every_consumer_rank_naming_it(publishe
     for rank in range(2):
         assert "error" in got[rank], got[rank]
         assert "publisher rank 1" in got[rank]["error"], got[rank]["error"]
+
+
+def test_retire_stops_serving_a_step_and_no_load_picks_it(tmp_path):
+    # Publisher and consumer in one process here: what is tested is the publisher's retire.
+    registry = tmp_path / "registry"
+    pub = tessera.publish(row_shard(1, 0, 1), "solo", step=1, registry=registry, rank=0, world_size=1)
+    served = pub.result(60)
+    state = {"b": torch.zeros(ROWS)}
+    assert tessera.load(state, "live://solo", registry=registry, progress=False, strict=False).step == 1
+    pub.retire()
+    from tessera import _tessera
+
+    assert not _tessera.unpublish(served.path), "the step's bytes are still served"
+    with pytest.raises(TesseraError, match="live publication solo in .* has no complete step"):
+        tessera.load(state, "live://solo", registry=registry, progress=False, strict=False)
+
+
+def test_a_stopped_publisher_fails_the_load_within_the_retry_bound_naming_it(publishers):
+    # A publisher that stops answering (SIGSTOP: its socket still accepts, nothing replies) is
+    # what a wedged or swapping training process looks like; the load fails on the storage
+    # timeouts and retry bound, naming the publisher, instead of hanging.
+    pub = publishers("stopped", steps=[1])
+    os.kill(pub.procs[0].pid, signal.SIGSTOP)
+    try:
+        state = {"b": torch.zeros(ROWS)}
+        with pytest.raises(TesseraError) as err:
+            tessera.load(state, "live://stopped", registry=str(pub.registry), progress=False, strict=False)
+        assert "publisher rank 0" in str(err.value), str(err.value)
+    finally:
+        os.kill(pub.procs[0].pid, signal.SIGCONT)
+
+
+def test_the_readme_example_runs_as_written_across_two_processes(tmp_path, monkeypatch):
+    import re
+    import runpy
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    text = (REPO / "README.md").read_text()
+    section = text.split("### Online resharding (live://)", 1)[1].split("\n### ", 1)[0]
+    publisher_py, consumer_py = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:2]
+    (tmp_path / "publisher.py").write_text(publisher_py)
+    (tmp_path / "consumer.py").write_text(consumer_py)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen([sys.executable, "publisher.py"], cwd=tmp_path, env=env)
+    try:
+        manifest = tmp_path / "registry" / "policy" / "step-000003" / "manifest.json"
+        deadline = time.monotonic() + 120
+        while not manifest.exists():
+            assert proc.poll() is None, f"publisher.py exited with {proc.returncode}"
+            assert time.monotonic() < deadline, "publisher.py committed no step 3 within 120 s"
+            time.sleep(0.05)
+        monkeypatch.chdir(tmp_path)
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            monkeypatch.delenv(var, raising=False)
+        got = runpy.run_path(str(tmp_path / "consumer.py"), run_name="__main__")
+    finally:
+        proc.kill()
+        proc.wait(30)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        for _ in range(3):
+            model.weight.add_(0.01)
+    assert got["report"].step == 3
+    assert torch.equal(got["w"], model.weight[:, 32:])
+    assert torch.equal(got["state"]["bias"], model.bias)
