@@ -391,3 +391,21 @@ def test_the_readme_example_runs_as_written_across_two_processes(tmp_path, monke
     assert got["report"].step == 3
     assert torch.equal(got["w"], model.weight[:, 32:])
     assert torch.equal(got["state"]["bias"], model.bias)
+
+
+def test_dcp_load_through_the_storage_reader_takes_live_urls(publishers):
+    import torch.distributed.checkpoint as dcp
+
+    import tessera.torch
+
+    pub = publishers("viadcp", steps=[1, 2])
+    state = {"w": torch.zeros(ROWS, COLS, dtype=torch.bfloat16), "b": torch.zeros(ROWS)}
+    reader = tessera.torch.StorageReader("live://viadcp", registry=str(pub.registry))
+    dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    assert reader.step == 2
+    assert torch.equal(state["w"], full_state(2)["w"])
+    assert torch.equal(state["b"], full_state(2)["b"])
+    reader = tessera.torch.StorageReader("live://viadcp@1", registry=str(pub.registry))
+    dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    assert reader.step == 1
+    assert torch.equal(state["w"], full_state(1)["w"])
