@@ -30,9 +30,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use object_store::ObjectStoreExt;
 use object_store::memory::InMemory;
 use object_store::path::Path;
-use object_store::ObjectStoreExt;
 use serde::{Deserialize, Serialize};
 use tessera_metadata::TensorBox;
 use tessera_metadata::formats::native::{Manifest, NativeWriter, WriteOptions, WrittenFile};

@@ -182,5 +182,7 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(publish::unpublish, m)?)?;
     #[cfg(feature = "fault-injection")]
     m.add_function(wrap_pyfunction!(publish::damage_publication, m)?)?;
+    #[cfg(feature = "fault-injection")]
+    m.add_function(wrap_pyfunction!(publish::hold_publication, m)?)?;
     Ok(())
 }

@@ -204,3 +204,20 @@ pub fn damage_publication(path: &str, offset: usize) -> PyResult<()> {
         "{path} is not served"
     )))
 }
+
+/// Test hook (`fault-injection` builds): holds (`hold=True`) or releases the requests for the
+/// file served at `path`; returns how many requests this process's servers hold right now.
+#[cfg(feature = "fault-injection")]
+#[pyfunction]
+#[pyo3(signature = (path, hold))]
+pub fn hold_publication(path: &str, hold: bool) -> u64 {
+    let servers = servers().lock().unwrap_or_else(PoisonError::into_inner);
+    for server in servers.values() {
+        if hold {
+            server.hold(path);
+        } else {
+            server.release(path);
+        }
+    }
+    servers.values().map(|s| s.held_requests()).sum()
+}

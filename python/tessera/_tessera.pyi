@@ -143,6 +143,9 @@ def unpublish(path: str) -> bool: ...
 def damage_publication(path: str, offset: int) -> None:
     """``fault-injection`` builds only."""
 
+def hold_publication(path: str, hold: bool) -> int:
+    """``fault-injection`` builds only."""
+
 def canonical_dtype(name: str) -> Optional[str]: ...
 
 class JobAction:

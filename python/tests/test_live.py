@@ -89,6 +89,11 @@ def publisher(rank, port, world, registry, name, steps, control, extra) -> None:
 
             # The first box's first byte of this rank's served file (boxes start at offset 0).
             _tessera.damage_publication(reports[-1]["path"], 0)
+        if extra.get("hold"):
+            from tessera import _tessera
+
+            # Requests for this rank's file are held unanswered: a consumer is mid-read.
+            _tessera.hold_publication(reports[-1]["path"], True)
     except BaseException as e:  # noqa: BLE001 - reported to the test
         (control / f"ready-rank{rank}.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
         raise
@@ -103,6 +108,11 @@ def publisher(rank, port, world, registry, name, steps, control, extra) -> None:
         (control / f"later-rank{rank}.json").write_text(json.dumps(later))
     deadline = time.monotonic() + 300
     while not (control / "stop").exists() and time.monotonic() < deadline:
+        if extra.get("hold") and not (control / "holding").exists():
+            from tessera import _tessera
+
+            if _tessera.hold_publication(reports[-1]["path"], True) > 0:
+                (control / "holding").write_text("")
         time.sleep(0.05)
 
 
@@ -337,6 +347,31 @@ def test_retire_stops_serving_a_step_and_no_load_picks_it(tmp_path):
     assert not _tessera.unpublish(served.path), "the step's bytes are still served"
     with pytest.raises(TesseraError, match="live publication solo in .* has no complete step"):
         tessera.load(state, "live://solo", registry=registry, progress=False, strict=False)
+
+
+def test_a_publisher_killed_while_a_consumer_reads_fails_the_load_naming_it(publishers):
+    import threading
+
+    pub = publishers("killed", steps=[1], extra={"hold": True})
+    state = {"b": torch.zeros(ROWS), "w": torch.zeros(ROWS, COLS, dtype=torch.bfloat16)}
+    result = {}
+
+    def consume() -> None:
+        try:
+            tessera.load(state, "live://killed", registry=str(pub.registry), progress=False, strict=False)
+            result["loaded"] = True
+        except TesseraError as e:
+            result["error"] = str(e)
+
+    consumer_thread = threading.Thread(target=consume, daemon=True)
+    consumer_thread.start()
+    # The consumer opened the step and its read is in the publisher's hands: kill it now.
+    _wait_for(pub.control / "holding", pub.procs[0])
+    pub.kill(0)
+    consumer_thread.join(180)
+    assert not consumer_thread.is_alive(), "the load hung after its publisher died"
+    assert "error" in result, result
+    assert "publisher rank 0" in result["error"], result["error"]
 
 
 def test_a_stopped_publisher_fails_the_load_within_the_retry_bound_naming_it(publishers):

@@ -13,11 +13,11 @@
 //! are answered, a path is looked up as an exact key (no file system behind it), and anything
 //! else is a 4xx.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -33,12 +33,23 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 
 type Files = Arc<RwLock<HashMap<String, Bytes>>>;
 
+/// Test support (`testing`): paths whose requests are held unanswered, and how many are held.
+#[derive(Debug, Default)]
+struct Held {
+    paths: Mutex<HashSet<String>>,
+    waiting: AtomicU64,
+}
+
 /// A running server: its address and the files it serves (by path, no leading `/`).
 #[derive(Debug)]
 pub struct RangeServer {
     addr: SocketAddr,
     files: Files,
     stop: Arc<AtomicBool>,
+    // Shared with the connection threads, which read it in every build; this handle sets it
+    // only in test builds (`hold`, `release`).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    held: Arc<Held>,
 }
 
 impl RangeServer {
@@ -55,12 +66,18 @@ impl RangeServer {
             .map_err(|e| failed(format!("reading the bound address: {e}")))?;
         let files: Files = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
-        let (accept_files, accept_stop) = (files.clone(), stop.clone());
+        let held = Arc::new(Held::default());
+        let (accept_files, accept_stop, accept_held) = (files.clone(), stop.clone(), held.clone());
         std::thread::Builder::new()
             .name("tessera-range-server".to_string())
-            .spawn(move || accept(listener, accept_files, accept_stop))
+            .spawn(move || accept(listener, accept_files, accept_stop, accept_held))
             .map_err(|e| failed(format!("starting the server thread: {e}")))?;
-        Ok(RangeServer { addr, files, stop })
+        Ok(RangeServer {
+            addr,
+            files,
+            stop,
+            held,
+        })
     }
 
     /// `http://host:port`, the origin every served path is under.
@@ -95,6 +112,33 @@ impl RangeServer {
     }
 }
 
+#[cfg(feature = "testing")]
+impl RangeServer {
+    /// Test support: from now on, requests for `path` are read and held unanswered (a reader
+    /// is mid-load when the test then kills the process) until [`Self::release`].
+    pub fn hold(&self, path: &str) {
+        self.held
+            .paths
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(path.trim_start_matches('/').to_string());
+    }
+
+    /// Test support: answers `path`'s requests again, the held ones included.
+    pub fn release(&self, path: &str) {
+        self.held
+            .paths
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(path.trim_start_matches('/'));
+    }
+
+    /// Test support: requests held right now.
+    pub fn held_requests(&self) -> u64 {
+        self.held.waiting.load(Ordering::Relaxed)
+    }
+}
+
 impl Drop for RangeServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
@@ -103,25 +147,25 @@ impl Drop for RangeServer {
     }
 }
 
-fn accept(listener: TcpListener, files: Files, stop: Arc<AtomicBool>) {
+fn accept(listener: TcpListener, files: Files, stop: Arc<AtomicBool>, held: Arc<Held>) {
     for stream in listener.incoming() {
         if stop.load(Ordering::Relaxed) {
             return;
         }
         let Ok(stream) = stream else { continue };
-        let files = files.clone();
+        let (files, held) = (files.clone(), held.clone());
         // A connection that cannot get a thread is dropped: its client sees a reset and says so.
         let _ = std::thread::Builder::new()
             .name("tessera-range-conn".to_string())
             .spawn(move || {
-                let _ = connection(stream, &files);
+                let _ = connection(stream, &files, &held);
             });
     }
 }
 
 /// Answers requests on one connection until the client closes it, goes silent for
 /// [`IDLE_TIMEOUT`], or sends something that is not a request this server reads.
-fn connection(stream: TcpStream, files: &Files) -> std::io::Result<()> {
+fn connection(stream: TcpStream, files: &Files, held: &Held) -> std::io::Result<()> {
     stream.set_read_timeout(Some(IDLE_TIMEOUT))?;
     stream.set_nodelay(true)?;
     let mut writer = stream.try_clone()?;
@@ -130,6 +174,7 @@ fn connection(stream: TcpStream, files: &Files) -> std::io::Result<()> {
         let Some(head) = read_head(&mut reader)? else {
             return Ok(());
         };
+        hold_while_held(&head, held);
         let keep = respond(&head, files, &mut writer)?;
         writer.flush()?;
         if !keep {
@@ -173,6 +218,29 @@ fn read_head(reader: &mut impl BufRead) -> std::io::Result<Option<Vec<String>>> 
         }
         lines.push(line);
     }
+}
+
+/// Blocks while the request's path is held (only ever set by tests through `hold`).
+fn hold_while_held(head: &[String], held: &Held) {
+    let path = head
+        .first()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .unwrap_or_default()
+        .trim_start_matches('/');
+    let is_held = || {
+        held.paths
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(path)
+    };
+    if !is_held() {
+        return;
+    }
+    held.waiting.fetch_add(1, Ordering::Relaxed);
+    while is_held() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    held.waiting.fetch_sub(1, Ordering::Relaxed);
 }
 
 /// Writes the response to one request; returns whether the connection stays open.
