@@ -938,4 +938,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(_ASYNC_SAVE_NAMES))
+    return sorted(set(globals()) | set(_ASYNC_SAVE_NAMES) | {"publish", "Publication", "PublishReport"})
