@@ -369,18 +369,33 @@ class Lease:
 
     def __init__(self, location: str, seconds: float) -> None:
         directory = location[len("live+file://"):]
-        self.path = os.path.join(directory, "leases", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}.json")
+        path = os.path.join(directory, "leases", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}.json")
         now = time.time()
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        temp = self.path + ".tmp"
-        with open(temp, "w", encoding="utf-8") as f:
-            json.dump({"taken": now, "until": now + min(float(seconds), MAX_LEASE_SECONDS), "pid": os.getpid()}, f)
-        os.replace(temp, self.path)
+        self.path: Optional[str] = path
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            temp = path + ".tmp"
+            with open(temp, "w", encoding="utf-8") as f:
+                json.dump({"taken": now, "until": now + min(float(seconds), MAX_LEASE_SECONDS), "pid": os.getpid()}, f)
+            os.replace(temp, path)
+        except OSError as e:
+            # A registry this job may only read: the load goes on unprotected. Should the
+            # publisher retire the step meanwhile, a read fails naming the publisher (404),
+            # never with wrong values.
+            import warnings
+
+            warnings.warn(
+                f"no lease on {directory} ({e}): the publisher may retire the step while this load reads it",
+                stacklevel=3,
+            )
+            self.path = None
 
     def __enter__(self) -> "Lease":
         return self
 
     def __exit__(self, *_exc: Any) -> None:
+        if self.path is None:
+            return
         try:
             os.remove(self.path)
         except FileNotFoundError:
