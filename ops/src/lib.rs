@@ -13,6 +13,9 @@
 //! - [`memory_tier`]: the save side of a node's memory tier (a copy of each rank's data file
 //!   left after the commit, pruned to a budget); the load side finds it through
 //!   `tessera_loader::tier`.
+//! - [`publish`]: live publications (`tessera.publish`): each rank's part of a step (its data
+//!   file laid out in memory, served by the rank itself) and rank 0's commit of the step once
+//!   every part is there; readers open a step as `live+file://` through `tessera_storage`.
 //! - [`claim`]: the exclusive claim a writer takes on its output before writing data.
 //! - [`job`]: a load job's rounds before the exchange (requests, memory tier, plan, plan
 //!   agreement, read, joint checks) as one state machine every front end pumps over its channel;
@@ -28,6 +31,7 @@ pub mod job;
 pub mod load;
 pub mod memory_tier;
 pub mod open;
+pub mod publish;
 pub mod save;
 
 pub use error::{OpsError, ResultExt};

@@ -13,6 +13,7 @@ mod checkpoint;
 mod group;
 mod load;
 mod memory;
+mod publish;
 mod records;
 mod save;
 
@@ -175,5 +176,13 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<records::HeldBox>()?;
     m.add_class::<save::SaveRequest>()?;
     m.add_function(wrap_pyfunction!(save::save, m)?)?;
+    m.add_class::<publish::PublishRequest>()?;
+    m.add_function(wrap_pyfunction!(publish::publish_part, m)?)?;
+    m.add_function(wrap_pyfunction!(publish::commit_publication, m)?)?;
+    m.add_function(wrap_pyfunction!(publish::unpublish, m)?)?;
+    #[cfg(feature = "fault-injection")]
+    m.add_function(wrap_pyfunction!(publish::damage_publication, m)?)?;
+    #[cfg(feature = "fault-injection")]
+    m.add_function(wrap_pyfunction!(publish::hold_publication, m)?)?;
     Ok(())
 }

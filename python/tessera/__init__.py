@@ -53,6 +53,7 @@ __all__ = [
     "inspect",
     "load",
     "plan",
+    "publish",
     "save",
     "__version__",
 ]
@@ -153,6 +154,8 @@ class LoadReport(_Report):
     missing_keys: List[str] = field(default_factory=list)
     #: Tensors converted from the checkpoint's dtype (``cast=True``): key -> "bf16->float32".
     cast: Dict[str, str] = field(default_factory=dict)
+    #: The step a ``live://`` load read (None for checkpoints).
+    step: Optional[int] = None
 
 
 @dataclass
@@ -491,6 +494,7 @@ def load(
     progress: Union[bool, Progress] = True,
     timeout: float = 300.0,
     memory_tier: Union[str, "os.PathLike[str]", None] = None,
+    registry: Union[str, "os.PathLike[str]", None] = None,
 ) -> LoadReport:
     """Fills ``state_dict`` in place from checkpoint ``checkpoint_id``, like ``dcp.load``.
 
@@ -500,7 +504,8 @@ def load(
             replaced by the checkpoint's. Nested dicts and lists are flattened as DCP does.
         checkpoint_id: a local path or ``file://``, ``s3://``, ``gs://``, ``az://``,
             ``http(s)://`` URL of a native, DCP (Megatron-Core, ByteCheckpoint), DeepSpeed or
-            safetensors checkpoint.
+            safetensors checkpoint; or ``live://NAME`` (the newest complete step of a live
+            publication, see :func:`publish`) or ``live://NAME@STEP``, with ``registry=``.
         process_group: the torch process group to load over (default: the default group when
             ``torch.distributed`` is initialized with several ranks). Its ranks read each shared
             byte once and pass it on with torch's point-to-point ops (gloo for CPU, NCCL for
@@ -545,6 +550,9 @@ def load(
             waited on) or that changes after it was verified and fails a read (the pieces not
             yet read of it). A relative path is taken from the current directory at the call.
             Any layout and world size. Not with ``server=``.
+        registry: the registry directory of ``live://`` publications (the publishing job's
+            ``publish(..., registry=)``). ``report.step`` says which step was loaded; the step
+            stays served while this load reads it (a lease in the registry).
 
     Returns:
         :class:`LoadReport` of this rank (also readable as ``report["bytes_read"]``).
@@ -558,6 +566,24 @@ def load(
         KeyboardInterrupt: Ctrl-C, seen while reading and while waiting for peers.
     """
     state_dict, checkpoint_id = _dcp_order(state_dict, checkpoint_id, "load")
+    if isinstance(checkpoint_id, str) and checkpoint_id.startswith("live://"):
+        from . import _live
+
+        # One step for the whole job (rank 0 resolves it over the group), held by a lease while
+        # it loads; then the ordinary load of that step's live+file:// location.
+        step, location = _live.resolve_for_load(checkpoint_id, registry, _group.default_group(process_group, exchange))
+        with _live.Lease(location, timeout):
+            report = load(
+                state_dict, location, process_group=process_group, strict=strict, cast=cast, rename=rename,
+                allow_pickle=allow_pickle, verify=verify, exchange=exchange, read_order=read_order,
+                storage_options=storage_options, server=server, server_id=server_id, token=token, rank=rank,
+                world_size=world_size, master_addr=master_addr, master_port=master_port, progress=progress,
+                timeout=timeout, memory_tier=memory_tier,
+            )
+        report.step = step
+        return report
+    if registry is not None:
+        raise ValueError(f"registry= is for live:// publications, not {checkpoint_id}")
     tier_dir = _memory_tier_dir(memory_tier)
     started = time.monotonic()
     # Stateful values (a module, an optimizer) load as DCP loads them: into their state_dict(),
@@ -902,8 +928,14 @@ def __getattr__(name: str) -> Any:
         for n in _ASYNC_SAVE_NAMES:
             globals()[n] = getattr(_async_save, n)
         return globals()[name]
+    if name in ("publish", "Publication", "PublishReport"):
+        from . import _live
+
+        for n in ("publish", "Publication", "PublishReport"):
+            globals()[n] = getattr(_live, n)
+        return globals()[name]
     raise AttributeError(f"module 'tessera' has no attribute {name!r}")
 
 
 def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(_ASYNC_SAVE_NAMES))
+    return sorted(set(globals()) | set(_ASYNC_SAVE_NAMES) | {"publish", "Publication", "PublishReport"})

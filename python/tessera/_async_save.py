@@ -539,6 +539,16 @@ def _run(
         e.source = None
     handle._snapshot_done.set()
     persist_started = time.monotonic()
+    persist = native_args.get("persist")
+    if persist is not None:
+        # Another persist over the same snapshot (tessera.publish): it hands back the report.
+        try:
+            handle._report = persist(handle, boxes, objects, persist_started)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
+            _fail(handle, e)
+        finally:
+            handle._done.set()
+        return
     try:
         request = _api._typed(
             _tessera.SaveRequest, rank=handle.rank, world=handle.world_size,
@@ -680,6 +690,7 @@ def async_save(
     memory_tier: Union[str, "os.PathLike[str]", None] = None,
     memory_tier_keep: int = 2,
     memory_tier_max_bytes: Optional[int] = None,
+    _persist: Optional[Callable[..., Any]] = None,
 ) -> SaveHandle:
     """Starts saving ``state_dict`` as a native checkpoint at ``checkpoint_id``.
 
@@ -711,6 +722,10 @@ def async_save(
     ``memory_tier=DIR`` also leaves each rank's data file in its node's memory tier once the
     checkpoint committed (see :func:`tessera.save`), after the persist, in the background.
 
+    ``_persist`` (tessera.publish's): called in the background thread as
+    ``_persist(handle, boxes, objects, started)`` with the snapshot's boxes (``HeldBox`` records
+    over the pool) instead of the native save; what it returns is the handle's result.
+
     ``handle.result()`` gives the committed :class:`SaveReport` or the error; the report and the
     handle say how long the call blocked, how long steps waited and what the copies took.
 
@@ -735,7 +750,7 @@ def async_save(
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     rank, world_size = _api._ranks(rank, world_size)
     rendezvous = _api._rendezvous(master_addr, master_port)
-    if world_size > 1 and rendezvous is None:
+    if world_size > 1 and rendezvous is None and _persist is None:
         raise ValueError(
             f"saving from {world_size} ranks needs a rendezvous so that rank 0 can commit what "
             "every rank wrote: pass master_addr and master_port, or run under torchrun"
@@ -829,6 +844,7 @@ def async_save(
             "storage_env": _api._storage_env(storage_options),
             "break_claim": bool(break_claim),
             "timeout": float(timeout),
+            "persist": _persist,
             "memory_tier": None if tier_dir is None else (
                 tier_dir, int(memory_tier_keep),
                 None if memory_tier_max_bytes is None else int(memory_tier_max_bytes),

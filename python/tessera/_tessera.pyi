@@ -122,6 +122,30 @@ def save(
     request: SaveRequest,
 ) -> str: ...
 
+class PublishRequest:
+    """What one rank's part of a live publication's step needs besides its boxes."""
+
+    name: str
+    step: int
+    rank: int
+    world: int
+    host: str
+    def __init__(self) -> None: ...
+
+def publish_part(
+    step_dir: str,
+    boxes: Sequence[HeldBox],
+    objects: Sequence[Tuple[str, bytes]],
+    request: PublishRequest,
+) -> str: ...
+def commit_publication(step_dir: str, world: int, step: int, timeout_s: float) -> str: ...
+def unpublish(path: str) -> bool: ...
+def damage_publication(path: str, offset: int) -> None:
+    """``fault-injection`` builds only."""
+
+def hold_publication(path: str, hold: bool) -> int:
+    """``fault-injection`` builds only."""
+
 def canonical_dtype(name: str) -> Optional[str]: ...
 
 class JobAction:

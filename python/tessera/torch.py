@@ -88,6 +88,11 @@ class StorageReader(dcp.StorageReader):
         verify: check tensor bytes against the checksums the checkpoint records (native
             checkpoints: block checksums and per-box crc32c). Non-tensor objects are always
             checked against their crc32c where the format records one.
+        registry: for ``live://NAME`` and ``live://NAME@STEP`` (a live publication, see
+            :func:`tessera.publish`): the registry directory. Every rank resolves the step when
+            DCP asks for the metadata; the coordinator's step is the one every rank then reads
+            (handed on in the global plan's ``storage_data``), held by a lease while it reads;
+            ``reader.step`` says which.
 
     What it does:
 
@@ -119,9 +124,15 @@ class StorageReader(dcp.StorageReader):
         *,
         storage_options: Optional[Mapping[str, str]] = None,
         verify: bool = True,
+        registry: Union[str, os.PathLike, None] = None,
     ) -> None:
         super().__init__()
         self.path = _location(path_or_url)
+        self.registry = registry
+        #: The step of a live publication this reader read (None for checkpoints).
+        self.step: Optional[int] = None
+        # A live:// URL's resolved location (live+file://...), else None: what _open opens.
+        self._live_at: Optional[str] = None
         self.storage_options = dict(storage_options or {})
         self.verify = bool(verify)
         self.rank: Optional[int] = None
@@ -147,6 +158,7 @@ class StorageReader(dcp.StorageReader):
                 self.path = location
                 self._opened = None
                 self._tensors = None
+                self._live_at = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
@@ -158,7 +170,7 @@ class StorageReader(dcp.StorageReader):
             return False
         if "://" not in location:
             return location != ""
-        return location.split("://", 1)[0].lower() in _SCHEMES
+        return location.split("://", 1)[0].lower() in _SCHEMES | {"live"}
 
     def read_metadata(self) -> Metadata:  # type: ignore[override]
         """The checkpoint as DCP ``Metadata`` (see the class docs).
@@ -167,6 +179,10 @@ class StorageReader(dcp.StorageReader):
         ``__<rank>.metadata`` of ``use_collectives=False`` saves is not a checkpoint tessera
         opens), and leaving the keyword out tells DCP not to retry with it.
         """
+        if self.path.startswith("live://") and self._live_at is None:
+            from . import _live
+
+            self.step, self._live_at = _live.resolve(self.path, self.registry)
         opened = self._open()
         tensors = json.loads(opened.chunks())
         state: Dict[str, Any] = {}
@@ -207,12 +223,30 @@ class StorageReader(dcp.StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
-        """Unchanged: see the class docs for why reads are not shared between ranks here."""
-        return plans
+        """Unchanged (see the class docs for why reads are not shared between ranks here), but
+        for a live publication: the coordinator's step goes to every rank, which reads that one
+        (the newest step may have moved between two ranks' ``read_metadata``)."""
+        if self._live_at is None:
+            return plans
+        import dataclasses
+
+        return [dataclasses.replace(p, storage_data={"live": self._live_at}) for p in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         """Loads every tensor item of ``plan`` in one tessera call, then its non-tensor items
         (see the class docs). Returns a completed future, as ``FileSystemReader`` does."""
+        chosen = plan.storage_data.get("live") if isinstance(plan.storage_data, dict) else None
+        if chosen is not None and chosen != self._live_at:
+            self._live_at, self._opened, self._tensors = chosen, None, None
+            self.step = int(os.path.basename(chosen).rsplit("-", 1)[-1])
+        if self._live_at is None:
+            return self._read_data(plan, planner)
+        from . import _live
+
+        with _live.Lease(self._live_at, _NO_PEERS_TIMEOUT_S):
+            return self._read_data(plan, planner)
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         opened = self._open()
         if self._tensors is None:
             self.read_metadata()  # DCP always calls it first; a caller driving the reader may not
@@ -331,7 +365,7 @@ class StorageReader(dcp.StorageReader):
         if self._opened is None:
             from . import _open
 
-            self._opened = _open(self.path, self.storage_options)
+            self._opened = _open(self._live_at or self.path, self.storage_options)
         return self._opened
 
 

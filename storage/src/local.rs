@@ -19,7 +19,7 @@ pub fn local_directory(location: &str) -> Option<PathBuf> {
             let (root, name) = crate::location::local_parts(location, raw).ok()?;
             Some(root.join(name))
         }
-        crate::location::Parsed::Cloud { .. } => None,
+        crate::location::Parsed::Cloud { .. } | crate::location::Parsed::Live(_) => None,
     }
 }
 

@@ -8,6 +8,7 @@
 //! | `gs://bucket/run/step-000100` | the bucket | `run/step-000100` |
 //! | `az://container/run/step-000100` | the container | `run/step-000100` |
 //! | `https://host/run/step-000100` (read only) | the origin `https://host` | `run/step-000100` |
+//! | `live+file:///registry/name/step-000100` (read only) | the registry directory `name`, its data files read from their publishers ([`crate::live`]) | `step-000100` |
 //!
 //! The store is always wider than the checkpoint (the parent directory, the whole bucket) so that
 //! the run's `latest` pointer next to the step directories stays reachable through it, and object
@@ -74,7 +75,7 @@ impl LocationKind {
     pub fn of(location: &str) -> LocationKind {
         match parse(location) {
             Ok(Parsed::Local(_)) => LocationKind::Local,
-            Ok(Parsed::Cloud { .. }) => LocationKind::Remote,
+            Ok(Parsed::Cloud { .. } | Parsed::Live(_)) => LocationKind::Remote,
             Err(_) if location.contains("://") => LocationKind::Remote,
             Err(_) => LocationKind::Local,
         }
@@ -102,6 +103,12 @@ pub fn canonical(location: &str) -> Result<String, StorageError> {
             // A location that does not exist (yet) keeps its lexical form: nothing to follow.
             let path = std::fs::canonicalize(&lexical).unwrap_or(lexical);
             Ok(format!("file://{}", path.display()))
+        }
+        Parsed::Live(raw) => {
+            let (root, name) = local_parts(location, raw)?;
+            let lexical = root.join(name);
+            let path = std::fs::canonicalize(&lexical).unwrap_or(lexical);
+            Ok(format!("{}://{}", crate::live::LIVE_SCHEME, path.display()))
         }
         Parsed::Cloud { kind, bucket, key } => {
             let (scheme, bucket) = match kind {
@@ -182,6 +189,10 @@ pub fn open_with(location: &str, options: &StorageOptions) -> Result<Location, S
             }
             local(location, &root, &name)
         }
+        Parsed::Live(raw) => {
+            let (root, name) = local_parts(location, raw)?;
+            crate::live::open_live(location, &root, &name, options)
+        }
         Parsed::Cloud { kind, bucket, key } => cloud(location, kind, bucket, key, options),
     }
 }
@@ -199,6 +210,10 @@ pub fn create_with(location: &str, options: &StorageOptions) -> Result<Location,
             })?;
             local(location, &root, &name)
         }
+        Parsed::Live(_) => Err(invalid(
+            location,
+            "a live publication is read-only; tessera.publish writes it".to_string(),
+        )),
         Parsed::Cloud {
             kind: Cloud::Http { .. },
             ..
@@ -235,6 +250,8 @@ pub(crate) enum Cloud {
 pub(crate) enum Parsed<'a> {
     /// A local path, `file://` stripped.
     Local(&'a str),
+    /// A live publication's step directory, `live+file://` stripped ([`crate::live`]).
+    Live(&'a str),
     /// `bucket` is the bucket, container or (for HTTP) `host[:port]`; `key` the rest.
     Cloud {
         kind: Cloud,
@@ -259,6 +276,7 @@ pub(crate) fn parse(location: &str) -> Result<Parsed<'_>, StorageError> {
     };
     let (kind, what, example) = match scheme {
         "file" => return Ok(Parsed::Local(rest)),
+        crate::live::LIVE_SCHEME => return Ok(Parsed::Live(rest)),
         "s3" => (Cloud::S3, "bucket", "s3://<bucket>/<prefix>"),
         "gs" => (Cloud::Gcs, "bucket", "gs://<bucket>/<prefix>"),
         "az" => (Cloud::Azure, "container", "az://<container>/<prefix>"),

@@ -468,6 +468,21 @@ impl WrittenFile {
         self.data_written
     }
 
+    /// Renumbers the chunks' tensors for a commit whose tensor list differs from the writer's
+    /// that wrote this file (a live publication's ranks each write theirs with the tensors they
+    /// hold; the step lists every rank's): `to` gives a chunk's new tensor index, or `None` to
+    /// leave the chunk out (a replica another rank's file holds too). The bytes, and so the
+    /// block checksums, stay as written.
+    pub fn reindex_chunks(&mut self, mut to: impl FnMut(&SavedChunk) -> Option<u32>) {
+        self.chunks = std::mem::take(&mut self.chunks)
+            .into_iter()
+            .filter_map(|mut chunk| {
+                chunk.tensor = to(&chunk)?;
+                Some(chunk)
+            })
+            .collect();
+    }
+
     /// crc32c of every checksum block (empty when no data was written).
     pub fn block_crcs(&self) -> &[u32] {
         &self.block_crcs

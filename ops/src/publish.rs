@@ -1,0 +1,386 @@
+//! Live publications (`tessera.publish`): a step of a running job's state, readable by other
+//! jobs as a native checkpoint whose data files stay in the publishing processes' memory.
+//!
+//! ```text
+//! <registry>/<name>/latest                    "step-000100", moved after each commit
+//! <registry>/<name>/step-000100/
+//! ├── parts/rank-<r>.json     each publisher rank's part, written atomically (temp + rename):
+//! │                           its boxes, its data file as laid out (offsets, block and box
+//! │                           crc32c) and the URL it serves it at
+//! ├── metadata.arrow          ┐ rank 0, once every rank's part is there: the ordinary native
+//! ├── checksums.arrow         │ commit of those files (data/publisher-rank-<r>.bin), so the
+//! ├── publishers.json         │ checksums readers verify are the ones recorded at snapshot time
+//! └── manifest.json           ┘ written last: the step is complete (readable) from here on
+//! ```
+//!
+//! Each rank lays its boxes out as its data file would hold them ([`write_part_file`]: the
+//! native writer into memory, so offsets, 4 KiB alignment, block crc32c and per-box crc32c are
+//! the format's own) and serves those bytes itself (`tessera_storage::RangeServer`); nothing
+//! passes between publisher ranks but the registry's files, so a publication needs no
+//! rendezvous and never uses the job's process group from a background thread. A reader opens a
+//! complete step as `live+file://<step dir>` (`tessera_storage::LiveStore`) and loads it with
+//! the ordinary plan, verified reads and exchange.
+//!
+//! A step stays incomplete (no manifest) until every rank's part is there; [`missing_ranks`]
+//! says which ranks a reader is waiting for.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path as FsPath;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use object_store::ObjectStoreExt;
+use object_store::memory::InMemory;
+use object_store::path::Path;
+use serde::{Deserialize, Serialize};
+use tessera_metadata::TensorBox;
+use tessera_metadata::formats::native::{Manifest, NativeWriter, WriteOptions, WrittenFile};
+use tessera_storage::PUBLISHERS_FILE;
+
+use crate::save::{HeldBox, Holdings, global_tensors};
+use crate::{OpsError, ResultExt};
+
+/// Folder of the ranks' parts in a step directory.
+pub const PARTS_DIR: &str = "parts";
+/// Largest part file read (its boxes and block checksums: a few MB for a huge shard).
+const MAX_PART_BYTES: u64 = 256 * 1024 * 1024;
+/// How often rank 0 looks for the other ranks' parts while it waits for them.
+const PART_POLL: Duration = Duration::from_millis(20);
+
+/// One publisher rank's part of a step.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Part {
+    /// The publisher rank.
+    pub rank: u32,
+    /// The publishing job's ranks.
+    pub world: u32,
+    /// The step.
+    pub step: u64,
+    /// The origin its server listens at, `http://host:port`.
+    pub url: String,
+    /// The data file's path on that server.
+    pub path: String,
+    /// Its boxes (and object keys), as the step's tensors are assembled from.
+    pub holdings: Holdings,
+    /// Its data file as laid out: size, block crc32c, each box's byte range and crc32c.
+    pub file: WrittenFile,
+}
+
+/// The data file name (without `data/` and `.bin`) of publisher rank `rank`: named so that a
+/// reader's error about the file names the publisher rank.
+pub fn data_file_name(rank: u32) -> String {
+    format!("publisher-rank-{rank}")
+}
+
+/// Lays out `boxes` (whose bytes are `data`, row-major) and `objects` as the data file of
+/// publisher rank `rank`, in memory; returns the file's bytes and what the commit needs of it.
+pub async fn write_part_file(
+    rank: u32,
+    boxes: &[HeldBox],
+    data: &[&[u8]],
+    objects: &[(String, Vec<u8>)],
+) -> Result<(Bytes, WrittenFile), OpsError> {
+    if boxes.len() != data.len() {
+        return Err(OpsError::invalid(format!(
+            "rank {rank}: {} boxes but {} byte buffers",
+            boxes.len(),
+            data.len()
+        )));
+    }
+    let holdings = Holdings {
+        boxes: boxes.to_vec(),
+        objects: objects.iter().map(|(k, _)| k.clone()).collect(),
+    };
+    let tensors = global_tensors(std::slice::from_ref(&holdings))?;
+    let index: HashMap<&str, u32> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.fqn.as_str(), i as u32))
+        .collect();
+    let store = Arc::new(InMemory::new());
+    let prefix = Path::from("publication");
+    let writer = NativeWriter::create(
+        store.clone(),
+        prefix.clone(),
+        tensors.clone(),
+        WriteOptions::default(),
+    )
+    .await?;
+    let name = data_file_name(rank);
+    let mut file = writer.data_file(&name)?;
+    for (b, bytes) in boxes.iter().zip(data) {
+        let tensor = index.get(b.fqn.as_str()).copied().ok_or_else(|| {
+            OpsError::invalid(format!("rank {rank}: tensor {} is not listed", b.fqn))
+        })?;
+        let region = TensorBox::new(b.offsets.clone(), b.lengths.clone());
+        file.write_box(tensor, region, bytes)
+            .await
+            .with_context(|| format!("publishing tensor {} at offsets {:?}", b.fqn, b.offsets))?;
+    }
+    for (key, bytes) in objects {
+        file.write_object(key, bytes)
+            .await
+            .with_context(|| format!("publishing object {key}"))?;
+    }
+    let written = file.finish().await?;
+    let path = prefix.clone().join("data").join(format!("{name}.bin"));
+    let bytes = store
+        .get(&path)
+        .await
+        .map_err(|source| tessera_storage::StorageError::Store {
+            action: "reading back".to_string(),
+            path: path.to_string(),
+            source,
+        })?
+        .bytes()
+        .await
+        .map_err(|source| tessera_storage::StorageError::Store {
+            action: "reading back".to_string(),
+            path: path.to_string(),
+            source,
+        })?;
+    Ok((bytes, written))
+}
+
+fn io_error(what: &str, path: &FsPath, e: std::io::Error) -> OpsError {
+    OpsError::invalid(format!("{what} {}: {e}", path.display()))
+}
+
+/// Writes `part` as `<step_dir>/parts/rank-<r>.json`, atomically (a temporary file renamed), so
+/// a reader never sees half a part.
+pub fn write_part(step_dir: &FsPath, part: &Part) -> Result<(), OpsError> {
+    let dir = step_dir.join(PARTS_DIR);
+    std::fs::create_dir_all(&dir).map_err(|e| io_error("creating", &dir, e))?;
+    let json = serde_json::to_vec(part)
+        .map_err(|e| OpsError::invalid(format!("encoding rank {}'s part: {e}", part.rank)))?;
+    let path = dir.join(format!("rank-{}.json", part.rank));
+    let temp = dir.join(format!(
+        ".rank-{}.json.{}.tmp",
+        part.rank,
+        std::process::id()
+    ));
+    std::fs::write(&temp, json).map_err(|e| io_error("writing", &temp, e))?;
+    std::fs::rename(&temp, &path).map_err(|e| io_error("renaming into", &path, e))
+}
+
+/// The parts present in `step_dir`, by rank (temporary files skipped).
+pub fn read_parts(step_dir: &FsPath) -> Result<BTreeMap<u32, Part>, OpsError> {
+    let dir = step_dir.join(PARTS_DIR);
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
+        Err(e) => return Err(io_error("listing", &dir, e)),
+    };
+    let mut parts = BTreeMap::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| io_error("listing", &dir, e))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !(name.starts_with("rank-") && name.ends_with(".json")) {
+            continue;
+        }
+        let path = entry.path();
+        let size = entry
+            .metadata()
+            .map_err(|e| io_error("reading", &path, e))?
+            .len();
+        if size > MAX_PART_BYTES {
+            return Err(OpsError::invalid(format!(
+                "{}: {size} bytes, over the cap of {MAX_PART_BYTES}",
+                path.display()
+            )));
+        }
+        let bytes = std::fs::read(&path).map_err(|e| io_error("reading", &path, e))?;
+        let part: Part = serde_json::from_slice(&bytes)
+            .map_err(|e| OpsError::invalid(format!("{}: not a part: {e}", path.display())))?;
+        parts.insert(part.rank, part);
+    }
+    Ok(parts)
+}
+
+/// The ranks of a `world`-rank publication whose parts `parts` lacks.
+pub fn missing_ranks(parts: &BTreeMap<u32, Part>, world: u32) -> Vec<u32> {
+    (0..world).filter(|r| !parts.contains_key(r)).collect()
+}
+
+/// Rank 0: waits (up to `wait`) until every one of the `world` ranks' parts of `step` is in
+/// `step_dir`, then commits the step ([`commit_step`]). Fails naming the ranks whose parts did
+/// not come, or a part that disagrees on the step or the world.
+pub async fn await_and_commit(
+    step_dir: &FsPath,
+    world: u32,
+    step: u64,
+    wait: Duration,
+) -> Result<Manifest, OpsError> {
+    let deadline = Instant::now() + wait;
+    let parts = loop {
+        let parts = read_parts(step_dir)?;
+        for part in parts.values() {
+            if part.world != world || part.step != step {
+                return Err(OpsError::invalid(format!(
+                    "{}: rank {}'s part is of step {} of a {}-rank publication, this is step {step} of {world} ranks",
+                    step_dir.display(),
+                    part.rank,
+                    part.step,
+                    part.world
+                )));
+            }
+        }
+        let missing = missing_ranks(&parts, world);
+        if missing.is_empty() {
+            break parts;
+        }
+        if Instant::now() >= deadline {
+            return Err(OpsError::invalid(format!(
+                "step {step} at {} is not complete: within {:.1} s publisher ranks {missing:?} of {world} did not publish it (parts present: ranks {:?})",
+                step_dir.display(),
+                wait.as_secs_f64(),
+                parts.keys().collect::<Vec<_>>()
+            )));
+        }
+        tokio::time::sleep(PART_POLL).await;
+    };
+    let parts: Vec<Part> = parts.into_values().collect();
+    commit_step(step_dir, &parts, step).await
+}
+
+/// Commits a step from every rank's part: the step's tensors from every rank's boxes, each
+/// distinct box once (a replica is read from the lowest rank holding it), then the native
+/// commit (metadata, block checksums), `publishers.json`, and the manifest last.
+pub async fn commit_step(
+    step_dir: &FsPath,
+    parts: &[Part],
+    step: u64,
+) -> Result<Manifest, OpsError> {
+    let all: Vec<Holdings> = parts.iter().map(|p| p.holdings.clone()).collect();
+    let tensors = global_tensors(&all)?;
+    let global: HashMap<&str, u32> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.fqn.as_str(), i as u32))
+        .collect();
+    let mut seen: HashSet<(u32, TensorBox)> = HashSet::new();
+    let mut files = Vec::with_capacity(parts.len());
+    for part in parts {
+        // The tensor list this rank's writer numbered its chunks by.
+        let local = global_tensors(std::slice::from_ref(&part.holdings))?;
+        let mut file = part.file.clone();
+        let mut unknown = None;
+        file.reindex_chunks(|chunk| {
+            let Some(t) = local
+                .get(chunk.tensor as usize)
+                .and_then(|t| global.get(t.fqn.as_str()))
+            else {
+                unknown = Some(chunk.tensor);
+                return None;
+            };
+            seen.insert((*t, chunk.region.clone())).then_some(*t)
+        });
+        if let Some(tensor) = unknown {
+            return Err(OpsError::invalid(format!(
+                "publisher rank {}: its data file names tensor {tensor}, which its boxes do not list",
+                part.rank
+            )));
+        }
+        files.push(file);
+    }
+    let location = step_dir.display().to_string();
+    let loc = tessera_storage::create_with(&location, &tessera_storage::StorageOptions::default())?;
+    let writer = NativeWriter::create(
+        loc.store.clone(),
+        loc.prefix.clone(),
+        tensors,
+        WriteOptions {
+            step: Some(step),
+            ..WriteOptions::default()
+        },
+    )
+    .await
+    .with_context(|| format!("committing step {step} at {location}"))?;
+    let prepared = writer
+        .prepare(files)
+        .await
+        .with_context(|| format!("committing step {step} at {location}"))?;
+    let publishers: Vec<serde_json::Value> = parts
+        .iter()
+        .map(|p| {
+            serde_json::json!({
+                "rank": p.rank,
+                "file": p.file.path(),
+                "url": p.url,
+                "path": p.path,
+            })
+        })
+        .collect();
+    let json = serde_json::to_vec_pretty(&serde_json::json!({ "publishers": publishers }))
+        .map_err(|e| OpsError::invalid(format!("encoding {PUBLISHERS_FILE}: {e}")))?;
+    let path = step_dir.join(PUBLISHERS_FILE);
+    let temp = step_dir.join(format!(".{PUBLISHERS_FILE}.{}.tmp", std::process::id()));
+    std::fs::write(&temp, json).map_err(|e| io_error("writing", &temp, e))?;
+    std::fs::rename(&temp, &path).map_err(|e| io_error("renaming into", &path, e))?;
+    prepared
+        .commit()
+        .await
+        .with_context(|| format!("committing step {step} at {location}"))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn row_box(rank: u64) -> HeldBox {
+        HeldBox {
+            fqn: "w".to_string(),
+            dtype: "f32".to_string(),
+            shape: vec![4, 2],
+            offsets: vec![rank * 2, 0],
+            lengths: vec![2, 2],
+        }
+    }
+
+    async fn part(rank: u32, world: u32, values: &[f32]) -> Part {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let boxes = vec![row_box(u64::from(rank))];
+        let (_, file) = write_part_file(rank, &boxes, &[&bytes], &[]).await.unwrap();
+        Part {
+            rank,
+            world,
+            step: 7,
+            url: "http://127.0.0.1:1".to_string(),
+            path: format!("m/step-000007/data/publisher-rank-{rank}.bin"),
+            holdings: Holdings {
+                boxes,
+                objects: Vec::new(),
+            },
+            file,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_step_commits_once_every_rank_published_and_not_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let step_dir = dir.path().join("m").join("step-000007");
+        write_part(&step_dir, &part(0, 2, &[1.0, 2.0, 3.0, 4.0]).await).unwrap();
+        let err = await_and_commit(&step_dir, 2, 7, Duration::from_millis(50))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("publisher ranks [1] of 2"), "{err}");
+        assert!(!step_dir.join("manifest.json").exists());
+
+        write_part(&step_dir, &part(1, 2, &[5.0, 6.0, 7.0, 8.0]).await).unwrap();
+        let manifest = await_and_commit(&step_dir, 2, 7, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(manifest.step, Some(7));
+        assert_eq!(manifest.files.len(), 2);
+        assert!(step_dir.join("manifest.json").exists());
+        let publishers = std::fs::read_to_string(step_dir.join(PUBLISHERS_FILE)).unwrap();
+        assert!(
+            publishers.contains("data/publisher-rank-1.bin"),
+            "{publishers}"
+        );
+    }
+}

@@ -1,0 +1,223 @@
+//! `tessera.publish`: this rank's part of a live publication's step (`tessera_ops::publish`):
+//! its boxes laid out as its data file in memory, served by this process's range server
+//! (`tessera_storage::RangeServer`, one per bound host, started on first use), and its part
+//! written to the registry; rank 0 then commits the step once every rank's part is there.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow};
+use pyo3::prelude::*;
+use tessera_ops::publish::{self, Part};
+use tessera_ops::save::{HeldBox as OpsBox, Holdings};
+use tessera_storage::RangeServer;
+
+use crate::block_on;
+use crate::memory::HostMemory;
+use crate::records::HeldBox;
+
+/// The process's range servers, by the host they are bound to.
+fn servers() -> &'static Mutex<HashMap<String, Arc<RangeServer>>> {
+    static SERVERS: OnceLock<Mutex<HashMap<String, Arc<RangeServer>>>> = OnceLock::new();
+    SERVERS.get_or_init(Mutex::default)
+}
+
+fn server(host: &str) -> Result<Arc<RangeServer>> {
+    let mut servers = servers().lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(server) = servers.get(host) {
+        return Ok(server.clone());
+    }
+    let server = Arc::new(RangeServer::start(host)?);
+    servers.insert(host.to_string(), server.clone());
+    Ok(server)
+}
+
+/// What one rank's part of a step needs besides its boxes (Python sets the fields by name).
+#[pyclass(module = "tessera._tessera", get_all, set_all, from_py_object)]
+#[derive(Clone, Debug)]
+pub struct PublishRequest {
+    /// The publication's name (the registry folder).
+    name: String,
+    /// The step.
+    step: u64,
+    /// This publisher rank.
+    rank: u32,
+    /// The publishing job's ranks.
+    world: u32,
+    /// The address this process serves its bytes on (what consumers connect to).
+    host: String,
+}
+
+#[pymethods]
+impl PublishRequest {
+    /// A request with every field at its default (rank 0 of 1, loopback).
+    #[new]
+    fn new() -> Self {
+        Self {
+            name: String::new(),
+            step: 0,
+            rank: 0,
+            world: 1,
+            host: "127.0.0.1".to_string(),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{self:?}")
+    }
+}
+
+/// Lays this rank's boxes (and objects) out as its data file, serves it, and writes its part
+/// into `step_dir`; returns JSON `{"url", "path", "bytes"}` (the served file's origin, path and
+/// size). The boxes' memory is read during the call only.
+#[pyfunction]
+#[pyo3(signature = (step_dir, boxes, objects, request))]
+pub fn publish_part(
+    py: Python<'_>,
+    step_dir: String,
+    boxes: Vec<HeldBox>,
+    objects: Vec<(String, Vec<u8>)>,
+    request: PublishRequest,
+) -> PyResult<String> {
+    block_on(
+        py,
+        run_part(PathBuf::from(step_dir), boxes, objects, request),
+    )
+}
+
+async fn run_part(
+    step_dir: PathBuf,
+    boxes: Vec<HeldBox>,
+    objects: Vec<(String, Vec<u8>)>,
+    request: PublishRequest,
+) -> Result<String> {
+    let rank = request.rank;
+    let mut held = Vec::with_capacity(boxes.len());
+    let mut memory = Vec::with_capacity(boxes.len());
+    for b in boxes {
+        // SAFETY: the Python layer passes the data address and byte length of a C-contiguous
+        // array (a region of the staging pool) it keeps referenced until this call returns; it
+        // is only read.
+        #[allow(unsafe_code)]
+        let m = unsafe { HostMemory::new(b.address, b.nbytes) }
+            .ok_or_else(|| anyhow!("tensor {}: null data address", b.fqn))?;
+        memory.push(m);
+        held.push(OpsBox {
+            fqn: b.fqn,
+            dtype: b.dtype,
+            shape: b.global_shape,
+            offsets: b.offsets,
+            lengths: b.lengths,
+        });
+    }
+    let data: Vec<&[u8]> = memory.iter().map(AsRef::as_ref).collect();
+    let (bytes, file) = publish::write_part_file(rank, &held, &data, &objects).await?;
+    let step_name = step_dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| anyhow!("{}: no step directory name", step_dir.display()))?;
+    let path = format!("{}/{step_name}/{}", request.name, file.path());
+    let server = server(&request.host)
+        .with_context(|| format!("rank {rank}: serving publication {}", request.name))?;
+    let size = bytes.len();
+    server.serve(&path, bytes);
+    let part = Part {
+        rank,
+        world: request.world,
+        step: request.step,
+        url: server.url(),
+        path: path.clone(),
+        holdings: Holdings {
+            boxes: held,
+            objects: objects.iter().map(|(k, _)| k.clone()).collect(),
+        },
+        file,
+    };
+    if let Err(e) = publish::write_part(&step_dir, &part) {
+        server.remove(&path);
+        return Err(e.into());
+    }
+    Ok(serde_json::to_string(&serde_json::json!({
+        "url": part.url,
+        "path": path,
+        "bytes": size,
+    }))?)
+}
+
+/// Rank 0: waits up to `timeout_s` for every one of the `world` ranks' parts of `step` in
+/// `step_dir`, then commits the step (manifest last); returns the manifest as JSON.
+#[pyfunction]
+#[pyo3(signature = (step_dir, world, step, timeout_s))]
+pub fn commit_publication(
+    py: Python<'_>,
+    step_dir: String,
+    world: u32,
+    step: u64,
+    timeout_s: f64,
+) -> PyResult<String> {
+    block_on(py, async move {
+        let manifest = publish::await_and_commit(
+            &PathBuf::from(step_dir),
+            world,
+            step,
+            Duration::from_secs_f64(timeout_s.max(0.001)),
+        )
+        .await?;
+        Ok(serde_json::to_string(&manifest)?)
+    })
+}
+
+/// Stops serving the file at `path` (a retired step); true when it was served.
+#[pyfunction]
+pub fn unpublish(path: &str) -> bool {
+    servers()
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .values()
+        .any(|server| server.remove(path))
+}
+
+/// Test hook (`fault-injection` builds): flips the bits of byte `offset` of the file served at
+/// `path`, as a damaged transfer or a publisher's memory error would; readers must fail naming
+/// the publisher rank and tensor.
+#[cfg(feature = "fault-injection")]
+#[pyfunction]
+pub fn damage_publication(path: &str, offset: usize) -> PyResult<()> {
+    let servers = servers().lock().unwrap_or_else(PoisonError::into_inner);
+    for server in servers.values() {
+        if let Some(bytes) = server.get(path) {
+            let mut damaged = bytes.to_vec();
+            let Some(byte) = damaged.get_mut(offset) else {
+                return Err(crate::TesseraError::new_err(format!(
+                    "{path}: offset {offset} past its {} bytes",
+                    bytes.len()
+                )));
+            };
+            *byte ^= 0xff;
+            server.serve(path, damaged.into());
+            return Ok(());
+        }
+    }
+    Err(crate::TesseraError::new_err(format!(
+        "{path} is not served"
+    )))
+}
+
+/// Test hook (`fault-injection` builds): holds (`hold=True`) or releases the requests for the
+/// file served at `path`; returns how many requests this process's servers hold right now.
+#[cfg(feature = "fault-injection")]
+#[pyfunction]
+#[pyo3(signature = (path, hold))]
+pub fn hold_publication(path: &str, hold: bool) -> u64 {
+    let servers = servers().lock().unwrap_or_else(PoisonError::into_inner);
+    for server in servers.values() {
+        if hold {
+            server.hold(path);
+        } else {
+            server.release(path);
+        }
+    }
+    servers.values().map(|s| s.held_requests()).sum()
+}

@@ -1,0 +1,427 @@
+"""Live publications: a running job's state served from its own processes and loaded by other
+jobs in any layout (``tessera.publish`` and ``tessera.load(..., "live://NAME")``).
+
+Publisher side (every rank of the publishing job)::
+
+    pub = tessera.publish(state, "policy", step=step, registry="/shared/registry")
+    # the call returns once the state is copied (async_save's eager snapshot); the rest runs in
+    # the background: this rank lays its boxes out as a native data file in memory, serves it
+    # over HTTP from this process, and writes its part into the registry; rank 0 commits the step
+    # (metadata, checksums recorded at snapshot time, manifest last) once every rank's part is
+    # there.
+
+Consumer side (any layout, any world size, alone or over its own process group)::
+
+    report = tessera.load(state, "live://policy", registry="/shared/registry")
+    report.step   # the newest complete step; "live://policy@42" asks for step 42
+
+Registry layout and the step's format: ``tessera_ops::publish`` (Rust). A step is a native
+checkpoint whose data files stay in the publishers' memory; the consumer opens it as
+``live+file://<registry>/<name>/step-<N>`` and loads it with the ordinary plan, verified reads
+(block crc32c and each box's crc32c, recorded by the publisher at snapshot time) and exchange.
+
+**Keeping steps.** Each process serves the newest ``keep`` steps of a name it published. An older
+step is retired at the next ``publish`` of that name unless a consumer holds a lease on it: a
+load writes ``<step>/leases/<id>.json`` (its deadline: the load's ``timeout``, at most
+:data:`MAX_LEASE_SECONDS`) before it opens the step and removes it when done; the publisher keeps
+a leased step until the lease is gone or past its deadline, and checks again at each later
+``publish``. Retiring removes the step's manifest (rank 0), so new loads no longer pick it, and
+stops serving its bytes; a load that still reads it fails naming the publisher rank (404), never
+with wrong values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import tessera as _api
+
+from . import _async_save, _group, _tessera
+from ._tessera import TesseraError
+
+#: The URL scheme of live publications.
+SCHEME = "live://"
+#: The longest a consumer's lease keeps a superseded step served, whatever its timeout says: a
+#: consumer that died holding a lease costs the publisher this much memory time, no more.
+MAX_LEASE_SECONDS = 900.0
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _check_name(name: Any) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(
+            f"publication name {name!r}: use 1 to 200 ASCII letters, digits, '_', '.' or '-', starting with a "
+            "letter or digit"
+        )
+    return name
+
+
+def _registry_dir(registry: Any) -> str:
+    if registry is None:
+        raise ValueError(
+            "live:// publications need registry=: the directory both the publishing and the consuming job see"
+        )
+    path = os.fspath(registry)
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"registry={registry!r}: name a directory")
+    return os.path.abspath(path)
+
+
+def step_dir(registry: str, name: str, step: int) -> str:
+    return os.path.join(registry, name, f"step-{int(step):06d}")
+
+
+@dataclass
+class PublishReport(_api._Report):
+    """What one rank's :func:`publish` did."""
+
+    name: str = ""
+    step: int = 0
+    rank: int = 0
+    world_size: int = 1
+    #: Where this rank serves its data file (origin and path).
+    url: str = ""
+    path: str = ""
+    #: Bytes of this rank's served data file (boxes aligned as the native format lays them).
+    bytes: int = 0
+    #: Rank 0: the committed step's manifest (None on other ranks).
+    manifest: Optional[Dict[str, Any]] = None
+    #: Seconds the call blocked (the eager copy) and the background part (layout, serve, commit).
+    blocked_seconds: float = 0.0
+    persist_seconds: float = 0.0
+    #: Older steps this call retired, and ones kept past ``keep`` because a consumer leases them.
+    retired: List[int] = field(default_factory=list)
+    leased: List[int] = field(default_factory=list)
+
+
+class Publication:
+    """One step of a live publication on this rank: ``result()`` waits until this rank's part is
+    served (rank 0: until the step is committed) and gives the :class:`PublishReport`;
+    ``retire()`` stops serving it."""
+
+    def __init__(self, name: str, step: int, registry: str, rank: int, world_size: int) -> None:
+        #: The snapshot's handle, set once async_save returned (the persist may run before).
+        self._handle: Any = None
+        self.name = name
+        self.step = step
+        self.registry = registry
+        self.rank = rank
+        self.world_size = world_size
+        self._path: Optional[str] = None
+        self._retired = False
+
+    def __repr__(self) -> str:
+        return f"Publication({self.name}@{self.step}, rank {self.rank} of {self.world_size})"
+
+    def wait_snapshot(self, timeout: Optional[float] = None) -> None:
+        self._handle.wait_snapshot(timeout)
+
+    def done(self) -> bool:
+        return self._handle.done()
+
+    def result(self, timeout: Optional[float] = None) -> PublishReport:
+        return self._handle.result(timeout)
+
+    def retire(self) -> None:
+        """Stops serving this step from this rank (rank 0 also removes its manifest first, so no
+        new load picks it). Idempotent."""
+        self._handle.wait(None)
+        with _LOCK:
+            _retire(self)
+            steps = _SERVED.get((self.registry, self.name), [])
+            if self in steps:
+                steps.remove(self)
+
+
+_LOCK = threading.Lock()
+#: The steps this process serves, per (registry, name), oldest first.
+_SERVED: Dict[Tuple[str, str], List[Publication]] = {}
+
+
+def _retire(pub: Publication) -> None:
+    if pub._retired:
+        return
+    directory = step_dir(pub.registry, pub.name, pub.step)
+    if pub.rank == 0:
+        for file in ("manifest.json",):
+            try:
+                os.remove(os.path.join(directory, file))
+            except FileNotFoundError:
+                pass
+    if pub._path is not None:
+        _tessera.unpublish(pub._path)
+    pub._retired = True
+
+
+def _leased(directory: str, now: float) -> bool:
+    """Whether a consumer's lease on the step in ``directory`` is still running."""
+    leases = os.path.join(directory, "leases")
+    try:
+        names = os.listdir(leases)
+    except FileNotFoundError:
+        return False
+    for entry in names:
+        if not entry.endswith(".json"):
+            continue
+        path = os.path.join(leases, entry)
+        try:
+            with open(path, encoding="utf-8") as f:
+                lease = json.load(f)
+            taken, until = float(lease["taken"]), float(lease["until"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if now < min(until, taken + MAX_LEASE_SECONDS):
+            return True
+    return False
+
+
+def _supersede(key: Tuple[str, str], keep: int, report: PublishReport) -> None:
+    """Retires this process's steps of ``key`` beyond the newest ``keep``, except leased ones."""
+    with _LOCK:
+        steps = _SERVED.get(key, [])
+        steps.sort(key=lambda p: p.step)
+        now = time.time()
+        for pub in list(steps[: max(len(steps) - keep, 0)]):
+            if _leased(step_dir(pub.registry, pub.name, pub.step), now):
+                report.leased.append(pub.step)
+                continue
+            _retire(pub)
+            steps.remove(pub)
+            report.retired.append(pub.step)
+
+
+def publish(
+    state_dict: Mapping[str, Any],
+    name: str,
+    *,
+    step: int,
+    registry: Any,
+    process_group: Any = None,
+    keep: int = 2,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    host: Optional[str] = None,
+    pool: Optional[_async_save.StagingPool] = None,
+    pool_bytes: Optional[int] = None,
+    timeout: float = 300.0,
+) -> Publication:
+    """Publishes ``state_dict`` as step ``step`` of the live publication ``name`` in ``registry``.
+
+    Every rank of the publishing job calls it (ranks and world from ``process_group``, the
+    default group, or ``rank``/``world_size``; the group itself is never used: ranks meet only
+    through the registry). The call copies the state into the staging pool (async_save's eager
+    snapshot: no stall beyond the copy) and returns; in the background this rank lays its boxes
+    out as a native data file in memory, serves it over HTTP from this process on ``host``
+    (default ``127.0.0.1``; give the address consumers on other hosts reach) on an ephemeral port,
+    and writes its part into the registry. Rank 0 commits the step once every rank's part is
+    there (waiting up to ``timeout``), and only then can it be loaded: ``tessera.load(state,
+    "live://NAME", registry=...)``. A box several ranks hold is served once (by the lowest rank).
+
+    The newest ``keep`` steps stay served; older ones are retired at the next call unless a
+    consumer still reads them (its lease; see the module doc). ``pub.retire()`` retires one now.
+    """
+    name = _check_name(name)
+    registry_dir = _registry_dir(registry)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r}: a non-negative integer")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep={keep!r}: keep at least the step just published")
+    group = _group.default_group(process_group, None)
+    if group is not None:
+        import torch.distributed as dist
+
+        if rank is not None or world_size is not None:
+            raise ValueError("rank and world_size come from the process group; do not pass them with one")
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    rank, world_size = _api._ranks(rank, world_size)
+    directory = step_dir(registry_dir, name, step)
+    if os.path.exists(os.path.join(directory, "parts", f"rank-{rank}.json")):
+        raise TesseraError(f"rank {rank}: step {step} of {name} is already published in {registry_dir}")
+    os.makedirs(directory, exist_ok=True)
+    key = (registry_dir, name)
+    request = _api._typed(
+        _tessera.PublishRequest, name=name, step=int(step), rank=int(rank), world=int(world_size),
+        host=host or "127.0.0.1",
+    )
+    pub = Publication(name, step, registry_dir, rank, world_size)
+
+    def persist(handle: Any, boxes: list, objects: list, started: float) -> PublishReport:
+        # Non-tensor values once, from rank 0: every rank has them, a step lists each key once.
+        served = json.loads(_tessera.publish_part(directory, boxes, objects if rank == 0 else [], request))
+        pub._path = served["path"]
+        report = PublishReport(
+            name=name, step=step, rank=rank, world_size=world_size, url=served["url"], path=served["path"],
+            bytes=served["bytes"], blocked_seconds=handle.blocked_seconds,
+        )
+        with _LOCK:
+            _SERVED.setdefault(key, []).append(pub)
+        if rank == 0:
+            report.manifest = json.loads(_tessera.commit_publication(directory, world_size, step, float(timeout)))
+        _supersede(key, keep, report)
+        report.persist_seconds = time.monotonic() - started
+        return report
+
+    ranks: Dict[str, Any] = {"process_group": group} if group is not None else {"rank": rank, "world_size": world_size}
+    handle = _async_save.async_save(
+        state_dict, directory, pool=pool, pool_bytes=pool_bytes, timeout=timeout, snapshot="eager",
+        _persist=persist, **ranks,
+    )
+    pub._handle = handle
+    return pub
+
+
+# ---- consumer side -------------------------------------------------------------------------
+
+
+def _parse(url: str) -> Tuple[str, Optional[int]]:
+    rest = url[len(SCHEME):]
+    name, _, step = rest.partition("@")
+    _check_name(name)
+    if not step:
+        return name, None
+    if not step.isdigit():
+        raise ValueError(f"{url}: the step after '@' must be a number (live://NAME@STEP)")
+    return name, int(step)
+
+
+def _parts(directory: str) -> Tuple[List[int], Optional[int]]:
+    """The ranks whose parts are in ``directory`` and the world size they state."""
+    ranks, world = [], None
+    try:
+        names = os.listdir(os.path.join(directory, "parts"))
+    except FileNotFoundError:
+        return [], None
+    for entry in names:
+        m = re.match(r"^rank-(\d+)\.json$", entry)
+        if not m:
+            continue
+        ranks.append(int(m.group(1)))
+        try:
+            with open(os.path.join(directory, "parts", entry), encoding="utf-8") as f:
+                world = int(json.load(f)["world"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return sorted(ranks), world
+
+
+def _complete(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, "manifest.json")) and os.path.exists(
+        os.path.join(directory, "publishers.json")
+    )
+
+
+def _incomplete(name: str, step: int, directory: str) -> str:
+    ranks, world = _parts(directory)
+    if not ranks:
+        return f"step {step} of live publication {name} has no published part"
+    if world is None:
+        return f"step {step} of live publication {name} is not complete (parts of ranks {ranks})"
+    missing = [r for r in range(world) if r not in ranks]
+    if missing:
+        return (
+            f"step {step} of live publication {name} is not complete: publisher ranks {missing} of {world} have "
+            f"not published it (parts present: ranks {ranks})"
+        )
+    return (
+        f"step {step} of live publication {name} is not committed: every one of its {world} ranks published "
+        "its part but rank 0 has not committed it (still committing, failed, or retired)"
+    )
+
+
+def resolve(url: str, registry: Any) -> Tuple[int, str]:
+    """The step ``url`` (``live://NAME`` or ``live://NAME@STEP``) names in ``registry`` and its
+    location (``live+file://...``); raises naming what is missing when it is not complete."""
+    name, step = _parse(url)
+    root = _registry_dir(registry)
+    base = os.path.join(root, name)
+    if step is not None:
+        directory = step_dir(root, name, step)
+        if not os.path.isdir(directory):
+            raise TesseraError(f"{url}: step {step} of live publication {name} was never published in {root}")
+        if not _complete(directory):
+            raise TesseraError(f"{url}: {_incomplete(name, step, directory)}")
+        return step, "live+file://" + directory
+    try:
+        entries = os.listdir(base)
+    except FileNotFoundError:
+        raise TesseraError(f"{url}: no live publication {name} in registry {root}") from None
+    steps = sorted((int(m.group(1)) for m in map(_STEP_DIR.match, entries) if m), reverse=True)
+    for candidate in steps:
+        directory = step_dir(root, name, candidate)
+        if _complete(directory):
+            return candidate, "live+file://" + directory
+    detail = "; ".join(_incomplete(name, s, step_dir(root, name, s)) for s in steps[:3]) or "no step at all"
+    raise TesseraError(f"{url}: live publication {name} in {root} has no complete step ({detail})")
+
+
+class Lease:
+    """A consumer's claim that it reads a step: the publisher keeps serving it until released or
+    past ``until`` (see the module doc). A context manager."""
+
+    def __init__(self, location: str, seconds: float) -> None:
+        directory = location[len("live+file://"):]
+        path = os.path.join(directory, "leases", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}.json")
+        now = time.time()
+        self.path: Optional[str] = path
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            temp = path + ".tmp"
+            with open(temp, "w", encoding="utf-8") as f:
+                json.dump({"taken": now, "until": now + min(float(seconds), MAX_LEASE_SECONDS), "pid": os.getpid()}, f)
+            os.replace(temp, path)
+        except OSError as e:
+            # A registry this job may only read: the load goes on unprotected. Should the
+            # publisher retire the step meanwhile, a read fails naming the publisher (404),
+            # never with wrong values.
+            import warnings
+
+            warnings.warn(
+                f"no lease on {directory} ({e}): the publisher may retire the step while this load reads it",
+                stacklevel=3,
+            )
+            self.path = None
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        if self.path is None:
+            return
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def resolve_for_load(url: str, registry: Any, group: Any) -> Tuple[int, str]:
+    """:func:`resolve` once for the whole consuming job: over ``group`` rank 0 resolves (the
+    newest step could change between two ranks' looks) and every rank gets its answer, or its
+    error."""
+    if group is None:
+        return resolve(url, registry)
+    import torch.distributed as dist
+
+    answer: List[Any] = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            answer[0] = ("ok",) + resolve(url, registry)
+        except (TesseraError, ValueError) as e:
+            answer[0] = ("error", type(e).__name__, str(e))
+    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    dist.broadcast_object_list(answer, src=src, group=group)
+    got = answer[0]
+    if got[0] == "error":
+        raise (ValueError if got[1] == "ValueError" else TesseraError)(f"{got[2]} (as coordinator rank 0 found it)")
+    return int(got[1]), str(got[2])
+
+
+__all__ = ["Publication", "PublishReport", "publish", "resolve", "SCHEME", "MAX_LEASE_SECONDS"]

@@ -1,0 +1,446 @@
+"""Live publications between separate processes: `tessera.publish` in a publishing process (or
+gloo job), `tessera.load(..., "live://NAME", registry=...)` in another, in another layout.
+
+Every test runs the publisher in its own spawned process(es) that serve the published bytes
+until told to stop; the consumer is another process (this one, or a spawned gloo job), and the
+loaded bytes are compared with what the publisher held."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import tessera  # noqa: E402
+from tessera import TesseraError  # noqa: E402
+
+from conftest import free_ports, join_job, job_store  # noqa: E402
+
+ROWS, COLS = 8, 6
+
+
+def full_state(step: int) -> dict:
+    """The whole state a publisher job holds at ``step``: every element differs, and changes
+    with the step."""
+    base = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+    return {
+        "w": (base * 0.5 + step).to(torch.bfloat16),
+        "m.exp_avg": base * -0.25 + 1000 * step,
+        "b": torch.arange(ROWS, dtype=torch.float32) + 0.125 * step,
+    }
+
+
+def row_shard(step: int, rank: int, world: int) -> dict:
+    """Rank ``rank``'s FSDP-like row shard of :func:`full_state` as (array, offsets, shape)."""
+    rows = ROWS // world
+    lo, hi = rank * rows, (rank + 1) * rows
+    state = {}
+    for fqn, t in full_state(step).items():
+        offsets = [lo] + [0] * (t.dim() - 1)
+        state[fqn] = (t[lo:hi].clone(), offsets, list(t.shape))
+    state["step"] = step
+    return state
+
+
+def _wait_for(path: Path, proc, timeout: float = 120.0) -> None:
+    """Waits until ``path`` exists (written by the process ``proc``), failing if it exits."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc is not None and not proc.is_alive():
+            raise AssertionError(f"publisher exited with {proc.exitcode} before writing {path.name}")
+        assert time.monotonic() < deadline, f"no {path.name} within {timeout} s"
+        time.sleep(0.05)
+
+
+def publisher(rank, port, world, registry, name, steps, control, extra) -> None:
+    """A publishing process: publishes ``steps`` of its row shard, writes ``ready-rank<r>.json``
+    with its reports, then serves until ``stop`` appears in ``control``."""
+    if world > 1:
+        join_job(rank, world, port)
+    control = Path(control)
+    reports = []
+    try:
+        for step in steps:
+            ranks = {} if world > 1 else {"rank": 0, "world_size": 1}
+            pub = tessera.publish(
+                row_shard(step, rank, world), name, step=step, registry=registry, keep=extra.get("keep", 3), **ranks
+            )
+            reports.append(pub.result(60).to_dict())
+        if extra.get("incomplete_step") is not None:
+            # Rank 0 of a 2-rank publication whose rank 1 never publishes: never committed.
+            pub = tessera.publish(
+                row_shard(extra["incomplete_step"], 0, 2), name, step=extra["incomplete_step"], registry=registry,
+                rank=0, world_size=2, timeout=0.5,
+            )
+            try:
+                pub.result(60)
+                reports.append({"incomplete": "committed?!"})
+            except TesseraError as e:
+                reports.append({"incomplete": str(e)})
+        if extra.get("damage"):
+            from tessera import _tessera
+
+            # The first box's first byte of this rank's served file (boxes start at offset 0).
+            _tessera.damage_publication(reports[-1]["path"], 0)
+        if extra.get("hold"):
+            from tessera import _tessera
+
+            # Requests for this rank's file are held unanswered: a consumer is mid-read.
+            _tessera.hold_publication(reports[-1]["path"], True)
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        (control / f"ready-rank{rank}.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        raise
+    (control / f"ready-rank{rank}.json").write_text(json.dumps({"reports": reports, "pid": os.getpid()}))
+    if extra.get("later"):
+        # Steps published once the test says so (after it took a lease, say).
+        _wait_for(control / "go", None)
+        later = []
+        for step in extra["later"]:
+            pub = tessera.publish(row_shard(step, rank, world), name, step=step, registry=registry, keep=extra["keep"])
+            later.append(pub.result(60).to_dict())
+        (control / f"later-rank{rank}.json").write_text(json.dumps(later))
+    deadline = time.monotonic() + 300
+    while not (control / "stop").exists() and time.monotonic() < deadline:
+        if extra.get("hold") and not (control / "holding").exists():
+            from tessera import _tessera
+
+            if _tessera.hold_publication(reports[-1]["path"], True) > 0:
+                (control / "holding").write_text("")
+        time.sleep(0.05)
+
+
+class Publisher:
+    """A publishing job of ``world`` spawned processes (a gloo job when ``world > 1``)."""
+
+    def __init__(self, tmp: Path, name: str, steps, world: int = 1, extra=None) -> None:
+        self.registry = tmp / "registry"
+        self.control = tmp / f"control-{name}"
+        self.control.mkdir(parents=True)
+        ctx = mp.get_context("spawn")
+        # Held for the job's life: the ranks meet through it (torchrun's agent hosts it so).
+        self.store = job_store(world) if world > 1 else None
+        port = self.store.port if self.store is not None else 0
+        self.procs = [
+            ctx.Process(
+                target=publisher,
+                args=(r, port, world, str(self.registry), name, list(steps), str(self.control), extra or {}),
+            )
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+        self.ready = {}
+        for r, p in enumerate(self.procs):
+            path = self.control / f"ready-rank{r}.json"
+            _wait_for(path, p)
+            self.ready[r] = json.loads(path.read_text())
+            assert "error" not in self.ready[r], self.ready[r]["error"]
+
+    def kill(self, rank: int) -> None:
+        os.kill(self.procs[rank].pid, signal.SIGKILL)
+        self.procs[rank].join(30)
+
+    def stop(self) -> None:
+        (self.control / "stop").write_text("")
+        for p in self.procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.fixture
+def publishers(tmp_path):
+    started = []
+
+    def start(*args, **kwargs) -> Publisher:
+        pub = Publisher(tmp_path, *args, **kwargs)
+        started.append(pub)
+        return pub
+
+    yield start
+    for pub in started:
+        pub.stop()
+
+
+def test_one_publisher_one_consumer_loads_row_slices_of_the_newest_step_and_a_named_one(publishers):
+    pub = publishers("policy", steps=[1, 2])
+    reports = pub.ready[0]["reports"]
+    assert [r["step"] for r in reports] == [1, 2]
+    assert reports[1]["manifest"]["step"] == 2
+    registry = str(pub.registry)
+
+    # Another layout: rows 2..6 of each matrix, the second half of the vector.
+    state = {
+        "w": (torch.zeros(4, COLS, dtype=torch.bfloat16), [2, 0]),
+        "m": {"exp_avg": (torch.zeros(4, COLS), [2, 0])},
+        "b": (torch.zeros(4), [4]),
+        "step": -1,
+    }
+    report = tessera.load(state, "live://policy", registry=registry, progress=False)
+    assert report.step == 2
+    want = full_state(2)
+    assert torch.equal(state["w"][0], want["w"][2:6])
+    assert state["w"][0].view(torch.int16).tolist() == want["w"][2:6].view(torch.int16).tolist()
+    assert torch.equal(state["m"]["exp_avg"][0], want["m.exp_avg"][2:6])
+    assert torch.equal(state["b"][0], want["b"][4:])
+    assert state["step"] == 2
+    assert report.boxes_verified >= 3
+
+    whole = {"w": torch.zeros(ROWS, COLS, dtype=torch.bfloat16), "b": torch.zeros(ROWS)}
+    report = tessera.load(whole, "live://policy@1", registry=registry, progress=False, strict=False)
+    assert report.step == 1
+    assert torch.equal(whole["w"], full_state(1)["w"])
+    assert torch.equal(whole["b"], full_state(1)["b"])
+
+
+def test_a_step_missing_a_rank_is_never_loaded_and_the_error_names_the_missing_rank(publishers):
+    pub = publishers("partial", steps=[1], extra={"incomplete_step": 5})
+    incomplete = pub.ready[0]["reports"][-1]["incomplete"]
+    assert "publisher ranks [1] of 2" in incomplete, incomplete
+    registry = str(pub.registry)
+    state = {"b": torch.zeros(ROWS)}
+    with pytest.raises(TesseraError) as err:
+        tessera.load(state, "live://partial@5", registry=registry, progress=False, strict=False)
+    text = str(err.value)
+    assert "step 5 of live publication partial is not complete" in text, text
+    assert "publisher ranks [1] of 2" in text, text
+    # The newest *complete* step is step 1.
+    report = tessera.load(state, "live://partial", registry=registry, progress=False, strict=False)
+    assert report.step == 1
+    assert torch.equal(state["b"], full_state(1)["b"])
+    with pytest.raises(TesseraError, match="step 9 of live publication partial was never published"):
+        tessera.load(state, "live://partial@9", registry=registry, progress=False, strict=False)
+
+
+def test_damaged_served_bytes_fail_naming_the_publisher_rank_and_tensor(publishers):
+    pub = publishers("damaged", steps=[3], extra={"damage": True})
+    state = {"b": torch.zeros(ROWS), "m.exp_avg": torch.zeros(ROWS, COLS), "w": torch.zeros(ROWS, COLS, dtype=torch.bfloat16)}
+    with pytest.raises(TesseraError) as err:
+        tessera.load(state, "live://damaged", registry=str(pub.registry), progress=False)
+    text = str(err.value)
+    assert "publisher-rank-0" in text, text
+    # Boxes lie in the state dict's order: the damaged byte is the first of w's box.
+    assert "tensor w box [0..8, 0..6]" in text, text
+    assert "checksum mismatch" in text, text
+
+
+def test_a_dead_publisher_fails_the_load_naming_its_rank(publishers):
+    pub = publishers("dead", steps=[1])
+    pub.kill(0)
+    state = {"b": torch.zeros(ROWS)}
+    with pytest.raises(TesseraError) as err:
+        tessera.load(state, "live://dead", registry=str(pub.registry), progress=False, strict=False)
+    assert "publisher rank 0" in str(err.value), str(err.value)
+
+
+def test_older_steps_are_retired_past_keep_unless_a_consumer_leases_them(publishers):
+    from tessera import _live
+
+    pub = publishers("kept", steps=[1, 2, 3], extra={"keep": 2, "later": [4]})
+    reports = pub.ready[0]["reports"]
+    assert reports[2]["retired"] == [1]
+    registry = str(pub.registry)
+    state = {"b": torch.zeros(ROWS)}
+    with pytest.raises(TesseraError, match="step 1 of live publication kept is not committed"):
+        tessera.load(state, "live://kept@1", registry=registry, progress=False, strict=False)
+
+    # A consumer's lease on step 2 keeps it served past keep=2 when step 4 comes.
+    _step, location = _live.resolve("live://kept@2", registry)
+    with _live.Lease(location, 60):
+        (pub.control / "go").write_text("")
+        _wait_for(pub.control / "later-rank0.json", pub.procs[0])
+        later = json.loads((pub.control / "later-rank0.json").read_text())
+        assert later[0]["step"] == 4
+        assert later[0]["leased"] == [2] and later[0]["retired"] == []
+        report = tessera.load(state, "live://kept@2", registry=registry, progress=False, strict=False)
+        assert report.step == 2
+        assert torch.equal(state["b"], full_state(2)["b"])
+    report = tessera.load(state, "live://kept", registry=registry, progress=False, strict=False)
+    assert report.step == 4
+    assert torch.equal(state["b"], full_state(4)["b"])
+
+
+def consumer(rank, port, registry, url, out) -> None:
+    """A rank of the 2-rank consuming gloo job: loads its TP-like column half of every matrix
+    (and the whole vector) and writes what it got."""
+    join_job(rank, 2, port)
+    cols = COLS // 2
+    state = {
+        "w": (torch.zeros(ROWS, cols, dtype=torch.bfloat16), [0, rank * cols]),
+        "m.exp_avg": (torch.zeros(ROWS, cols), [0, rank * cols]),
+        "b": torch.zeros(ROWS),
+        "step": -1,
+    }
+    result = {}
+    try:
+        report = tessera.load(state, url, registry=registry, progress=False, timeout=60)
+        result = {
+            "step": report.step,
+            "exchange": report.exchange,
+            "w": state["w"][0].view(torch.int16).tolist(),
+            "m": state["m.exp_avg"][0].tolist(),
+            "b": state["b"].tolist(),
+            "value": state["step"],
+        }
+    except TesseraError as e:
+        result = {"error": str(e)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run_consumer(tmp: Path, registry: Path, url: str) -> dict:
+    out = tmp / "consumer"
+    out.mkdir(exist_ok=True)
+    store = job_store(2)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=consumer, args=(r, store.port, str(registry), url, str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+        assert p.exitcode == 0, f"consumer rank exited with {p.exitcode}"
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2)}
+
+
+def test_a_two_rank_row_sharded_publisher_job_feeds_a_two_rank_column_sharded_consumer_job(publishers, tmp_path):
+    pub = publishers("job", steps=[4], world=2)
+    assert pub.ready[0]["reports"][0]["manifest"]["files"][1]["path"] == "data/publisher-rank-1.bin"
+    got = run_consumer(tmp_path, pub.registry, "live://job")
+    want = full_state(4)
+    cols = COLS // 2
+    for rank in range(2):
+        r = got[rank]
+        assert "error" not in r, r["error"]
+        assert r["step"] == 4 and r["value"] == 4
+        assert r["exchange"] == "process_group"
+        part = slice(rank * cols, (rank + 1) * cols)
+        assert r["w"] == want["w"][:, part].contiguous().view(torch.int16).tolist()
+        assert r["m"] == want["m.exp_avg"][:, part].tolist()
+        assert r["b"] == want["b"].tolist()
+
+
+def test_a_publisher_rank_that_died_fails_every_consumer_rank_naming_it(publishers, tmp_path):
+    pub = publishers("gone", steps=[1], world=2)
+    pub.kill(1)
+    got = run_consumer(tmp_path, pub.registry, "live://gone")
+    for rank in range(2):
+        assert "error" in got[rank], got[rank]
+        assert "publisher rank 1" in got[rank]["error"], got[rank]["error"]
+
+
+def test_retire_stops_serving_a_step_and_no_load_picks_it(tmp_path):
+    # Publisher and consumer in one process here: what is tested is the publisher's retire.
+    registry = tmp_path / "registry"
+    pub = tessera.publish(row_shard(1, 0, 1), "solo", step=1, registry=registry, rank=0, world_size=1)
+    served = pub.result(60)
+    state = {"b": torch.zeros(ROWS)}
+    assert tessera.load(state, "live://solo", registry=registry, progress=False, strict=False).step == 1
+    pub.retire()
+    from tessera import _tessera
+
+    assert not _tessera.unpublish(served.path), "the step's bytes are still served"
+    with pytest.raises(TesseraError, match="live publication solo in .* has no complete step"):
+        tessera.load(state, "live://solo", registry=registry, progress=False, strict=False)
+
+
+def test_a_publisher_killed_while_a_consumer_reads_fails_the_load_naming_it(publishers):
+    import threading
+
+    pub = publishers("killed", steps=[1], extra={"hold": True})
+    state = {"b": torch.zeros(ROWS), "w": torch.zeros(ROWS, COLS, dtype=torch.bfloat16)}
+    result = {}
+
+    def consume() -> None:
+        try:
+            tessera.load(state, "live://killed", registry=str(pub.registry), progress=False, strict=False)
+            result["loaded"] = True
+        except TesseraError as e:
+            result["error"] = str(e)
+
+    consumer_thread = threading.Thread(target=consume, daemon=True)
+    consumer_thread.start()
+    # The consumer opened the step and its read is in the publisher's hands: kill it now.
+    _wait_for(pub.control / "holding", pub.procs[0])
+    pub.kill(0)
+    consumer_thread.join(180)
+    assert not consumer_thread.is_alive(), "the load hung after its publisher died"
+    assert "error" in result, result
+    assert "publisher rank 0" in result["error"], result["error"]
+
+
+def test_a_stopped_publisher_fails_the_load_within_the_retry_bound_naming_it(publishers):
+    # A publisher that stops answering (SIGSTOP: its socket still accepts, nothing replies) is
+    # what a wedged or swapping training process looks like; the load fails on the storage
+    # timeouts and retry bound, naming the publisher, instead of hanging.
+    pub = publishers("stopped", steps=[1])
+    os.kill(pub.procs[0].pid, signal.SIGSTOP)
+    try:
+        state = {"b": torch.zeros(ROWS)}
+        with pytest.raises(TesseraError) as err:
+            tessera.load(state, "live://stopped", registry=str(pub.registry), progress=False, strict=False)
+        assert "publisher rank 0" in str(err.value), str(err.value)
+    finally:
+        os.kill(pub.procs[0].pid, signal.SIGCONT)
+
+
+def test_the_readme_example_runs_as_written_across_two_processes(tmp_path, monkeypatch):
+    import re
+    import runpy
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    text = (REPO / "README.md").read_text()
+    section = text.split("### Online resharding (live://)", 1)[1].split("\n### ", 1)[0]
+    publisher_py, consumer_py = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:2]
+    (tmp_path / "publisher.py").write_text(publisher_py)
+    (tmp_path / "consumer.py").write_text(consumer_py)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen([sys.executable, "publisher.py"], cwd=tmp_path, env=env)
+    try:
+        manifest = tmp_path / "registry" / "policy" / "step-000003" / "manifest.json"
+        deadline = time.monotonic() + 120
+        while not manifest.exists():
+            assert proc.poll() is None, f"publisher.py exited with {proc.returncode}"
+            assert time.monotonic() < deadline, "publisher.py committed no step 3 within 120 s"
+            time.sleep(0.05)
+        monkeypatch.chdir(tmp_path)
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            monkeypatch.delenv(var, raising=False)
+        got = runpy.run_path(str(tmp_path / "consumer.py"), run_name="__main__")
+    finally:
+        proc.kill()
+        proc.wait(30)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        for _ in range(3):
+            model.weight.add_(0.01)
+    assert got["report"].step == 3
+    assert torch.equal(got["w"], model.weight[:, 32:])
+    assert torch.equal(got["state"]["bias"], model.bias)
+
+
+def test_dcp_load_through_the_storage_reader_takes_live_urls(publishers):
+    import torch.distributed.checkpoint as dcp
+
+    import tessera.torch
+
+    pub = publishers("viadcp", steps=[1, 2])
+    state = {"w": torch.zeros(ROWS, COLS, dtype=torch.bfloat16), "b": torch.zeros(ROWS)}
+    reader = tessera.torch.StorageReader("live://viadcp", registry=str(pub.registry))
+    dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    assert reader.step == 2
+    assert torch.equal(state["w"], full_state(2)["w"])
+    assert torch.equal(state["b"], full_state(2)["b"])
+    reader = tessera.torch.StorageReader("live://viadcp@1", registry=str(pub.registry))
+    dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    assert reader.step == 1
+    assert torch.equal(state["w"], full_state(1)["w"])
