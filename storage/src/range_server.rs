@@ -16,7 +16,7 @@
 use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -30,10 +30,6 @@ pub const MAX_HEAD: usize = 64 * 1024;
 /// client connection usually idles (reqwest's default pool idle is 90 s), short enough that a
 /// vanished consumer's thread ends.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
-/// Connections served at once by default: a consuming rank's client pools a few, so this is room
-/// for dozens of consuming ranks; past it a connection is answered 503 (object_store retries it)
-/// and closed, so a storm of clients costs the training process no more threads than this.
-pub const MAX_CONNECTIONS: usize = 256;
 
 type Files = Arc<RwLock<HashMap<String, Bytes>>>;
 
@@ -57,14 +53,8 @@ pub struct RangeServer {
 }
 
 impl RangeServer {
-    /// Binds `host` on an ephemeral port and starts accepting on a thread of its own, serving
-    /// at most [`MAX_CONNECTIONS`] connections at once.
+    /// Binds `host` on an ephemeral port and starts accepting on a thread of its own.
     pub fn start(host: &str) -> Result<RangeServer, StorageError> {
-        Self::start_with(host, MAX_CONNECTIONS)
-    }
-
-    /// [`Self::start`] serving at most `max_connections` connections at once.
-    pub fn start_with(host: &str, max_connections: usize) -> Result<RangeServer, StorageError> {
         let failed = |detail: String| StorageError::Location {
             location: format!("http://{host}"),
             detail,
@@ -80,15 +70,7 @@ impl RangeServer {
         let (accept_files, accept_stop, accept_held) = (files.clone(), stop.clone(), held.clone());
         std::thread::Builder::new()
             .name("tessera-range-server".to_string())
-            .spawn(move || {
-                accept(
-                    listener,
-                    accept_files,
-                    accept_stop,
-                    accept_held,
-                    max_connections,
-                )
-            })
+            .spawn(move || accept(listener, accept_files, accept_stop, accept_held))
             .map_err(|e| failed(format!("starting the server thread: {e}")))?;
         Ok(RangeServer {
             addr,
@@ -165,42 +147,19 @@ impl Drop for RangeServer {
     }
 }
 
-fn accept(
-    listener: TcpListener,
-    files: Files,
-    stop: Arc<AtomicBool>,
-    held: Arc<Held>,
-    max_connections: usize,
-) {
-    let open = Arc::new(AtomicUsize::new(0));
+fn accept(listener: TcpListener, files: Files, stop: Arc<AtomicBool>, held: Arc<Held>) {
     for stream in listener.incoming() {
         if stop.load(Ordering::Relaxed) {
             return;
         }
-        let Ok(mut stream) = stream else { continue };
-        if open.fetch_add(1, Ordering::AcqRel) >= max_connections {
-            open.fetch_sub(1, Ordering::AcqRel);
-            let _ = status(
-                &mut stream,
-                "503 Service Unavailable\r\nConnection: close",
-                &format!("this publisher serves {max_connections} connections at once; retry"),
-            );
-            continue;
-        }
-        let (files, held, open) = (files.clone(), held.clone(), open.clone());
+        let Ok(stream) = stream else { continue };
+        let (files, held) = (files.clone(), held.clone());
         // A connection that cannot get a thread is dropped: its client sees a reset and says so.
-        let spawned = std::thread::Builder::new()
+        let _ = std::thread::Builder::new()
             .name("tessera-range-conn".to_string())
-            .spawn({
-                let open = open.clone();
-                move || {
-                    let _ = connection(stream, &files, &held);
-                    open.fetch_sub(1, Ordering::AcqRel);
-                }
+            .spawn(move || {
+                let _ = connection(stream, &files, &held);
             });
-        if spawned.is_err() {
-            open.fetch_sub(1, Ordering::AcqRel);
-        }
     }
 }
 
@@ -418,49 +377,6 @@ mod tests {
             )
             .build()
             .unwrap()
-    }
-
-    /// One raw request on a new connection: the response's status line.
-    fn status_line(server: &RangeServer, path: &str) -> String {
-        let mut stream = TcpStream::connect(server.addr).unwrap();
-        stream
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        write!(
-            stream,
-            "GET /{path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut line = String::new();
-        BufReader::new(stream).read_line(&mut line).unwrap();
-        line.trim_end().to_string()
-    }
-
-    #[test]
-    fn connections_past_the_cap_are_turned_away_and_served_again_once_one_closes() {
-        let server = RangeServer::start_with("127.0.0.1", 1).unwrap();
-        server.serve("f", Bytes::from_static(b"abc"));
-        let idle = TcpStream::connect(server.addr).unwrap();
-        // The idle connection holds the one place: the next is answered 503.
-        let mut refused = String::new();
-        for _ in 0..100 {
-            refused = status_line(&server, "f");
-            if refused.contains("503") {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        assert_eq!(refused, "HTTP/1.1 503 Service Unavailable");
-        drop(idle);
-        let mut served = String::new();
-        for _ in 0..250 {
-            served = status_line(&server, "f");
-            if served.contains("200") {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        assert_eq!(served, "HTTP/1.1 200 OK");
     }
 
     #[tokio::test]
