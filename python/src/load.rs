@@ -19,10 +19,11 @@ use tessera_loader::plan_client::{PlanTarget, server_checkpoint_id};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::tier::TierCopies;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
-use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
+use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
 use tessera_metadata::{DType, TensorMeta};
+use tessera_ops::job::host::{HostJob, allocated, callers};
 use tessera_ops::load::{Destination, JobPlan, LoadSwitches, PlanServer, load_rank, plan_options};
-use tessera_ops::memory_tier::{TierLoad, settle_over, sources_of, view_with_tier};
+use tessera_ops::memory_tier::{sources_of, view_with_tier};
 use tessera_planner::{
     ExplicitRequest, ExplicitRequests, Layout, RankPlan, ReadOrder, ReadSources,
 };
@@ -357,26 +358,19 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
                 job.timeout,
             )
             .await?;
-            let ranks =
-                coord::all_gather_json(&transport, coord::TAG_REQUESTS, &mine, "requests").await?;
-            // Every rank takes part (offering nothing without a tier), so that ranks that
-            // disagree on `memory_tier` still meet here instead of waiting on each other.
-            let tier = TierLoad::find(
-                checkpoint,
-                job.memory_tier.as_deref().map(std::path::Path::new),
-            );
-            let (view, sources, copies) = settle_over(&tier, checkpoint, &transport).await?;
-            let plan = rank_plan_for(
-                &view,
-                &job.location,
-                (ExplicitRequests { ranks }, job.rank),
-                job.dedup,
-                job.read_order,
-                (job.server.as_ref(), &sources),
-            )
-            .await?;
-            let report = execute(&view, plan, Arc::new(transport), &options, memory).await?;
-            Ok((report, copies.ignored))
+            let host_job = HostJob {
+                checkpoint: Arc::clone(&job.checkpoint),
+                location: job.location.clone(),
+                world,
+                planning: plan_options(job.dedup, job.read_order, false, &LoadSwitches::from_env()),
+                filter: Vec::new(),
+                server: job.server.clone(),
+                memory_tier: job.memory_tier.as_ref().map(std::path::PathBuf::from),
+                verify: job.verify,
+                options,
+                timeout: job.timeout,
+            };
+            load_over_rounds(&host_job, (job.rank, mine), transport, memory).await
         }
         _ => {
             let (view, tier) = match &job.memory_tier {
@@ -403,6 +397,37 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
             Ok((report, tier.ignored))
         }
     }
+}
+
+/// One rank of a job over tessera's own TCP mesh: the load job's rounds (rank 0 plans once,
+/// each rank takes its own plan; `tessera_ops::job::host`, as the CLI's ranks) straight into
+/// the caller's host arrays, or into host buffers then uploaded to its CUDA tensors.
+async fn load_over_rounds(
+    job: &HostJob,
+    (rank, requests): (u32, Vec<ExplicitRequest>),
+    transport: TcpTransport,
+    memory: Memory,
+) -> Result<(RankReport, Vec<String>)> {
+    let (report, work) = match memory {
+        Memory::Host(buffers) => {
+            let loaded = job
+                .load_rank((rank, requests), transport, callers(buffers), None)
+                .await
+                .with_context(|| format!("rank {rank} loading"))?;
+            (loaded.report, loaded.work)
+        }
+        Memory::Cuda { ordinal, spans } => {
+            let loaded = job
+                .load_rank((rank, requests), transport, allocated(), None)
+                .await
+                .with_context(|| format!("rank {rank} loading"))?;
+            let mut report = loaded.report;
+            upload_cuda(&loaded.plan, &loaded.buffers, &mut report, ordinal, &spans)
+                .with_context(|| format!("rank {rank} loading into cuda:{ordinal}"))?;
+            (report, loaded.work)
+        }
+    };
+    Ok((report, work.tier_copies().ignored.clone()))
 }
 
 /// Where a load's destinations are.
@@ -479,7 +504,43 @@ async fn load_cuda<T: Transport>(
     use tessera_ops::load::cuda::CudaDestination;
 
     let device = CudaDevice::open(ordinal)?;
-    let mut buffers = spans
+    let mut buffers = wrap_cuda(&device, spans);
+    let destination = Destination::<HostMemory>::Cuda(CudaDestination {
+        device: &device,
+        buffers: &mut buffers,
+    });
+    Ok(load_rank(checkpoint, plan, transport, destination, options).await?)
+}
+
+/// Uploads a rank's host load into caller-owned CUDA memory (torch tensors' `data_ptr()`)
+/// through pinned staging; the report gains the upload.
+#[cfg(feature = "cuda")]
+fn upload_cuda(
+    plan: &RankPlan,
+    host: &[Vec<u8>],
+    report: &mut RankReport,
+    ordinal: u32,
+    spans: &[(usize, usize)],
+) -> Result<()> {
+    use tessera_loader::device::cuda::CudaDevice;
+    use tessera_ops::load::cuda::CudaDestination;
+
+    let device = CudaDevice::open(ordinal)?;
+    let mut buffers = wrap_cuda(&device, spans);
+    let destination = CudaDestination {
+        device: &device,
+        buffers: &mut buffers,
+    };
+    Ok(destination.upload(plan, host, report)?)
+}
+
+/// The caller's CUDA tensors as device buffers.
+#[cfg(feature = "cuda")]
+fn wrap_cuda(
+    device: &tessera_loader::device::cuda::CudaDevice,
+    spans: &[(usize, usize)],
+) -> Vec<tessera_loader::device::cuda::DeviceBuffer> {
+    spans
         .iter()
         .map(|&(address, len)| {
             // SAFETY: the Python layer passes the data pointer and byte length of contiguous CUDA
@@ -490,12 +551,18 @@ async fn load_cuda<T: Transport>(
                 device.wrap(address as u64, len)
             }
         })
-        .collect();
-    let destination = Destination::<HostMemory>::Cuda(CudaDestination {
-        device: &device,
-        buffers: &mut buffers,
-    });
-    Ok(load_rank(checkpoint, plan, transport, destination, options).await?)
+        .collect()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn upload_cuda(
+    _plan: &RankPlan,
+    _host: &[Vec<u8>],
+    _report: &mut RankReport,
+    ordinal: u32,
+    _spans: &[(usize, usize)],
+) -> Result<()> {
+    bail!("cuda:{ordinal}: this build of tessera has no CUDA support (the `cuda` feature)")
 }
 
 #[cfg(not(feature = "cuda"))]
