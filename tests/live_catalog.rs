@@ -265,7 +265,7 @@ async fn the_server_lists_live_publications_and_their_steps() {
 }
 
 #[tokio::test]
-async fn without_a_registry_the_live_routes_say_so() {
+async fn without_a_registry_or_with_it_gone_the_live_routes_say_so() {
     let root = tempfile::tempdir().unwrap();
     let server = RunningServer::start(config(root.path(), None)).await;
     for path in ["/v1/live", "/v1/live/policy"] {
@@ -289,6 +289,36 @@ async fn without_a_registry_the_live_routes_say_so() {
     let one = &api["paths"]["/v1/live/{name}"]["get"];
     assert!(one["responses"]["404"].is_object(), "{one:#}");
     assert!(api["components"]["schemas"]["LiveStep"].is_object());
+    server.stop().await;
+
+    // A registry that goes away while served: the live routes answer 503, and the catalog
+    // still lists the checkpoints, its live section saying what failed.
+    let registry = root.path().join("registry");
+    std::fs::create_dir(&registry).unwrap();
+    let server = RunningServer::start(config(root.path(), Some(&registry))).await;
+    let (status, live) = server.get("/v1/live").await;
+    assert_eq!(status, 200, "{live:#}");
+    assert_eq!(live["publications"], serde_json::json!([]));
+    std::fs::remove_dir(&registry).unwrap();
+    let (status, body) = server.get("/v1/live").await;
+    assert_eq!(status, 503, "{body:#}");
+    assert_eq!(body["error"], "storage_unavailable");
+    assert!(
+        body["detail"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("listing the registry {}", registry.display())),
+        "{body:#}"
+    );
+    let (status, catalog) = server.get("/v1/checkpoints").await;
+    assert_eq!(status, 200, "{catalog:#}");
+    assert!(
+        catalog["live"]["problems"][0]
+            .as_str()
+            .unwrap()
+            .contains("listing the registry"),
+        "{catalog:#}"
+    );
     server.stop().await;
 
     // A registry that is not there is refused at start, naming it.
