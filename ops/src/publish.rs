@@ -24,6 +24,8 @@
 //! A step stays incomplete (no manifest) until every rank's part is there; [`missing_ranks`]
 //! says which ranks a reader is waiting for.
 
+pub mod listing;
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path as FsPath;
 use std::sync::Arc;
