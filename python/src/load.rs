@@ -200,25 +200,6 @@ pub(crate) async fn rank_plan_for(
     Ok(plan.rank_plan(rank).await?)
 }
 
-/// The rendezvous of a `tessera.load` over tessera's own TCP mesh, as the CLI's: rank 0 turns
-/// away a rank of another job (another checkpoint, as opened, or world size) and calls the job
-/// off, naming the option, when its ranks would plan differently (read order, dedup, server).
-fn rendezvous_config(
-    checkpoint: &Checkpoint,
-    location: &str,
-    (rank, world, addr, port): (u32, u32, &str, u16),
-    dedup: bool,
-    read_order: Option<ReadOrder>,
-    server: Option<&PlanServer>,
-) -> Result<RendezvousConfig> {
-    use tessera_ops::load::agreement::{checkpoint_key, job_fingerprint, job_plan_terms};
-    let key = checkpoint_key(checkpoint, location)?;
-    let planning = plan_options(dedup, read_order, false, &LoadSwitches::from_env());
-    Ok(RendezvousConfig::new(rank, world, addr, port)?
-        .with_job(job_fingerprint(&key, &[], world))
-        .with_plan(job_plan_terms(checkpoint, &planning, &[], server)))
-}
-
 /// Throttles progress calls into Python (each takes the GIL) to a few per second.
 pub(crate) struct Progress {
     callback: Py<PyAny>,
@@ -346,18 +327,6 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
 
     match (&job.rendezvous, job.world) {
         (Some((addr, port)), world) if world > 1 => {
-            let transport = coord::connect_with(
-                rendezvous_config(
-                    checkpoint,
-                    &job.location,
-                    (job.rank, world, addr, *port),
-                    job.dedup,
-                    job.read_order,
-                    job.server.as_ref(),
-                )?,
-                job.timeout,
-            )
-            .await?;
             let host_job = HostJob {
                 checkpoint: Arc::clone(&job.checkpoint),
                 location: job.location.clone(),
@@ -370,6 +339,11 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
                 options,
                 timeout: job.timeout,
             };
+            // Rank 0 turns away a rank of another job and calls the job off when its ranks
+            // would plan differently (read order, dedup, server), as the CLI's ranks.
+            let config =
+                host_job.rendezvous(RendezvousConfig::new(job.rank, world, addr, *port)?, &[])?;
+            let transport = coord::connect_with(config, job.timeout).await?;
             load_over_rounds(&host_job, (job.rank, mine), transport, memory).await
         }
         _ => {

@@ -30,7 +30,6 @@ use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
 use tessera_ops::job::host::{HostJob, HostLoad, OnPlanned, allocated};
-use tessera_ops::load::agreement;
 use tessera_ops::load::{LoadSwitches, PlanServer, plan_options};
 use tessera_planner::{
     ExplicitRequest, ExplicitRequests, PlanOptions, PlanSummary, ReadOrder, RequestSet,
@@ -544,40 +543,23 @@ fn progress_interval(timeout: Duration) -> Duration {
     (timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(5))
 }
 
-/// A fingerprint of which job this is: what it loads (the checkpoint as opened, not as named:
-/// see `tessera_ops::load::agreement`) into what (the layout or requests as text, the world).
-/// Rank 0 turns away a connection whose fingerprint differs as another job's; how the plan is
-/// made (read order, dedup, filter, server) is compared option by option instead
-/// ([`plan_terms`]).
-fn job_fingerprint(args: &LoadArgs, checkpoint: &Checkpoint, world: u32) -> Result<u64> {
-    let key = agreement::checkpoint_key(checkpoint, &args.checkpoint)?;
-    let mut parts: Vec<String> = Vec::new();
-    for path in [&args.layout, &args.requests].into_iter().flatten() {
-        parts.push(super::read_text(path)?);
-    }
-    let parts: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
-    Ok(agreement::job_fingerprint(&key, &parts, world))
-}
-
 /// Rank `rank`'s rendezvous by the one rule of `tessera_ops::load::rendezvous` (flags, then
-/// `TESSERA_PORT`, then torchrun's `MASTER_ADDR` and `MASTER_PORT + 1`), for this job only, and
-/// with the options of its plan every rank must share (planned here with the job's options and
-/// tensor filter, or on the server).
+/// `TESSERA_PORT`, then torchrun's `MASTER_ADDR` and `MASTER_PORT + 1`), for this job only:
+/// what it loads (the checkpoint as opened, the layout or requests as text, the world) and the
+/// options of its plan every rank must share (`HostJob::rendezvous`).
 fn rendezvous(job: &Job, rank: u32) -> Result<RendezvousConfig> {
-    let (args, world) = (&job.args, job.world());
-    let fingerprint = job_fingerprint(args, &job.opened, world)?;
+    let args = &job.args;
     let config = tessera_ops::load::rendezvous::rank_rendezvous(
         args.master_addr.as_deref(),
         args.master_port,
         rank,
-        world,
+        job.world(),
         |name| std::env::var(name).ok(),
     )?;
-    let terms = agreement::job_plan_terms(
-        &job.opened,
-        &job.planning,
-        &args.filter.describe(),
-        job.server.as_ref(),
-    );
-    Ok(config.with_job(fingerprint).with_plan(terms))
+    let mut texts: Vec<String> = Vec::new();
+    for path in [&args.layout, &args.requests].into_iter().flatten() {
+        texts.push(super::read_text(path)?);
+    }
+    let texts: Vec<&[u8]> = texts.iter().map(|t| t.as_bytes()).collect();
+    Ok(job.host_job().rendezvous(config, &texts)?)
 }

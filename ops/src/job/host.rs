@@ -20,13 +20,14 @@ use tessera_loader::exchange::{check_buffer_sizes, exchange_after_read, place};
 use tessera_loader::load::{LoadOptions, RankReport};
 use tessera_loader::read::ReadStats;
 use tessera_loader::transport::Transport;
+use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_planner::{ExplicitRequest, PlanOptions, PlanSummary, RankPlan};
 
 use super::transport_board::{ReadPieces, run_job};
 use super::{Hello, JobCoordinator, JobFailure, RankWork, Round};
 use crate::OpsError;
 use crate::load::PlanServer;
-use crate::load::agreement::{JobTerms, checkpoint_key, job_plan_terms};
+use crate::load::agreement::{JobTerms, checkpoint_key, job_fingerprint, job_plan_terms};
 use crate::memory_tier::TierLoad;
 
 /// One load job as the ranks a front end plays over a transport load it: the checkpoint as
@@ -84,6 +85,28 @@ pub fn callers<B: AsRef<[u8]> + Send + 'static>(buffers: Vec<B>) -> MakeBuffers<
 }
 
 impl HostJob {
+    /// `config` (a rank's place in tessera's own TCP rendezvous) for this job only: rank 0 turns
+    /// away a rank of another job (another checkpoint as opened, another world, or other
+    /// `job_texts`: the layout or requests files a front end read) and calls the job off,
+    /// naming the option, when its ranks would plan differently (read order, dedup, filter,
+    /// server).
+    pub fn rendezvous(
+        &self,
+        config: RendezvousConfig,
+        job_texts: &[&[u8]],
+    ) -> Result<RendezvousConfig, OpsError> {
+        let key = checkpoint_key(&self.checkpoint, &self.location)?;
+        let terms = job_plan_terms(
+            &self.checkpoint,
+            &self.planning,
+            &self.filter,
+            self.server.as_ref(),
+        );
+        Ok(config
+            .with_job(job_fingerprint(&key, job_texts, self.world))
+            .with_plan(terms))
+    }
+
     /// Loads rank `rank`, whose requests are `requests`, over `transport` ([`load_host`]) into
     /// the buffers `buffers` makes: its hello (its requests, its memory-tier offer, the
     /// checkpoint as opened and the plan's options) and its work (rank 0 the coordinator, which
