@@ -163,10 +163,20 @@ pub(crate) fn resolve_target(
 /// Where a job's ranks meet: rank 0's address and port.
 type Rendezvous = Option<(String, u16)>;
 
-/// Plans `requests` (every rank's) and returns rank `rank`'s plan: on the server when given
-/// (its plan checked against the opened checkpoint's identity first), else here, in the read
-/// order given (`None`: the planner's cost model, as in every front end). `sources`: the copies
-/// of data files the ranks' memory tiers hold, which only a plan made here can use.
+/// How a rank's plan came about, for its report.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Planning {
+    /// Replayed from another live step of the same layout (`tessera_ops::load::replay`).
+    pub(crate) reused: bool,
+    /// Seconds from the requests to the rank's plan (planning or replaying, and checking it).
+    pub(crate) seconds: f64,
+}
+
+/// Plans `requests` (every rank's) and returns rank `rank`'s plan and whether it was replayed:
+/// on the server when given (its plan checked against the opened checkpoint's identity first),
+/// else here, in the read order given (`None`: the planner's cost model, as in every front
+/// end), a live step's replayed when this process planned one of the same layout. `sources`:
+/// the copies of data files the ranks' memory tiers hold, which only a plan made here can use.
 pub(crate) async fn rank_plan_for(
     checkpoint: &Checkpoint,
     location: &str,
@@ -174,7 +184,7 @@ pub(crate) async fn rank_plan_for(
     dedup: bool,
     read_order: Option<ReadOrder>,
     (server, sources): (Option<&PlanServer>, &ReadSources),
-) -> Result<RankPlan> {
+) -> Result<(RankPlan, bool)> {
     let plan = match server {
         Some(server) if !sources.is_empty() => bail!(
             "a plan server plans reads from storage only, so the memory tier's copies cannot be used with server={}: load without a server to read from the tier",
@@ -196,7 +206,7 @@ pub(crate) async fn rank_plan_for(
             JobPlan::local_with_sources(checkpoint, &set, &options, sources)?
         }
     };
-    Ok(plan.rank_plan(rank).await?)
+    Ok((plan.rank_plan(rank).await?, plan.replayed()))
 }
 
 /// The rendezvous of a `tessera.load` over tessera's own TCP mesh, as the CLI's: rank 0 turns
@@ -295,8 +305,9 @@ struct LoadJob {
     memory_tier: Option<String>,
 }
 
-/// Loads one rank; its report and the memory-tier copies it saw and did not take (with why).
-async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
+/// Loads one rank; its report, the memory-tier copies it saw and did not take (with why), and
+/// how its plan came about.
+async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>, Planning)> {
     let checkpoint = &*job.checkpoint;
     let by_name: HashMap<&str, &TensorMeta> = checkpoint
         .meta
@@ -366,7 +377,8 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
                 job.memory_tier.as_deref().map(std::path::Path::new),
             );
             let (view, sources, copies) = settle_over(&tier, checkpoint, &transport).await?;
-            let plan = rank_plan_for(
+            let planning_started = Instant::now();
+            let (plan, reused) = rank_plan_for(
                 &view,
                 &job.location,
                 (ExplicitRequests { ranks }, job.rank),
@@ -375,8 +387,12 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
                 (job.server.as_ref(), &sources),
             )
             .await?;
+            let planning = Planning {
+                reused,
+                seconds: planning_started.elapsed().as_secs_f64(),
+            };
             let report = execute(&view, plan, Arc::new(transport), &options, memory).await?;
-            Ok((report, copies.ignored))
+            Ok((report, copies.ignored, planning))
         }
         _ => {
             let (view, tier) = match &job.memory_tier {
@@ -384,7 +400,8 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
                 None => (checkpoint.clone(), TierCopies::default()),
             };
             let checkpoint = &view;
-            let plan = rank_plan_for(
+            let planning_started = Instant::now();
+            let (plan, reused) = rank_plan_for(
                 checkpoint,
                 &job.location,
                 (ExplicitRequests { ranks: vec![mine] }, 0),
@@ -393,6 +410,10 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
                 (job.server.as_ref(), &sources_of(&[tier.file_indices()])),
             )
             .await?;
+            let planning = Planning {
+                reused,
+                seconds: planning_started.elapsed().as_secs_f64(),
+            };
             let mut mesh = InProcTransport::mesh(1, TransportOptions::with_timeout(job.timeout));
             let transport = mesh
                 .pop()
@@ -400,7 +421,7 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
             let mut report =
                 execute(checkpoint, plan, Arc::new(transport), &options, memory).await?;
             report.rank = job.rank;
-            Ok((report, tier.ignored))
+            Ok((report, tier.ignored, planning))
         }
     }
 }
@@ -645,12 +666,14 @@ pub fn load_into(
     };
     // Interruptible: Ctrl-C raises KeyboardInterrupt while ranks wait or read.
     block_on(py, async {
-        let (report, mut ignored) = run_load(job).await?;
+        let (report, mut ignored, planning) = run_load(job).await?;
         // Copies that failed a read after they were verified were read from storage instead:
         // named with the ones never taken (each warned about by `tessera.load`).
         ignored.extend(report.memory_tier_fallbacks.iter().cloned());
         let mut json = serde_json::to_value(&report)?;
         json["memory_tier_ignored"] = serde_json::json!(ignored);
+        json["plan_reused"] = serde_json::json!(planning.reused);
+        json["plan_seconds"] = serde_json::json!(planning.seconds);
         Ok(serde_json::to_string(&json)?)
     })
 }

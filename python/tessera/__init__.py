@@ -156,6 +156,13 @@ class LoadReport(_Report):
     cast: Dict[str, str] = field(default_factory=dict)
     #: The step a ``live://`` load read (None for checkpoints).
     step: Optional[int] = None
+    #: The plan was replayed: made for an earlier step of the same live publication with the
+    #: same layout and requests (this process's, or over a process group the coordinator's),
+    #: checked against this step and read against this step's checksums; planning skipped.
+    plan_reused: bool = False
+    #: Seconds from this rank's requests to its plan (planning, or replaying, and the rounds
+    #: that hand it out over a process group).
+    plan_seconds: float = 0.0
 
 
 @dataclass
