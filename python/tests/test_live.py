@@ -89,9 +89,16 @@ def publisher(rank, port, world, registry, name, steps, control, extra) -> None:
     try:
         for step in steps:
             ranks = {} if world > 1 else {"rank": 0, "world_size": 1}
+            durable = {}
+            if extra.get("durable"):
+                # A durable checkpoint of the same step, saved ("save") or only named.
+                path = control.parent / f"durable-{name}" / f"step-{step}"
+                if extra["durable"] == "save":
+                    tessera.save(shard(step, rank, world, extra), str(path), step=step, **ranks)
+                durable = {"durable": str(path)}
             pub = tessera.publish(
                 shard(step, rank, world, extra), name, step=step, registry=registry, keep=extra.get("keep", 3),
-                **ranks,
+                **ranks, **durable,
             )
             reports.append(pub.result(60).to_dict())
         if extra.get("incomplete_step") is not None:
@@ -548,6 +555,7 @@ def steps_consumer(rank, port, registry, urls, out) -> None:
             report = tessera.load(state, url, registry=registry, progress=False, timeout=60)
             results.append({
                 "step": report.step, "exchange": report.exchange, "reused": report.plan_reused,
+                "fallback": report.fallback, "durable": report.durable_checkpoint,
                 "emb": state["emb"].view(torch.int16).tolist(), "head": state["head"][0].tolist(),
             })
         except TesseraError as e:
@@ -583,3 +591,49 @@ def test_a_two_rank_consumer_job_replays_the_plan_on_every_rank(publishers, tmp_
         # The coordinator made the plan once; both ranks loaded step 2 on its replay.
         assert [r["reused"] for r in loads] == [False, True], loads
 
+
+# ---- durable fallback -----------------------------------------------------------------------
+
+
+def test_a_dead_publisher_falls_back_to_the_durable_checkpoint_of_the_same_step(publishers, tmp_path):
+    pub = publishers("durable", steps=[1, 2], extra={"durable": "save"})
+    registry = pub.registry
+    assert json.loads((registry / "durable" / "step-000002" / "durable.json").read_text())["step"] == 2
+    pub.kill(0)
+    state = {"w": (torch.zeros(4, COLS, dtype=torch.bfloat16), [2, 0]), "b": torch.zeros(ROWS), "step": -1}
+    report = tessera.load(state, "live://durable", registry=str(registry), progress=False, strict=False)
+    assert report.step == 2
+    durable = str(tmp_path / "durable-durable" / "step-2")
+    assert report.durable_checkpoint == durable
+    assert "publisher rank 0 at http://" in report.fallback, report.fallback
+    assert durable in report.fallback, report.fallback
+    want = full_state(2)
+    assert state["w"][0].view(torch.int16).tolist() == want["w"][2:6].view(torch.int16).tolist()
+    assert torch.equal(state["b"], want["b"])
+    assert state["step"] == 2
+
+
+def test_a_dead_publisher_whose_durable_checkpoint_is_not_committed_fails_naming_both(publishers, tmp_path):
+    pub = publishers("undurable", steps=[1], extra={"durable": "name-only"})
+    pub.kill(0)
+    state = {"b": torch.zeros(ROWS)}
+    with pytest.raises(TesseraError) as err:
+        tessera.load(state, "live://undurable", registry=str(pub.registry), progress=False, strict=False)
+    text = str(err.value)
+    assert "publisher rank 0 at http://" in text, text
+    assert f"durable checkpoint {tmp_path / 'durable-undurable' / 'step-1'} is not committed" in text, text
+
+
+def test_every_rank_of_a_consumer_job_falls_back_to_the_durable_checkpoint_together(publishers, tmp_path):
+    pub = publishers("durablejob", steps=[1], extra={"durable": "save", "layout": "replay"})
+    pub.kill(0)
+    got = run_steps_consumer(tmp_path, pub.registry, ["live://durablejob"])
+    want = replay_full(1)
+    for rank in range(2):
+        r = got[rank][0]
+        assert "error" not in r, r["error"]
+        assert r["step"] == 1 and r["exchange"] == "process_group"
+        assert r["durable"] == str(tmp_path / "durable-durablejob" / "step-1")
+        assert "publisher rank 0 at http://" in r["fallback"], r["fallback"]
+        assert r["emb"] == want["emb"].view(torch.int16).tolist()
+        assert r["head"] == want["head"][:, 2 * rank:2 * rank + 2].tolist()
