@@ -6,7 +6,7 @@
 //! the loader's identity and piece-by-piece checks ([`crate::RankPlan::check_against`]) run
 //! against the new metadata and every read verifies against the new checksums.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use tessera_metadata::{ByteMeta, CheckpointMeta, SavedChunk, TensorBox};
 
@@ -103,6 +103,18 @@ impl Plan {
         plan.summary.replayed = true;
         Ok(plan)
     }
+
+    /// This plan keeping the rank plans it cuts, for itself, its clones and its replays
+    /// ([`Plan::rebind`]): a replayed load then skips cutting too, which costs about what
+    /// planning does. Each kept rank plan is handed out with the identity of the checkpoint the
+    /// plan is bound to at the time.
+    pub fn keeping_rank_plans(mut self) -> Plan {
+        if self.cut.is_none() {
+            let world = self.world_size() as usize;
+            self.cut = Some(Arc::new((0..world).map(|_| OnceLock::new()).collect()));
+        }
+        self
+    }
 }
 
 #[cfg(test)]
@@ -141,7 +153,8 @@ mod tests {
                 Vec::new(),
                 files,
             )
-            .unwrap(),
+            .unwrap()
+            .with_identity(format!("native:step-{crc}")),
         )
     }
 
@@ -157,8 +170,12 @@ mod tests {
     #[test]
     fn a_plan_rebinds_to_a_step_with_other_checksums_and_not_to_another_shape() {
         let first = meta(8, 1);
-        let made = plan(&first, &requests(&first), &PlanOptions::default()).unwrap();
+        let made = plan(&first, &requests(&first), &PlanOptions::default())
+            .unwrap()
+            .keeping_rank_plans();
         assert!(!made.summary().replayed);
+        let cut = made.rank_plan(0).unwrap();
+        assert_eq!(cut.checkpoint_identity.as_deref(), Some("native:step-1"));
 
         let second = meta(8, 100);
         assert_eq!(layout_change(&first, &second), None);
@@ -167,9 +184,13 @@ mod tests {
         assert!(Arc::ptr_eq(replayed.checkpoint(), &second));
         // Its rank plans are the fresh plan's, checked against the new metadata.
         let fresh = plan(&second, &requests(&second), &PlanOptions::default()).unwrap();
+        // The kept rank plan, handed out with the new step's identity.
         let (a, b) = (replayed.rank_plan(0).unwrap(), fresh.rank_plan(0).unwrap());
+        assert_eq!(a.checkpoint_identity.as_deref(), Some("native:step-100"));
         assert_eq!(a.to_json(), b.to_json());
         a.check_against(&second).unwrap();
+        // The plan it was replayed from still hands out its own step's.
+        assert_eq!(made.rank_plan(0).unwrap(), cut);
 
         let reshaped = meta(6, 1);
         let err = made.rebind(reshaped).unwrap_err().to_string();

@@ -84,7 +84,10 @@ pub fn plan_or_replay(
             return Ok(replayed?);
         }
     }
-    let plan = checkpoint.plan_with_sources(requests, options, sources)?;
+    // The rank plans cut from it are kept with it: its clone below shares them.
+    let plan = checkpoint
+        .plan_with_sources(requests, options, sources)?
+        .keeping_rank_plans();
     let mut kept = cache().lock().unwrap_or_else(PoisonError::into_inner);
     kept.push_front(Entry {
         plan: plan.clone(),
