@@ -10,6 +10,9 @@
 //! ├── metadata.arrow          ┐ rank 0, once every rank's part is there: the ordinary native
 //! ├── checksums.arrow         │ commit of those files (data/publisher-rank-<r>.bin), so the
 //! ├── publishers.json         │ checksums readers verify are the ones recorded at snapshot time
+//! ├── durable.json            │ optional (`publish(durable=)`, rank 0, before its part): a
+//! │                           │ checkpoint of the same step on storage, `{"name", "step",
+//! │                           │ "checkpoint"}`, which a load falls back to when a publisher dies
 //! └── manifest.json           ┘ written last: the step is complete (readable) from here on
 //! ```
 //!

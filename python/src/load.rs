@@ -164,10 +164,20 @@ pub(crate) fn resolve_target(
 /// Where a job's ranks meet: rank 0's address and port.
 type Rendezvous = Option<(String, u16)>;
 
-/// Plans `requests` (every rank's) and returns rank `rank`'s plan: on the server when given
-/// (its plan checked against the opened checkpoint's identity first), else here, in the read
-/// order given (`None`: the planner's cost model, as in every front end). `sources`: the copies
-/// of data files the ranks' memory tiers hold, which only a plan made here can use.
+/// How a rank's plan came about, for its report.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Planning {
+    /// Replayed from another live step of the same layout (`tessera_ops::load::replay`).
+    pub(crate) reused: bool,
+    /// Seconds from the requests to the rank's plan (planning or replaying, and checking it).
+    pub(crate) seconds: f64,
+}
+
+/// Plans `requests` (every rank's) and returns rank `rank`'s plan and whether it was replayed:
+/// on the server when given (its plan checked against the opened checkpoint's identity first),
+/// else here, in the read order given (`None`: the planner's cost model, as in every front
+/// end), a live step's replayed when this process planned one of the same layout. `sources`:
+/// the copies of data files the ranks' memory tiers hold, which only a plan made here can use.
 pub(crate) async fn rank_plan_for(
     checkpoint: &Checkpoint,
     location: &str,
@@ -175,7 +185,7 @@ pub(crate) async fn rank_plan_for(
     dedup: bool,
     read_order: Option<ReadOrder>,
     (server, sources): (Option<&PlanServer>, &ReadSources),
-) -> Result<RankPlan> {
+) -> Result<(RankPlan, bool)> {
     let plan = match server {
         Some(server) if !sources.is_empty() => bail!(
             "a plan server plans reads from storage only, so the memory tier's copies cannot be used with server={}: load without a server to read from the tier",
@@ -197,7 +207,7 @@ pub(crate) async fn rank_plan_for(
             JobPlan::local_with_sources(checkpoint, &set, &options, sources)?
         }
     };
-    Ok(plan.rank_plan(rank).await?)
+    Ok((plan.rank_plan(rank).await?, plan.replayed()))
 }
 
 /// Throttles progress calls into Python (each takes the GIL) to a few per second.
@@ -277,8 +287,9 @@ struct LoadJob {
     memory_tier: Option<String>,
 }
 
-/// Loads one rank; its report and the memory-tier copies it saw and did not take (with why).
-async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
+/// Loads one rank; its report, the memory-tier copies it saw and did not take (with why), and
+/// how its plan came about.
+async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>, Planning)> {
     let checkpoint = &*job.checkpoint;
     let by_name: HashMap<&str, &TensorMeta> = checkpoint
         .meta
@@ -352,7 +363,8 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
                 None => (checkpoint.clone(), TierCopies::default()),
             };
             let checkpoint = &view;
-            let plan = rank_plan_for(
+            let planning_started = Instant::now();
+            let (plan, reused) = rank_plan_for(
                 checkpoint,
                 &job.location,
                 (ExplicitRequests { ranks: vec![mine] }, 0),
@@ -361,6 +373,10 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
                 (job.server.as_ref(), &sources_of(&[tier.file_indices()])),
             )
             .await?;
+            let planning = Planning {
+                reused,
+                seconds: planning_started.elapsed().as_secs_f64(),
+            };
             let mut mesh = InProcTransport::mesh(1, TransportOptions::with_timeout(job.timeout));
             let transport = mesh
                 .pop()
@@ -368,7 +384,7 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
             let mut report =
                 execute(checkpoint, plan, Arc::new(transport), &options, memory).await?;
             report.rank = job.rank;
-            Ok((report, tier.ignored))
+            Ok((report, tier.ignored, planning))
         }
     }
 }
@@ -381,14 +397,14 @@ async fn load_over_rounds(
     (rank, requests): (u32, Vec<ExplicitRequest>),
     transport: TcpTransport,
     memory: Memory,
-) -> Result<(RankReport, Vec<String>)> {
-    let (report, work) = match memory {
+) -> Result<(RankReport, Vec<String>, Planning)> {
+    let (report, work, seconds) = match memory {
         Memory::Host(buffers) => {
             let loaded = job
                 .load_rank((rank, requests), transport, callers(buffers), None)
                 .await
                 .with_context(|| format!("rank {rank} loading"))?;
-            (loaded.report, loaded.work)
+            (loaded.report, loaded.work, loaded.plan_seconds)
         }
         Memory::Cuda { ordinal, spans } => {
             let loaded = job
@@ -398,10 +414,15 @@ async fn load_over_rounds(
             let mut report = loaded.report;
             upload_cuda(&loaded.plan, &loaded.buffers, &mut report, ordinal, &spans)
                 .with_context(|| format!("rank {rank} loading into cuda:{ordinal}"))?;
-            (report, loaded.work)
+            (report, loaded.work, loaded.plan_seconds)
         }
     };
-    Ok((report, work.tier_copies().ignored.clone()))
+    // Rank 0 made or replayed the job's one plan; every rank reads which from its summary.
+    let planning = Planning {
+        reused: work.job_summary().is_some_and(|s| s.replayed),
+        seconds,
+    };
+    Ok((report, work.tier_copies().ignored.clone(), planning))
 }
 
 /// Where a load's destinations are.
@@ -686,12 +707,14 @@ pub fn load_into(
     };
     // Interruptible: Ctrl-C raises KeyboardInterrupt while ranks wait or read.
     block_on(py, async {
-        let (report, mut ignored) = run_load(job).await?;
+        let (report, mut ignored, planning) = run_load(job).await?;
         // Copies that failed a read after they were verified were read from storage instead:
         // named with the ones never taken (each warned about by `tessera.load`).
         ignored.extend(report.memory_tier_fallbacks.iter().cloned());
         let mut json = serde_json::to_value(&report)?;
         json["memory_tier_ignored"] = serde_json::json!(ignored);
+        json["plan_reused"] = serde_json::json!(planning.reused);
+        json["plan_seconds"] = serde_json::json!(planning.seconds);
         Ok(serde_json::to_string(&json)?)
     })
 }
