@@ -411,8 +411,13 @@ fn rfc3339(time: SystemTime) -> Option<String> {
 }
 
 /// One step directory, as it is now. Never fails: what cannot be read is in `problems`.
-fn read_step(step: u64, dir: &FsPath) -> StepEntry {
-    let mut problems = Vec::new();
+/// A step's parts (`parts/rank-<r>.json`) that parse and sit where they say, with the newest
+/// one's modification time; what does not is added to `problems`, naming the file.
+fn read_parts(
+    step: u64,
+    dir: &FsPath,
+    problems: &mut Vec<String>,
+) -> (Vec<PartHead>, Option<SystemTime>) {
     let mut parts: Vec<PartHead> = Vec::new();
     let mut newest_part: Option<SystemTime> = None;
     let parts_dir = dir.join(PARTS_DIR);
@@ -465,28 +470,15 @@ fn read_step(step: u64, dir: &FsPath) -> StepEntry {
         Err(e) if e.kind() == ErrorKind::NotFound => {}
         Err(e) => problems.push(format!("{}: {e}", parts_dir.display())),
     }
-    parts.sort_by_key(|p| p.rank);
+    (parts, newest_part)
+}
 
-    // The world: what the parts say; parts that disagree are named.
-    let worlds: BTreeSet<u32> = parts.iter().map(|p| p.world).collect();
-    let world = worlds.iter().next_back().copied();
-    if worlds.len() > 1 {
-        problems.push(format!(
-            "{}: its parts disagree on the publishing job's ranks ({})",
-            parts_dir.display(),
-            worlds
-                .iter()
-                .map(|w| w.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
-    }
-    let ranks: Vec<u32> = parts.iter().map(|p| p.rank).collect();
-    let missing_ranks: Vec<u32> = match world {
-        Some(world) => (0..world).filter(|r| !ranks.contains(r)).collect(),
-        None => Vec::new(),
-    };
-
+/// What rank 0's commit left in a step's directory: its manifest and its publishers' list, each
+/// when there and readable (what is there and is not is added to `problems`).
+fn read_commit(
+    dir: &FsPath,
+    problems: &mut Vec<String>,
+) -> (Option<Manifest>, Option<Vec<PublisherHead>>) {
     let manifest_path = dir.join(MANIFEST_FILE);
     let manifest = match read_small(&manifest_path) {
         Ok(Some(bytes)) => {
@@ -523,6 +515,38 @@ fn read_step(step: u64, dir: &FsPath) -> StepEntry {
         }
     };
 
+    (manifest, served)
+}
+
+/// One step's entry: its parts and commit read from `dir`, its state and why, publishers,
+/// sizes, times and leases; never an error (what cannot be read is in its `problems`).
+fn read_step(step: u64, dir: &FsPath) -> StepEntry {
+    let mut problems = Vec::new();
+    let (mut parts, newest_part) = read_parts(step, dir, &mut problems);
+    parts.sort_by_key(|p| p.rank);
+
+    // The world: what the parts say; parts that disagree are named.
+    let worlds: BTreeSet<u32> = parts.iter().map(|p| p.world).collect();
+    let world = worlds.iter().next_back().copied();
+    if worlds.len() > 1 {
+        problems.push(format!(
+            "{}: its parts disagree on the publishing job's ranks ({})",
+            dir.join(PARTS_DIR).display(),
+            worlds
+                .iter()
+                .map(|w| w.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    let ranks: Vec<u32> = parts.iter().map(|p| p.rank).collect();
+    let missing_ranks: Vec<u32> = match world {
+        Some(world) => (0..world).filter(|r| !ranks.contains(r)).collect(),
+        None => Vec::new(),
+    };
+
+    let manifest_path = dir.join(MANIFEST_FILE);
+    let (manifest, served) = read_commit(dir, &mut problems);
     let manifest_there = manifest_path.exists();
     let (state, detail) = if manifest.is_some() && served.is_some() {
         (StepState::Complete, None)
