@@ -410,7 +410,6 @@ fn rfc3339(time: SystemTime) -> Option<String> {
     }
 }
 
-/// One step directory, as it is now. Never fails: what cannot be read is in `problems`.
 /// A step's parts (`parts/rank-<r>.json`) that parse and sit where they say, with the newest
 /// one's modification time; what does not is added to `problems`, naming the file.
 fn read_parts(
