@@ -370,6 +370,10 @@ struct LoadCommand {
     /// Bearer token of the server.
     #[arg(long, env = "TESSERA_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// Registry directory of live publications, for a checkpoint given as live://NAME (the
+    /// newest complete step) or live://NAME@STEP (what tessera.publish was given as registry=).
+    #[arg(long, value_name = "DIR")]
+    registry: Option<std::path::PathBuf>,
     #[command(flatten)]
     storage: StorageArgs,
 }
@@ -935,6 +939,7 @@ impl LoadCommand {
             server: self.server,
             checkpoint_id: self.checkpoint_id,
             token: self.token,
+            registry: self.registry,
             retry: self.storage.policy()?,
             filter: commands::select::TensorFilter {
                 include: self.include,

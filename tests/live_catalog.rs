@@ -441,3 +441,139 @@ async fn the_cli_lists_and_shows_publications_in_text_and_json() {
         "{stderr}"
     );
 }
+
+/// `tessera load live://NAME[@STEP] --registry DIR`: the newest complete step (or the one
+/// named) resolved in the registry and loaded from its publishers' servers in another layout;
+/// the bytes are the publishers' own. A step never published, an incomplete one and a missing
+/// `--registry` are refused, naming what is wrong.
+#[test]
+fn the_cli_loads_a_live_publication_by_name_and_step() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let registry = tempfile::tempdir().unwrap();
+    let root = registry.path();
+    let server = tessera_storage::RangeServer::start("127.0.0.1").unwrap();
+    // Steps 1 and 2 of a 2-rank publication, each rank's rows served from memory as
+    // `tessera.publish` serves them; step 3 waits for rank 1.
+    runtime.block_on(async {
+        for step in [1u64, 2] {
+            for rank in 0..2 {
+                served(root, &server, "served", step, rank).await;
+            }
+            await_and_commit(
+                &step_dir(root, "served", step),
+                2,
+                step,
+                Duration::from_secs(30),
+            )
+            .await
+            .unwrap();
+        }
+        served(root, &server, "served", 3, 0).await;
+    });
+    let work = tempfile::tempdir().unwrap();
+    let requests = work.path().join("requests.json");
+    std::fs::write(
+        &requests,
+        r#"{"ranks": [[{"fqn": "layers.0.w", "offsets": [0, 0], "lengths": [8, 4]}]]}"#,
+    )
+    .unwrap();
+    let load = |url: &str, dump: &Path| {
+        Command::new(BIN)
+            .args(["load", url, "--registry", root.to_str().unwrap()])
+            .args(["--requests", requests.to_str().unwrap(), "--quiet"])
+            .args(["--dump", dump.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    for (url, step) in [("live://served", 2u64), ("live://served@1", 1)] {
+        let dump = work.path().join(format!("dump-{step}"));
+        let out = load(url, &dump);
+        assert!(
+            out.status.success(),
+            "{url}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let file = std::fs::read(dump.join("rank-0.safetensors")).unwrap();
+        let header = tessera_metadata::formats::safetensors::parse(&file, "rank-0").unwrap();
+        let entry = &header.tensors[0];
+        assert_eq!(entry.name, "layers.0.w");
+        assert_eq!(entry.shape, vec![8, 4]);
+        let (a, b) = entry.data_offsets;
+        let got = &file[(header.data_start + a) as usize..(header.data_start + b) as usize];
+        // Global row r is row r % 4 of publisher rank r / 4, whose element (i, c) is i*8 + c
+        // plus the step.
+        let want: Vec<u8> = (0..8u64)
+            .flat_map(|r| (0..4u64).map(move |c| ((r % 4) * 8 + c) as f32 + step as f32))
+            .flat_map(f32::to_le_bytes)
+            .collect();
+        assert_eq!(got, want.as_slice(), "{url}");
+    }
+    let refused = |args: &[&str], want: &str| {
+        let out = Command::new(BIN).args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+    };
+    let registry_flag = ["--registry", root.to_str().unwrap()];
+    let requests_flag = ["--requests", requests.to_str().unwrap()];
+    refused(
+        &[
+            &["load", "live://served@9"][..],
+            &registry_flag,
+            &requests_flag,
+        ]
+        .concat(),
+        "step 9 of live publication served was never published",
+    );
+    refused(
+        &[
+            &["load", "live://served@3"][..],
+            &registry_flag,
+            &requests_flag,
+        ]
+        .concat(),
+        "step 3 of live publication served is not complete: publisher ranks [1] of 2 have not published it",
+    );
+    refused(
+        &[&["load", "live://served"][..], &requests_flag].concat(),
+        "live://served: a live publication is found in a registry: give --registry DIR",
+    );
+}
+
+/// Publisher rank `rank` of 2 publishes `step` of `name` as `tessera.publish` does: its part in
+/// the registry and its data file served from memory by `server`.
+async fn served(
+    registry: &Path,
+    server: &tessera_storage::RangeServer,
+    name: &str,
+    step: u64,
+    rank: u32,
+) {
+    let rows = 4u64;
+    let boxes = vec![HeldBox {
+        fqn: "layers.0.w".to_string(),
+        dtype: "f32".to_string(),
+        shape: vec![2 * rows, 8],
+        offsets: vec![u64::from(rank) * rows, 0],
+        lengths: vec![rows, 8],
+    }];
+    let data: Vec<u8> = (0..rows * 8)
+        .flat_map(|i| (i as f32 + step as f32).to_le_bytes())
+        .collect();
+    let (bytes, file) = write_part_file(rank, &boxes, &[&data], &[]).await.unwrap();
+    let path = format!("{name}/step-{step:06}/{}", file.path());
+    server.serve(&path, bytes);
+    let part = Part {
+        rank,
+        world: 2,
+        step,
+        url: server.url(),
+        path,
+        holdings: Holdings {
+            boxes,
+            objects: Vec::new(),
+        },
+        file,
+    };
+    write_part(&step_dir(registry, name, step), &part).unwrap();
+}

@@ -180,6 +180,7 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(publish::publish_part, m)?)?;
     m.add_function(wrap_pyfunction!(publish::commit_publication, m)?)?;
     m.add_function(wrap_pyfunction!(publish::unpublish, m)?)?;
+    m.add_function(wrap_pyfunction!(publish::resolve_live, m)?)?;
     #[cfg(feature = "fault-injection")]
     m.add_function(wrap_pyfunction!(publish::damage_publication, m)?)?;
     #[cfg(feature = "fault-injection")]

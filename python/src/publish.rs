@@ -169,6 +169,17 @@ pub fn commit_publication(
     })
 }
 
+/// The step `live://NAME[@STEP]` names in `registry` and its directory
+/// (`tessera_ops::publish::listing::resolve`: the given step when complete, else the newest
+/// complete one; an error naming what is missing otherwise).
+#[pyfunction]
+#[pyo3(signature = (registry, name, step=None))]
+pub fn resolve_live(registry: &str, name: &str, step: Option<u64>) -> PyResult<(u64, String)> {
+    let (step, dir) = publish::listing::resolve(std::path::Path::new(registry), name, step)
+        .map_err(|e| crate::py_error(anyhow::Error::from(e)))?;
+    Ok((step, dir.display().to_string()))
+}
+
 /// Stops serving the file at `path` (a retired step); true when it was served.
 #[pyfunction]
 pub fn unpublish(path: &str) -> bool {

@@ -59,7 +59,6 @@ SCHEME = "live://"
 #: consumer that died holding a lease costs the publisher this much memory time, no more.
 MAX_LEASE_SECONDS = 900.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def _check_name(name: Any) -> str:
@@ -330,74 +329,18 @@ def _parse(url: str) -> Tuple[str, Optional[int]]:
     return name, int(step)
 
 
-def _parts(directory: str) -> Tuple[List[int], Optional[int]]:
-    """The ranks whose parts are in ``directory`` and the world size they state."""
-    ranks, world = [], None
-    try:
-        names = os.listdir(os.path.join(directory, "parts"))
-    except FileNotFoundError:
-        return [], None
-    for entry in names:
-        m = re.match(r"^rank-(\d+)\.json$", entry)
-        if not m:
-            continue
-        ranks.append(int(m.group(1)))
-        try:
-            with open(os.path.join(directory, "parts", entry), encoding="utf-8") as f:
-                world = int(json.load(f)["world"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    return sorted(ranks), world
-
-
-def _complete(directory: str) -> bool:
-    return os.path.exists(os.path.join(directory, "manifest.json")) and os.path.exists(
-        os.path.join(directory, "publishers.json")
-    )
-
-
-def _incomplete(name: str, step: int, directory: str) -> str:
-    ranks, world = _parts(directory)
-    if not ranks:
-        return f"step {step} of live publication {name} has no published part"
-    if world is None:
-        return f"step {step} of live publication {name} is not complete (parts of ranks {ranks})"
-    missing = [r for r in range(world) if r not in ranks]
-    if missing:
-        return (
-            f"step {step} of live publication {name} is not complete: publisher ranks {missing} of {world} have "
-            f"not published it (parts present: ranks {ranks})"
-        )
-    return (
-        f"step {step} of live publication {name} is not committed: every one of its {world} ranks published "
-        "its part but rank 0 has not committed it (still committing, failed, or retired)"
-    )
-
-
 def resolve(url: str, registry: Any) -> Tuple[int, str]:
     """The step ``url`` (``live://NAME`` or ``live://NAME@STEP``) names in ``registry`` and its
-    location (``live+file://...``); raises naming what is missing when it is not complete."""
+    location (``live+file://...``); raises naming what is missing when it is not complete. The
+    rule is the registry listing's (``tessera live show``, the server's ``/v1/live``), written
+    once in Rust."""
     name, step = _parse(url)
     root = _registry_dir(registry)
-    base = os.path.join(root, name)
-    if step is not None:
-        directory = step_dir(root, name, step)
-        if not os.path.isdir(directory):
-            raise TesseraError(f"{url}: step {step} of live publication {name} was never published in {root}")
-        if not _complete(directory):
-            raise TesseraError(f"{url}: {_incomplete(name, step, directory)}")
-        return step, "live+file://" + directory
     try:
-        entries = os.listdir(base)
-    except FileNotFoundError:
-        raise TesseraError(f"{url}: no live publication {name} in registry {root}") from None
-    steps = sorted((int(m.group(1)) for m in map(_STEP_DIR.match, entries) if m), reverse=True)
-    for candidate in steps:
-        directory = step_dir(root, name, candidate)
-        if _complete(directory):
-            return candidate, "live+file://" + directory
-    detail = "; ".join(_incomplete(name, s, step_dir(root, name, s)) for s in steps[:3]) or "no step at all"
-    raise TesseraError(f"{url}: live publication {name} in {root} has no complete step ({detail})")
+        found, directory = _tessera.resolve_live(root, name, step)
+    except TesseraError as e:
+        raise TesseraError(f"{url}: {e}") from None
+    return int(found), "live+file://" + directory
 
 
 class Lease:

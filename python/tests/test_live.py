@@ -276,7 +276,7 @@ def test_older_steps_are_retired_past_keep_unless_a_consumer_leases_them(publish
     assert reports[2]["retired"] == [1]
     registry = str(pub.registry)
     state = {"b": torch.zeros(ROWS)}
-    with pytest.raises(TesseraError, match="step 1 of live publication kept is not committed"):
+    with pytest.raises(TesseraError, match="step 1 of live publication kept was committed and then retired"):
         tessera.load(state, "live://kept@1", registry=registry, progress=False, strict=False)
 
     # A consumer's lease on step 2 keeps it served past keep=2 when step 4 comes.

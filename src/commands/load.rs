@@ -107,6 +107,8 @@ pub struct LoadArgs {
     /// The checkpoint's id on the server (`<run>/<step>`); by default the last two components
     /// of the checkpoint location.
     pub checkpoint_id: Option<String>,
+    /// The registry of live publications a `live://NAME[@STEP]` checkpoint is resolved in.
+    pub registry: Option<std::path::PathBuf>,
     /// Bearer token of the server (the CLI fills it from `TESSERA_TOKEN` when not given).
     pub token: Option<String>,
     /// Timeouts and attempts of every storage request, for the store and the reads alike
@@ -154,6 +156,7 @@ fn load_options(args: &LoadArgs, switches: &LoadSwitches) -> LoadOptions {
 /// Runs the command; returns the report text.
 pub async fn run(args: &LoadArgs) -> Result<String> {
     check_device(args)?;
+    let args = &with_live_step(args)?;
     // Rank processes spawned here share the DCP blob index through a cache directory, so the
     // zip headers are read once (by this process), not once per rank.
     let shared_cache = match (args.rank, args.transport) {
@@ -244,6 +247,41 @@ pub(crate) struct Loaded {
     pub(crate) reports: Vec<RankReport>,
     pub(crate) summary: PlanSummary,
     pub(crate) plan_seconds: f64,
+}
+
+/// `args` with a `live://NAME[@STEP]` checkpoint resolved in `--registry` to its step's
+/// location (`live+file://`), once, so that every rank this command spawns loads the same step
+/// (ranks of a real job, `--rank`, should name the step: `live://NAME@STEP`).
+fn with_live_step(args: &LoadArgs) -> Result<LoadArgs> {
+    let Some(rest) = args.checkpoint.strip_prefix("live://") else {
+        return Ok(args.clone());
+    };
+    let registry = args.registry.as_ref().with_context(|| {
+        format!(
+            "{}: a live publication is found in a registry: give --registry DIR",
+            args.checkpoint
+        )
+    })?;
+    let (name, step) = match rest.split_once('@') {
+        Some((name, step)) => {
+            let step = step.parse::<u64>().map_err(|_| {
+                anyhow::anyhow!(
+                    "{}: the step after '@' must be a number (live://NAME@STEP)",
+                    args.checkpoint
+                )
+            })?;
+            (name, Some(step))
+        }
+        None => (rest, None),
+    };
+    let (step, dir) = tessera_ops::publish::listing::resolve(registry, name, step)
+        .with_context(|| args.checkpoint.clone())?;
+    if !args.quiet && !args.json {
+        eprintln!("{}: step {step} ({})", args.checkpoint, dir.display());
+    }
+    let mut resolved = args.clone();
+    resolved.checkpoint = format!("live+file://{}", dir.display());
+    Ok(resolved)
 }
 
 /// Refuses flags that cannot plan together, before any rank starts.

@@ -334,6 +334,87 @@ fn read_publication(
     }))
 }
 
+/// The step `live://NAME[@STEP]` names in `registry` and its directory: `step` when given and
+/// complete, else the newest complete step. What a consumer loads (`tessera.load`, `tessera load`)
+/// goes through here; when there is no such step the error says what is missing in the words of
+/// the listing (never published; the publisher ranks that have not published it; not committed).
+pub fn resolve(
+    registry: &FsPath,
+    name: &str,
+    step: Option<u64>,
+) -> Result<(u64, PathBuf), OpsError> {
+    check_name(name)?;
+    let base = registry.join(name);
+    if let Some(step) = step {
+        // The layout's name of a step (`step-000100`, see `ops/src/publish.rs`).
+        let dir = base.join(format!("step-{step:06}"));
+        if !dir.is_dir() {
+            return Err(OpsError::invalid(format!(
+                "step {step} of live publication {name} was never published in {}",
+                registry.display()
+            )));
+        }
+        if !is_complete(&dir) {
+            return Err(OpsError::invalid(not_loadable(
+                name,
+                &read_step(step, &dir),
+            )));
+        }
+        return Ok((step, dir));
+    }
+    let entries = match std::fs::read_dir(&base) {
+        Ok(entries) => entries,
+        Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::NotADirectory) => {
+            return Err(OpsError::UnknownPublication {
+                name: name.to_string(),
+                registry: registry.display().to_string(),
+            });
+        }
+        Err(e) => {
+            return Err(OpsError::invalid(format!(
+                "reading {}: {e}",
+                base.display()
+            )));
+        }
+    };
+    let mut steps: Vec<(u64, PathBuf)> = entries
+        .filter_map(Result::ok)
+        .filter_map(|e| Some((step_of(e.file_name().to_str()?)?, e.path())))
+        .filter(|(_, path)| path.is_dir())
+        .collect();
+    steps.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
+    if let Some((step, dir)) = steps.iter().find(|(_, dir)| is_complete(dir)) {
+        return Ok((*step, dir.clone()));
+    }
+    let newest: Vec<String> = steps
+        .iter()
+        .take(3)
+        .map(|(step, dir)| not_loadable(name, &read_step(*step, dir)))
+        .collect();
+    Err(OpsError::invalid(format!(
+        "live publication {name} in {} has no complete step ({})",
+        registry.display(),
+        if newest.is_empty() {
+            "no step at all".to_string()
+        } else {
+            newest.join("; ")
+        }
+    )))
+}
+
+/// Why step `entry` of publication `name` cannot be loaded, naming the publication.
+fn not_loadable(name: &str, entry: &StepEntry) -> String {
+    let step = entry.step;
+    let detail = entry
+        .detail
+        .clone()
+        .unwrap_or_else(|| format!("step {step} is not complete"));
+    match detail.strip_prefix(&format!("step {step}")) {
+        Some(rest) => format!("step {step} of live publication {name}{rest}"),
+        None => format!("step {step} of live publication {name}: {detail}"),
+    }
+}
+
 /// Whether a step directory is complete (the consumers' rule: manifest and publishers there).
 fn is_complete(dir: &FsPath) -> bool {
     dir.join(MANIFEST_FILE).is_file() && dir.join(PUBLISHERS_FILE).is_file()
