@@ -49,7 +49,8 @@ snapshot is taken). Reported: medians over publishes of the slowest rank.
 Profile of the live loads (medians): publish call (snapshot), publish-to-commit (background
 layout, serving, registry parts, rank 0's commit), commit-to-load-start, and the consumer's
 load: its read_seconds (HTTP reads from the publishers, verified), exchange_seconds (inside the
-consumer job), and the rest of its total_seconds (resolve, lease, open, plan).
+consumer job), and the rest of its total_seconds (open, plan, bookkeeping; the resolve and the lease precede
+the timed inner load and are not in it).
 
 `--profile`: consumer rank 0 runs its live loads under cProfile; the last warm one's top
 functions (cumulative) are printed per consumer world.
@@ -563,7 +564,7 @@ def report(results: dict, consumers: list, repeats: int, total: int) -> None:
                 f"(layout, serve, part; rank 0 also commits) {persist:.2f} s; committed at "
                 f"{committed:.2f} s; consumers told at {ready:.2f} s; HTTP reads {requests:.0f}, {fetched:,.0f} bytes; "
                 f"load {load:.2f} s = read {read:.2f} s + exchange "
-                f"{exchange:.2f} s + other (resolve, lease, open, plan) {rest:.2f} s{reused([x for r in rs for x in r['con']])}"
+                f"{exchange:.2f} s + other (open, plan, bookkeeping; resolve and lease come before) {rest:.2f} s{reused([x for r in rs for x in r['con']])}"
             )
         cold, warm = medians["tessera live cold"], medians["tessera live warm"]
         print(
