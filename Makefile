@@ -86,10 +86,12 @@ demo:
 	$(CARGO) run --release --locked -- demo
 
 # The web UI in headless Chromium against `tessera serve` (tests/webui). Screenshots land in
-# target/webui-screenshots/.
-webui: webui-deps
+# target/webui-screenshots/. Its live publication is published by the real `tessera.publish`,
+# so the suite needs the Python package in $(PYENV) (built here when `make python-test` has not).
+webui: webui-deps python-env
 	$(CARGO) build --locked --bin tessera
-	cd tests/webui && CHROMIUM=$(CHROMIUM) timeout 600 npm test
+	@$(PYENV)/bin/python -c 'import tessera' 2>/dev/null || { cd python && VIRTUAL_ENV=$(PYENV_ABS) $(PYENV_ABS)/bin/maturin develop --locked; }
+	cd tests/webui && CHROMIUM=$(CHROMIUM) TESSERA_PYTHON=$(PYENV_ABS)/bin/python timeout 600 npm test
 
 # Before installing anything it says what and why: apt-get may also upgrade system packages that
 # Chromium depends on.

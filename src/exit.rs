@@ -185,6 +185,7 @@ fn ops(e: &OpsError) -> Option<ErrorClass> {
         OpsError::Loader(e) => loader(e),
         OpsError::PlanClient(e) => plan_client(e),
         OpsError::RanksFailed { .. } | OpsError::RankFailed { .. } => Some(ErrorClass::PeerFailed),
+        OpsError::UnknownPublication { .. } => Some(ErrorClass::NotFound),
         OpsError::Context { inner, .. } => ops(inner),
         _ => None,
     }

@@ -205,6 +205,12 @@ enum Command {
     },
     /// Serve the catalog and plan API of a storage root over HTTP (until Ctrl-C or SIGTERM).
     Serve(ServeCommand),
+    /// List the live publications (tessera.publish) of a registry directory: each one's newest
+    /// complete step, publisher ranks and bytes, and its steps' states.
+    Live {
+        #[command(subcommand)]
+        command: LiveCommand,
+    },
     /// Print a shell completion script, e.g. `tessera completions bash >
     /// ~/.local/share/bash-completion/completions/tessera`.
     Completions {
@@ -368,6 +374,43 @@ struct LoadCommand {
     storage: StorageArgs,
 }
 
+/// `tessera live`'s subcommands.
+#[derive(Subcommand)]
+enum LiveCommand {
+    /// Every publication of the registry: newest complete step (what live://NAME loads),
+    /// steps, publisher ranks, bytes, tensors.
+    List {
+        /// The registry directory (what publishers were given as registry=).
+        #[arg(long)]
+        registry: std::path::PathBuf,
+        /// Steps of each publication read, newest first (JSON lists them; the text gives the
+        /// summary).
+        #[arg(long, default_value_t = tessera_ops::publish::listing::DEFAULT_LISTED_STEPS)]
+        steps: usize,
+        /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
+        /// see "Machine output" in `tessera --help`).
+        #[arg(long)]
+        json: bool,
+    },
+    /// One publication: its newest complete step's publisher ranks and servers, and its newest
+    /// steps with their state (complete; incomplete naming the ranks whose parts are missing;
+    /// retired), bytes and times.
+    Show {
+        /// The publication's name (live://NAME).
+        name: String,
+        /// The registry directory (what publishers were given as registry=).
+        #[arg(long)]
+        registry: std::path::PathBuf,
+        /// Steps listed, newest first.
+        #[arg(long, default_value_t = tessera_ops::publish::listing::DEFAULT_LISTED_STEPS)]
+        steps: usize,
+        /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
+        /// see "Machine output" in `tessera --help`).
+        #[arg(long)]
+        json: bool,
+    },
+}
+
 /// `tessera serve`'s arguments (its help is the `Serve` variant's doc).
 #[derive(Args)]
 struct ServeCommand {
@@ -385,6 +428,10 @@ struct ServeCommand {
     /// Directory of a static web UI served at / (default: the built-in catalog browser).
     #[arg(long)]
     web_ui: Option<std::path::PathBuf>,
+    /// Registry directory of live publications (what tessera.publish was given as
+    /// registry=): /v1/live, the catalog and the web UI list them next to the checkpoints.
+    #[arg(long)]
+    registry: Option<std::path::PathBuf>,
     /// Allow browsers on this origin to call the API (repeatable; `*` for any). Off by default.
     #[arg(long = "cors-origin")]
     cors_origins: Vec<String>,
@@ -431,7 +478,10 @@ impl Command {
             | Command::Convert { json, .. }
             | Command::Inspect { json, .. }
             | Command::Verify { json, .. }
-            | Command::Gc { json, .. } => *json,
+            | Command::Gc { json, .. }
+            | Command::Live {
+                command: LiveCommand::List { json, .. } | LiveCommand::Show { json, .. },
+            } => *json,
             Command::Plan(PlanCommand { json, format, .. }) => {
                 *json || matches!(format, FormatArg::Json)
             }
@@ -663,6 +713,27 @@ fn run(cli: Cli) -> Result<()> {
                 gc(&root, dry_run, break_claims, json)
             }
         }
+        Command::Live { command } => match command {
+            LiveCommand::List {
+                registry,
+                steps,
+                json,
+            } => {
+                let listing = commands::live::list(&registry, steps)?;
+                stdout_report(json, &listing, || commands::live::list_text(&listing))
+            }
+            LiveCommand::Show {
+                name,
+                registry,
+                steps,
+                json,
+            } => {
+                let publication = commands::live::show(&registry, &name, steps)?;
+                stdout_report(json, &publication, || {
+                    commands::live::show_text(&publication)
+                })
+            }
+        },
         Command::Completions { shell } => {
             let mut out = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "tessera", &mut out);
@@ -882,6 +953,7 @@ impl ServeCommand {
             addr: self.addr,
             token: self.token,
             web_ui: self.web_ui,
+            registry: self.registry,
             cors_origins: self.cors_origins,
             metadata_cache_mib: self.metadata_cache_mib,
             plan_cache_mib: self.plan_cache_mib,

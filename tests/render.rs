@@ -117,6 +117,7 @@ proptest! {
             slabs: 0,
             holder_read_pieces: 0,
             bytes_read_from_tier: 0,
+            replayed: false,
         };
         let text = summary_text(&s, seconds);
         let first = text.lines().next().unwrap().to_string();

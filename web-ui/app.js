@@ -1,4 +1,5 @@
-// tessera web UI: catalog, checkpoint, tensor and plan preview pages over the /v1 API.
+// tessera web UI: catalog (checkpoints and live publications), checkpoint, tensor, plan preview
+// and live publication pages over the /v1 API.
 // No build step, no dependencies: hash routes render into #view.
 "use strict";
 
@@ -159,12 +160,15 @@ async function catalogPage() {
   setCrumbs([["catalog", null]]);
   const cat = await api("/v1/checkpoints");
   const title = h("h1", {}, "Checkpoints");
+  // Live publications (a server started with --registry) are listed next to the checkpoints.
+  const live = cat.live ? liveSection(cat.live) : null;
   if (!cat.checkpoints.length) {
     fill(view, title, h("div", { class: "empty", id: "empty-catalog" },
       h("p", {}, h("strong", {}, "The catalog is empty.")),
       h("p", {}, "No checkpoints under this server's root yet. Create some with ",
         h("code", {}, "tessera demo"), " or ",
-        h("code", {}, "tessera synth --model gpt-tiny --layout l.json --out <root>/<run>/step-000100"), ".")));
+        h("code", {}, "tessera synth --model gpt-tiny --layout l.json --out <root>/<run>/step-000100"), ".")),
+      live);
     return;
   }
   const runs = h("p", { class: "muted" }, `${cat.runs.length} run(s), ${cat.checkpoints.length} checkpoint(s)`);
@@ -226,7 +230,98 @@ async function catalogPage() {
       h("p", {}, h("strong", {}, `${cat.problems.length} catalog entr${cat.problems.length === 1 ? "y" : "ies"} could not be read and ${cat.problems.length === 1 ? "is" : "are"} not listed:`)),
       h("ul", {}, ...cat.problems.map((p) => h("li", {}, h("code", {}, p.path), ": ", p.error))))
     : null;
-  fill(view, title, runs, problems, table, h("h2", {}, "Runs"), runList);
+  fill(view, title, runs, problems, table, live, h("h2", {}, "Runs"), runList);
+}
+
+// ---------- live publications ----------
+
+const livePath = (name) => `/v1/live/${enc(name)}`;
+const rankList = (ranks) => (ranks && ranks.length ? ranks.join(", ") : "–");
+
+// The catalog's section: one row per publication, its newest complete step (what live://NAME
+// loads) with its publisher ranks and bytes.
+function liveSection(live) {
+  const pubs = live.publications || [];
+  const head = [h("h2", { id: "live-title" }, "Live publications"),
+    h("p", { class: "muted" }, `registry `, h("code", {}, live.registry), `: ${pubs.length} publication(s)`)];
+  const problems = (live.problems || []).length
+    ? h("div", { class: "problems", id: "live-problems" },
+      h("ul", {}, ...live.problems.map((p) => h("li", {}, p))))
+    : null;
+  if (!pubs.length) {
+    return h("section", { id: "live" }, head, problems, h("div", { class: "empty", id: "empty-live" },
+      h("p", {}, "Nothing published in this registry yet: ", h("code", {}, "tessera.publish(state, name, step=..., registry=...)"), ".")));
+  }
+  const cols = [
+    { key: "name", title: "name", cell: (p) => h("a", { href: `#/live/${enc(p.name)}` }, p.name), sort: (p) => p.name },
+    {
+      key: "newest", title: "newest complete step", num: true,
+      cell: (p) => p.newest_complete === null || p.newest_complete === undefined
+        ? h("span", { class: "badge incomplete" }, "none")
+        : fmtInt(p.newest_complete),
+      sort: (p) => p.newest_complete ?? -1,
+    },
+    { key: "steps", title: "steps", num: true, cell: (p) => fmtInt(p.steps_total), sort: (p) => p.steps_total },
+    {
+      key: "ranks", title: "publisher ranks", num: true,
+      cell: (p) => (p.world === null || p.world === undefined ? "–" : fmtInt(p.world)),
+      sort: (p) => p.world ?? -1,
+    },
+    { key: "size", title: "size", num: true, cell: (p) => fmtBytes(p.bytes), sort: (p) => p.bytes ?? -1 },
+    { key: "tensors", title: "tensors", num: true, cell: (p) => fmtInt(p.tensors), sort: (p) => p.tensors ?? -1 },
+  ];
+  const table = sortableTable(cols, pubs, (p) => ({ class: "live-row", "data-name": p.name }));
+  table.id = "live-table";
+  return h("section", { id: "live" }, head, problems, table);
+}
+
+// One publication: what live://NAME loads now, its publishers, and its newest steps.
+async function livePage(name) {
+  setCrumbs([["catalog", "#/"], [`live://${name}`, null]]);
+  const pub = await api(livePath(name) + "?steps=50");
+  const loads = pub.newest_complete === null || pub.newest_complete === undefined
+    ? h("span", { class: "badge incomplete" }, "no complete step yet")
+    : h("span", {}, `step ${fmtInt(pub.newest_complete)}`);
+  const facts = h("dl", { class: "facts", id: "live-facts" },
+    h("dt", {}, "live://" + name + " loads"), h("dd", {}, loads),
+    h("dt", {}, "publisher ranks"), h("dd", {}, pub.world === null || pub.world === undefined ? "–" : fmtInt(pub.world)),
+    h("dt", {}, "size"), h("dd", {}, fmtBytes(pub.bytes)),
+    h("dt", {}, "tensors"), h("dd", {}, fmtInt(pub.tensors)),
+    h("dt", {}, "steps"), h("dd", {}, `${fmtInt(pub.steps_total)}` + (pub.steps_truncated ? ` (the newest ${pub.steps.length} listed)` : "")));
+  const publishers = pub.publishers.length
+    ? h("table", { id: "live-publishers" },
+      h("thead", {}, h("tr", {}, h("th", { class: "num" }, "rank"), h("th", {}, "serves at"), h("th", { class: "num" }, "bytes"))),
+      h("tbody", {}, ...pub.publishers.map((p) => h("tr", { class: "publisher-row", "data-rank": p.rank },
+        h("td", { class: "num" }, fmtInt(p.rank)), h("td", { class: "mono" }, `${p.url}/${p.path}`), h("td", { class: "num" }, fmtBytes(p.bytes))))))
+    : null;
+  const stateCell = (st) => {
+    const notes = [];
+    if (st.detail) notes.push(h("div", { class: "muted" }, st.detail));
+    for (const p of st.problems || []) notes.push(h("div", { class: "problem" }, p));
+    return [h("span", { class: "badge " + st.state }, st.state), notes];
+  };
+  const cols = [
+    { key: "step", title: "step", num: true, cell: (st) => fmtInt(st.step), sort: (st) => st.step },
+    { key: "state", title: "state", cell: stateCell, sort: (st) => st.state },
+    {
+      key: "ranks", title: "ranks published", num: true,
+      cell: (st) => (st.world === null || st.world === undefined ? "–" : `${st.ranks.length} of ${st.world}`),
+      sort: (st) => st.ranks.length,
+    },
+    { key: "missing", title: "missing ranks", cell: (st) => rankList(st.missing_ranks), sort: (st) => st.missing_ranks.length },
+    { key: "size", title: "size", num: true, cell: (st) => fmtBytes(st.bytes), sort: (st) => st.bytes ?? -1 },
+    { key: "tensors", title: "tensors", num: true, cell: (st) => fmtInt(st.tensors), sort: (st) => st.tensors ?? -1 },
+    { key: "published", title: "published", cell: (st) => fmtTime(st.published), sort: (st) => st.published || "" },
+    { key: "committed", title: "committed", cell: (st) => fmtTime(st.committed), sort: (st) => st.committed || "" },
+    { key: "leases", title: "leases", num: true, cell: (st) => fmtInt(st.leases), sort: (st) => st.leases },
+  ];
+  const steps = sortableTable(cols, pub.steps, (st) => ({ class: "step-row", "data-step": st.step, "data-state": st.state }));
+  steps.id = "live-steps";
+  fill(view, h("h1", {}, "live://" + name), facts,
+    publishers ? [h("h2", {}, `Publishers of step ${fmtInt(pub.newest_complete)}`), publishers] : null,
+    h("h2", {}, "Steps"),
+    h("p", { class: "muted" }, "A step is loadable once every publisher rank has published it and rank 0 committed it; retired steps are no longer served."),
+    h("div", { class: "scroll" }, steps));
 }
 
 // ---------- checkpoint ----------
@@ -724,6 +819,7 @@ async function route() {
     else if (parts[0] === "ckpt" && parts.length === 3) await checkpointPage(parts[1], parts[2]);
     else if (parts[0] === "ckpt" && parts.length === 4 && parts[3] === "plan") await planPage(parts[1], parts[2]);
     else if (parts[0] === "ckpt" && parts.length === 5 && parts[3] === "tensor") await tensorPage(parts[1], parts[2], parts[4]);
+    else if (parts[0] === "live" && parts.length === 2) await livePage(parts[1]);
     else throw new ApiError(0, "", `no page at ${hash}`);
   } catch (e) {
     showError(e);

@@ -14,10 +14,9 @@ use tessera_loader::transport::{TcpTransport, Transport, TransportOptions};
 
 use crate::{OpsError, ResultExt};
 
-/// Tag of the load's requests: above every ring exchange tag (group << 32 | round, with far fewer
-/// than 2^31 groups).
-pub const TAG_REQUESTS: u64 = 0xFFFF_FFFF_0000_0001;
-/// Tag of the save's box lists.
+/// Tag of the save's box lists: above every ring exchange tag (group << 32 | round, with far
+/// fewer than 2^31 groups). (`..._0001`, `..._0006` and `..._0007` were the load's requests and
+/// memory-tier rounds before the load job's rounds took them over: `crate::job`.)
 pub const TAG_SAVE_BOXES: u64 = 0xFFFF_FFFF_0000_0002;
 /// Tag of the save's written files (to rank 0).
 pub const TAG_SAVE_FILES: u64 = 0xFFFF_FFFF_0000_0003;
@@ -25,11 +24,6 @@ pub const TAG_SAVE_FILES: u64 = 0xFFFF_FFFF_0000_0003;
 pub const TAG_SAVE_DONE: u64 = 0xFFFF_FFFF_0000_0004;
 /// Tag of rank 0's word on the save's write claim (to every rank, before anyone writes).
 pub const TAG_SAVE_CLAIM: u64 = 0xFFFF_FFFF_0000_0005;
-/// Tag of the load's memory-tier offers (the data files each rank's node holds).
-pub const TAG_TIER_OFFERS: u64 = 0xFFFF_FFFF_0000_0006;
-/// Tag of the load's memory-tier verifications (what each rank's share of its node's copies
-/// verified).
-pub const TAG_TIER_VERIFIED: u64 = 0xFFFF_FFFF_0000_0007;
 
 /// Joins the mesh of `world` ranks through rank 0 at `addr:port`.
 pub async fn connect(

@@ -146,6 +146,14 @@ pub enum OpsError {
         /// Its error.
         detail: String,
     },
+    /// A live publication the registry does not hold (`tessera live show`, `/v1/live/{name}`).
+    #[error("no live publication {name} in registry {registry}")]
+    UnknownPublication {
+        /// The name asked for.
+        name: String,
+        /// The registry directory.
+        registry: String,
+    },
     /// An error with what the operation was doing when it happened. The message includes the
     /// inner error's, so the inner error is not also this one's `source()` (a chain printer would
     /// repeat it).
@@ -175,7 +183,10 @@ impl OpsError {
             OpsError::Plan(_) => true,
             OpsError::Loader(e) => e.is_permanent(),
             OpsError::PlanClient(e) => e.is_permanent(),
-            OpsError::Message { .. } | OpsError::Invalid { .. } | OpsError::Claimed { .. } => true,
+            OpsError::Message { .. }
+            | OpsError::Invalid { .. }
+            | OpsError::Claimed { .. }
+            | OpsError::UnknownPublication { .. } => true,
             OpsError::RanksFailed { .. }
             | OpsError::RankFailed { .. }
             | OpsError::TooLateToCommit { .. }

@@ -680,28 +680,3 @@ fn node_ranks(offers: &[TierOffer], node: &str) -> Vec<u32> {
         .map(|(r, _)| r as u32)
         .collect()
 }
-
-/// Both tier rounds over `transport` (every rank of the job calls it, with or without a tier):
-/// offers, this rank's share verified, verifications; then [`TierLoad::settle`].
-pub async fn settle_over<T: tessera_loader::transport::Transport>(
-    tier: &TierLoad,
-    checkpoint: &Checkpoint,
-    transport: &T,
-) -> Result<(Checkpoint, ReadSources, TierCopies), OpsError> {
-    let offers: Vec<TierOffer> = crate::coord::all_gather_json(
-        transport,
-        crate::coord::TAG_TIER_OFFERS,
-        tier.offer(),
-        "memory-tier offers",
-    )
-    .await?;
-    let mine = tier.verify_share(&checkpoint.meta, &offers, transport.rank());
-    let verified: Vec<Verified> = crate::coord::all_gather_json(
-        transport,
-        crate::coord::TAG_TIER_VERIFIED,
-        &mine,
-        "memory-tier verifications",
-    )
-    .await?;
-    tier.settle(checkpoint, &offers, &verified)
-}

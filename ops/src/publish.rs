@@ -10,6 +10,9 @@
 //! ├── metadata.arrow          ┐ rank 0, once every rank's part is there: the ordinary native
 //! ├── checksums.arrow         │ commit of those files (data/publisher-rank-<r>.bin), so the
 //! ├── publishers.json         │ checksums readers verify are the ones recorded at snapshot time
+//! ├── durable.json            │ optional (`publish(durable=)`, rank 0, before its part): a
+//! │                           │ checkpoint of the same step on storage, `{"name", "step",
+//! │                           │ "checkpoint"}`, which a load falls back to when a publisher dies
 //! └── manifest.json           ┘ written last: the step is complete (readable) from here on
 //! ```
 //!
@@ -23,6 +26,8 @@
 //!
 //! A step stays incomplete (no manifest) until every rank's part is there; [`missing_ranks`]
 //! says which ranks a reader is waiting for.
+
+pub mod listing;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path as FsPath;

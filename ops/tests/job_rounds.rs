@@ -21,7 +21,7 @@ use tessera_loader::load::LoadOptions;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
 use tessera_ops::OpsError;
-use tessera_ops::job::host::{HostJob, HostLoad};
+use tessera_ops::job::host::{HostJob, HostLoad, allocated};
 use tessera_ops::job::memory_board::{JobFailure, run_rounds};
 use tessera_ops::job::transport_board::{ReadPieces, run_job};
 use tessera_ops::job::{
@@ -677,10 +677,11 @@ fn host_rank<T: Transport + 'static>(
     transport: T,
     hellos: &[Hello],
 ) -> Box<dyn FnOnce() -> BoxedLoad + Send> {
+    let requests = hellos[transport.rank() as usize].requests.clone();
     let job = HostJob {
         checkpoint: Arc::clone(&job.checkpoint),
         location: job.name.clone(),
-        requests: Arc::new(hellos.iter().map(|h| h.requests.clone()).collect()),
+        world: hellos.len() as u32,
         planning: PlanOptions::default(),
         filter: Vec::new(),
         server: None,
@@ -690,6 +691,10 @@ fn host_rank<T: Transport + 'static>(
         timeout: TIMEOUT,
     };
     Box::new(move || {
-        Box::pin(async move { job.load_rank(transport.rank(), transport, None).await })
+        Box::pin(async move {
+            let rank = transport.rank();
+            job.load_rank((rank, requests), transport, allocated(), None)
+                .await
+        })
     })
 }

@@ -238,6 +238,13 @@ pub enum PlanError {
         /// What is wrong.
         detail: String,
     },
+    /// A plan made for one checkpoint asked to serve another whose layout differs
+    /// ([`crate::Plan::rebind`]): it must be planned anew.
+    #[error("the plan is for another layout: {change}")]
+    LayoutChanged {
+        /// What changed, naming the tensor, saved box or data file.
+        change: String,
+    },
     /// Arrow encoding or decoding of a rank plan failed.
     #[error("rank plan Arrow IPC: {detail}")]
     Arrow {

@@ -34,6 +34,7 @@ pub mod presets;
 mod rank_plan;
 mod rank_plan_check;
 pub mod read_order;
+mod replay;
 mod request;
 mod runs;
 mod save;
@@ -52,6 +53,7 @@ pub use rank_plan::{
     SourceRead,
 };
 pub use read_order::ReadOrder;
+pub use replay::layout_change;
 pub use request::{
     ExplicitRequest, ExplicitRequests, Request, RequestSet, Target, flat_range_to_boxes,
 };

@@ -3,8 +3,8 @@
 //! bytes), and schedule the ring exchange that hands it to the rest of the group.
 
 use std::borrow::Cow;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use rustc_hash::FxHashMap;
 
@@ -18,7 +18,7 @@ use crate::read_order::{
 };
 use crate::request::{check_target, flat_range_to_boxes};
 use crate::summary::{PlanSummary, union_volume};
-use crate::{PlanError, ReadSources, RequestSet, Target};
+use crate::{PlanError, RankPlan, ReadSources, RequestSet, Target};
 
 /// Options of [`plan`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -152,6 +152,9 @@ pub struct Plan {
     /// Per rank: the joint checks it is a member of, ascending.
     pub(crate) rank_joint_checks: Vec<Vec<u32>>,
     pub(crate) summary: PlanSummary,
+    /// Rank plans already cut, shared by this plan's clones and replays
+    /// ([`Plan::keeping_rank_plans`]); `None`: each [`Plan::rank_plan`] call cuts anew.
+    pub(crate) cut: Option<Arc<Vec<OnceLock<RankPlan>>>>,
 }
 
 impl Plan {
@@ -1012,6 +1015,7 @@ impl PieceBuilder {
             joint_checks,
             rank_joint_checks,
             summary,
+            cut: None,
         })
     }
 

@@ -177,8 +177,28 @@ impl RankPlan {
 }
 
 impl Plan {
-    /// Extracts rank `rank`'s plan.
+    /// Extracts rank `rank`'s plan; from the rank plans kept when this plan keeps them
+    /// ([`Plan::keeping_rank_plans`]: a replayed plan), with this plan's checkpoint identity.
     pub fn rank_plan(&self, rank: u32) -> Result<RankPlan, PlanError> {
+        let Some(kept) = self.cut.as_ref().and_then(|cut| cut.get(rank as usize)) else {
+            return self.cut_rank_plan(rank);
+        };
+        let mut plan = match kept.get() {
+            Some(plan) => plan.clone(),
+            None => {
+                let plan = self.cut_rank_plan(rank)?;
+                // Another thread may have cut it meanwhile: the same plan either way.
+                let _ = kept.set(plan.clone());
+                plan
+            }
+        };
+        // The only part of a rank plan that is the checkpoint's and not its layout's.
+        plan.checkpoint_identity = self.meta.identity().map(str::to_string);
+        Ok(plan)
+    }
+
+    /// Cuts rank `rank`'s plan out of the whole plan.
+    fn cut_rank_plan(&self, rank: u32) -> Result<RankPlan, PlanError> {
         let world = self.world_size();
         if rank >= world {
             return Err(PlanError::RankOutOfRange { rank, world });

@@ -46,6 +46,10 @@ pub struct PlanSummary {
     /// [`crate::ReadSources`]); the rest comes from storage.
     #[serde(default)]
     pub bytes_read_from_tier: u64,
+    /// The plan was not made for this checkpoint but replayed: made for another one of the same
+    /// layout and bound to this one ([`crate::Plan::rebind`]), its planning skipped.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replayed: bool,
 }
 
 impl PlanSummary {
@@ -80,6 +84,7 @@ impl PlanSummary {
         }
         let ranks = destinations.len() as u32;
         PlanSummary {
+            replayed: false,
             ranks,
             destinations: destinations.iter().map(|d| d.len() as u64).sum(),
             pieces: pieces.len() as u64,

@@ -79,6 +79,9 @@ struct GroupState {
     direct: bool,
     read: Option<(ReadStats, f64)>,
     started: Instant,
+    /// Seconds from `started` until this rank took its plan (the rounds up to the plan: the
+    /// coordinator's planning, or its replay of a live step's plan, included).
+    planned_seconds: Option<f64>,
     /// This rank's exchange token while peers may copy out of its arrays (see
     /// `tessera_loader::exchange::direct`); dropped (zeroed) by `close` and `finish`.
     exposure: Option<Exposure>,
@@ -383,6 +386,7 @@ impl GroupWork<'_, '_> {
         let messages = ExchangeMessages::of_plan_in_parts(&plan, WHOLE_SHARES)?;
         state.messages = Some(messages);
         state.plan = Some(plan);
+        state.planned_seconds = Some(state.started.elapsed().as_secs_f64());
         Ok(())
     }
 }
@@ -649,6 +653,7 @@ fn prepare(
         direct: false,
         read: None,
         started: Instant::now(),
+        planned_seconds: None,
         exposure: None,
         protocol: None,
         operations: HashMap::new(),
@@ -874,6 +879,10 @@ impl GroupLoad {
             ignored.extend(report.memory_tier_fallbacks.iter().cloned());
             let mut json = serde_json::to_value(&report)?;
             json["memory_tier_ignored"] = serde_json::json!(ignored);
+            // The coordinator made or replayed the job's one plan; its summary says which.
+            json["plan_reused"] =
+                serde_json::json!(state.job.job_summary().is_some_and(|s| s.replayed));
+            json["plan_seconds"] = serde_json::json!(state.planned_seconds.unwrap_or(0.0));
             Ok(serde_json::to_string(&json)?)
         })();
         result.map_err(py_error)

@@ -19,10 +19,11 @@ use tessera_loader::plan_client::{PlanTarget, server_checkpoint_id};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::tier::TierCopies;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
-use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
+use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
 use tessera_metadata::{DType, TensorMeta};
+use tessera_ops::job::host::{HostJob, allocated, callers};
 use tessera_ops::load::{Destination, JobPlan, LoadSwitches, PlanServer, load_rank, plan_options};
-use tessera_ops::memory_tier::{TierLoad, settle_over, sources_of, view_with_tier};
+use tessera_ops::memory_tier::{sources_of, view_with_tier};
 use tessera_planner::{
     ExplicitRequest, ExplicitRequests, Layout, RankPlan, ReadOrder, ReadSources,
 };
@@ -163,10 +164,20 @@ pub(crate) fn resolve_target(
 /// Where a job's ranks meet: rank 0's address and port.
 type Rendezvous = Option<(String, u16)>;
 
-/// Plans `requests` (every rank's) and returns rank `rank`'s plan: on the server when given
-/// (its plan checked against the opened checkpoint's identity first), else here, in the read
-/// order given (`None`: the planner's cost model, as in every front end). `sources`: the copies
-/// of data files the ranks' memory tiers hold, which only a plan made here can use.
+/// How a rank's plan came about, for its report.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Planning {
+    /// Replayed from another live step of the same layout (`tessera_ops::load::replay`).
+    pub(crate) reused: bool,
+    /// Seconds from the requests to the rank's plan (planning or replaying, and checking it).
+    pub(crate) seconds: f64,
+}
+
+/// Plans `requests` (every rank's) and returns rank `rank`'s plan and whether it was replayed:
+/// on the server when given (its plan checked against the opened checkpoint's identity first),
+/// else here, in the read order given (`None`: the planner's cost model, as in every front
+/// end), a live step's replayed when this process planned one of the same layout. `sources`:
+/// the copies of data files the ranks' memory tiers hold, which only a plan made here can use.
 pub(crate) async fn rank_plan_for(
     checkpoint: &Checkpoint,
     location: &str,
@@ -174,7 +185,7 @@ pub(crate) async fn rank_plan_for(
     dedup: bool,
     read_order: Option<ReadOrder>,
     (server, sources): (Option<&PlanServer>, &ReadSources),
-) -> Result<RankPlan> {
+) -> Result<(RankPlan, bool)> {
     let plan = match server {
         Some(server) if !sources.is_empty() => bail!(
             "a plan server plans reads from storage only, so the memory tier's copies cannot be used with server={}: load without a server to read from the tier",
@@ -196,26 +207,7 @@ pub(crate) async fn rank_plan_for(
             JobPlan::local_with_sources(checkpoint, &set, &options, sources)?
         }
     };
-    Ok(plan.rank_plan(rank).await?)
-}
-
-/// The rendezvous of a `tessera.load` over tessera's own TCP mesh, as the CLI's: rank 0 turns
-/// away a rank of another job (another checkpoint, as opened, or world size) and calls the job
-/// off, naming the option, when its ranks would plan differently (read order, dedup, server).
-fn rendezvous_config(
-    checkpoint: &Checkpoint,
-    location: &str,
-    (rank, world, addr, port): (u32, u32, &str, u16),
-    dedup: bool,
-    read_order: Option<ReadOrder>,
-    server: Option<&PlanServer>,
-) -> Result<RendezvousConfig> {
-    use tessera_ops::load::agreement::{checkpoint_key, job_fingerprint, job_plan_terms};
-    let key = checkpoint_key(checkpoint, location)?;
-    let planning = plan_options(dedup, read_order, false, &LoadSwitches::from_env());
-    Ok(RendezvousConfig::new(rank, world, addr, port)?
-        .with_job(job_fingerprint(&key, &[], world))
-        .with_plan(job_plan_terms(checkpoint, &planning, &[], server)))
+    Ok((plan.rank_plan(rank).await?, plan.replayed()))
 }
 
 /// Throttles progress calls into Python (each takes the GIL) to a few per second.
@@ -295,8 +287,9 @@ struct LoadJob {
     memory_tier: Option<String>,
 }
 
-/// Loads one rank; its report and the memory-tier copies it saw and did not take (with why).
-async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
+/// Loads one rank; its report, the memory-tier copies it saw and did not take (with why), and
+/// how its plan came about.
+async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>, Planning)> {
     let checkpoint = &*job.checkpoint;
     let by_name: HashMap<&str, &TensorMeta> = checkpoint
         .meta
@@ -345,38 +338,24 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
 
     match (&job.rendezvous, job.world) {
         (Some((addr, port)), world) if world > 1 => {
-            let transport = coord::connect_with(
-                rendezvous_config(
-                    checkpoint,
-                    &job.location,
-                    (job.rank, world, addr, *port),
-                    job.dedup,
-                    job.read_order,
-                    job.server.as_ref(),
-                )?,
-                job.timeout,
-            )
-            .await?;
-            let ranks =
-                coord::all_gather_json(&transport, coord::TAG_REQUESTS, &mine, "requests").await?;
-            // Every rank takes part (offering nothing without a tier), so that ranks that
-            // disagree on `memory_tier` still meet here instead of waiting on each other.
-            let tier = TierLoad::find(
-                checkpoint,
-                job.memory_tier.as_deref().map(std::path::Path::new),
-            );
-            let (view, sources, copies) = settle_over(&tier, checkpoint, &transport).await?;
-            let plan = rank_plan_for(
-                &view,
-                &job.location,
-                (ExplicitRequests { ranks }, job.rank),
-                job.dedup,
-                job.read_order,
-                (job.server.as_ref(), &sources),
-            )
-            .await?;
-            let report = execute(&view, plan, Arc::new(transport), &options, memory).await?;
-            Ok((report, copies.ignored))
+            let host_job = HostJob {
+                checkpoint: Arc::clone(&job.checkpoint),
+                location: job.location.clone(),
+                world,
+                planning: plan_options(job.dedup, job.read_order, false, &LoadSwitches::from_env()),
+                filter: Vec::new(),
+                server: job.server.clone(),
+                memory_tier: job.memory_tier.as_ref().map(std::path::PathBuf::from),
+                verify: job.verify,
+                options,
+                timeout: job.timeout,
+            };
+            // Rank 0 turns away a rank of another job and calls the job off when its ranks
+            // would plan differently (read order, dedup, server), as the CLI's ranks.
+            let config =
+                host_job.rendezvous(RendezvousConfig::new(job.rank, world, addr, *port)?, &[])?;
+            let transport = coord::connect_with(config, job.timeout).await?;
+            load_over_rounds(&host_job, (job.rank, mine), transport, memory).await
         }
         _ => {
             let (view, tier) = match &job.memory_tier {
@@ -384,7 +363,8 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
                 None => (checkpoint.clone(), TierCopies::default()),
             };
             let checkpoint = &view;
-            let plan = rank_plan_for(
+            let planning_started = Instant::now();
+            let (plan, reused) = rank_plan_for(
                 checkpoint,
                 &job.location,
                 (ExplicitRequests { ranks: vec![mine] }, 0),
@@ -393,6 +373,10 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
                 (job.server.as_ref(), &sources_of(&[tier.file_indices()])),
             )
             .await?;
+            let planning = Planning {
+                reused,
+                seconds: planning_started.elapsed().as_secs_f64(),
+            };
             let mut mesh = InProcTransport::mesh(1, TransportOptions::with_timeout(job.timeout));
             let transport = mesh
                 .pop()
@@ -400,9 +384,45 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>)> {
             let mut report =
                 execute(checkpoint, plan, Arc::new(transport), &options, memory).await?;
             report.rank = job.rank;
-            Ok((report, tier.ignored))
+            Ok((report, tier.ignored, planning))
         }
     }
+}
+
+/// One rank of a job over tessera's own TCP mesh: the load job's rounds (rank 0 plans once,
+/// each rank takes its own plan; `tessera_ops::job::host`, as the CLI's ranks) straight into
+/// the caller's host arrays, or into host buffers then uploaded to its CUDA tensors.
+async fn load_over_rounds(
+    job: &HostJob,
+    (rank, requests): (u32, Vec<ExplicitRequest>),
+    transport: TcpTransport,
+    memory: Memory,
+) -> Result<(RankReport, Vec<String>, Planning)> {
+    let (report, work, seconds) = match memory {
+        Memory::Host(buffers) => {
+            let loaded = job
+                .load_rank((rank, requests), transport, callers(buffers), None)
+                .await
+                .with_context(|| format!("rank {rank} loading"))?;
+            (loaded.report, loaded.work, loaded.plan_seconds)
+        }
+        Memory::Cuda { ordinal, spans } => {
+            let loaded = job
+                .load_rank((rank, requests), transport, allocated(), None)
+                .await
+                .with_context(|| format!("rank {rank} loading"))?;
+            let mut report = loaded.report;
+            upload_cuda(&loaded.plan, &loaded.buffers, &mut report, ordinal, &spans)
+                .with_context(|| format!("rank {rank} loading into cuda:{ordinal}"))?;
+            (report, loaded.work, loaded.plan_seconds)
+        }
+    };
+    // Rank 0 made or replayed the job's one plan; every rank reads which from its summary.
+    let planning = Planning {
+        reused: work.job_summary().is_some_and(|s| s.replayed),
+        seconds,
+    };
+    Ok((report, work.tier_copies().ignored.clone(), planning))
 }
 
 /// Where a load's destinations are.
@@ -479,7 +499,43 @@ async fn load_cuda<T: Transport>(
     use tessera_ops::load::cuda::CudaDestination;
 
     let device = CudaDevice::open(ordinal)?;
-    let mut buffers = spans
+    let mut buffers = wrap_cuda(&device, spans);
+    let destination = Destination::<HostMemory>::Cuda(CudaDestination {
+        device: &device,
+        buffers: &mut buffers,
+    });
+    Ok(load_rank(checkpoint, plan, transport, destination, options).await?)
+}
+
+/// Uploads a rank's host load into caller-owned CUDA memory (torch tensors' `data_ptr()`)
+/// through pinned staging; the report gains the upload.
+#[cfg(feature = "cuda")]
+fn upload_cuda(
+    plan: &RankPlan,
+    host: &[Vec<u8>],
+    report: &mut RankReport,
+    ordinal: u32,
+    spans: &[(usize, usize)],
+) -> Result<()> {
+    use tessera_loader::device::cuda::CudaDevice;
+    use tessera_ops::load::cuda::CudaDestination;
+
+    let device = CudaDevice::open(ordinal)?;
+    let mut buffers = wrap_cuda(&device, spans);
+    let destination = CudaDestination {
+        device: &device,
+        buffers: &mut buffers,
+    };
+    Ok(destination.upload(plan, host, report)?)
+}
+
+/// The caller's CUDA tensors as device buffers.
+#[cfg(feature = "cuda")]
+fn wrap_cuda(
+    device: &tessera_loader::device::cuda::CudaDevice,
+    spans: &[(usize, usize)],
+) -> Vec<tessera_loader::device::cuda::DeviceBuffer> {
+    spans
         .iter()
         .map(|&(address, len)| {
             // SAFETY: the Python layer passes the data pointer and byte length of contiguous CUDA
@@ -490,12 +546,18 @@ async fn load_cuda<T: Transport>(
                 device.wrap(address as u64, len)
             }
         })
-        .collect();
-    let destination = Destination::<HostMemory>::Cuda(CudaDestination {
-        device: &device,
-        buffers: &mut buffers,
-    });
-    Ok(load_rank(checkpoint, plan, transport, destination, options).await?)
+        .collect()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn upload_cuda(
+    _plan: &RankPlan,
+    _host: &[Vec<u8>],
+    _report: &mut RankReport,
+    ordinal: u32,
+    _spans: &[(usize, usize)],
+) -> Result<()> {
+    bail!("cuda:{ordinal}: this build of tessera has no CUDA support (the `cuda` feature)")
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -645,12 +707,14 @@ pub fn load_into(
     };
     // Interruptible: Ctrl-C raises KeyboardInterrupt while ranks wait or read.
     block_on(py, async {
-        let (report, mut ignored) = run_load(job).await?;
+        let (report, mut ignored, planning) = run_load(job).await?;
         // Copies that failed a read after they were verified were read from storage instead:
         // named with the ones never taken (each warned about by `tessera.load`).
         ignored.extend(report.memory_tier_fallbacks.iter().cloned());
         let mut json = serde_json::to_value(&report)?;
         json["memory_tier_ignored"] = serde_json::json!(ignored);
+        json["plan_reused"] = serde_json::json!(planning.reused);
+        json["plan_seconds"] = serde_json::json!(planning.seconds);
         Ok(serde_json::to_string(&json)?)
     })
 }

@@ -156,6 +156,18 @@ class LoadReport(_Report):
     cast: Dict[str, str] = field(default_factory=dict)
     #: The step a ``live://`` load read (None for checkpoints).
     step: Optional[int] = None
+    #: The plan was replayed: made for an earlier step of the same live publication with the
+    #: same layout and requests (this process's, or over a process group the coordinator's),
+    #: checked against this step and read against this step's checksums; planning skipped.
+    plan_reused: bool = False
+    #: Seconds from this rank's requests to its plan (planning, or replaying, and the rounds
+    #: that hand it out over a process group).
+    plan_seconds: float = 0.0
+    #: A ``live://`` load whose publisher rank died or stopped, read from the durable
+    #: checkpoint of the same step the publication names (``publish(durable=)``): why (naming
+    #: the publisher rank) and which checkpoint; None when it read the publishers.
+    fallback: Optional[str] = None
+    durable_checkpoint: Optional[str] = None
 
 
 @dataclass
@@ -571,15 +583,27 @@ def load(
 
         # One step for the whole job (rank 0 resolves it over the group), held by a lease while
         # it loads; then the ordinary load of that step's live+file:// location.
-        step, location = _live.resolve_for_load(checkpoint_id, registry, _group.default_group(process_group, exchange))
-        with _live.Lease(location, timeout):
-            report = load(
-                state_dict, location, process_group=process_group, strict=strict, cast=cast, rename=rename,
-                allow_pickle=allow_pickle, verify=verify, exchange=exchange, read_order=read_order,
-                storage_options=storage_options, server=server, server_id=server_id, token=token, rank=rank,
-                world_size=world_size, master_addr=master_addr, master_port=master_port, progress=progress,
-                timeout=timeout, memory_tier=memory_tier,
-            )
+        consumers = _group.default_group(process_group, exchange)
+        step, location = _live.resolve_for_load(checkpoint_id, registry, consumers)
+        options = dict(
+            process_group=process_group, strict=strict, cast=cast, rename=rename, allow_pickle=allow_pickle,
+            verify=verify, exchange=exchange, read_order=read_order, storage_options=storage_options,
+            server=server, server_id=server_id, token=token, rank=rank, world_size=world_size,
+            master_addr=master_addr, master_port=master_port, progress=progress, timeout=timeout,
+            memory_tier=memory_tier,
+        )
+        try:
+            with _live.Lease(location, timeout):
+                report = load(state_dict, location, **options)
+        except TesseraError as error:
+            # A publisher rank that died or stopped: the same step from the durable checkpoint
+            # the publication names, when committed; the whole load again, so no byte of the
+            # failed attempt stays (every rank of the job decides alike, rank 0's answer).
+            found = _live.fallback_for_load(checkpoint_id, step, location, error, consumers, storage_options)
+            if found is None:
+                raise
+            report = load(state_dict, found[0], **options)
+            report.durable_checkpoint, report.fallback = found
         report.step = step
         return report
     if registry is not None:

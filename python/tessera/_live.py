@@ -28,6 +28,12 @@ a leased step until the lease is gone or past its deadline, and checks again at 
 ``publish``. Retiring removes the step's manifest (rank 0), so new loads no longer pick it, and
 stops serving its bytes; a load that still reads it fails naming the publisher rank (404), never
 with wrong values.
+
+**Durable fallback.** ``publish(..., durable=path)`` names a checkpoint of the same step on
+storage (``<step>/durable.json``). A load that finds a publisher rank dead or not answering
+loads the step from it instead, once it is committed and holds that step (:func:`fallback`;
+over a consuming process group rank 0 decides for every rank); the whole load again, never
+bytes of both sources.
 """
 
 from __future__ import annotations
@@ -213,6 +219,7 @@ def publish(
     pool: Optional[_async_save.StagingPool] = None,
     pool_bytes: Optional[int] = None,
     timeout: float = 300.0,
+    durable: Any = None,
 ) -> Publication:
     """Publishes ``state_dict`` as step ``step`` of the live publication ``name`` in ``registry``.
 
@@ -228,6 +235,13 @@ def publish(
 
     The newest ``keep`` steps stay served; older ones are retired at the next call unless a
     consumer still reads them (its lease; see the module doc). ``pub.retire()`` retires one now.
+
+    ``durable``: a checkpoint of this same step that the job saves to storage (a path or URL,
+    e.g. the ``checkpoint_id`` of its ``tessera.async_save(state, path, step=step)``), recorded
+    in the step's registry entry (``durable.json``). A consumer whose load finds a publisher
+    rank dead or unreachable loads the step from it instead, once it is committed and holds
+    this step (see :func:`fallback`). The publication only names it: the save keeps its own
+    schedule, storage and ranks' rendezvous, and the publisher's stall stays the eager copy.
     """
     name = _check_name(name)
     registry_dir = _registry_dir(registry)
@@ -247,6 +261,9 @@ def publish(
     if os.path.exists(os.path.join(directory, "parts", f"rank-{rank}.json")):
         raise TesseraError(f"rank {rank}: step {step} of {name} is already published in {registry_dir}")
     os.makedirs(directory, exist_ok=True)
+    if durable is not None and rank == 0:
+        # Before this rank's part, so before the manifest: a complete step names its fallback.
+        _write_durable(directory, name, step, durable)
     key = (registry_dir, name)
     request = _api._typed(
         _tessera.PublishRequest, name=name, step=int(step), rank=int(rank), world=int(world_size),
@@ -277,6 +294,26 @@ def publish(
     )
     pub._handle = handle
     return pub
+
+
+#: The file of a step that names a durable checkpoint of the same step (``publish(durable=)``).
+DURABLE_FILE = "durable.json"
+
+
+def _durable_location(durable: Any) -> str:
+    location = os.fspath(durable)
+    if not isinstance(location, str) or not location.strip():
+        raise ValueError(f"durable={durable!r}: name the checkpoint's path or URL")
+    # A local path as an absolute one: the consumer runs elsewhere; a URL as given.
+    return location if "://" in location else os.path.abspath(location)
+
+
+def _write_durable(directory: str, name: str, step: int, durable: Any) -> None:
+    path = os.path.join(directory, DURABLE_FILE)
+    temp = f"{path}.{os.getpid()}.tmp"
+    with open(temp, "w", encoding="utf-8") as f:
+        json.dump({"name": name, "step": int(step), "checkpoint": _durable_location(durable)}, f)
+    os.replace(temp, path)
 
 
 # ---- consumer side -------------------------------------------------------------------------
@@ -424,4 +461,82 @@ def resolve_for_load(url: str, registry: Any, group: Any) -> Tuple[int, str]:
     return int(got[1]), str(got[2])
 
 
-__all__ = ["Publication", "PublishReport", "publish", "resolve", "SCHEME", "MAX_LEASE_SECONDS"]
+#: How a live load's error names a publisher rank it could not read from (storage's LiveStore).
+_PUBLISHER_FAILED = re.compile(r"publisher rank (\d+) at (\S+?):? ")
+
+
+def _named_durable(location: str, step: int) -> Optional[str]:
+    """The durable checkpoint the step at ``location`` names, if any."""
+    directory = location[len("live+file://"):]
+    try:
+        with open(os.path.join(directory, DURABLE_FILE), encoding="utf-8") as f:
+            entry = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise TesseraError(f"step {step} at {directory}: its {DURABLE_FILE} is unreadable: {e}") from None
+    checkpoint = entry.get("checkpoint") if isinstance(entry, dict) else None
+    if not isinstance(checkpoint, str) or entry.get("step") != step:
+        raise TesseraError(f"step {step} at {directory}: its {DURABLE_FILE} names no checkpoint of step {step}: {entry!r}")
+    return checkpoint
+
+
+def fallback(url: str, step: int, location: str, error: BaseException, storage_options: Any = None) -> Optional[Tuple[str, str]]:
+    """What a live load of ``step`` (at ``location``) that failed with ``error`` does next:
+    ``None`` when the error names no publisher rank or the step names no durable checkpoint
+    (the error stands); ``(checkpoint, why)`` to load the same step from its durable checkpoint
+    (the whole load again: bytes of two sources are never mixed), ``why`` naming the publisher
+    rank. Raises naming the dead publisher rank and the durable checkpoint when that one is not
+    committed yet or holds another step."""
+    text = str(error)
+    failed = _PUBLISHER_FAILED.search(text)
+    if failed is None:
+        return None
+    checkpoint = _named_durable(location, step)
+    if checkpoint is None:
+        return None
+    rank, at = failed.group(1), failed.group(2)
+    why = f"publisher rank {rank} at {at} failed during the load of {url} (step {step})"
+    try:
+        found = _api.inspect(checkpoint, storage_options=storage_options)
+    except (TesseraError, ValueError, OSError) as e:
+        raise TesseraError(
+            f"{why}, and its durable checkpoint {checkpoint} is not committed (or not readable): {e}; "
+            f"the load failed with: {text}"
+        ) from error
+    if found.get("step") != step:
+        raise TesseraError(
+            f"{why}, and its durable checkpoint {checkpoint} holds step {found.get('step')}, not {step}; "
+            f"the load failed with: {text}"
+        ) from error
+    return checkpoint, f"{why}: loaded step {step} from its durable checkpoint {checkpoint}"
+
+
+def fallback_for_load(
+    url: str, step: int, location: str, error: BaseException, group: Any, storage_options: Any = None
+) -> Optional[Tuple[str, str]]:
+    """:func:`fallback` once for the whole consuming job: over ``group`` rank 0 decides (the
+    durable checkpoint may be committed between two ranks' looks) and every rank follows,
+    falling back together or failing with rank 0's reason."""
+    if group is None:
+        return fallback(url, step, location, error, storage_options)
+    import torch.distributed as dist
+
+    answer: List[Any] = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            found = fallback(url, step, location, error, storage_options)
+            answer[0] = ("none",) if found is None else ("durable",) + found
+        except TesseraError as e:
+            answer[0] = ("error", str(e))
+    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    dist.broadcast_object_list(answer, src=src, group=group)
+    got = answer[0]
+    if got[0] == "error":
+        raise TesseraError(f"{got[1]} (as coordinator rank 0 found it)") from error
+    if got[0] == "none":
+        return None
+    return str(got[1]), str(got[2])
+
+
+__all__ = ["Publication", "PublishReport", "publish", "resolve", "fallback", "SCHEME", "MAX_LEASE_SECONDS", "DURABLE_FILE"]

@@ -49,6 +49,26 @@ def row_shard(step: int, rank: int, world: int) -> dict:
     return state
 
 
+def replay_full(step: int, head_cols: int = 4) -> dict:
+    """The state of the replay tests' publisher at ``step`` (a layout no other test publishes):
+    every element differs and changes with the step; ``head`` has ``head_cols`` columns."""
+    emb = torch.arange(ROWS * 5, dtype=torch.float32).reshape(ROWS, 5) * 0.25 + step
+    head = torch.arange(ROWS * head_cols, dtype=torch.float32).reshape(ROWS, head_cols) * 2.0 - 7 * step
+    return {"emb": emb.to(torch.bfloat16), "head": head}
+
+
+def shard(step: int, rank: int, world: int, extra: dict) -> dict:
+    """What publisher rank ``rank`` publishes at ``step``: its row shard of :func:`full_state`,
+    or with ``extra["layout"] == "replay"`` of :func:`replay_full` (``extra["head_cols"]``: the
+    head's columns by step, default 4)."""
+    if extra.get("layout") != "replay":
+        return row_shard(step, rank, world)
+    rows = ROWS // world
+    lo = rank * rows
+    full = replay_full(step, extra.get("head_cols", {}).get(step, 4))
+    return {fqn: (t[lo:lo + rows].clone(), [lo, 0], list(t.shape)) for fqn, t in full.items()}
+
+
 def _wait_for(path: Path, proc, timeout: float = 120.0) -> None:
     """Waits until ``path`` exists (written by the process ``proc``), failing if it exits."""
     deadline = time.monotonic() + timeout
@@ -69,8 +89,16 @@ def publisher(rank, port, world, registry, name, steps, control, extra) -> None:
     try:
         for step in steps:
             ranks = {} if world > 1 else {"rank": 0, "world_size": 1}
+            durable = {}
+            if extra.get("durable"):
+                # A durable checkpoint of the same step, saved ("save") or only named.
+                path = control.parent / f"durable-{name}" / f"step-{step}"
+                if extra["durable"] == "save":
+                    tessera.save(shard(step, rank, world, extra), str(path), step=step, **ranks)
+                durable = {"durable": str(path)}
             pub = tessera.publish(
-                row_shard(step, rank, world), name, step=step, registry=registry, keep=extra.get("keep", 3), **ranks
+                shard(step, rank, world, extra), name, step=step, registry=registry, keep=extra.get("keep", 3),
+                **ranks, **durable,
             )
             reports.append(pub.result(60).to_dict())
         if extra.get("incomplete_step") is not None:
@@ -444,3 +472,168 @@ def test_dcp_load_through_the_storage_reader_takes_live_urls(publishers):
     dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     assert reader.step == 1
     assert torch.equal(state["w"], full_state(1)["w"])
+
+
+# ---- plan once, replay ----------------------------------------------------------------------
+
+
+def test_successive_steps_replay_the_plan_and_read_each_steps_own_bytes(publishers):
+    pub = publishers("replayed", steps=[1, 2], extra={"layout": "replay"})
+    registry = str(pub.registry)
+    state = {
+        "emb": (torch.zeros(4, 5, dtype=torch.bfloat16), [2, 0]),
+        "head": (torch.zeros(ROWS, 2), [0, 2]),
+    }
+    first = tessera.load(state, "live://replayed@1", registry=registry, progress=False)
+    assert first.step == 1 and not first.plan_reused
+    assert torch.equal(state["emb"][0], replay_full(1)["emb"][2:6])
+
+    second = tessera.load(state, "live://replayed@2", registry=registry, progress=False)
+    assert second.step == 2
+    assert second.plan_reused, second
+    want = replay_full(2)
+    assert state["emb"][0].view(torch.int16).tolist() == want["emb"][2:6].view(torch.int16).tolist()
+    assert torch.equal(state["head"][0], want["head"][:, 2:])
+    assert not torch.equal(want["head"][:, 2:], replay_full(1)["head"][:, 2:])
+    assert second.boxes_verified >= 2
+
+    # Other requests are another plan.
+    whole = {"emb": torch.zeros(ROWS, 5, dtype=torch.bfloat16)}
+    report = tessera.load(whole, "live://replayed@2", registry=registry, progress=False, strict=False)
+    assert not report.plan_reused
+    assert torch.equal(whole["emb"], want["emb"])
+
+
+def test_a_publisher_that_changes_a_shape_between_steps_is_planned_anew(publishers):
+    # Step 2's head has 3 columns instead of 4; the consumer asks for emb only, with the same
+    # requests both times: only the layout differs.
+    pub = publishers("reshaped", steps=[1, 2], extra={"layout": "replay", "head_cols": {2: 3}})
+    registry = str(pub.registry)
+    state = {"emb": (torch.zeros(ROWS, 3, dtype=torch.bfloat16), [0, 1])}
+    first = tessera.load(state, "live://reshaped@1", registry=registry, progress=False)
+    assert torch.equal(state["emb"][0], replay_full(1)["emb"][:, 1:4])
+    second = tessera.load(state, "live://reshaped@2", registry=registry, progress=False)
+    assert not second.plan_reused, second
+    assert torch.equal(state["emb"][0], replay_full(2, 3)["emb"][:, 1:4])
+    # Its own plan is replayed once made.
+    again = tessera.load(state, "live://reshaped@2", registry=registry, progress=False)
+    assert again.plan_reused
+    assert torch.equal(state["emb"][0], replay_full(2, 3)["emb"][:, 1:4])
+    assert first.step == 1 and second.step == 2
+
+
+def test_damaged_bytes_of_a_replayed_step_fail_naming_the_publisher_rank_and_tensor(publishers):
+    # The last step's served bytes are damaged (emb's box, the first in the file).
+    pub = publishers("damagedlater", steps=[1, 2], extra={"layout": "replay", "damage": True})
+    registry = str(pub.registry)
+    state = {"emb": torch.zeros(ROWS, 5, dtype=torch.bfloat16), "head": torch.zeros(ROWS, 4)}
+    assert not tessera.load(state, "live://damagedlater@1", registry=registry, progress=False).plan_reused
+    assert torch.equal(state["emb"], replay_full(1)["emb"])
+    with pytest.raises(TesseraError) as err:
+        tessera.load(state, "live://damagedlater@2", registry=registry, progress=False)
+    text = str(err.value)
+    assert "publisher-rank-0" in text, text
+    assert "tensor emb box [0..8, 0..5]" in text, text
+    assert "checksum mismatch" in text, text
+    # Step 1's bytes are intact and still load on the plan kept for this layout.
+    report = tessera.load(state, "live://damagedlater@1", registry=registry, progress=False)
+    assert report.plan_reused
+    assert torch.equal(state["head"], replay_full(1)["head"])
+
+
+def steps_consumer(rank, port, registry, urls, out) -> None:
+    """A rank of a 2-rank consuming gloo job loading ``urls`` one after the other: the head's
+    column half (rank 0 the left, rank 1 the right) and the whole emb; writes each report."""
+    join_job(rank, 2, port)
+    state = {
+        "emb": torch.zeros(ROWS, 5, dtype=torch.bfloat16),
+        "head": (torch.zeros(ROWS, 2), [0, 2 * rank]),
+    }
+    results = []
+    for url in urls:
+        try:
+            report = tessera.load(state, url, registry=registry, progress=False, timeout=60)
+            results.append({
+                "step": report.step, "exchange": report.exchange, "reused": report.plan_reused,
+                "fallback": report.fallback, "durable": report.durable_checkpoint,
+                "emb": state["emb"].view(torch.int16).tolist(), "head": state["head"][0].tolist(),
+            })
+        except TesseraError as e:
+            results.append({"error": str(e)})
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def run_steps_consumer(tmp: Path, registry: Path, urls) -> dict:
+    out = tmp / "steps-consumer"
+    out.mkdir(exist_ok=True)
+    store = job_store(2)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=steps_consumer, args=(r, store.port, str(registry), list(urls), str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+        assert p.exitcode == 0, f"consumer rank exited with {p.exitcode}"
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2)}
+
+
+def test_a_two_rank_consumer_job_replays_the_plan_on_every_rank(publishers, tmp_path):
+    pub = publishers("jobsteps", steps=[1, 2], world=2, extra={"layout": "replay"})
+    got = run_steps_consumer(tmp_path, pub.registry, ["live://jobsteps@1", "live://jobsteps@2"])
+    for rank in range(2):
+        loads = got[rank]
+        for step, r in zip((1, 2), loads):
+            assert "error" not in r, r["error"]
+            want = replay_full(step)
+            assert r["step"] == step and r["exchange"] == "process_group"
+            assert r["emb"] == want["emb"].view(torch.int16).tolist()
+            assert r["head"] == want["head"][:, 2 * rank:2 * rank + 2].tolist()
+        # The coordinator made the plan once; both ranks loaded step 2 on its replay.
+        assert [r["reused"] for r in loads] == [False, True], loads
+
+
+# ---- durable fallback -----------------------------------------------------------------------
+
+
+def test_a_dead_publisher_falls_back_to_the_durable_checkpoint_of_the_same_step(publishers, tmp_path):
+    pub = publishers("durable", steps=[1, 2], extra={"durable": "save"})
+    registry = pub.registry
+    assert json.loads((registry / "durable" / "step-000002" / "durable.json").read_text())["step"] == 2
+    pub.kill(0)
+    state = {"w": (torch.zeros(4, COLS, dtype=torch.bfloat16), [2, 0]), "b": torch.zeros(ROWS), "step": -1}
+    report = tessera.load(state, "live://durable", registry=str(registry), progress=False, strict=False)
+    assert report.step == 2
+    durable = str(tmp_path / "durable-durable" / "step-2")
+    assert report.durable_checkpoint == durable
+    assert "publisher rank 0 at http://" in report.fallback, report.fallback
+    assert durable in report.fallback, report.fallback
+    want = full_state(2)
+    assert state["w"][0].view(torch.int16).tolist() == want["w"][2:6].view(torch.int16).tolist()
+    assert torch.equal(state["b"], want["b"])
+    assert state["step"] == 2
+
+
+def test_a_dead_publisher_whose_durable_checkpoint_is_not_committed_fails_naming_both(publishers, tmp_path):
+    pub = publishers("undurable", steps=[1], extra={"durable": "name-only"})
+    pub.kill(0)
+    state = {"b": torch.zeros(ROWS)}
+    with pytest.raises(TesseraError) as err:
+        tessera.load(state, "live://undurable", registry=str(pub.registry), progress=False, strict=False)
+    text = str(err.value)
+    assert "publisher rank 0 at http://" in text, text
+    assert f"durable checkpoint {tmp_path / 'durable-undurable' / 'step-1'} is not committed" in text, text
+
+
+def test_every_rank_of_a_consumer_job_falls_back_to_the_durable_checkpoint_together(publishers, tmp_path):
+    pub = publishers("durablejob", steps=[1], extra={"durable": "save", "layout": "replay"})
+    pub.kill(0)
+    got = run_steps_consumer(tmp_path, pub.registry, ["live://durablejob"])
+    want = replay_full(1)
+    for rank in range(2):
+        r = got[rank][0]
+        assert "error" not in r, r["error"]
+        assert r["step"] == 1 and r["exchange"] == "process_group"
+        assert r["durable"] == str(tmp_path / "durable-durablejob" / "step-1")
+        assert "publisher rank 0 at http://" in r["fallback"], r["fallback"]
+        assert r["emb"] == want["emb"].view(torch.int16).tolist()
+        assert r["head"] == want["head"][:, 2 * rank:2 * rank + 2].tolist()

@@ -123,6 +123,10 @@ pub struct ServerConfig {
     /// memory instead of read again. Keyed by the checkpoint's stamp, so a new save or a fix of
     /// the manifest clears it at once; this bounds what the stamp cannot see.
     pub failure_ttl: Duration,
+    /// The registry directory of live publications (`tessera.publish(..., registry=DIR)`) that
+    /// `/v1/live` and the catalog's `live` section list; `None` lists none (those routes answer
+    /// 404 `no_registry`). A local directory: publishers write it on a file system they share.
+    pub registry: Option<PathBuf>,
     /// Directory of the static web UI served at `/`; `None` serves a small built-in index page.
     pub web_ui: Option<PathBuf>,
     /// Origins allowed by CORS (`*` for any). Empty (the default): no CORS headers at all, so
@@ -151,6 +155,7 @@ impl ServerConfig {
             catalog_ttl: DEFAULT_CATALOG_TTL,
             meta_ttl: DEFAULT_META_TTL,
             failure_ttl: DEFAULT_FAILURE_TTL,
+            registry: None,
             web_ui: None,
             cors_origins: Vec::new(),
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,

@@ -16,7 +16,7 @@ use utoipa::ToSchema;
 pub struct ErrorBody {
     /// Stable machine-readable kind: `bad_id`, `bad_request`, `unauthorized`,
     /// `unknown_checkpoint`, `incomplete_checkpoint`, `unknown_tensor`, `unknown_plan`,
-    /// `unknown_rank`, `not_found`, `method_not_allowed`, `body_too_large`, `body_timeout`, `invalid_layout`,
+    /// `unknown_rank`, `unknown_publication`, `no_registry`, `not_found`, `method_not_allowed`, `body_too_large`, `body_timeout`, `invalid_layout`,
     /// `invalid_requests`, `plan_too_large`, `invalid_checkpoint`, `storage_unavailable`,
     /// `busy`, `internal`.
     pub error: String,
@@ -88,6 +88,19 @@ pub enum ApiError {
         /// The plan's world size.
         world: u32,
     },
+    /// A live publication the registry does not hold (404).
+    #[error("no live publication {name} in registry {registry}")]
+    UnknownPublication {
+        /// The name asked for.
+        name: String,
+        /// The registry directory.
+        registry: String,
+    },
+    /// A live route on a server started without a registry (404).
+    #[error(
+        "this server lists no live publications: start it with --registry DIR (the directory publishers were given as registry=)"
+    )]
+    NoRegistry,
     /// No route for this path (404).
     #[error("no route {path}; see /openapi.json")]
     NotFound {
@@ -183,6 +196,8 @@ impl ApiError {
             | ApiError::UnknownTensor { .. }
             | ApiError::UnknownPlan { .. }
             | ApiError::UnknownRank { .. }
+            | ApiError::UnknownPublication { .. }
+            | ApiError::NoRegistry
             | ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::IncompleteCheckpoint { .. } | ApiError::InvalidCheckpoint { .. } => {
@@ -211,6 +226,8 @@ impl ApiError {
             ApiError::UnknownTensor { .. } => "unknown_tensor",
             ApiError::UnknownPlan { .. } => "unknown_plan",
             ApiError::UnknownRank { .. } => "unknown_rank",
+            ApiError::UnknownPublication { .. } => "unknown_publication",
+            ApiError::NoRegistry => "no_registry",
             ApiError::NotFound { .. } => "not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::BodyTooLarge { .. } => "body_too_large",

@@ -1,8 +1,10 @@
 //! tessera's HTTP service: the catalog of a storage root (runs, committed and incomplete
 //! checkpoints, `latest` pointers), checkpoint metadata served from a byte-bounded cache, and the
 //! plan API: a job POSTs its layout once and every rank GETs its own rank plan (JSON or Arrow
-//! IPC), all answered from one plan computation. Also readiness, Prometheus metrics and an
-//! OpenAPI document generated from the route definitions.
+//! IPC), all answered from one plan computation. With a registry directory (`--registry`), also
+//! the live publications there (`tessera.publish`): `/v1/live` and the catalog's `live` section.
+//! Also readiness, Prometheus metrics and an OpenAPI document generated from the route
+//! definitions.
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
@@ -22,6 +24,7 @@ mod catalog;
 mod config;
 mod error;
 mod id;
+mod live;
 mod metrics;
 mod middleware;
 mod plan_views;
@@ -43,6 +46,9 @@ pub use config::{
 };
 pub use error::{ApiError, ErrorBody, ServerError};
 pub use id::CheckpointId;
+pub use live::{
+    DEFAULT_LIVE_STEPS, LiveListing, LivePublication, LivePublisher, LiveStep, MAX_LIVE_STEPS,
+};
 pub use metrics::MetricsSnapshot;
 pub use plan_views::{
     ExchangeView, FileReads, MeshDimView, RankColumns, RankOverview, RankSummaries, RoundView,

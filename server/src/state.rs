@@ -89,6 +89,25 @@ impl AppState {
                 });
             }
         }
+        if let Some(registry) = &config.registry {
+            // A mistyped registry would list nothing as if nothing were published.
+            match std::fs::metadata(registry) {
+                Ok(meta) if meta.is_dir() => {}
+                Ok(_) => {
+                    return Err(ServerError::Config {
+                        detail: format!("the registry {} is not a directory", registry.display()),
+                    });
+                }
+                Err(e) => {
+                    return Err(ServerError::Config {
+                        detail: format!(
+                            "the registry {}: {e} (the directory publishers are given as registry=)",
+                            registry.display()
+                        ),
+                    });
+                }
+            }
+        }
         let token_digest = match config.token.as_deref() {
             None => None,
             Some("") => {

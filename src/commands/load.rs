@@ -29,8 +29,7 @@ use tessera_loader::plan_client::server_checkpoint_id;
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
-use tessera_ops::job::host::{HostJob, HostLoad, OnPlanned};
-use tessera_ops::load::agreement;
+use tessera_ops::job::host::{HostJob, HostLoad, OnPlanned, allocated};
 use tessera_ops::load::{LoadSwitches, PlanServer, plan_options};
 use tessera_planner::{
     ExplicitRequest, ExplicitRequests, PlanOptions, PlanSummary, ReadOrder, RequestSet,
@@ -192,7 +191,13 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     };
     #[cfg(feature = "cuda")]
     if args.device.is_cuda() {
-        return gpu::run(&job, &requests, transport_options, shared_cache).await;
+        match args.rank {
+            Some(rank) if args.transport == TransportKind::Nccl => {
+                return gpu::load_rank(&job, &requests, rank, transport_options).await;
+            }
+            Some(_) => {}
+            None => gpu::check_nccl(args, job.world())?,
+        }
     }
     if let Some(rank) = args.rank {
         return load_rank(&job, rank, transport_options).await;
@@ -202,7 +207,11 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         TransportKind::Tcp | TransportKind::Nccl => {
             let world = job.world();
             let loaded = spawn::load_all_tcp(args, world, shared_cache).await?;
-            let kind = format!("{} processes on 127.0.0.1", args.transport.name());
+            let kind = format!(
+                "{} processes on 127.0.0.1{}",
+                args.transport.name(),
+                on_device(args)
+            );
             (loaded, kind)
         }
     };
@@ -295,6 +304,23 @@ impl Job {
         self.requests.len() as u32
     }
 
+    /// What every rank of this job loads with.
+    fn host_job(&self) -> HostJob {
+        let args = &self.args;
+        HostJob {
+            checkpoint: Arc::clone(&self.opened),
+            location: args.checkpoint.clone(),
+            world: self.world(),
+            planning: self.planning.clone(),
+            filter: args.filter.describe(),
+            server: self.server.clone(),
+            memory_tier: args.memory_tier.as_ref().map(std::path::PathBuf::from),
+            verify: args.verify,
+            options: self.options.clone(),
+            timeout: args.peer_timeout,
+        }
+    }
+
     /// Loads rank `rank` over `transport` into host memory, then checks and dumps its buffers;
     /// `on_planned` sees the job's plan in numbers before it reads.
     async fn load_host_rank<T: Transport + 'static>(
@@ -304,19 +330,19 @@ impl Job {
         on_planned: Option<OnPlanned>,
     ) -> Result<HostLoad> {
         let args = &self.args;
-        let job = HostJob {
-            checkpoint: Arc::clone(&self.opened),
-            location: args.checkpoint.clone(),
-            requests: Arc::clone(&self.requests),
-            planning: self.planning.clone(),
-            filter: args.filter.describe(),
-            server: self.server.clone(),
-            memory_tier: args.memory_tier.as_ref().map(std::path::PathBuf::from),
-            verify: args.verify,
-            options: self.options.clone(),
-            timeout: args.peer_timeout,
-        };
-        let loaded = job.load_rank(rank, transport, on_planned).await?;
+        let requests = self
+            .requests
+            .get(rank as usize)
+            .cloned()
+            .unwrap_or_default();
+        let loaded = self
+            .host_job()
+            .load_rank((rank, requests), transport, allocated(), on_planned)
+            .await?;
+        #[cfg(feature = "cuda")]
+        if args.device.is_cuda() {
+            return gpu::upload(args, loaded);
+        }
         finish::finish_rank(args, &loaded.plan, &loaded.buffers)?;
         Ok(loaded)
     }
@@ -361,7 +387,7 @@ async fn load_rank(job: &Job, rank: u32, transport_options: TransportOptions) ->
         &summary,
         &[loaded.report],
         loaded.plan_seconds,
-        "tcp, one rank",
+        &format!("tcp, one rank{}", on_device(args)),
     ))
 }
 
@@ -372,6 +398,7 @@ async fn load_all_inproc(
     transport_options: TransportOptions,
 ) -> Result<(Loaded, String)> {
     let mut job = job.clone();
+    let kind = format!("in-process{}", on_device(&job.args));
     // A bar only where a person watches: not with --quiet, not into a pipe or a log file. Its
     // length is the job's bytes to read, known once rank 0 planned.
     let bar = (!job.args.quiet && std::io::stderr().is_terminal()).then(|| {
@@ -413,7 +440,7 @@ async fn load_all_inproc(
         plan_seconds: first.plan_seconds,
         reports: loads.into_iter().map(|l| l.report).collect(),
     };
-    Ok((loaded, "in-process".to_string()))
+    Ok((loaded, kind))
 }
 
 /// Waits for every rank's task (each in rank order); their failures as one error naming each
@@ -501,46 +528,38 @@ fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> 
     Ok(requests)
 }
 
+/// Where the report says the bytes went: nothing for host memory, `, cuda[:N]` for a GPU.
+fn on_device(args: &LoadArgs) -> String {
+    if args.device.is_cuda() {
+        format!(", {}", args.device)
+    } else {
+        String::new()
+    }
+}
+
 /// How often a waiting rank says whom it waits for: every 5 s, more often for a short timeout
 /// (a quarter of it, at least 1 s) so that a wait always says something before it fails.
 fn progress_interval(timeout: Duration) -> Duration {
     (timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(5))
 }
 
-/// A fingerprint of which job this is: what it loads (the checkpoint as opened, not as named:
-/// see `tessera_ops::load::agreement`) into what (the layout or requests as text, the world).
-/// Rank 0 turns away a connection whose fingerprint differs as another job's; how the plan is
-/// made (read order, dedup, filter, server) is compared option by option instead
-/// ([`plan_terms`]).
-fn job_fingerprint(args: &LoadArgs, checkpoint: &Checkpoint, world: u32) -> Result<u64> {
-    let key = agreement::checkpoint_key(checkpoint, &args.checkpoint)?;
-    let mut parts: Vec<String> = Vec::new();
-    for path in [&args.layout, &args.requests].into_iter().flatten() {
-        parts.push(super::read_text(path)?);
-    }
-    let parts: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
-    Ok(agreement::job_fingerprint(&key, &parts, world))
-}
-
 /// Rank `rank`'s rendezvous by the one rule of `tessera_ops::load::rendezvous` (flags, then
-/// `TESSERA_PORT`, then torchrun's `MASTER_ADDR` and `MASTER_PORT + 1`), for this job only, and
-/// with the options of its plan every rank must share (planned here with the job's options and
-/// tensor filter, or on the server).
+/// `TESSERA_PORT`, then torchrun's `MASTER_ADDR` and `MASTER_PORT + 1`), for this job only:
+/// what it loads (the checkpoint as opened, the layout or requests as text, the world) and the
+/// options of its plan every rank must share (`HostJob::rendezvous`).
 fn rendezvous(job: &Job, rank: u32) -> Result<RendezvousConfig> {
-    let (args, world) = (&job.args, job.world());
-    let fingerprint = job_fingerprint(args, &job.opened, world)?;
+    let args = &job.args;
     let config = tessera_ops::load::rendezvous::rank_rendezvous(
         args.master_addr.as_deref(),
         args.master_port,
         rank,
-        world,
+        job.world(),
         |name| std::env::var(name).ok(),
     )?;
-    let terms = agreement::job_plan_terms(
-        &job.opened,
-        &job.planning,
-        &args.filter.describe(),
-        job.server.as_ref(),
-    );
-    Ok(config.with_job(fingerprint).with_plan(terms))
+    let mut texts: Vec<String> = Vec::new();
+    for path in [&args.layout, &args.requests].into_iter().flatten() {
+        texts.push(super::read_text(path)?);
+    }
+    let texts: Vec<&[u8]> = texts.iter().map(|t| t.as_bytes()).collect();
+    Ok(job.host_job().rendezvous(config, &texts)?)
 }

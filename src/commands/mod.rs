@@ -6,6 +6,7 @@ pub mod error_text;
 pub mod gc;
 pub mod inspect;
 pub mod layout;
+pub mod live;
 pub mod load;
 pub mod plan;
 pub mod select;

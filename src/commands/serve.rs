@@ -43,6 +43,8 @@ pub struct ServeArgs {
     pub token: Option<String>,
     /// Static web UI directory served at `/`.
     pub web_ui: Option<PathBuf>,
+    /// Registry directory of live publications listed next to the checkpoints.
+    pub registry: Option<PathBuf>,
     /// CORS origins (none: CORS off).
     pub cors_origins: Vec<String>,
     /// Metadata cache size in MiB.
@@ -73,6 +75,7 @@ impl ServeArgs {
             addr: addr.into(),
             token: None,
             web_ui: None,
+            registry: None,
             cors_origins: Vec::new(),
             metadata_cache_mib: DEFAULT_METADATA_CACHE_MIB,
             plan_cache_mib: DEFAULT_PLAN_CACHE_MIB,
@@ -98,6 +101,7 @@ pub async fn run(args: &ServeArgs) -> Result<()> {
     let mut config = ServerConfig::new(&args.root);
     config.token = token;
     config.web_ui = args.web_ui.clone();
+    config.registry = args.registry.clone();
     config.cors_origins = args.cors_origins.clone();
     config.meta_cache_bytes = args.metadata_cache_mib.saturating_mul(MIB);
     config.plan_cache_bytes = args.plan_cache_mib.saturating_mul(MIB);
@@ -109,6 +113,15 @@ pub async fn run(args: &ServeArgs) -> Result<()> {
     config.body_timeout = std::time::Duration::from_secs(args.body_timeout_secs);
     config.max_connections = args.max_connections;
     let has_token = config.token.is_some();
+    if let Some(registry) = &args.registry
+        && !registry.is_dir()
+    {
+        bail!(
+            "the registry {} is not a directory: --registry takes the directory publishers were \
+             given as registry= (tessera.publish)",
+            registry.display()
+        );
+    }
     check_local_root(&args.root)?;
     let state =
         AppState::new(config).with_context(|| format!("opening the catalog {}", args.root))?;
@@ -130,7 +143,15 @@ pub async fn run(args: &ServeArgs) -> Result<()> {
     }
     {
         let mut out = std::io::stdout().lock();
-        writeln!(out, "listening on http://{addr} (catalog {})", args.root)?;
+        match &args.registry {
+            Some(registry) => writeln!(
+                out,
+                "listening on http://{addr} (catalog {}, live registry {})",
+                args.root,
+                registry.display()
+            )?,
+            None => writeln!(out, "listening on http://{addr} (catalog {})", args.root)?,
+        }
         out.flush()?;
     }
     serve(listener, state, shutdown_signal()).await?;

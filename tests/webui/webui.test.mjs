@@ -3,7 +3,8 @@
 // synthetic catalog, plus the empty-catalog and API-error messages.
 //
 // Env: TESSERA_BIN (default ../../target/debug/tessera), CHROMIUM (default /usr/bin/chromium),
-// SCREENSHOTS (default ../../target/webui-screenshots).
+// SCREENSHOTS (default ../../target/webui-screenshots), TESSERA_PYTHON (default
+// ../../target/pyenv/bin/python, with tessera and torch: the live publication's publishers).
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { spawn, execFileSync } from "node:child_process";
@@ -22,6 +23,7 @@ const SHOTS = process.env.SCREENSHOTS || path.join(repo, "target/webui-screensho
 const STEP_MS = 20_000;
 // The DCP and safetensors fixtures (shared/fixtures/dcp next to the workspace).
 const FIXTURES = process.env.TESSERA_DCP_FIXTURES || path.join(repo, "../shared/fixtures/dcp");
+const PYTHON = process.env.TESSERA_PYTHON || path.join(repo, "target/pyenv/bin/python");
 
 let work;
 let servers = [];
@@ -32,9 +34,9 @@ function tessera(...args) {
 }
 
 // Starts `tessera serve` on a free port and resolves with its base URL once it prints it.
-function serve(root) {
+function serve(root, ...flags) {
   return new Promise((resolve, reject) => {
-    const child = spawn(BIN, ["serve", "--root", root, "--addr", "127.0.0.1:0"], { stdio: ["ignore", "pipe", "pipe"] });
+    const child = spawn(BIN, ["serve", "--root", root, "--addr", "127.0.0.1:0", ...flags], { stdio: ["ignore", "pipe", "pipe"] });
     servers.push(child);
     let out = "";
     let err = "";
@@ -46,6 +48,23 @@ function serve(root) {
     });
     child.stderr.on("data", (d) => { err += d; });
     child.on("exit", (code) => { clearTimeout(timer); reject(new Error(`tessera serve exited ${code}: ${err}`)); });
+  });
+}
+
+// One publisher rank of the live publication `policy` (tests/webui/publish_live.py: the real
+// `tessera.publish`), resolved with its output once it has published `steps`.
+function publishRank(registry, rank, world, steps, timeout) {
+  return new Promise((resolve, reject) => {
+    const child = spawn(PYTHON, [path.join(here, "publish_live.py"), registry, String(rank), String(world), steps, String(timeout)],
+      { stdio: ["ignore", "pipe", "pipe"] });
+    let out = "";
+    child.stdout.on("data", (d) => { out += d; });
+    child.stderr.on("data", (d) => { out += d; });
+    const timer = setTimeout(() => { child.kill("SIGKILL"); reject(new Error(`publisher rank ${rank} hung: ${out}`)); }, 180_000);
+    child.on("exit", (code) => {
+      clearTimeout(timer);
+      if (code === 0) resolve(out); else reject(new Error(`publisher rank ${rank} exited ${code}: ${out}`));
+    });
   });
 }
 
@@ -432,6 +451,73 @@ test("a 405B metadata-only checkpoint previewed at 2,048 ranks", { timeout: 600_
   } catch (e) {
     await page.screenshot({ path: path.join(SHOTS, "failure-405b.png"), fullPage: true }).catch(() => {});
     throw new Error(`${e.message}\npage problems: ${page.problems.join("; ")}\nview: ${(await page.locator("#view").innerText().catch(() => "?")).slice(0, 2000)}`, { cause: e });
+  } finally {
+    await page.close();
+  }
+});
+
+test("live publications next to the checkpoints, and one publication's steps", { timeout: 300_000 }, async () => {
+  assert.ok(existsSync(PYTHON), `no Python at ${PYTHON} (make python-env, or set TESSERA_PYTHON to one with tessera and torch)`);
+  // A 2-rank job publishes steps 1 and 2 (both committed); then rank 0 alone publishes step 3
+  // (rank 1 never does: incomplete, rank 1 missing) and step 4, whose rank-1 part is garbage.
+  const registry = path.join(work, "registry");
+  mkdirSync(registry);
+  const both = await Promise.all([publishRank(registry, 0, 2, "1,2", 60), publishRank(registry, 1, 2, "1,2", 60)]);
+  assert.match(both[0], /rank 0 step 2: \d+ bytes served/, both[0]);
+  const alone = await publishRank(registry, 0, 2, "3,4", 1);
+  assert.match(alone, /rank 0 step 3: not committed/, alone);
+  const badPart = path.join(registry, "policy/step-000004/parts/rank-1.json");
+  writeFileSync(badPart, '{"rank": 1, "world": 2, "step"');
+  const base = await serve(path.join(work, "root"), "--registry", registry);
+  const page = await newPage();
+  try {
+    const api = async (p) => (await page.request.get(base + p)).json();
+    const listed = await api("/v1/live/policy");
+    assert.equal(listed.newest_complete, 2);
+
+    // The catalog: the checkpoints' table, and the live publications' next to it.
+    await page.goto(base + "/");
+    await page.locator("#catalog tr.ckpt-row").first().waitFor();
+    await page.locator("#live-table tr.live-row").first().waitFor();
+    const section = await page.locator("#live").innerText();
+    assert.ok(section.includes(`registry ${registry}: 1 publication(s)`), section);
+    const cells = await page.locator('#live-table tr.live-row[data-name="policy"] td').allInnerTexts();
+    // name, newest complete step, steps, publisher ranks, size, tensors: the API's numbers.
+    assert.deepEqual(cells.slice(0, 4), ["policy", "2", "4", "2"], cells.join(" | "));
+    const size = await page.evaluate((n) => fmtBytes(n), listed.bytes);
+    assert.equal(cells[4], size);
+    assert.equal(cells[5], String(listed.tensors));
+    assert.equal(listed.tensors, 2);
+    await shot(page, "catalog-live.png");
+
+    // One publication: what live://policy loads, its publishers, its steps and their states.
+    await page.locator('#live-table a', { hasText: "policy" }).click();
+    await page.locator("#live-steps tr.step-row").first().waitFor();
+    assert.equal(await page.locator("main h1").innerText(), "live://policy");
+    assert.match(await page.locator("#live-facts").innerText(), /live:\/\/policy loads\s+step 2\b/);
+    const publishers = await page.locator("#live-publishers tr.publisher-row td:nth-child(2)").allInnerTexts();
+    assert.deepEqual(publishers, listed.publishers.map((p) => `${p.url}/${p.path}`));
+    assert.equal(publishers.length, 2);
+    const states = await page.locator("#live-steps tr.step-row").evaluateAll((rows) => rows.map((r) => `${r.dataset.step}:${r.dataset.state}`));
+    assert.deepEqual(states, ["4:incomplete", "3:incomplete", "2:complete", "1:complete"]);
+    const waiting = await page.locator('#live-steps tr.step-row[data-step="3"] td').allInnerTexts();
+    assert.equal(waiting[2], "1 of 2", waiting.join(" | "));
+    assert.equal(waiting[3], "1", waiting.join(" | "));
+    assert.match(waiting[1], /publisher ranks \[1\] of 2 have not published it/);
+    const malformed = await page.locator('#live-steps tr.step-row[data-step="4"] td').allInnerTexts();
+    assert.ok(malformed[1].includes(`${badPart}: not a part`), malformed[1]);
+    const committed = await page.locator('#live-steps tr.step-row[data-step="2"] td:nth-child(8)').innerText();
+    assert.match(committed, /^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$/);
+    await shot(page, "live-policy.png");
+
+    // An unknown publication: the server's 404, named, on the page.
+    await page.goto(base + "/#/live/reward");
+    await page.locator(".error").waitFor();
+    assert.match(await page.locator(".error").innerText(), /Error 404 \(unknown_publication\): no live publication reward in registry/);
+    assert.deepEqual(page.problems, []);
+  } catch (e) {
+    await page.screenshot({ path: path.join(SHOTS, "failure-live.png"), fullPage: true }).catch(() => {});
+    throw new Error(`${e.message}\npage problems: ${page.problems.join("; ")}\nview: ${await page.locator("#view").innerText().catch(() => "?")}`, { cause: e });
   } finally {
     await page.close();
   }

@@ -194,6 +194,28 @@ fn blocking<R>(f: impl FnOnce() -> R) -> R {
     }
 }
 
+/// Uploads a rank's loaded host buffers (one per destination of `plan`) into `destinations`
+/// (device buffers of the same sizes) through `staging`: the step every device load takes after
+/// its host side, whoever ran that (here, or the load job's rounds in `tessera-ops`).
+pub fn upload_loaded<E: CopyEngine, H: AsRef<[u8]>>(
+    staging: &mut StagingPool<E>,
+    plan: &RankPlan,
+    host: &[H],
+    destinations: &[E::Target],
+) -> Result<UploadStats, LoaderError> {
+    check_destinations(&staging.engine().device(), plan, destinations)?;
+    let uploads: Vec<Upload<'_, E::Target>> = host
+        .iter()
+        .zip(destinations)
+        .map(|(source, target)| Upload {
+            source: source.as_ref(),
+            target,
+            offset: 0,
+        })
+        .collect();
+    blocking(|| staging.upload(&uploads))
+}
+
 /// Loads one rank into `destinations` (device buffers, one per plan destination, of the plan's
 /// sizes: allocated by the loader or the caller's own, e.g. torch tensors): the host side as
 /// `exchange` says ([`DeviceExchange::load_host`]), the upload through `staging`, then the
@@ -219,17 +241,7 @@ where
         .load_host(checkpoint, &plan, options, &mut host)
         .await?;
 
-    let uploads: Vec<Upload<'_, E::Target>> = host
-        .iter()
-        .zip(&destinations)
-        .map(|(source, target)| Upload {
-            source,
-            target,
-            offset: 0,
-        })
-        .collect();
-    let uploaded: UploadStats = blocking(|| staging.upload(&uploads))?;
-    drop(uploads);
+    let uploaded = upload_loaded(staging, &plan, &host, &destinations)?;
     drop(host);
 
     let exchange_started = Instant::now();

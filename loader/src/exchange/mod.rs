@@ -413,7 +413,7 @@ pub(crate) fn check_rank(plan: &RankPlan, rank: u32, world: u32) -> Result<(), L
 /// Checks a rank's destination buffers, given by their sizes, against `plan`: one per plan
 /// destination, each of its destination's bytes. The detail names the first mismatch (callers
 /// wrap it in their error: host or device memory).
-pub(crate) fn check_buffer_sizes(
+pub fn check_buffer_sizes(
     plan: &RankPlan,
     sizes: impl ExactSizeIterator<Item = u64>,
 ) -> Result<(), String> {

@@ -3,7 +3,10 @@
 //! rounds ([`super::transport_board::run_job`]: rank 0 plans once, each rank takes its own plan,
 //! the plan agreement, the read of its own pieces, the joint checks), then the exchange of what
 //! it read with its peers ([`tessera_loader::exchange::exchange_after_read`]), then its report.
-//! [`HostJob`] is what every rank of one job loads with; [`HostJob::load_rank`] one rank's load.
+//! [`HostJob`] is what every rank of one job loads with; [`HostJob::load_rank`] one rank's load,
+//! into buffers allocated once its plan is known ([`allocated`]) or the caller's own
+//! ([`callers`]: a Python caller's arrays). A device destination loads here into host buffers
+//! and uploads them after (`crate::load::cuda::upload`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -13,31 +16,33 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::exchange::relay::{self, Slot, with_relay_buffers};
-use tessera_loader::exchange::{exchange_after_read, place};
+use tessera_loader::exchange::{check_buffer_sizes, exchange_after_read, place};
 use tessera_loader::load::{LoadOptions, RankReport};
 use tessera_loader::read::ReadStats;
 use tessera_loader::transport::Transport;
+use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_planner::{ExplicitRequest, PlanOptions, PlanSummary, RankPlan};
 
 use super::transport_board::{ReadPieces, run_job};
 use super::{Hello, JobCoordinator, JobFailure, RankWork, Round};
 use crate::OpsError;
 use crate::load::PlanServer;
-use crate::load::agreement::{JobTerms, checkpoint_key, job_plan_terms};
+use crate::load::agreement::{JobTerms, checkpoint_key, job_fingerprint, job_plan_terms};
 use crate::memory_tier::TierLoad;
 
 /// One load job as the ranks a front end plays over a transport load it: the checkpoint as
-/// opened and as named, every rank's requests, how rank 0 plans (here with `planning` and the
+/// opened and as named, the number of ranks, how rank 0 plans (here with `planning` and the
 /// tensor `filter`'s flags, or on `server`), the memory tier each rank offers, and how each
-/// reads.
+/// reads. Each rank brings its own requests ([`HostJob::load_rank`]); rank 0 learns the others'
+/// from their hellos.
 #[derive(Clone)]
 pub struct HostJob {
     /// The checkpoint as opened.
     pub checkpoint: Arc<Checkpoint>,
     /// How the user named it.
     pub location: String,
-    /// Every rank's requests, by rank.
-    pub requests: Arc<Vec<Vec<ExplicitRequest>>>,
+    /// Ranks in the job.
+    pub world: u32,
     /// The planner's options (dedup among them).
     pub planning: PlanOptions,
     /// The tensor filter's flags as given (empty: every tensor), which every rank must share.
@@ -54,27 +59,71 @@ pub struct HostJob {
     pub timeout: Duration,
 }
 
+/// Makes a rank's destination buffers, one per destination of its plan, once the plan is
+/// taken: [`allocated`] or [`callers`].
+pub type MakeBuffers<B> = Box<dyn FnOnce(&RankPlan) -> Result<Vec<B>, OpsError> + Send>;
+
+/// Fresh zeroed host buffers of the plan's sizes.
+pub fn allocated() -> MakeBuffers<Vec<u8>> {
+    Box::new(|plan| Ok(place::allocate(plan)))
+}
+
+/// The caller's buffers, one per request in order (the plan's destinations follow the requests);
+/// refused, naming the rank and the destination, when they do not fit the plan rank 0 made.
+pub fn callers<B: AsRef<[u8]> + Send + 'static>(buffers: Vec<B>) -> MakeBuffers<B> {
+    Box::new(move |plan| {
+        check_buffer_sizes(plan, buffers.iter().map(|b| b.as_ref().len() as u64)).map_err(
+            |detail| {
+                OpsError::invalid(format!(
+                    "rank {}: the job's plan does not fit the arrays given: {detail}",
+                    plan.rank
+                ))
+            },
+        )?;
+        Ok(buffers)
+    })
+}
+
 impl HostJob {
-    /// Ranks in the job.
-    pub fn world(&self) -> u32 {
-        self.requests.len() as u32
+    /// `config` (a rank's place in tessera's own TCP rendezvous) for this job only: rank 0 turns
+    /// away a rank of another job (another checkpoint as opened, another world, or other
+    /// `job_texts`: the layout or requests files a front end read) and calls the job off,
+    /// naming the option, when its ranks would plan differently (read order, dedup, filter,
+    /// server).
+    pub fn rendezvous(
+        &self,
+        config: RendezvousConfig,
+        job_texts: &[&[u8]],
+    ) -> Result<RendezvousConfig, OpsError> {
+        let key = checkpoint_key(&self.checkpoint, &self.location)?;
+        let terms = job_plan_terms(
+            &self.checkpoint,
+            &self.planning,
+            &self.filter,
+            self.server.as_ref(),
+        );
+        Ok(config
+            .with_job(job_fingerprint(&key, job_texts, self.world))
+            .with_plan(terms))
     }
 
-    /// Loads rank `rank` over `transport` ([`load_host`]): its hello (its requests, its
-    /// memory-tier offer, the checkpoint as opened and the plan's options) and its work (rank 0
-    /// the coordinator, which plans the job once, here or on the server).
-    pub async fn load_rank<T: Transport + 'static>(
+    /// Loads rank `rank`, whose requests are `requests`, over `transport` ([`load_host`]) into
+    /// the buffers `buffers` makes: its hello (its requests, its memory-tier offer, the
+    /// checkpoint as opened and the plan's options) and its work (rank 0 the coordinator, which
+    /// plans the job once, here or on the server).
+    pub async fn load_rank<T: Transport + 'static, B: AsMut<[u8]> + AsRef<[u8]> + Send>(
         &self,
-        rank: u32,
+        (rank, requests): (u32, Vec<ExplicitRequest>),
         transport: T,
+        buffers: MakeBuffers<B>,
         on_planned: Option<OnPlanned>,
-    ) -> Result<HostLoad, OpsError> {
-        let requests = self.requests.get(rank as usize).cloned().ok_or_else(|| {
-            OpsError::invalid(format!(
+    ) -> Result<HostLoad<B>, OpsError> {
+        if rank >= self.world {
+            return Err(OpsError::invalid(format!(
                 "rank {rank} is outside a job of {} ranks",
-                self.world()
-            ))
-        })?;
+                self.world
+            )));
+        }
         let tier = TierLoad::find(&self.checkpoint, self.memory_tier.as_deref());
         let hello = Hello {
             requests: requests.clone(),
@@ -93,7 +142,7 @@ impl HostJob {
         .encode()?;
         let mut work = RankWork::new(
             rank,
-            self.world(),
+            self.world,
             Arc::clone(&self.checkpoint),
             requests,
             tier,
@@ -110,11 +159,10 @@ impl HostJob {
         }
         load_host(
             Arc::new(transport),
-            self.timeout,
-            work,
-            hello,
+            (work, hello),
+            buffers,
             &self.options,
-            on_planned,
+            (self.timeout, on_planned),
         )
         .await
     }
@@ -122,11 +170,11 @@ impl HostJob {
 
 /// What a rank's load left: its plan, its buffers (one per plan destination, loaded), its report
 /// and its work (the memory-tier copies it read, the job's plan in numbers).
-pub struct HostLoad {
+pub struct HostLoad<B = Vec<u8>> {
     /// This rank's plan.
     pub plan: Arc<RankPlan>,
     /// Its loaded buffers, one per destination of `plan`.
-    pub buffers: Vec<Vec<u8>>,
+    pub buffers: Vec<B>,
     /// Its report.
     pub report: RankReport,
     /// Its work in the rounds.
@@ -140,18 +188,19 @@ pub struct HostLoad {
 pub type OnPlanned = Arc<dyn Fn(&PlanSummary) + Send + Sync>;
 
 /// The read of the rounds into host buffers: what it leaves for the exchange.
-struct HostRead<'o> {
+struct HostRead<'o, B> {
     options: &'o LoadOptions,
     on_planned: Option<OnPlanned>,
     started: Instant,
-    buffers: Vec<Vec<u8>>,
+    make_buffers: Option<MakeBuffers<B>>,
+    buffers: Vec<B>,
     /// The plan with scratch destinations for pieces read only to pass on, and their buffers.
     relaying: Option<(RankPlan, Vec<Vec<u8>>)>,
     stats: Option<(ReadStats, f64)>,
     plan_seconds: f64,
 }
 
-impl ReadPieces<RankWork> for HostRead<'_> {
+impl<B: AsMut<[u8]> + AsRef<[u8]> + Send> ReadPieces<RankWork> for HostRead<'_, B> {
     fn read<'a>(&'a mut self, work: &'a mut RankWork) -> BoxFuture<'a, Result<Bytes, OpsError>> {
         Box::pin(async move {
             let plan = Arc::clone(work.plan().ok_or_else(|| {
@@ -165,7 +214,11 @@ impl ReadPieces<RankWork> for HostRead<'_> {
             if let (Some(on_planned), Some(summary)) = (&self.on_planned, work.job_summary()) {
                 on_planned(summary);
             }
-            self.buffers = place::allocate(&plan);
+            let make_buffers = self
+                .make_buffers
+                .take()
+                .ok_or_else(|| OpsError::invalid(format!("rank {}: read twice", work.rank())))?;
+            self.buffers = make_buffers(&plan)?;
             let checkpoint = Arc::clone(work.checkpoint());
             let stats = match with_relay_buffers(&plan) {
                 None => {
@@ -196,19 +249,18 @@ impl ReadPieces<RankWork> for HostRead<'_> {
     }
 }
 
-/// Loads rank `transport.rank()` of a job: its rounds over `transport` (`hello`, its
-/// [`super::Hello`] encoded; `work`, with the coordinator on rank 0), its read with `options`,
-/// the exchange, and its report. `timeout`: the transport's, which bounds every wait of the
-/// rounds. An error is this rank's own, or names the rank that failed first
-/// ([`JobFailure::on_rank`]).
-pub async fn load_host<T: Transport + 'static>(
+/// Loads rank `transport.rank()` of a job: its rounds over `transport` (`work`, with the
+/// coordinator on rank 0, and `hello`, its [`super::Hello`] encoded), its read with `options`
+/// into the buffers `buffers` makes, the exchange, and its report. `timeout`: the transport's,
+/// which bounds every wait of the rounds. An error is this rank's own, or names the rank that
+/// failed first ([`JobFailure::on_rank`]).
+pub async fn load_host<T: Transport + 'static, B: AsMut<[u8]> + AsRef<[u8]> + Send>(
     transport: Arc<T>,
-    timeout: Duration,
-    mut work: RankWork,
-    hello: Bytes,
+    (mut work, hello): (RankWork, Bytes),
+    buffers: MakeBuffers<B>,
     options: &LoadOptions,
-    on_planned: Option<OnPlanned>,
-) -> Result<HostLoad, OpsError> {
+    (timeout, on_planned): (Duration, Option<OnPlanned>),
+) -> Result<HostLoad<B>, OpsError> {
     let rank = transport.rank();
     let started = Instant::now();
     // Pieces of boxes read in parts by several ranks are folded, and checked in the rounds.
@@ -218,6 +270,7 @@ pub async fn load_host<T: Transport + 'static>(
         options: &options,
         on_planned,
         started,
+        make_buffers: Some(buffers),
         buffers: Vec::new(),
         relaying: None,
         stats: None,
@@ -249,7 +302,7 @@ pub async fn load_host<T: Transport + 'static>(
     let exchanged = match relaying {
         None => exchange_after_read(&plan, &*transport, &options, &mut buffers).await?,
         Some((relaying, scratch)) => {
-            let mut slots: Vec<Slot<'_, Vec<u8>>> = buffers
+            let mut slots: Vec<Slot<'_, B>> = buffers
                 .iter_mut()
                 .map(Slot::Caller)
                 .chain(scratch.into_iter().map(Slot::Scratch))

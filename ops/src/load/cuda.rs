@@ -6,7 +6,7 @@
 
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::device::cuda::{CudaDevice, DeviceBuffer, NcclTransport};
-use tessera_loader::device::load::{DeviceExchange, load_rank_to_device};
+use tessera_loader::device::load::{DeviceExchange, load_rank_to_device, upload_loaded};
 use tessera_loader::device::staging::StagingOptions;
 use tessera_loader::load::{LoadOptions, RankReport};
 use tessera_planner::RankPlan;
@@ -24,6 +24,29 @@ pub struct CudaDestination<'a> {
 }
 
 impl CudaDestination<'_> {
+    /// Uploads what a rank loaded into host buffers (the load job's rounds,
+    /// `crate::job::host`; one buffer per destination of `plan`) into the device buffers
+    /// through pinned staging, and adds the upload to `report`.
+    pub fn upload<H: AsRef<[u8]>>(
+        self,
+        plan: &RankPlan,
+        host: &[H],
+        report: &mut RankReport,
+    ) -> Result<(), OpsError> {
+        let (rank, device) = (plan.rank, self.device.label());
+        let started = std::time::Instant::now();
+        let mut staging = self
+            .device
+            .staging(StagingOptions::default())
+            .with_context(|| format!("rank {rank}: setting up pinned staging on {device}"))?;
+        let uploaded = upload_loaded(&mut staging, plan, host, self.buffers)
+            .with_context(|| format!("rank {rank}: uploading to {device}"))?;
+        report.h2d_bytes = uploaded.bytes;
+        report.h2d_seconds = uploaded.seconds;
+        report.total_seconds += started.elapsed().as_secs_f64();
+        Ok(())
+    }
+
     /// Loads `plan` into the buffers with `exchange` (on the host before the upload, or device
     /// to device after it).
     pub(crate) async fn load<X: DeviceExchange<DeviceBuffer>>(

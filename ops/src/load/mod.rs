@@ -3,6 +3,8 @@
 //!
 //! - [`JobPlan`] ([`plan_source`]): the job's plan, made here or by a tessera server (a server's
 //!   plan checked against the opened checkpoint's identity once, before any rank reads).
+//! - [`replay`]: plan once, replay: a live step's plan kept per process and bound to the next
+//!   step of the same layout instead of planned again.
 //! - [`rendezvous`]: the one rule for rank 0's address and port (flags, `TESSERA_PORT`,
 //!   torchrun's `MASTER_ADDR` and `MASTER_PORT + 1`).
 //! - [`agreement`]: what the ranks of a job must agree on at the rendezvous (the checkpoint as
@@ -20,6 +22,7 @@
 pub mod agreement;
 pub mod plan_source;
 pub mod rendezvous;
+pub mod replay;
 pub mod switches;
 
 pub use plan_source::{JobPlan, PlanServer};

@@ -43,12 +43,14 @@ pub enum JobPlan {
 
 impl JobPlan {
     /// Plans `requests` against `checkpoint` here.
+    /// A live step's plan is replayed when this process planned another step of the same
+    /// layout with the same requests and options ([`super::replay`]; the summary says so).
     pub fn local(
         checkpoint: &Checkpoint,
         requests: &RequestSet,
         options: &PlanOptions,
     ) -> Result<JobPlan, OpsError> {
-        Ok(JobPlan::Local(checkpoint.plan(requests, options)?))
+        JobPlan::local_with_sources(checkpoint, requests, options, &ReadSources::none())
     }
 
     /// [`JobPlan::local`] with copies of data files that ranks hold outside storage (the memory
@@ -59,9 +61,14 @@ impl JobPlan {
         options: &PlanOptions,
         sources: &ReadSources,
     ) -> Result<JobPlan, OpsError> {
-        Ok(JobPlan::Local(
-            checkpoint.plan_with_sources(requests, options, sources)?,
-        ))
+        Ok(JobPlan::Local(super::replay::plan_or_replay(
+            checkpoint, requests, options, sources,
+        )?))
+    }
+
+    /// Whether the plan was replayed from another step of the same layout, not made.
+    pub fn replayed(&self) -> bool {
+        self.summary().replayed
     }
 
     /// Has `server` plan `target` for the checkpoint it knows as `server.checkpoint_id`, and

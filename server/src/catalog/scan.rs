@@ -215,6 +215,8 @@ pub(crate) async fn scan(
         runs: Vec::with_capacity(scanned.len()),
         checkpoints: Vec::new(),
         problems,
+        // Filled in per answer (`routes::checkpoints::list`): publications change every step.
+        live: None,
     };
     for (run, checkpoints, found) in scanned {
         response.runs.push(run);

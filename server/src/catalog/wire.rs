@@ -118,6 +118,10 @@ pub struct CatalogResponse {
     /// Entries skipped because they cannot be read (empty when all is well).
     #[serde(default)]
     pub problems: Vec<CatalogProblem>,
+    /// The live publications of the server's registry (`--registry`), each with its newest
+    /// complete step in brief (`/v1/live/{name}` lists its steps); absent without a registry.
+    #[serde(default)]
+    pub live: Option<crate::LiveListing>,
 }
 
 /// `GET /v1/checkpoints/{run}/{step}`.

@@ -47,7 +47,8 @@ fn checkpoint_id(
     CheckpointId::from_parts(&run, &step)
 }
 
-/// The catalog: runs, their `latest` pointers, and every checkpoint with its status.
+/// The catalog: runs, their `latest` pointers, and every checkpoint with its status; with a
+/// registry, its live publications next to them (`live`).
 #[utoipa::path(get, path = "/v1/checkpoints", tag = "catalog",
     responses(
         (status = 200, description = "The catalog", body = CatalogResponse),
@@ -57,7 +58,19 @@ fn checkpoint_id(
     security(("bearer" = [])))]
 pub(crate) async fn list(State(state): State<AppState>) -> Result<Json<CatalogResponse>, ApiError> {
     let listing = state.inner.catalog.list().await?;
-    Ok(Json(listing.as_ref().clone()))
+    let mut listing = listing.as_ref().clone();
+    if let Some(registry) = state.config().registry.clone() {
+        // The checkpoints stay listed when the registry cannot be read; the section says why.
+        listing.live = Some(match crate::live::list(registry.clone(), 0).await {
+            Ok(live) => live,
+            Err(e) => crate::LiveListing {
+                registry: registry.display().to_string(),
+                publications: Vec::new(),
+                problems: vec![e.to_string()],
+            },
+        });
+    }
+    Ok(Json(listing))
 }
 
 /// One checkpoint: catalog entry, counts and the layout it was saved with. An incomplete

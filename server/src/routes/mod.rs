@@ -14,12 +14,15 @@
 //! | `GET /v1/plans/{plan}/ranks` | every rank's totals in columns (bytes read, sent, received, pieces, rounds) and the mesh |
 //! | `GET /v1/plans/{plan}/ranks/{rank}/overview` | one rank's reads by file and ring partners |
 //! | `GET /v1/plans/{plan}/ranks/{rank}` | one rank's plan, JSON or (`Accept: application/vnd.apache.arrow.stream`) Arrow IPC |
+//! | `GET /v1/live` | live publications of the registry (`--registry`): each one's newest complete step, publisher ranks, bytes, newest steps (`steps`) |
+//! | `GET /v1/live/{name}` | one publication and its newest steps: state (complete, incomplete naming missing ranks, retired), publishers, bytes, times |
 //!
 //! With a token, every `/v1` route and `/metrics` need it; the probes (`/healthz`, `/readyz`),
 //! the OpenAPI document and the web UI's files stay open.
 
 mod checkpoints;
 mod health;
+mod live;
 mod plans;
 mod ui;
 
@@ -68,6 +71,8 @@ fn api_router() -> OpenApiRouter<AppState> {
         .routes(routes!(plans::rank))
         .routes(routes!(plans::ranks))
         .routes(routes!(plans::rank_overview))
+        .routes(routes!(live::list))
+        .routes(routes!(live::publication))
 }
 
 /// Title, version, description and the bearer security scheme.
@@ -75,7 +80,7 @@ fn finish(mut api: OpenApi) -> OpenApi {
     api.info.title = "tessera".to_string();
     api.info.version = env!("CARGO_PKG_VERSION").to_string();
     api.info.description = Some(
-        "Checkpoint catalog and load planning. Checkpoint ids are <run>/<step> (two path \
+        "Checkpoint catalog, live publications and load planning. Checkpoint ids are <run>/<step> (two path \
          segments; the step `latest` follows the run's latest pointer). Errors are JSON \
          {\"error\": kind, \"detail\": message}. When the server has a token, every /v1 route \
          and /metrics need Authorization: Bearer <token>."

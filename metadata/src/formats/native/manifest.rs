@@ -44,6 +44,12 @@ impl Created {
             .unwrap_or(0);
         Created::Rfc3339(rfc3339_utc(secs))
     }
+
+    /// The instant `secs` after the Unix epoch as an RFC 3339 UTC timestamp (what a listing
+    /// shows a file's time as, next to the manifests' times).
+    pub fn at_unix_seconds(secs: u64) -> Self {
+        Created::Rfc3339(rfc3339_utc(secs))
+    }
 }
 
 /// Formats Unix seconds as `YYYY-MM-DDTHH:MM:SSZ` (civil-from-days, proleptic Gregorian).
