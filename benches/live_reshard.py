@@ -23,8 +23,9 @@ Methods, per consumer world, in each repetition (their order rotates by repetiti
   registry=DIR)` (NAME new for this repetition and world); publisher rank 0 waits for the commit
   (`pub.result()`) and tells the consumers (control store); every consumer rank calls
   `tessera.load(state, "live://NAME@S", registry=DIR)` over its own group.
-* ``tessera live warm``: the same with step S+1 of the same NAME, same layout (a replayed plan
-  once plans are reused; `plan_reused` is printed when the report has such a field).
+* ``tessera live warm``: the same with step S+1 of the same NAME, same layout: the consumer
+  replays the plan it made for step S (`plan_reused` and `plan_seconds` are printed when the
+  report has them).
 * ``gather+broadcast`` (OpenRLHF / verl's NCCL weight sync): per tensor, publisher rank 0
   gathers the full tensor from the FSDP shards (`dist.gather` in the publisher's group) and
   broadcasts it over a third gloo world {publisher rank 0, the consumer ranks} (what those tools
@@ -352,8 +353,10 @@ def consumer(rank: int, c: int, ports: dict, args: dict) -> None:
                     bytes_read=r["bytes_read"], bytes_fetched=r["bytes_fetched"], requests=r["requests"],
                     bytes_received=r["bytes_received"], loaded_step=r["step"],
                 )
-                if "plan_reused" in r:  # plan reuse across steps (being built): shown when reported
+                if "plan_reused" in r:  # plan reuse across steps: shown when reported
                     result["plan_reused"] = r["plan_reused"]
+                if "plan_seconds" in r:
+                    result["plan_s"] = r["plan_seconds"]
                 if report.step != step:
                     ctl.store.set("abort", f"{method} c{c} rank {rank}: loaded step {report.step}, asked {step}")
             elif method == "dcp.save+load":
@@ -492,7 +495,9 @@ def main() -> None:
                     f" (publish call {max(x['publish_call_s'] for x in pub):.3f} s, eager copy "
                     f"{max(x['eager_copy_s'] for x in pub):.3f} s, committed at {pub[0]['committed_at']:.2f} s, load "
                     f"{max(x['total_s'] for x in con):.2f} s: read {max(x['read_s'] for x in con):.2f} s, exchange "
-                    f"{max(x['exchange_s'] for x in con):.2f} s{reused(con)})"
+                    f"{max(x['exchange_s'] for x in con):.2f} s"
+                    + (f", plan {max(x['plan_s'] for x in con):.3f} s" if all("plan_s" in x for x in con) else "")
+                    + f"{reused(con)})"
                 )
             print(f"rep {rep} consumers {c} {method}: {seconds:.2f} s{extra}", flush=True)
         for p in procs:
@@ -559,12 +564,17 @@ def report(results: dict, consumers: list, repeats: int, total: int) -> None:
             persist = med([max(x["persist_s"] for x in r["pub"]) for r in rs])
             requests = med([sum(x["requests"] for x in r["con"]) for r in rs])
             fetched = med([sum(x["bytes_fetched"] for x in r["con"]) for r in rs])
+            plan = (
+                f" (of it planning {med([max(x['plan_s'] for x in r['con']) for r in rs]):.3f} s)"
+                if all("plan_s" in x for r in rs for x in r["con"])
+                else ""
+            )
             print(
                 f"live {label} phases (medians, slowest rank): publish call {publish:.3f} s; background persist "
                 f"(layout, serve, part; rank 0 also commits) {persist:.2f} s; committed at "
                 f"{committed:.2f} s; consumers told at {ready:.2f} s; HTTP reads {requests:.0f}, {fetched:,.0f} bytes; "
                 f"load {load:.2f} s = read {read:.2f} s + exchange "
-                f"{exchange:.2f} s + other (open, plan, bookkeeping; resolve and lease come before) {rest:.2f} s{reused([x for r in rs for x in r['con']])}"
+                f"{exchange:.2f} s + other (open, plan, bookkeeping; resolve and lease come before) {rest:.2f} s{plan}{reused([x for r in rs for x in r['con']])}"
             )
         cold, warm = medians["tessera live cold"], medians["tessera live warm"]
         print(
