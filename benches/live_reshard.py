@@ -25,7 +25,9 @@ Methods, per consumer world, in each repetition (their order rotates by repetiti
   `tessera.load(state, "live://NAME@S", registry=DIR)` over its own group.
 * ``tessera live warm``: the same with step S+1 of the same NAME, same layout: the consumer
   replays the plan it made for step S (`plan_reused` and `plan_seconds` are printed when the
-  report has them).
+  report has them). The process's plan cache is keyed by layout and requests, not by name, so
+  from the second repetition on a "cold" load (a new NAME of the same layout) replays the plan
+  too: only each consumer job's first load plans; `plan_reused` per row says which.
 * ``gather+broadcast`` (OpenRLHF / verl's NCCL weight sync): per tensor, publisher rank 0
   gathers the full tensor from the FSDP shards (`dist.gather` in the publisher's group) and
   broadcasts it over a third gloo world {publisher rank 0, the consumer ranks} (what those tools
