@@ -587,3 +587,66 @@ fn metadata_of_more_than_one_batch_round_trips() {
     let decoded = decode_metadata(&bytes, "m").unwrap();
     assert_eq!(decoded, meta);
 }
+
+/// A data file laid out in memory (`data_file_in_memory`, what a live publication serves) is
+/// byte for byte the file the store gets, with the same layout and checksums for the commit,
+/// past the multipart part size and past the capacity reserved; `finish` refuses it (its bytes
+/// would go nowhere).
+#[tokio::test]
+async fn a_data_file_laid_out_in_memory_is_the_file_the_store_gets() {
+    let tensors = vec![
+        TensorMeta::new("w", DType::F32, vec![2, 3 << 20]),
+        TensorMeta::new("b", DType::Bf16, vec![7]),
+    ];
+    let w = pattern(1, 3 << 22); // row 0 of w: 12 MiB
+    let b = pattern(2, 14);
+    let object = pattern(3, 100);
+    let mut written = Vec::new();
+    for in_memory in [false, true] {
+        let store = memory_store();
+        let prefix = Path::from("c");
+        let writer = NativeWriter::create(
+            store.clone(),
+            prefix.clone(),
+            tensors.clone(),
+            WriteOptions::default(),
+        )
+        .await
+        .unwrap();
+        let mut file = if in_memory {
+            writer.data_file_in_memory("rank0", 4096).unwrap()
+        } else {
+            writer.data_file("rank0").unwrap()
+        };
+        file.write_box(0, TensorBox::new(vec![0, 0], vec![1, 3 << 20]), &w)
+            .await
+            .unwrap();
+        file.write_box(1, TensorBox::new(vec![0], vec![7]), &b)
+            .await
+            .unwrap();
+        file.write_object("step", &object).await.unwrap();
+        written.push(if in_memory {
+            file.finish_in_memory().unwrap()
+        } else {
+            let meta = file.finish().await.unwrap();
+            let path = prefix.join("data").join("rank0.bin");
+            let bytes = store.get(&path).await.unwrap().bytes().await.unwrap();
+            (bytes, meta)
+        });
+    }
+    assert_eq!(written[0].1, written[1].1);
+    assert_eq!(written[0].0, written[1].0);
+    assert_eq!(written[1].0.len() as u64, written[1].1.size());
+
+    let writer = NativeWriter::create(
+        memory_store(),
+        Path::from("d"),
+        tensors,
+        WriteOptions::default(),
+    )
+    .await
+    .unwrap();
+    let file = writer.data_file_in_memory("rank0", 0).unwrap();
+    let err = file.finish().await.unwrap_err().to_string();
+    assert!(err.contains("data/rank0.bin: laid out in memory"), "{err}");
+}

@@ -35,7 +35,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use object_store::ObjectStoreExt;
 use object_store::memory::InMemory;
 use object_store::path::Path;
 use serde::{Deserialize, Serialize};
@@ -113,7 +112,13 @@ pub async fn write_part_file(
     )
     .await?;
     let name = data_file_name(rank);
-    let mut file = writer.data_file(&name)?;
+    // Laid out in memory, once: each box's bytes plus its alignment, the objects after them.
+    let capacity = data
+        .iter()
+        .map(|d| d.len().next_multiple_of(4096))
+        .chain(objects.iter().map(|(_, o)| o.len().next_multiple_of(4096)))
+        .sum();
+    let mut file = writer.data_file_in_memory(&name, capacity)?;
     for (b, bytes) in boxes.iter().zip(data) {
         let tensor = index.get(b.fqn.as_str()).copied().ok_or_else(|| {
             OpsError::invalid(format!("rank {rank}: tensor {} is not listed", b.fqn))
@@ -128,23 +133,7 @@ pub async fn write_part_file(
             .await
             .with_context(|| format!("publishing object {key}"))?;
     }
-    let written = file.finish().await?;
-    let path = prefix.clone().join("data").join(format!("{name}.bin"));
-    let bytes = store
-        .get(&path)
-        .await
-        .map_err(|source| tessera_storage::StorageError::Store {
-            action: "reading back".to_string(),
-            path: path.to_string(),
-            source,
-        })?
-        .bytes()
-        .await
-        .map_err(|source| tessera_storage::StorageError::Store {
-            action: "reading back".to_string(),
-            path: path.to_string(),
-            source,
-        })?;
+    let (bytes, written) = file.finish_in_memory()?;
     Ok((bytes, written))
 }
 

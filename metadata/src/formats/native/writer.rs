@@ -183,11 +183,27 @@ impl NativeWriter {
             blocks: BlockCrcs::new(self.shared.options.block_size),
             buf: Vec::new(),
             upload: None,
+            in_memory: false,
             chunks: Vec::new(),
             objects: Vec::new(),
             failed: false,
             finished: false,
         })
+    }
+
+    /// [`Self::data_file`] laid out in memory instead of the store (a live publication serves
+    /// it from there): the bytes are copied once, into a buffer of `capacity` bytes reserved up
+    /// front (the file grows past it if needed), and [`DataFileWriter::finish_in_memory`] hands
+    /// them back with what the commit needs.
+    pub fn data_file_in_memory(
+        &self,
+        name: &str,
+        capacity: usize,
+    ) -> Result<DataFileWriter, MetadataError> {
+        let mut file = self.data_file(name)?;
+        file.in_memory = true;
+        file.buf = Vec::with_capacity(capacity);
+        Ok(file)
     }
 
     /// Commits the checkpoint made of `files` (from [`DataFileWriter::finish`], possibly of
@@ -512,6 +528,9 @@ pub struct DataFileWriter {
     blocks: BlockCrcs,
     buf: Vec<u8>,
     upload: Option<WriteMultipart>,
+    /// The file is laid out in `buf` whole and handed back by
+    /// [`DataFileWriter::finish_in_memory`], never sent to the store.
+    in_memory: bool,
     chunks: Vec<SavedChunk>,
     objects: Vec<ObjectMeta>,
     /// A store error happened mid-file; the file's content is unknown, so it cannot be finished.
@@ -771,9 +790,31 @@ impl DataFileWriter {
         Ok(())
     }
 
+    /// The whole file of a writer from [`NativeWriter::data_file_in_memory`] and what the commit
+    /// needs.
+    pub fn finish_in_memory(mut self) -> Result<(Bytes, WrittenFile), MetadataError> {
+        self.usable()?;
+        if !self.in_memory {
+            return Err(MetadataError::Invalid {
+                what: format!("{}: not laid out in memory", self.relative),
+            });
+        }
+        let bytes = Bytes::from(std::mem::take(&mut self.buf));
+        let data_written = !self.shared.options.metadata_only;
+        Ok((bytes, self.written(data_written)))
+    }
+
     /// Completes the upload and returns what the commit needs.
     pub async fn finish(mut self) -> Result<WrittenFile, MetadataError> {
         self.usable()?;
+        if self.in_memory {
+            return Err(MetadataError::Invalid {
+                what: format!(
+                    "{}: laid out in memory; finish it with finish_in_memory",
+                    self.relative
+                ),
+            });
+        }
         let data_written = !self.shared.options.metadata_only;
         if data_written {
             let buf = Bytes::from(std::mem::take(&mut self.buf));
@@ -794,6 +835,11 @@ impl DataFileWriter {
                 }
             }
         }
+        Ok(self.written(data_written))
+    }
+
+    /// What the commit needs of the finished file; marks it finished.
+    fn written(&mut self, data_written: bool) -> WrittenFile {
         let block_size = self.shared.options.block_size;
         let block_crcs = if data_written {
             std::mem::replace(&mut self.blocks, BlockCrcs::new(block_size)).finish()
@@ -801,7 +847,7 @@ impl DataFileWriter {
             Vec::new()
         };
         self.finished = true;
-        Ok(WrittenFile {
+        WrittenFile {
             path: self.relative.clone(),
             size: self.len,
             block_size,
@@ -809,7 +855,7 @@ impl DataFileWriter {
             block_crcs,
             chunks: std::mem::take(&mut self.chunks),
             objects: std::mem::take(&mut self.objects),
-        })
+        }
     }
 
     /// Abandons the file, cleaning up uploaded parts where the store supports it.
@@ -898,6 +944,10 @@ impl DataFileWriter {
     async fn append(&mut self, data: &[u8]) -> Result<(), MetadataError> {
         self.blocks.update(data);
         self.len += data.len() as u64;
+        if self.in_memory {
+            self.buf.extend_from_slice(data);
+            return Ok(());
+        }
         let mut rest = data;
         while !rest.is_empty() {
             let take = rest.len().min(PART_SIZE - self.buf.len());
