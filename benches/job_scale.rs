@@ -28,7 +28,9 @@ use object_store::path::Path;
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_ops::OpsError;
 use tessera_ops::job::memory_board::run_rounds;
-use tessera_ops::job::{Answer, Hello, JobCoordinator, JobWork, Taken, Verdict, planned_rank};
+use tessera_ops::job::{
+    Answer, Hello, JobCoordinator, JobWork, RoundSteps, Taken, Verdict, planned_rank,
+};
 use tessera_ops::load::agreement::{JobTerms, checkpoint_key, job_plan_terms};
 use tessera_ops::memory_tier::TierOffer;
 use tessera_planner::baseline::all_pairs_read_items;
@@ -55,21 +57,7 @@ struct SimRank<'a> {
     take_peak: u64,
 }
 
-impl JobWork for SimRank<'_> {
-    fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
-        let coordinator = self.coordinator.as_mut().unwrap();
-        let base = heap::reset_peak();
-        let started = Instant::now();
-        let answers = self.runtime.block_on(coordinator.coordinate(&hellos));
-        self.coordinate_s = started.elapsed().as_secs_f64();
-        self.coordinate_peak = heap::peak_since(base);
-        answers
-    }
-
-    fn settle(&mut self, _verified: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
-        Err(OpsError::invalid("no memory tier in the simulation"))
-    }
-
+impl RoundSteps for SimRank<'_> {
     fn take(&mut self, answer: Bytes) -> Result<Taken, OpsError> {
         let base = heap::reset_peak();
         let started = Instant::now();
@@ -104,6 +92,22 @@ impl JobWork for SimRank<'_> {
 
     fn check_joint_all(&mut self, folds: Vec<Option<Bytes>>) -> Result<(), OpsError> {
         self.coordinator.as_ref().unwrap().check_joint(&folds, true)
+    }
+}
+
+impl JobWork for SimRank<'_> {
+    fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
+        let coordinator = self.coordinator.as_mut().unwrap();
+        let base = heap::reset_peak();
+        let started = Instant::now();
+        let answers = self.runtime.block_on(coordinator.coordinate(&hellos));
+        self.coordinate_s = started.elapsed().as_secs_f64();
+        self.coordinate_peak = heap::peak_since(base);
+        answers
+    }
+
+    fn settle(&mut self, _verified: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
+        Err(OpsError::invalid("no memory tier in the simulation"))
     }
 }
 

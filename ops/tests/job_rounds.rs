@@ -25,7 +25,8 @@ use tessera_ops::job::host::{HostJob, HostLoad, allocated};
 use tessera_ops::job::memory_board::{JobFailure, run_rounds};
 use tessera_ops::job::transport_board::{ReadPieces, run_job};
 use tessera_ops::job::{
-    AsyncJobWork, Hello, JobCoordinator, JobWork, PairReport, RankWork, Round, Taken, Verdict,
+    AsyncJobWork, Hello, JobCoordinator, JobWork, PairReport, RankWork, Round, RoundSteps, Taken,
+    Verdict,
 };
 use tessera_ops::load::agreement::{JobTerms, checkpoint_key, job_plan_terms};
 use tessera_ops::memory_tier::{TierLoad, TierOffer};
@@ -178,15 +179,7 @@ struct Rank<'a> {
     tamper: bool,
 }
 
-impl JobWork for Rank<'_> {
-    fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
-        self.job.runtime.block_on(self.work.coordinate(hellos))
-    }
-
-    fn settle(&mut self, _verified: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
-        unreachable!("no memory tier here")
-    }
-
+impl RoundSteps for Rank<'_> {
     fn take(&mut self, answer: Bytes) -> Result<Taken, OpsError> {
         self.answer_bytes = answer.len() as u64;
         let taken = self.work.take(answer)?;
@@ -223,6 +216,16 @@ impl JobWork for Rank<'_> {
 
     fn check_joint_all(&mut self, folds: Vec<Option<Bytes>>) -> Result<(), OpsError> {
         self.work.check_joint_all(&folds)
+    }
+}
+
+impl JobWork for Rank<'_> {
+    fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
+        self.job.runtime.block_on(self.work.coordinate(hellos))
+    }
+
+    fn settle(&mut self, _verified: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
+        unreachable!("no memory tier here")
     }
 }
 
@@ -309,13 +312,7 @@ struct Over {
     tamper: bool,
 }
 
-impl AsyncJobWork for Over {
-    async fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
-        self.work.coordinate(hellos).await
-    }
-    async fn settle(&mut self, verified: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
-        self.work.settle(verified).await
-    }
+impl RoundSteps for Over {
     fn take(&mut self, answer: Bytes) -> Result<Taken, OpsError> {
         let taken = self.work.take(answer)?;
         match (taken, self.tamper) {
@@ -346,6 +343,15 @@ impl AsyncJobWork for Over {
     }
     fn check_joint_all(&mut self, folds: Vec<Option<Bytes>>) -> Result<(), OpsError> {
         self.work.check_joint_all(&folds)
+    }
+}
+
+impl AsyncJobWork for Over {
+    async fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
+        self.work.coordinate(hellos).await
+    }
+    async fn settle(&mut self, verified: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
+        self.work.settle(verified).await
     }
     fn reached_exchange(&mut self) {
         self.work.reached_exchange()

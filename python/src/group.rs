@@ -39,7 +39,8 @@ use tessera_planner::RankPlan;
 
 use tessera_ops::OpsError;
 use tessera_ops::job::{
-    Action as JobStep, Event, Hello, JobCoordinator, JobWork, RankRounds, RankWork, Round, Taken,
+    Action as JobStep, Event, Hello, JobCoordinator, JobWork, RankRounds, RankWork, Round,
+    RoundSteps, Taken,
 };
 use tessera_ops::memory_tier::TierLoad;
 
@@ -391,22 +392,7 @@ impl GroupWork<'_, '_> {
     }
 }
 
-impl JobWork for GroupWork<'_, '_> {
-    fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
-        let job = &mut self.state.job;
-        wait(
-            self.py,
-            self.cancel,
-            self.interrupted,
-            job.coordinate(hellos),
-        )
-    }
-
-    fn settle(&mut self, verified: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
-        let job = &mut self.state.job;
-        wait(self.py, self.cancel, self.interrupted, job.settle(verified))
-    }
-
+impl RoundSteps for GroupWork<'_, '_> {
     fn take(&mut self, answer: Bytes) -> Result<Taken, OpsError> {
         let taken = self.state.job.take(answer)?;
         if matches!(taken, Taken::Planned(_)) {
@@ -438,6 +424,23 @@ impl JobWork for GroupWork<'_, '_> {
 
     fn check_joint(&mut self, folds: Vec<(u32, Bytes)>) -> Result<(), OpsError> {
         self.state.job.check_joint(&folds)
+    }
+}
+
+impl JobWork for GroupWork<'_, '_> {
+    fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
+        let job = &mut self.state.job;
+        wait(
+            self.py,
+            self.cancel,
+            self.interrupted,
+            job.coordinate(hellos),
+        )
+    }
+
+    fn settle(&mut self, verified: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
+        let job = &mut self.state.job;
+        wait(self.py, self.cancel, self.interrupted, job.settle(verified))
     }
 }
 

@@ -200,12 +200,10 @@ pub struct PlannedRank {
     pub joint_at_coordinator: bool,
 }
 
-/// The local steps of a load job on one rank, as its front end does them.
-pub trait JobWork {
-    /// The coordinator's answers (one per rank, in rank order) to every rank's hello.
-    fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError>;
-    /// The coordinator's answers once every rank verified its memory-tier share.
-    fn settle(&mut self, verified: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError>;
+/// The local steps of a load job on one rank that every front end does alike, whether it runs
+/// the rounds on a thread ([`JobWork`]) or on an async runtime ([`AsyncJobWork`]): all but the
+/// coordinator's planning, which one blocks on and the other awaits.
+pub trait RoundSteps {
     /// Takes this rank's answer.
     fn take(&mut self, answer: Bytes) -> Result<Taken, OpsError>;
     /// Verifies this rank's share of its node's copies; what verified, encoded.
@@ -218,6 +216,24 @@ pub trait JobWork {
     fn check_joint(&mut self, folds: Vec<(u32, Bytes)>) -> Result<(), OpsError>;
     /// The coordinator: checks every jointly read box of the job against every rank's folds.
     fn check_joint_all(&mut self, folds: Vec<Option<Bytes>>) -> Result<(), OpsError>;
+}
+
+/// The local steps of a load job on one rank, as a front end that runs the rounds on a thread
+/// does them: the coordinator's planning, and the [`RoundSteps`].
+pub trait JobWork: RoundSteps {
+    /// The coordinator's answers (one per rank, in rank order) to every rank's hello.
+    fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError>;
+    /// The coordinator's answers once every rank verified its memory-tier share.
+    fn settle(&mut self, verified: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError>;
+}
+
+/// What [`RankRounds::do_step`] leaves to the front end: the coordinator's planning, done
+/// blocking or awaited, whose answers go to [`RankRounds::answered`].
+enum Planning {
+    /// Answer every rank's hello ([`JobWork::coordinate`]).
+    Coordinate(Vec<Bytes>),
+    /// Answer once every rank verified its memory-tier share ([`JobWork::settle`]).
+    Settle(Vec<Bytes>),
 }
 
 impl RankRounds {
@@ -235,41 +251,56 @@ impl RankRounds {
                 machine::Next::Actions(actions) => return Ok(actions),
                 machine::Next::Work(todo) => todo,
             };
-            next = match todo {
-                Work::Coordinate(hellos) => {
+            next = match self.do_step(work, todo)? {
+                Ok(next) => next,
+                Err(Planning::Coordinate(hellos)) => {
                     let answers = work.coordinate(hellos)?;
                     self.answered(answers)?
                 }
-                Work::Settle(verified) => {
+                Err(Planning::Settle(verified)) => {
                     let answers = work.settle(verified)?;
                     self.answered(answers)?
                 }
-                Work::Take(answer) => {
-                    let taken = work.take(answer)?;
-                    self.took(taken)?
-                }
-                Work::VerifyTier(node) => {
-                    let verified = work.verify_tier(node)?;
-                    self.verified(verified)?
-                }
-                Work::Agree(reports) => {
-                    let verdict = work.agree(reports)?;
-                    self.agreed(verdict)?
-                }
-                Work::Accept(verdict) => {
-                    work.accept(verdict)?;
-                    self.accepted()?
-                }
-                Work::CheckJoint(folds) => {
-                    work.check_joint(folds)?;
-                    self.checked()?
-                }
-                Work::CheckJointAll(folds) => {
-                    work.check_joint_all(folds)?;
-                    self.checked_all()?
-                }
             };
         }
+    }
+
+    /// Does `todo` with `work` and reports it to the machine, unless it is the coordinator's
+    /// planning, which comes back (`Err`) for the front end to do its way: the one dispatch of
+    /// [`RankRounds::step`] and [`RankRounds::step_async`].
+    fn do_step<W: RoundSteps + ?Sized>(
+        &mut self,
+        work: &mut W,
+        todo: Work,
+    ) -> Result<Result<machine::Next, Planning>, OpsError> {
+        Ok(Ok(match todo {
+            Work::Coordinate(hellos) => return Ok(Err(Planning::Coordinate(hellos))),
+            Work::Settle(verified) => return Ok(Err(Planning::Settle(verified))),
+            Work::Take(answer) => {
+                let taken = work.take(answer)?;
+                self.took(taken)?
+            }
+            Work::VerifyTier(node) => {
+                let verified = work.verify_tier(node)?;
+                self.verified(verified)?
+            }
+            Work::Agree(reports) => {
+                let verdict = work.agree(reports)?;
+                self.agreed(verdict)?
+            }
+            Work::Accept(verdict) => {
+                work.accept(verdict)?;
+                self.accepted()?
+            }
+            Work::CheckJoint(folds) => {
+                work.check_joint(folds)?;
+                self.checked()?
+            }
+            Work::CheckJointAll(folds) => {
+                work.check_joint_all(folds)?;
+                self.checked_all()?
+            }
+        }))
     }
 }
 

@@ -14,7 +14,9 @@ use tessera_loader::verify::joint::{self, JointFold};
 use tessera_planner::{ExplicitRequest, ExplicitRequests, PlanSummary, RankPlan};
 
 use super::machine::Next;
-use super::{Answer, Event, JobCoordinator, RankRounds, Taken, Verdict, Work, planned_rank};
+use super::{
+    Answer, Event, JobCoordinator, Planning, RankRounds, RoundSteps, Taken, Verdict, planned_rank,
+};
 use crate::OpsError;
 use crate::memory_tier::TierLoad;
 
@@ -267,7 +269,7 @@ impl RankWork {
 /// The rounds' local work for a front end on an async runtime ([`super::JobWork`] with the
 /// coordinator's planning awaited): [`RankWork`] is the one every front end uses; tests wrap it
 /// to play a rank that lies.
-pub trait AsyncJobWork: Send {
+pub trait AsyncJobWork: RoundSteps + Send {
     /// The coordinator's answers to every rank's hello.
     fn coordinate(
         &mut self,
@@ -278,29 +280,11 @@ pub trait AsyncJobWork: Send {
         &mut self,
         verified: Vec<Bytes>,
     ) -> impl Future<Output = Result<Vec<Bytes>, OpsError>> + Send;
-    /// Takes this rank's answer.
-    fn take(&mut self, answer: Bytes) -> Result<Taken, OpsError>;
-    /// Verifies this rank's share of its node's copies; what verified, encoded.
-    fn verify_tier(&mut self, node: Vec<u32>) -> Result<Bytes, OpsError>;
-    /// The coordinator's verdict on every rank's pair digests.
-    fn agree(&mut self, reports: Vec<Bytes>) -> Result<Bytes, OpsError>;
-    /// Takes the verdict; an error when it refuses the plan.
-    fn accept(&mut self, verdict: Bytes) -> Result<(), OpsError>;
-    /// Checks the boxes this rank checks jointly against the other readers' folds.
-    fn check_joint(&mut self, folds: Vec<(u32, Bytes)>) -> Result<(), OpsError>;
-    /// The coordinator: checks every jointly read box of the job against every rank's folds.
-    fn check_joint_all(&mut self, folds: Vec<Option<Bytes>>) -> Result<(), OpsError>;
     /// The rounds reached the exchange (the joint checks passed, here or at the coordinator).
     fn reached_exchange(&mut self);
 }
 
-impl AsyncJobWork for RankWork {
-    async fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
-        RankWork::coordinate(self, hellos).await
-    }
-    async fn settle(&mut self, verified: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
-        RankWork::settle(self, verified).await
-    }
+impl RoundSteps for RankWork {
     fn take(&mut self, answer: Bytes) -> Result<Taken, OpsError> {
         RankWork::take(self, answer)
     }
@@ -318,6 +302,15 @@ impl AsyncJobWork for RankWork {
     }
     fn check_joint_all(&mut self, folds: Vec<Option<Bytes>>) -> Result<(), OpsError> {
         RankWork::check_joint_all(self, &folds)
+    }
+}
+
+impl AsyncJobWork for RankWork {
+    async fn coordinate(&mut self, hellos: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
+        RankWork::coordinate(self, hellos).await
+    }
+    async fn settle(&mut self, verified: Vec<Bytes>) -> Result<Vec<Bytes>, OpsError> {
+        RankWork::settle(self, verified).await
     }
     fn reached_exchange(&mut self) {
         RankWork::reached_exchange(self)
@@ -344,38 +337,15 @@ impl RankRounds {
                 }
                 Next::Work(todo) => todo,
             };
-            next = match todo {
-                Work::Coordinate(hellos) => {
+            next = match self.do_step(work, todo)? {
+                Ok(next) => next,
+                Err(Planning::Coordinate(hellos)) => {
                     let answers = work.coordinate(hellos).await?;
                     self.answered(answers)?
                 }
-                Work::Settle(verified) => {
+                Err(Planning::Settle(verified)) => {
                     let answers = work.settle(verified).await?;
                     self.answered(answers)?
-                }
-                Work::Take(answer) => {
-                    let taken = work.take(answer)?;
-                    self.took(taken)?
-                }
-                Work::VerifyTier(node) => {
-                    let verified = work.verify_tier(node)?;
-                    self.verified(verified)?
-                }
-                Work::Agree(reports) => {
-                    let verdict = work.agree(reports)?;
-                    self.agreed(verdict)?
-                }
-                Work::Accept(verdict) => {
-                    work.accept(verdict)?;
-                    self.accepted()?
-                }
-                Work::CheckJoint(folds) => {
-                    work.check_joint(folds)?;
-                    self.checked()?
-                }
-                Work::CheckJointAll(folds) => {
-                    work.check_joint_all(folds)?;
-                    self.checked_all()?
                 }
             };
         }
