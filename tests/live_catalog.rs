@@ -535,6 +535,15 @@ fn the_cli_loads_a_live_publication_by_name_and_step() {
         "step 3 of live publication served is not complete: publisher ranks [1] of 2 have not published it",
     );
     refused(
+        &[
+            &["load", "live://served@x"][..],
+            &registry_flag,
+            &requests_flag,
+        ]
+        .concat(),
+        "live://served@x: the step after '@' must be a number (live://NAME@STEP)",
+    );
+    refused(
         &[&["load", "live://served"][..], &requests_flag].concat(),
         "live://served: a live publication is found in a registry: give --registry DIR",
     );

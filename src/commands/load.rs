@@ -253,7 +253,8 @@ pub(crate) struct Loaded {
 /// location (`live+file://`), once, so that every rank this command spawns loads the same step
 /// (ranks of a real job, `--rank`, should name the step: `live://NAME@STEP`).
 fn with_live_step(args: &LoadArgs) -> Result<LoadArgs> {
-    let Some(rest) = args.checkpoint.strip_prefix("live://") else {
+    let Some((name, step)) = tessera_ops::publish::listing::parse_live_url(&args.checkpoint)?
+    else {
         return Ok(args.clone());
     };
     let registry = args.registry.as_ref().with_context(|| {
@@ -262,18 +263,6 @@ fn with_live_step(args: &LoadArgs) -> Result<LoadArgs> {
             args.checkpoint
         )
     })?;
-    let (name, step) = match rest.split_once('@') {
-        Some((name, step)) => {
-            let step = step.parse::<u64>().map_err(|_| {
-                anyhow::anyhow!(
-                    "{}: the step after '@' must be a number (live://NAME@STEP)",
-                    args.checkpoint
-                )
-            })?;
-            (name, Some(step))
-        }
-        None => (rest, None),
-    };
     let (step, dir) = tessera_ops::publish::listing::resolve(registry, name, step)
         .with_context(|| args.checkpoint.clone())?;
     if !args.quiet && !args.json {

@@ -334,6 +334,25 @@ fn read_publication(
     }))
 }
 
+/// The publication and step a `live://NAME[@STEP]` URL names (`None` for a URL of another
+/// scheme; an error naming the URL for a step that is not a number).
+pub fn parse_live_url(url: &str) -> Result<Option<(&str, Option<u64>)>, OpsError> {
+    let Some(rest) = url.strip_prefix("live://") else {
+        return Ok(None);
+    };
+    match rest.split_once('@') {
+        Some((name, step)) => {
+            let step = step.parse::<u64>().map_err(|_| {
+                OpsError::invalid(format!(
+                    "{url}: the step after '@' must be a number (live://NAME@STEP)"
+                ))
+            })?;
+            Ok(Some((name, Some(step))))
+        }
+        None => Ok(Some((rest, None))),
+    }
+}
+
 /// The step `live://NAME[@STEP]` names in `registry` and its directory: `step` when given and
 /// complete, else the newest complete step. What a consumer loads (`tessera.load`, `tessera load`)
 /// goes through here; when there is no such step the error says what is missing in the words of
