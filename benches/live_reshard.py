@@ -82,6 +82,7 @@ import time
 
 from bench_util import tensor_specs
 from realistic_shapes import contiguous_stride, local_box, role, torch_dtype, values
+from realistic_shapes import machine as shapes_machine
 
 PUB_WORLD = 4
 METHODS = ["tessera live", "gather+broadcast", "dcp.save+load", "tessera.save+load"]
@@ -401,22 +402,11 @@ def idx_step(idx: int) -> int:
 
 
 def machine() -> str:
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-        with open("/proc/meminfo") as f:
-            mem = int(f.readline().split()[1]) / 2**20
-    except OSError:
-        mem = float("nan")
+    """realistic_shapes' machine line (CPU, cores, RAM), with the load average at the start: the
+    machine is shared, and the numbers say how busy it was."""
     load = os.getloadavg()
-    return (
-        f"{os.cpu_count()} CPUs ({cpu}), {mem:.0f} GiB, {platform.system()} {platform.release()}; "
-        f"load average at the start {load[0]:.2f}"
-    )
+    system = f"{platform.system()} {platform.release()}"
+    return f"{shapes_machine()}, {system}; load average at the start {load[0]:.2f}"
 
 
 def main() -> None:
@@ -446,7 +436,7 @@ def main() -> None:
         "repeats": parsed.repeats, "dir": work, "profile": parsed.profile,
     }
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"machine: {machine()}")
+    print(machine())
     print(
         f"state: {len(specs)} tensors, {total:,} bytes ({total / 2**30:.2f} GiB): {parsed.layers} llama8b layers at "
         f"widths / {parsed.scale}, embed_tokens and lm_head [{parsed.vocab}, hidden], bf16 parameters + fp32 Adam "
