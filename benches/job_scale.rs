@@ -140,6 +140,7 @@ fn main() {
         prefix: Path::from("ckpt"),
         display: dir.path().join("ckpt").display().to_string(),
         local_root: None,
+        shared_files: Default::default(),
     };
     let saved = MegatronGpt {
         tp: 8,

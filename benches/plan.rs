@@ -88,6 +88,7 @@ fn run(model: tessera_synth::Model, flat: bool) {
         prefix: Path::from("ckpt"),
         display: "bench".to_string(),
         local_root: None,
+        shared_files: Default::default(),
     };
 
     println!(

@@ -534,6 +534,11 @@ impl Checkpoint {
         if read.local_files.is_empty() {
             read.local_files = Arc::clone(&self.tier_files);
         }
+        // A live publication's files shared on this host: by position too, whatever
+        // `positioned_reads` says of the store's own files.
+        if read.shared_files.is_empty() && !self.location.shared_files.is_empty() {
+            read.shared_files = Arc::new(self.location.shared_files.clone());
+        }
         read
     }
 

@@ -23,6 +23,7 @@ async fn open(store: Arc<dyn ObjectStore>) -> Checkpoint {
         prefix: prefix(),
         display: "memory".to_string(),
         local_root: None,
+        shared_files: Default::default(),
     })
     .await
     .unwrap()

@@ -394,6 +394,7 @@ async fn swapped_box_locations_fail_the_load_naming_the_box() {
         prefix: prefix(),
         display: PREFIX.to_string(),
         local_root: None,
+        shared_files: Default::default(),
     })
     .await
     .unwrap();
@@ -434,6 +435,7 @@ async fn a_plan_without_an_identity_is_refused_naming_the_checkpoint() {
         prefix: prefix(),
         display: PREFIX.to_string(),
         local_root: None,
+        shared_files: Default::default(),
     })
     .await
     .unwrap();

@@ -257,6 +257,7 @@ mod tests {
             prefix: Path::from(out),
             display: format!("memory:///{out}"),
             local_root: None,
+            shared_files: Default::default(),
         }
     }
 

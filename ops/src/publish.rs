@@ -18,7 +18,8 @@
 //!
 //! Each rank lays its boxes out as its data file would hold them ([`write_part_file`]: the
 //! native writer into memory, so offsets, 4 KiB alignment, block crc32c and per-box crc32c are
-//! the format's own) and serves those bytes itself (`tessera_storage::RangeServer`); nothing
+//! the format's own) and serves those bytes itself (`tessera_storage::RangeServer` over HTTP,
+//! and to consumers on its host as shared memory, `tessera_storage::shared_file`); nothing
 //! passes between publisher ranks but the registry's files, so a publication needs no
 //! rendezvous and never uses the job's process group from a background thread. A reader opens a
 //! complete step as `live+file://<step dir>` (`tessera_storage::LiveStore`) and loads it with
@@ -69,6 +70,10 @@ pub struct Part {
     pub holdings: Holdings,
     /// Its data file as laid out: size, block crc32c, each box's byte range and crc32c.
     pub file: WrittenFile,
+    /// How a consumer on the publisher's host opens the data file as shared memory instead of
+    /// reading it over HTTP (`tessera_storage::shared_file`); `None`: HTTP only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared: Option<tessera_storage::shared_file::SharedHandle>,
 }
 
 /// The data file name (without `data/` and `.bin`) of publisher rank `rank`: named so that a
@@ -299,12 +304,16 @@ pub async fn commit_step(
     let publishers: Vec<serde_json::Value> = parts
         .iter()
         .map(|p| {
-            serde_json::json!({
+            let mut entry = serde_json::json!({
                 "rank": p.rank,
                 "file": p.file.path(),
                 "url": p.url,
                 "path": p.path,
-            })
+            });
+            if let Some(shared) = &p.shared {
+                entry["shared"] = serde_json::json!(shared);
+            }
+            entry
         })
         .collect();
     let json = serde_json::to_vec_pretty(&serde_json::json!({ "publishers": publishers }))
@@ -349,6 +358,7 @@ mod tests {
                 objects: Vec::new(),
             },
             file,
+            shared: None,
         }
     }
 

@@ -60,6 +60,7 @@ fn saved_with(metadata_only: bool) -> Job {
         prefix: Path::from("ckpt"),
         display: dir.path().join("ckpt").display().to_string(),
         local_root: None,
+        shared_files: Default::default(),
     };
     let layers = Model::GptTiny.config().num_layers;
     let layout = megatron_gpt(MegatronGpt {

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use tessera_ops::publish::{self, Part};
 use tessera_ops::save::{HeldBox as OpsBox, Holdings};
 use tessera_storage::RangeServer;
+use tessera_storage::shared_file::SharedFile;
 
 use crate::block_on;
 use crate::memory::HostMemory;
@@ -34,6 +35,14 @@ fn server(host: &str) -> Result<Arc<RangeServer>> {
     Ok(server)
 }
 
+/// The data files this process shares as memory with consumers on its host, by served path:
+/// kept here (as well as in the range server's `Bytes`) so that the fault-injection hook damages
+/// the very bytes consumers read, and `unpublish` lets them go.
+fn shared_files() -> &'static Mutex<HashMap<String, Arc<SharedFile>>> {
+    static SHARED: OnceLock<Mutex<HashMap<String, Arc<SharedFile>>>> = OnceLock::new();
+    SHARED.get_or_init(Mutex::default)
+}
+
 /// What one rank's part of a step needs besides its boxes (Python sets the fields by name).
 #[pyclass(module = "tessera._tessera", get_all, set_all, from_py_object)]
 #[derive(Clone, Debug)]
@@ -48,6 +57,9 @@ pub struct PublishRequest {
     world: u32,
     /// The address this process serves its bytes on (what consumers connect to).
     host: String,
+    /// Consumers on this host read the data file as shared memory (a memfd they open through
+    /// `/proc`) instead of over HTTP.
+    share_memory: bool,
 }
 
 #[pymethods]
@@ -61,6 +73,7 @@ impl PublishRequest {
             rank: 0,
             world: 1,
             host: "127.0.0.1".to_string(),
+            share_memory: true,
         }
     }
 
@@ -122,7 +135,24 @@ async fn run_part(
     let server = server(&request.host)
         .with_context(|| format!("rank {rank}: serving publication {}", request.name))?;
     let size = bytes.len();
-    server.serve(&path, bytes);
+    // Shared memory where the kernel offers it (one more copy of the file, in this background
+    // step, and the `Vec` goes); HTTP alone otherwise, said in the part by its absence.
+    let shared = if request.share_memory {
+        let tag = format!("tessera-{}-{step_name}-rank{rank}", request.name);
+        SharedFile::create(&tag, &bytes).ok()
+    } else {
+        None
+    };
+    match &shared {
+        Some(file) => {
+            server.serve(&path, file.bytes());
+            shared_files()
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(path.clone(), Arc::clone(file));
+        }
+        None => server.serve(&path, bytes),
+    }
     let part = Part {
         rank,
         world: request.world,
@@ -134,15 +164,21 @@ async fn run_part(
             objects: objects.iter().map(|(k, _)| k.clone()).collect(),
         },
         file,
+        shared: shared.as_ref().map(|f| f.handle().clone()),
     };
     if let Err(e) = publish::write_part(&step_dir, &part) {
         server.remove(&path);
+        shared_files()
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&path);
         return Err(e.into());
     }
     Ok(serde_json::to_string(&serde_json::json!({
         "url": part.url,
         "path": path,
         "bytes": size,
+        "shared": part.shared.is_some(),
     }))?)
 }
 
@@ -183,6 +219,10 @@ pub fn resolve_live(registry: &str, name: &str, step: Option<u64>) -> PyResult<(
 /// Stops serving the file at `path` (a retired step); true when it was served.
 #[pyfunction]
 pub fn unpublish(path: &str) -> bool {
+    shared_files()
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .remove(path);
     servers()
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
@@ -196,6 +236,24 @@ pub fn unpublish(path: &str) -> bool {
 #[cfg(feature = "fault-injection")]
 #[pyfunction]
 pub fn damage_publication(path: &str, offset: usize) -> PyResult<()> {
+    // A file shared as memory is damaged in place: what HTTP serves and what consumers on this
+    // host read through their descriptors are the same pages.
+    let shared = shared_files()
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(path)
+        .cloned();
+    if let Some(file) = shared {
+        if offset as u64 >= file.handle().size {
+            return Err(crate::TesseraError::new_err(format!(
+                "{path}: offset {offset} past its {} bytes",
+                file.handle().size
+            )));
+        }
+        return file
+            .flip_byte(offset as u64)
+            .map_err(|e| crate::TesseraError::new_err(format!("{path}: {e}")));
+    }
     let servers = servers().lock().unwrap_or_else(PoisonError::into_inner);
     for server in servers.values() {
         if let Some(bytes) = server.get(path) {

@@ -108,6 +108,10 @@ class LoadReport(_Report):
     #: Of ``bytes_read``, the bytes read from this node's memory tier (``memory_tier=``) and
     #: from the checkpoint's storage; their sum is ``bytes_read``.
     bytes_from_memory_tier: int = 0
+    #: Of ``bytes_read``, the bytes of a ``live://`` load read from its publishers' shared memory
+    #: on this host (``publish(share_memory=True)``) instead of over HTTP; ``bytes_from_storage``
+    #: is then what came over HTTP.
+    bytes_from_publisher_memory: int = 0
     bytes_from_storage: int = 0
     #: Memory-tier copies of this checkpoint seen and not used, each with why (damaged, another
     #: file size); their bytes came from storage.

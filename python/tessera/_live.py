@@ -219,6 +219,7 @@ def publish(
     pool_bytes: Optional[int] = None,
     timeout: float = 300.0,
     durable: Any = None,
+    share_memory: bool = True,
 ) -> Publication:
     """Publishes ``state_dict`` as step ``step`` of the live publication ``name`` in ``registry``.
 
@@ -241,6 +242,14 @@ def publish(
     rank dead or unreachable loads the step from it instead, once it is committed and holds
     this step (see :func:`fallback`). The publication only names it: the save keeps its own
     schedule, storage and ranks' rendezvous, and the publisher's stall stays the eager copy.
+
+    ``share_memory`` (default on, Linux): the data file is held in shared memory (a ``memfd``,
+    freed with this process) that consumers on this host open through ``/proc/<pid>/fd`` and read
+    by position straight into their tensors, instead of over HTTP; consumers elsewhere, or where
+    the kernel refuses (another pid namespace, ptrace rules), read over HTTP as before. A consumer
+    keeps what it opened until its load ends, so a publisher that retires the step or dies
+    meanwhile does not fail it; its bytes are verified against the snapshot's checksums either
+    way. ``report.bytes_from_publisher_memory`` says what a load read this way.
     """
     name = _check_name(name)
     registry_dir = _registry_dir(registry)
@@ -266,7 +275,7 @@ def publish(
     key = (registry_dir, name)
     request = _api._typed(
         _tessera.PublishRequest, name=name, step=int(step), rank=int(rank), world=int(world_size),
-        host=host or "127.0.0.1",
+        host=host or "127.0.0.1", share_memory=bool(share_memory),
     )
     pub = Publication(name, step, registry_dir, rank, world_size)
 

@@ -130,6 +130,7 @@ class PublishRequest:
     rank: int
     world: int
     host: str
+    share_memory: bool
     def __init__(self) -> None: ...
 
 def publish_part(

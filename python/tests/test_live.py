@@ -98,7 +98,7 @@ def publisher(rank, port, world, registry, name, steps, control, extra) -> None:
                 durable = {"durable": str(path)}
             pub = tessera.publish(
                 shard(step, rank, world, extra), name, step=step, registry=registry, keep=extra.get("keep", 3),
-                **ranks, **durable,
+                share_memory=extra.get("share_memory", True), **ranks, **durable,
             )
             reports.append(pub.result(60).to_dict())
         if extra.get("incomplete_step") is not None:
@@ -380,7 +380,8 @@ def test_retire_stops_serving_a_step_and_no_load_picks_it(tmp_path):
 def test_a_publisher_killed_while_a_consumer_reads_fails_the_load_naming_it(publishers):
     import threading
 
-    pub = publishers("killed", steps=[1], extra={"hold": True})
+    # Over HTTP (a consumer on this host would read the shared memory it opened, unaffected).
+    pub = publishers("killed", steps=[1], extra={"hold": True, "share_memory": False})
     state = {"b": torch.zeros(ROWS), "w": torch.zeros(ROWS, COLS, dtype=torch.bfloat16)}
     result = {}
 
@@ -405,14 +406,50 @@ def test_a_publisher_killed_while_a_consumer_reads_fails_the_load_naming_it(publ
 def test_a_stopped_publisher_fails_the_load_within_the_retry_bound_naming_it(publishers):
     # A publisher that stops answering (SIGSTOP: its socket still accepts, nothing replies) is
     # what a wedged or swapping training process looks like; the load fails on the storage
-    # timeouts and retry bound, naming the publisher, instead of hanging.
-    pub = publishers("stopped", steps=[1])
+    # timeouts and retry bound, naming the publisher, instead of hanging. Over HTTP: on this host
+    # the shared memory is read whatever the publisher does (next test).
+    pub = publishers("stopped", steps=[1], extra={"share_memory": False})
     os.kill(pub.procs[0].pid, signal.SIGSTOP)
     try:
         state = {"b": torch.zeros(ROWS)}
         with pytest.raises(TesseraError) as err:
             tessera.load(state, "live://stopped", registry=str(pub.registry), progress=False, strict=False)
         assert "publisher rank 0" in str(err.value), str(err.value)
+    finally:
+        os.kill(pub.procs[0].pid, signal.SIGCONT)
+
+
+def test_a_consumer_on_the_publishers_host_reads_its_shared_memory_not_http(publishers):
+    shared = publishers("shared", steps=[4])
+    http = publishers("http", steps=[4], extra={"share_memory": False})
+    want = full_state(4)
+    reports = {}
+    for name, pub in (("shared", shared), ("http", http)):
+        state = {"w": torch.zeros(ROWS, COLS, dtype=torch.bfloat16), "m.exp_avg": torch.zeros(ROWS, COLS)}
+        reports[name] = tessera.load(state, f"live://{name}", registry=str(pub.registry), progress=False, strict=False)
+        assert state["w"].view(torch.int16).tolist() == want["w"].view(torch.int16).tolist()
+        assert torch.equal(state["m.exp_avg"], want["m.exp_avg"])
+    mem, net = reports["shared"], reports["http"]
+    assert mem.bytes_read == net.bytes_read > 0
+    assert mem.bytes_from_publisher_memory == mem.bytes_read, mem
+    assert mem.bytes_from_storage == 0, mem
+    assert mem.boxes_verified > 0, mem
+    assert net.bytes_from_publisher_memory == 0, net
+    assert net.bytes_from_storage == net.bytes_read, net
+
+
+def test_a_stopped_publisher_on_this_host_is_read_from_its_shared_memory(publishers):
+    # SIGSTOPped, it answers no HTTP request; its shared memory is the committed step's bytes,
+    # which the consumer opens and verifies without it.
+    pub = publishers("paused", steps=[6])
+    os.kill(pub.procs[0].pid, signal.SIGSTOP)
+    try:
+        state = {"b": torch.zeros(ROWS), "w": torch.zeros(ROWS, COLS, dtype=torch.bfloat16)}
+        report = tessera.load(state, "live://paused", registry=str(pub.registry), progress=False, strict=False)
+        assert report.step == 6
+        assert torch.equal(state["b"], full_state(6)["b"])
+        assert state["w"].view(torch.int16).tolist() == full_state(6)["w"].view(torch.int16).tolist()
+        assert report.bytes_from_publisher_memory == report.bytes_read > 0, report
     finally:
         os.kill(pub.procs[0].pid, signal.SIGCONT)
 

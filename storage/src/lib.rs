@@ -5,7 +5,8 @@
 //! the same [`RetryPolicy`]. Writes that must survive transient failures go through
 //! [`RetryingStore`], the policy as a store wrapper. A live publication's step
 //! (`live+file://`) opens as a [`LiveStore`]: its metadata from the registry directory, its data
-//! files from the publishing processes, which serve them with a [`RangeServer`].
+//! files from the publishing processes, which serve them with a [`RangeServer`] and, to consumers
+//! on the same host, as shared memory ([`shared_file`]).
 //!
 //! Test support (feature `testing`): [`testing::FaultyStore`] and [`testing::RecordingStore`]
 //! wrap any store, [`testing::S3TestServer`] serves an S3-compatible API on 127.0.0.1,
@@ -18,6 +19,7 @@ mod location;
 mod range_server;
 mod retry;
 mod retrying;
+pub mod shared_file;
 #[cfg(feature = "testing")]
 pub mod testing;
 

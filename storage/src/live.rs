@@ -31,6 +31,7 @@ use object_store::{
     PutMultipartOptions, PutOptions, PutPayload, PutResult,
 };
 
+use crate::shared_file::SharedHandle;
 use crate::{Location, StorageError, StorageOptions};
 
 /// The scheme of a live step's location.
@@ -50,6 +51,8 @@ pub struct Publisher {
     /// The file's path on that server.
     pub path: Path,
     store: Arc<dyn ObjectStore>,
+    /// The file opened as shared memory (its publisher is on this host), read instead of HTTP.
+    pub shared: Option<Arc<std::fs::File>>,
 }
 
 /// The registry's local store with each publisher's data file read from its HTTP server.
@@ -126,6 +129,54 @@ impl LiveStore {
         }
     }
 
+    /// The bytes `options` asks of a publisher's file shared on this host.
+    fn get_shared(
+        p: &Publisher,
+        location: &Path,
+        options: &GetOptions,
+    ) -> object_store::Result<GetResult> {
+        let failed = |what: String| {
+            Self::failed(
+                p,
+                location,
+                object_store::Error::Generic {
+                    store: "live",
+                    source: format!("its shared memory: {what}").into(),
+                },
+            )
+        };
+        let Some(file) = &p.shared else {
+            return Err(failed("not shared".to_string()));
+        };
+        let file = file
+            .try_clone()
+            .map_err(|e| failed(format!("cannot duplicate its descriptor: {e}")))?;
+        let size = file
+            .metadata()
+            .map_err(|e| failed(format!("cannot stat it: {e}")))?
+            .len();
+        let range = match &options.range {
+            Some(range) => range
+                .as_range(size)
+                .map_err(|e| failed(format!("{e} (the file has {size} bytes)")))?,
+            None => 0..size,
+        };
+        let path = std::path::PathBuf::from(crate::shared_file::own_fd_path(&file));
+        Ok(GetResult {
+            payload: object_store::GetResultPayload::File(file, path),
+            meta: ObjectMeta {
+                location: location.clone(),
+                last_modified: Default::default(),
+                size,
+                e_tag: None,
+                version: None,
+            },
+            range,
+            attributes: Default::default(),
+            extensions: Default::default(),
+        })
+    }
+
     fn read_only(path: &Path) -> object_store::Error {
         object_store::Error::NotSupported {
             source: format!("{path}: a live publication is read-only").into(),
@@ -159,6 +210,7 @@ impl ObjectStore for LiveStore {
     ) -> object_store::Result<GetResult> {
         match self.routes.get(location) {
             None => self.local.get_opts(location, options).await,
+            Some(p) if p.shared.is_some() => Self::get_shared(p, location, &options),
             Some(p) => {
                 let mut result = p
                     .store
@@ -179,6 +231,21 @@ impl ObjectStore for LiveStore {
     ) -> object_store::Result<Vec<Bytes>> {
         match self.routes.get(location) {
             None => self.local.get_ranges(location, ranges).await,
+            Some(p) if p.shared.is_some() => {
+                let mut out = Vec::with_capacity(ranges.len());
+                for range in ranges {
+                    let result = Self::get_shared(
+                        p,
+                        location,
+                        &GetOptions {
+                            range: Some(range.clone().into()),
+                            ..GetOptions::default()
+                        },
+                    )?;
+                    out.push(result.bytes().await?);
+                }
+                Ok(out)
+            }
             Some(p) => p
                 .store
                 .get_ranges(&p.path, ranges)
@@ -271,6 +338,7 @@ pub(crate) fn open_live(
     crate::install_tls_provider();
     let mut stores: HashMap<String, Arc<dyn ObjectStore>> = HashMap::new();
     let mut routes = HashMap::with_capacity(entries.len());
+    let mut shared_files = HashMap::new();
     for (i, entry) in entries.iter().enumerate() {
         let field = |key: &str| entry.get(key).and_then(|v| v.as_str());
         let (Some(rank), Some(file), Some(url), Some(path)) = (
@@ -309,6 +377,20 @@ pub(crate) fn open_live(
             .map_err(|e| bad(format!("publisher rank {rank}: file {file:?}: {e}")))?;
         let remote = Path::parse(path)
             .map_err(|e| bad(format!("publisher rank {rank}: path {path:?}: {e}")))?;
+        // Shared on this host: opened now, once, so the load reads the step it opened even if
+        // the publisher retires it or dies meanwhile. Anything else (another host, a refusal)
+        // reads over HTTP.
+        let shared = entry
+            .get("shared")
+            .and_then(|h| serde_json::from_value::<SharedHandle>(h.clone()).ok())
+            .and_then(|handle| crate::shared_file::open_shared(&handle).ok())
+            .map(Arc::new);
+        if let Some(file) = &shared {
+            shared_files.insert(
+                local_path.to_string(),
+                std::path::PathBuf::from(crate::shared_file::own_fd_path(file)),
+            );
+        }
         routes.insert(
             local_path,
             Publisher {
@@ -316,6 +398,7 @@ pub(crate) fn open_live(
                 url: url.to_string(),
                 path: remote,
                 store,
+                shared,
             },
         );
     }
@@ -323,8 +406,10 @@ pub(crate) fn open_live(
         store: Arc::new(LiveStore { local, routes }),
         prefix: Path::from(name),
         display: location.to_string(),
-        // Every read of a data file must go to its publisher, never to a local file.
+        // Every read of a data file must go to its publisher (over HTTP, or its shared memory
+        // on this host), never to a file of the registry directory.
         local_root: None,
+        shared_files,
     })
 }
 
@@ -381,6 +466,64 @@ mod tests {
         );
         assert!(text.contains("publisher rank 1"), "{text}");
         assert!(text.contains(&server.url()), "{text}");
+    }
+
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_file_shared_on_this_host_is_read_from_its_memory_after_the_publisher_let_go() {
+        let data: Vec<u8> = (0..9000u32).map(|i| (i % 241) as u8).collect();
+        let server = RangeServer::start("127.0.0.1").unwrap();
+        let shared = crate::shared_file::SharedFile::create("tessera-live-test", &data).unwrap();
+        let served = "m/step-000004/data/publisher-rank-0.bin";
+        server.serve(served, shared.bytes());
+        let dir = tempfile::tempdir().unwrap();
+        let step = dir.path().join("step-000004");
+        std::fs::create_dir_all(&step).unwrap();
+        // One file shared on this host, one whose handle names another host (read over HTTP).
+        let mut elsewhere = shared.handle().clone();
+        elsewhere.boot_id = "another-host".to_string();
+        server.serve(
+            "m/step-000004/data/publisher-rank-1.bin",
+            Bytes::from(data.clone()),
+        );
+        let publishers = serde_json::json!({"publishers": [
+            {"rank": 0, "file": "data/publisher-rank-0.bin", "url": server.url(), "path": served,
+             "shared": shared.handle()},
+            {"rank": 1, "file": "data/publisher-rank-1.bin", "url": server.url(),
+             "path": "m/step-000004/data/publisher-rank-1.bin", "shared": elsewhere}]});
+        std::fs::write(step.join(PUBLISHERS_FILE), publishers.to_string()).unwrap();
+        let location = format!("{LIVE_SCHEME}://{}", step.display());
+        let opened = crate::open_with(&location, &StorageOptions::default()).unwrap();
+        let file = Path::from("step-000004/data/publisher-rank-0.bin");
+        let other = Path::from("step-000004/data/publisher-rank-1.bin");
+        assert!(opened.shared_files.contains_key(file.as_ref()));
+        assert!(!opened.shared_files.contains_key(other.as_ref()));
+        // The publisher stops serving and drops its file: what the consumer opened stays.
+        server.remove(served);
+        drop(shared);
+        drop(server);
+        let got = opened.store.get_range(&file, 100..8100).await.unwrap();
+        assert_eq!(got.as_ref(), &data[100..8100]);
+        let ranges = opened
+            .store
+            .get_ranges(&file, &[0..10, 8990..9000])
+            .await
+            .unwrap();
+        assert_eq!(ranges[1].as_ref(), &data[8990..9000]);
+        assert_eq!(opened.store.head(&file).await.unwrap().size, 9000);
+        // By the path readers open for positioned reads, too.
+        let local = &opened.shared_files[file.as_ref()];
+        let mut piece = [0u8; 4];
+        std::os::unix::fs::FileExt::read_exact_at(
+            &std::fs::File::open(local).unwrap(),
+            &mut piece,
+            4000,
+        )
+        .unwrap();
+        assert_eq!(&piece, &data[4000..4004]);
+        // The file of another host went over HTTP, and the server is gone.
+        let err = opened.store.get_range(&other, 0..10).await.unwrap_err();
+        assert!(err.to_string().contains("publisher rank 1"), "{err}");
     }
 
     #[tokio::test]

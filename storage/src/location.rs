@@ -57,6 +57,11 @@ pub struct Location {
     /// store wrapped in something (a fault injector, a recorder) that every read must pass
     /// through.
     pub local_root: Option<std::path::PathBuf>,
+    /// Files of the store that are also open in this process as local files (a live
+    /// publication's data files shared by publishers on this host, [`crate::shared_file`]):
+    /// store path → a path that opens the same file (`/proc/self/fd/<n>`). Readers read them
+    /// by position, as they read a memory tier's copies.
+    pub shared_files: std::collections::HashMap<String, std::path::PathBuf>,
 }
 
 /// What kind of store a location names: the one place that tells a local path from an object
@@ -315,6 +320,7 @@ fn local(location: &str, root: &std::path::Path, name: &str) -> Result<Location,
         prefix: Path::from(name),
         display: location.to_string(),
         local_root: Some(root.to_path_buf()),
+        shared_files: Default::default(),
     })
 }
 
@@ -475,6 +481,7 @@ fn cloud(
         prefix,
         display: location.to_string(),
         local_root: None,
+        shared_files: Default::default(),
     })
 }
 

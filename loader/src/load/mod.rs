@@ -74,8 +74,12 @@ pub struct RankReport {
     /// ([`crate::tier`]) instead of storage.
     #[serde(default)]
     pub bytes_from_memory_tier: u64,
-    /// Of `bytes_read`, the bytes read from the checkpoint's storage
-    /// (`bytes_read - bytes_from_memory_tier`).
+    /// Of `bytes_read`, the bytes of a live publication read from its publishers' shared memory
+    /// on this host (`tessera_storage::shared_file`) instead of over HTTP.
+    #[serde(default)]
+    pub bytes_from_publisher_memory: u64,
+    /// Of `bytes_read`, the bytes read from the checkpoint's storage (over HTTP for a live
+    /// publication): `bytes_read - bytes_from_memory_tier - bytes_from_publisher_memory`.
     #[serde(default)]
     pub bytes_from_storage: u64,
     /// Memory-tier copies that failed a read after they were verified (changed, truncated,
@@ -247,7 +251,10 @@ impl RankReport {
             bytes_needed: plan.summary.bytes_needed,
             bytes_read: stats.bytes_needed,
             bytes_from_memory_tier: stats.bytes_from_local_copies,
-            bytes_from_storage: stats.bytes_needed - stats.bytes_from_local_copies,
+            bytes_from_publisher_memory: stats.bytes_from_shared_memory,
+            bytes_from_storage: stats.bytes_needed
+                - stats.bytes_from_local_copies
+                - stats.bytes_from_shared_memory,
             memory_tier_fallbacks: stats.local_copy_fallbacks.clone(),
             bytes_fetched: stats.bytes_fetched,
             verify_extra_bytes: stats.verify_extra_bytes,

@@ -84,6 +84,9 @@ pub struct ReadStats {
     /// Of `bytes_needed`, the bytes of files read from local copies instead of the checkpoint's
     /// storage ([`ReadOptions::local_files`]: a memory tier's).
     pub bytes_from_local_copies: u64,
+    /// Of `bytes_needed`, the bytes read from a live publisher's shared memory on this host
+    /// ([`ReadOptions::shared_files`]) instead of over HTTP.
+    pub bytes_from_shared_memory: u64,
     /// Local copies that failed a read (a changed byte, a truncation, not a regular file): each
     /// named with why. Their bytes were read from the checkpoint's storage instead.
     pub local_copy_fallbacks: Vec<String>,
@@ -365,6 +368,7 @@ async fn read_runs(
         pieces,
         bytes_needed,
         bytes_from_local_copies,
+        bytes_from_shared_memory,
         bytes_unverified,
     } = sorted;
 
@@ -406,6 +410,7 @@ async fn read_runs(
         pieces,
         bytes_needed,
         bytes_from_local_copies,
+        bytes_from_shared_memory,
         local_copy_fallbacks: Vec::new(),
         bytes_fetched: schedule.bytes_fetched + positioned_bytes,
         verify_extra_bytes: if scheduler.verifying() || !assembly.checks.is_empty() {
@@ -449,6 +454,7 @@ struct SortedReads {
     pieces: usize,
     bytes_needed: u64,
     bytes_from_local_copies: u64,
+    bytes_from_shared_memory: u64,
     bytes_unverified: u64,
 }
 
@@ -563,6 +569,8 @@ impl<'a> ReadSort<'a> {
         let file = &files[read.file as usize];
         if self.options.local_files.contains_key(file.path.as_ref()) {
             self.out.bytes_from_local_copies += piece.bytes;
+        } else if self.options.shared_files.contains_key(file.path.as_ref()) {
+            self.out.bytes_from_shared_memory += piece.bytes;
         }
         let target = self.targets.and_then(|t| t.get(index).copied().flatten());
         let joint_read = self.joint_of.get(&piece.id).copied();

@@ -69,14 +69,21 @@ pub struct LocalPaths {
     pub root: Option<PathBuf>,
     /// Store paths read from these files instead ([`ReadOptions::local_files`]).
     pub files: Arc<HashMap<String, PathBuf>>,
+    /// Store paths read from a publisher's shared memory on this host
+    /// ([`ReadOptions::shared_files`]).
+    pub shared: Arc<HashMap<String, PathBuf>>,
 }
 
 impl LocalPaths {
     /// The local paths of `options`, or `None` when nothing is read by position.
     pub(crate) fn of(options: &ReadOptions) -> Option<LocalPaths> {
-        (options.local_root.is_some() || !options.local_files.is_empty()).then(|| LocalPaths {
+        (options.local_root.is_some()
+            || !options.local_files.is_empty()
+            || !options.shared_files.is_empty())
+        .then(|| LocalPaths {
             root: options.local_root.clone(),
             files: Arc::clone(&options.local_files),
+            shared: Arc::clone(&options.shared_files),
         })
     }
 
@@ -84,12 +91,23 @@ impl LocalPaths {
     /// single files, or a path under the root that maps to a file name as written
     /// ([`readable_path`]).
     pub(crate) fn readable(&self, path: &object_store::path::Path) -> bool {
-        self.files.contains_key(path.as_ref()) || (self.root.is_some() && readable_path(path))
+        self.files.contains_key(path.as_ref())
+            || self.shared.contains_key(path.as_ref())
+            || (self.root.is_some() && readable_path(path))
     }
 
     /// Opens the local file of store path `path`. A missing file is [`LoaderError::MissingFile`]
     /// naming the store path, as a read through the store says.
     pub(crate) fn open(&self, path: &object_store::path::Path) -> Result<File, LoaderError> {
+        // A publisher's shared memory: `/proc/self/fd/<n>` of the descriptor the live store
+        // opened and checked (a link by design, so not `open_regular`).
+        if let Some(file) = self.shared.get(path.as_ref()) {
+            return File::open(file).map_err(|e| LoaderError::Io {
+                action: "opening the publisher's shared memory",
+                path: format!("{} (of {path})", file.display()),
+                source: e,
+            });
+        }
         match (self.files.get(path.as_ref()), &self.root) {
             // A memory-tier copy: only ever a regular file, opened without blocking (a FIFO in
             // its place must not hold the load in `open(2)`); errors name the copy.
@@ -147,7 +165,8 @@ impl LocalFiles {
         if slot.is_none() {
             *slot = Some(self.paths.open(&source.path)?);
             if let Some(copy) = self.copies.get_mut(file as usize) {
-                *copy = self.paths.files.contains_key(source.path.as_ref());
+                *copy = self.paths.files.contains_key(source.path.as_ref())
+                    || self.paths.shared.contains_key(source.path.as_ref());
             }
         }
         Ok(())
@@ -468,6 +487,7 @@ pub(crate) mod tests {
         LocalPaths {
             root: Some(root.to_path_buf()),
             files: Arc::default(),
+            shared: Arc::default(),
         }
     }
 

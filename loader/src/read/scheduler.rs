@@ -107,6 +107,10 @@ pub struct ReadOptions {
     /// store reads the same paths from the same files ([`crate::tier::TierStore`]), so
     /// reads that do not go by position get the same bytes.
     pub local_files: Arc<HashMap<String, std::path::PathBuf>>,
+    /// Store paths whose bytes are read by position from a live publisher's shared memory on
+    /// this host (`tessera_storage::Location::shared_files`, `/proc/self/fd/<n>` paths); the
+    /// store serves the same paths from the same descriptors.
+    pub shared_files: Arc<HashMap<String, std::path::PathBuf>>,
     /// Read local checkpoints by position ([`ReadOptions::local_root`]; true). Off, every read
     /// goes through the store: the side-by-side switch of benchmarks (front ends map
     /// `TESSERA_POSITIONED_READS=0` to it).
@@ -165,6 +169,7 @@ impl Default for ReadOptions {
             exact_multi_range: None,
             local_root: None,
             local_files: Arc::default(),
+            shared_files: Arc::default(),
             positioned_reads: true,
             bounce_reads: crate::read::misaligned_copies_are_slow(),
             joint_checks: false,
@@ -1085,6 +1090,7 @@ mod tests {
             LocalPaths {
                 root: Some(std::path::PathBuf::from("/")),
                 files: Arc::default(),
+                shared: Arc::default(),
             },
             64,
             true,

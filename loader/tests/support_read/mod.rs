@@ -52,6 +52,7 @@ pub async fn open_local(dir: &tempfile::TempDir, store: Arc<dyn ObjectStore>) ->
         prefix: prefix(),
         display: dir.path().display().to_string(),
         local_root: Some(dir.path().to_path_buf()),
+        shared_files: Default::default(),
     };
     Checkpoint::open(location).await.unwrap()
 }

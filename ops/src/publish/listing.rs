@@ -797,6 +797,7 @@ mod tests {
                 objects: Vec::new(),
             },
             file,
+            shared: None,
         };
         write_part(&dir, &part).unwrap();
         part
