@@ -51,7 +51,8 @@ snapshot is taken). Reported: medians over publishes of the slowest rank.
 
 Profile of the live loads (medians): publish call (snapshot), publish-to-commit (background
 layout, serving, registry parts, rank 0's commit), commit-to-load-start, and the consumer's
-load: its read_seconds (HTTP reads from the publishers, verified), exchange_seconds (inside the
+load: its read_seconds (reads from the publishers, verified: from their shared memory on this
+host, `publish(share_memory=True)`, the default; over HTTP otherwise), exchange_seconds (inside the
 consumer job), and the rest of its total_seconds (open, plan, bookkeeping; the resolve and the lease precede
 the timed inner load and are not in it).
 
@@ -60,7 +61,7 @@ functions (cumulative) are printed per consumer world.
 
 Usage (release module: `cd python && maturin develop --release && cd ..`):
     python benches/live_reshard.py [--layers 1] [--scale 2] [--vocab 8192] [--consumers 2,3]
-        [--repeats 3] [--dir target/bench-live] [--profile]
+        [--repeats 3] [--dir target/bench-live] [--http] [--profile]
 Defaults: 0.82 GiB of state (36 tensors). Disk: one checkpoint at a time under --dir (dcp or
 tessera, about the state's size), removed after each method; --dir is removed at the end.
 Memory: the publisher job holds its state, the eager-copy buffers, the staging pool and up to two
@@ -236,7 +237,9 @@ def publisher(rank: int, ports: dict, args: dict) -> None:
         if method.startswith("tessera live"):
             name = f"policy-c{c}-r{rep}"
             started = time.perf_counter()
-            pub = tessera.publish(state, name, step=step, registry=registry, timeout=600)
+            pub = tessera.publish(
+                state, name, step=step, registry=registry, timeout=600, share_memory=not args["http"],
+            )
             result["publish_call_s"] = time.perf_counter() - started
             pubs.setdefault(name, []).append(pub)
             report = pub.result(600)
@@ -355,6 +358,7 @@ def consumer(rank: int, c: int, ports: dict, args: dict) -> None:
                     total_s=r["total_seconds"], read_s=r["read_seconds"], exchange_s=r["exchange_seconds"],
                     bytes_read=r["bytes_read"], bytes_fetched=r["bytes_fetched"], requests=r["requests"],
                     bytes_received=r["bytes_received"], loaded_step=r["step"],
+                    from_memory=r.get("bytes_from_publisher_memory", 0),
                 )
                 if "plan_reused" in r:  # plan reuse across steps: shown when reported
                     result["plan_reused"] = r["plan_reused"]
@@ -421,6 +425,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default="target/bench-live")
     parser.add_argument(
+        "--http", action="store_true",
+        help="publish with share_memory=False: the consumers read over HTTP, as a consumer on another host does",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="cProfile consumer rank 0's live loads; print the last of each world's"
     )
     parsed = parser.parse_args()
@@ -433,7 +441,7 @@ def main() -> None:
     os.makedirs(work)
     args = {
         "layers": parsed.layers, "scale": parsed.scale, "vocab": parsed.vocab, "consumers": consumers,
-        "repeats": parsed.repeats, "dir": work, "profile": parsed.profile,
+        "repeats": parsed.repeats, "dir": work, "profile": parsed.profile, "http": parsed.http,
     }
     print(f"command: python {' '.join(sys.argv)}")
     print(machine())
@@ -556,6 +564,8 @@ def report(results: dict, consumers: list, repeats: int, total: int) -> None:
             persist = med([max(x["persist_s"] for x in r["pub"]) for r in rs])
             requests = med([sum(x["requests"] for x in r["con"]) for r in rs])
             fetched = med([sum(x["bytes_fetched"] for x in r["con"]) for r in rs])
+            from_memory = med([sum(x.get("from_memory", 0) for x in r["con"]) for r in rs])
+            read_bytes = med([sum(x.get("bytes_read", 0) for x in r["con"]) for r in rs])
             plan = (
                 f" (of it planning {med([max(x['plan_s'] for x in r['con']) for r in rs]):.3f} s)"
                 if all("plan_s" in x for r in rs for x in r["con"])
@@ -564,7 +574,9 @@ def report(results: dict, consumers: list, repeats: int, total: int) -> None:
             print(
                 f"live {label} phases (medians, slowest rank): publish call {publish:.3f} s; background persist "
                 f"(layout, serve, part; rank 0 also commits) {persist:.2f} s; committed at "
-                f"{committed:.2f} s; consumers told at {ready:.2f} s; HTTP reads {requests:.0f}, {fetched:,.0f} bytes; "
+                f"{committed:.2f} s; consumers told at {ready:.2f} s; {requests:.0f} reads fetching {fetched:,.0f} bytes "
+                f"(verification blocks included) for {read_bytes:,.0f} bytes of pieces, {from_memory:,.0f} of them "
+                f"from the publishers' shared memory, the rest over HTTP; "
                 f"load {load:.2f} s = read {read:.2f} s + exchange "
                 f"{exchange:.2f} s + other (open, plan, bookkeeping; resolve and lease come before) {rest:.2f} s{plan}{reused([x for r in rs for x in r['con']])}"
             )

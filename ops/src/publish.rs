@@ -40,8 +40,11 @@ use object_store::memory::InMemory;
 use object_store::path::Path;
 use serde::{Deserialize, Serialize};
 use tessera_metadata::TensorBox;
-use tessera_metadata::formats::native::{Manifest, NativeWriter, WriteOptions, WrittenFile};
+use tessera_metadata::formats::native::{
+    Manifest, MemorySink, NativeWriter, WriteOptions, WrittenFile,
+};
 use tessera_storage::PUBLISHERS_FILE;
+use tessera_storage::shared_file::{SharedFile, SharedFileWriter};
 
 use crate::save::{HeldBox, Holdings, global_tensors};
 use crate::{OpsError, ResultExt};
@@ -82,14 +85,74 @@ pub fn data_file_name(rank: u32) -> String {
     format!("publisher-rank-{rank}")
 }
 
+/// Where a publisher rank lays its data file out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PartMemory {
+    /// A buffer of this process, served over HTTP only.
+    Heap,
+    /// Shared memory named after `tag` (`tessera_storage::shared_file`), served over HTTP and
+    /// opened by consumers on this host; the heap where the kernel offers none.
+    Shared {
+        /// What the memfd's name starts with (`/proc/<pid>/fd/<n>` shows it).
+        tag: String,
+    },
+}
+
+/// A publisher rank's data file as laid out.
+#[derive(Clone, Debug)]
+pub enum PartBytes {
+    /// In this process's heap.
+    Heap(Bytes),
+    /// In shared memory.
+    Shared(Arc<SharedFile>),
+}
+
+impl PartBytes {
+    /// The file's bytes, for the range server (no copy).
+    pub fn bytes(&self) -> Bytes {
+        match self {
+            PartBytes::Heap(bytes) => bytes.clone(),
+            PartBytes::Shared(file) => file.bytes(),
+        }
+    }
+
+    /// The shared file, when it is one.
+    pub fn shared(&self) -> Option<&Arc<SharedFile>> {
+        match self {
+            PartBytes::Heap(_) => None,
+            PartBytes::Shared(file) => Some(file),
+        }
+    }
+}
+
+/// The writer's sink for a data file laid out straight into shared memory.
+#[derive(Debug)]
+struct SharedSink(SharedFileWriter);
+
+impl MemorySink for SharedSink {
+    fn append(&mut self, data: &[u8]) -> std::io::Result<()> {
+        self.0.append(data)
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
+        self
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 /// Lays out `boxes` (whose bytes are `data`, row-major) and `objects` as the data file of
-/// publisher rank `rank`, in memory; returns the file's bytes and what the commit needs of it.
+/// publisher rank `rank`, in `memory` (each byte copied once, checksums taken on the way);
+/// returns the file and what the commit needs of it.
 pub async fn write_part_file(
     rank: u32,
     boxes: &[HeldBox],
     data: &[&[u8]],
     objects: &[(String, Vec<u8>)],
-) -> Result<(Bytes, WrittenFile), OpsError> {
+    memory: &PartMemory,
+) -> Result<(PartBytes, WrittenFile), OpsError> {
     if boxes.len() != data.len() {
         return Err(OpsError::invalid(format!(
             "rank {rank}: {} boxes but {} byte buffers",
@@ -117,13 +180,23 @@ pub async fn write_part_file(
     )
     .await?;
     let name = data_file_name(rank);
-    // Laid out in memory, once: each box's bytes plus its alignment, the objects after them.
-    let capacity = data
-        .iter()
-        .map(|d| d.len().next_multiple_of(4096))
-        .chain(objects.iter().map(|(_, o)| o.len().next_multiple_of(4096)))
-        .sum();
-    let mut file = writer.data_file_in_memory(&name, capacity)?;
+    // A memfd where the kernel offers one; the heap otherwise (the part then says HTTP only).
+    let shared = match memory {
+        PartMemory::Shared { tag } => SharedFileWriter::new(tag).ok(),
+        PartMemory::Heap => None,
+    };
+    let mut file = match shared {
+        Some(sink) => writer.data_file_into(&name, Box::new(SharedSink(sink)))?,
+        None => {
+            // Each box's bytes plus its alignment, the objects after them, reserved up front.
+            let capacity = data
+                .iter()
+                .map(|d| d.len().next_multiple_of(4096))
+                .chain(objects.iter().map(|(_, o)| o.len().next_multiple_of(4096)))
+                .sum();
+            writer.data_file_in_memory(&name, capacity)?
+        }
+    };
     for (b, bytes) in boxes.iter().zip(data) {
         let tensor = index.get(b.fqn.as_str()).copied().ok_or_else(|| {
             OpsError::invalid(format!("rank {rank}: tensor {} is not listed", b.fqn))
@@ -138,8 +211,15 @@ pub async fn write_part_file(
             .await
             .with_context(|| format!("publishing object {key}"))?;
     }
+    if file.laid_out_into::<SharedSink>() {
+        let (sink, written) = file.finish_into::<SharedSink>()?;
+        let shared = sink.0.finish().map_err(|e| {
+            OpsError::invalid(format!("rank {rank}: mapping its shared memory: {e}"))
+        })?;
+        return Ok((PartBytes::Shared(shared), written));
+    }
     let (bytes, written) = file.finish_in_memory()?;
-    Ok((bytes, written))
+    Ok((PartBytes::Heap(bytes), written))
 }
 
 fn io_error(what: &str, path: &FsPath, e: std::io::Error) -> OpsError {
@@ -346,7 +426,9 @@ mod tests {
     async fn part(rank: u32, world: u32, values: &[f32]) -> Part {
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let boxes = vec![row_box(u64::from(rank))];
-        let (_, file) = write_part_file(rank, &boxes, &[&bytes], &[]).await.unwrap();
+        let (_, file) = write_part_file(rank, &boxes, &[&bytes], &[], &PartMemory::Heap)
+            .await
+            .unwrap();
         Part {
             rank,
             world,
@@ -360,6 +442,37 @@ mod tests {
             file,
             shared: None,
         }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_part_laid_out_in_shared_memory_is_the_heap_layout_byte_for_byte() {
+        let values: Vec<u8> = (0..40_000u32).map(|i| (i % 253) as u8).collect();
+        let boxes = vec![HeldBox {
+            fqn: "w".to_string(),
+            dtype: "u8".to_string(),
+            shape: vec![400, 100],
+            offsets: vec![0, 0],
+            lengths: vec![400, 100],
+        }];
+        let objects = vec![("step".to_string(), b"7".to_vec())];
+        let (heap, heap_file) = write_part_file(0, &boxes, &[&values], &objects, &PartMemory::Heap)
+            .await
+            .unwrap();
+        let memory = PartMemory::Shared {
+            tag: "tessera-test-part".to_string(),
+        };
+        let (shared, shared_file) = write_part_file(0, &boxes, &[&values], &objects, &memory)
+            .await
+            .unwrap();
+        assert!(heap.shared().is_none());
+        let file = shared.shared().expect("laid out in shared memory");
+        assert_eq!(shared.bytes(), heap.bytes());
+        assert_eq!(file.handle().size, heap.bytes().len() as u64);
+        assert_eq!(shared_file, heap_file);
+        // A consumer on this host opens what the part will name.
+        let opened = tessera_storage::shared_file::open_shared(file.handle()).unwrap();
+        assert_eq!(opened.metadata().unwrap().len(), file.handle().size);
     }
 
     #[tokio::test]

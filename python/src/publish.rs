@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow};
 use pyo3::prelude::*;
-use tessera_ops::publish::{self, Part};
+use tessera_ops::publish::{self, Part, PartMemory};
 use tessera_ops::save::{HeldBox as OpsBox, Holdings};
 use tessera_storage::RangeServer;
 use tessera_storage::shared_file::SharedFile;
@@ -126,32 +126,32 @@ async fn run_part(
         });
     }
     let data: Vec<&[u8]> = memory.iter().map(AsRef::as_ref).collect();
-    let (bytes, file) = publish::write_part_file(rank, &held, &data, &objects).await?;
     let step_name = step_dir
         .file_name()
         .and_then(|n| n.to_str())
         .ok_or_else(|| anyhow!("{}: no step directory name", step_dir.display()))?;
+    // Laid out straight into shared memory where the kernel offers it (consumers on this host
+    // read it there); the heap, HTTP only, otherwise: the part says which by its handle.
+    let memory = if request.share_memory {
+        PartMemory::Shared {
+            tag: format!("tessera-{}-{step_name}-rank{rank}", request.name),
+        }
+    } else {
+        PartMemory::Heap
+    };
+    let (laid_out, file) = publish::write_part_file(rank, &held, &data, &objects, &memory).await?;
     let path = format!("{}/{step_name}/{}", request.name, file.path());
     let server = server(&request.host)
         .with_context(|| format!("rank {rank}: serving publication {}", request.name))?;
+    let bytes = laid_out.bytes();
     let size = bytes.len();
-    // Shared memory where the kernel offers it (one more copy of the file, in this background
-    // step, and the `Vec` goes); HTTP alone otherwise, said in the part by its absence.
-    let shared = if request.share_memory {
-        let tag = format!("tessera-{}-{step_name}-rank{rank}", request.name);
-        SharedFile::create(&tag, &bytes).ok()
-    } else {
-        None
-    };
-    match &shared {
-        Some(file) => {
-            server.serve(&path, file.bytes());
-            shared_files()
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .insert(path.clone(), Arc::clone(file));
-        }
-        None => server.serve(&path, bytes),
+    server.serve(&path, bytes);
+    let shared = laid_out.shared().cloned();
+    if let Some(file) = &shared {
+        shared_files()
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(path.clone(), Arc::clone(file));
     }
     let part = Part {
         rank,

@@ -77,72 +77,10 @@ impl std::fmt::Debug for SharedFile {
 
 impl SharedFile {
     /// A shared file named after `tag` (plus a random part) holding `bytes`.
-    #[cfg(target_os = "linux")]
     pub fn create(tag: &str, bytes: &[u8]) -> std::io::Result<Arc<SharedFile>> {
-        use std::hash::BuildHasher;
-        use std::os::fd::{AsRawFd, FromRawFd};
-        let boot_id = boot_id().ok_or_else(|| std::io::Error::other("no boot id in /proc"))?;
-        let nonce = std::hash::RandomState::new().hash_one((std::process::id(), tag));
-        // The kernel caps a memfd's name at 249 bytes; the tag is cut on a char boundary.
-        let mut name: String = tag.chars().take(200).collect();
-        name = format!("{name}-{nonce:016x}");
-        let c_name = std::ffi::CString::new(name.clone())
-            .map_err(|_| std::io::Error::other("a shared file's name holds a NUL byte"))?;
-        // SAFETY: `c_name` is a valid NUL-terminated string; the returned descriptor is owned
-        // by the File made from it (or the error is returned before).
-        let fd = unsafe { libc::memfd_create(c_name.as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a fresh descriptor nothing else owns.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(bytes.len() as u64)?;
-        file.write_all_at(bytes, 0)?;
-        let len = bytes.len();
-        let map = if len == 0 {
-            std::ptr::NonNull::<u8>::dangling().as_ptr() as *const u8
-        } else {
-            // SAFETY: maps `len` bytes of a file of that size read-only and shared; the mapping
-            // is unmapped in Drop, after which nothing refers to it.
-            let p = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ,
-                    libc::MAP_SHARED,
-                    file.as_raw_fd(),
-                    0,
-                )
-            };
-            if p == libc::MAP_FAILED {
-                return Err(std::io::Error::last_os_error());
-            }
-            p as *const u8
-        };
-        let inode = file.metadata()?.ino();
-        let handle = SharedHandle {
-            boot_id,
-            pid: std::process::id(),
-            fd: file.as_raw_fd(),
-            inode,
-            size: len as u64,
-            name,
-        };
-        Ok(Arc::new(SharedFile {
-            file,
-            map,
-            len,
-            handle,
-        }))
-    }
-
-    /// Shared files need Linux (`memfd_create`, `/proc`).
-    #[cfg(not(target_os = "linux"))]
-    pub fn create(_tag: &str, _bytes: &[u8]) -> std::io::Result<Arc<SharedFile>> {
-        Err(std::io::Error::new(
-            std::io::ErrorKind::Unsupported,
-            "shared files need Linux",
-        ))
+        let mut writer = SharedFileWriter::new(tag)?;
+        writer.append(bytes)?;
+        writer.finish()
     }
 
     /// What a consumer on this host opens it by.
@@ -173,6 +111,113 @@ impl Drop for SharedFile {
                 libc::munmap(self.map as *mut libc::c_void, self.len);
             }
         }
+    }
+}
+
+/// A shared file being written: bytes appended in order (a data file laid out straight into
+/// shared memory, no buffer in between), then mapped for serving ([`SharedFileWriter::finish`]).
+#[derive(Debug)]
+pub struct SharedFileWriter {
+    file: File,
+    len: u64,
+    name: String,
+    boot_id: String,
+}
+
+impl SharedFileWriter {
+    /// An empty shared file named after `tag` (plus a random part).
+    #[cfg(target_os = "linux")]
+    pub fn new(tag: &str) -> std::io::Result<SharedFileWriter> {
+        use std::hash::BuildHasher;
+        use std::os::fd::FromRawFd;
+        let boot_id = boot_id().ok_or_else(|| std::io::Error::other("no boot id in /proc"))?;
+        let nonce = std::hash::RandomState::new().hash_one((std::process::id(), tag));
+        // The kernel caps a memfd's name at 249 bytes; the tag is cut on a char boundary.
+        let tag: String = tag.chars().take(200).collect();
+        let name = format!("{tag}-{nonce:016x}");
+        let c_name = std::ffi::CString::new(name.clone())
+            .map_err(|_| std::io::Error::other("a shared file's name holds a NUL byte"))?;
+        // SAFETY: `c_name` is a valid NUL-terminated string; the returned descriptor is owned
+        // by the File made from it (or the error is returned before).
+        let fd = unsafe { libc::memfd_create(c_name.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh descriptor nothing else owns.
+        let file = unsafe { File::from_raw_fd(fd) };
+        Ok(SharedFileWriter {
+            file,
+            len: 0,
+            name,
+            boot_id,
+        })
+    }
+
+    /// Shared files need Linux (`memfd_create`, `/proc`).
+    #[cfg(not(target_os = "linux"))]
+    pub fn new(_tag: &str) -> std::io::Result<SharedFileWriter> {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "shared files need Linux",
+        ))
+    }
+
+    /// Appends `data` at the end (one `pwrite`: the kernel copies it into the file's pages).
+    pub fn append(&mut self, data: &[u8]) -> std::io::Result<()> {
+        self.file.write_all_at(data, self.len)?;
+        self.len += data.len() as u64;
+        Ok(())
+    }
+
+    /// Bytes written so far.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether nothing was written.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The file, mapped read-only for serving.
+    pub fn finish(self) -> std::io::Result<Arc<SharedFile>> {
+        use std::os::fd::AsRawFd;
+        let len = usize::try_from(self.len)
+            .map_err(|_| std::io::Error::other("a shared file larger than the address space"))?;
+        let map = if len == 0 {
+            std::ptr::NonNull::<u8>::dangling().as_ptr() as *const u8
+        } else {
+            // SAFETY: maps `len` bytes of a file of that size read-only and shared; the mapping
+            // is unmapped in SharedFile's Drop, after which nothing refers to it.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ,
+                    libc::MAP_SHARED,
+                    self.file.as_raw_fd(),
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(std::io::Error::last_os_error());
+            }
+            p as *const u8
+        };
+        let handle = SharedHandle {
+            boot_id: self.boot_id,
+            pid: std::process::id(),
+            fd: self.file.as_raw_fd(),
+            inode: self.file.metadata()?.ino(),
+            size: self.len,
+            name: self.name,
+        };
+        Ok(Arc::new(SharedFile {
+            file: self.file,
+            map,
+            len,
+            handle,
+        }))
     }
 }
 

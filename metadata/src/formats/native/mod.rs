@@ -64,7 +64,9 @@ pub use manifest::{
 };
 pub use reader::{NativeCheckpoint, open_checkpoint, read_block_checksums};
 pub use verify::{BadBlock, BadBox, SizeMismatch, VerifyReport, verify_checkpoint};
-pub use writer::{DataFileWriter, NativeWriter, PreparedCommit, WriteOptions, WrittenFile};
+pub use writer::{
+    DataFileWriter, MemorySink, NativeWriter, PreparedCommit, WriteOptions, WrittenFile,
+};
 
 /// The `format` field of every native manifest.
 pub const FORMAT_NAME: &str = "tessera";

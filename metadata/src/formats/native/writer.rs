@@ -2,6 +2,7 @@
 //! [`DataFileWriter`]s stream boxes into data files (several at once, from different tasks), and
 //! [`NativeWriter::commit`] validates everything, writes the metadata files and then the manifest.
 
+use std::any::Any;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
@@ -183,7 +184,7 @@ impl NativeWriter {
             blocks: BlockCrcs::new(self.shared.options.block_size),
             buf: Vec::new(),
             upload: None,
-            in_memory: false,
+            memory: None,
             chunks: Vec::new(),
             objects: Vec::new(),
             failed: false,
@@ -200,9 +201,19 @@ impl NativeWriter {
         name: &str,
         capacity: usize,
     ) -> Result<DataFileWriter, MetadataError> {
+        self.data_file_into(name, Box::new(Vec::<u8>::with_capacity(capacity)))
+    }
+
+    /// [`Self::data_file`] laid out into `sink` instead of the store (a live publication's
+    /// shared memory): every byte is appended to it once, in order, and
+    /// [`DataFileWriter::finish_into`] hands it back with what the commit needs.
+    pub fn data_file_into(
+        &self,
+        name: &str,
+        sink: Box<dyn MemorySink>,
+    ) -> Result<DataFileWriter, MetadataError> {
         let mut file = self.data_file(name)?;
-        file.in_memory = true;
-        file.buf = Vec::with_capacity(capacity);
+        file.memory = Some(sink);
         Ok(file)
     }
 
@@ -515,6 +526,32 @@ impl WrittenFile {
     }
 }
 
+/// Memory a data file is laid out into instead of the store ([`NativeWriter::data_file_into`]):
+/// appended to in order, then handed back whole ([`DataFileWriter::finish_into`]).
+pub trait MemorySink: Send + Sync + std::fmt::Debug + 'static {
+    /// Appends `data` at the end.
+    fn append(&mut self, data: &[u8]) -> std::io::Result<()>;
+    /// Itself, for [`DataFileWriter::finish_into`] to hand back as its own type.
+    fn into_any(self: Box<Self>) -> Box<dyn Any>;
+    /// Itself, for [`DataFileWriter::laid_out_into`] to tell its type.
+    fn as_any(&self) -> &dyn Any;
+}
+
+impl MemorySink for Vec<u8> {
+    fn append(&mut self, data: &[u8]) -> std::io::Result<()> {
+        self.extend_from_slice(data);
+        Ok(())
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
 /// Streams boxes and objects into one data file, `data/<name>.bin`, 4 KiB aligned, computing box
 /// and block checksums on the way. Bytes go to the store in multipart parts as they accumulate, so
 /// memory stays bounded for files of any size; a file that stays below one part is put in one
@@ -528,9 +565,9 @@ pub struct DataFileWriter {
     blocks: BlockCrcs,
     buf: Vec<u8>,
     upload: Option<WriteMultipart>,
-    /// The file is laid out in `buf` whole and handed back by
-    /// [`DataFileWriter::finish_in_memory`], never sent to the store.
-    in_memory: bool,
+    /// The file is laid out here whole and handed back by [`DataFileWriter::finish_into`],
+    /// never sent to the store.
+    memory: Option<Box<dyn MemorySink>>,
     chunks: Vec<SavedChunk>,
     objects: Vec<ObjectMeta>,
     /// A store error happened mid-file; the file's content is unknown, so it cannot be finished.
@@ -792,22 +829,44 @@ impl DataFileWriter {
 
     /// The whole file of a writer from [`NativeWriter::data_file_in_memory`] and what the commit
     /// needs.
-    pub fn finish_in_memory(mut self) -> Result<(Bytes, WrittenFile), MetadataError> {
+    pub fn finish_in_memory(self) -> Result<(Bytes, WrittenFile), MetadataError> {
+        let (buffer, written) = self.finish_into::<Vec<u8>>()?;
+        Ok((Bytes::from(buffer), written))
+    }
+
+    /// Whether this writer lays its file out into a sink of type `S`.
+    pub fn laid_out_into<S: MemorySink>(&self) -> bool {
+        self.memory.as_ref().is_some_and(|sink| {
+            let sink: &dyn Any = sink.as_any();
+            sink.is::<S>()
+        })
+    }
+
+    /// The sink of a writer from [`NativeWriter::data_file_into`] (of type `S`), holding the
+    /// whole file, and what the commit needs.
+    pub fn finish_into<S: MemorySink>(mut self) -> Result<(S, WrittenFile), MetadataError> {
         self.usable()?;
-        if !self.in_memory {
+        let Some(sink) = self.memory.take() else {
             return Err(MetadataError::Invalid {
                 what: format!("{}: not laid out in memory", self.relative),
             });
-        }
-        let bytes = Bytes::from(std::mem::take(&mut self.buf));
+        };
+        let Ok(sink) = sink.into_any().downcast::<S>() else {
+            return Err(MetadataError::Invalid {
+                what: format!(
+                    "{}: laid out into another kind of memory than asked for",
+                    self.relative
+                ),
+            });
+        };
         let data_written = !self.shared.options.metadata_only;
-        Ok((bytes, self.written(data_written)))
+        Ok((*sink, self.written(data_written)))
     }
 
     /// Completes the upload and returns what the commit needs.
     pub async fn finish(mut self) -> Result<WrittenFile, MetadataError> {
         self.usable()?;
-        if self.in_memory {
+        if self.memory.is_some() {
             return Err(MetadataError::Invalid {
                 what: format!(
                     "{}: laid out in memory; finish it with finish_in_memory",
@@ -944,8 +1003,13 @@ impl DataFileWriter {
     async fn append(&mut self, data: &[u8]) -> Result<(), MetadataError> {
         self.blocks.update(data);
         self.len += data.len() as u64;
-        if self.in_memory {
-            self.buf.extend_from_slice(data);
+        if let Some(sink) = &mut self.memory {
+            if let Err(e) = sink.append(data) {
+                self.failed = true;
+                return Err(MetadataError::Invalid {
+                    what: format!("{}: laying it out in memory: {e}", self.relative),
+                });
+            }
             return Ok(());
         }
         let mut rest = data;
