@@ -36,9 +36,11 @@ use tessera_planner::{
 };
 
 pub use finish::dump_names;
+pub use spawn::{TOKEN_ENV, rank_args};
 
 /// How ranks talk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum TransportKind {
     /// Threads of this process.
     InProc,
@@ -58,8 +60,9 @@ impl TransportKind {
     }
 }
 
-/// Arguments of `tessera load`.
-#[derive(Clone, Debug)]
+/// Arguments of `tessera load`. The rank processes it spawns take them whole, as JSON
+/// (`spawn`), the token aside.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct LoadArgs {
     /// Checkpoint location.
     pub checkpoint: String,
@@ -109,11 +112,14 @@ pub struct LoadArgs {
     pub checkpoint_id: Option<String>,
     /// The registry of live publications a `live://NAME[@STEP]` checkpoint is resolved in.
     pub registry: Option<std::path::PathBuf>,
-    /// Bearer token of the server (the CLI fills it from `TESSERA_TOKEN` when not given).
+    /// Bearer token of the server (the CLI fills it from `TESSERA_TOKEN` when not given). Never
+    /// written to a file: spawned ranks get it in their environment.
+    #[serde(skip)]
     pub token: Option<String>,
     /// Timeouts and attempts of every storage request, for the store and the reads alike
     /// (`--storage-read-timeout`, `--storage-attempts`): with a store that stalls, they bound
     /// how soon the load fails (docs/retry.md).
+    #[serde(with = "super::retry_as_flags")]
     pub retry: tessera_storage::RetryPolicy,
     /// Load only the tensors this takes (`--include`, `--exclude`).
     pub filter: super::select::TensorFilter,
@@ -209,7 +215,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         TransportKind::InProc => load_all_inproc(&job, transport_options).await?,
         TransportKind::Tcp | TransportKind::Nccl => {
             let world = job.world();
-            let loaded = spawn::load_all_tcp(args, world, shared_cache).await?;
+            let loaded = spawn::load_all_spawned(args, world, shared_cache).await?;
             let kind = format!(
                 "{} processes on 127.0.0.1{}",
                 args.transport.name(),

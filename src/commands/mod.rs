@@ -55,6 +55,36 @@ pub fn storage_policy(read_timeout_secs: f64, attempts: u32) -> Result<RetryPoli
     })
 }
 
+/// A [`RetryPolicy`] in a command's arguments as JSON (those `tessera load` hands the rank
+/// processes it spawns): the two numbers the operator sets (`--storage-read-timeout`,
+/// `--storage-attempts`), rebuilt by [`storage_policy`] as the flags are.
+pub mod retry_as_flags {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use tessera_storage::RetryPolicy;
+
+    #[derive(Serialize, Deserialize)]
+    struct Flags {
+        read_timeout_secs: f64,
+        attempts: u32,
+    }
+
+    /// `retry` as its two flags.
+    pub fn serialize<S: Serializer>(retry: &RetryPolicy, to: S) -> Result<S::Ok, S::Error> {
+        let flags = Flags {
+            read_timeout_secs: retry.read_timeout.as_secs_f64(),
+            attempts: retry.max_attempts,
+        };
+        flags.serialize(to)
+    }
+
+    /// The policy of two flags, refused as the flags would be.
+    pub fn deserialize<'de, D: Deserializer<'de>>(from: D) -> Result<RetryPolicy, D::Error> {
+        let flags = Flags::deserialize(from)?;
+        super::storage_policy(flags.read_timeout_secs, flags.attempts)
+            .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
+    }
+}
+
 /// Storage options that give every store `retry`'s timeouts.
 pub fn storage_options(retry: &RetryPolicy) -> StorageOptions {
     StorageOptions {

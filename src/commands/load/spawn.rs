@@ -1,14 +1,44 @@
-//! `tessera load --transport tcp|nccl` without `--rank`: every rank as its own `tessera load
-//! --rank` process on this machine, supervised so that a rank that fails, dies or stops ends
-//! the whole load within about twice the peer timeout, each rank named with what became of it.
+//! `tessera load --transport tcp|nccl` without `--rank`: every rank as its own process on this
+//! machine (`tessera load-rank`, the job's arguments whole from a file), supervised so that a
+//! rank that fails, dies or stops ends the whole load within about twice the peer timeout, each
+//! rank named with what became of it.
 
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use tessera_loader::load::RankReport;
-use tessera_planner::{PlanSummary, ReadOrder};
+use tessera_planner::PlanSummary;
 
-use super::{LoadArgs, Loaded, TransportKind};
+use super::{LoadArgs, Loaded};
+
+/// The environment variable of the plan server's bearer token (`--token`).
+pub const TOKEN_ENV: &str = "TESSERA_TOKEN";
+
+/// The arguments of one spawned rank (`tessera load-rank ARGS --rank R --master-port P
+/// --report-json PATH`): the job's, as its parent wrote them to `args_file`, with this rank's
+/// own and the token from [`TOKEN_ENV`].
+pub fn rank_args(
+    args_file: &std::path::Path,
+    rank: u32,
+    master_port: u16,
+    report_json: String,
+) -> Result<LoadArgs> {
+    let text = std::fs::read(args_file)
+        .with_context(|| format!("reading the load's arguments {}", args_file.display()))?;
+    let args: LoadArgs = serde_json::from_slice(&text).with_context(|| {
+        format!(
+            "{}: not the arguments of a load as `tessera load` writes them for its ranks",
+            args_file.display()
+        )
+    })?;
+    Ok(LoadArgs {
+        rank: Some(rank),
+        master_port: Some(master_port),
+        report_json: Some(report_json),
+        token: std::env::var(TOKEN_ENV).ok().filter(|t| !t.is_empty()),
+        ..args
+    })
+}
 
 /// A rank's `--report-json`: its report, with the job's plan in numbers and how long planning
 /// took, which the parent of spawned ranks reports the job with.
@@ -24,8 +54,14 @@ pub(super) fn write_rank_json(
     std::fs::write(path, serde_json::to_vec(&json)?).with_context(|| format!("writing {path}"))
 }
 
-/// Runs every rank as its own `tessera load --rank` process, rendezvousing on a free loopback port.
-pub(super) async fn load_all_tcp(
+/// The file a spawned rank's arguments are in, beside the ranks' reports.
+const ARGS_FILE: &str = "args.json";
+
+/// Runs every rank as its own process (`tessera load-rank`), rendezvousing on a free loopback
+/// port. The ranks take this job's arguments whole (written once as JSON), so that a rank
+/// process loads as a rank of this process would, flag for flag; only its rank, the port and
+/// where its report goes are its own.
+pub(super) async fn load_all_spawned(
     args: &LoadArgs,
     world: u32,
     shared_cache: Option<&std::path::Path>,
@@ -35,89 +71,36 @@ pub(super) async fn load_all_tcp(
         listener.local_addr()?.port()
     };
     let reports_dir = tempfile::tempdir().context("creating a report directory")?;
+    // Every rank is one of `world` meeting on loopback; it says nothing itself (the parent
+    // reports the job) and writes no metrics file (the parent writes the job's).
+    let rank_args = LoadArgs {
+        rank: None,
+        world: Some(world),
+        master_addr: Some("127.0.0.1".to_string()),
+        master_port: None,
+        quiet: true,
+        json: false,
+        report_json: None,
+        metrics_file: None,
+        ..args.clone()
+    };
+    let args_file = reports_dir.path().join(ARGS_FILE);
+    std::fs::write(&args_file, serde_json::to_vec_pretty(&rank_args)?)
+        .with_context(|| format!("writing the ranks' arguments {}", args_file.display()))?;
     let exe = std::env::current_exe().context("locating the tessera binary")?;
     let mut children = Vec::with_capacity(world as usize);
     for rank in 0..world {
         let report = reports_dir.path().join(format!("rank-{rank}.json"));
         let mut cmd = tokio::process::Command::new(&exe);
-        cmd.arg("load").arg(&args.checkpoint);
-        if let Some(layout) = &args.layout {
-            cmd.arg("--layout").arg(layout);
-        }
-        if let Some(requests) = &args.requests {
-            cmd.arg("--requests").arg(requests);
-        }
-        if let Some(dump) = &args.dump {
-            cmd.arg("--dump").arg(dump);
-        }
-        if let Some(server) = &args.server {
-            // Every rank asks the server; it plans once (the same request gives the same plan).
-            cmd.arg("--server").arg(server);
-            if let Some(id) = &args.checkpoint_id {
-                cmd.arg("--checkpoint-id").arg(id);
-            }
-            if let Some(token) = &args.token {
-                cmd.env("TESSERA_TOKEN", token);
-            }
-        }
-        cmd.args([
-            "--transport",
-            match args.transport {
-                TransportKind::Nccl => "nccl",
-                _ => "tcp",
-            },
-            "--device",
-            &args.device.to_string(),
-            "--rank",
-            &rank.to_string(),
-            "--world",
-            &world.to_string(),
-        ])
-        .args([
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            &port.to_string(),
-        ])
-        .args([
-            "--peer-timeout",
-            &args.peer_timeout.as_secs_f64().to_string(),
-            "--quiet",
-        ])
-        // The same storage timeouts in every rank (flags win over the environment there too).
-        .args([
-            "--storage-read-timeout",
-            &args.retry.read_timeout.as_secs_f64().to_string(),
-            "--storage-attempts",
-            &args.retry.max_attempts.to_string(),
-        ])
-        .arg("--report-json")
-        .arg(&report);
-        // Every rank plans the same filtered requests.
-        cmd.args(args.filter.describe());
-        if !args.verify {
-            cmd.arg("--no-verify");
-        }
-        if let Some(gap) = args.coalesce_gap {
-            cmd.args(["--coalesce-gap", &gap.to_string()]);
-        }
-        if !args.dedup {
-            cmd.arg("--no-dedup");
-        }
-        // Every rank must plan with the same read order, or their plans would not match.
-        cmd.args([
-            "--read-order",
-            match args.read_order {
-                ReadOrder::Auto => "auto",
-                ReadOrder::Request => "request",
-                ReadOrder::Storage => "storage",
-            },
-        ]);
-        if let Some(dir) = &args.memory_tier {
-            cmd.arg("--memory-tier").arg(dir);
-        }
-        if args.check {
-            cmd.arg("--check");
+        cmd.arg("load-rank")
+            .arg(&args_file)
+            .args(["--rank", &rank.to_string()])
+            .args(["--master-port", &port.to_string()])
+            .arg("--report-json")
+            .arg(&report);
+        // Not in the file: a token is a secret.
+        if let Some(token) = &args.token {
+            cmd.env(TOKEN_ENV, token);
         }
         if let Some(dir) = shared_cache {
             cmd.env(crate::commands::CACHE_DIR_ENV, dir);
