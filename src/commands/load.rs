@@ -458,7 +458,7 @@ async fn load_all_inproc(
             job.load_host_rank(rank as u32, transport, on_planned).await
         }));
     }
-    let loads = join_ranks(tasks).await;
+    let loads = crate::ranks::join_tasks(tasks).await;
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
@@ -474,35 +474,6 @@ async fn load_all_inproc(
         reports: loads.into_iter().map(|l| l.report).collect(),
     };
     Ok((loaded, kind))
-}
-
-/// Waits for every rank's task (each in rank order); their failures as one error naming each
-/// rank, whose exit code is that of the rank whose trouble made the others fail.
-async fn join_ranks<T>(tasks: Vec<tokio::task::JoinHandle<Result<T>>>) -> Result<Vec<T>> {
-    let mut done = Vec::with_capacity(tasks.len());
-    let mut failures = Vec::new();
-    let mut classes = Vec::new();
-    for (rank, task) in tasks.into_iter().enumerate() {
-        match task.await {
-            Ok(Ok(value)) => done.push(value),
-            Ok(Err(e)) => {
-                classes.push(crate::exit::classify(&e));
-                failures.push(format!("rank {rank}: {e}"));
-            }
-            Err(e) => {
-                classes.push(crate::exit::ErrorClass::Other);
-                failures.push(format!("rank {rank}: task failed: {e}"));
-            }
-        }
-    }
-    if !failures.is_empty() {
-        return Err(crate::exit::RanksFailed {
-            failures,
-            class: crate::exit::root_class(classes),
-        }
-        .into());
-    }
-    Ok(done)
 }
 
 /// Opens the checkpoint to load (its DCP blob index shared through `shared_cache` when given),
