@@ -25,7 +25,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::device::{CUDA_BUILT, DeviceSpec, cuda_not_built};
 use tessera_loader::load::{LoadOptions, RankReport};
-use tessera_loader::plan_client::server_checkpoint_id;
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
@@ -304,20 +303,13 @@ fn plan_server(args: &LoadArgs) -> Result<Option<PlanServer>> {
     let Some(url) = &args.server else {
         return Ok(None);
     };
-    let checkpoint_id = match &args.checkpoint_id {
-        Some(id) => id.clone(),
-        None => server_checkpoint_id(&args.checkpoint).with_context(|| {
-            format!(
-                "cannot tell the server-side id of {}; give --checkpoint-id <run>/<step>",
-                args.checkpoint
-            )
-        })?,
-    };
-    Ok(Some(PlanServer {
-        url: url.clone(),
-        checkpoint_id,
-        token: args.token.clone(),
-    }))
+    Ok(Some(PlanServer::for_checkpoint(
+        url.clone(),
+        &args.checkpoint,
+        args.checkpoint_id.clone(),
+        args.token.clone(),
+        "--checkpoint-id <run>/<step>",
+    )?))
 }
 
 /// One load job as this command runs its ranks: the flags, and what every rank loads with
