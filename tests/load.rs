@@ -1046,3 +1046,48 @@ fn load_rank_refuses_a_missing_or_garbled_args_file_naming_it() {
         assert!(!dir.path().join("report.json").exists());
     }
 }
+
+/// A metadata-only checkpoint (`synth --metadata-only`) is refused by load and convert alike,
+/// named, before any rank starts or anything is written.
+#[test]
+fn load_and_convert_refuse_a_metadata_only_checkpoint_naming_it() {
+    let dir = tempdir();
+    let layout = layout_file(dir.path(), "dp2.json", &["fsdp", "--dp", "2"]);
+    let ckpt = dir.path().join("ck");
+    ok([
+        "synth",
+        "--model",
+        "gpt-tiny",
+        "--layout",
+        s(&layout),
+        "--out",
+        s(&ckpt),
+        "--metadata-only",
+    ]);
+    let said = format!(
+        "{}: a metadata-only checkpoint has no data to load",
+        s(&ckpt)
+    );
+    for transport in ["inproc", "tcp"] {
+        let err = fails([
+            "load",
+            s(&ckpt),
+            "--layout",
+            s(&layout),
+            "--transport",
+            transport,
+        ]);
+        assert!(err.contains(&said), "{err}");
+    }
+    let out = dir.path().join("out");
+    let err = fails([
+        "convert",
+        s(&ckpt),
+        "--layout",
+        s(&layout),
+        "--out",
+        s(&out),
+    ]);
+    assert!(err.contains(&said), "{err}");
+    assert!(!out.exists());
+}

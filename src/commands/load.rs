@@ -474,25 +474,9 @@ async fn open_checkpoint(
     args: &LoadArgs,
     shared_cache: Option<&std::path::Path>,
 ) -> Result<Checkpoint> {
-    let mut open_options = super::open_options();
-    if let Some(dir) = shared_cache {
-        open_options.dcp.cache_dir = Some(dir.to_path_buf());
-    }
-    let location =
-        tessera_storage::open_with(&args.checkpoint, &super::storage_options(&args.retry))?;
-    tessera_ops::open::check_local(&args.checkpoint)
-        .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
-    let checkpoint = Checkpoint::open_with(location, &open_options)
-        .await
-        .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
+    let checkpoint = super::open_for_load(&args.checkpoint, &args.retry, shared_cache).await?;
     for warning in &checkpoint.warnings {
         eprintln!("warning: {warning}");
-    }
-    if !checkpoint.has_data {
-        bail!(
-            "{}: a metadata-only checkpoint has no data to load",
-            args.checkpoint
-        );
     }
     Ok(checkpoint)
 }

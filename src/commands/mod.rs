@@ -104,9 +104,14 @@ pub async fn open(location: &str, retry: &RetryPolicy) -> Result<OpenedCheckpoin
 }
 
 /// Opens the checkpoint at `location` for loading (block checksums included for native ones),
-/// its store with `retry`'s timeouts.
-pub async fn open_for_load(location: &str, retry: &RetryPolicy) -> Result<Checkpoint> {
-    Ok(tessera_ops::open::open_for_load(location, &storage_options(retry)).await?)
+/// its store with `retry`'s timeouts, its DCP blob index cached in `cache_dir` when given;
+/// refuses a metadata-only checkpoint (`tessera_ops::open::open_for_load`).
+pub async fn open_for_load(
+    location: &str,
+    retry: &RetryPolicy,
+    cache_dir: Option<&std::path::Path>,
+) -> Result<Checkpoint> {
+    Ok(tessera_ops::open::open_for_load(location, &storage_options(retry), cache_dir).await?)
 }
 
 /// Whether `err` comes from writing to a pipe whose reader has closed it (`tessera inspect
