@@ -481,24 +481,16 @@ async fn open_checkpoint(
     Ok(checkpoint)
 }
 
+/// Every rank's requests: the target (`--layout`, `--requests`) as filtered (`--include`,
+/// `--exclude`).
 fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> {
-    let mut requests = match (&args.layout, &args.requests) {
-        (Some(path), None) => {
-            let layout = super::read_layout(path)?;
-            let requests = layout
-                .resolve(checkpoint.meta.tensors())
-                .with_context(|| format!("resolving layout {path} against {}", args.checkpoint))?;
-            // Once per job: every rank of a real job resolves the same layout.
-            if args.rank.unwrap_or(0) == 0 {
-                super::warn_layout(path, &layout, checkpoint.meta.tensors());
-            }
-            requests
-        }
-        (None, Some(path)) => ExplicitRequests::from_json(&super::read_text(path)?)
-            .and_then(|r| r.resolve(checkpoint.meta.tensors()))
-            .with_context(|| format!("reading requests {path}"))?,
-        _ => bail!("give exactly one of --layout or --requests"),
-    };
+    let mut requests = super::target::resolve(
+        &args.checkpoint,
+        (args.layout.as_deref(), args.requests.as_deref()),
+        &checkpoint.meta,
+        None,
+        args.rank.unwrap_or(0) == 0,
+    )?;
     args.filter.apply(
         &mut requests,
         checkpoint.meta.tensors(),

@@ -12,6 +12,7 @@ pub mod plan;
 pub mod select;
 pub mod serve;
 pub mod synth;
+pub mod target;
 pub mod verify;
 
 use std::time::Duration;
