@@ -13,63 +13,25 @@ apart), store calls per rank, and whether every rank's values equal what was sav
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests"))
 
-TENSORS, ROWS, COLS = 200, 64, 256
-
-
-def _rank(rank: int, port: int, world: int, root: str, out: str) -> None:
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from conftest import counting_agreements, join_job
-
-    import tessera
-
-    join_job(rank, world, port, group_timeout=300)
-    mesh = init_device_mesh("cpu", (world,))
-    full = {f"layers.{i}.weight": torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + i
-            for i in range(TENSORS)}
-    saved = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
-    dcp.save(saved, checkpoint_id=root)
-    dist.barrier()
-    wanted = {k: distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]) for k in full}
-
-    counters = counting_agreements()
-    started = time.monotonic()
-    tessera.load(wanted, root, progress=False, timeout=120)
-    seconds = time.monotonic() - started
-    right = all(
-        np.array_equal(wanted[k].to_local().numpy(), full[k][:, rank * COLS // world:(rank + 1) * COLS // world].numpy())
-        for k in full
-    )
-    store = counters[0]
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(
-        {"read": store.read, "written": store.written, "calls": store.calls, "right": right, "seconds": seconds,
-         "by_kind": store.by_kind, "written_by_kind": store.written_by_kind}
-    ))
-    dist.barrier()
-    dist.destroy_process_group()
+# The rank's work is the test's (python/tests/conftest.py reshard_rank), with more tensors and a
+# longer group timeout for 16 ranks on a small machine.
+TENSORS = 200
 
 
 def run(world: int) -> dict:
-    from conftest import run_job
+    from conftest import reshard_rank, run_job
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out"
         out.mkdir()
-        return run_job(_rank, world, (world, str(Path(tmp) / "ckpt")), out, timeout=600)
+        return run_job(reshard_rank, world, (world, str(Path(tmp) / "ckpt"), TENSORS, 300.0), out, timeout=600)
 
 
 def main() -> None:

@@ -5,3 +5,4 @@
 pub mod commands;
 pub mod exit;
 pub mod human;
+pub mod ranks;

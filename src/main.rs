@@ -109,6 +109,22 @@ enum Command {
     Plan(PlanCommand),
     /// Load a checkpoint into a layout: every rank here, or one rank of a real job (--rank).
     Load(LoadCommand),
+    /// One rank of `tessera load --transport tcp|nccl` as that command spawns it: the job's
+    /// arguments whole from the JSON file it wrote, this rank's own from the flags.
+    #[command(hide = true)]
+    LoadRank {
+        /// The job's arguments, as the spawning `tessera load` wrote them.
+        args: std::path::PathBuf,
+        /// This rank.
+        #[arg(long)]
+        rank: u32,
+        /// The rendezvous port on loopback.
+        #[arg(long)]
+        master_port: u16,
+        /// Where this rank's report goes (the spawning load reads it).
+        #[arg(long)]
+        report_json: String,
+    },
     /// Re-save a checkpoint in another layout, or export consolidated safetensors.
     Convert {
         /// Source checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
@@ -368,7 +384,7 @@ struct LoadCommand {
     #[arg(long)]
     checkpoint_id: Option<String>,
     /// Bearer token of the server.
-    #[arg(long, env = "TESSERA_TOKEN", hide_env_values = true)]
+    #[arg(long, env = commands::load::TOKEN_ENV, hide_env_values = true)]
     token: Option<String>,
     /// Registry directory of live publications, for a checkpoint given as live://NAME (the
     /// newest complete step) or live://NAME@STEP (what tessera.publish was given as registry=).
@@ -648,6 +664,15 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 stdout(report.as_bytes())
             }
+        }
+        Command::LoadRank {
+            args,
+            rank,
+            master_port,
+            report_json,
+        } => {
+            let args = commands::load::rank_args(&args, rank, master_port, report_json)?;
+            runtime.block_on(commands::load::run(&args)).map(drop)
         }
         Command::Convert {
             checkpoint,

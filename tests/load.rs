@@ -1014,3 +1014,80 @@ fn storage_flags_refuse_nonsense() {
         "{err}"
     );
 }
+
+/// The hidden entry of a spawned rank (`tessera load-rank ARGS ...`) refuses an arguments file
+/// that is missing or is not a load's arguments, naming the file, before it meets any peer.
+#[test]
+fn load_rank_refuses_a_missing_or_garbled_args_file_naming_it() {
+    let dir = tempdir();
+    let missing = dir.path().join("missing.json");
+    let garbled = dir.path().join("garbled.json");
+    std::fs::write(&garbled, "{\"checkpoint\": 7}").unwrap();
+    for (file, why) in [
+        (&missing, "reading the load's arguments"),
+        (&garbled, "not the arguments of a load"),
+    ] {
+        let run = support::run_in(
+            None,
+            [
+                "load-rank",
+                s(file),
+                "--rank",
+                "0",
+                "--master-port",
+                "1",
+                "--report-json",
+                s(&dir.path().join("report.json")),
+            ],
+        );
+        assert_ne!(run.code, Some(0), "{run:?}");
+        assert!(run.stderr.contains(s(file)), "{}", run.stderr);
+        assert!(run.stderr.contains(why), "{}", run.stderr);
+        assert!(!dir.path().join("report.json").exists());
+    }
+}
+
+/// A metadata-only checkpoint (`synth --metadata-only`) is refused by load and convert alike,
+/// named, before any rank starts or anything is written.
+#[test]
+fn load_and_convert_refuse_a_metadata_only_checkpoint_naming_it() {
+    let dir = tempdir();
+    let layout = layout_file(dir.path(), "dp2.json", &["fsdp", "--dp", "2"]);
+    let ckpt = dir.path().join("ck");
+    ok([
+        "synth",
+        "--model",
+        "gpt-tiny",
+        "--layout",
+        s(&layout),
+        "--out",
+        s(&ckpt),
+        "--metadata-only",
+    ]);
+    let said = format!(
+        "{}: a metadata-only checkpoint has no data to load",
+        s(&ckpt)
+    );
+    for transport in ["inproc", "tcp"] {
+        let err = fails([
+            "load",
+            s(&ckpt),
+            "--layout",
+            s(&layout),
+            "--transport",
+            transport,
+        ]);
+        assert!(err.contains(&said), "{err}");
+    }
+    let out = dir.path().join("out");
+    let err = fails([
+        "convert",
+        s(&ckpt),
+        "--layout",
+        s(&layout),
+        "--out",
+        s(&out),
+    ]);
+    assert!(err.contains(&said), "{err}");
+    assert!(!out.exists());
+}

@@ -371,3 +371,43 @@ fn read_order_reaches_every_tcp_rank_and_changes_what_is_relayed() {
         "storage order relayed {storage}, request order {request}"
     );
 }
+
+/// The rank processes of `--transport tcp` take the job's arguments whole: a filter and a
+/// coalescing gap given once reach every rank, so the spawned job needs, fetches and transfers
+/// what the same job in one process does (flags that were forwarded by hand before, one by one).
+#[test]
+fn spawned_ranks_honour_include_and_coalesce_gap_as_in_process_ranks_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = synth(dir.path());
+    let target = layout_file(dir.path(), "dp2.json", &["fsdp", "--dp", "2"]);
+    let job = |transport: &str, extra: &[&str]| {
+        let mut args = vec!["--layout", s(&target), "--transport", transport, "--check"];
+        args.extend_from_slice(extra);
+        load(dir.path(), &ckpt, &args).1
+    };
+    let whole = job("tcp", &[]);
+    let filter = ["--include", "*layers.1.*", "--coalesce-gap", "1048576"];
+    let inproc = job("inproc", &filter);
+    let tcp = job("tcp", &filter);
+    for key in [
+        "bytes_needed",
+        "bytes_read",
+        "bytes_fetched",
+        "bytes_transferred",
+        "requests",
+    ] {
+        assert_eq!(u(&tcp["totals"], key), u(&inproc["totals"], key), "{key}");
+    }
+    let totals = &tcp["totals"];
+    // The filter reached the ranks: they needed part of what the whole job needs.
+    assert!(u(totals, "bytes_needed") < u(&whole["totals"], "bytes_needed"));
+    // The gap reached them: requests spanned gaps (local files default to none).
+    assert!(
+        u(totals, "bytes_transferred") > u(totals, "bytes_fetched"),
+        "{totals}"
+    );
+    assert_eq!(
+        u(&whole["totals"], "bytes_transferred"),
+        u(&whole["totals"], "bytes_fetched")
+    );
+}

@@ -46,16 +46,29 @@ pub async fn open_at_with(
     Ok((loc.store, opened))
 }
 
-/// Opens the checkpoint at `location` for loading (block checksums included for native ones).
+/// Opens the checkpoint at `location` for loading (block checksums included for native ones),
+/// its DCP blob index cached in `cache_dir` when given (else where [`CACHE_DIR_ENV`] says). A
+/// metadata-only checkpoint is refused here, for every front end that loads: it has no data.
 pub async fn open_for_load(
     location: &str,
     storage_options: &StorageOptions,
+    cache_dir: Option<&std::path::Path>,
 ) -> Result<Checkpoint, OpsError> {
     let loc = tessera_storage::open_with(location, storage_options)?;
     check_local(location).with_context(|| format!("opening checkpoint {location}"))?;
-    Checkpoint::open_with(loc, &open_options())
+    let mut options = open_options();
+    if let Some(dir) = cache_dir {
+        options.dcp.cache_dir = Some(dir.to_path_buf());
+    }
+    let checkpoint = Checkpoint::open_with(loc, &options)
         .await
-        .with_context(|| format!("opening checkpoint {location}"))
+        .with_context(|| format!("opening checkpoint {location}"))?;
+    if !checkpoint.has_data {
+        return Err(OpsError::invalid(format!(
+            "{location}: a metadata-only checkpoint has no data to load"
+        )));
+    }
+    Ok(checkpoint)
 }
 
 /// A local location that is missing or an empty directory, said as such with the path as given.
@@ -80,5 +93,57 @@ pub fn check_local(location: &str) -> Result<(), OpsError> {
         // A file (a single .safetensors), a full directory, or one that cannot be listed: the
         // reader decides and says why.
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// A gpt-tiny checkpoint saved as fsdp dp2 under `dir`, with its data unless `metadata_only`.
+    async fn synth(dir: &std::path::Path, metadata_only: bool) -> String {
+        let location = dir.join("ckpt").display().to_string();
+        let loc = tessera_storage::open(&location).unwrap();
+        tessera_synth::synthesize(
+            loc.store.clone(),
+            &loc.prefix,
+            &location,
+            &tessera_planner::presets::fsdp(2).unwrap(),
+            &tessera_synth::SynthOptions {
+                model: tessera_synth::Model::GptTiny,
+                optimizer: false,
+                metadata_only,
+                dist_optimizer: None,
+                step: None,
+                progress: None,
+            },
+        )
+        .await
+        .unwrap();
+        location
+    }
+
+    #[tokio::test]
+    async fn a_metadata_only_checkpoint_is_refused_for_loading_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let location = synth(dir.path(), true).await;
+        let err = open_for_load(&location, &StorageOptions::default(), None)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, OpsError::Invalid { .. }), "{err:?}");
+        assert_eq!(
+            err.to_string(),
+            format!("{location}: a metadata-only checkpoint has no data to load")
+        );
+        // Described, it still opens: only loading needs the data.
+        assert!(!open(&location).await.unwrap().has_data);
+
+        let dir = tempfile::tempdir().unwrap();
+        let location = synth(dir.path(), false).await;
+        let opened = open_for_load(&location, &StorageOptions::default(), None)
+            .await
+            .unwrap();
+        assert!(opened.has_data);
     }
 }

@@ -22,7 +22,8 @@ pub struct OpenedCheckpoint {
     pub storage: StorageOptions,
 }
 
-/// Opens `checkpoint` (a path or URL) once: manifest or `.metadata`, checksums, blob index.
+/// Opens `checkpoint` (a path or URL) once to load it: manifest or `.metadata`, checksums, blob
+/// index; a metadata-only checkpoint is refused (`tessera_ops::open::open_for_load`).
 #[pyfunction]
 #[pyo3(signature = (checkpoint, storage_env))]
 pub fn open_checkpoint(
@@ -35,10 +36,9 @@ pub fn open_checkpoint(
     let opened = py
         .detach(|| {
             rt.block_on(async {
-                let location = tessera_storage::open_with(&checkpoint, &storage)?;
-                Checkpoint::open_with(location, &tessera_ops::open::open_options())
-                    .await
-                    .with_context(|| format!("opening checkpoint {checkpoint}"))
+                Ok::<_, anyhow::Error>(
+                    tessera_ops::open::open_for_load(&checkpoint, &storage, None).await?,
+                )
             })
         })
         .map_err(py_error)?;

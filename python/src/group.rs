@@ -107,18 +107,14 @@ fn plan_server(
     let Some(url) = server else {
         return Ok(None);
     };
-    let checkpoint_id = server_id
-        .or_else(|| tessera_loader::plan_client::server_checkpoint_id(location))
-        .ok_or_else(|| {
-            anyhow!(
-                "cannot tell the server's id of checkpoint {location:?}: pass server_id=\"<run>/<step>\""
-            )
-        })?;
-    Ok(Some(tessera_ops::load::PlanServer {
+    let server = tessera_ops::load::PlanServer::for_checkpoint(
         url,
-        checkpoint_id,
+        location,
+        server_id,
         token,
-    }))
+        "server_id=\"<run>/<step>\"",
+    )?;
+    Ok(Some(server))
 }
 
 /// Shares go whole, one message each: this path exchanges after the whole read, so parts (which

@@ -15,7 +15,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use pyo3::prelude::*;
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::load::{LoadOptions, RankReport};
-use tessera_loader::plan_client::{PlanTarget, server_checkpoint_id};
+use tessera_loader::plan_client::PlanTarget;
 use tessera_loader::read::ReadOptions;
 use tessera_loader::tier::TierCopies;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
@@ -673,21 +673,16 @@ pub fn load_into(
     } = request;
     let read_order = parse_read_order(read_order.as_deref())?;
     let server = match server {
-        Some(url) => Some(PlanServer {
-            checkpoint_id: match checkpoint_id {
-                Some(id) => id,
-                None => server_checkpoint_id(&checkpoint.location)
-                    .ok_or_else(|| {
-                        anyhow!(
-                            "cannot tell the server's id of checkpoint {:?}: pass checkpoint_id=\"<run>/<step>\"",
-                            checkpoint.location
-                        )
-                    })
-                    .map_err(py_error)?,
-            },
-            url,
-            token,
-        }),
+        Some(url) => Some(
+            PlanServer::for_checkpoint(
+                url,
+                &checkpoint.location,
+                checkpoint_id,
+                token,
+                "server_id=\"<run>/<step>\"",
+            )
+            .map_err(|e| py_error(e.into()))?,
+        ),
         None => None,
     };
     let job = LoadJob {

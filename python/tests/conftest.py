@@ -204,6 +204,47 @@ def join_job(rank: int, world: int, port: int, group_timeout: float = 60.0) -> N
     )
 
 
+def reshard_rank(rank: int, port: int, world: int, root: str, tensors: int, group_timeout: float, out: str) -> None:
+    """One rank of the issue's reshard over a real gloo job (a ``run_job`` target): saves
+    ``tensors`` float32 DTensors [64, 256] Shard(0) with ``dcp.save``, loads them back as
+    Shard(1) with ``tessera.load`` over the job's group, counting what tessera's rounds read
+    from and write to the store. Writes ``out/rank<r>.json``: bytes read and written, store
+    calls, bytes by kind of key, the load's seconds and whether every value is what was saved.
+    The test (python/tests/test_group_scale.py) and the bench (benches/group_store_bytes.py)
+    both run it."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import tessera
+
+    rows, cols = 64, 256
+    join_job(rank, world, port, group_timeout=group_timeout)
+    mesh = init_device_mesh("cpu", (world,))
+    full = {f"layers.{i}.weight": torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) + i
+            for i in range(tensors)}
+    dcp.save({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}, checkpoint_id=root)
+    dist.barrier()
+    wanted = {k: distribute_tensor(torch.zeros(rows, cols), mesh, [Shard(1)]) for k in full}
+    counters = counting_agreements()
+    started = time.monotonic()
+    tessera.load(wanted, root, progress=False, timeout=120)
+    seconds = time.monotonic() - started
+    part = slice(rank * cols // world, (rank + 1) * cols // world)
+    right = all(np.array_equal(wanted[k].to_local().numpy(), full[k][:, part].numpy()) for k in full)
+    store = counters[0]
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(
+        {"read": store.read, "written": store.written, "calls": store.calls, "right": right, "seconds": seconds,
+         "by_kind": store.by_kind, "written_by_kind": store.written_by_kind}
+    ))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def run_job(target, world: int, args: tuple, out: Path, timeout: float = 120) -> dict:
     """Runs ``target(rank, port, *args, out)`` in ``world`` spawned rank processes over one job
     store; each writes ``out/rank<r>.json``. Returns those documents by rank; every rank must

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import expected_tensors, fixture, join_job, run_job
+from conftest import expected_tensors, fixture, join_job, reshard_rank, run_job
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
@@ -54,32 +54,7 @@ def test_a_rank_reads_no_more_of_the_store_at_four_ranks_than_at_two(tmp_path):
     assert reads[4][0]["by_kind"]["job/hello"] > reads[2][0]["by_kind"]["job/hello"]
 
 
-ROWS, COLS, TENSORS = 64, 256, 100
-
-
-def _reshard_rank(rank: int, port: int, world: int, root: str, out: str) -> None:
-    import numpy as np
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from conftest import counting_agreements
-
-    join_job(rank, world, port)
-    mesh = init_device_mesh("cpu", (world,))
-    full = {f"layers.{i}.weight": torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + i
-            for i in range(TENSORS)}
-    dcp.save({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}, checkpoint_id=root)
-    dist.barrier()
-    wanted = {k: distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]) for k in full}
-    counters = counting_agreements()
-    tessera.load(wanted, root, progress=False, timeout=120)
-    cols = COLS // world
-    right = all(np.array_equal(wanted[k].to_local().numpy(), full[k][:, rank * cols:(rank + 1) * cols].numpy())
-                for k in full)
-    store = counters[0]
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps({"read": store.read, "by_kind": store.by_kind, "right": right}))
+TENSORS = 100
 
 
 def test_in_an_all_to_all_reshard_a_ranks_reads_grow_far_less_than_its_plan(tmp_path):
@@ -90,7 +65,7 @@ def test_in_an_all_to_all_reshard_a_ranks_reads_grow_far_less_than_its_plan(tmp_
     for world in (2, 4):
         out = tmp_path / f"w{world}"
         out.mkdir()
-        results = run_job(_reshard_rank, world, (world, str(tmp_path / f"ckpt{world}")), out)
+        results = run_job(reshard_rank, world, (world, str(tmp_path / f"ckpt{world}"), TENSORS, 60.0), out)
         for rank, result in results.items():
             assert result["right"], f"world {world} rank {rank}: wrong values"
             if rank:

@@ -207,3 +207,25 @@ def test_report_names_read_and_io_amplification(tmp_path):
     assert (part == arrays["small.3"][500:600]).all()
     assert report["bytes_fetched"] == 4000 and report["boxes_verified"] == 1
     assert report["io_amplification"] == 10.0
+
+
+def test_a_metadata_only_checkpoint_is_refused_saying_so(tmp_path):
+    """`tessera synth --metadata-only` writes no data files: tessera.load says the checkpoint is
+    metadata-only, naming it, not that a data file is missing."""
+    import subprocess
+
+    from conftest import TESSERA_BIN
+
+    layout = tmp_path / "dp1.json"
+    layout.write_text(subprocess.run(
+        [str(TESSERA_BIN), "layout", "fsdp", "--dp", "1"], check=True, capture_output=True, text=True,
+    ).stdout)
+    ckpt = tmp_path / "ck"
+    subprocess.run(
+        [str(TESSERA_BIN), "synth", "--model", "gpt-tiny", "--layout", str(layout), "--out", str(ckpt),
+         "--metadata-only"],
+        check=True, capture_output=True,
+    )
+    state = {"model.final_ln.weight": empty("float32", [64])}
+    with pytest.raises(tessera.TesseraError, match=rf"{ckpt}: a metadata-only checkpoint has no data to load"):
+        tessera.load(state, str(ckpt), progress=False)

@@ -70,3 +70,14 @@ def test_unknown_checkpoint_on_the_server(plan_server):
             {"model.final_ln.weight": empty("float32", [64])}, str(fixture(C)),
             server=url, server_id="fixtures/nope", progress=False,
         )
+
+
+def test_a_server_without_an_id_for_the_checkpoint_says_to_give_server_id(plan_server, monkeypatch):
+    root, url = plan_server
+    shutil.copytree(fixture(C), root / "c")
+    # "c" alone: no <run>/<step> for the server's id of it.
+    monkeypatch.chdir(root)
+    with pytest.raises(tessera.TesseraError, match=r'checkpoint "c" .*give server_id="<run>/<step>"'):
+        tessera.load(
+            {"model.final_ln.weight": empty("float32", [64])}, "c", server=url, progress=False,
+        )

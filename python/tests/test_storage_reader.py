@@ -298,7 +298,8 @@ def test_destinations_sharing_memory_are_loaded_in_order_not_refused():
 def test_missing_checkpoint_names_it(tmp_path):
     missing = tmp_path / "no-such-checkpoint"
     reader = tessera.torch.StorageReader(missing)
-    message = re.escape(f"opening checkpoint {missing}: no-such-checkpoint: does not exist")
+    # The whole path, as the CLI says it (one open for every loading front end).
+    message = re.escape(f"opening checkpoint {missing}: {missing}: does not exist")
     with pytest.raises(tessera.TesseraError, match=message):
         reader.read_metadata()
     # Through dcp.load, which wraps a rank's failure in a CheckpointException quoting it.

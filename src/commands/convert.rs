@@ -521,10 +521,8 @@ async fn to_safetensors_claimed(
 /// cover boxes a new layout splits; one streaming pass over the source checks both, at the cost
 /// of reading the source twice.
 async fn open(source: &str, out: &str, retry: &RetryPolicy) -> Result<Checkpoint> {
-    let checkpoint = super::open_for_load(source, retry).await?;
-    if !checkpoint.has_data {
-        bail!("{source}: a metadata-only checkpoint has no data to convert");
-    }
+    // A metadata-only source is refused there: it has no data to load.
+    let checkpoint = super::open_for_load(source, retry, None).await?;
     super::verify::check(source, super::verify::Strays::Ignore, retry)
         .await
         .with_context(|| {

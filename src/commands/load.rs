@@ -25,7 +25,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tessera_loader::checkpoint::Checkpoint;
 use tessera_loader::device::{CUDA_BUILT, DeviceSpec, cuda_not_built};
 use tessera_loader::load::{LoadOptions, RankReport};
-use tessera_loader::plan_client::server_checkpoint_id;
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
@@ -36,9 +35,11 @@ use tessera_planner::{
 };
 
 pub use finish::dump_names;
+pub use spawn::{TOKEN_ENV, rank_args};
 
 /// How ranks talk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum TransportKind {
     /// Threads of this process.
     InProc,
@@ -58,8 +59,9 @@ impl TransportKind {
     }
 }
 
-/// Arguments of `tessera load`.
-#[derive(Clone, Debug)]
+/// Arguments of `tessera load`. The rank processes it spawns take them whole, as JSON
+/// (`spawn`), the token aside.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct LoadArgs {
     /// Checkpoint location.
     pub checkpoint: String,
@@ -109,11 +111,14 @@ pub struct LoadArgs {
     pub checkpoint_id: Option<String>,
     /// The registry of live publications a `live://NAME[@STEP]` checkpoint is resolved in.
     pub registry: Option<std::path::PathBuf>,
-    /// Bearer token of the server (the CLI fills it from `TESSERA_TOKEN` when not given).
+    /// Bearer token of the server (the CLI fills it from `TESSERA_TOKEN` when not given). Never
+    /// written to a file: spawned ranks get it in their environment.
+    #[serde(skip)]
     pub token: Option<String>,
     /// Timeouts and attempts of every storage request, for the store and the reads alike
     /// (`--storage-read-timeout`, `--storage-attempts`): with a store that stalls, they bound
     /// how soon the load fails (docs/retry.md).
+    #[serde(with = "super::retry_as_flags")]
     pub retry: tessera_storage::RetryPolicy,
     /// Load only the tensors this takes (`--include`, `--exclude`).
     pub filter: super::select::TensorFilter,
@@ -209,7 +214,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         TransportKind::InProc => load_all_inproc(&job, transport_options).await?,
         TransportKind::Tcp | TransportKind::Nccl => {
             let world = job.world();
-            let loaded = spawn::load_all_tcp(args, world, shared_cache).await?;
+            let loaded = spawn::load_all_spawned(args, world, shared_cache).await?;
             let kind = format!(
                 "{} processes on 127.0.0.1{}",
                 args.transport.name(),
@@ -298,20 +303,13 @@ fn plan_server(args: &LoadArgs) -> Result<Option<PlanServer>> {
     let Some(url) = &args.server else {
         return Ok(None);
     };
-    let checkpoint_id = match &args.checkpoint_id {
-        Some(id) => id.clone(),
-        None => server_checkpoint_id(&args.checkpoint).with_context(|| {
-            format!(
-                "cannot tell the server-side id of {}; give --checkpoint-id <run>/<step>",
-                args.checkpoint
-            )
-        })?,
-    };
-    Ok(Some(PlanServer {
-        url: url.clone(),
-        checkpoint_id,
-        token: args.token.clone(),
-    }))
+    Ok(Some(PlanServer::for_checkpoint(
+        url.clone(),
+        &args.checkpoint,
+        args.checkpoint_id.clone(),
+        args.token.clone(),
+        "--checkpoint-id <run>/<step>",
+    )?))
 }
 
 /// One load job as this command runs its ranks: the flags, and what every rank loads with
@@ -452,7 +450,7 @@ async fn load_all_inproc(
             job.load_host_rank(rank as u32, transport, on_planned).await
         }));
     }
-    let loads = join_ranks(tasks).await;
+    let loads = crate::ranks::join_tasks(tasks).await;
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
@@ -470,82 +468,29 @@ async fn load_all_inproc(
     Ok((loaded, kind))
 }
 
-/// Waits for every rank's task (each in rank order); their failures as one error naming each
-/// rank, whose exit code is that of the rank whose trouble made the others fail.
-async fn join_ranks<T>(tasks: Vec<tokio::task::JoinHandle<Result<T>>>) -> Result<Vec<T>> {
-    let mut done = Vec::with_capacity(tasks.len());
-    let mut failures = Vec::new();
-    let mut classes = Vec::new();
-    for (rank, task) in tasks.into_iter().enumerate() {
-        match task.await {
-            Ok(Ok(value)) => done.push(value),
-            Ok(Err(e)) => {
-                classes.push(crate::exit::classify(&e));
-                failures.push(format!("rank {rank}: {e}"));
-            }
-            Err(e) => {
-                classes.push(crate::exit::ErrorClass::Other);
-                failures.push(format!("rank {rank}: task failed: {e}"));
-            }
-        }
-    }
-    if !failures.is_empty() {
-        return Err(crate::exit::RanksFailed {
-            failures,
-            class: crate::exit::root_class(classes),
-        }
-        .into());
-    }
-    Ok(done)
-}
-
 /// Opens the checkpoint to load (its DCP blob index shared through `shared_cache` when given),
 /// saying its warnings; a metadata-only checkpoint is refused.
 async fn open_checkpoint(
     args: &LoadArgs,
     shared_cache: Option<&std::path::Path>,
 ) -> Result<Checkpoint> {
-    let mut open_options = super::open_options();
-    if let Some(dir) = shared_cache {
-        open_options.dcp.cache_dir = Some(dir.to_path_buf());
-    }
-    let location =
-        tessera_storage::open_with(&args.checkpoint, &super::storage_options(&args.retry))?;
-    tessera_ops::open::check_local(&args.checkpoint)
-        .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
-    let checkpoint = Checkpoint::open_with(location, &open_options)
-        .await
-        .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
+    let checkpoint = super::open_for_load(&args.checkpoint, &args.retry, shared_cache).await?;
     for warning in &checkpoint.warnings {
         eprintln!("warning: {warning}");
-    }
-    if !checkpoint.has_data {
-        bail!(
-            "{}: a metadata-only checkpoint has no data to load",
-            args.checkpoint
-        );
     }
     Ok(checkpoint)
 }
 
+/// Every rank's requests: the target (`--layout`, `--requests`) as filtered (`--include`,
+/// `--exclude`).
 fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> {
-    let mut requests = match (&args.layout, &args.requests) {
-        (Some(path), None) => {
-            let layout = super::read_layout(path)?;
-            let requests = layout
-                .resolve(checkpoint.meta.tensors())
-                .with_context(|| format!("resolving layout {path} against {}", args.checkpoint))?;
-            // Once per job: every rank of a real job resolves the same layout.
-            if args.rank.unwrap_or(0) == 0 {
-                super::warn_layout(path, &layout, checkpoint.meta.tensors());
-            }
-            requests
-        }
-        (None, Some(path)) => ExplicitRequests::from_json(&super::read_text(path)?)
-            .and_then(|r| r.resolve(checkpoint.meta.tensors()))
-            .with_context(|| format!("reading requests {path}"))?,
-        _ => bail!("give exactly one of --layout or --requests"),
-    };
+    let mut requests = super::target::resolve(
+        &args.checkpoint,
+        (args.layout.as_deref(), args.requests.as_deref()),
+        &checkpoint.meta,
+        None,
+        args.rank.unwrap_or(0) == 0,
+    )?;
     args.filter.apply(
         &mut requests,
         checkpoint.meta.tensors(),

@@ -12,6 +12,7 @@ pub mod plan;
 pub mod select;
 pub mod serve;
 pub mod synth;
+pub mod target;
 pub mod verify;
 
 use std::time::Duration;
@@ -55,6 +56,36 @@ pub fn storage_policy(read_timeout_secs: f64, attempts: u32) -> Result<RetryPoli
     })
 }
 
+/// A [`RetryPolicy`] in a command's arguments as JSON (those `tessera load` hands the rank
+/// processes it spawns): the two numbers the operator sets (`--storage-read-timeout`,
+/// `--storage-attempts`), rebuilt by [`storage_policy`] as the flags are.
+pub mod retry_as_flags {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use tessera_storage::RetryPolicy;
+
+    #[derive(Serialize, Deserialize)]
+    struct Flags {
+        read_timeout_secs: f64,
+        attempts: u32,
+    }
+
+    /// `retry` as its two flags.
+    pub fn serialize<S: Serializer>(retry: &RetryPolicy, to: S) -> Result<S::Ok, S::Error> {
+        let flags = Flags {
+            read_timeout_secs: retry.read_timeout.as_secs_f64(),
+            attempts: retry.max_attempts,
+        };
+        flags.serialize(to)
+    }
+
+    /// The policy of two flags, refused as the flags would be.
+    pub fn deserialize<'de, D: Deserializer<'de>>(from: D) -> Result<RetryPolicy, D::Error> {
+        let flags = Flags::deserialize(from)?;
+        super::storage_policy(flags.read_timeout_secs, flags.attempts)
+            .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
+    }
+}
+
 /// Storage options that give every store `retry`'s timeouts.
 pub fn storage_options(retry: &RetryPolicy) -> StorageOptions {
     StorageOptions {
@@ -74,9 +105,14 @@ pub async fn open(location: &str, retry: &RetryPolicy) -> Result<OpenedCheckpoin
 }
 
 /// Opens the checkpoint at `location` for loading (block checksums included for native ones),
-/// its store with `retry`'s timeouts.
-pub async fn open_for_load(location: &str, retry: &RetryPolicy) -> Result<Checkpoint> {
-    Ok(tessera_ops::open::open_for_load(location, &storage_options(retry)).await?)
+/// its store with `retry`'s timeouts, its DCP blob index cached in `cache_dir` when given;
+/// refuses a metadata-only checkpoint (`tessera_ops::open::open_for_load`).
+pub async fn open_for_load(
+    location: &str,
+    retry: &RetryPolicy,
+    cache_dir: Option<&std::path::Path>,
+) -> Result<Checkpoint> {
+    Ok(tessera_ops::open::open_for_load(location, &storage_options(retry), cache_dir).await?)
 }
 
 /// Whether `err` comes from writing to a pipe whose reader has closed it (`tessera inspect

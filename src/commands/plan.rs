@@ -4,10 +4,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
-use tessera_planner::{
-    ExplicitRequests, PlanEstimate, PlanOptions, PlanSummary, RankPlan, RequestSet, Target, plan,
-};
+use anyhow::{Result, bail};
+use tessera_planner::{PlanOptions, PlanSummary, RankPlan, Target, plan};
 
 use crate::human;
 
@@ -53,37 +51,17 @@ pub async fn run(args: &PlanArgs) -> Result<Vec<u8>> {
         dedup: !args.no_dedup,
         ..PlanOptions::default()
     };
-    let requests: RequestSet = match (&args.layout, &args.requests) {
-        (Some(path), None) => {
-            let layout = super::read_layout(path)?;
-            let resolving = || format!("resolving layout {path} against {}", args.checkpoint);
-            // Estimated before resolving, which alone allocates a request per rank and tensor.
-            let estimate = layout.estimate(&meta, &options).with_context(resolving)?;
-            within_bound(
-                estimate,
-                args.plan_memory_bytes,
-                &format!("{} for layout {path}", args.checkpoint),
-            )?;
-            let requests = layout.resolve(meta.tensors()).with_context(resolving)?;
-            super::warn_layout(path, &layout, meta.tensors());
-            requests
-        }
-        (None, Some(path)) => {
-            // Resolved first: explicit requests are as many as the file lists, so resolving
-            // them costs what reading the file did.
-            let requests = ExplicitRequests::from_json(&super::read_text(path)?)
-                .and_then(|r| r.resolve(meta.tensors()))
-                .with_context(|| format!("reading requests {path}"))?;
-            let estimate = requests.estimate(&meta, &options);
-            within_bound(
-                estimate,
-                args.plan_memory_bytes,
-                &format!("{} for requests {path}", args.checkpoint),
-            )?;
-            requests
-        }
-        _ => bail!("give exactly one of --layout or --requests"),
+    let bound = super::target::PlanBound {
+        options: &options,
+        bytes: args.plan_memory_bytes,
     };
+    let requests = super::target::resolve(
+        &args.checkpoint,
+        (args.layout.as_deref(), args.requests.as_deref()),
+        &meta,
+        Some(bound),
+        true,
+    )?;
     let started = Instant::now();
     let plan = plan(&meta, &requests, &options)?;
     let elapsed = started.elapsed().as_secs_f64();
@@ -107,16 +85,6 @@ pub async fn run(args: &PlanArgs) -> Result<Vec<u8>> {
         }
         Format::Arrow => rank_plan.to_arrow_ipc()?,
     })
-}
-
-/// Refuses to plan `what` when the planner's estimate is over `limit` bytes: the server's check
-/// and bound (`PlanEstimate::within`, `--plan-memory-mib`), so that a typo'd mesh fails at once
-/// naming its estimate instead of aborting on allocation tens of GB later.
-fn within_bound(estimate: PlanEstimate, limit: u64, what: &str) -> Result<()> {
-    estimate.within(limit).with_context(|| {
-        format!("refusing to plan {what} (raise the bound with --plan-memory-mib if this machine has the memory)")
-    })?;
-    Ok(())
 }
 
 /// One rank's plan for people: its totals, what it reads from each file, every destination

@@ -8,7 +8,7 @@ use tessera_planner::{RequestSet, glob_match};
 
 /// The filter of a command: a tensor or plain value is taken when its name matches some
 /// `include` pattern (or there are none) and no `exclude` pattern.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TensorFilter {
     /// Patterns a name must match one of (none: everything).
     pub include: Vec<String>,

@@ -12,8 +12,12 @@ use std::str::FromStr;
 
 use crate::LoaderError;
 
-/// A device named on the command line or by an embedding application.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+/// A device named on the command line or by an embedding application. It serializes as its name
+/// (`cpu`, `cuda`, `cuda:N`), the same text it parses from.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(try_from = "String", into = "String")]
 pub enum DeviceSpec {
     /// Host memory.
     #[default]
@@ -64,6 +68,20 @@ impl FromStr for DeviceSpec {
                 None => Err(bad("unknown device kind")),
             },
         }
+    }
+}
+
+impl TryFrom<String> for DeviceSpec {
+    type Error = LoaderError;
+
+    fn try_from(text: String) -> Result<Self, Self::Error> {
+        text.parse()
+    }
+}
+
+impl From<DeviceSpec> for String {
+    fn from(device: DeviceSpec) -> String {
+        device.to_string()
     }
 }
 
@@ -141,6 +159,22 @@ mod tests {
         for text in ["cpu", "cuda", "cuda:0", "cuda:12"] {
             assert_eq!(text.parse::<DeviceSpec>().unwrap().to_string(), text);
         }
+    }
+
+    /// A device crosses JSON (the CLI's spawned ranks' arguments) as its name and back.
+    #[test]
+    fn serializes_as_its_name() {
+        for device in [
+            DeviceSpec::Cpu,
+            DeviceSpec::Cuda(None),
+            DeviceSpec::Cuda(Some(2)),
+        ] {
+            let json = serde_json::to_string(&device).unwrap();
+            assert_eq!(json, format!("\"{device}\""));
+            assert_eq!(serde_json::from_str::<DeviceSpec>(&json).unwrap(), device);
+        }
+        let err = serde_json::from_str::<DeviceSpec>("\"gpu\"").unwrap_err();
+        assert!(err.to_string().contains("gpu"), "{err}");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! ranks read, then the joint checks of boxes read in parts.
 
 pub mod host_memory;
+mod totals;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,6 +16,8 @@ use crate::checkpoint::Checkpoint;
 use crate::exchange::{check_buffer_sizes, check_rank, invalid, place, relay};
 use crate::read::{ReadOptions, ReadStats};
 use crate::transport::Transport;
+
+pub use totals::LoadTotals;
 
 /// Options of [`load_rank`]. Library code reads no environment: front ends build these (the
 /// CLI and the Python package through `tessera_ops::load`, which maps the `TESSERA_*`

@@ -23,6 +23,35 @@ pub struct PlanServer {
     pub token: Option<String>,
 }
 
+impl PlanServer {
+    /// The server at `url` planning the checkpoint at `location`: its id there is `checkpoint_id`
+    /// when given, else the location's last two components
+    /// ([`tessera_loader::plan_client::server_checkpoint_id`]). When neither tells it, the error
+    /// names the location and says to give the id as `give_id` (how the front end takes it:
+    /// `--checkpoint-id <run>/<step>`, `checkpoint_id="<run>/<step>"`).
+    pub fn for_checkpoint(
+        url: String,
+        location: &str,
+        checkpoint_id: Option<String>,
+        token: Option<String>,
+        give_id: &str,
+    ) -> Result<PlanServer, OpsError> {
+        let checkpoint_id = checkpoint_id
+            .or_else(|| tessera_loader::plan_client::server_checkpoint_id(location))
+            .ok_or_else(|| {
+                OpsError::invalid(format!(
+                    "cannot tell the plan server's id of checkpoint {location:?} (its location \
+                     does not end in <run>/<step>): give {give_id}"
+                ))
+            })?;
+        Ok(PlanServer {
+            url,
+            checkpoint_id,
+            token,
+        })
+    }
+}
+
 /// A job's plan: every rank's plan is taken from it.
 pub enum JobPlan {
     /// Planned here.
@@ -207,6 +236,38 @@ mod tests {
             checkpoint_id: "run/step-1".to_string(),
             token: None,
         }
+    }
+
+    #[test]
+    fn a_server_for_a_checkpoint_takes_the_id_given_else_the_location_s_else_says_how_to_give_it() {
+        let url = || "http://127.0.0.1:1".to_string();
+        let given = PlanServer::for_checkpoint(
+            url(),
+            "s3://b/runs/a/step-1",
+            Some("x/y".to_string()),
+            Some("t".to_string()),
+            "--checkpoint-id <run>/<step>",
+        )
+        .unwrap();
+        assert_eq!(
+            given,
+            PlanServer {
+                url: url(),
+                checkpoint_id: "x/y".to_string(),
+                token: Some("t".to_string()),
+            }
+        );
+        let derived =
+            PlanServer::for_checkpoint(url(), "s3://b/runs/a/step-1/", None, None, "-").unwrap();
+        assert_eq!(derived.checkpoint_id, "a/step-1");
+        let err = PlanServer::for_checkpoint(url(), "s3://ck", None, None, "--checkpoint-id X")
+            .unwrap_err();
+        assert!(matches!(err, OpsError::Invalid { .. }), "{err:?}");
+        let text = err.to_string();
+        assert!(
+            text.contains("\"s3://ck\"") && text.ends_with("give --checkpoint-id X"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -5,86 +5,13 @@ use std::fmt::Write as _;
 
 use anyhow::{Context, Result};
 use tessera_loader::checkpoint::Checkpoint;
-use tessera_loader::load::RankReport;
+use tessera_loader::load::{LoadTotals, RankReport};
 use tessera_metadata::Format;
 use tessera_metadata::formats::dcp::IndexSource;
 use tessera_planner::PlanSummary;
 
 use super::LoadArgs;
 use crate::human;
-
-/// The load's totals over every rank that reported, as the text report and `--report-json` (all
-/// ranks) give them.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
-pub struct LoadTotals {
-    /// Ranks that reported.
-    pub ranks: usize,
-    /// Bytes of every rank's buffers.
-    pub bytes_needed: u64,
-    /// Distinct bytes of the checkpoint that the ranks need (the plan's summary).
-    pub unique_needed: u64,
-    /// Bytes of data read from storage, over all ranks.
-    pub bytes_read: u64,
-    /// Of `bytes_read`, the bytes read from the ranks' memory tiers (`--memory-tier`).
-    pub bytes_from_memory_tier: u64,
-    /// Of `bytes_read`, the bytes read from the checkpoint's storage.
-    pub bytes_from_storage: u64,
-    /// Bytes fetched from storage, verification blocks included.
-    pub bytes_fetched: u64,
-    /// Of `bytes_fetched`, the bytes only verification needed (checksum blocks around the data,
-    /// the rest of boxes read whole to check their crc32c).
-    pub verify_extra_bytes: u64,
-    /// Saved boxes fetched whole and checked against their own checksum.
-    pub boxes_verified: u64,
-    /// Bytes read while verifying that no checksum covered.
-    pub bytes_unverified: u64,
-    /// `bytes_read / unique_needed`: 1.00 when no byte is read twice or needlessly.
-    pub read_amplification: f64,
-    /// `bytes_fetched / unique_needed`: total I/O per byte needed, verification included.
-    pub io_amplification: f64,
-    /// Bytes the stores returned, over all ranks: `bytes_fetched` plus the gaps that requests
-    /// spanning several small ranges carried (`--coalesce-gap`).
-    pub bytes_transferred: u64,
-    /// `bytes_transferred / unique_needed`: what the wire carried per byte needed.
-    pub transfer_amplification: f64,
-    /// Storage requests over all ranks (one ranged GET each; retries not included).
-    pub requests: u64,
-    /// Bytes ranks sent each other.
-    pub bytes_exchanged: u64,
-    /// Of `bytes_exchanged`, the bytes receivers copied straight out of their sender's memory
-    /// (ranks on one host; no socket).
-    pub bytes_exchanged_direct: u64,
-}
-
-impl LoadTotals {
-    fn new(plan: &PlanSummary, reports: &[RankReport]) -> Self {
-        let sum = |f: fn(&RankReport) -> u64| reports.iter().map(f).sum::<u64>();
-        let unique = plan.unique_bytes_needed;
-        let (read, fetched) = (sum(|r| r.bytes_read), sum(|r| r.bytes_fetched));
-        LoadTotals {
-            ranks: reports.len(),
-            bytes_needed: sum(|r| r.bytes_needed),
-            unique_needed: unique,
-            bytes_read: read,
-            bytes_from_memory_tier: sum(|r| r.bytes_from_memory_tier),
-            bytes_from_storage: sum(|r| r.bytes_from_storage),
-            bytes_fetched: fetched,
-            verify_extra_bytes: sum(|r| r.verify_extra_bytes),
-            boxes_verified: sum(|r| r.boxes_verified),
-            bytes_unverified: sum(|r| r.bytes_unverified),
-            read_amplification: tessera_loader::load::ratio(read, unique),
-            io_amplification: tessera_loader::load::ratio(fetched, unique),
-            bytes_transferred: sum(|r| r.bytes_transferred),
-            transfer_amplification: tessera_loader::load::ratio(
-                sum(|r| r.bytes_transferred),
-                unique,
-            ),
-            requests: sum(|r| r.requests),
-            bytes_exchanged: sum(|r| r.bytes_sent),
-            bytes_exchanged_direct: sum(|r| r.bytes_received_direct),
-        }
-    }
-}
 
 /// The `--report-json` of a load of several ranks: the totals and every rank's own report.
 pub(super) fn write_all_ranks_json(
@@ -93,7 +20,7 @@ pub(super) fn write_all_ranks_json(
     reports: &[RankReport],
 ) -> Result<()> {
     let json = serde_json::json!({
-        "totals": LoadTotals::new(plan, reports),
+        "totals": LoadTotals::of(plan.unique_bytes_needed, reports),
         "ranks": reports,
     });
     std::fs::write(path, serde_json::to_vec_pretty(&json)?)
@@ -146,7 +73,7 @@ fn report_json(
         "verified": args.verify,
         "plan_seconds": plan_seconds,
         "plan": plan,
-        "totals": LoadTotals::new(plan, reports),
+        "totals": LoadTotals::of(plan.unique_bytes_needed, reports),
         "ranks": reports,
     });
     format!("{doc:#}\n")
@@ -160,7 +87,7 @@ fn report_text(
     plan_seconds: f64,
     kind: &str,
 ) -> String {
-    let totals = LoadTotals::new(plan, reports);
+    let totals = LoadTotals::of(plan.unique_bytes_needed, reports);
     let mut out = String::new();
     let _ = writeln!(
         out,
