@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use server_support::RunningServer;
-use tessera_ops::publish::{Part, await_and_commit, write_part, write_part_file};
+use tessera_ops::publish::{Part, PartMemory, await_and_commit, write_part, write_part_file};
 use tessera_ops::save::{HeldBox, Holdings};
 use tessera_server::ServerConfig;
 
@@ -50,7 +50,9 @@ async fn publish(registry: &Path, name: &str, step: u64, rank: u32, world: u32) 
         data.push((0..8u32).flat_map(|i| (i as f32).to_le_bytes()).collect());
     }
     let slices: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
-    let (_, file) = write_part_file(rank, &boxes, &slices, &[]).await.unwrap();
+    let (_, file) = write_part_file(rank, &boxes, &slices, &[], &PartMemory::Heap)
+        .await
+        .unwrap();
     let part = Part {
         rank,
         world,
@@ -62,6 +64,7 @@ async fn publish(registry: &Path, name: &str, step: u64, rank: u32, world: u32) 
             objects: Vec::new(),
         },
         file,
+        shared: None,
     };
     write_part(&step_dir(registry, name, step), &part).unwrap();
     part
@@ -569,9 +572,11 @@ async fn served(
     let data: Vec<u8> = (0..rows * 8)
         .flat_map(|i| (i as f32 + step as f32).to_le_bytes())
         .collect();
-    let (bytes, file) = write_part_file(rank, &boxes, &[&data], &[]).await.unwrap();
+    let (bytes, file) = write_part_file(rank, &boxes, &[&data], &[], &PartMemory::Heap)
+        .await
+        .unwrap();
     let path = format!("{name}/step-{step:06}/{}", file.path());
-    server.serve(&path, bytes);
+    server.serve(&path, bytes.bytes());
     let part = Part {
         rank,
         world: 2,
@@ -583,6 +588,7 @@ async fn served(
             objects: Vec::new(),
         },
         file,
+        shared: None,
     };
     write_part(&step_dir(registry, name, step), &part).unwrap();
 }
