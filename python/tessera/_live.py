@@ -98,6 +98,9 @@ class PublishReport(_api._Report):
     path: str = ""
     #: Bytes of this rank's served data file (boxes aligned as the native format lays them).
     bytes: int = 0
+    #: The file is in shared memory that consumers on this host read directly
+    #: (``share_memory=True`` and a kernel that offers it); False: HTTP only.
+    shared: bool = False
     #: Rank 0: the committed step's manifest (None on other ranks).
     manifest: Optional[Dict[str, Any]] = None
     #: Seconds the call blocked (the eager copy) and the background part (layout, serve, commit).
@@ -285,7 +288,7 @@ def publish(
         pub._path = served["path"]
         report = PublishReport(
             name=name, step=step, rank=rank, world_size=world_size, url=served["url"], path=served["path"],
-            bytes=served["bytes"], blocked_seconds=handle.blocked_seconds,
+            bytes=served["bytes"], shared=served["shared"], blocked_seconds=handle.blocked_seconds,
         )
         with _LOCK:
             _SERVED.setdefault(key, []).append(pub)

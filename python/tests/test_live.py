@@ -429,6 +429,8 @@ def test_a_consumer_on_the_publishers_host_reads_its_shared_memory_not_http(publ
         reports[name] = tessera.load(state, f"live://{name}", registry=str(pub.registry), progress=False, strict=False)
         assert state["w"].view(torch.int16).tolist() == want["w"].view(torch.int16).tolist()
         assert torch.equal(state["m.exp_avg"], want["m.exp_avg"])
+    assert shared.ready[0]["reports"][-1]["shared"] is True
+    assert http.ready[0]["reports"][-1]["shared"] is False
     mem, net = reports["shared"], reports["http"]
     assert mem.bytes_read == net.bytes_read > 0
     assert mem.bytes_from_publisher_memory == mem.bytes_read, mem
