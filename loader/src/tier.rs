@@ -676,29 +676,8 @@ impl TierStore {
             source: format!("memory-tier copy {} of {location}: {what}", copy.display()).into(),
         };
         let file = open_regular(copy).map_err(|e| failed(format!("cannot open it: {e}")))?;
-        let size = file
-            .metadata()
-            .map_err(|e| failed(format!("cannot stat it: {e}")))?
-            .len();
-        let range = match &options.range {
-            Some(range) => range
-                .as_range(size)
-                .map_err(|e| failed(format!("{e} (the copy has {size} bytes)")))?,
-            None => 0..size,
-        };
-        Ok(GetResult {
-            payload: object_store::GetResultPayload::File(file, copy.to_path_buf()),
-            meta: object_store::ObjectMeta {
-                location: location.clone(),
-                last_modified: Default::default(),
-                size,
-                e_tag: None,
-                version: None,
-            },
-            range,
-            attributes: Default::default(),
-            extensions: Default::default(),
-        })
+        tessera_storage::local_file_get(location, file, copy.to_path_buf(), options, "copy")
+            .map_err(failed)
     }
 }
 

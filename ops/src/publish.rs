@@ -137,10 +137,6 @@ impl MemorySink for SharedSink {
     fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
         self
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 /// Lays out `boxes` (whose bytes are `data`, row-major) and `objects` as the data file of
@@ -185,6 +181,7 @@ pub async fn write_part_file(
         PartMemory::Shared { tag } => SharedFileWriter::new(tag).ok(),
         PartMemory::Heap => None,
     };
+    let into_shared = shared.is_some();
     let mut file = match shared {
         Some(sink) => writer.data_file_into(&name, Box::new(SharedSink(sink)))?,
         None => {
@@ -211,7 +208,7 @@ pub async fn write_part_file(
             .await
             .with_context(|| format!("publishing object {key}"))?;
     }
-    if file.laid_out_into::<SharedSink>() {
+    if into_shared {
         let (sink, written) = file.finish_into::<SharedSink>()?;
         let shared = sink.0.finish().map_err(|e| {
             OpsError::invalid(format!("rank {rank}: mapping its shared memory: {e}"))

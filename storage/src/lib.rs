@@ -15,6 +15,7 @@
 mod error;
 mod live;
 mod local;
+mod local_file;
 mod location;
 mod range_server;
 mod retry;
@@ -26,6 +27,7 @@ pub mod testing;
 pub use error::StorageError;
 pub use live::{LIVE_SCHEME, LiveStore, PUBLISHERS_FILE, Publisher};
 pub use local::{is_staged_upload, local_directory, remove_staged_uploads, staged_uploads};
+pub use local_file::local_file_get;
 pub use location::{
     Location, LocationKind, StorageOptions, canonical, create, create_with, install_tls_provider,
     local_path, open, open_with,

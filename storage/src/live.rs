@@ -129,9 +129,10 @@ impl LiveStore {
         }
     }
 
-    /// The bytes `options` asks of a publisher's file shared on this host.
+    /// The bytes `options` asks of `file`, publisher `p`'s file shared on this host.
     fn get_shared(
         p: &Publisher,
+        file: &std::fs::File,
         location: &Path,
         options: &GetOptions,
     ) -> object_store::Result<GetResult> {
@@ -145,36 +146,11 @@ impl LiveStore {
                 },
             )
         };
-        let Some(file) = &p.shared else {
-            return Err(failed("not shared".to_string()));
-        };
         let file = file
             .try_clone()
             .map_err(|e| failed(format!("cannot duplicate its descriptor: {e}")))?;
-        let size = file
-            .metadata()
-            .map_err(|e| failed(format!("cannot stat it: {e}")))?
-            .len();
-        let range = match &options.range {
-            Some(range) => range
-                .as_range(size)
-                .map_err(|e| failed(format!("{e} (the file has {size} bytes)")))?,
-            None => 0..size,
-        };
         let path = std::path::PathBuf::from(crate::shared_file::own_fd_path(&file));
-        Ok(GetResult {
-            payload: object_store::GetResultPayload::File(file, path),
-            meta: ObjectMeta {
-                location: location.clone(),
-                last_modified: Default::default(),
-                size,
-                e_tag: None,
-                version: None,
-            },
-            range,
-            attributes: Default::default(),
-            extensions: Default::default(),
-        })
+        crate::local_file_get(location, file, path, options, "file").map_err(failed)
     }
 
     fn read_only(path: &Path) -> object_store::Error {
@@ -210,7 +186,11 @@ impl ObjectStore for LiveStore {
     ) -> object_store::Result<GetResult> {
         match self.routes.get(location) {
             None => self.local.get_opts(location, options).await,
-            Some(p) if p.shared.is_some() => Self::get_shared(p, location, &options),
+            Some(
+                p @ Publisher {
+                    shared: Some(file), ..
+                },
+            ) => Self::get_shared(p, file, location, &options),
             Some(p) => {
                 let mut result = p
                     .store
@@ -231,11 +211,16 @@ impl ObjectStore for LiveStore {
     ) -> object_store::Result<Vec<Bytes>> {
         match self.routes.get(location) {
             None => self.local.get_ranges(location, ranges).await,
-            Some(p) if p.shared.is_some() => {
+            Some(
+                p @ Publisher {
+                    shared: Some(file), ..
+                },
+            ) => {
                 let mut out = Vec::with_capacity(ranges.len());
                 for range in ranges {
                     let result = Self::get_shared(
                         p,
+                        file,
                         location,
                         &GetOptions {
                             range: Some(range.clone().into()),

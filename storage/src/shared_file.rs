@@ -169,16 +169,6 @@ impl SharedFileWriter {
         Ok(())
     }
 
-    /// Bytes written so far.
-    pub fn len(&self) -> u64 {
-        self.len
-    }
-
-    /// Whether nothing was written.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// The file, mapped read-only for serving.
     pub fn finish(self) -> std::io::Result<Arc<SharedFile>> {
         use std::os::fd::AsRawFd;

@@ -533,8 +533,6 @@ pub trait MemorySink: Send + Sync + std::fmt::Debug + 'static {
     fn append(&mut self, data: &[u8]) -> std::io::Result<()>;
     /// Itself, for [`DataFileWriter::finish_into`] to hand back as its own type.
     fn into_any(self: Box<Self>) -> Box<dyn Any>;
-    /// Itself, for [`DataFileWriter::laid_out_into`] to tell its type.
-    fn as_any(&self) -> &dyn Any;
 }
 
 impl MemorySink for Vec<u8> {
@@ -544,10 +542,6 @@ impl MemorySink for Vec<u8> {
     }
 
     fn into_any(self: Box<Self>) -> Box<dyn Any> {
-        self
-    }
-
-    fn as_any(&self) -> &dyn Any {
         self
     }
 }
@@ -832,14 +826,6 @@ impl DataFileWriter {
     pub fn finish_in_memory(self) -> Result<(Bytes, WrittenFile), MetadataError> {
         let (buffer, written) = self.finish_into::<Vec<u8>>()?;
         Ok((Bytes::from(buffer), written))
-    }
-
-    /// Whether this writer lays its file out into a sink of type `S`.
-    pub fn laid_out_into<S: MemorySink>(&self) -> bool {
-        self.memory.as_ref().is_some_and(|sink| {
-            let sink: &dyn Any = sink.as_any();
-            sink.is::<S>()
-        })
     }
 
     /// The sink of a writer from [`NativeWriter::data_file_into`] (of type `S`), holding the
