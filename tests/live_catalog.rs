@@ -552,6 +552,92 @@ fn the_cli_loads_a_live_publication_by_name_and_step() {
     );
 }
 
+/// `tessera load live://` holds a lease on the step it reads for the whole load (the publisher
+/// keeps a leased step past `keep`), removed when the load ends; a registry that cannot hold one
+/// is said on stderr and the load goes on.
+#[test]
+fn the_cli_holds_a_lease_on_the_step_it_loads() {
+    use tessera_ops::publish::lease::{LEASES_DIR, lease_files, step_leased, unix_seconds};
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let registry = tempfile::tempdir().unwrap();
+    let root = registry.path();
+    let server = tessera_storage::RangeServer::start("127.0.0.1").unwrap();
+    runtime.block_on(async {
+        for step in [1u64, 2] {
+            for rank in 0..2 {
+                served(root, &server, "leased", step, rank).await;
+            }
+            await_and_commit(
+                &step_dir(root, "leased", step),
+                2,
+                step,
+                Duration::from_secs(30),
+            )
+            .await
+            .unwrap();
+        }
+    });
+    let work = tempfile::tempdir().unwrap();
+    let requests = work.path().join("requests.json");
+    std::fs::write(
+        &requests,
+        r#"{"ranks": [[{"fqn": "layers.0.w", "offsets": [0, 0], "lengths": [8, 4]}]]}"#,
+    )
+    .unwrap();
+    let load = |url: &str| {
+        Command::new(BIN)
+            .args(["load", url, "--registry", root.to_str().unwrap()])
+            .args(["--requests", requests.to_str().unwrap()])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // Rank 1's file of step 1 is held at the server: the load waits there, mid-read.
+    let step1 = step_dir(root, "leased", 1);
+    let held = "leased/step-000001/data/publisher-rank-1.bin";
+    server.hold(held);
+    let child = load("live://leased@1");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while server.held_requests() == 0 {
+        assert!(std::time::Instant::now() < deadline, "the load never read");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        step_leased(&step1, unix_seconds()),
+        "no running lease while the load reads"
+    );
+    assert_eq!(lease_files(&step1), 1);
+    assert_eq!(lease_files(&step_dir(root, "leased", 2)), 0);
+    server.release(held);
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let leases = step1.join(LEASES_DIR);
+    assert!(
+        stderr.contains(&format!(", leased by {}", leases.display())),
+        "{stderr}"
+    );
+    assert!(
+        leases.is_dir(),
+        "the lease was taken in {}",
+        leases.display()
+    );
+    assert_eq!(lease_files(&step1), 0, "the lease outlived the load");
+
+    // A step whose leases folder cannot be made: said, and loaded anyway.
+    let step2 = step_dir(root, "leased", 2);
+    std::fs::write(step2.join(LEASES_DIR), b"not a folder").unwrap();
+    let out = load("live://leased@2").wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("warning: no lease on {}", step2.display()))
+            && stderr.contains("the publisher may retire the step while this load reads it"),
+        "{stderr}"
+    );
+}
+
 /// Publisher rank `rank` of 2 publishes `step` of `name` as `tessera.publish` does: its part in
 /// the registry and its data file served from memory by `server`.
 async fn served(

@@ -28,6 +28,7 @@
 //! A step stays incomplete (no manifest) until every rank's part is there; [`missing_ranks`]
 //! says which ranks a reader is waiting for.
 
+pub mod lease;
 pub mod listing;
 
 use std::collections::{BTreeMap, HashMap, HashSet};

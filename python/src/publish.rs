@@ -216,6 +216,55 @@ pub fn resolve_live(registry: &str, name: &str, step: Option<u64>) -> PyResult<(
     Ok((step, dir.display().to_string()))
 }
 
+/// A consumer's lease on a live step (`tessera_ops::publish::lease`, the one writer of the
+/// format): taken when made, removed by `release()` or when the object goes. Python's `live://`
+/// loads hold one while they read (`tessera._live.Lease`).
+#[pyclass(module = "tessera._tessera")]
+pub struct StepLease {
+    lease: Option<publish::lease::Lease>,
+}
+
+#[pymethods]
+impl StepLease {
+    /// Takes a lease on the step in `step_dir` for `seconds` (at most `MAX_LEASE_SECONDS`); an
+    /// error (`OSError`) names the lease file when the registry cannot hold it.
+    #[new]
+    fn new(step_dir: &str, seconds: f64) -> PyResult<Self> {
+        let lease = publish::lease::Lease::take(std::path::Path::new(step_dir), seconds)
+            .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
+        Ok(Self { lease: Some(lease) })
+    }
+
+    /// The lease file (`None` once released).
+    #[getter]
+    fn path(&self) -> Option<String> {
+        self.lease
+            .as_ref()
+            .and_then(|l| l.path())
+            .map(|p| p.display().to_string())
+    }
+
+    /// Removes the lease file; releasing twice is fine.
+    fn release(&mut self) -> PyResult<()> {
+        match self.lease.take() {
+            Some(lease) => lease
+                .release()
+                .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string())),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Whether a consumer's lease on the step in `step_dir` still runs (the publisher keeps serving
+/// it).
+#[pyfunction]
+pub fn step_leased(step_dir: &str) -> bool {
+    publish::lease::step_leased(
+        std::path::Path::new(step_dir),
+        publish::lease::unix_seconds(),
+    )
+}
+
 /// Stops serving the file at `path` (a retired step); true when it was served.
 #[pyfunction]
 pub fn unpublish(path: &str) -> bool {

@@ -295,6 +295,27 @@ def test_older_steps_are_retired_past_keep_unless_a_consumer_leases_them(publish
     assert torch.equal(state["b"], full_state(4)["b"])
 
 
+def test_a_lease_is_a_file_while_held_and_a_registry_that_cannot_hold_one_is_said(tmp_path):
+    from tessera import _live
+
+    step = tmp_path / "step-000007"
+    step.mkdir()
+    with _live.Lease(f"live+file://{step}", 30) as lease:
+        held = Path(lease.path)
+        assert held.parent == step / "leases" and held.is_file()
+        written = json.loads(held.read_text())
+        assert written["pid"] == os.getpid() and abs(written["until"] - written["taken"] - 30) < 1e-6
+        assert tessera._tessera.step_leased(str(step))
+    assert not held.exists() and not tessera._tessera.step_leased(str(step))
+    assert lease.path is None
+
+    (step / "leases").rmdir()
+    (step / "leases").write_text("not a folder")
+    with pytest.warns(UserWarning, match=f"no lease on {step}.*the publisher may retire the step"):
+        lease = _live.Lease(f"live+file://{step}", 30)
+    assert lease.path is None
+
+
 def consumer(rank, port, registry, url, out) -> None:
     """A rank of the 2-rank consuming gloo job: loads its TP-like column half of every matrix
     (and the whole vector) and writes what it got."""
