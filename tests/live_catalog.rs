@@ -50,7 +50,7 @@ async fn publish(registry: &Path, name: &str, step: u64, rank: u32, world: u32) 
         data.push((0..8u32).flat_map(|i| (i as f32).to_le_bytes()).collect());
     }
     let slices: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
-    let (_, file) = write_part_file(rank, &boxes, &slices, &[], &PartMemory::Heap)
+    let (_, file) = write_part_file(rank, &boxes, &slices, &[], PartMemory::Heap)
         .await
         .unwrap();
     let part = Part {
@@ -658,7 +658,7 @@ async fn served(
     let data: Vec<u8> = (0..rows * 8)
         .flat_map(|i| (i as f32 + step as f32).to_le_bytes())
         .collect();
-    let (bytes, file) = write_part_file(rank, &boxes, &[&data], &[], &PartMemory::Heap)
+    let (bytes, file) = write_part_file(rank, &boxes, &[&data], &[], PartMemory::Heap)
         .await
         .unwrap();
     let path = format!("{name}/step-{step:06}/{}", file.path());

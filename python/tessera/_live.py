@@ -100,6 +100,9 @@ class PublishReport(_api._Report):
     #: The file is in shared memory that consumers on this host read directly
     #: (``share_memory=True`` and a kernel that offers it); False: HTTP only.
     shared: bool = False
+    #: The file was laid out in the shared memory of a step this process retired (its pages
+    #: already faulted in; this process keeps up to two retired steps' memory for that).
+    reused_memory: bool = False
     #: Rank 0: the committed step's manifest (None on other ranks).
     manifest: Optional[Dict[str, Any]] = None
     #: Seconds the call blocked (the eager copy) and the background part (layout, serve, commit).
@@ -165,7 +168,9 @@ def _retire(pub: Publication) -> None:
             except FileNotFoundError:
                 pass
     if pub._path is not None:
-        _tessera.unpublish(pub._path)
+        # Its memory is reused for a later step only when no consumer's lease runs on it (an
+        # explicit retire() does not wait for leases): a consumer reading it keeps its bytes.
+        _tessera.unpublish(pub._path, reuse_memory=not _tessera.step_leased(directory))
     pub._retired = True
 
 
@@ -264,7 +269,8 @@ def publish(
         pub._path = served["path"]
         report = PublishReport(
             name=name, step=step, rank=rank, world_size=world_size, url=served["url"], path=served["path"],
-            bytes=served["bytes"], shared=served["shared"], blocked_seconds=handle.blocked_seconds,
+            bytes=served["bytes"], shared=served["shared"], reused_memory=served["reused_memory"],
+            blocked_seconds=handle.blocked_seconds,
         )
         with _LOCK:
             _SERVED.setdefault(key, []).append(pub)

@@ -461,6 +461,27 @@ def test_a_consumer_on_the_publishers_host_reads_its_shared_memory_not_http(publ
     assert net.bytes_from_storage == net.bytes_read, net
 
 
+def test_later_steps_are_laid_out_in_the_shared_memory_of_retired_ones(publishers):
+    # keep=1: each publish retires the step before it once committed, and its memory waits for the
+    # next step, which is written into those pages (already faulted in) instead of fresh ones.
+    pub = publishers("reuse", steps=[1, 2, 3, 4], world=2, extra={"keep": 1})
+    for rank in (0, 1):
+        reports = pub.ready[rank]["reports"]
+        assert [r["reused_memory"] for r in reports] == [False, False, True, True], reports
+        assert all(r["shared"] for r in reports)
+        assert [r["retired"] for r in reports] == [[], [1], [2], [3]], reports
+    state = {"w": torch.zeros(ROWS, COLS, dtype=torch.bfloat16), "m.exp_avg": torch.zeros(ROWS, COLS)}
+    report = tessera.load(state, "live://reuse", registry=str(pub.registry), progress=False, strict=False)
+    assert report.step == 4
+    want = full_state(4)
+    assert state["w"].view(torch.int16).tolist() == want["w"].view(torch.int16).tolist()
+    assert torch.equal(state["m.exp_avg"], want["m.exp_avg"])
+    assert report.bytes_from_publisher_memory == report.bytes_read > 0, report
+    # The retired steps stay retired: never their memory's new bytes under their name.
+    with pytest.raises(TesseraError, match="step 3 of live publication reuse was committed and then retired"):
+        tessera.load(state, "live://reuse@3", registry=str(pub.registry), progress=False, strict=False)
+
+
 def test_a_stopped_publisher_on_this_host_is_read_from_its_shared_memory(publishers):
     # SIGSTOPped, it answers no HTTP request; its shared memory is the committed step's bytes,
     # which the consumer opens and verifies without it.

@@ -775,15 +775,10 @@ mod tests {
         let bytes: Vec<u8> = (0..4u32)
             .flat_map(|v| (v as f32 + rank as f32).to_le_bytes())
             .collect();
-        let (_, file) = write_part_file(
-            rank,
-            &boxes,
-            &[&bytes],
-            &[],
-            &super::super::PartMemory::Heap,
-        )
-        .await
-        .unwrap();
+        let (_, file) =
+            write_part_file(rank, &boxes, &[&bytes], &[], super::super::PartMemory::Heap)
+                .await
+                .unwrap();
         let dir = step_dir(registry, step);
         let part = Part {
             rank,
