@@ -64,9 +64,12 @@ Usage (release module: `cd python && maturin develop --release && cd ..`):
         [--repeats 3] [--dir target/bench-live] [--http] [--profile]
 Defaults: 0.82 GiB of state (36 tensors). Disk: one checkpoint at a time under --dir (dcp or
 tessera, about the state's size), removed after each method; --dir is removed at the end.
-Memory: the publisher job holds its state, the eager-copy buffers, the staging pool and up to two
-served steps (about 5x the state, ~4.5 GB at the defaults), each consumer job its state; plus the
-page cache of one checkpoint. A consumer checks its bytes by recomputing the expected values.
+Memory: the publisher job holds its state, the eager-copy buffers, the staging pool, up to two
+served steps and the memory of up to two retired ones it lays later steps out in (about 7x the
+state, ~6 GB at the defaults), each consumer job its state; plus the page cache of one
+checkpoint. Each repetition's steps are retired after its warm load, so from the second
+repetition on both live publishes lay out in a retired step's memory (the phases line says how
+many did, and their persist against fresh memory's). A consumer checks its bytes by recomputing the expected values.
 """
 
 from __future__ import annotations
@@ -248,6 +251,7 @@ def publisher(rank: int, ports: dict, args: dict) -> None:
                 ctl.put(f"ready/{idx}", step)
             result["blocked_s"] = report.blocked_seconds
             result["persist_s"] = report.persist_seconds
+            result["reused_memory"] = report.reused_memory
         elif method == "gather+broadcast":
             for name, shape, dtype in specs:
                 local = state[name].to_local().view(-1).view(torch.uint8)
@@ -562,6 +566,15 @@ def report(results: dict, consumers: list, repeats: int, total: int) -> None:
             exchange = med([max(x["exchange_s"] for x in r["con"]) for r in rs])
             rest = med([max(x["total_s"] - x["read_s"] - x["exchange_s"] for x in r["con"]) for r in rs])
             persist = med([max(x["persist_s"] for x in r["pub"]) for r in rs])
+            # Publishes whose every rank laid out in a retired step's shared memory, and the
+            # persist of those against the rest (fresh memory).
+            reusing = [r for r in rs if all(x.get("reused_memory") for x in r["pub"])]
+            fresh = [r for r in rs if r not in reusing]
+            persist_by = "; ".join(
+                f"{kind} {med([max(x['persist_s'] for x in r['pub']) for r in group]):.2f} s"
+                for kind, group in (("in reused memory", reusing), ("in fresh memory", fresh))
+                if group
+            )
             requests = med([sum(x["requests"] for x in r["con"]) for r in rs])
             fetched = med([sum(x["bytes_fetched"] for x in r["con"]) for r in rs])
             from_memory = med([sum(x.get("from_memory", 0) for x in r["con"]) for r in rs])
@@ -573,7 +586,8 @@ def report(results: dict, consumers: list, repeats: int, total: int) -> None:
             )
             print(
                 f"live {label} phases (medians, slowest rank): publish call {publish:.3f} s; background persist "
-                f"(layout, serve, part; rank 0 also commits) {persist:.2f} s; committed at "
+                f"(layout, serve, part; rank 0 also commits) {persist:.2f} s ({len(reusing)} of {len(rs)} "
+                f"publishes in a retired step's memory: {persist_by}); committed at "
                 f"{committed:.2f} s; consumers told at {ready:.2f} s; {requests:.0f} reads fetching {fetched:,.0f} bytes "
                 f"(verification blocks included) for {read_bytes:,.0f} bytes of pieces, {from_memory:,.0f} of them "
                 f"from the publishers' shared memory, the rest over HTTP; "
