@@ -158,6 +158,17 @@ fn bytes_lines(out: &mut String, args: &LoadArgs, reports: &[RankReport], totals
             }
         }
     }
+    // A live publication read on its publishers' host: what came straight out of their shared
+    // memory, the rest over their HTTP servers.
+    let shared = sum(reports, |r| r.bytes_from_publisher_memory);
+    if shared > 0 {
+        let _ = writeln!(
+            out,
+            "publisher memory     {} of the data read, from the publishers' shared memory on this host ({} over HTTP)",
+            human::bytes(shared),
+            human::bytes(totals.bytes_from_storage),
+        );
+    }
     let boxes = sum(reports, |r| r.boxes_verified);
     // Formats without checksums (and --no-verify) fetch nothing to verify: say nothing about it.
     let verification = if totals.verify_extra_bytes > 0 || boxes > 0 {
