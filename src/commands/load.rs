@@ -9,6 +9,7 @@
 //! (tasks of this process, or `--rank` processes it spawns), and the rendering. GPU memory
 //! (`--device cuda`) loads through the CUDA pipeline with a plan made by every rank (`gpu`).
 
+mod args;
 mod finish;
 #[cfg(feature = "cuda")]
 mod gpu;
@@ -18,111 +19,23 @@ mod spawn;
 
 use std::io::IsTerminal;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use tessera_loader::checkpoint::Checkpoint;
-use tessera_loader::device::{CUDA_BUILT, DeviceSpec, cuda_not_built};
+use tessera_loader::device::{CUDA_BUILT, cuda_not_built};
 use tessera_loader::load::{LoadOptions, RankReport};
 use tessera_loader::read::ReadOptions;
 use tessera_loader::transport::InProcTransport;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_ops::job::host::{HostJob, HostLoad, OnPlanned, allocated};
 use tessera_ops::load::{LoadSwitches, PlanServer, plan_options};
-use tessera_planner::{ExplicitRequest, ExplicitRequests, PlanSummary, ReadOrder, RequestSet};
+use tessera_planner::{ExplicitRequest, ExplicitRequests, PlanSummary, RequestSet};
+use tessera_storage::RetryPolicy;
 
+pub use args::{LoadArgs, TransportKind};
 pub use finish::dump_names;
 pub use spawn::{TOKEN_ENV, rank_args};
-
-/// How ranks talk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TransportKind {
-    /// Threads of this process.
-    InProc,
-    /// Separate processes over TCP (loopback when run by `load` itself).
-    Tcp,
-    /// Separate processes, TCP for control and NCCL for data, GPU to GPU (feature `cuda`).
-    Nccl,
-}
-
-impl TransportKind {
-    fn name(self) -> &'static str {
-        match self {
-            TransportKind::InProc => "inproc",
-            TransportKind::Tcp => "tcp",
-            TransportKind::Nccl => "nccl",
-        }
-    }
-}
-
-/// Arguments of `tessera load`. The rank processes it spawns take them whole, as JSON
-/// (`spawn`), the token aside.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-pub struct LoadArgs {
-    /// Checkpoint location.
-    pub checkpoint: String,
-    /// Target layout JSON file.
-    pub layout: Option<String>,
-    /// Explicit requests JSON file.
-    pub requests: Option<String>,
-    /// Write `DIR/rank-<r>.safetensors` per rank.
-    pub dump: Option<String>,
-    /// Transport between ranks.
-    pub transport: TransportKind,
-    /// Where the destination buffers live.
-    pub device: DeviceSpec,
-    /// Run only this rank (a real job's rank; rendezvous from flags or torchrun's environment).
-    pub rank: Option<u32>,
-    /// World size with `--rank`.
-    pub world: Option<u32>,
-    /// Rendezvous address with `--rank`.
-    pub master_addr: Option<String>,
-    /// Rendezvous port with `--rank`.
-    pub master_port: Option<u16>,
-    /// Verify block checksums of what is read.
-    pub verify: bool,
-    /// Read each shared piece once and exchange it.
-    pub dedup: bool,
-    /// Largest gap one storage request may span (`--coalesce-gap`); `None`: the store kind's
-    /// default (`tessera_loader::read::default_coalesce_gap`).
-    pub coalesce_gap: Option<u64>,
-    /// Check every loaded byte against the synthetic value formula.
-    pub check: bool,
-    /// This host's memory tier (`--memory-tier`): copies read instead of storage.
-    pub memory_tier: Option<String>,
-    /// Write the JSON report here (used by the per-rank processes of `--transport tcp`).
-    pub report_json: Option<String>,
-    /// Write the load's counters here in the OpenMetrics text format (`--metrics-file`).
-    pub metrics_file: Option<String>,
-    /// How saved chunks are read (`--read-order`).
-    pub read_order: ReadOrder,
-    /// Seconds a rank waits for a peer before giving up.
-    pub peer_timeout: Duration,
-    /// Print the progress bar and report.
-    pub quiet: bool,
-    /// Fetch rank plans from this tessera server instead of planning here.
-    pub server: Option<String>,
-    /// The checkpoint's id on the server (`<run>/<step>`); by default the last two components
-    /// of the checkpoint location.
-    pub checkpoint_id: Option<String>,
-    /// The registry of live publications a `live://NAME[@STEP]` checkpoint is resolved in.
-    pub registry: Option<std::path::PathBuf>,
-    /// Bearer token of the server (the CLI fills it from `TESSERA_TOKEN` when not given). Never
-    /// written to a file: spawned ranks get it in their environment.
-    #[serde(skip)]
-    pub token: Option<String>,
-    /// Timeouts and attempts of every storage request, for the store and the reads alike
-    /// (`--storage-read-timeout`, `--storage-attempts`): with a store that stalls, they bound
-    /// how soon the load fails (docs/retry.md).
-    #[serde(with = "super::retry_as_flags")]
-    pub retry: tessera_storage::RetryPolicy,
-    /// Load only the tensors this takes (`--include`, `--exclude`).
-    pub filter: super::select::TensorFilter,
-    /// Print the report as one JSON document (`--json`).
-    pub json: bool,
-}
 
 /// Refuses what this build or the arguments cannot do, before any work.
 fn check_device(args: &LoadArgs) -> Result<()> {
@@ -145,11 +58,12 @@ fn check_device(args: &LoadArgs) -> Result<()> {
     Ok(())
 }
 
-/// The load's options from the flags and the environment's side-by-side switches.
-fn load_options(args: &LoadArgs, switches: &LoadSwitches) -> LoadOptions {
+/// The load's options from the flags (`retry` from the storage flags) and the environment's
+/// side-by-side switches.
+fn load_options(args: &LoadArgs, retry: &RetryPolicy, switches: &LoadSwitches) -> LoadOptions {
     let read = ReadOptions {
         verify: args.verify,
-        retry: args.retry.clone(),
+        retry: retry.clone(),
         coalesce_gap: args.coalesce_gap,
         ..ReadOptions::default()
     };
@@ -158,6 +72,9 @@ fn load_options(args: &LoadArgs, switches: &LoadSwitches) -> LoadOptions {
 
 /// Runs the command; returns the report text.
 pub async fn run(args: &LoadArgs) -> Result<String> {
+    // What clap cannot check: a positive --peer-timeout, the storage flags' policy.
+    let peer_timeout = args.peer_timeout()?;
+    let retry = args.storage.policy()?;
     check_device(args)?;
     let args = &with_live_step(args)?;
     // Rank processes spawned here share the DCP blob index through a cache directory, so the
@@ -171,7 +88,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         _ => None,
     };
     let shared_cache = shared_cache.as_ref().map(|d| d.path());
-    let opened = open_checkpoint(args, shared_cache).await?;
+    let opened = open_checkpoint(args, &retry, shared_cache).await?;
     check_plan_flags(args)?;
     let switches = LoadSwitches::from_env();
     let planning = plan_options(
@@ -190,12 +107,12 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
             location: args.checkpoint.clone(),
             world: ranks.len() as u32,
             planning,
-            filter: args.filter.describe(),
+            filter: args.filter().describe(),
             server: plan_server(args)?,
             memory_tier: args.memory_tier.as_ref().map(std::path::PathBuf::from),
             verify: args.verify,
-            options: load_options(args, &switches),
-            timeout: args.peer_timeout,
+            options: load_options(args, &retry, &switches),
+            timeout: peer_timeout,
         },
         requests: Arc::new(ranks),
     };
@@ -216,7 +133,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         TransportKind::InProc => load_all_inproc(&job).await?,
         TransportKind::Tcp | TransportKind::Nccl => {
             let world = job.world();
-            let loaded = spawn::load_all_spawned(args, world, shared_cache).await?;
+            let loaded = spawn::load_all_spawned(args, (world, peer_timeout), shared_cache).await?;
             let kind = format!(
                 "{} processes on 127.0.0.1{}",
                 args.transport.name(),
@@ -291,7 +208,7 @@ fn check_plan_flags(args: &LoadArgs) -> Result<()> {
         }
         _ => {}
     }
-    if args.server.is_some() && !args.filter.is_everything() {
+    if args.server.is_some() && !args.filter().is_everything() {
         bail!(
             "--include/--exclude filter a plan made here; a server plans every tensor (drop --server)"
         );
@@ -449,9 +366,10 @@ async fn load_all_inproc(job: &Job) -> Result<(Loaded, String)> {
 /// saying its warnings; a metadata-only checkpoint is refused.
 async fn open_checkpoint(
     args: &LoadArgs,
+    retry: &RetryPolicy,
     shared_cache: Option<&std::path::Path>,
 ) -> Result<Checkpoint> {
-    let checkpoint = super::open_for_load(&args.checkpoint, &args.retry, shared_cache).await?;
+    let checkpoint = super::open_for_load(&args.checkpoint, retry, shared_cache).await?;
     for warning in &checkpoint.warnings {
         eprintln!("warning: {warning}");
     }
@@ -468,7 +386,7 @@ fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> 
         None,
         args.rank.unwrap_or(0) == 0,
     )?;
-    args.filter.apply(
+    args.filter().apply(
         &mut requests,
         checkpoint.meta.tensors(),
         checkpoint.meta.objects(),
