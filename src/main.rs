@@ -448,16 +448,7 @@ fn run(cli: Cli) -> Result<()> {
             dir,
             addr,
             no_serve,
-        } => {
-            stdout(runtime.block_on(commands::demo::run(&dir))?.as_bytes())?;
-            if no_serve {
-                return Ok(());
-            }
-            stdout(b"\nserving the catalog and its web UI (Ctrl-C stops):\n")?;
-            runtime.block_on(commands::serve::run(&commands::serve::ServeArgs::new(
-                dir, addr,
-            )))
-        }
+        } => demo(&runtime, dir, addr, no_serve),
         Command::Layout { preset } => {
             stdout((commands::layout::run(&preset.into_preset())? + "\n").as_bytes())
         }
@@ -574,33 +565,55 @@ fn run(cli: Cli) -> Result<()> {
                 gc(&root, dry_run, break_claims, json)
             }
         }
-        Command::Live { command } => match command {
-            LiveCommand::List {
-                registry,
-                steps,
-                json,
-            } => {
-                let listing = commands::live::list(&registry, steps)?;
-                stdout_report(json, &listing, || commands::live::list_text(&listing))
-            }
-            LiveCommand::Show {
-                name,
-                registry,
-                steps,
-                json,
-            } => {
-                let publication = commands::live::show(&registry, &name, steps)?;
-                stdout_report(json, &publication, || {
-                    commands::live::show_text(&publication)
-                })
-            }
-        },
+        Command::Live { command } => live(command),
         Command::Completions { shell } => {
             let mut out = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "tessera", &mut out);
             stdout(&out)
         }
         Command::Man { dir } => man(dir),
+    }
+}
+
+/// `demo`: the synthetic catalog's report, then (unless `no_serve`) the catalog served at `addr`.
+fn demo(
+    runtime: &tokio::runtime::Runtime,
+    dir: String,
+    addr: String,
+    no_serve: bool,
+) -> Result<()> {
+    stdout(runtime.block_on(commands::demo::run(&dir))?.as_bytes())?;
+    if no_serve {
+        return Ok(());
+    }
+    stdout(b"\nserving the catalog and its web UI (Ctrl-C stops):\n")?;
+    runtime.block_on(commands::serve::run(&commands::serve::ServeArgs::new(
+        dir, addr,
+    )))
+}
+
+/// `live list` and `live show`: a registry's publications, or one, as text or JSON.
+fn live(command: LiveCommand) -> Result<()> {
+    match command {
+        LiveCommand::List {
+            registry,
+            steps,
+            json,
+        } => {
+            let listing = commands::live::list(&registry, steps)?;
+            stdout_report(json, &listing, || commands::live::list_text(&listing))
+        }
+        LiveCommand::Show {
+            name,
+            registry,
+            steps,
+            json,
+        } => {
+            let publication = commands::live::show(&registry, &name, steps)?;
+            stdout_report(json, &publication, || {
+                commands::live::show_text(&publication)
+            })
+        }
     }
 }
 
