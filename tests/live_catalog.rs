@@ -52,7 +52,7 @@ async fn publish(registry: &Path, name: &str, step: u64, rank: u32, world: u32) 
         data.push((0..8u32).flat_map(|i| (i as f32).to_le_bytes()).collect());
     }
     let slices: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
-    let (_, file) = write_part_file(rank, &boxes, &slices, &[], &PartMemory::Heap)
+    let (_, file) = write_part_file(rank, &boxes, &slices, &[], PartMemory::Heap)
         .await
         .unwrap();
     let part = Part {
@@ -462,7 +462,7 @@ fn the_cli_loads_a_live_publication_by_name_and_step() {
     runtime.block_on(async {
         for step in [1u64, 2] {
             for rank in 0..2 {
-                served(root, &server, ("served", step, rank), &PartMemory::Heap).await;
+                served(root, &server, ("served", step, rank), PartMemory::Heap).await;
             }
             await_and_commit(
                 &step_dir(root, "served", step),
@@ -473,7 +473,7 @@ fn the_cli_loads_a_live_publication_by_name_and_step() {
             .await
             .unwrap();
         }
-        served(root, &server, ("served", 3, 0), &PartMemory::Heap).await;
+        served(root, &server, ("served", 3, 0), PartMemory::Heap).await;
     });
     let work = tempfile::tempdir().unwrap();
     let requests = work.path().join("requests.json");
@@ -554,6 +554,92 @@ fn the_cli_loads_a_live_publication_by_name_and_step() {
     );
 }
 
+/// `tessera load live://` holds a lease on the step it reads for the whole load (the publisher
+/// keeps a leased step past `keep`), removed when the load ends; a registry that cannot hold one
+/// is said on stderr and the load goes on.
+#[test]
+fn the_cli_holds_a_lease_on_the_step_it_loads() {
+    use tessera_ops::publish::lease::{LEASES_DIR, lease_files, step_leased, unix_seconds};
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let registry = tempfile::tempdir().unwrap();
+    let root = registry.path();
+    let server = tessera_storage::RangeServer::start("127.0.0.1").unwrap();
+    runtime.block_on(async {
+        for step in [1u64, 2] {
+            for rank in 0..2 {
+                served(root, &server, ("leased", step, rank), PartMemory::Heap).await;
+            }
+            await_and_commit(
+                &step_dir(root, "leased", step),
+                2,
+                step,
+                Duration::from_secs(30),
+            )
+            .await
+            .unwrap();
+        }
+    });
+    let work = tempfile::tempdir().unwrap();
+    let requests = work.path().join("requests.json");
+    std::fs::write(
+        &requests,
+        r#"{"ranks": [[{"fqn": "layers.0.w", "offsets": [0, 0], "lengths": [8, 4]}]]}"#,
+    )
+    .unwrap();
+    let load = |url: &str| {
+        Command::new(BIN)
+            .args(["load", url, "--registry", root.to_str().unwrap()])
+            .args(["--requests", requests.to_str().unwrap()])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // Rank 1's file of step 1 is held at the server: the load waits there, mid-read.
+    let step1 = step_dir(root, "leased", 1);
+    let held = "leased/step-000001/data/publisher-rank-1.bin";
+    server.hold(held);
+    let child = load("live://leased@1");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while server.held_requests() == 0 {
+        assert!(std::time::Instant::now() < deadline, "the load never read");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        step_leased(&step1, unix_seconds()),
+        "no running lease while the load reads"
+    );
+    assert_eq!(lease_files(&step1), 1);
+    assert_eq!(lease_files(&step_dir(root, "leased", 2)), 0);
+    server.release(held);
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let leases = step1.join(LEASES_DIR);
+    assert!(
+        stderr.contains(&format!(", leased by {}", leases.display())),
+        "{stderr}"
+    );
+    assert!(
+        leases.is_dir(),
+        "the lease was taken in {}",
+        leases.display()
+    );
+    assert_eq!(lease_files(&step1), 0, "the lease outlived the load");
+
+    // A step whose leases folder cannot be made: said, and loaded anyway.
+    let step2 = step_dir(root, "leased", 2);
+    std::fs::write(step2.join(LEASES_DIR), b"not a folder").unwrap();
+    let out = load("live://leased@2").wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("warning: no lease on {}", step2.display()))
+            && stderr.contains("the publisher may retire the step while this load reads it"),
+        "{stderr}"
+    );
+}
+
 /// A live load on the publishers' host reads their data files straight out of their shared
 /// memory, and the text report says how much of the data read came from there (it was only in
 /// `--json` and `--report-json`); the bytes are the publishers' own.
@@ -563,14 +649,14 @@ fn the_cli_report_says_what_was_read_from_the_publishers_shared_memory() {
     let registry = tempfile::tempdir().unwrap();
     let root = registry.path();
     let server = tessera_storage::RangeServer::start("127.0.0.1").unwrap();
-    let memory = PartMemory::Shared {
-        tag: "tessera-test-live-cli".to_string(),
-    };
     // This process is both publishers; the CLI's process opens their memory through /proc.
     let laid_out: Vec<PartBytes> = runtime.block_on(async {
         let mut laid_out = Vec::new();
         for rank in 0..2 {
-            laid_out.push(served(root, &server, ("shared", 5, rank), &memory).await);
+            let memory = PartMemory::Shared {
+                tag: "tessera-test-live-cli".to_string(),
+            };
+            laid_out.push(served(root, &server, ("shared", 5, rank), memory).await);
         }
         await_and_commit(&step_dir(root, "shared", 5), 2, 5, Duration::from_secs(30))
             .await
@@ -634,7 +720,7 @@ async fn served(
     registry: &Path,
     server: &tessera_storage::RangeServer,
     (name, step, rank): (&str, u64, u32),
-    memory: &PartMemory,
+    memory: PartMemory,
 ) -> PartBytes {
     let rows = 4u64;
     let boxes = vec![HeldBox {

@@ -28,6 +28,7 @@
 //! A step stays incomplete (no manifest) until every rank's part is there; [`missing_ranks`]
 //! says which ranks a reader is waiting for.
 
+pub mod lease;
 pub mod listing;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -86,7 +87,7 @@ pub fn data_file_name(rank: u32) -> String {
 }
 
 /// Where a publisher rank lays its data file out.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum PartMemory {
     /// A buffer of this process, served over HTTP only.
     Heap,
@@ -96,6 +97,9 @@ pub enum PartMemory {
         /// What the memfd's name starts with (`/proc/<pid>/fd/<n>` shows it).
         tag: String,
     },
+    /// The shared memory of a retired step, rewritten from its start
+    /// ([`SharedFile::into_writer`]): its pages are already faulted in.
+    Reused(SharedFileWriter),
 }
 
 /// A publisher rank's data file as laid out.
@@ -147,7 +151,7 @@ pub async fn write_part_file(
     boxes: &[HeldBox],
     data: &[&[u8]],
     objects: &[(String, Vec<u8>)],
-    memory: &PartMemory,
+    memory: PartMemory,
 ) -> Result<(PartBytes, WrittenFile), OpsError> {
     if boxes.len() != data.len() {
         return Err(OpsError::invalid(format!(
@@ -178,7 +182,8 @@ pub async fn write_part_file(
     let name = data_file_name(rank);
     // A memfd where the kernel offers one; the heap otherwise (the part then says HTTP only).
     let shared = match memory {
-        PartMemory::Shared { tag } => SharedFileWriter::new(tag).ok(),
+        PartMemory::Shared { tag } => SharedFileWriter::new(&tag).ok(),
+        PartMemory::Reused(writer) => Some(writer),
         PartMemory::Heap => None,
     };
     let into_shared = shared.is_some();
@@ -423,7 +428,7 @@ mod tests {
     async fn part(rank: u32, world: u32, values: &[f32]) -> Part {
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let boxes = vec![row_box(u64::from(rank))];
-        let (_, file) = write_part_file(rank, &boxes, &[&bytes], &[], &PartMemory::Heap)
+        let (_, file) = write_part_file(rank, &boxes, &[&bytes], &[], PartMemory::Heap)
             .await
             .unwrap();
         Part {
@@ -453,13 +458,13 @@ mod tests {
             lengths: vec![400, 100],
         }];
         let objects = vec![("step".to_string(), b"7".to_vec())];
-        let (heap, heap_file) = write_part_file(0, &boxes, &[&values], &objects, &PartMemory::Heap)
+        let (heap, heap_file) = write_part_file(0, &boxes, &[&values], &objects, PartMemory::Heap)
             .await
             .unwrap();
         let memory = PartMemory::Shared {
             tag: "tessera-test-part".to_string(),
         };
-        let (shared, shared_file) = write_part_file(0, &boxes, &[&values], &objects, &memory)
+        let (shared, shared_file) = write_part_file(0, &boxes, &[&values], &objects, memory)
             .await
             .unwrap();
         assert!(heap.shared().is_none());
@@ -470,6 +475,25 @@ mod tests {
         // A consumer on this host opens what the part will name.
         let opened = tessera_storage::shared_file::open_shared(file.handle()).unwrap();
         assert_eq!(opened.metadata().unwrap().len(), file.handle().size);
+
+        // The next step laid out in the retired step's memory: the same layout, byte for byte,
+        // in the same file (inode), and the bytes of the new step.
+        let inode = file.handle().inode;
+        let file = Arc::clone(file);
+        drop(shared);
+        drop(opened);
+        let writer = SharedFile::into_writer(file).expect("nothing else holds it");
+        let next: Vec<u8> = values.iter().map(|v| v.wrapping_add(1)).collect();
+        let (heap, heap_file) = write_part_file(0, &boxes, &[&next], &objects, PartMemory::Heap)
+            .await
+            .unwrap();
+        let (reused, reused_file) =
+            write_part_file(0, &boxes, &[&next], &objects, PartMemory::Reused(writer))
+                .await
+                .unwrap();
+        assert_eq!(reused.bytes(), heap.bytes());
+        assert_eq!(reused_file, heap_file);
+        assert_eq!(reused.shared().unwrap().handle().inode, inode);
     }
 
     #[tokio::test]

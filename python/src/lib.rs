@@ -181,6 +181,12 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(publish::commit_publication, m)?)?;
     m.add_function(wrap_pyfunction!(publish::unpublish, m)?)?;
     m.add_function(wrap_pyfunction!(publish::resolve_live, m)?)?;
+    m.add_class::<publish::StepLease>()?;
+    m.add_function(wrap_pyfunction!(publish::step_leased, m)?)?;
+    m.add(
+        "MAX_LEASE_SECONDS",
+        tessera_ops::publish::lease::MAX_LEASE_SECONDS,
+    )?;
     #[cfg(feature = "fault-injection")]
     m.add_function(wrap_pyfunction!(publish::damage_publication, m)?)?;
     #[cfg(feature = "fault-injection")]

@@ -43,6 +43,40 @@ fn shared_files() -> &'static Mutex<HashMap<String, Arc<SharedFile>>> {
     SHARED.get_or_init(Mutex::default)
 }
 
+/// Retired steps' shared files kept for this process's next steps to lay out in, at most this
+/// many: writing a step into memory whose pages are already faulted in costs a copy, where fresh
+/// shared memory costs the kernel reclaiming page cache page by page first (BENCHMARKS.md: a warm
+/// step's persist 1.1-1.3 s in fresh memory against 0.26-0.31 s for the first one).
+const SPARE_SHARED_FILES: usize = 2;
+
+/// The retired steps' shared files waiting to be reused, smallest first.
+fn spare_files() -> &'static Mutex<Vec<Arc<SharedFile>>> {
+    static SPARE: OnceLock<Mutex<Vec<Arc<SharedFile>>>> = OnceLock::new();
+    SPARE.get_or_init(Mutex::default)
+}
+
+/// Keeps a retired step's shared file for reuse: the largest [`SPARE_SHARED_FILES`] stay.
+fn keep_spare(file: Arc<SharedFile>) {
+    let mut spare = spare_files().lock().unwrap_or_else(PoisonError::into_inner);
+    spare.push(file);
+    spare.sort_by_key(|f| f.size());
+    if spare.len() > SPARE_SHARED_FILES {
+        spare.remove(0);
+    }
+}
+
+/// A writer in a retired step's shared memory, the largest kept, when one is free (no response
+/// of the range server still holds it; one that is held is let go).
+fn reuse_spare() -> Option<tessera_storage::shared_file::SharedFileWriter> {
+    let mut spare = spare_files().lock().unwrap_or_else(PoisonError::into_inner);
+    while let Some(file) = spare.pop() {
+        if let Ok(writer) = SharedFile::into_writer(file) {
+            return Some(writer);
+        }
+    }
+    None
+}
+
 /// What one rank's part of a step needs besides its boxes (Python sets the fields by name).
 #[pyclass(module = "tessera._tessera", get_all, set_all, from_py_object)]
 #[derive(Clone, Debug)]
@@ -132,14 +166,18 @@ async fn run_part(
         .ok_or_else(|| anyhow!("{}: no step directory name", step_dir.display()))?;
     // Laid out straight into shared memory where the kernel offers it (consumers on this host
     // read it there); the heap, HTTP only, otherwise: the part says which by its handle.
-    let memory = if request.share_memory {
-        PartMemory::Shared {
-            tag: format!("tessera-{}-{step_name}-rank{rank}", request.name),
-        }
-    } else {
-        PartMemory::Heap
+    // A retired step's shared memory first: its pages are there already.
+    let (memory, reused) = match request.share_memory.then(reuse_spare).flatten() {
+        Some(writer) => (PartMemory::Reused(writer), true),
+        None if request.share_memory => (
+            PartMemory::Shared {
+                tag: format!("tessera-{}-{step_name}-rank{rank}", request.name),
+            },
+            false,
+        ),
+        None => (PartMemory::Heap, false),
     };
-    let (laid_out, file) = publish::write_part_file(rank, &held, &data, &objects, &memory).await?;
+    let (laid_out, file) = publish::write_part_file(rank, &held, &data, &objects, memory).await?;
     let path = format!("{}/{step_name}/{}", request.name, file.path());
     let server = server(&request.host)
         .with_context(|| format!("rank {rank}: serving publication {}", request.name))?;
@@ -179,6 +217,7 @@ async fn run_part(
         "path": path,
         "bytes": size,
         "shared": part.shared.is_some(),
+        "reused_memory": reused,
     }))?)
 }
 
@@ -216,18 +255,75 @@ pub fn resolve_live(registry: &str, name: &str, step: Option<u64>) -> PyResult<(
     Ok((step, dir.display().to_string()))
 }
 
-/// Stops serving the file at `path` (a retired step); true when it was served.
+/// A consumer's lease on a live step (`tessera_ops::publish::lease`, the one writer of the
+/// format): taken when made, removed by `release()` or when the object goes. Python's `live://`
+/// loads hold one while they read (`tessera._live.Lease`).
+#[pyclass(module = "tessera._tessera")]
+pub struct StepLease {
+    lease: Option<publish::lease::Lease>,
+}
+
+#[pymethods]
+impl StepLease {
+    /// Takes a lease on the step in `step_dir` for `seconds` (at most `MAX_LEASE_SECONDS`); an
+    /// error (`OSError`) names the lease file when the registry cannot hold it.
+    #[new]
+    fn new(step_dir: &str, seconds: f64) -> PyResult<Self> {
+        let lease = publish::lease::Lease::take(std::path::Path::new(step_dir), seconds)
+            .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
+        Ok(Self { lease: Some(lease) })
+    }
+
+    /// The lease file (`None` once released).
+    #[getter]
+    fn path(&self) -> Option<String> {
+        self.lease
+            .as_ref()
+            .and_then(|l| l.path())
+            .map(|p| p.display().to_string())
+    }
+
+    /// Removes the lease file; releasing twice is fine.
+    fn release(&mut self) -> PyResult<()> {
+        match self.lease.take() {
+            Some(lease) => lease
+                .release()
+                .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string())),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Whether a consumer's lease on the step in `step_dir` still runs (the publisher keeps serving
+/// it).
 #[pyfunction]
-pub fn unpublish(path: &str) -> bool {
-    shared_files()
+pub fn step_leased(step_dir: &str) -> bool {
+    publish::lease::step_leased(
+        std::path::Path::new(step_dir),
+        publish::lease::unix_seconds(),
+    )
+}
+
+/// Stops serving the file at `path` (a retired step); true when it was served. With
+/// `reuse_memory`, its shared memory, if any, is kept for this process's next steps
+/// ([`SPARE_SHARED_FILES`]); without (a consumer's lease still runs on the step), it is freed
+/// once the last reader lets go, so what a consumer opened keeps its bytes.
+#[pyfunction]
+#[pyo3(signature = (path, reuse_memory=false))]
+pub fn unpublish(path: &str, reuse_memory: bool) -> bool {
+    let shared = shared_files()
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .remove(path);
-    servers()
+    let served = servers()
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .values()
-        .any(|server| server.remove(path))
+        .any(|server| server.remove(path));
+    if let Some(file) = shared.filter(|_| reuse_memory) {
+        keep_spare(file);
+    }
+    served
 }
 
 /// Test hook (`fault-injection` builds): flips the bits of byte `offset` of the file served at

@@ -41,10 +41,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -56,8 +54,9 @@ from ._tessera import TesseraError
 #: The URL scheme of live publications.
 SCHEME = "live://"
 #: The longest a consumer's lease keeps a superseded step served, whatever its timeout says: a
-#: consumer that died holding a lease costs the publisher this much memory time, no more.
-MAX_LEASE_SECONDS = 900.0
+#: consumer that died holding a lease costs the publisher this much memory time, no more
+#: (``tessera_ops::publish::lease``, which writes and reads leases for every front end).
+MAX_LEASE_SECONDS = _tessera.MAX_LEASE_SECONDS
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")
 
 
@@ -101,6 +100,9 @@ class PublishReport(_api._Report):
     #: The file is in shared memory that consumers on this host read directly
     #: (``share_memory=True`` and a kernel that offers it); False: HTTP only.
     shared: bool = False
+    #: The file was laid out in the shared memory of a step this process retired (its pages
+    #: already faulted in; this process keeps up to two retired steps' memory for that).
+    reused_memory: bool = False
     #: Rank 0: the committed step's manifest (None on other ranks).
     manifest: Optional[Dict[str, Any]] = None
     #: Seconds the call blocked (the eager copy) and the background part (layout, serve, commit).
@@ -166,30 +168,10 @@ def _retire(pub: Publication) -> None:
             except FileNotFoundError:
                 pass
     if pub._path is not None:
-        _tessera.unpublish(pub._path)
+        # Its memory is reused for a later step only when no consumer's lease runs on it (an
+        # explicit retire() does not wait for leases): a consumer reading it keeps its bytes.
+        _tessera.unpublish(pub._path, reuse_memory=not _tessera.step_leased(directory))
     pub._retired = True
-
-
-def _leased(directory: str, now: float) -> bool:
-    """Whether a consumer's lease on the step in ``directory`` is still running."""
-    leases = os.path.join(directory, "leases")
-    try:
-        names = os.listdir(leases)
-    except FileNotFoundError:
-        return False
-    for entry in names:
-        if not entry.endswith(".json"):
-            continue
-        path = os.path.join(leases, entry)
-        try:
-            with open(path, encoding="utf-8") as f:
-                lease = json.load(f)
-            taken, until = float(lease["taken"]), float(lease["until"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if now < min(until, taken + MAX_LEASE_SECONDS):
-            return True
-    return False
 
 
 def _supersede(key: Tuple[str, str], keep: int, report: PublishReport) -> None:
@@ -197,9 +179,8 @@ def _supersede(key: Tuple[str, str], keep: int, report: PublishReport) -> None:
     with _LOCK:
         steps = _SERVED.get(key, [])
         steps.sort(key=lambda p: p.step)
-        now = time.time()
         for pub in list(steps[: max(len(steps) - keep, 0)]):
-            if _leased(step_dir(pub.registry, pub.name, pub.step), now):
+            if _tessera.step_leased(step_dir(pub.registry, pub.name, pub.step)):
                 report.leased.append(pub.step)
                 continue
             _retire(pub)
@@ -288,7 +269,8 @@ def publish(
         pub._path = served["path"]
         report = PublishReport(
             name=name, step=step, rank=rank, world_size=world_size, url=served["url"], path=served["path"],
-            bytes=served["bytes"], shared=served["shared"], blocked_seconds=handle.blocked_seconds,
+            bytes=served["bytes"], shared=served["shared"], reused_memory=served["reused_memory"],
+            blocked_seconds=handle.blocked_seconds,
         )
         with _LOCK:
             _SERVED.setdefault(key, []).append(pub)
@@ -357,19 +339,14 @@ def resolve(url: str, registry: Any) -> Tuple[int, str]:
 
 class Lease:
     """A consumer's claim that it reads a step: the publisher keeps serving it until released or
-    past ``until`` (see the module doc). A context manager."""
+    past its deadline (see the module doc; the format is ``tessera_ops::publish::lease``'s). A
+    context manager."""
 
     def __init__(self, location: str, seconds: float) -> None:
         directory = location[len("live+file://"):]
-        path = os.path.join(directory, "leases", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}.json")
-        now = time.time()
-        self.path: Optional[str] = path
+        self._lease: Optional[Any] = None
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            temp = path + ".tmp"
-            with open(temp, "w", encoding="utf-8") as f:
-                json.dump({"taken": now, "until": now + min(float(seconds), MAX_LEASE_SECONDS), "pid": os.getpid()}, f)
-            os.replace(temp, path)
+            self._lease = _tessera.StepLease(directory, float(seconds))
         except OSError as e:
             # A registry this job may only read: the load goes on unprotected. Should the
             # publisher retire the step meanwhile, a read fails naming the publisher (404),
@@ -377,21 +354,22 @@ class Lease:
             import warnings
 
             warnings.warn(
-                f"no lease on {directory} ({e}): the publisher may retire the step while this load reads it",
+                f"{e}: the publisher may retire the step while this load reads it",
                 stacklevel=3,
             )
-            self.path = None
+
+    @property
+    def path(self) -> Optional[str]:
+        """The lease file, while held."""
+        return None if self._lease is None else self._lease.path
 
     def __enter__(self) -> "Lease":
         return self
 
     def __exit__(self, *_exc: Any) -> None:
-        if self.path is None:
-            return
-        try:
-            os.remove(self.path)
-        except FileNotFoundError:
-            pass
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
 
 
 def resolve_for_load(url: str, registry: Any, group: Any) -> Tuple[int, str]:

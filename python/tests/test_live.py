@@ -295,6 +295,27 @@ def test_older_steps_are_retired_past_keep_unless_a_consumer_leases_them(publish
     assert torch.equal(state["b"], full_state(4)["b"])
 
 
+def test_a_lease_is_a_file_while_held_and_a_registry_that_cannot_hold_one_is_said(tmp_path):
+    from tessera import _live
+
+    step = tmp_path / "step-000007"
+    step.mkdir()
+    with _live.Lease(f"live+file://{step}", 30) as lease:
+        held = Path(lease.path)
+        assert held.parent == step / "leases" and held.is_file()
+        written = json.loads(held.read_text())
+        assert written["pid"] == os.getpid() and abs(written["until"] - written["taken"] - 30) < 1e-6
+        assert tessera._tessera.step_leased(str(step))
+    assert not held.exists() and not tessera._tessera.step_leased(str(step))
+    assert lease.path is None
+
+    (step / "leases").rmdir()
+    (step / "leases").write_text("not a folder")
+    with pytest.warns(UserWarning, match=f"no lease on {step}.*the publisher may retire the step"):
+        lease = _live.Lease(f"live+file://{step}", 30)
+    assert lease.path is None
+
+
 def consumer(rank, port, registry, url, out) -> None:
     """A rank of the 2-rank consuming gloo job: loads its TP-like column half of every matrix
     (and the whole vector) and writes what it got."""
@@ -438,6 +459,27 @@ def test_a_consumer_on_the_publishers_host_reads_its_shared_memory_not_http(publ
     assert mem.boxes_verified > 0, mem
     assert net.bytes_from_publisher_memory == 0, net
     assert net.bytes_from_storage == net.bytes_read, net
+
+
+def test_later_steps_are_laid_out_in_the_shared_memory_of_retired_ones(publishers):
+    # keep=1: each publish retires the step before it once committed, and its memory waits for the
+    # next step, which is written into those pages (already faulted in) instead of fresh ones.
+    pub = publishers("reuse", steps=[1, 2, 3, 4], world=2, extra={"keep": 1})
+    for rank in (0, 1):
+        reports = pub.ready[rank]["reports"]
+        assert [r["reused_memory"] for r in reports] == [False, False, True, True], reports
+        assert all(r["shared"] for r in reports)
+        assert [r["retired"] for r in reports] == [[], [1], [2], [3]], reports
+    state = {"w": torch.zeros(ROWS, COLS, dtype=torch.bfloat16), "m.exp_avg": torch.zeros(ROWS, COLS)}
+    report = tessera.load(state, "live://reuse", registry=str(pub.registry), progress=False, strict=False)
+    assert report.step == 4
+    want = full_state(4)
+    assert state["w"].view(torch.int16).tolist() == want["w"].view(torch.int16).tolist()
+    assert torch.equal(state["m.exp_avg"], want["m.exp_avg"])
+    assert report.bytes_from_publisher_memory == report.bytes_read > 0, report
+    # The retired steps stay retired: never their memory's new bytes under their name.
+    with pytest.raises(TesseraError, match="step 3 of live publication reuse was committed and then retired"):
+        tessera.load(state, "live://reuse@3", registry=str(pub.registry), progress=False, strict=False)
 
 
 def test_a_stopped_publisher_on_this_host_is_read_from_its_shared_memory(publishers):

@@ -30,6 +30,7 @@ use tessera_loader::transport::InProcTransport;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
 use tessera_ops::job::host::{HostJob, HostLoad, OnPlanned, allocated};
 use tessera_ops::load::{LoadSwitches, PlanServer, plan_options};
+use tessera_ops::publish::lease::{Lease, MAX_LEASE_SECONDS};
 use tessera_planner::{ExplicitRequest, ExplicitRequests, PlanSummary, RequestSet};
 use tessera_storage::RetryPolicy;
 
@@ -76,7 +77,8 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
     let peer_timeout = args.peer_timeout()?;
     let retry = args.storage.policy()?;
     check_device(args)?;
-    let args = &with_live_step(args)?;
+    let (args, _lease) = with_live_step(args)?;
+    let args = &args;
     // Rank processes spawned here share the DCP blob index through a cache directory, so the
     // zip headers are read once (by this process), not once per rank.
     let shared_cache = match (args.rank, args.transport) {
@@ -175,11 +177,15 @@ pub(crate) struct Loaded {
 
 /// `args` with a `live://NAME[@STEP]` checkpoint resolved in `--registry` to its step's
 /// location (`live+file://`), once, so that every rank this command spawns loads the same step
-/// (ranks of a real job, `--rank`, should name the step: `live://NAME@STEP`).
-fn with_live_step(args: &LoadArgs) -> Result<LoadArgs> {
+/// (ranks of a real job, `--rank`, should name the step: `live://NAME@STEP`), and a lease on that
+/// step which keeps its publisher from retiring it until the returned guard is dropped (the
+/// load's end, however it ends; a killed command's lease runs out after
+/// `MAX_LEASE_SECONDS`). A registry that cannot hold the lease is said on stderr, and the load
+/// goes on: should the step be retired meanwhile, a read fails naming its publisher.
+fn with_live_step(args: &LoadArgs) -> Result<(LoadArgs, Option<Lease>)> {
     let Some((name, step)) = tessera_ops::publish::listing::parse_live_url(&args.checkpoint)?
     else {
-        return Ok(args.clone());
+        return Ok((args.clone(), None));
     };
     let registry = args.registry.as_ref().with_context(|| {
         format!(
@@ -189,12 +195,23 @@ fn with_live_step(args: &LoadArgs) -> Result<LoadArgs> {
     })?;
     let (step, dir) = tessera_ops::publish::listing::resolve(registry, name, step)
         .with_context(|| args.checkpoint.clone())?;
+    let lease = match Lease::take(&dir, MAX_LEASE_SECONDS) {
+        Ok(lease) => Some(lease),
+        Err(e) => {
+            eprintln!("warning: {e}: the publisher may retire the step while this load reads it");
+            None
+        }
+    };
     if !args.quiet && !args.json {
-        eprintln!("{}: step {step} ({})", args.checkpoint, dir.display());
+        let held = lease
+            .as_ref()
+            .and_then(Lease::path)
+            .map_or(String::new(), |p| format!(", leased by {}", p.display()));
+        eprintln!("{}: step {step} ({}){held}", args.checkpoint, dir.display());
     }
     let mut resolved = args.clone();
     resolved.checkpoint = format!("live+file://{}", dir.display());
-    Ok(resolved)
+    Ok((resolved, lease))
 }
 
 /// Refuses flags that cannot plan together, before any rank starts.

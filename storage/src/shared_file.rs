@@ -93,6 +93,35 @@ impl SharedFile {
         Bytes::from_owner(Mapped(Arc::clone(self)))
     }
 
+    /// This file as a writer again, to lay a new data file out from its start in the memory it
+    /// holds (a retired step's: its pages are already there, so the new step's writes fault in
+    /// nothing and the kernel need not reclaim page cache to give it fresh ones). Refused while
+    /// anything else holds the file (a `Bytes` the range server hands a response), since that
+    /// reader's bytes would change under it: the file comes back in the error then.
+    ///
+    /// The file keeps its inode and name; [`SharedFileWriter::finish`] cuts it to its new length
+    /// and the new handle names that size. A consumer still holding a descriptor of the old step
+    /// reads the new step's bytes, which the old step's checksums then refuse: never wrong values.
+    pub fn into_writer(this: Arc<Self>) -> Result<SharedFileWriter, Arc<Self>> {
+        let file = Arc::try_unwrap(this)?;
+        // A second descriptor of the same open file: the old one closes with its mapping when
+        // `file` drops here.
+        let Ok(descriptor) = file.file.try_clone() else {
+            return Err(Arc::new(file));
+        };
+        Ok(SharedFileWriter {
+            file: descriptor,
+            len: 0,
+            name: file.handle.name.clone(),
+            boot_id: file.handle.boot_id.clone(),
+        })
+    }
+
+    /// The file's size.
+    pub fn size(&self) -> u64 {
+        self.handle.size
+    }
+
     /// Overwrites byte `offset` with its bits flipped, in place (what a memory error would do;
     /// for tests of the consumers' verification, which must catch it whichever way they read).
     pub fn flip_byte(&self, offset: u64) -> std::io::Result<()> {
@@ -169,9 +198,13 @@ impl SharedFileWriter {
         Ok(())
     }
 
-    /// The file, mapped read-only for serving.
+    /// The file, mapped read-only for serving. A file rewritten from a retired step's
+    /// ([`SharedFile::into_writer`]) is cut to what was written.
     pub fn finish(self) -> std::io::Result<Arc<SharedFile>> {
         use std::os::fd::AsRawFd;
+        if self.file.metadata()?.len() != self.len {
+            self.file.set_len(self.len)?;
+        }
         let len = usize::try_from(self.len)
             .map_err(|_| std::io::Error::other("a shared file larger than the address space"))?;
         let map = if len == 0 {
@@ -330,5 +363,45 @@ mod tests {
         let mut b = [0u8];
         file.read_exact_at(&mut b, 10).unwrap();
         assert_eq!(b[0], 0xff);
+    }
+
+    #[test]
+    fn a_retired_file_is_rewritten_in_its_own_memory_and_only_when_nothing_holds_it() {
+        let old: Vec<u8> = (0..3 * 4096u32).map(|i| (i % 253) as u8).collect();
+        let shared = SharedFile::create("tessera-test-reuse", &old).unwrap();
+        let (inode, name) = (shared.handle().inode, shared.handle().name.clone());
+        // A range server's response still holds the bytes: refused, the file given back whole.
+        let served = shared.bytes();
+        let shared = SharedFile::into_writer(shared).unwrap_err();
+        assert_eq!(shared.bytes().as_ref(), &old[..]);
+        drop(served);
+        let old_handle = shared.handle().clone();
+        let mut writer = SharedFile::into_writer(shared).unwrap();
+        // A shorter step: rewritten from the start, cut to what was written.
+        let new: Vec<u8> = (0..5000u32).map(|i| (i % 7) as u8).collect();
+        writer.append(&new[..1000]).unwrap();
+        writer.append(&new[1000..]).unwrap();
+        let reused = writer.finish().unwrap();
+        assert_eq!(reused.bytes().as_ref(), &new[..]);
+        assert_eq!(
+            (reused.handle().inode, &reused.handle().name, reused.size()),
+            (inode, &name, 5000)
+        );
+        let file = open_shared(reused.handle()).unwrap();
+        let mut back = vec![0u8; new.len()];
+        file.read_exact_at(&mut back, 0).unwrap();
+        assert_eq!(back, new);
+        // The old step's handle (its size) no longer opens: that file is gone.
+        let mut stale = old_handle;
+        stale.fd = reused.handle().fd;
+        let err = open_shared(&stale).unwrap_err();
+        assert!(err.contains("not the published inode"), "{err}");
+        // A longer one grows it.
+        let mut writer = SharedFile::into_writer(reused).unwrap();
+        writer.append(&old).unwrap();
+        writer.append(&new).unwrap();
+        let grown = writer.finish().unwrap();
+        assert_eq!(grown.size(), (old.len() + new.len()) as u64);
+        assert_eq!(&grown.bytes()[old.len()..], &new[..]);
     }
 }

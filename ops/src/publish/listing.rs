@@ -40,8 +40,6 @@ pub const DEFAULT_LISTED_STEPS: usize = 10;
 /// Largest part, `publishers.json` or manifest file read for a listing (a part holds every box
 /// and block checksum of a rank's shard: a few MB for a huge one). Larger is reported, not read.
 const MAX_FILE_BYTES: u64 = 256 * 1024 * 1024;
-/// The folder consumers' leases lie in, in a step directory (`python/tessera/_live.py`).
-const LEASES_DIR: &str = "leases";
 /// Longest publication name (`python/tessera/_live.py`'s `_NAME`).
 const MAX_NAME: usize = 200;
 
@@ -715,14 +713,7 @@ fn read_step(step: u64, dir: &FsPath) -> StepEntry {
         ),
         None => (None, None, None, None),
     };
-    let leases = std::fs::read_dir(dir.join(LEASES_DIR))
-        .map(|entries| {
-            entries
-                .filter_map(Result::ok)
-                .filter(|e| e.file_name().to_str().is_some_and(|n| n.ends_with(".json")))
-                .count() as u64
-        })
-        .unwrap_or(0);
+    let leases = super::lease::lease_files(dir);
     StepEntry {
         step,
         dir: dir.display().to_string(),
@@ -784,15 +775,10 @@ mod tests {
         let bytes: Vec<u8> = (0..4u32)
             .flat_map(|v| (v as f32 + rank as f32).to_le_bytes())
             .collect();
-        let (_, file) = write_part_file(
-            rank,
-            &boxes,
-            &[&bytes],
-            &[],
-            &super::super::PartMemory::Heap,
-        )
-        .await
-        .unwrap();
+        let (_, file) =
+            write_part_file(rank, &boxes, &[&bytes], &[], super::super::PartMemory::Heap)
+                .await
+                .unwrap();
         let dir = step_dir(registry, step);
         let part = Part {
             rank,
