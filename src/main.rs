@@ -6,40 +6,11 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use tessera::commands::{self, layout::Preset, plan::Format};
-use tessera_loader::device::DeviceSpec;
 use tessera_planner::presets::MegatronGpt;
 use tessera_synth::Model;
 use tessera_synth::SynthOptions;
 
-/// How patient the checkpoint's storage requests are (load, inspect, verify, convert, plan).
-#[derive(Args, Clone, Debug)]
-struct StorageArgs {
-    /// Seconds a storage request may go without receiving data (mid-body or before the answer)
-    /// before it is cut and retried. With --storage-attempts it bounds how soon a load from a
-    /// store that stalls fails: about attempts x this (see docs/retry.md).
-    #[arg(
-        long,
-        env = commands::READ_TIMEOUT_ENV,
-        value_name = "SECS",
-        default_value_t = tessera_storage::RetryPolicy::default().read_timeout.as_secs_f64()
-    )]
-    storage_read_timeout: f64,
-    /// Attempts per storage request before a transient failure (a timeout, a reset
-    /// connection, a 5xx answer) fails the command.
-    #[arg(
-        long,
-        env = commands::ATTEMPTS_ENV,
-        value_name = "N",
-        default_value_t = tessera_storage::RetryPolicy::default().max_attempts
-    )]
-    storage_attempts: u32,
-}
-
-impl StorageArgs {
-    fn policy(&self) -> Result<tessera_storage::RetryPolicy> {
-        commands::storage_policy(self.storage_read_timeout, self.storage_attempts)
-    }
-}
+use tessera::commands::StorageArgs;
 
 #[derive(Parser)]
 #[command(
@@ -108,7 +79,7 @@ enum Command {
     /// Plan loading a checkpoint into a layout (or explicit per-rank requests).
     Plan(PlanCommand),
     /// Load a checkpoint into a layout: every rank here, or one rank of a real job (--rank).
-    Load(LoadCommand),
+    Load(commands::load::LoadArgs),
     /// One rank of `tessera load --transport tcp|nccl` as that command spawns it: the job's
     /// arguments whole from the JSON file it wrote, this rank's own from the flags.
     #[command(hide = true)]
@@ -279,121 +250,6 @@ struct PlanCommand {
     storage: StorageArgs,
 }
 
-/// `tessera load`'s arguments (its help is the `Load` variant's doc).
-#[derive(Args)]
-#[command(group(ArgGroup::new("target").required(true).args(["layout", "requests"])))]
-struct LoadCommand {
-    /// Checkpoint location: a local directory, or a file://, s3://, gs://, az:// or
-    /// http(s):// URL.
-    checkpoint: String,
-    /// Target layout JSON file.
-    #[arg(long)]
-    layout: Option<String>,
-    /// Explicit requests JSON file.
-    #[arg(long)]
-    requests: Option<String>,
-    /// Write DIR/rank-<r>.safetensors with every tensor box each rank ends up with.
-    #[arg(long)]
-    dump: Option<String>,
-    /// How ranks exchange pieces: threads of this process, separate processes over TCP, or
-    /// separate processes over NCCL, GPU to GPU (needs --device cuda and one GPU per rank).
-    #[arg(long, value_enum, default_value_t = TransportArg::Inproc)]
-    transport: TransportArg,
-    /// Where the loaded tensors go: host memory (cpu), or GPU memory (cuda: each rank on
-    /// GPU LOCAL_RANK, or its rank modulo the GPU count; cuda:N: GPU N). GPU loading needs a
-    /// build with `--features cuda`.
-    #[arg(long, default_value = "cpu", value_parser = parse_device)]
-    device: DeviceSpec,
-    /// Run only this rank (a real job; rendezvous from --master-addr/--master-port or torchrun's
-    /// RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
-    #[arg(long)]
-    rank: Option<u32>,
-    /// World size (with --rank; must match the layout).
-    #[arg(long)]
-    world: Option<u32>,
-    /// Rendezvous host: where rank 0 listens (with --rank; default: MASTER_ADDR).
-    #[arg(long)]
-    master_addr: Option<String>,
-    /// Rendezvous port (with --rank; default: MASTER_PORT).
-    #[arg(long)]
-    master_port: Option<u16>,
-    /// Skip block checksum verification of what is read.
-    #[arg(long)]
-    no_verify: bool,
-    /// Every rank reads all it needs itself (no exchange).
-    #[arg(long)]
-    no_dedup: bool,
-    /// Largest gap in bytes between two small ranges of a file that one storage request may
-    /// span, reading the gap too (fewer requests for more bytes). Default: 0 for local
-    /// files, 65536 for object stores (s3://, gs://, az://, http(s)://). The report counts
-    /// the bytes transferred, gaps included.
-    #[arg(long, env = "TESSERA_COALESCE_GAP", value_name = "BYTES")]
-    coalesce_gap: Option<u64>,
-    /// Check every loaded byte against the synthetic value formula (synthetic checkpoints).
-    #[arg(long)]
-    check: bool,
-    /// This host's memory tier (the directory a save left copies in, `memory_tier=`): each
-    /// rank offers the copies of this checkpoint it finds there (each box verified), and
-    /// every piece held there is read from it, once, instead of from storage. With --rank,
-    /// each rank names its own node's tier. Not with --server or --transport nccl.
-    #[arg(long, value_name = "DIR")]
-    memory_tier: Option<String>,
-    /// Seconds a rank waits for a peer before failing: to join the rendezvous, to connect, or
-    /// to send; with --transport tcp, also how long the other ranks get after one failed.
-    /// The one timeout of the rendezvous: waiting ranks say whom they wait for meanwhile.
-    #[arg(long, default_value_t = 60.0)]
-    peer_timeout: f64,
-    /// Write the JSON report to a file: with --rank, that rank's report; otherwise
-    /// {"totals": ..., "ranks": [...]}. Both name read_amplification (data read / bytes
-    /// needed) and io_amplification (bytes fetched, checksum blocks included / bytes needed).
-    #[arg(long)]
-    report_json: Option<String>,
-    /// How saved chunks are read: `auto` lets the planner's cost model pick per chunk
-    /// between reading each rank's pieces where the target cuts them (`request`) and reading
-    /// a chunk in storage-order slabs whose parts other ranks need are relayed through the
-    /// exchange (`storage`: a column reshard of a row-sharded checkpoint then reads each byte
-    /// and checksum block once, in few requests). `--transport nccl` always reads by request.
-    #[arg(long, value_enum, default_value = "auto")]
-    read_order: ReadOrderArg,
-    /// Write the load's counters (bytes needed, read, requested, transferred; storage
-    /// requests and retries; bytes sent and received; seconds), one series per rank, in the
-    /// OpenMetrics text format, e.g. for a node_exporter textfile collector.
-    #[arg(long, value_name = "PATH")]
-    metrics_file: Option<String>,
-    /// No progress bar and no report on stdout.
-    #[arg(long)]
-    quiet: bool,
-    /// Print one JSON document on stdout (on failure {"error": {"kind", "code", "message"}};
-    /// see "Machine output" in `tessera --help`).
-    #[arg(long)]
-    json: bool,
-    /// Only tensors whose name matches this glob (`*` any run of characters, dots included;
-    /// `?` one character); repeatable. Patterns also match the checkpoint's plain
-    /// (non-tensor) values' keys; one that matches neither is an error.
-    #[arg(long, value_name = "GLOB")]
-    include: Vec<String>,
-    /// Leave out tensors whose name matches this glob (after --include); repeatable, e.g.
-    /// `--exclude 'optim.*'` for the model weights only.
-    #[arg(long, value_name = "GLOB")]
-    exclude: Vec<String>,
-    /// Fetch the plan from this tessera server (http://host:port) instead of planning here.
-    #[arg(long)]
-    server: Option<String>,
-    /// The checkpoint's id on the server, <run>/<step> (default: the location's last two
-    /// components).
-    #[arg(long)]
-    checkpoint_id: Option<String>,
-    /// Bearer token of the server.
-    #[arg(long, env = commands::load::TOKEN_ENV, hide_env_values = true)]
-    token: Option<String>,
-    /// Registry directory of live publications, for a checkpoint given as live://NAME (the
-    /// newest complete step) or live://NAME@STEP (what tessera.publish was given as registry=).
-    #[arg(long, value_name = "DIR")]
-    registry: Option<std::path::PathBuf>,
-    #[command(flatten)]
-    storage: StorageArgs,
-}
-
 /// `tessera live`'s subcommands.
 #[derive(Subcommand)]
 enum LiveCommand {
@@ -494,7 +350,7 @@ impl Command {
     fn json(&self) -> bool {
         match self {
             Command::Synth { json, .. }
-            | Command::Load(LoadCommand { json, .. })
+            | Command::Load(commands::load::LoadArgs { json, .. })
             | Command::Convert { json, .. }
             | Command::Inspect { json, .. }
             | Command::Verify { json, .. }
@@ -536,29 +392,6 @@ enum PresetArgs {
         #[arg(long)]
         zero1: bool,
     },
-}
-
-/// `--read-order`: how the pieces of a saved chunk are read (the planner's `ReadOrder`).
-#[derive(Clone, Copy, ValueEnum)]
-enum ReadOrderArg {
-    /// Per chunk, whichever the planner's cost model finds cheaper.
-    Auto,
-    /// Each rank reads the pieces it needs, whatever the target cuts.
-    Request,
-    /// Saved chunks read in storage-order slabs, the parts others need relayed.
-    Storage,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum TransportArg {
-    Inproc,
-    Tcp,
-    Nccl,
-}
-
-fn parse_device(text: &str) -> std::result::Result<DeviceSpec, String> {
-    text.parse()
-        .map_err(|e: tessera_loader::LoaderError| e.to_string())
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -615,16 +448,7 @@ fn run(cli: Cli) -> Result<()> {
             dir,
             addr,
             no_serve,
-        } => {
-            stdout(runtime.block_on(commands::demo::run(&dir))?.as_bytes())?;
-            if no_serve {
-                return Ok(());
-            }
-            stdout(b"\nserving the catalog and its web UI (Ctrl-C stops):\n")?;
-            runtime.block_on(commands::serve::run(&commands::serve::ServeArgs::new(
-                dir, addr,
-            )))
-        }
+        } => demo(&runtime, dir, addr, no_serve),
         Command::Layout { preset } => {
             stdout((commands::layout::run(&preset.into_preset())? + "\n").as_bytes())
         }
@@ -656,8 +480,7 @@ fn run(cli: Cli) -> Result<()> {
             stdout_report(json, &report, || report.text() + "\n")
         }
         Command::Plan(plan) => stdout(&runtime.block_on(commands::plan::run(&plan.into_args()?))?),
-        Command::Load(load) => {
-            let args = load.into_args()?;
+        Command::Load(args) => {
             let report = runtime.block_on(commands::load::run(&args))?;
             if args.quiet {
                 Ok(())
@@ -742,33 +565,55 @@ fn run(cli: Cli) -> Result<()> {
                 gc(&root, dry_run, break_claims, json)
             }
         }
-        Command::Live { command } => match command {
-            LiveCommand::List {
-                registry,
-                steps,
-                json,
-            } => {
-                let listing = commands::live::list(&registry, steps)?;
-                stdout_report(json, &listing, || commands::live::list_text(&listing))
-            }
-            LiveCommand::Show {
-                name,
-                registry,
-                steps,
-                json,
-            } => {
-                let publication = commands::live::show(&registry, &name, steps)?;
-                stdout_report(json, &publication, || {
-                    commands::live::show_text(&publication)
-                })
-            }
-        },
+        Command::Live { command } => live(command),
         Command::Completions { shell } => {
             let mut out = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "tessera", &mut out);
             stdout(&out)
         }
         Command::Man { dir } => man(dir),
+    }
+}
+
+/// `demo`: the synthetic catalog's report, then (unless `no_serve`) the catalog served at `addr`.
+fn demo(
+    runtime: &tokio::runtime::Runtime,
+    dir: String,
+    addr: String,
+    no_serve: bool,
+) -> Result<()> {
+    stdout(runtime.block_on(commands::demo::run(&dir))?.as_bytes())?;
+    if no_serve {
+        return Ok(());
+    }
+    stdout(b"\nserving the catalog and its web UI (Ctrl-C stops):\n")?;
+    runtime.block_on(commands::serve::run(&commands::serve::ServeArgs::new(
+        dir, addr,
+    )))
+}
+
+/// `live list` and `live show`: a registry's publications, or one, as text or JSON.
+fn live(command: LiveCommand) -> Result<()> {
+    match command {
+        LiveCommand::List {
+            registry,
+            steps,
+            json,
+        } => {
+            let listing = commands::live::list(&registry, steps)?;
+            stdout_report(json, &listing, || commands::live::list_text(&listing))
+        }
+        LiveCommand::Show {
+            name,
+            registry,
+            steps,
+            json,
+        } => {
+            let publication = commands::live::show(&registry, &name, steps)?;
+            stdout_report(json, &publication, || {
+                commands::live::show_text(&publication)
+            })
+        }
     }
 }
 
@@ -923,55 +768,6 @@ fn gc(root: &str, dry_run: bool, break_claims: bool, json: bool) -> Result<()> {
         stdout(commands::gc::json_report(&report)?.as_bytes())
     } else {
         stdout(commands::gc::text_report(&report).as_bytes())
-    }
-}
-
-impl LoadCommand {
-    /// The load's arguments, after checking what clap cannot (a positive --peer-timeout).
-    fn into_args(self) -> Result<commands::load::LoadArgs> {
-        if !(self.peer_timeout > 0.0 && self.peer_timeout.is_finite()) {
-            anyhow::bail!("--peer-timeout must be a positive number of seconds");
-        }
-        Ok(commands::load::LoadArgs {
-            checkpoint: self.checkpoint,
-            layout: self.layout,
-            requests: self.requests,
-            dump: self.dump,
-            transport: match self.transport {
-                TransportArg::Inproc => commands::load::TransportKind::InProc,
-                TransportArg::Tcp => commands::load::TransportKind::Tcp,
-                TransportArg::Nccl => commands::load::TransportKind::Nccl,
-            },
-            device: self.device,
-            rank: self.rank,
-            world: self.world,
-            master_addr: self.master_addr,
-            master_port: self.master_port,
-            verify: !self.no_verify,
-            dedup: !self.no_dedup,
-            coalesce_gap: self.coalesce_gap,
-            check: self.check,
-            memory_tier: self.memory_tier,
-            report_json: self.report_json,
-            metrics_file: self.metrics_file,
-            read_order: match self.read_order {
-                ReadOrderArg::Auto => tessera_planner::ReadOrder::Auto,
-                ReadOrderArg::Request => tessera_planner::ReadOrder::Request,
-                ReadOrderArg::Storage => tessera_planner::ReadOrder::Storage,
-            },
-            peer_timeout: std::time::Duration::from_secs_f64(self.peer_timeout),
-            quiet: self.quiet,
-            server: self.server,
-            checkpoint_id: self.checkpoint_id,
-            token: self.token,
-            registry: self.registry,
-            retry: self.storage.policy()?,
-            filter: commands::select::TensorFilter {
-                include: self.include,
-                exclude: self.exclude,
-            },
-            json: self.json,
-        })
     }
 }
 

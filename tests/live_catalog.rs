@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use serde_json::Value;
 use server_support::RunningServer;
-use tessera_ops::publish::{Part, PartMemory, await_and_commit, write_part, write_part_file};
+use tessera_ops::publish::{
+    Part, PartBytes, PartMemory, await_and_commit, write_part, write_part_file,
+};
 use tessera_ops::save::{HeldBox, Holdings};
 use tessera_server::ServerConfig;
 
@@ -460,7 +462,7 @@ fn the_cli_loads_a_live_publication_by_name_and_step() {
     runtime.block_on(async {
         for step in [1u64, 2] {
             for rank in 0..2 {
-                served(root, &server, "served", step, rank).await;
+                served(root, &server, ("served", step, rank), PartMemory::Heap).await;
             }
             await_and_commit(
                 &step_dir(root, "served", step),
@@ -471,7 +473,7 @@ fn the_cli_loads_a_live_publication_by_name_and_step() {
             .await
             .unwrap();
         }
-        served(root, &server, "served", 3, 0).await;
+        served(root, &server, ("served", 3, 0), PartMemory::Heap).await;
     });
     let work = tempfile::tempdir().unwrap();
     let requests = work.path().join("requests.json");
@@ -565,7 +567,7 @@ fn the_cli_holds_a_lease_on_the_step_it_loads() {
     runtime.block_on(async {
         for step in [1u64, 2] {
             for rank in 0..2 {
-                served(root, &server, "leased", step, rank).await;
+                served(root, &server, ("leased", step, rank), PartMemory::Heap).await;
             }
             await_and_commit(
                 &step_dir(root, "leased", step),
@@ -638,15 +640,88 @@ fn the_cli_holds_a_lease_on_the_step_it_loads() {
     );
 }
 
+/// A live load on the publishers' host reads their data files straight out of their shared
+/// memory, and the text report says how much of the data read came from there (it was only in
+/// `--json` and `--report-json`); the bytes are the publishers' own.
+#[test]
+fn the_cli_report_says_what_was_read_from_the_publishers_shared_memory() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let registry = tempfile::tempdir().unwrap();
+    let root = registry.path();
+    let server = tessera_storage::RangeServer::start("127.0.0.1").unwrap();
+    // This process is both publishers; the CLI's process opens their memory through /proc.
+    let laid_out: Vec<PartBytes> = runtime.block_on(async {
+        let mut laid_out = Vec::new();
+        for rank in 0..2 {
+            let memory = PartMemory::Shared {
+                tag: "tessera-test-live-cli".to_string(),
+            };
+            laid_out.push(served(root, &server, ("shared", 5, rank), memory).await);
+        }
+        await_and_commit(&step_dir(root, "shared", 5), 2, 5, Duration::from_secs(30))
+            .await
+            .unwrap();
+        laid_out
+    });
+    assert!(
+        laid_out.iter().all(|b| b.shared().is_some()),
+        "this kernel offers no shared memory (memfd) for the publishers' data files"
+    );
+    let work = tempfile::tempdir().unwrap();
+    let requests = work.path().join("requests.json");
+    std::fs::write(
+        &requests,
+        r#"{"ranks": [[{"fqn": "layers.0.w", "offsets": [0, 0], "lengths": [8, 4]}]]}"#,
+    )
+    .unwrap();
+    let dump = work.path().join("dump");
+    let out = Command::new(BIN)
+        .args([
+            "load",
+            "live://shared",
+            "--registry",
+            root.to_str().unwrap(),
+        ])
+        .args(["--requests", requests.to_str().unwrap()])
+        .args(["--dump", dump.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // 8 rows of 4 f32 columns, half from each publisher, all from their shared memory.
+    assert!(
+        stdout.contains(
+            "\npublisher memory     128 B of the data read, from the publishers' shared memory on \
+             this host (0 B over HTTP)\n"
+        ),
+        "{stdout}"
+    );
+    let file = std::fs::read(dump.join("rank-0.safetensors")).unwrap();
+    let header = tessera_metadata::formats::safetensors::parse(&file, "rank-0").unwrap();
+    let (a, b) = header.tensors[0].data_offsets;
+    let got = &file[(header.data_start + a) as usize..(header.data_start + b) as usize];
+    let want: Vec<u8> = (0..8u64)
+        .flat_map(|r| (0..4u64).map(move |c| ((r % 4) * 8 + c) as f32 + 5.0))
+        .flat_map(f32::to_le_bytes)
+        .collect();
+    assert_eq!(got, want.as_slice());
+    drop(laid_out);
+}
+
 /// Publisher rank `rank` of 2 publishes `step` of `name` as `tessera.publish` does: its part in
-/// the registry and its data file served from memory by `server`.
+/// the registry and its data file served from memory by `server`, laid out in `memory` (shared
+/// memory: consumers on this host read it there, through the handle its part names). The data
+/// file as laid out is returned: shared memory lives while it does.
 async fn served(
     registry: &Path,
     server: &tessera_storage::RangeServer,
-    name: &str,
-    step: u64,
-    rank: u32,
-) {
+    (name, step, rank): (&str, u64, u32),
+    memory: PartMemory,
+) -> PartBytes {
     let rows = 4u64;
     let boxes = vec![HeldBox {
         fqn: "layers.0.w".to_string(),
@@ -658,11 +733,12 @@ async fn served(
     let data: Vec<u8> = (0..rows * 8)
         .flat_map(|i| (i as f32 + step as f32).to_le_bytes())
         .collect();
-    let (bytes, file) = write_part_file(rank, &boxes, &[&data], &[], PartMemory::Heap)
+    let (bytes, file) = write_part_file(rank, &boxes, &[&data], &[], memory)
         .await
         .unwrap();
     let path = format!("{name}/step-{step:06}/{}", file.path());
     server.serve(&path, bytes.bytes());
+    let shared = bytes.shared().map(|f| f.handle().clone());
     let part = Part {
         rank,
         world: 2,
@@ -674,7 +750,8 @@ async fn served(
             objects: Vec::new(),
         },
         file,
-        shared: None,
+        shared,
     };
     write_part(&step_dir(registry, name, step), &part).unwrap();
+    bytes
 }

@@ -685,18 +685,7 @@ fn host_rank<T: Transport + 'static>(
     hellos: &[Hello],
 ) -> Box<dyn FnOnce() -> BoxedLoad + Send> {
     let requests = hellos[transport.rank() as usize].requests.clone();
-    let job = HostJob {
-        checkpoint: Arc::clone(&job.checkpoint),
-        location: job.name.clone(),
-        world: hellos.len() as u32,
-        planning: PlanOptions::default(),
-        filter: Vec::new(),
-        server: None,
-        memory_tier: None,
-        verify: true,
-        options: LoadOptions::default(),
-        timeout: TIMEOUT,
-    };
+    let job = host_job(job, hellos.len() as u32);
     Box::new(move || {
         Box::pin(async move {
             let rank = transport.rank();
@@ -704,4 +693,95 @@ fn host_rank<T: Transport + 'static>(
                 .await
         })
     })
+}
+
+/// What every rank of `job`'s `world` ranks loads with.
+fn host_job(job: &Job, world: u32) -> HostJob {
+    HostJob {
+        checkpoint: Arc::clone(&job.checkpoint),
+        location: job.name.clone(),
+        world,
+        planning: PlanOptions::default(),
+        filter: Vec::new(),
+        server: None,
+        memory_tier: None,
+        verify: true,
+        options: LoadOptions::default(),
+        timeout: TIMEOUT,
+    }
+}
+
+/// Every rank of `host`'s job through the one call the CLI's `--rank` and spawned ranks and
+/// `tessera.load(exchange=True)` share (`HostJob::load_rank_over_tcp`), rank r bringing
+/// `texts[r]` as the files its front end read.
+fn over_tcp_rendezvous(
+    job: &Job,
+    host: &HostJob,
+    hellos: &[Hello],
+    texts: &[&'static [u8]],
+) -> Vec<Result<HostLoad, OpsError>> {
+    let world = hellos.len() as u32;
+    let port = free_port();
+    job.runtime.block_on(async {
+        let tasks: Vec<_> = (0..world)
+            .map(|rank| {
+                let host = host.clone();
+                let requests = hellos[rank as usize].requests.clone();
+                let text = texts[rank as usize];
+                tokio::spawn(async move {
+                    let config = RendezvousConfig::new(rank, world, "127.0.0.1", port).unwrap();
+                    host.load_rank_over_tcp((config, &[text]), requests, allocated(), None)
+                        .await
+                })
+            })
+            .collect();
+        let mut loads = Vec::new();
+        for task in tasks {
+            loads.push(task.await.unwrap());
+        }
+        loads
+    })
+}
+
+/// The ranks of a real job meet at tessera's TCP rendezvous and load through one shared call
+/// (`HostJob::load_rank_over_tcp`): every loaded byte is the synthetic value it should be and
+/// every rank took the job's one plan. A rank that read another layout file is another job's:
+/// rank 0 turns it away as it checks in, naming the two jobs.
+#[test]
+fn ranks_of_a_real_job_load_over_the_tcp_rendezvous_and_another_jobs_rank_is_turned_away() {
+    let job = saved_with(false);
+    let world = 4;
+    let hellos = job.hellos(world);
+    let host = host_job(&job, world);
+    let texts: [&'static [u8]; 4] = [b"layout"; 4];
+    let loads = over_tcp_rendezvous(&job, &host, &hellos, &texts);
+    for (r, loaded) in loads.into_iter().enumerate() {
+        let loaded = loaded.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(loaded.plan.rank, r as u32);
+        for (dest, buffer) in loaded.plan.destinations.iter().zip(&loaded.buffers) {
+            let tensor = &loaded.plan.tensors[dest.tensor as usize];
+            match &dest.target {
+                Target::Box(region) => tessera_synth::check_box(tensor, region, buffer),
+                Target::Flat { start, end } => {
+                    tessera_synth::check_flat(tensor, *start, *end, buffer)
+                }
+            }
+            .unwrap_or_else(|e| panic!("rank {r} {}: {e}", tensor.fqn));
+        }
+        assert_eq!(loaded.job_summary().unwrap().ranks, world);
+    }
+    // Rank 0 waits for the rank it turned away only this long.
+    let host = HostJob {
+        timeout: Duration::from_secs(3),
+        ..host
+    };
+    let texts: [&'static [u8]; 4] = [b"layout", b"layout", b"layout", b"another layout"];
+    let loads = over_tcp_rendezvous(&job, &host, &hellos, &texts);
+    let text = loads[3].as_ref().err().expect("rank 3 loaded").to_string();
+    assert!(
+        text.contains("rank 3: the master at 127.0.0.1:")
+            && text.contains("turned this rank away: it loads job"),
+        "{text}"
+    );
+    assert!(loads[0].is_err(), "rank 0 loaded without rank 3");
 }

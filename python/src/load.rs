@@ -19,7 +19,7 @@ use tessera_loader::plan_client::PlanTarget;
 use tessera_loader::read::ReadOptions;
 use tessera_loader::tier::TierCopies;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
-use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
+use tessera_loader::transport::{InProcTransport, Transport, TransportOptions};
 use tessera_metadata::{DType, TensorMeta};
 use tessera_ops::job::host::{HostJob, allocated, callers};
 use tessera_ops::load::{Destination, JobPlan, LoadSwitches, PlanServer, load_rank, plan_options};
@@ -30,7 +30,6 @@ use tessera_planner::{
 use tessera_storage as storage;
 
 use crate::memory::{HostMemory, first_overlap};
-use tessera_ops::coord;
 
 use crate::checkpoint::OpenedCheckpoint;
 use crate::records::LoadTarget;
@@ -350,12 +349,8 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>, Planning)> {
                 options,
                 timeout: job.timeout,
             };
-            // Rank 0 turns away a rank of another job and calls the job off when its ranks
-            // would plan differently (read order, dedup, server), as the CLI's ranks.
-            let config =
-                host_job.rendezvous(RendezvousConfig::new(job.rank, world, addr, *port)?, &[])?;
-            let transport = coord::connect_with(config, job.timeout).await?;
-            load_over_rounds(&host_job, (job.rank, mine), transport, memory).await
+            let config = RendezvousConfig::new(job.rank, world, addr, *port)?;
+            load_over_rounds(&host_job, config, mine, memory).await
         }
         _ => {
             let (view, tier) = match &job.memory_tier {
@@ -389,26 +384,29 @@ async fn run_load(job: LoadJob) -> Result<(RankReport, Vec<String>, Planning)> {
     }
 }
 
-/// One rank of a job over tessera's own TCP mesh: the load job's rounds (rank 0 plans once,
-/// each rank takes its own plan; `tessera_ops::job::host`, as the CLI's ranks) straight into
-/// the caller's host arrays, or into host buffers then uploaded to its CUDA tensors.
+/// Rank `config.rank` of a job over tessera's own TCP mesh at `config`: the load job's rounds
+/// (rank 0 plans once, each rank takes its own plan; rank 0 turns away a rank of another job and
+/// calls the job off when its ranks would plan differently) as the CLI's ranks run them
+/// (`tessera_ops::job::host::HostJob::load_rank_over_tcp`), straight into the caller's host
+/// arrays, or into host buffers then uploaded to its CUDA tensors.
 async fn load_over_rounds(
     job: &HostJob,
-    (rank, requests): (u32, Vec<ExplicitRequest>),
-    transport: TcpTransport,
+    config: RendezvousConfig,
+    requests: Vec<ExplicitRequest>,
     memory: Memory,
 ) -> Result<(RankReport, Vec<String>, Planning)> {
+    let rank = config.rank;
     let (report, work, seconds) = match memory {
         Memory::Host(buffers) => {
             let loaded = job
-                .load_rank((rank, requests), transport, callers(buffers), None)
+                .load_rank_over_tcp((config, &[]), requests, callers(buffers), None)
                 .await
                 .with_context(|| format!("rank {rank} loading"))?;
             (loaded.report, loaded.work, loaded.plan_seconds)
         }
         Memory::Cuda { ordinal, spans } => {
             let loaded = job
-                .load_rank((rank, requests), transport, allocated(), None)
+                .load_rank_over_tcp((config, &[]), requests, allocated(), None)
                 .await
                 .with_context(|| format!("rank {rank} loading"))?;
             let mut report = loaded.report;

@@ -583,12 +583,6 @@ def load(
     """
     state_dict, checkpoint_id = _dcp_order(state_dict, checkpoint_id, "load")
     if isinstance(checkpoint_id, str) and checkpoint_id.startswith("live://"):
-        from . import _live
-
-        # One step for the whole job (rank 0 resolves it over the group), held by a lease while
-        # it loads; then the ordinary load of that step's live+file:// location.
-        consumers = _group.default_group(process_group, exchange)
-        step, location = _live.resolve_for_load(checkpoint_id, registry, consumers)
         options = dict(
             process_group=process_group, strict=strict, cast=cast, rename=rename, allow_pickle=allow_pickle,
             verify=verify, exchange=exchange, read_order=read_order, storage_options=storage_options,
@@ -596,49 +590,17 @@ def load(
             master_addr=master_addr, master_port=master_port, progress=progress, timeout=timeout,
             memory_tier=memory_tier,
         )
-        try:
-            with _live.Lease(location, timeout):
-                report = load(state_dict, location, **options)
-        except TesseraError as error:
-            # A publisher rank that died or stopped: the same step from the durable checkpoint
-            # the publication names, when committed; the whole load again, so no byte of the
-            # failed attempt stays (every rank of the job decides alike, rank 0's answer).
-            found = _live.fallback_for_load(checkpoint_id, step, location, error, consumers, storage_options)
-            if found is None:
-                raise
-            report = load(state_dict, found[0], **options)
-            report.durable_checkpoint, report.fallback = found
-        report.step = step
-        return report
+        return _load_live(state_dict, checkpoint_id, registry, options)
     if registry is not None:
         raise ValueError(f"registry= is for live:// publications, not {checkpoint_id}")
     tier_dir = _memory_tier_dir(memory_tier)
     started = time.monotonic()
-    # Stateful values (a module, an optimizer) load as DCP loads them: into their state_dict(),
-    # handed to their load_state_dict() once everything loaded.
-    stateful = {k: v for k, v in state_dict.items() if _state.is_stateful(v)}
     outer = state_dict
-    if stateful:
-        state_dict = {k: (v.state_dict() if k in stateful else v) for k, v in outer.items()}
-    group = _group.default_group(process_group, exchange)
-    if group is not None:
-        # Whatever fails from here on is this rank's failure of the group's load (see
-        # `_group.joins_on_failure`): the other ranks hear of it instead of joining its next load.
-        _group.pending_load(group, timeout)
-    if group is not None and (rank is not None or world_size is not None):
-        raise ValueError("rank and world_size come from the process group; do not pass them with one")
+    state_dict, stateful = _stateful_states(outer)
+    group = _load_group(process_group, exchange, rank, world_size, timeout)
     opened = _open(str(checkpoint_id), storage_options)
-    entries = json.loads(opened.entries())
-    tensors: Dict[str, Any] = entries["tensors"]
-    objects = set(entries["objects"])
-    to_fqn = _state.renamer(rename)
     report = LoadReport()
-
-    found = _load_targets(state_dict, tensors, objects, to_fqn, cast, group is not None, report)
-    if found.missing:
-        if strict:
-            raise TesseraError(_missing_message(str(checkpoint_id), found.missing, sorted(tensors) + sorted(objects)))
-        report.missing_keys = [key for key, _fqn in found.missing]
+    found = _find_targets(opened, str(checkpoint_id), state_dict, report, (rename, cast, strict, group is not None))
 
     # Non-tensor values are read and decoded before any tensor is touched (a value that does not
     # decode fails the load early) and set only after every tensor loaded.
@@ -665,6 +627,79 @@ def load(
     report.objects_loaded = len(decoded)
     report.total_seconds = time.monotonic() - started
     return report
+
+
+def _load_live(
+    state_dict: MutableMapping[str, Any], checkpoint_id: str, registry: Any, options: Dict[str, Any]
+) -> LoadReport:
+    """:func:`load` of ``live://NAME[@STEP]``: one step for the whole job (rank 0 resolves it over
+    the group), held by a lease while it loads; then the ordinary load of that step's
+    ``live+file://`` location with the caller's ``options``."""
+    from . import _live
+
+    consumers = _group.default_group(options["process_group"], options["exchange"])
+    step, location = _live.resolve_for_load(checkpoint_id, registry, consumers)
+    try:
+        with _live.Lease(location, options["timeout"]):
+            report = load(state_dict, location, **options)
+    except TesseraError as error:
+        # A publisher rank that died or stopped: the same step from the durable checkpoint
+        # the publication names, when committed; the whole load again, so no byte of the
+        # failed attempt stays (every rank of the job decides alike, rank 0's answer).
+        found = _live.fallback_for_load(
+            checkpoint_id, step, location, error, consumers, options["storage_options"]
+        )
+        if found is None:
+            raise
+        report = load(state_dict, found[0], **options)
+        report.durable_checkpoint, report.fallback = found
+    report.step = step
+    return report
+
+
+def _stateful_states(state_dict: MutableMapping[str, Any]) -> Tuple[MutableMapping[str, Any], Dict[str, Any]]:
+    """The state dict :func:`load` fills, and its Stateful values by key. Stateful values (a
+    module, an optimizer) load as DCP loads them: into their ``state_dict()``, handed to their
+    ``load_state_dict()`` once everything loaded."""
+    stateful = {k: v for k, v in state_dict.items() if _state.is_stateful(v)}
+    if not stateful:
+        return state_dict, stateful
+    return {k: (v.state_dict() if k in stateful else v) for k, v in state_dict.items()}, stateful
+
+
+def _load_group(process_group: Any, exchange: Optional[bool], rank: Any, world_size: Any, timeout: float) -> Any:
+    """The process group :func:`load` runs over (``None``: none), its load marked pending; rank
+    and world size given besides one are refused."""
+    group = _group.default_group(process_group, exchange)
+    if group is not None:
+        # Whatever fails from here on is this rank's failure of the group's load (see
+        # `_group.joins_on_failure`): the other ranks hear of it instead of joining its next load.
+        _group.pending_load(group, timeout)
+    if group is not None and (rank is not None or world_size is not None):
+        raise ValueError("rank and world_size come from the process group; do not pass them with one")
+    return group
+
+
+def _find_targets(
+    opened: Any,
+    checkpoint_id: str,
+    state_dict: Mapping[str, Any],
+    report: LoadReport,
+    how: Tuple[Any, bool, bool, bool],
+) -> "_LoadTargets":
+    """The state dict's entries in the checkpoint ``opened`` (``how``: ``rename``, ``cast``,
+    ``strict`` and whether a process group loads), sorted by :func:`_load_targets`; a missing key
+    is an error naming it and near matches (``strict``), else listed in ``report.missing_keys``."""
+    rename, cast, strict, grouped = how
+    entries = json.loads(opened.entries())
+    tensors: Dict[str, Any] = entries["tensors"]
+    objects = set(entries["objects"])
+    found = _load_targets(state_dict, tensors, objects, _state.renamer(rename), cast, grouped, report)
+    if found.missing:
+        if strict:
+            raise TesseraError(_missing_message(checkpoint_id, found.missing, sorted(tensors) + sorted(objects)))
+        report.missing_keys = [key for key, _fqn in found.missing]
+    return found
 
 
 @dataclass

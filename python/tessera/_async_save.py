@@ -741,52 +741,18 @@ def async_save(
     global _IN_FLIGHT
     state_dict, checkpoint_id = _api._dcp_order(state_dict, checkpoint_id, "async_save")
     started = time.monotonic()
-    group = _group.default_group(process_group, None)
-    if group is not None:
-        import torch.distributed as dist
-
-        if rank is not None or world_size is not None:
-            raise ValueError("rank and world_size come from the process group; do not pass them with one")
-        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    rank, world_size = _api._ranks(rank, world_size)
+    rank, world_size = _save_ranks(process_group, rank, world_size)
     rendezvous = _api._rendezvous(master_addr, master_port)
     if world_size > 1 and rendezvous is None and _persist is None:
         raise ValueError(
             f"saving from {world_size} ranks needs a rendezvous so that rank 0 can commit what "
             "every rank wrote: pass master_addr and master_port, or run under torchrun"
         )
-    if snapshot not in SNAPSHOT_MODES:
-        raise ValueError(f"snapshot={snapshot!r}: choose one of {', '.join(SNAPSHOT_MODES)}")
-    tier_dir = _api._memory_tier_dir(memory_tier)
-    if tier_dir is not None:
-        memory_tier_keep = _api._memory_tier_int(
-            memory_tier_keep, "memory_tier_keep", 1, "a tier keeps at least the checkpoint just saved"
-        )
-        if memory_tier_max_bytes is not None:
-            memory_tier_max_bytes = _api._memory_tier_int(
-                memory_tier_max_bytes, "memory_tier_max_bytes", 0, "a byte budget cannot be negative"
-            )
+    _check_snapshot(snapshot, steps)
+    tier = _tier_args(memory_tier, memory_tier_keep, memory_tier_max_bytes)
     optimizers = _optimizers(optimizer)
-    if steps is not None and snapshot != "multi_step":
-        raise ValueError(f"steps= is for snapshot='multi_step' (got snapshot={snapshot!r})")
-    if isinstance(steps, int) and not isinstance(steps, bool) and steps > MAX_MULTI_STEPS:
-        raise ValueError(
-            f"steps={steps}: a multi-step snapshot spreads its copy over at most {MAX_MULTI_STEPS} optimizer "
-            "steps (its per-step bookkeeping is taken at the call, and the checkpoint stands for the state "
-            "steps - 1 steps later: a window that long outlasts any checkpoint interval)"
-        )
-    # Stateful values (a module, an optimizer) save their state_dict(), as with dcp.save.
     original = state_dict
-    if any(_state.is_stateful(v) for v in state_dict.values()):
-        state_dict = {k: (v.state_dict() if _state.is_stateful(v) else v) for k, v in state_dict.items()}
-    entries, objects = _entries(state_dict)
-    if snapshot in ("lazy", "multi_step"):
-        for e in entries:
-            if e.version is None:
-                raise TypeError(
-                    f"{e.fqn}: a {snapshot} snapshot copies while the job runs and detects changes by torch's "
-                    "version counter, which NumPy arrays lack: pass torch tensors, or snapshot='eager'"
-                )
+    entries, objects = _snapshot_entries(state_dict, snapshot)
     multi = None
     if snapshot == "multi_step":
         from . import _multi_step
@@ -795,46 +761,18 @@ def async_save(
             raise ValueError("snapshot='multi_step' replays one optimizer's updates: pass optimizer=<the optimizer>")
         multi = _multi_step.MultiStepSnapshot.plan(entries, optimizers[0], steps, rank=rank, timeout=timeout)
     pool = pool if pool is not None else default_pool()
-    offset = 0
-    for e in entries:
-        e.pool_offset = offset
-        offset += (e.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    offset = _lay_out(entries)
     cuda_devices = sorted({e.source.device for e in entries if _is_cuda(e.source)}, key=str)
 
     with _LOCK:
-        waited_from = time.monotonic()
-        previous = _IN_FLIGHT
-        if previous is not None and previous._multi is not None and previous._multi.pending():
-            # Waiting here would wait for optimizer steps that only this job can take (after this
-            # call returns): the training thread would stand still until the first save's timeout.
-            ran = previous._multi.steps_ran()
-            raise TesseraError(
-                f"rank {rank}: async_save of {checkpoint_id}: the multi-step save of {previous.checkpoint_id} "
-                f"still waits for optimizer steps ({ran} of {previous._multi.steps} ran), and a second save "
-                "waits for the one in flight: step the optimizer "
-                f"{previous._multi.steps - ran} more times (then this call waits only for its persist), or "
-                "save with snapshot='eager' or 'lazy' before a multi-step window; nothing was started"
-            )
-        if previous is not None:
-            # The pool still holds the previous snapshot until its persist ends (a lazy one is
-            # checked here: this thread's changes so far have ended).
-            previous._wait(None, f"the next async_save (of {checkpoint_id})")
-        waited = time.monotonic() - waited_from
+        waited = _wait_for_previous(rank, checkpoint_id)
         pool.reserve(
             offset,
             pinned=bool(cuda_devices),
             bound=pool_bytes,
             what=f"rank {rank}: the state to save at {checkpoint_id} ({len(entries)} tensors)",
         )
-        ready: Dict[Any, Any] = {}
-        if cuda_devices:
-            import torch
-
-            for device in cuda_devices:
-                # Recorded on the caller's stream: the copies must see the work queued so far.
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                ready[device] = event
+        ready = _ready_events(cuda_devices)
         handle = SaveHandle(str(checkpoint_id), rank, world_size, snapshot)
         handle._entries, handle._timeout, handle._multi = entries, float(timeout), multi
         native_args = {
@@ -845,10 +783,7 @@ def async_save(
             "break_claim": bool(break_claim),
             "timeout": float(timeout),
             "persist": _persist,
-            "memory_tier": None if tier_dir is None else (
-                tier_dir, int(memory_tier_keep),
-                None if memory_tier_max_bytes is None else int(memory_tier_max_bytes),
-            ),
+            "memory_tier": tier,
         }
         if multi is not None:
             take_snapshot: Callable[[], Optional[List[Tuple[str, bytes]]]] = lambda: multi.run(handle, pool)
@@ -879,6 +814,109 @@ def async_save(
         gate.remove()
     handle.blocked_seconds = time.monotonic() - started
     return handle
+
+
+def _save_ranks(process_group: Any, rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
+    """This rank and the job's size: the process group's (rank and world size given besides one
+    are refused), else as given or torchrun's."""
+    group = _group.default_group(process_group, None)
+    if group is not None:
+        import torch.distributed as dist
+
+        if rank is not None or world_size is not None:
+            raise ValueError("rank and world_size come from the process group; do not pass them with one")
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    return _api._ranks(rank, world_size)
+
+
+def _check_snapshot(snapshot: str, steps: Optional[int]) -> None:
+    """Refuses a snapshot mode :func:`async_save` does not know, and ``steps=`` outside a
+    multi-step snapshot or over :data:`MAX_MULTI_STEPS`."""
+    if snapshot not in SNAPSHOT_MODES:
+        raise ValueError(f"snapshot={snapshot!r}: choose one of {', '.join(SNAPSHOT_MODES)}")
+    if steps is not None and snapshot != "multi_step":
+        raise ValueError(f"steps= is for snapshot='multi_step' (got snapshot={snapshot!r})")
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps > MAX_MULTI_STEPS:
+        raise ValueError(
+            f"steps={steps}: a multi-step snapshot spreads its copy over at most {MAX_MULTI_STEPS} optimizer "
+            "steps (its per-step bookkeeping is taken at the call, and the checkpoint stands for the state "
+            "steps - 1 steps later: a window that long outlasts any checkpoint interval)"
+        )
+
+
+def _tier_args(memory_tier: Any, keep: int, max_bytes: Optional[int]) -> Optional[Tuple[str, int, Optional[int]]]:
+    """The native save's ``memory_tier``: the tier's directory, how many checkpoints it keeps and
+    its byte budget, each checked (``None``: no tier)."""
+    tier_dir = _api._memory_tier_dir(memory_tier)
+    if tier_dir is None:
+        return None
+    keep = _api._memory_tier_int(keep, "memory_tier_keep", 1, "a tier keeps at least the checkpoint just saved")
+    if max_bytes is not None:
+        max_bytes = _api._memory_tier_int(max_bytes, "memory_tier_max_bytes", 0, "a byte budget cannot be negative")
+    return tier_dir, int(keep), None if max_bytes is None else int(max_bytes)
+
+
+def _snapshot_entries(state_dict: Mapping[str, Any], snapshot: str) -> Tuple[List[_Entry], List[Tuple[str, bytes]]]:
+    """The tensors to copy and the non-tensor values (encoded) of ``state_dict``. Stateful values
+    (a module, an optimizer) save their ``state_dict()``, as with ``dcp.save``; a lazy or
+    multi-step snapshot takes torch tensors only (it detects changes by their version counter)."""
+    if any(_state.is_stateful(v) for v in state_dict.values()):
+        state_dict = {k: (v.state_dict() if _state.is_stateful(v) else v) for k, v in state_dict.items()}
+    entries, objects = _entries(state_dict)
+    if snapshot in ("lazy", "multi_step"):
+        for e in entries:
+            if e.version is None:
+                raise TypeError(
+                    f"{e.fqn}: a {snapshot} snapshot copies while the job runs and detects changes by torch's "
+                    "version counter, which NumPy arrays lack: pass torch tensors, or snapshot='eager'"
+                )
+    return entries, objects
+
+
+def _lay_out(entries: List[_Entry]) -> int:
+    """Gives each entry its aligned offset in the staging pool; the bytes they take in all."""
+    offset = 0
+    for e in entries:
+        e.pool_offset = offset
+        offset += (e.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    return offset
+
+
+def _wait_for_previous(rank: int, checkpoint_id: Any) -> float:
+    """Waits (under ``_LOCK``) for the save in flight to end, since the pool still holds its
+    snapshot until its persist ends; the seconds waited. A multi-step save still waiting for
+    optimizer steps is an error instead: only this job can take them, after this call returns."""
+    waited_from = time.monotonic()
+    previous = _IN_FLIGHT
+    if previous is not None and previous._multi is not None and previous._multi.pending():
+        # Waiting here would wait for optimizer steps that only this job can take (after this
+        # call returns): the training thread would stand still until the first save's timeout.
+        ran = previous._multi.steps_ran()
+        raise TesseraError(
+            f"rank {rank}: async_save of {checkpoint_id}: the multi-step save of {previous.checkpoint_id} "
+            f"still waits for optimizer steps ({ran} of {previous._multi.steps} ran), and a second save "
+            "waits for the one in flight: step the optimizer "
+            f"{previous._multi.steps - ran} more times (then this call waits only for its persist), or "
+            "save with snapshot='eager' or 'lazy' before a multi-step window; nothing was started"
+        )
+    if previous is not None:
+        # A lazy one is checked here: this thread's changes so far have ended.
+        previous._wait(None, f"the next async_save (of {checkpoint_id})")
+    return time.monotonic() - waited_from
+
+
+def _ready_events(cuda_devices: List[Any]) -> Dict[Any, Any]:
+    """A CUDA event per device, recorded on the caller's current stream: the copies must see the
+    work queued so far."""
+    ready: Dict[Any, Any] = {}
+    if cuda_devices:
+        import torch
+
+        for device in cuda_devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            ready[device] = event
+    return ready
 
 
 def _objects_refresher(original: Mapping[str, Any]) -> Callable[[], Optional[List[Tuple[str, bytes]]]]:

@@ -9,6 +9,7 @@
 //! (tasks of this process, or `--rank` processes it spawns), and the rendering. GPU memory
 //! (`--device cuda`) loads through the CUDA pipeline with a plan made by every rank (`gpu`).
 
+mod args;
 mod finish;
 #[cfg(feature = "cuda")]
 mod gpu;
@@ -18,114 +19,24 @@ mod spawn;
 
 use std::io::IsTerminal;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use tessera_loader::checkpoint::Checkpoint;
-use tessera_loader::device::{CUDA_BUILT, DeviceSpec, cuda_not_built};
+use tessera_loader::device::{CUDA_BUILT, cuda_not_built};
 use tessera_loader::load::{LoadOptions, RankReport};
 use tessera_loader::read::ReadOptions;
+use tessera_loader::transport::InProcTransport;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
-use tessera_loader::transport::{InProcTransport, TcpTransport, Transport, TransportOptions};
 use tessera_ops::job::host::{HostJob, HostLoad, OnPlanned, allocated};
 use tessera_ops::load::{LoadSwitches, PlanServer, plan_options};
 use tessera_ops::publish::lease::{Lease, MAX_LEASE_SECONDS};
-use tessera_planner::{
-    ExplicitRequest, ExplicitRequests, PlanOptions, PlanSummary, ReadOrder, RequestSet,
-};
+use tessera_planner::{ExplicitRequest, ExplicitRequests, PlanSummary, RequestSet};
+use tessera_storage::RetryPolicy;
 
+pub use args::{LoadArgs, TransportKind};
 pub use finish::dump_names;
 pub use spawn::{TOKEN_ENV, rank_args};
-
-/// How ranks talk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TransportKind {
-    /// Threads of this process.
-    InProc,
-    /// Separate processes over TCP (loopback when run by `load` itself).
-    Tcp,
-    /// Separate processes, TCP for control and NCCL for data, GPU to GPU (feature `cuda`).
-    Nccl,
-}
-
-impl TransportKind {
-    fn name(self) -> &'static str {
-        match self {
-            TransportKind::InProc => "inproc",
-            TransportKind::Tcp => "tcp",
-            TransportKind::Nccl => "nccl",
-        }
-    }
-}
-
-/// Arguments of `tessera load`. The rank processes it spawns take them whole, as JSON
-/// (`spawn`), the token aside.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-pub struct LoadArgs {
-    /// Checkpoint location.
-    pub checkpoint: String,
-    /// Target layout JSON file.
-    pub layout: Option<String>,
-    /// Explicit requests JSON file.
-    pub requests: Option<String>,
-    /// Write `DIR/rank-<r>.safetensors` per rank.
-    pub dump: Option<String>,
-    /// Transport between ranks.
-    pub transport: TransportKind,
-    /// Where the destination buffers live.
-    pub device: DeviceSpec,
-    /// Run only this rank (a real job's rank; rendezvous from flags or torchrun's environment).
-    pub rank: Option<u32>,
-    /// World size with `--rank`.
-    pub world: Option<u32>,
-    /// Rendezvous address with `--rank`.
-    pub master_addr: Option<String>,
-    /// Rendezvous port with `--rank`.
-    pub master_port: Option<u16>,
-    /// Verify block checksums of what is read.
-    pub verify: bool,
-    /// Read each shared piece once and exchange it.
-    pub dedup: bool,
-    /// Largest gap one storage request may span (`--coalesce-gap`); `None`: the store kind's
-    /// default (`tessera_loader::read::default_coalesce_gap`).
-    pub coalesce_gap: Option<u64>,
-    /// Check every loaded byte against the synthetic value formula.
-    pub check: bool,
-    /// This host's memory tier (`--memory-tier`): copies read instead of storage.
-    pub memory_tier: Option<String>,
-    /// Write the JSON report here (used by the per-rank processes of `--transport tcp`).
-    pub report_json: Option<String>,
-    /// Write the load's counters here in the OpenMetrics text format (`--metrics-file`).
-    pub metrics_file: Option<String>,
-    /// How saved chunks are read (`--read-order`).
-    pub read_order: ReadOrder,
-    /// Seconds a rank waits for a peer before giving up.
-    pub peer_timeout: Duration,
-    /// Print the progress bar and report.
-    pub quiet: bool,
-    /// Fetch rank plans from this tessera server instead of planning here.
-    pub server: Option<String>,
-    /// The checkpoint's id on the server (`<run>/<step>`); by default the last two components
-    /// of the checkpoint location.
-    pub checkpoint_id: Option<String>,
-    /// The registry of live publications a `live://NAME[@STEP]` checkpoint is resolved in.
-    pub registry: Option<std::path::PathBuf>,
-    /// Bearer token of the server (the CLI fills it from `TESSERA_TOKEN` when not given). Never
-    /// written to a file: spawned ranks get it in their environment.
-    #[serde(skip)]
-    pub token: Option<String>,
-    /// Timeouts and attempts of every storage request, for the store and the reads alike
-    /// (`--storage-read-timeout`, `--storage-attempts`): with a store that stalls, they bound
-    /// how soon the load fails (docs/retry.md).
-    #[serde(with = "super::retry_as_flags")]
-    pub retry: tessera_storage::RetryPolicy,
-    /// Load only the tensors this takes (`--include`, `--exclude`).
-    pub filter: super::select::TensorFilter,
-    /// Print the report as one JSON document (`--json`).
-    pub json: bool,
-}
 
 /// Refuses what this build or the arguments cannot do, before any work.
 fn check_device(args: &LoadArgs) -> Result<()> {
@@ -148,11 +59,12 @@ fn check_device(args: &LoadArgs) -> Result<()> {
     Ok(())
 }
 
-/// The load's options from the flags and the environment's side-by-side switches.
-fn load_options(args: &LoadArgs, switches: &LoadSwitches) -> LoadOptions {
+/// The load's options from the flags (`retry` from the storage flags) and the environment's
+/// side-by-side switches.
+fn load_options(args: &LoadArgs, retry: &RetryPolicy, switches: &LoadSwitches) -> LoadOptions {
     let read = ReadOptions {
         verify: args.verify,
-        retry: args.retry.clone(),
+        retry: retry.clone(),
         coalesce_gap: args.coalesce_gap,
         ..ReadOptions::default()
     };
@@ -161,6 +73,9 @@ fn load_options(args: &LoadArgs, switches: &LoadSwitches) -> LoadOptions {
 
 /// Runs the command; returns the report text.
 pub async fn run(args: &LoadArgs) -> Result<String> {
+    // What clap cannot check: a positive --peer-timeout, the storage flags' policy.
+    let peer_timeout = args.peer_timeout()?;
+    let retry = args.storage.policy()?;
     check_device(args)?;
     let (args, _lease) = with_live_step(args)?;
     let args = &args;
@@ -175,7 +90,7 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         _ => None,
     };
     let shared_cache = shared_cache.as_ref().map(|d| d.path());
-    let opened = open_checkpoint(args, shared_cache).await?;
+    let opened = open_checkpoint(args, &retry, shared_cache).await?;
     check_plan_flags(args)?;
     let switches = LoadSwitches::from_env();
     let planning = plan_options(
@@ -185,38 +100,42 @@ pub async fn run(args: &LoadArgs) -> Result<String> {
         &switches,
     );
     let requests = requests_for(args, &opened)?;
+    let ranks = ExplicitRequests::of(&requests, opened.meta.tensors()).ranks;
+    // One bound for every wait on a peer, rendezvous included (`HostJob::transport_options`).
     let job = Job {
         args: args.clone(),
-        server: plan_server(args)?,
-        requests: Arc::new(ExplicitRequests::of(&requests, opened.meta.tensors()).ranks),
-        opened: Arc::new(opened),
-        planning,
-        options: load_options(args, &switches),
-    };
-    // One bound for every wait on a peer, rendezvous included (it had its own 300 s default).
-    let transport_options = TransportOptions {
-        timeout: args.peer_timeout,
-        connect_timeout: args.peer_timeout,
-        progress_every: Some(progress_interval(args.peer_timeout)),
+        host: HostJob {
+            checkpoint: Arc::new(opened),
+            location: args.checkpoint.clone(),
+            world: ranks.len() as u32,
+            planning,
+            filter: args.filter().describe(),
+            server: plan_server(args)?,
+            memory_tier: args.memory_tier.as_ref().map(std::path::PathBuf::from),
+            verify: args.verify,
+            options: load_options(args, &retry, &switches),
+            timeout: peer_timeout,
+        },
+        requests: Arc::new(ranks),
     };
     #[cfg(feature = "cuda")]
     if args.device.is_cuda() {
         match args.rank {
             Some(rank) if args.transport == TransportKind::Nccl => {
-                return gpu::load_rank(&job, &requests, rank, transport_options).await;
+                return gpu::load_rank(&job, &requests, rank).await;
             }
             Some(_) => {}
             None => gpu::check_nccl(args, job.world())?,
         }
     }
     if let Some(rank) = args.rank {
-        return load_rank(&job, rank, transport_options).await;
+        return load_rank(&job, rank).await;
     }
     let (loaded, kind) = match args.transport {
-        TransportKind::InProc => load_all_inproc(&job, transport_options).await?,
+        TransportKind::InProc => load_all_inproc(&job).await?,
         TransportKind::Tcp | TransportKind::Nccl => {
             let world = job.world();
-            let loaded = spawn::load_all_spawned(args, world, shared_cache).await?;
+            let loaded = spawn::load_all_spawned(args, (world, peer_timeout), shared_cache).await?;
             let kind = format!(
                 "{} processes on 127.0.0.1{}",
                 args.transport.name(),
@@ -240,7 +159,7 @@ fn finish_job(job: &Job, loaded: &Loaded, kind: &str) -> Result<String> {
     }
     Ok(report::report(
         args,
-        &job.opened,
+        &job.host.checkpoint,
         &loaded.summary,
         &loaded.reports,
         loaded.plan_seconds,
@@ -306,7 +225,7 @@ fn check_plan_flags(args: &LoadArgs) -> Result<()> {
         }
         _ => {}
     }
-    if args.server.is_some() && !args.filter.is_everything() {
+    if args.server.is_some() && !args.filter().is_everything() {
         bail!(
             "--include/--exclude filter a plan made here; a server plans every tensor (drop --server)"
         );
@@ -329,80 +248,44 @@ fn plan_server(args: &LoadArgs) -> Result<Option<PlanServer>> {
     )?))
 }
 
-/// One load job as this command runs its ranks: the flags, and what every rank loads with
-/// (`tessera_ops::job::host::HostJob`).
+/// One load job as this command runs its ranks: the flags, what every rank loads with
+/// (`tessera_ops::job::host::HostJob`), and each rank's requests.
 #[derive(Clone)]
 pub(crate) struct Job {
     args: LoadArgs,
-    opened: Arc<Checkpoint>,
+    host: HostJob,
     requests: Arc<Vec<Vec<ExplicitRequest>>>,
-    planning: PlanOptions,
-    server: Option<PlanServer>,
-    options: LoadOptions,
 }
 
 impl Job {
     fn world(&self) -> u32 {
-        self.requests.len() as u32
+        self.host.world
     }
 
-    /// What every rank of this job loads with.
-    fn host_job(&self) -> HostJob {
-        let args = &self.args;
-        HostJob {
-            checkpoint: Arc::clone(&self.opened),
-            location: args.checkpoint.clone(),
-            world: self.world(),
-            planning: self.planning.clone(),
-            filter: args.filter.describe(),
-            server: self.server.clone(),
-            memory_tier: args.memory_tier.as_ref().map(std::path::PathBuf::from),
-            verify: args.verify,
-            options: self.options.clone(),
-            timeout: args.peer_timeout,
-        }
-    }
-
-    /// Loads rank `rank` over `transport` into host memory, then checks and dumps its buffers;
-    /// `on_planned` sees the job's plan in numbers before it reads.
-    async fn load_host_rank<T: Transport + 'static>(
-        &self,
-        rank: u32,
-        transport: T,
-        on_planned: Option<OnPlanned>,
-    ) -> Result<HostLoad> {
-        let args = &self.args;
-        let requests = self
-            .requests
+    /// Rank `rank`'s requests.
+    fn requests_of(&self, rank: u32) -> Vec<ExplicitRequest> {
+        self.requests
             .get(rank as usize)
             .cloned()
-            .unwrap_or_default();
-        let loaded = self
-            .host_job()
-            .load_rank((rank, requests), transport, allocated(), on_planned)
-            .await?;
+            .unwrap_or_default()
+    }
+
+    /// What this command does with a rank's host load: the upload to its GPU (`--device cuda`),
+    /// else `--check` and `--dump` of its buffers.
+    fn finish_rank(&self, loaded: HostLoad) -> Result<HostLoad> {
         #[cfg(feature = "cuda")]
-        if args.device.is_cuda() {
-            return gpu::upload(args, loaded);
+        if self.args.device.is_cuda() {
+            return gpu::upload(&self.args, loaded);
         }
-        finish::finish_rank(args, &loaded.plan, &loaded.buffers)?;
+        finish::finish_rank(&self.args, &loaded.plan, &loaded.buffers)?;
         Ok(loaded)
     }
 }
 
-/// The job's plan in numbers as a rank took it.
-fn summary_of(loaded: &HostLoad) -> Result<PlanSummary> {
-    loaded.work.job_summary().cloned().with_context(|| {
-        format!(
-            "rank {}: the coordinator's answer did not say the job's plan",
-            loaded.plan.rank
-        )
-    })
-}
-
-/// This process's one rank of a job (`--rank`): meets the other ranks at the rendezvous and runs
-/// its load over TCP.
-async fn load_rank(job: &Job, rank: u32, transport_options: TransportOptions) -> Result<String> {
+/// This process's one rank of a job (`--rank`): the shared driver meets the other ranks at the
+/// rendezvous and runs its load over TCP (`HostJob::load_rank_over_tcp`); here the flags checked
+/// and the rank's report.
+async fn load_rank(job: &Job, rank: u32) -> Result<String> {
     let args = &job.args;
     let world = job.world();
     if let Some(w) = args.world
@@ -410,13 +293,17 @@ async fn load_rank(job: &Job, rank: u32, transport_options: TransportOptions) ->
     {
         bail!("--world {w} but the layout has {world} ranks");
     }
-    let config = rendezvous(job, rank)?;
-    let transport = TcpTransport::connect(&config, transport_options).await?;
-    let loaded = job.load_host_rank(rank, transport, None).await?;
+    let (config, texts) = rendezvous(job, rank)?;
+    let texts: Vec<&[u8]> = texts.iter().map(|t| t.as_bytes()).collect();
+    let loaded = job
+        .host
+        .load_rank_over_tcp((config, &texts), job.requests_of(rank), allocated(), None)
+        .await?;
+    let loaded = job.finish_rank(loaded)?;
     for why in &loaded.work.tier_copies().ignored {
         eprintln!("warning: memory tier: {why}");
     }
-    let summary = summary_of(&loaded)?;
+    let summary = loaded.job_summary()?.clone();
     if let Some(path) = &args.report_json {
         spawn::write_rank_json(path, &loaded.report, &summary, loaded.plan_seconds)?;
     }
@@ -425,7 +312,7 @@ async fn load_rank(job: &Job, rank: u32, transport_options: TransportOptions) ->
     }
     Ok(report::report(
         args,
-        &job.opened,
+        &job.host.checkpoint,
         &summary,
         &[loaded.report],
         loaded.plan_seconds,
@@ -435,10 +322,7 @@ async fn load_rank(job: &Job, rank: u32, transport_options: TransportOptions) ->
 
 /// Every rank of the job in this process, each on its own task over an in-process mesh; returns
 /// what they reported and how the ranks ran.
-async fn load_all_inproc(
-    job: &Job,
-    transport_options: TransportOptions,
-) -> Result<(Loaded, String)> {
+async fn load_all_inproc(job: &Job) -> Result<(Loaded, String)> {
     let mut job = job.clone();
     let kind = format!("in-process{}", on_device(&job.args));
     // A bar only where a person watches: not with --quiet, not into a pipe or a log file. Its
@@ -457,14 +341,24 @@ async fn load_all_inproc(
         Arc::new(move |summary: &PlanSummary| bar.set_length(summary.bytes_read))
     });
     if let Some(bar) = bar.clone() {
-        job.options.progress = Some(Arc::new(move |bytes| bar.inc(bytes)));
+        job.host.options.progress = Some(Arc::new(move |bytes| bar.inc(bytes)));
     }
-    let transports = InProcTransport::mesh(job.world(), transport_options);
+    let transports = InProcTransport::mesh(job.world(), job.host.transport_options());
     let mut tasks = Vec::with_capacity(transports.len());
     for (rank, transport) in transports.into_iter().enumerate() {
         let (job, on_planned) = (job.clone(), on_planned.clone());
+        let rank = rank as u32;
         tasks.push(tokio::spawn(async move {
-            job.load_host_rank(rank as u32, transport, on_planned).await
+            let loaded = job
+                .host
+                .load_rank(
+                    (rank, job.requests_of(rank)),
+                    transport,
+                    allocated(),
+                    on_planned,
+                )
+                .await?;
+            job.finish_rank(loaded)
         }));
     }
     let loads = crate::ranks::join_tasks(tasks).await;
@@ -478,7 +372,7 @@ async fn load_all_inproc(
         eprintln!("warning: memory tier: {why}");
     }
     let loaded = Loaded {
-        summary: summary_of(first)?,
+        summary: first.job_summary()?.clone(),
         plan_seconds: first.plan_seconds,
         reports: loads.into_iter().map(|l| l.report).collect(),
     };
@@ -489,9 +383,10 @@ async fn load_all_inproc(
 /// saying its warnings; a metadata-only checkpoint is refused.
 async fn open_checkpoint(
     args: &LoadArgs,
+    retry: &RetryPolicy,
     shared_cache: Option<&std::path::Path>,
 ) -> Result<Checkpoint> {
-    let checkpoint = super::open_for_load(&args.checkpoint, &args.retry, shared_cache).await?;
+    let checkpoint = super::open_for_load(&args.checkpoint, retry, shared_cache).await?;
     for warning in &checkpoint.warnings {
         eprintln!("warning: {warning}");
     }
@@ -508,7 +403,7 @@ fn requests_for(args: &LoadArgs, checkpoint: &Checkpoint) -> Result<RequestSet> 
         None,
         args.rank.unwrap_or(0) == 0,
     )?;
-    args.filter.apply(
+    args.filter().apply(
         &mut requests,
         checkpoint.meta.tensors(),
         checkpoint.meta.objects(),
@@ -526,17 +421,11 @@ fn on_device(args: &LoadArgs) -> String {
     }
 }
 
-/// How often a waiting rank says whom it waits for: every 5 s, more often for a short timeout
-/// (a quarter of it, at least 1 s) so that a wait always says something before it fails.
-fn progress_interval(timeout: Duration) -> Duration {
-    (timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(5))
-}
-
-/// Rank `rank`'s rendezvous by the one rule of `tessera_ops::load::rendezvous` (flags, then
-/// `TESSERA_PORT`, then torchrun's `MASTER_ADDR` and `MASTER_PORT + 1`), for this job only:
-/// what it loads (the checkpoint as opened, the layout or requests as text, the world) and the
-/// options of its plan every rank must share (`HostJob::rendezvous`).
-fn rendezvous(job: &Job, rank: u32) -> Result<RendezvousConfig> {
+/// Rank `rank`'s place in tessera's own TCP rendezvous by the one rule of
+/// `tessera_ops::load::rendezvous` (flags, then `TESSERA_PORT`, then torchrun's `MASTER_ADDR` and
+/// `MASTER_PORT + 1`), and the texts that make it this job's only besides the checkpoint as
+/// opened and the world (`HostJob::rendezvous`): the layout or requests files as read.
+fn rendezvous(job: &Job, rank: u32) -> Result<(RendezvousConfig, Vec<String>)> {
     let args = &job.args;
     let config = tessera_ops::load::rendezvous::rank_rendezvous(
         args.master_addr.as_deref(),
@@ -549,6 +438,5 @@ fn rendezvous(job: &Job, rank: u32) -> Result<RendezvousConfig> {
     for path in [&args.layout, &args.requests].into_iter().flatten() {
         texts.push(super::read_text(path)?);
     }
-    let texts: Vec<&[u8]> = texts.iter().map(|t| t.as_bytes()).collect();
-    Ok(job.host_job().rendezvous(config, &texts)?)
+    Ok((config, texts))
 }

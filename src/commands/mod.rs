@@ -56,33 +56,37 @@ pub fn storage_policy(read_timeout_secs: f64, attempts: u32) -> Result<RetryPoli
     })
 }
 
-/// A [`RetryPolicy`] in a command's arguments as JSON (those `tessera load` hands the rank
-/// processes it spawns): the two numbers the operator sets (`--storage-read-timeout`,
-/// `--storage-attempts`), rebuilt by [`storage_policy`] as the flags are.
-pub mod retry_as_flags {
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
-    use tessera_storage::RetryPolicy;
+/// How patient the checkpoint's storage requests are (load, inspect, verify, convert, plan): the
+/// two numbers the operator sets, as flags (or variables), and in `tessera load`'s arguments as
+/// JSON (those it hands the rank processes it spawns); [`StorageArgs::policy`] refuses them as
+/// the flags are.
+#[derive(clap::Args, Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct StorageArgs {
+    /// Seconds a storage request may go without receiving data (mid-body or before the answer)
+    /// before it is cut and retried. With --storage-attempts it bounds how soon a load from a
+    /// store that stalls fails: about attempts x this (see docs/retry.md).
+    #[arg(
+        long,
+        env = READ_TIMEOUT_ENV,
+        value_name = "SECS",
+        default_value_t = RetryPolicy::default().read_timeout.as_secs_f64()
+    )]
+    pub storage_read_timeout: f64,
+    /// Attempts per storage request before a transient failure (a timeout, a reset
+    /// connection, a 5xx answer) fails the command.
+    #[arg(
+        long,
+        env = ATTEMPTS_ENV,
+        value_name = "N",
+        default_value_t = RetryPolicy::default().max_attempts
+    )]
+    pub storage_attempts: u32,
+}
 
-    #[derive(Serialize, Deserialize)]
-    struct Flags {
-        read_timeout_secs: f64,
-        attempts: u32,
-    }
-
-    /// `retry` as its two flags.
-    pub fn serialize<S: Serializer>(retry: &RetryPolicy, to: S) -> Result<S::Ok, S::Error> {
-        let flags = Flags {
-            read_timeout_secs: retry.read_timeout.as_secs_f64(),
-            attempts: retry.max_attempts,
-        };
-        flags.serialize(to)
-    }
-
-    /// The policy of two flags, refused as the flags would be.
-    pub fn deserialize<'de, D: Deserializer<'de>>(from: D) -> Result<RetryPolicy, D::Error> {
-        let flags = Flags::deserialize(from)?;
-        super::storage_policy(flags.read_timeout_secs, flags.attempts)
-            .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
+impl StorageArgs {
+    /// The retry policy of the two flags ([`storage_policy`]).
+    pub fn policy(&self) -> Result<RetryPolicy> {
+        storage_policy(self.storage_read_timeout, self.storage_attempts)
     }
 }
 

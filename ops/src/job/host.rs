@@ -19,8 +19,8 @@ use tessera_loader::exchange::relay::{self, Slot, with_relay_buffers};
 use tessera_loader::exchange::{check_buffer_sizes, exchange_after_read, place};
 use tessera_loader::load::{LoadOptions, RankReport};
 use tessera_loader::read::ReadStats;
-use tessera_loader::transport::Transport;
 use tessera_loader::transport::rendezvous::RendezvousConfig;
+use tessera_loader::transport::{TcpTransport, Transport, TransportOptions};
 use tessera_planner::{ExplicitRequest, PlanOptions, PlanSummary, RankPlan};
 
 use super::transport_board::{ReadPieces, run_job};
@@ -107,6 +107,38 @@ impl HostJob {
             .with_plan(terms))
     }
 
+    /// How this job's ranks wait on each other: `timeout` bounds every wait on a peer, the
+    /// rendezvous included, and a waiting rank says whom it waits for every
+    /// [`progress_interval`] meanwhile.
+    pub fn transport_options(&self) -> TransportOptions {
+        TransportOptions {
+            timeout: self.timeout,
+            connect_timeout: self.timeout,
+            progress_every: Some(progress_interval(self.timeout)),
+        }
+    }
+
+    /// Loads rank `config.rank` of this job, whose requests are `requests`, over tessera's own
+    /// TCP mesh: `config` (its place in the rendezvous, as a front end found it) made this job's
+    /// only ([`HostJob::rendezvous`] with `job_texts`), the mesh joined with
+    /// [`HostJob::transport_options`], then the rank's load ([`HostJob::load_rank`]). The one way
+    /// a rank of a real job loads into host memory, from the CLI (`--rank`, and the processes
+    /// `tessera load` spawns) and from Python (`exchange=True`).
+    pub async fn load_rank_over_tcp<B: AsMut<[u8]> + AsRef<[u8]> + Send>(
+        &self,
+        (config, job_texts): (RendezvousConfig, &[&[u8]]),
+        requests: Vec<ExplicitRequest>,
+        buffers: MakeBuffers<B>,
+        on_planned: Option<OnPlanned>,
+    ) -> Result<HostLoad<B>, OpsError> {
+        let rank = config.rank;
+        let config = self.rendezvous(config, job_texts)?;
+        // The rendezvous's errors name the rank and rank 0's address already.
+        let transport = TcpTransport::connect(&config, self.transport_options()).await?;
+        self.load_rank((rank, requests), transport, buffers, on_planned)
+            .await
+    }
+
     /// Loads rank `rank`, whose requests are `requests`, over `transport` ([`load_host`]) into
     /// the buffers `buffers` makes: its hello (its requests, its memory-tier offer, the
     /// checkpoint as opened and the plan's options) and its work (rank 0 the coordinator, which
@@ -181,6 +213,26 @@ pub struct HostLoad<B = Vec<u8>> {
     pub work: RankWork,
     /// Seconds until it held its plan, agreed (the rounds before its read).
     pub plan_seconds: f64,
+}
+
+impl<B> HostLoad<B> {
+    /// The job's plan in numbers as this rank took it from the coordinator; an error naming the
+    /// rank when the answer did not say it.
+    pub fn job_summary(&self) -> Result<&PlanSummary, OpsError> {
+        self.work.job_summary().ok_or_else(|| {
+            OpsError::invalid(format!(
+                "rank {}: the coordinator's answer did not say the job's plan",
+                self.plan.rank
+            ))
+        })
+    }
+}
+
+/// How often a rank waiting on a peer says whom it waits for: every 5 s, more often for a short
+/// `timeout` (a quarter of it, at least 1 s) so that a wait always says something before it
+/// fails.
+pub fn progress_interval(timeout: Duration) -> Duration {
+    (timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(5))
 }
 
 /// Called on every rank once its plan is taken, before it reads (a front end sizes its progress

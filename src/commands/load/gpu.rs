@@ -15,7 +15,6 @@ use anyhow::{Context, Result, bail};
 use tessera_loader::device::DeviceSpec;
 use tessera_loader::device::cuda::{CudaDevice, DeviceBuffer, connect_nccl};
 use tessera_loader::plan_client::PlanTarget;
-use tessera_loader::transport::TransportOptions;
 use tessera_ops::job::host::HostLoad;
 use tessera_ops::load::JobPlan;
 use tessera_ops::load::cuda::{CudaDestination, load_rank_nccl};
@@ -41,29 +40,26 @@ pub(super) fn upload(args: &LoadArgs, mut loaded: HostLoad) -> Result<HostLoad> 
 
 /// One rank of a real job over NCCL (`--rank`, `--transport nccl`): its plan taken here, its
 /// reads up to its GPU, and the ring exchange GPU to GPU.
-pub(super) async fn load_rank(
-    job: &Job,
-    requests: &RequestSet,
-    rank: u32,
-    transport_options: TransportOptions,
-) -> Result<String> {
+pub(super) async fn load_rank(job: &Job, requests: &RequestSet, rank: u32) -> Result<String> {
     let args = &job.args;
     let started = Instant::now();
-    let checkpoint = &*job.opened;
-    let plan = match &job.server {
+    let checkpoint = &*job.host.checkpoint;
+    let plan = match &job.host.server {
         Some(server) => {
             let target = PlanTarget::Requests(ExplicitRequests {
                 ranks: job.requests.to_vec(),
             });
             JobPlan::on_server(checkpoint, &args.checkpoint, server, &target, args.dedup).await?
         }
-        None => JobPlan::local(checkpoint, requests, &job.planning)?,
+        None => JobPlan::local(checkpoint, requests, &job.host.planning)?,
     };
     let plan_seconds = started.elapsed().as_secs_f64();
-    let config = rendezvous(job, rank)?;
+    let (config, texts) = rendezvous(job, rank)?;
+    let texts: Vec<&[u8]> = texts.iter().map(|t| t.as_bytes()).collect();
+    let config = job.host.rendezvous(config, &texts)?;
     let device = open_device(args, rank, true)?;
     let rank_plan = plan.rank_plan(rank).await?;
-    let transport = connect_nccl(&config, transport_options, &device).await?;
+    let transport = connect_nccl(&config, job.host.transport_options(), &device).await?;
     let mut buffers = allocate(&device, &rank_plan)?;
     let destination = CudaDestination {
         device: &device,
@@ -74,7 +70,7 @@ pub(super) async fn load_rank(
         &rank_plan,
         &transport,
         destination,
-        &job.options,
+        &job.host.options,
     )
     .await?;
     finish(args, &device, &rank_plan, &buffers)?;

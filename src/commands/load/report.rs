@@ -98,7 +98,7 @@ fn report_text(
     );
     bytes_lines(&mut out, args, reports, &totals);
     format_lines(&mut out, args, checkpoint, &totals);
-    time_lines(&mut out, args, reports, plan_seconds);
+    time_lines(&mut out, args, reports, &totals, plan_seconds);
     if args.check {
         let _ = writeln!(
             out,
@@ -111,7 +111,7 @@ fn report_text(
     out
 }
 
-/// A figure summed over the ranks' reports.
+/// A figure summed over the ranks' reports that `LoadTotals` does not keep.
 fn sum(reports: &[RankReport], f: fn(&RankReport) -> u64) -> u64 {
     reports.iter().map(f).sum::<u64>()
 }
@@ -123,7 +123,7 @@ fn max(reports: &[RankReport], f: fn(&RankReport) -> f64) -> f64 {
 
 /// The report's byte counts: needed, read (from a memory tier too), fetched, transferred.
 fn bytes_lines(out: &mut String, args: &LoadArgs, reports: &[RankReport], totals: &LoadTotals) {
-    let needed = sum(reports, |r| r.bytes_needed);
+    let needed = totals.bytes_needed;
     let (read, fetched, unique) = (
         totals.bytes_read,
         totals.bytes_fetched,
@@ -158,7 +158,18 @@ fn bytes_lines(out: &mut String, args: &LoadArgs, reports: &[RankReport], totals
             }
         }
     }
-    let boxes = sum(reports, |r| r.boxes_verified);
+    // A live publication read on its publishers' host: what came straight out of their shared
+    // memory, the rest over their HTTP servers.
+    let shared = sum(reports, |r| r.bytes_from_publisher_memory);
+    if shared > 0 {
+        let _ = writeln!(
+            out,
+            "publisher memory     {} of the data read, from the publishers' shared memory on this host ({} over HTTP)",
+            human::bytes(shared),
+            human::bytes(totals.bytes_from_storage),
+        );
+    }
+    let boxes = totals.boxes_verified;
     // Formats without checksums (and --no-verify) fetch nothing to verify: say nothing about it.
     let verification = if totals.verify_extra_bytes > 0 || boxes > 0 {
         format!(
@@ -172,7 +183,7 @@ fn bytes_lines(out: &mut String, args: &LoadArgs, reports: &[RankReport], totals
         out,
         "bytes fetched        {} ({verification}{} requests, {} retries)",
         human::bytes(fetched),
-        sum(reports, |r| r.requests),
+        totals.requests,
         sum(reports, |r| r.retries)
     );
     let _ = writeln!(
@@ -251,13 +262,16 @@ fn format_lines(out: &mut String, args: &LoadArgs, checkpoint: &Checkpoint, tota
 }
 
 /// Bytes exchanged, the time each phase took (slowest rank), throughput and the upload to GPU.
-fn time_lines(out: &mut String, args: &LoadArgs, reports: &[RankReport], plan_seconds: f64) {
-    let needed = sum(reports, |r| r.bytes_needed);
+fn time_lines(
+    out: &mut String,
+    args: &LoadArgs,
+    reports: &[RankReport],
+    totals: &LoadTotals,
+    plan_seconds: f64,
+) {
+    let needed = totals.bytes_needed;
     let total = max(reports, |r| r.total_seconds);
-    let (exchanged, direct) = (
-        sum(reports, |r| r.bytes_sent),
-        sum(reports, |r| r.bytes_received_direct),
-    );
+    let (exchanged, direct) = (totals.bytes_exchanged, totals.bytes_exchanged_direct);
     let _ = writeln!(
         out,
         "bytes exchanged      {}{}",

@@ -61,7 +61,7 @@ const ARGS_FILE: &str = "args.json";
 /// where its report goes are its own.
 pub(super) async fn load_all_spawned(
     args: &LoadArgs,
-    world: u32,
+    (world, peer_timeout): (u32, std::time::Duration),
     shared_cache: Option<&std::path::Path>,
 ) -> Result<Loaded> {
     let port = {
@@ -110,7 +110,7 @@ pub(super) async fn load_all_spawned(
             .with_context(|| format!("starting rank {rank}"))?;
         children.push((rank, child));
     }
-    let reports = crate::ranks::supervise(children, args.peer_timeout, pass_on, |rank| {
+    let reports = crate::ranks::supervise(children, peer_timeout, pass_on, |rank| {
         read_rank_json(&reports_dir.path().join(format!("rank-{rank}.json")), rank)
     })
     .await?;
