@@ -86,6 +86,7 @@ def publisher(rank, port, world, registry, name, steps, control, extra) -> None:
         join_job(rank, world, port)
     control = Path(control)
     reports = []
+    published = []
     try:
         for step in steps:
             ranks = {} if world > 1 else {"rank": 0, "world_size": 1}
@@ -101,6 +102,7 @@ def publisher(rank, port, world, registry, name, steps, control, extra) -> None:
                 share_memory=extra.get("share_memory", True), **ranks, **durable,
             )
             reports.append(pub.result(60).to_dict())
+            published.append(pub)
         if extra.get("incomplete_step") is not None:
             # Rank 0 of a 2-rank publication whose rank 1 never publishes: never committed.
             pub = tessera.publish(
@@ -129,6 +131,10 @@ def publisher(rank, port, world, registry, name, steps, control, extra) -> None:
     if extra.get("later"):
         # Steps published once the test says so (after it took a lease, say).
         _wait_for(control / "go", None)
+        if extra.get("retire_before_later"):
+            # pub.retire() does not wait for leases; a leased step's memory must not be reused.
+            for done in published:
+                done.retire()
         later = []
         for step in extra["later"]:
             pub = tessera.publish(row_shard(step, rank, world), name, step=step, registry=registry, keep=extra["keep"])
@@ -480,6 +486,23 @@ def test_later_steps_are_laid_out_in_the_shared_memory_of_retired_ones(publisher
     # The retired steps stay retired: never their memory's new bytes under their name.
     with pytest.raises(TesseraError, match="step 3 of live publication reuse was committed and then retired"):
         tessera.load(state, "live://reuse@3", registry=str(pub.registry), progress=False, strict=False)
+
+
+def test_a_leased_step_retired_by_hand_keeps_its_memory_from_later_steps(publishers):
+    from tessera import _live
+
+    pub = publishers("handretire", steps=[1, 2], extra={"keep": 5, "later": [3, 4], "retire_before_later": True})
+    _step, location = _live.resolve("live://handretire@1", str(pub.registry))
+    with _live.Lease(location, 60):
+        (pub.control / "go").write_text("")
+        _wait_for(pub.control / "later-rank0.json", pub.procs[0])
+    later = json.loads((pub.control / "later-rank0.json").read_text())
+    # Step 2 (no lease) left its memory for step 3; step 1 (leased while retired) did not, so
+    # step 4 had none to reuse.
+    assert [r["reused_memory"] for r in later] == [True, False], later
+    state = {"w": torch.zeros(ROWS, COLS, dtype=torch.bfloat16), "m.exp_avg": torch.zeros(ROWS, COLS)}
+    report = tessera.load(state, "live://handretire@4", registry=str(pub.registry), progress=False, strict=False)
+    assert torch.equal(state["m.exp_avg"], full_state(4)["m.exp_avg"]), report
 
 
 def test_a_stopped_publisher_on_this_host_is_read_from_its_shared_memory(publishers):
