@@ -30,6 +30,7 @@
 
 pub mod lease;
 pub mod listing;
+pub mod retire;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path as FsPath;

@@ -183,6 +183,7 @@ fn _tessera(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(publish::resolve_live, m)?)?;
     m.add_class::<publish::StepLease>()?;
     m.add_function(wrap_pyfunction!(publish::step_leased, m)?)?;
+    m.add_function(wrap_pyfunction!(publish::retire_step, m)?)?;
     m.add(
         "MAX_LEASE_SECONDS",
         tessera_ops::publish::lease::MAX_LEASE_SECONDS,

@@ -294,6 +294,16 @@ impl StepLease {
     }
 }
 
+/// Rank 0 retires the step in `step_dir` (`tessera_ops::publish::retire`): its manifest goes,
+/// and so do the directories of the publication's older retired steps beyond the newest few
+/// that no lease holds. Returns the steps whose directories were removed.
+#[pyfunction]
+pub fn retire_step(step_dir: &str) -> PyResult<Vec<u64>> {
+    publish::retire::retire_step(std::path::Path::new(step_dir))
+        .map(|retired| retired.removed)
+        .map_err(|e| crate::py_error(anyhow::Error::from(e)))
+}
+
 /// Whether a consumer's lease on the step in `step_dir` still runs (the publisher keeps serving
 /// it).
 #[pyfunction]

@@ -26,7 +26,8 @@ load writes ``<step>/leases/<id>.json`` (its deadline: the load's ``timeout``, a
 :data:`MAX_LEASE_SECONDS`) before it opens the step and removes it when done; the publisher keeps
 a leased step until the lease is gone or past its deadline, and checks again at each later
 ``publish``. Retiring removes the step's manifest (rank 0), so new loads no longer pick it, and
-stops serving its bytes; a load that still reads it fails naming the publisher rank (404), never
+stops serving its bytes; rank 0 also removes the directories of the publication's retired steps
+beyond the newest eight (``RETIRED_STEPS_KEPT``) that no lease holds; a load that still reads it fails naming the publisher rank (404), never
 with wrong values.
 
 **Durable fallback.** ``publish(..., durable=path)`` names a checkpoint of the same step on
@@ -162,11 +163,10 @@ def _retire(pub: Publication) -> None:
         return
     directory = step_dir(pub.registry, pub.name, pub.step)
     if pub.rank == 0:
-        for file in ("manifest.json",):
-            try:
-                os.remove(os.path.join(directory, file))
-            except FileNotFoundError:
-                pass
+        # The manifest goes (no new load picks the step), and so do the directories of this
+        # publication's older retired steps beyond the newest few (tessera_ops::publish::retire):
+        # a registry does not grow with every step ever published.
+        _tessera.retire_step(directory)
     if pub._path is not None:
         # Its memory is reused for a later step only when no consumer's lease runs on it (an
         # explicit retire() does not wait for leases): a consumer reading it keeps its bytes.

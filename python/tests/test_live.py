@@ -488,6 +488,24 @@ def test_later_steps_are_laid_out_in_the_shared_memory_of_retired_ones(publisher
         tessera.load(state, "live://reuse@3", registry=str(pub.registry), progress=False, strict=False)
 
 
+def test_a_registry_keeps_the_newest_retired_steps_and_removes_older_ones(publishers):
+    # keep=1 over 12 steps: step 12 served, 11 retired steps of which the newest 8 (4-11) keep
+    # their directories; 1-3 are removed by rank 0's retires.
+    pub = publishers("bounded", steps=list(range(1, 13)), extra={"keep": 1})
+    folder = pub.registry / "bounded"
+    left = sorted(int(p.name.split("-")[1]) for p in folder.iterdir() if p.name.startswith("step-"))
+    assert left == list(range(4, 13)), left
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".removing")]
+    registry = str(pub.registry)
+    state = {"b": torch.zeros(ROWS)}
+    with pytest.raises(TesseraError, match="step 4 of live publication bounded was committed and then retired"):
+        tessera.load(state, "live://bounded@4", registry=registry, progress=False, strict=False)
+    with pytest.raises(TesseraError, match="step 3 of live publication bounded was never published"):
+        tessera.load(state, "live://bounded@3", registry=registry, progress=False, strict=False)
+    report = tessera.load(state, "live://bounded", registry=registry, progress=False, strict=False)
+    assert report.step == 12 and torch.equal(state["b"], full_state(12)["b"])
+
+
 def test_a_leased_step_retired_by_hand_keeps_its_memory_from_later_steps(publishers):
     from tessera import _live
 

@@ -188,7 +188,7 @@ pub fn check_name(name: &str) -> Result<(), OpsError> {
 }
 
 /// The step of a step directory's name (`step-000100`).
-fn step_of(dir_name: &str) -> Option<u64> {
+pub(super) fn step_of(dir_name: &str) -> Option<u64> {
     let digits = dir_name.strip_prefix("step-")?;
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
