@@ -9,6 +9,7 @@ use object_store::ObjectStoreExt;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tessera_loader::checkpoint::Checkpoint;
+use tessera_metadata::BoxChecksum;
 use tessera_storage::StorageOptions;
 
 use crate::{py_error, runtime, storage_options};
@@ -108,7 +109,9 @@ impl OpenedCheckpoint {
     }
 
     /// Every tensor's saved boxes, as JSON text:
-    /// `{fqn: {"dtype", "shape", "chunks": [[offsets, lengths], ...]}}` (tessera's dtype names).
+    /// `{fqn: {"dtype", "shape", "chunks": [[offsets, lengths], ...], "checksums": [...]}}`
+    /// (tessera's dtype names; each box's recorded checksum as `"crc32c:<n>"` or `"crc32:<n>"`,
+    /// `null` where the format records none).
     ///
     /// This is what a DCP `StorageReader` reports as `ChunkStorageMetadata`. DCP's planner needs
     /// chunks that do not overlap; every format's saved boxes are that already: opening a
@@ -121,10 +124,19 @@ impl OpenedCheckpoint {
             .iter()
             .enumerate()
             .map(|(index, t)| {
-                let boxes: Vec<(&[u64], &[u64])> = meta
-                    .chunks_of(index as u32)
+                let chunks = meta.chunks_of(index as u32);
+                let boxes: Vec<(&[u64], &[u64])> = chunks
                     .iter()
                     .map(|c| (&c.region.offsets[..], &c.region.lengths[..]))
+                    .collect();
+                let checksums: Vec<Option<String>> = chunks
+                    .iter()
+                    .map(|c| {
+                        c.checksum().map(|sum| match sum {
+                            BoxChecksum::Crc32c(v) => format!("crc32c:{v}"),
+                            BoxChecksum::Crc32(v) => format!("crc32:{v}"),
+                        })
+                    })
                     .collect();
                 (
                     t.fqn.clone(),
@@ -132,6 +144,7 @@ impl OpenedCheckpoint {
                         "dtype": t.dtype.to_string(),
                         "shape": t.shape,
                         "chunks": boxes,
+                        "checksums": checksums,
                     }),
                 )
             })

@@ -172,6 +172,12 @@ class LoadReport(_Report):
     #: the publisher rank) and which checkpoint; None when it read the publishers.
     fallback: Optional[str] = None
     durable_checkpoint: Optional[str] = None
+    #: A ``live://`` load with ``delta=True``: the step this rank's tensors held before (None: no
+    #: earlier load of this publication into them, so everything was loaded), the state-dict
+    #: keys left as they were because none of their saved boxes changed, and their bytes.
+    delta_from: Optional[int] = None
+    unchanged_keys: List[str] = field(default_factory=list)
+    bytes_unchanged: int = 0
 
 
 @dataclass
@@ -511,6 +517,7 @@ def load(
     timeout: float = 300.0,
     memory_tier: Union[str, "os.PathLike[str]", None] = None,
     registry: Union[str, "os.PathLike[str]", None] = None,
+    delta: bool = False,
 ) -> LoadReport:
     """Fills ``state_dict`` in place from checkpoint ``checkpoint_id``, like ``dcp.load``.
 
@@ -569,6 +576,13 @@ def load(
         registry: the registry directory of ``live://`` publications (the publishing job's
             ``publish(..., registry=)``). ``report.step`` says which step was loaded; the step
             stays served while this load reads it (a lease in the registry).
+        delta: for ``live://``: load only the tensors of which some saved box changed (its
+            crc32c differs) since the step this process last loaded from the publication into
+            these same tensors; the others keep their bytes (``report.unchanged_keys``). A
+            tensor counts as the same only while its storage, shape, strides and torch's
+            version counter are unchanged since then, so one written in place by torch is
+            loaded again; by passing ``delta=True`` the caller vouches that nothing else (raw
+            pointers, numpy views) wrote it. Nested and Stateful values are always loaded.
 
     Returns:
         :class:`LoadReport` of this rank (also readable as ``report["bytes_read"]``).
@@ -590,9 +604,13 @@ def load(
             master_addr=master_addr, master_port=master_port, progress=progress, timeout=timeout,
             memory_tier=memory_tier,
         )
+        if delta:
+            return _live_delta(state_dict, checkpoint_id, registry, options)
         return _load_live(state_dict, checkpoint_id, registry, options)
     if registry is not None:
         raise ValueError(f"registry= is for live:// publications, not {checkpoint_id}")
+    if delta:
+        raise ValueError(f"delta=True is for live:// publications, not {checkpoint_id}")
     tier_dir = _memory_tier_dir(memory_tier)
     started = time.monotonic()
     outer = state_dict
@@ -654,6 +672,28 @@ def _load_live(
         report = load(state_dict, found[0], **options)
         report.durable_checkpoint, report.fallback = found
     report.step = step
+    return report
+
+
+def _live_delta(
+    state_dict: MutableMapping[str, Any], checkpoint_id: str, registry: Any, options: Dict[str, Any]
+) -> LoadReport:
+    """:func:`load` of ``live://`` with ``delta=True``: :func:`_load_live` of the entries whose
+    saved boxes changed since what this process last loaded into the same tensors
+    (``_live.Delta``); the unchanged entries are left out of the load and keep their bytes."""
+    from . import _live
+
+    consumers = _group.default_group(options["process_group"], options["exchange"])
+    delta = _live.Delta(registry, checkpoint_id, options.get("rename"), consumers)
+    changed = delta.changed_entries(state_dict, options.get("storage_options"))
+    # The same dict object where nothing is left out: Stateful values and nested dicts load
+    # into it as usual; otherwise a dict of the changed entries, whose loaded values go back.
+    subset = state_dict if len(changed) == len(state_dict) else {k: state_dict[k] for k in changed}
+    report = _load_live(subset, delta.url, registry, options)
+    if subset is not state_dict:
+        for key in changed:
+            state_dict[key] = subset[key]
+    delta.loaded(state_dict, report)
     return report
 
 

@@ -49,7 +49,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import tessera as _api
 
-from . import _async_save, _group, _tessera
+from . import _async_save, _group, _state, _tessera
 from ._tessera import TesseraError
 
 #: The URL scheme of live publications.
@@ -392,6 +392,94 @@ def resolve_for_load(url: str, registry: Any, group: Any) -> Tuple[int, str]:
     if got[0] == "error":
         raise (ValueError if got[1] == "ValueError" else TesseraError)(f"{got[2]} (as coordinator rank 0 found it)")
     return int(got[1]), str(got[2])
+
+
+#: What this process last loaded from each publication, for ``load(..., delta=True)``:
+#: (registry, name) -> (the step, {state key: (its tensor's fingerprint, its saved boxes with
+#: their checksums in that step)}).
+_HELD: Dict[Tuple[str, str], Tuple[int, Dict[str, Tuple[Any, Any]]]] = {}
+
+
+def _fingerprint(value: Any) -> Any:
+    """What makes a state-dict value the same tensor with the same bytes as before, as far as
+    torch can tell: its storage, shape, strides, dtype, placement and version counter (bumped by
+    every in-place write through torch). None for values that are not (tensor) entries."""
+    tensor, extra = value, ""
+    if isinstance(value, tuple) and value and _state.is_torch_tensor(value[0]):
+        tensor, extra = value[0], repr(value[1:])
+    if not _state.is_torch_tensor(tensor):
+        return None
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return (
+        local.data_ptr(), local._version, tuple(local.shape), tuple(local.stride()), str(local.dtype),
+        repr(getattr(tensor, "placements", None)), extra,
+    )
+
+
+def _signatures(opened: Any) -> Dict[str, Any]:
+    """Each tensor's saved boxes with their checksums (None where a box records none: such a
+    tensor always counts as changed)."""
+    found = {}
+    for fqn, t in json.loads(opened.chunks()).items():
+        sums = t.get("checksums") or []
+        ok = len(sums) == len(t["chunks"]) and all(s is not None for s in sums)
+        found[fqn] = json.dumps([t["chunks"], sums]) if ok else None
+    return found
+
+
+class Delta:
+    """One ``delta=True`` load of ``live://`` (see :func:`tessera.load`): the step the whole job
+    loads (resolved once, as every live load is), the state-dict entries whose tensors still hold
+    what this process last loaded into them and whose saved boxes did not change since, and,
+    after the load, what the tensors hold now."""
+
+    def __init__(self, registry: Any, url: str, rename: Any, group: Any) -> None:
+        name, _ = _parse(url)
+        self._key = (_registry_dir(registry), name)
+        self._fqn = _state.renamer(rename)
+        self.step, self._location = resolve_for_load(url, registry, group)
+        #: The URL of exactly that step, for the load itself (a newer step committed meanwhile
+        #: must not be loaded against this step's comparison).
+        self.url = f"{SCHEME}{name}@{self.step}"
+        self._signatures: Dict[str, Any] = {}
+        self.unchanged: List[str] = []
+        self.held_step: Optional[int] = None
+        self.bytes_unchanged = 0
+
+    def changed_entries(self, state_dict: Mapping[str, Any], storage_options: Any) -> List[str]:
+        """The keys of ``state_dict`` to load: all but the unchanged ones."""
+        self._signatures = _signatures(_api._open(self._location, storage_options))
+        held = _HELD.get(self._key)
+        if held is not None:
+            self.held_step = held[0]
+        records = held[1] if held is not None else {}
+        changed = []
+        for key, value in state_dict.items():
+            record = records.get(key)
+            now = _fingerprint(value)
+            signature = self._signatures.get(self._fqn(key))
+            if record is not None and now is not None and signature is not None and record == (now, signature):
+                self.unchanged.append(key)
+                tensor = value[0] if isinstance(value, tuple) else value
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                self.bytes_unchanged += local.numel() * local.element_size()
+            else:
+                changed.append(key)
+        return changed
+
+    def loaded(self, state_dict: Mapping[str, Any], report: Any) -> None:
+        """Records what the tensors of ``state_dict`` hold now (this step) and fills the
+        report's delta fields."""
+        records = {}
+        for key, value in state_dict.items():
+            now = _fingerprint(value)
+            signature = self._signatures.get(self._fqn(key))
+            if now is not None and signature is not None:
+                records[key] = (now, signature)
+        _HELD[self._key] = (self.step, records)
+        report.delta_from = self.held_step
+        report.unchanged_keys = list(self.unchanged)
+        report.bytes_unchanged = self.bytes_unchanged
 
 
 #: How a live load's error names a publisher rank it could not read from (storage's LiveStore).

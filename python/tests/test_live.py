@@ -62,7 +62,11 @@ def shard(step: int, rank: int, world: int, extra: dict) -> dict:
     or with ``extra["layout"] == "replay"`` of :func:`replay_full` (``extra["head_cols"]``: the
     head's columns by step, default 4)."""
     if extra.get("layout") != "replay":
-        return row_shard(step, rank, world)
+        state = row_shard(step, rank, world)
+        for fqn in extra.get("frozen", []):
+            # A tensor training does not change: every step publishes its first values.
+            state[fqn] = row_shard(1, rank, world)[fqn]
+        return state
     rows = ROWS // world
     lo = rank * rows
     full = replay_full(step, extra.get("head_cols", {}).get(step, 4))
@@ -349,6 +353,64 @@ def consumer(rank, port, registry, url, out) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
+def delta_consumer(rank, port, registry, out) -> None:
+    """A rank of a 2-rank consuming gloo job loading steps 1 and 2 of ``delta`` with
+    ``delta=True`` in TP-like column halves, then step 2 again after rank 1 wrote its "w" in
+    place; writes each load's delta fields and whether its values were right."""
+    join_job(rank, 2, port)
+    cols = COLS // 2
+    state = {
+        "w": (torch.zeros(ROWS, cols, dtype=torch.bfloat16), [0, rank * cols]),
+        "m.exp_avg": (torch.zeros(ROWS, cols), [0, rank * cols]),
+        "b": torch.zeros(ROWS),
+        "step": -1,
+    }
+    loads = []
+    try:
+        for step, touch in ((1, False), (2, False), (2, rank == 1)):
+            if touch:
+                state["w"][0].add_(1)
+            report = tessera.load(state, f"live://delta@{step}", registry=registry, delta=True, progress=False, timeout=60)
+            want = full_state(step)
+            half = slice(rank * cols, (rank + 1) * cols)
+            right = (
+                state["w"][0].view(torch.int16).tolist() == full_state(1)["w"][:, half].view(torch.int16).tolist()
+                and torch.equal(state["m.exp_avg"][0], want["m.exp_avg"][:, half])
+                and torch.equal(state["b"], want["b"])
+                and state["step"] == step
+            )
+            loads.append({"step": report.step, "delta_from": report.delta_from, "unchanged": report.unchanged_keys, "right": right})
+        result = {"loads": loads}
+    except TesseraError as e:
+        result = {"error": str(e), "loads": loads}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_a_consuming_group_loads_deltas_each_rank_by_what_it_holds(publishers, tmp_path):
+    pub = publishers("delta", steps=[1, 2], world=2, extra={"keep": 3, "frozen": ["w"]})
+    out = tmp_path / "delta-consumer"
+    out.mkdir()
+    store = job_store(2)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=delta_consumer, args=(r, store.port, str(pub.registry), str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+        assert p.exitcode == 0, f"consumer rank exited with {p.exitcode}"
+    got = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2)}
+    for r in range(2):
+        assert "error" not in got[r], got[r]
+        loads = got[r]["loads"]
+        assert all(load["right"] for load in loads), loads
+        assert [(load["step"], load["delta_from"]) for load in loads] == [(1, None), (2, 1), (2, 2)], loads
+        assert loads[0]["unchanged"] == [] and loads[1]["unchanged"] == ["w"], loads
+    # The third load: rank 0 holds everything (only the non-tensor "step" is read), rank 1
+    # reloads the "w" it wrote; the job's plan is one for both.
+    assert got[0]["loads"][2]["unchanged"] == ["w", "m.exp_avg", "b"], got[0]
+    assert got[1]["loads"][2]["unchanged"] == ["m.exp_avg", "b"], got[1]
+
+
 def run_consumer(tmp: Path, registry: Path, url: str) -> dict:
     out = tmp / "consumer"
     out.mkdir(exist_ok=True)
@@ -521,6 +583,44 @@ def test_a_leased_step_retired_by_hand_keeps_its_memory_from_later_steps(publish
     state = {"w": torch.zeros(ROWS, COLS, dtype=torch.bfloat16), "m.exp_avg": torch.zeros(ROWS, COLS)}
     report = tessera.load(state, "live://handretire@4", registry=str(pub.registry), progress=False, strict=False)
     assert torch.equal(state["m.exp_avg"], full_state(4)["m.exp_avg"]), report
+
+
+def test_a_delta_load_reads_only_the_tensors_whose_saved_boxes_changed(publishers):
+    # "w" is frozen (every step publishes its step-1 values); the moments and "b" change.
+    pub = publishers("delta", steps=[1, 2], world=2, extra={"keep": 3, "frozen": ["w"]})
+    registry = str(pub.registry)
+    state = {"w": torch.zeros(ROWS, COLS, dtype=torch.bfloat16), "m.exp_avg": torch.zeros(ROWS, COLS), "b": torch.zeros(ROWS)}
+
+    def load(step):
+        return tessera.load(state, f"live://delta@{step}", registry=registry, delta=True, progress=False, strict=False)
+
+    def assert_values(step):
+        want = full_state(step)
+        assert state["w"].view(torch.int16).tolist() == full_state(1)["w"].view(torch.int16).tolist()
+        assert torch.equal(state["m.exp_avg"], want["m.exp_avg"]) and torch.equal(state["b"], want["b"])
+
+    first = load(1)
+    assert (first.step, first.delta_from, first.unchanged_keys, first.bytes_unchanged) == (1, None, [], 0)
+    assert_values(1)
+    second = load(2)
+    w_bytes = ROWS * COLS * 2
+    assert (second.step, second.delta_from, second.unchanged_keys, second.bytes_unchanged) == (2, 1, ["w"], w_bytes)
+    assert second.bytes_needed == first.bytes_needed - w_bytes, (first, second)
+    assert second.bytes_read < first.bytes_read, (first, second)
+    assert_values(2)
+
+    # Written in place through torch (its version counter moves): loaded again, the others kept.
+    state["w"].add_(1)
+    third = load(2)
+    assert (third.delta_from, third.unchanged_keys) == (2, ["m.exp_avg", "b"]), third
+    assert_values(2)
+    # Another tensor object under a key: loaded; and delta=True is for live:// only.
+    state["b"] = torch.zeros(ROWS)
+    fourth = load(2)
+    assert fourth.unchanged_keys == ["w", "m.exp_avg"], fourth
+    assert_values(2)
+    with pytest.raises(ValueError, match="delta=True is for live:// publications"):
+        tessera.load(state, str(pub.registry), delta=True)
 
 
 def test_a_stopped_publisher_on_this_host_is_read_from_its_shared_memory(publishers):
