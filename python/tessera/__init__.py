@@ -580,9 +580,10 @@ def load(
             crc32c differs) since the step this process last loaded from the publication into
             these same tensors; the others keep their bytes (``report.unchanged_keys``). A
             tensor counts as the same only while its storage, shape, strides and torch's
-            version counter are unchanged since then, so one written in place by torch is
-            loaded again; by passing ``delta=True`` the caller vouches that nothing else (raw
-            pointers, numpy views) wrote it. Nested and Stateful values are always loaded.
+            version counter are unchanged since then, so one written in place by torch, or by
+            another ``load``, is loaded again; by passing ``delta=True`` the caller vouches that
+            nothing else (raw pointers, numpy views) wrote it. Nested and Stateful values are
+            always loaded.
 
     Returns:
         :class:`LoadReport` of this rank (also readable as ``report["bytes_read"]``).
@@ -596,6 +597,12 @@ def load(
         KeyboardInterrupt: Ctrl-C, seen while reading and while waiting for peers.
     """
     state_dict, checkpoint_id = _dcp_order(state_dict, checkpoint_id, "load")
+    live = sys.modules.get(f"{__name__}._live")
+    if live is not None and live._HELD and not delta:
+        # This load writes these tensors without moving torch's version counter: what a
+        # delta load recorded of them no longer says what they hold (a delta load compares
+        # first, and records anew after its own load).
+        live.forget(state_dict)
     if isinstance(checkpoint_id, str) and checkpoint_id.startswith("live://"):
         options = dict(
             process_group=process_group, strict=strict, cast=cast, rename=rename, allow_pickle=allow_pickle,

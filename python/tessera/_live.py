@@ -427,6 +427,19 @@ def _signatures(opened: Any) -> Dict[str, Any]:
     return found
 
 
+def forget(state_dict: Mapping[str, Any]) -> None:
+    """Drops what delta loads recorded of the tensors of ``state_dict`` (by storage address): a
+    load is about to write them."""
+    written = set()
+    for value in state_dict.values():
+        fingerprint = _fingerprint(value)
+        if fingerprint is not None:
+            written.add(fingerprint[0])
+    for key, (step, records) in list(_HELD.items()):
+        kept = {k: r for k, r in records.items() if r[0][0] not in written}
+        _HELD[key] = (step, kept)
+
+
 class Delta:
     """One ``delta=True`` load of ``live://`` (see :func:`tessera.load`): the step the whole job
     loads (resolved once, as every live load is), the state-dict entries whose tensors still hold

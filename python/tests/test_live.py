@@ -619,6 +619,13 @@ def test_a_delta_load_reads_only_the_tensors_whose_saved_boxes_changed(publisher
     fourth = load(2)
     assert fourth.unchanged_keys == ["w", "m.exp_avg"], fourth
     assert_values(2)
+    # A load without delta writes the tensors behind torch's back: the next delta load reads
+    # them all again rather than trust what it recorded.
+    plain = tessera.load(state, "live://delta@1", registry=registry, progress=False, strict=False)
+    assert plain.unchanged_keys == [] and plain.delta_from is None
+    fifth = load(2)
+    assert (fifth.delta_from, fifth.unchanged_keys) == (2, []), fifth
+    assert_values(2)
     with pytest.raises(ValueError, match="delta=True is for live:// publications"):
         tessera.load(state, str(pub.registry), delta=True)
 
