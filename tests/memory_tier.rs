@@ -153,7 +153,10 @@ fn a_load_reads_the_held_files_from_the_tier_and_the_rest_from_storage() {
         "http://127.0.0.1:9",
     ]);
     assert!(
-        err.contains("plan server plans reads from storage only"),
+        err.contains(
+            "a plan server plans reads from storage only, so the memory tier's copies cannot be \
+             used with --server http://127.0.0.1:9: load without a server to read from the tier"
+        ),
         "{err}"
     );
 }

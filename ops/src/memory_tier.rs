@@ -54,6 +54,17 @@ impl MemoryTier {
     }
 }
 
+/// The refusal of a memory tier together with a plan server (`server` names it as the front
+/// end's caller gave it: `server=URL`, `--server URL`): a server plans reads from storage only,
+/// so it cannot send a rank to its node's copies. Every front end refuses with this, before
+/// planning where it can.
+pub fn refuse_with_server(server: &str) -> OpsError {
+    OpsError::invalid(format!(
+        "a plan server plans reads from storage only, so the memory tier's copies cannot be \
+         used with {server}: load without a server to read from the tier"
+    ))
+}
+
 /// What leaving a copy did.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct LeftCopy {

@@ -186,10 +186,13 @@ pub(crate) async fn rank_plan_for(
     (server, sources): (Option<&PlanServer>, &ReadSources),
 ) -> Result<(RankPlan, bool)> {
     let plan = match server {
-        Some(server) if !sources.is_empty() => bail!(
-            "a plan server plans reads from storage only, so the memory tier's copies cannot be used with server={}: load without a server to read from the tier",
-            server.url
-        ),
+        Some(server) if !sources.is_empty() => {
+            return Err(tessera_ops::memory_tier::refuse_with_server(&format!(
+                "server={}",
+                server.url
+            ))
+            .into());
+        }
         Some(server) => {
             JobPlan::on_server(
                 checkpoint,

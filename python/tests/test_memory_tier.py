@@ -187,7 +187,7 @@ def test_a_single_process_load_reads_its_tier_and_a_server_cannot_plan_with_it(t
     assert [Path(p).name[:6] for p in report.memory_tier["pruned"]["removed"]] == ["step-1"]
     with pytest.raises(ValueError, match="memory_tier_keep=0"):
         tessera.save({"w": w}, str(root / "step-3"), memory_tier=tier, memory_tier_keep=0)
-    with pytest.raises(tessera.TesseraError, match="plan server plans reads from storage only"):
+    with pytest.raises(tessera.TesseraError, match="cannot be used with server=http://127.0.0.1:9: load without a server"):
         tessera.load(out, str(root / "step-2"), memory_tier=tier, server="http://127.0.0.1:9", progress=False)
 
 

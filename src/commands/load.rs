@@ -216,11 +216,12 @@ fn with_live_step(args: &LoadArgs) -> Result<(LoadArgs, Option<Lease>)> {
 
 /// Refuses flags that cannot plan together, before any rank starts.
 fn check_plan_flags(args: &LoadArgs) -> Result<()> {
-    match &args.memory_tier {
-        Some(_) if args.server.is_some() => bail!(
-            "--memory-tier: a plan server plans reads from storage only; drop --server to read from the tier"
-        ),
-        Some(_) if args.transport == TransportKind::Nccl => {
+    match (&args.memory_tier, &args.server) {
+        (Some(_), Some(url)) => {
+            let refusal = tessera_ops::memory_tier::refuse_with_server(&format!("--server {url}"));
+            return Err(refusal.into());
+        }
+        (Some(_), None) if args.transport == TransportKind::Nccl => {
             bail!("--memory-tier is not supported with --transport nccl yet; use --transport tcp")
         }
         _ => {}

@@ -160,9 +160,8 @@ impl JobCoordinator {
                 .await;
         }
         if let Some(server) = &self.server {
-            return Err(OpsError::invalid(format!(
-                "a plan server plans reads from storage only, so the memory tier's copies cannot \
-                 be used with server={}: load without a server to read from the tier",
+            return Err(crate::memory_tier::refuse_with_server(&format!(
+                "server={}",
                 server.url
             )));
         }
