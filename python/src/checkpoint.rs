@@ -109,9 +109,7 @@ impl OpenedCheckpoint {
     }
 
     /// Every tensor's saved boxes, as JSON text:
-    /// `{fqn: {"dtype", "shape", "chunks": [[offsets, lengths], ...], "checksums": [...]}}`
-    /// (tessera's dtype names; each box's recorded checksum as `"crc32c:<n>"` or `"crc32:<n>"`,
-    /// `null` where the format records none).
+    /// `{fqn: {"dtype", "shape", "chunks": [[offsets, lengths], ...]}}` (tessera's dtype names).
     ///
     /// This is what a DCP `StorageReader` reports as `ChunkStorageMetadata`. DCP's planner needs
     /// chunks that do not overlap; every format's saved boxes are that already: opening a
@@ -124,19 +122,10 @@ impl OpenedCheckpoint {
             .iter()
             .enumerate()
             .map(|(index, t)| {
-                let chunks = meta.chunks_of(index as u32);
-                let boxes: Vec<(&[u64], &[u64])> = chunks
+                let boxes: Vec<(&[u64], &[u64])> = meta
+                    .chunks_of(index as u32)
                     .iter()
                     .map(|c| (&c.region.offsets[..], &c.region.lengths[..]))
-                    .collect();
-                let checksums: Vec<Option<String>> = chunks
-                    .iter()
-                    .map(|c| {
-                        c.checksum().map(|sum| match sum {
-                            BoxChecksum::Crc32c(v) => format!("crc32c:{v}"),
-                            BoxChecksum::Crc32(v) => format!("crc32:{v}"),
-                        })
-                    })
                     .collect();
                 (
                     t.fqn.clone(),
@@ -144,12 +133,46 @@ impl OpenedCheckpoint {
                         "dtype": t.dtype.to_string(),
                         "shape": t.shape,
                         "chunks": boxes,
-                        "checksums": checksums,
                     }),
                 )
             })
             .collect();
         serde_json::Value::Object(tensors).to_string()
+    }
+
+    /// For each of `fqns`, a digest of the tensor's dtype, shape and saved boxes with their
+    /// recorded checksums: in one process, equal digests mean the same boxes holding the same
+    /// bytes as far as their checksums tell (delta loads compare two steps of a publication by
+    /// them, tensor by tensor, without handing every box to Python). `None` for a tensor the
+    /// checkpoint lacks or one with a box that records no checksum. Stable within a process only.
+    fn box_digests(&self, fqns: Vec<String>) -> Vec<Option<String>> {
+        use std::hash::{DefaultHasher, Hash, Hasher};
+        let meta = &self.checkpoint.meta;
+        fqns.iter()
+            .map(|fqn| {
+                let index = meta.tensor_index(fqn)?;
+                let tensor = &meta.tensors()[index as usize];
+                // Two independent 64-bit hashes: 128 bits between two steps' box lists.
+                let mut hashers = [DefaultHasher::new(), DefaultHasher::new()];
+                for (seed, h) in hashers.iter_mut().enumerate() {
+                    (seed, tensor.dtype.to_string(), &tensor.shape).hash(h);
+                }
+                for chunk in meta.chunks_of(index) {
+                    let sum = match chunk.checksum()? {
+                        BoxChecksum::Crc32c(v) => (0u8, v),
+                        BoxChecksum::Crc32(v) => (1u8, v),
+                    };
+                    for h in &mut hashers {
+                        (&chunk.region.offsets, &chunk.region.lengths, sum).hash(h);
+                    }
+                }
+                Some(format!(
+                    "{:016x}{:016x}",
+                    hashers[0].finish(),
+                    hashers[1].finish()
+                ))
+            })
+            .collect()
     }
 
     /// The stored bytes of the non-tensor objects `keys` (in that order), each checked against

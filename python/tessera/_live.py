@@ -416,17 +416,6 @@ def _fingerprint(value: Any) -> Any:
     )
 
 
-def _signatures(opened: Any) -> Dict[str, Any]:
-    """Each tensor's saved boxes with their checksums (None where a box records none: such a
-    tensor always counts as changed)."""
-    found = {}
-    for fqn, t in json.loads(opened.chunks()).items():
-        sums = t.get("checksums") or []
-        ok = len(sums) == len(t["chunks"]) and all(s is not None for s in sums)
-        found[fqn] = json.dumps([t["chunks"], sums]) if ok else None
-    return found
-
-
 def forget(state_dict: Mapping[str, Any]) -> None:
     """Drops what delta loads recorded of the tensors of ``state_dict`` (by storage address): a
     load is about to write them."""
@@ -461,7 +450,10 @@ class Delta:
 
     def changed_entries(self, state_dict: Mapping[str, Any], storage_options: Any) -> List[str]:
         """The keys of ``state_dict`` to load: all but the unchanged ones."""
-        self._signatures = _signatures(_api._open(self._location, storage_options))
+        keys = list(state_dict)
+        fqns = [self._fqn(k) for k in keys]
+        digests = _api._open(self._location, storage_options).box_digests(fqns)
+        self._signatures = {fqn: d for fqn, d in zip(fqns, digests) if d is not None}
         held = _HELD.get(self._key)
         if held is not None:
             self.held_step = held[0]
