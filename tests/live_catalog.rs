@@ -460,28 +460,11 @@ fn the_cli_loads_a_live_publication_by_name_and_step() {
     // Steps 1 and 2 of a 2-rank publication, each rank's rows served from memory as
     // `tessera.publish` serves them; step 3 waits for rank 1.
     runtime.block_on(async {
-        for step in [1u64, 2] {
-            for rank in 0..2 {
-                served(root, &server, ("served", step, rank), PartMemory::Heap).await;
-            }
-            await_and_commit(
-                &step_dir(root, "served", step),
-                2,
-                step,
-                Duration::from_secs(30),
-            )
-            .await
-            .unwrap();
-        }
+        served_steps(root, &server, "served", &[1, 2]).await;
         served(root, &server, ("served", 3, 0), PartMemory::Heap).await;
     });
     let work = tempfile::tempdir().unwrap();
-    let requests = work.path().join("requests.json");
-    std::fs::write(
-        &requests,
-        r#"{"ranks": [[{"fqn": "layers.0.w", "offsets": [0, 0], "lengths": [8, 4]}]]}"#,
-    )
-    .unwrap();
+    let requests = rows_requests(work.path());
     let load = |url: &str, dump: &Path| {
         Command::new(BIN)
             .args(["load", url, "--registry", root.to_str().unwrap()])
@@ -498,20 +481,7 @@ fn the_cli_loads_a_live_publication_by_name_and_step() {
             "{url}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let file = std::fs::read(dump.join("rank-0.safetensors")).unwrap();
-        let header = tessera_metadata::formats::safetensors::parse(&file, "rank-0").unwrap();
-        let entry = &header.tensors[0];
-        assert_eq!(entry.name, "layers.0.w");
-        assert_eq!(entry.shape, vec![8, 4]);
-        let (a, b) = entry.data_offsets;
-        let got = &file[(header.data_start + a) as usize..(header.data_start + b) as usize];
-        // Global row r is row r % 4 of publisher rank r / 4, whose element (i, c) is i*8 + c
-        // plus the step.
-        let want: Vec<u8> = (0..8u64)
-            .flat_map(|r| (0..4u64).map(move |c| ((r % 4) * 8 + c) as f32 + step as f32))
-            .flat_map(f32::to_le_bytes)
-            .collect();
-        assert_eq!(got, want.as_slice(), "{url}");
+        assert_eq!(dumped_rows(&dump), rows_at(step), "{url}");
     }
     let refused = |args: &[&str], want: &str| {
         let out = Command::new(BIN).args(args).output().unwrap();
@@ -564,28 +534,9 @@ fn the_cli_holds_a_lease_on_the_step_it_loads() {
     let registry = tempfile::tempdir().unwrap();
     let root = registry.path();
     let server = tessera_storage::RangeServer::start("127.0.0.1").unwrap();
-    runtime.block_on(async {
-        for step in [1u64, 2] {
-            for rank in 0..2 {
-                served(root, &server, ("leased", step, rank), PartMemory::Heap).await;
-            }
-            await_and_commit(
-                &step_dir(root, "leased", step),
-                2,
-                step,
-                Duration::from_secs(30),
-            )
-            .await
-            .unwrap();
-        }
-    });
+    runtime.block_on(served_steps(root, &server, "leased", &[1, 2]));
     let work = tempfile::tempdir().unwrap();
-    let requests = work.path().join("requests.json");
-    std::fs::write(
-        &requests,
-        r#"{"ranks": [[{"fqn": "layers.0.w", "offsets": [0, 0], "lengths": [8, 4]}]]}"#,
-    )
-    .unwrap();
+    let requests = rows_requests(work.path());
     let load = |url: &str| {
         Command::new(BIN)
             .args(["load", url, "--registry", root.to_str().unwrap()])
@@ -668,12 +619,7 @@ fn the_cli_report_says_what_was_read_from_the_publishers_shared_memory() {
         "this kernel offers no shared memory (memfd) for the publishers' data files"
     );
     let work = tempfile::tempdir().unwrap();
-    let requests = work.path().join("requests.json");
-    std::fs::write(
-        &requests,
-        r#"{"ranks": [[{"fqn": "layers.0.w", "offsets": [0, 0], "lengths": [8, 4]}]]}"#,
-    )
-    .unwrap();
+    let requests = rows_requests(work.path());
     let dump = work.path().join("dump");
     let out = Command::new(BIN)
         .args([
@@ -700,16 +646,63 @@ fn the_cli_report_says_what_was_read_from_the_publishers_shared_memory() {
         ),
         "{stdout}"
     );
+    assert_eq!(dumped_rows(&dump), rows_at(5));
+    drop(laid_out);
+}
+
+/// Publishes `steps` of `name` by both publisher ranks ([`served`], on the heap) and commits
+/// each, as rank 0 does.
+async fn served_steps(
+    registry: &Path,
+    server: &tessera_storage::RangeServer,
+    name: &str,
+    steps: &[u64],
+) {
+    for &step in steps {
+        for rank in 0..2 {
+            served(registry, server, (name, step, rank), PartMemory::Heap).await;
+        }
+        await_and_commit(
+            &step_dir(registry, name, step),
+            2,
+            step,
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    }
+}
+
+/// A `--requests` file in `dir`: one consumer rank wanting columns 0..4 of every row of the
+/// publications' `layers.0.w` ([`rows_at`]).
+fn rows_requests(dir: &Path) -> PathBuf {
+    let requests = dir.join("requests.json");
+    std::fs::write(
+        &requests,
+        r#"{"ranks": [[{"fqn": "layers.0.w", "offsets": [0, 0], "lengths": [8, 4]}]]}"#,
+    )
+    .unwrap();
+    requests
+}
+
+/// What [`rows_requests`] asks for at `step`: global row r is row r % 4 of publisher rank r / 4,
+/// whose element (i, c) is i*8 + c plus the step.
+fn rows_at(step: u64) -> Vec<u8> {
+    (0..8u64)
+        .flat_map(|r| (0..4u64).map(move |c| ((r % 4) * 8 + c) as f32 + step as f32))
+        .flat_map(f32::to_le_bytes)
+        .collect()
+}
+
+/// The bytes of `layers.0.w` [8, 4] in rank 0's `--dump` under `dump`.
+fn dumped_rows(dump: &Path) -> Vec<u8> {
     let file = std::fs::read(dump.join("rank-0.safetensors")).unwrap();
     let header = tessera_metadata::formats::safetensors::parse(&file, "rank-0").unwrap();
-    let (a, b) = header.tensors[0].data_offsets;
-    let got = &file[(header.data_start + a) as usize..(header.data_start + b) as usize];
-    let want: Vec<u8> = (0..8u64)
-        .flat_map(|r| (0..4u64).map(move |c| ((r % 4) * 8 + c) as f32 + 5.0))
-        .flat_map(f32::to_le_bytes)
-        .collect();
-    assert_eq!(got, want.as_slice());
-    drop(laid_out);
+    let entry = &header.tensors[0];
+    assert_eq!(entry.name, "layers.0.w");
+    assert_eq!(entry.shape, vec![8, 4]);
+    let (a, b) = entry.data_offsets;
+    file[(header.data_start + a) as usize..(header.data_start + b) as usize].to_vec()
 }
 
 /// Publisher rank `rank` of 2 publishes `step` of `name` as `tessera.publish` does: its part in

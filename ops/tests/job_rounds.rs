@@ -398,6 +398,19 @@ impl ReadPieces<Over> for Reader {
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Every destination `loaded` holds is the synthetic checkpoint's bytes there (`what` names
+/// the rank in failures).
+fn assert_synthetic_bytes(loaded: &HostLoad, what: &str) {
+    for (dest, buffer) in loaded.plan.destinations.iter().zip(&loaded.buffers) {
+        let tensor = &loaded.plan.tensors[dest.tensor as usize];
+        match &dest.target {
+            Target::Box(region) => tessera_synth::check_box(tensor, region, buffer),
+            Target::Flat { start, end } => tessera_synth::check_flat(tensor, *start, *end, buffer),
+        }
+        .unwrap_or_else(|e| panic!("{what} {}: {e}", tensor.fqn));
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -655,16 +668,7 @@ fn over_a_transport_every_rank_loads_its_bytes() {
             let loaded = loaded.unwrap_or_else(|e| panic!("{how} rank {r}: {e}"));
             assert_eq!(loaded.plan.rank, r as u32, "{how}");
             assert_eq!(loaded.buffers.len(), hellos[r].requests.len(), "{how}");
-            for (dest, buffer) in loaded.plan.destinations.iter().zip(&loaded.buffers) {
-                let tensor = &loaded.plan.tensors[dest.tensor as usize];
-                match &dest.target {
-                    Target::Box(region) => tessera_synth::check_box(tensor, region, buffer),
-                    Target::Flat { start, end } => {
-                        tessera_synth::check_flat(tensor, *start, *end, buffer)
-                    }
-                }
-                .unwrap_or_else(|e| panic!("{how} rank {r} {}: {e}", tensor.fqn));
-            }
+            assert_synthetic_bytes(&loaded, &format!("{how} rank {r}"));
             assert_eq!(loaded.report.bytes_needed, loaded.plan.summary.bytes_needed);
             received += loaded.report.bytes_received;
             let summary = loaded.work.job_summary().unwrap();
@@ -758,16 +762,7 @@ fn ranks_of_a_real_job_load_over_the_tcp_rendezvous_and_another_jobs_rank_is_tur
     for (r, loaded) in loads.into_iter().enumerate() {
         let loaded = loaded.unwrap_or_else(|e| panic!("rank {r}: {e}"));
         assert_eq!(loaded.plan.rank, r as u32);
-        for (dest, buffer) in loaded.plan.destinations.iter().zip(&loaded.buffers) {
-            let tensor = &loaded.plan.tensors[dest.tensor as usize];
-            match &dest.target {
-                Target::Box(region) => tessera_synth::check_box(tensor, region, buffer),
-                Target::Flat { start, end } => {
-                    tessera_synth::check_flat(tensor, *start, *end, buffer)
-                }
-            }
-            .unwrap_or_else(|e| panic!("rank {r} {}: {e}", tensor.fqn));
-        }
+        assert_synthetic_bytes(&loaded, &format!("rank {r}"));
         assert_eq!(loaded.job_summary().unwrap().ranks, world);
     }
     // Rank 0 waits for the rank it turned away only this long.

@@ -326,17 +326,23 @@ def test_a_lease_is_a_file_while_held_and_a_registry_that_cannot_hold_one_is_sai
     assert lease.path is None
 
 
-def consumer(rank, port, registry, url, out) -> None:
-    """A rank of the 2-rank consuming gloo job: loads its TP-like column half of every matrix
-    (and the whole vector) and writes what it got."""
-    join_job(rank, 2, port)
+def column_half(rank: int) -> dict:
+    """What rank ``rank`` of a 2-rank TP-like consumer loads: its column half of every matrix
+    (and the whole vector, and the step value), zeroed."""
     cols = COLS // 2
-    state = {
+    return {
         "w": (torch.zeros(ROWS, cols, dtype=torch.bfloat16), [0, rank * cols]),
         "m.exp_avg": (torch.zeros(ROWS, cols), [0, rank * cols]),
         "b": torch.zeros(ROWS),
         "step": -1,
     }
+
+
+def consumer(rank, port, registry, url, out) -> None:
+    """A rank of the 2-rank consuming gloo job: loads its TP-like column half of every matrix
+    (and the whole vector) and writes what it got."""
+    join_job(rank, 2, port)
+    state = column_half(rank)
     result = {}
     try:
         report = tessera.load(state, url, registry=registry, progress=False, timeout=60)
@@ -358,13 +364,7 @@ def delta_consumer(rank, port, registry, out) -> None:
     ``delta=True`` in TP-like column halves, then step 2 again after rank 1 wrote its "w" in
     place; writes each load's delta fields and whether its values were right."""
     join_job(rank, 2, port)
-    cols = COLS // 2
-    state = {
-        "w": (torch.zeros(ROWS, cols, dtype=torch.bfloat16), [0, rank * cols]),
-        "m.exp_avg": (torch.zeros(ROWS, cols), [0, rank * cols]),
-        "b": torch.zeros(ROWS),
-        "step": -1,
-    }
+    state = column_half(rank)
     loads = []
     try:
         for step, touch in ((1, False), (2, False), (2, rank == 1)):
@@ -372,7 +372,7 @@ def delta_consumer(rank, port, registry, out) -> None:
                 state["w"][0].add_(1)
             report = tessera.load(state, f"live://delta@{step}", registry=registry, delta=True, progress=False, timeout=60)
             want = full_state(step)
-            half = slice(rank * cols, (rank + 1) * cols)
+            half = slice(rank * COLS // 2, (rank + 1) * COLS // 2)
             right = (
                 state["w"][0].view(torch.int16).tolist() == full_state(1)["w"][:, half].view(torch.int16).tolist()
                 and torch.equal(state["m.exp_avg"][0], want["m.exp_avg"][:, half])
