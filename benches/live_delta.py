@@ -1,9 +1,9 @@
 """Delta live loads (issue 43 item 5): a consumer holding step N loads step N+1 with
 ``tessera.load(..., "live://NAME", delta=True)`` against the same load without ``delta``.
 
-One publisher process publishes a Llama-like bf16 model (``--layers`` layers at hidden 2048: q/o
-2048x2048, GQA k/v 512x2048, SwiGLU gate/up 5632x2048 and down 2048x5632, an RMSNorm; the
-32000-row embedding and LM head) step after step; its "training step" changes only the tensors
+One publisher process publishes a Llama-like bf16 model (``--layers`` layers of the benchmarks'
+realistic Llama-3-8B shapes at widths / 2, ``bench_util.tensor_specs``: hidden 2048, GQA k/v,
+SwiGLU; the 32000-row embedding, final norm and LM head) step after step; its "training step" changes only the tensors
 being trained (``--train``: ``mlp``, the MLP projections, everything else frozen, as in a partial
 fine-tune; or ``all``). A consumer process on the same host holds two copies of the model and
 loads every step into both, in alternating order: one with ``delta=True`` (after its first load it
@@ -25,21 +25,20 @@ import tempfile
 import time
 from pathlib import Path
 
-HIDDEN, KV, FFN, VOCAB = 2048, 512, 5632, 32000
+from bench_util import tensor_specs
+
+VOCAB = 32000
 
 
 def model(layers: int) -> dict:
+    """The published model's tensors, seeded: bf16 parameters only (what a policy publishes)."""
     import torch
 
-    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "lm_head.weight": (VOCAB, HIDDEN)}
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        shapes.update({
-            f"{p}.self_attn.q_proj.weight": (HIDDEN, HIDDEN), f"{p}.self_attn.k_proj.weight": (KV, HIDDEN),
-            f"{p}.self_attn.v_proj.weight": (KV, HIDDEN), f"{p}.self_attn.o_proj.weight": (HIDDEN, HIDDEN),
-            f"{p}.mlp.gate_proj.weight": (FFN, HIDDEN), f"{p}.mlp.up_proj.weight": (FFN, HIDDEN),
-            f"{p}.mlp.down_proj.weight": (HIDDEN, FFN), f"{p}.input_layernorm.weight": (HIDDEN,),
-        })
+    specs = tensor_specs("llama8b", layers, 2, moments=False)
+    hidden = specs[0][1][0]  # input_layernorm.weight [hidden]
+    shapes = {name: shape for name, shape, _ in specs}
+    shapes.update({"model.embed_tokens.weight": (VOCAB, hidden), "model.norm.weight": (hidden,),
+                   "lm_head.weight": (VOCAB, hidden)})
     gen = torch.Generator().manual_seed(0)
     return {k: torch.randn(s, generator=gen).to(torch.bfloat16) for k, s in shapes.items()}
 

@@ -400,6 +400,11 @@ def resolve_for_load(url: str, registry: Any, group: Any) -> Tuple[int, str]:
 _HELD: Dict[Tuple[str, str], Tuple[int, Dict[str, Tuple[Any, Any]]]] = {}
 
 
+def _local(tensor: Any) -> Any:
+    """This rank's tensor of a (D)Tensor: its local shard, or itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def _fingerprint(value: Any) -> Any:
     """What makes a state-dict value the same tensor with the same bytes as before, as far as
     torch can tell: its storage, shape, strides, dtype, placement and version counter (bumped by
@@ -409,7 +414,7 @@ def _fingerprint(value: Any) -> Any:
         tensor, extra = value[0], repr(value[1:])
     if not _state.is_torch_tensor(tensor):
         return None
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    local = _local(tensor)
     return (
         local.data_ptr(), local._version, tuple(local.shape), tuple(local.stride()), str(local.dtype),
         repr(getattr(tensor, "placements", None)), extra,
@@ -465,8 +470,7 @@ class Delta:
             signature = self._signatures.get(self._fqn(key))
             if record is not None and now is not None and signature is not None and record == (now, signature):
                 self.unchanged.append(key)
-                tensor = value[0] if isinstance(value, tuple) else value
-                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                local = _local(value[0] if isinstance(value, tuple) else value)
                 self.bytes_unchanged += local.numel() * local.element_size()
             else:
                 changed.append(key)

@@ -103,32 +103,27 @@ impl Drop for Lease {
 /// Whether some consumer's lease on the step in `step_dir` still runs at `now` (unix seconds).
 /// Files that are not leases, or do not parse, do not count.
 pub fn step_leased(step_dir: &Path, now: f64) -> bool {
-    let Ok(entries) = std::fs::read_dir(step_dir.join(LEASES_DIR)) else {
-        return false;
-    };
-    entries.filter_map(Result::ok).any(|entry| {
-        let is_lease = entry
-            .file_name()
-            .to_str()
-            .is_some_and(|n| n.ends_with(".json"));
-        is_lease
-            && std::fs::read(entry.path())
-                .ok()
-                .and_then(|bytes| serde_json::from_slice::<LeaseFile>(&bytes).ok())
-                .is_some_and(|l| now < l.until.min(l.taken + MAX_LEASE_SECONDS))
+    lease_paths(step_dir).any(|path| {
+        std::fs::read(path)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice::<LeaseFile>(&bytes).ok())
+            .is_some_and(|l| now < l.until.min(l.taken + MAX_LEASE_SECONDS))
     })
 }
 
 /// Lease files (running or not) on the step in `step_dir`.
 pub fn lease_files(step_dir: &Path) -> u64 {
+    lease_paths(step_dir).count() as u64
+}
+
+/// The lease files (`*.json`) in the step's leases folder; none when it has none.
+fn lease_paths(step_dir: &Path) -> impl Iterator<Item = PathBuf> {
     std::fs::read_dir(step_dir.join(LEASES_DIR))
-        .map(|entries| {
-            entries
-                .filter_map(Result::ok)
-                .filter(|e| e.file_name().to_str().is_some_and(|n| n.ends_with(".json")))
-                .count() as u64
-        })
-        .unwrap_or(0)
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n.ends_with(".json")))
+        .map(|e| e.path())
 }
 
 /// Now, in unix seconds.

@@ -437,6 +437,12 @@ fn is_complete(dir: &FsPath) -> bool {
     dir.join(MANIFEST_FILE).is_file() && dir.join(PUBLISHERS_FILE).is_file()
 }
 
+/// Whether the step in `dir` was committed and then retired (its publishers, no manifest), by
+/// the files alone (the module doc's rule; [`read_step`] also reads them).
+pub(super) fn is_retired(dir: &FsPath) -> bool {
+    dir.join(PUBLISHERS_FILE).is_file() && !dir.join(MANIFEST_FILE).exists()
+}
+
 /// What a listing reads of a part: its head, the tensors its boxes belong to and its data
 /// file's size. Fields it does not name (block checksums, byte ranges, fields added later) are
 /// skipped, so a part with more fields still lists.

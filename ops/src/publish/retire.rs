@@ -12,10 +12,9 @@
 use std::path::{Path, PathBuf};
 
 use tessera_metadata::formats::native::MANIFEST_FILE;
-use tessera_storage::PUBLISHERS_FILE;
 
 use super::lease::{step_leased, unix_seconds};
-use super::listing::step_of;
+use super::listing::{is_retired, step_of};
 use crate::OpsError;
 
 /// Retired steps of a publication whose directories a retire keeps (the newest ones).
@@ -66,9 +65,7 @@ pub fn prune_retired(publication: &Path, keep: usize, now: f64) -> Retired {
         .filter_map(|e| {
             let step = step_of(e.file_name().to_str()?)?;
             let dir = e.path();
-            let is_retired =
-                dir.join(PUBLISHERS_FILE).is_file() && !dir.join(MANIFEST_FILE).exists();
-            is_retired.then_some((step, dir))
+            is_retired(&dir).then_some((step, dir))
         })
         .collect();
     retired.sort_by_key(|r| std::cmp::Reverse(r.0));
@@ -96,6 +93,8 @@ pub fn prune_retired(publication: &Path, keep: usize, now: f64) -> Retired {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use tessera_storage::PUBLISHERS_FILE;
+
     use super::*;
 
     fn step(publication: &Path, n: u64, files: &[&str]) -> PathBuf {
